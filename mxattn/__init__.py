@@ -1,0 +1,30 @@
+"""mxattn: fused scaled-dot-product attention in MXFP8 for PyTorch.
+
+Q, K, V (and dO in backward) are FP8 E4M3 with one E8M0 power-of-two scale per 32 values, following the
+cuDNN / Transformer Engine MXFP8 recipe. Backends: `cudnn` (Blackwell), `triton` (other CUDA GPUs, exact
+emulation), `reference` (pure PyTorch, any device).
+"""
+
+from .attention import mxfp8_attention
+from .backends import BACKEND_NAMES, availability as backend_availability
+from .cudnn_support import cudnn_support
+from .errors import MXFP8NotSupportedError
+from .formats import MXFP8Tensor, quantize_mxfp8, swizzle_128x4, unswizzle_128x4
+from .mask import MaskSpec
+from .module import DotProductAttention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKEND_NAMES",
+    "DotProductAttention",
+    "MXFP8NotSupportedError",
+    "MXFP8Tensor",
+    "MaskSpec",
+    "backend_availability",
+    "cudnn_support",
+    "mxfp8_attention",
+    "quantize_mxfp8",
+    "swizzle_128x4",
+    "unswizzle_128x4",
+]

@@ -1,0 +1,179 @@
+"""The functional API and autograd on the reference backend: exactness against `ref`, layouts, masks, GQA,
+backend choice, bad input, NaN."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import mxattn
+from mxattn.layouts import from_bhsd
+from ref import mxfp8_ref
+
+MASKS = [  # (attn_mask_type, window_size) -> ref kwargs
+    ("no_mask", None, dict(causal=False, diagonal_alignment="top_left", window=(None, None))),
+    ("causal", None, dict(causal=True, diagonal_alignment="top_left", window=(None, None))),
+    ("causal_bottom_right", None, dict(causal=True, diagonal_alignment="bottom_right", window=(None, None))),
+    ("no_mask", (16, 8), dict(causal=False, diagonal_alignment="top_left", window=(17, 8))),
+    ("causal", (40, 0), dict(causal=True, diagonal_alignment="top_left", window=(41, None))),
+    ("causal_bottom_right", (24, -1), dict(causal=True, diagonal_alignment="bottom_right", window=(25, None))),
+]
+
+
+def _inputs(b=2, hq=4, hkv=2, sq=96, skv=80, d=64, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
+    do = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
+    return q, k, v, do
+
+
+def _run_bhsd(q, k, v, do, **kw):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = mxattn.mxfp8_attention(*leaves, qkv_format="bhsd", backend="reference", **kw)
+    o.backward(do)
+    return o.detach(), *(leaf.grad for leaf in leaves)
+
+
+def _bits_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("mask_type,window,ref_kw", MASKS)
+@pytest.mark.parametrize("hq,hkv,sq,skv", [(4, 4, 96, 96), (4, 2, 96, 80), (4, 1, 70, 130)])
+def test_functional_equals_ref_bit_for_bit(mask_type, window, ref_kw, hq, hkv, sq, skv):
+    q, k, v, do = _inputs(hq=hq, hkv=hkv, sq=sq, skv=skv)
+    o, dq, dk, dv = _run_bhsd(q, k, v, do, attn_mask_type=mask_type, window_size=window)
+    scale = 1 / math.sqrt(q.shape[-1])
+    o_ref, _ = mxfp8_ref.sdpa_fwd(q, k, v, attn_scale=scale, out_dtype=torch.bfloat16, **ref_kw)
+    dq_ref, dk_ref, dv_ref = mxfp8_ref.sdpa_bwd(q, k, v, o_ref, do, attn_scale=scale, out_dtype=torch.bfloat16,
+                                                **ref_kw)
+    assert _bits_equal(o, o_ref)
+    assert _bits_equal(dq, dq_ref) and _bits_equal(dk, dk_ref) and _bits_equal(dv, dv_ref)
+
+
+def test_module_gradients_equal_ref_bit_for_bit():
+    q, k, v, do = _inputs(hq=4, hkv=2, sq=64, skv=64, d=32)
+    module = mxattn.DotProductAttention(4, 32, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal",
+                                        backend="reference")
+    leaves = [from_bhsd(t, "bshd").contiguous().requires_grad_() for t in (q, k, v)]
+    out = module(*leaves)
+    assert out.shape == (2, 64, 4 * 32)
+    out.backward(from_bhsd(do, "bshd").reshape(2, 64, -1))
+    o_ref, _ = mxfp8_ref.sdpa_fwd(q, k, v, causal=True)
+    grads_ref = mxfp8_ref.sdpa_bwd(q, k, v, o_ref, do, causal=True)
+    assert _bits_equal(from_bhsd(o_ref, "bshd").reshape(2, 64, -1), out.detach())
+    for leaf, g_ref in zip(leaves, grads_ref):
+        assert _bits_equal(leaf.grad, from_bhsd(g_ref, "bshd"))
+
+
+@pytest.mark.parametrize("mask_type", ["no_mask", "causal_bottom_right"])
+def test_layouts_give_identical_results(mask_type):
+    q, k, v, do = _inputs(hq=4, hkv=2, sq=64, skv=96, d=64)
+    results = {}
+    for fmt in ("bshd", "sbhd", "bhsd"):
+        leaves = [from_bhsd(t, fmt).contiguous().requires_grad_() for t in (q, k, v)]
+        o = mxattn.mxfp8_attention(*leaves, qkv_format=fmt, attn_mask_type=mask_type, backend="reference")
+        assert o.shape == leaves[0].shape and o.is_contiguous()
+        o.backward(from_bhsd(do, fmt))
+        to_bhsd = mxattn.layouts.to_bhsd
+        results[fmt] = [to_bhsd(t, fmt) for t in (o.detach(), *(leaf.grad for leaf in leaves))]
+    for fmt in ("sbhd", "bhsd"):
+        for a, b in zip(results["bshd"], results[fmt]):
+            assert _bits_equal(a, b)
+
+
+def test_fp16_and_fp32_inputs():
+    q, k, v, do = _inputs(hq=2, hkv=2, sq=40, skv=40, d=32, dtype=torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = mxattn.mxfp8_attention(*leaves, qkv_format="bhsd", backend="reference")
+    assert o.dtype == torch.bfloat16
+    o.backward(do.bfloat16())
+    assert all(leaf.grad.dtype == torch.float32 for leaf in leaves)
+    o16 = mxattn.mxfp8_attention(*(t.half() for t in (q, k, v)), qkv_format="bhsd", backend="reference")
+    assert o16.dtype == torch.float16
+    ref16, _ = mxfp8_ref.sdpa_fwd(q.half(), k.half(), v.half(), out_dtype=torch.float16)
+    assert _bits_equal(o16, ref16)
+
+
+def test_auto_picks_reference_on_cpu_and_warns_once():
+    from mxattn import backends
+    backends._WARNED.clear()
+    q, k, v, _ = _inputs(hq=2, hkv=2, sq=32, skv=32, d=32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o_auto = mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd")
+        mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd")
+    messages = [str(w.message) for w in caught if "backend='auto'" in str(w.message)]
+    assert len(messages) == 1
+    assert "'reference'" in messages[0] and "cudnn" in messages[0] and "triton" in messages[0]
+    assert _bits_equal(o_auto, mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="reference"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+@pytest.mark.parametrize("backend", ["cudnn", "triton"])
+def test_explicit_gpu_backend_on_cpu_raises_with_reason(backend):
+    q, k, v, _ = _inputs(hq=2, hkv=2, sq=32, skv=32, d=32)
+    with pytest.raises(mxattn.MXFP8NotSupportedError, match=backend) as info:
+        mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend=backend)
+    assert len(str(info.value)) > 40  # carries a reason, not just a name
+
+
+def test_nan_input_gives_nan_output():
+    q, k, v, _ = _inputs(b=1, hq=1, hkv=1, sq=64, skv=64, d=32)
+    q[0, 0, 5, 3] = float("nan")
+    o = mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="reference")
+    assert torch.isnan(o[0, 0, 5]).all()
+    assert not torch.isnan(o[0, 0, 40]).any()
+
+
+BAD_INPUTS = [
+    (lambda q, k, v: (q[:1], k, v), ValueError, "batch size mismatch"),
+    (lambda q, k, v: (q, k[:, :, :-1], v), ValueError, "sequence length mismatch"),
+    (lambda q, k, v: (q, k[..., :32], v[..., :32]), ValueError, "head_dim mismatch"),
+    (lambda q, k, v: (q[:, :3], k, v), ValueError, "divisible"),
+    (lambda q, k, v: (q.to(torch.int32), k, v), TypeError, r"q has dtype torch.int32; mxattn accepts"),
+    (lambda q, k, v: (q, k.to(torch.float8_e4m3fn), v), TypeError, "k has dtype torch.float8_e4m3fn"),
+    (lambda q, k, v: (q, k, v.double()), TypeError, "v has dtype torch.float64"),
+    (lambda q, k, v: (q, k, v.half()), TypeError, "share one dtype"),
+    (lambda q, k, v: (q, k.to("meta"), v), ValueError, "one device"),
+    (lambda q, k, v: (q[:, :, :0], k, v), ValueError, "empty"),
+    (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]), ValueError, "empty"),
+    (lambda q, k, v: (q[0], k, v), ValueError, "q must be 4-D"),
+    (lambda q, k, v: (q, k.numpy(), v), TypeError, "k must be a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("mutate,exc,match", BAD_INPUTS)
+def test_bad_input_raises_before_any_kernel(mutate, exc, match, monkeypatch):
+    from mxattn.backends import reference
+    monkeypatch.setattr(reference.ReferenceBackend, "forward", lambda *a: pytest.fail("kernel ran"))
+    q, k, v, _ = _inputs(b=2, hq=4, hkv=2, sq=32, skv=32, d=64, dtype=torch.float32)
+    with pytest.raises(exc, match=match):
+        mxattn.mxfp8_attention(*mutate(q, k, v), qkv_format="bhsd", backend="reference")
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(qkv_format="bsdh"), ValueError, "qkv_format must be one of"),
+    (dict(attn_mask_type="padding"), ValueError, "attn_mask_type must be one of"),
+    (dict(window_size=(4,)), ValueError, "window_size"),
+    (dict(attn_mask_type="causal", window_size=(4, 4)), ValueError, "window_size"),
+    (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    (dict(out_dtype=torch.float32), TypeError, "out_dtype"),
+    (dict(backend="flash"), ValueError, "backend must be one of"),
+])
+def test_bad_options_raise(kwargs, exc, match):
+    q, k, v, _ = _inputs(b=1, hq=2, hkv=2, sq=32, skv=32, d=32)
+    kwargs.setdefault("qkv_format", "bhsd")
+    with pytest.raises(exc, match=match):
+        mxattn.mxfp8_attention(q, k, v, backend=kwargs.pop("backend", "reference"), **kwargs)
+
+
+def test_unsupported_head_dim_lists_supported(monkeypatch):
+    from mxattn.backends import reference
+    monkeypatch.setattr(reference.ReferenceBackend, "supported_head_dims", (64, 128))
+    q, k, v, _ = _inputs(b=1, hq=2, hkv=2, sq=32, skv=32, d=32)
+    with pytest.raises(ValueError, match=r"head_dim 32 is not supported by backend 'reference'; supported: 64, 128"):
+        mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="reference")

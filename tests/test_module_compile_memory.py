@@ -1,0 +1,141 @@
+"""DotProductAttention (TE-style arguments, shapes, nn.Module behaviour), torch.compile with fullgraph, and the
+saved-activation bound."""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import mxattn
+from mxattn.layouts import from_bhsd
+
+
+def _qkv(fmt, b=2, hq=4, hkv=2, s=64, d=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d)]
+    return [from_bhsd(torch.randn(sh, generator=gen), fmt).contiguous().bfloat16() for sh in shapes]
+
+
+@pytest.mark.parametrize("fmt,expected", [("bshd", (2, 64, 128)), ("sbhd", (64, 2, 128)), ("bhsd", (2, 4, 64, 32))])
+def test_module_output_shapes(fmt, expected):
+    module = mxattn.DotProductAttention(4, 32, num_gqa_groups=2, qkv_format=fmt, backend="reference")
+    assert module(*_qkv(fmt)).shape == expected
+
+
+def test_module_has_no_state_and_moves():
+    module = mxattn.DotProductAttention(4, 32, backend="reference")
+    assert list(module.parameters()) == [] and module.state_dict() == {}
+    assert module.to(torch.float16) is module and module.to("cpu") is module
+    assert "num_attention_heads=4" in repr(module)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(attention_dropout=0.1), NotImplementedError, "attention_dropout"),
+    (dict(num_gqa_groups=3), ValueError, "num_gqa_groups"),
+    (dict(qkv_format="thd"), ValueError, "qkv_format"),
+    (dict(attn_mask_type="padding_causal"), ValueError, "attn_mask_type"),
+    (dict(window_size=(8, 8), attn_mask_type="causal"), ValueError, "window_size"),
+])
+def test_module_bad_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        mxattn.DotProductAttention(4, 32, **kwargs)
+
+
+def test_module_checks_heads_and_channels():
+    module = mxattn.DotProductAttention(4, 32, num_gqa_groups=2, backend="reference")
+    q, k, v = _qkv("bshd", hq=2, hkv=2)
+    with pytest.raises(ValueError, match="query has 2 heads of size 32; this module expects 4"):
+        module(q, k, v)
+
+
+class _TinyBlock(nn.Module):
+    def __init__(self, dim=64, heads=2, backend="reference"):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.attn = mxattn.DotProductAttention(heads, dim // heads, attn_mask_type="causal", backend=backend)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).unbind(2)
+        return self.proj(self.attn(q, k, v))
+
+
+def test_ddp_wraps_a_model_using_the_module(tmp_path):
+    import torch.distributed as dist
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/pg")
+    try:
+        model = nn.parallel.DistributedDataParallel(_TinyBlock().bfloat16())
+        x = torch.randn(2, 32, 64).bfloat16()
+        model(x).float().square().mean().backward()
+        assert model.module.qkv.weight.grad is not None and torch.isfinite(model.module.qkv.weight.grad).all()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TinyBlock().bfloat16()
+    x = torch.randn(2, 64, 64).bfloat16()
+    eager_out = model(x)
+    eager_out.float().sum().backward()
+    eager_grad = model.qkv.weight.grad.clone()
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.float().sum().backward()
+    assert torch.equal(out, eager_out)
+    assert torch.equal(model.qkv.weight.grad, eager_grad)
+
+
+def test_torch_compile_inductor_fullgraph():
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: mxattn.mxfp8_attention(q, k, v, backend="reference") * 2, fullgraph=True)
+    q, k, v = _qkv("bshd")
+    expected = mxattn.mxfp8_attention(q, k, v, backend="reference") * 2
+    assert torch.equal(fn(q, k, v), expected)
+
+
+def test_library_ops_pass_opcheck():
+    from mxattn import ops
+    q, k, v = (t.permute(0, 2, 1, 3) for t in _qkv("bshd", s=40))
+    args = (q, k, v, 0.125, True, False, None, None, torch.bfloat16, "bshd", "reference")
+    torch.library.opcheck(ops.attention_fwd, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def _saved_bytes(fn):
+    total = []
+
+    def pack(t):
+        total.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(total)
+
+
+# MHA: Q and K in two FP8 orientations + FP8 V + BF16 O is 7/8 of BF16's Q, K, V, O (plus 5/32 byte of scales).
+# GQA 4:1 saves relatively more, because the per-query-head tensors (Q twice, O) dominate: bound it at BF16.
+@pytest.mark.parametrize("hq,hkv,bound", [(8, 8, 0.90), (8, 2, 1.0)])
+def test_saved_activations_bound_against_bf16_sdpa(hq, hkv, bound):
+    b, s, d = 1, 256, 128
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, hq, s, d, generator=gen).bfloat16().requires_grad_()
+    k = torch.randn(b, hkv, s, d, generator=gen).bfloat16().requires_grad_()
+    v = torch.randn(b, hkv, s, d, generator=gen).bfloat16().requires_grad_()
+    mx = _saved_bytes(lambda: mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="reference"))
+    # BF16 SDPA saves Q, K, V, O at 2 bytes and its FP32 log-sum-exp [B, H, S]
+    bf16 = 2 * (q.numel() + k.numel() + v.numel() + q.numel()) + 4 * b * hq * s
+    ratio = mx / bf16
+    print(f"saved activations: mxfp8 {mx} B, bf16 sdpa {bf16} B, ratio {ratio:.3f}")
+    assert ratio <= bound
+    # nothing high-precision but O is kept
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.dtype) or t, lambda t: t):
+        mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="reference")
+    assert kept.count(torch.bfloat16) == 1

@@ -1,0 +1,53 @@
+"""The user-facing samples run end to end (CPU) and print what they promise."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args):
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_forward_sample():
+    out = _run("samples/forward.py")
+    assert "output (2, 512, 8, 128) torch.bfloat16" in out
+    err = float(out.rsplit(":", 1)[1])
+    assert 0 < err < 0.1
+
+
+def test_backward_sample():
+    out = _run("samples/backward.py")
+    assert "dq: shape (2, 256, 8, 64), dtype torch.bfloat16" in out
+    assert "dk: shape (2, 256, 2, 64)" in out
+
+
+def test_compare_with_ref_sample_is_exact_on_reference():
+    out = _run("samples/compare_with_ref.py", "--backend", "reference", "--seq", "200", "--heads", "4",
+               "--kv-heads", "2", "--head-dim", "64", "--causal")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["O"], ["dQ"], ["dK"], ["dV"])]
+    assert len(rows) == 4
+    for name, max_diff, rel_ref, rel64, rel_ref64 in rows:
+        assert float(max_diff) == 0.0 and float(rel_ref) == 0.0, name
+        assert 0 < float(rel64) < 0.1 and float(rel64) == pytest.approx(float(rel_ref64))
+
+
+def test_demo_and_info_commands():
+    out = _run("-m", "mxattn", "demo", "--seq", "256", "--heads", "2", "--head-dim", "64")
+    assert "backend: reference" in out
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in out.splitlines()
+            if line.strip().split()[:1] in (["O"], ["dQ"], ["dK"], ["dV"])}
+    assert set(rows) == {"O", "dQ", "dK", "dV"}
+    for name, (vs64, vs16, bf16_vs64) in rows.items():
+        assert 0 < vs64 < 0.1 and bf16_vs64 < vs64, name
+    info = _run("-m", "mxattn", "info")
+    for key in ("torch", "cudnn frontend", "backend cudnn", "backend triton", "backend reference"):
+        assert key in info
+    reference_line = next(line for line in info.splitlines() if line.startswith("backend reference"))
+    assert reference_line.split()[2:4] == ["usable:", "pure"]
