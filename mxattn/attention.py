@@ -64,6 +64,15 @@ def check_head_dim(backend: str, head_dim: int) -> None:
                          f"{', '.join(map(str, supported))}")
 
 
+@torch.compiler.assume_constant_result
+def _choose_backend(backend: str, device: str, head_dim: int) -> str:
+    """Concrete backend name for (backend, device, head_dim); a constant under torch.compile (the choice and its
+    checks run once at trace time, with no graph break)."""
+    name = resolve_backend_name(backend, torch.device(device))
+    check_head_dim(name, head_dim)
+    return name
+
+
 def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_format: str = "bshd",
                     attn_mask_type: str = "no_mask", window_size: Optional[Tuple[int, int]] = None,
                     softmax_scale: Optional[float] = None, backend: str = "auto",
@@ -89,8 +98,7 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
         out_dtype = q.dtype if q.dtype in OUTPUT_DTYPES else torch.bfloat16
     if out_dtype not in OUTPUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
-    name = resolve_backend_name(backend, q.device)
-    check_head_dim(name, head_dim)
+    name = _choose_backend(backend, str(q.device), head_dim)
     return _run(to_bhsd(q, qkv_format), to_bhsd(k, qkv_format), to_bhsd(v, qkv_format), float(softmax_scale),
                 mask, out_dtype, qkv_format, name)
 

@@ -31,5 +31,5 @@ def from_bhsd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
 
 def empty_bhsd(shape_bhsd: Tuple[int, int, int, int], qkv_format: str, dtype, device) -> torch.Tensor:
     """An uninitialised [B, H, S, D] view whose memory is dense in `qkv_format` order."""
-    physical = [shape_bhsd[i] for i in _TO_BHSD[qkv_format]]
+    physical = [shape_bhsd[i] for i in _FROM_BHSD[qkv_format]]
     return to_bhsd(torch.empty(physical, dtype=dtype, device=device), qkv_format)

@@ -104,9 +104,12 @@ def _setup_context(ctx, inputs, output):
     o, stats, *saved = output
     ctx.save_for_backward(o, stats, *saved)
     ctx.mark_non_differentiable(stats, *saved)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the FP8 side outputs
 
 
 def _backward(ctx, grad_o, *unused_grads):
+    if grad_o is None:
+        return (None,) * _N_FWD_ARGS
     o, stats, *saved = ctx.saved_tensors
     softmax_scale, causal, bottom_right, left_bound, right_bound, out_dtype, _fmt, backend = ctx.options
     dq, dk, dv = attention_bwd(grad_o, o, stats, *saved, softmax_scale, causal, bottom_right, left_bound,

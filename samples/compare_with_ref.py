@@ -44,8 +44,8 @@ def main(argv=None):
 
     scale = 1 / math.sqrt(args.head_dim)
     cpu = [t.cpu() for t in (q, k, v, do)]
-    o_ref, _ = mxfp8_ref.sdpa_fwd(*cpu[:3], attn_scale=scale, causal=args.causal)
-    refs = [o_ref, *mxfp8_ref.sdpa_bwd(*cpu[:3], o_ref, cpu[3], attn_scale=scale, causal=args.causal)]
+    o_ref, stats = mxfp8_ref.sdpa_fwd(*cpu[:3], attn_scale=scale, causal=args.causal)
+    refs = [o_ref, *mxfp8_ref.sdpa_bwd(*cpu[:3], o_ref, cpu[3], stats, attn_scale=scale, causal=args.causal)]
 
     leaves64 = [t.cpu().double().requires_grad_() for t in (q, k, v)]
     groups = args.heads // hkv

@@ -47,9 +47,9 @@ def test_functional_equals_ref_bit_for_bit(mask_type, window, ref_kw, hq, hkv, s
     q, k, v, do = _inputs(hq=hq, hkv=hkv, sq=sq, skv=skv)
     o, dq, dk, dv = _run_bhsd(q, k, v, do, attn_mask_type=mask_type, window_size=window)
     scale = 1 / math.sqrt(q.shape[-1])
-    o_ref, _ = mxfp8_ref.sdpa_fwd(q, k, v, attn_scale=scale, out_dtype=torch.bfloat16, **ref_kw)
-    dq_ref, dk_ref, dv_ref = mxfp8_ref.sdpa_bwd(q, k, v, o_ref, do, attn_scale=scale, out_dtype=torch.bfloat16,
-                                                **ref_kw)
+    o_ref, stats = mxfp8_ref.sdpa_fwd(q, k, v, attn_scale=scale, out_dtype=torch.bfloat16, **ref_kw)
+    dq_ref, dk_ref, dv_ref = mxfp8_ref.sdpa_bwd(q, k, v, o_ref, do, stats, attn_scale=scale,
+                                                out_dtype=torch.bfloat16, **ref_kw)
     assert _bits_equal(o, o_ref)
     assert _bits_equal(dq, dq_ref) and _bits_equal(dk, dk_ref) and _bits_equal(dv, dv_ref)
 
@@ -62,8 +62,8 @@ def test_module_gradients_equal_ref_bit_for_bit():
     out = module(*leaves)
     assert out.shape == (2, 64, 4 * 32)
     out.backward(from_bhsd(do, "bshd").reshape(2, 64, -1))
-    o_ref, _ = mxfp8_ref.sdpa_fwd(q, k, v, causal=True)
-    grads_ref = mxfp8_ref.sdpa_bwd(q, k, v, o_ref, do, causal=True)
+    o_ref, stats = mxfp8_ref.sdpa_fwd(q, k, v, causal=True)
+    grads_ref = mxfp8_ref.sdpa_bwd(q, k, v, o_ref, do, stats, causal=True)
     assert _bits_equal(from_bhsd(o_ref, "bshd").reshape(2, 64, -1), out.detach())
     for leaf, g_ref in zip(leaves, grads_ref):
         assert _bits_equal(leaf.grad, from_bhsd(g_ref, "bshd"))

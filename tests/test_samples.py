@@ -1,5 +1,6 @@
 """The user-facing samples run end to end (CPU) and print what they promise."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args):
-    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr
     return result.stdout
 

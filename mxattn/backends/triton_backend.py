@@ -1,0 +1,172 @@
+"""The "triton" AttentionBackend: cuDNN's MXFP8 attention numerics on GPUs without MXFP8 tensor cores.
+
+Forward: the fused Triton quantizer turns Q, K, V into row-wise and column-wise MXFP8 (one read each), the
+forward kernel runs on Q/K row-wise and V column-wise, and Q row+col, K row+col, V row are kept for backward.
+Backward: dO is quantized row+col by the same kernel, then the delta pre-pass, the dK/dV kernel and the dQ
+kernel run (deterministic: no atomics, fixed summation order, also for GQA). See mxattn/kernels/.
+
+This module imports without triton or a GPU; the kernels are imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from ..errors import MXFP8NotSupportedError
+from .base import AttentionBackend, AttentionParams, SavedForBackward
+
+_IN_DTYPES = (torch.bfloat16, torch.float16)
+_OUT_DTYPES = (torch.bfloat16, torch.float16)
+#: lowest compute capability whose Triton supports E4M3 conversions (float8e4nv)
+MIN_CAPABILITY = (8, 9)
+
+
+def _kernels():
+    from ..kernels import triton_attention_bwd, triton_attention_fwd, triton_quantize
+    return triton_quantize, triton_attention_fwd, triton_attention_bwd
+
+
+def _check_tensor(x, name: str, dtypes) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"{name} must be 4-D [B, H, S, D], got shape {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {dtypes}, got {x.dtype}")
+    if x.device.type != "cuda":
+        raise ValueError(f"{name} must be on a CUDA device for the triton backend, got {x.device}")
+
+
+def _inner_unit(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its D axis has unit stride (what the kernels need), else a contiguous copy."""
+    return x if x.stride(3) == 1 or x.shape[3] == 1 else x.contiguous()
+
+
+def _like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised tensor of x's shape: x's strides when x is dense with a unit D stride, else contiguous."""
+    out = torch.empty_like(x, dtype=dtype, memory_format=torch.preserve_format)
+    return out if out.stride(3) == 1 or out.shape[3] == 1 else torch.empty(x.shape, dtype=dtype, device=x.device)
+
+
+def _mask_args(params: AttentionParams, s_q: int, s_kv: int):
+    m = params.mask
+    return dict(offset=m.offset(s_q, s_kv), left_bound=m.left_bound, right_bound=m.effective_right_bound)
+
+
+class TritonBackend(AttentionBackend):
+    """MXFP8 attention through Triton kernels (Hopper, Ada; exact BF16 dequantization + BF16 tensor cores)."""
+
+    name = "triton"
+    supported_head_dims = (32, 64, 96, 128, 192, 256)
+
+    @classmethod
+    def availability(cls, device: torch.device) -> Tuple[bool, str]:
+        """(ok, reason). Needs a CUDA device of compute capability >= 8.9 and an importable triton."""
+        try:
+            device = torch.device(device)
+        except (TypeError, RuntimeError) as exc:
+            return False, f"not a device: {exc}"
+        if device.type != "cuda":
+            return False, f"the triton backend runs on CUDA devices only, got device type {device.type!r}"
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            return False, f"triton is not installed ({exc})"
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available (no NVIDIA driver or GPU visible to torch)"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            return False, f"CUDA device {index} does not exist ({torch.cuda.device_count()} visible)"
+        cap = torch.cuda.get_device_capability(index)
+        if cap < MIN_CAPABILITY:
+            return False, (f"compute capability {cap[0]}.{cap[1]} < {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: "
+                           "Triton's E4M3 conversions need Ada (8.9), Hopper (9.0) or newer")
+        try:
+            _kernels()
+        except Exception as exc:  # pragma: no cover - a broken triton install
+            return False, f"the Triton kernels failed to import: {type(exc).__name__}: {exc}"
+        return True, f"CUDA device {index} ({torch.cuda.get_device_name(index)}, sm_{cap[0]}{cap[1]}) with triton"
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_common(self, params: AttentionParams, d: int) -> None:
+        if not isinstance(params, AttentionParams):
+            raise TypeError(f"params must be an AttentionParams, got {type(params).__name__}")
+        if params.out_dtype not in _OUT_DTYPES:
+            raise TypeError(f"params.out_dtype must be one of {_OUT_DTYPES}, got {params.out_dtype}")
+        if d not in self.supported_head_dims:
+            raise MXFP8NotSupportedError(
+                f"head_dim {d} is not supported by the triton backend (supported: {self.supported_head_dims})")
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams
+                ) -> Tuple[torch.Tensor, torch.Tensor, SavedForBackward]:
+        """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] bf16/fp16 CUDA (any strides) -> (o [B,Hq,Sq,D] params.out_dtype,
+        stats [B,Hq,Sq,1] fp32 log-sum-exp (-inf for rows that keep nothing), SavedForBackward)."""
+        for t, n in ((q, "q"), (k, "k"), (v, "v")):
+            _check_tensor(t, n, _IN_DTYPES)
+        if not (q.device == k.device == v.device):
+            raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        B, hq, sq, d = q.shape
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape[0] != B or k.shape[3] != d:
+            raise ValueError(f"k must be [B={B}, Hkv, Skv, D={d}], got {tuple(k.shape)}")
+        hkv, skv = k.shape[1], k.shape[2]
+        if hkv == 0 or hq % hkv != 0:
+            raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv})")
+        self._check_common(params, d)
+        tq, tf, _ = _kernels()
+        qq = tq.quantize_rowcol(_inner_unit(q))
+        kq = tq.quantize_rowcol(_inner_unit(k))
+        vq = tq.quantize_rowcol(_inner_unit(v))
+        o = _like(q, params.out_dtype)
+        stats = torch.empty((B, hq, sq, 1), dtype=torch.float32, device=q.device)
+        if skv == 0:
+            o.zero_()
+            stats.fill_(float("-inf"))
+        elif sq > 0 and B * hq > 0:
+            tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale,
+                             softmax_scale=params.softmax_scale, out=o, stats=stats, **_mask_args(params, sq, skv))
+        saved = SavedForBackward(q_row=qq.row, q_col=qq.col, k_row=kq.row, k_col=kq.col, v_row=vq.row)
+        return o, stats, saved
+
+    # ------------------------------------------------------------------ backward
+
+    def backward(self, saved: SavedForBackward, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
+                 params: AttentionParams) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """saved (from forward), o/do [B,Hq,Sq,D] bf16/fp16, stats [B,Hq,Sq,1] fp32 -> (dq [B,Hq,Sq,D],
+        dk, dv [B,Hkv,Skv,D]) in params.out_dtype. Deterministic (params.deterministic is always honoured)."""
+        if not isinstance(saved, SavedForBackward):
+            raise TypeError(f"saved must be a SavedForBackward, got {type(saved).__name__}")
+        _check_tensor(o, "o", _IN_DTYPES)
+        _check_tensor(do, "do", _IN_DTYPES)
+        B, hq, sq, d = saved.q_row.data.shape
+        hkv, skv = saved.k_row.data.shape[1], saved.k_row.data.shape[2]
+        for t, n in ((o, "o"), (do, "do")):
+            if tuple(t.shape) != (B, hq, sq, d):
+                raise ValueError(f"{n} must have shape {(B, hq, sq, d)}, got {tuple(t.shape)}")
+        if not isinstance(stats, torch.Tensor) or stats.dtype != torch.float32 or \
+                tuple(stats.shape) != (B, hq, sq, 1):
+            raise ValueError(f"stats must be a float32 tensor of shape {(B, hq, sq, 1)}")
+        if stats.device != do.device:
+            raise ValueError(f"stats must be on {do.device}, got {stats.device}")
+        self._check_common(params, d)
+        tq, _, tb = _kernels()
+        dq = _like(do, params.out_dtype)
+        dk = _like(saved.k_row.data, params.out_dtype)
+        dv = _like(saved.v_row.data, params.out_dtype)
+        if sq == 0 or skv == 0 or B * hq == 0:
+            return dq.zero_(), dk.zero_(), dv.zero_()
+        dq_ = tq.quantize_rowcol(_inner_unit(do))
+        parts = [saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row]
+        parts = [p if p.data.stride(3) == 1 else type(p)(p.data.contiguous(), p.scale, p.axis) for p in parts]
+        tb.attention_bwd(*parts, dq_.row, dq_.col, o, do, stats, softmax_scale=params.softmax_scale,
+                         dq=dq, dk=dk, dv=dv, **_mask_args(params, sq, skv))
+        return dq, dk, dv
+
+
+__all__ = ["TritonBackend", "MIN_CAPABILITY"]

@@ -1,0 +1,419 @@
+"""`python -m mxattn bench`: the triton MXFP8 backend against torch SDPA in BF16 (cuDNN and flash), one GPU.
+
+For each config it times (CUDA events, warm-up, median of --iters runs) the triton forward (with and without
+the quantization of Q, K, V), backward (dO quantization included) and forward+backward, next to
+`torch.nn.functional.scaled_dot_product_attention` in BF16 with its cuDNN and flash backends; it records the
+peak memory of each forward+backward, and the fused quantizer's throughput against the same GPU's
+device-to-device copy bandwidth. Results go to benchmarks/results/<gpu-name>/results.{json,md} (and
+chart.png when matplotlib is importable; `--plot-from results.json` renders it elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+# (name, B, Hq, Hkv, S, D, causal)
+DEFAULT_CONFIGS = [
+    ("b2_h16_s4096_d128", 2, 16, 16, 4096, 128, False),
+    ("b2_h16_s4096_d128_causal", 2, 16, 16, 4096, 128, True),
+    ("b4_h16_s2048_d64", 4, 16, 16, 2048, 64, False),
+    ("b1_h32kv8_s8192_d128_causal", 1, 32, 8, 8192, 128, True),
+]
+
+
+def gpu_dir_name(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (a folder name)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def time_cuda(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median milliseconds of fn() over `iters` runs, each timed with its own pair of CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated above what was allocated before fn() ran (its results freed after)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return int(peak)
+
+
+def kept_pairs(s_q: int, s_kv: int, causal: bool) -> int:
+    """Number of (i, j) pairs the mask keeps (top-left causal or none)."""
+    if not causal:
+        return s_q * s_kv
+    i = torch.arange(s_q, dtype=torch.int64)
+    return int(torch.clamp(torch.minimum(i + 1, torch.tensor(s_kv)), min=0).sum())
+
+
+def _sdpa_runner(kind: str, q, k, v, causal: bool, gqa: bool):
+    """Callable forward for SDPA backend `kind` ('cudnn' or 'flash'), or (None, reason)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    backend = SDPBackend.CUDNN_ATTENTION if kind == "cudnn" else SDPBackend.FLASH_ATTENTION
+    note = ""
+    kk, vv = k, v
+    gqa_kw = {}
+    if gqa:
+        gqa_kw = {"enable_gqa": True}
+
+    def make(kx, vx, kw):
+        def run(qx=q):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qx, kx, vx, is_causal=causal, **kw)
+        return run
+
+    run = make(kk, vv, gqa_kw)
+    try:
+        run()
+        torch.cuda.synchronize()
+    except Exception as exc:  # backend refuses enable_gqa: expand K/V (copy outside the timed region)
+        if not gqa:
+            return None, f"{kind} unavailable: {type(exc).__name__}: {str(exc)[:120]}"
+        rep = q.shape[1] // k.shape[1]
+        kk = k.detach().repeat_interleave(rep, 1).requires_grad_(k.requires_grad)
+        vv = v.detach().repeat_interleave(rep, 1).requires_grad_(v.requires_grad)
+        run = make(kk, vv, {})
+        try:
+            run()
+            torch.cuda.synchronize()
+        except Exception as exc2:
+            return None, f"{kind} unavailable: {type(exc2).__name__}: {str(exc2)[:120]}"
+        note = "K/V expanded to Hq heads (backend refused enable_gqa)"
+    return (run, (kk, vv)), note
+
+
+def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16) -> Dict:
+    """Time one config; returns a dict of milliseconds, TFLOP/s, ratios and peak bytes."""
+    from .backends.base import AttentionParams
+    from .backends.triton_backend import TritonBackend
+    from .kernels import triton_attention_fwd as tf
+    from .mask import MaskSpec
+
+    name, B, hq, hkv, S, D, causal = cfg
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(B, hq, S, D, device=dev, dtype=dtype, generator=gen)
+    k = torch.randn(B, hkv, S, D, device=dev, dtype=dtype, generator=gen)
+    v = torch.randn(B, hkv, S, D, device=dev, dtype=dtype, generator=gen)
+    do = torch.randn(B, hq, S, D, device=dev, dtype=dtype, generator=gen)
+    scale = 1.0 / math.sqrt(D)
+    params = AttentionParams(softmax_scale=scale, mask=MaskSpec(causal=causal), out_dtype=dtype)
+    be = TritonBackend()
+    fwd_flops = 4.0 * B * hq * D * kept_pairs(S, S, causal)
+    res = {"config": name, "B": B, "Hq": hq, "Hkv": hkv, "S": S, "D": D, "causal": causal,
+           "fwd_flop": fwd_flops, "notes": []}
+
+    o, stats, saved = be.forward(q, k, v, params)
+    res["triton_fwd_ms"] = time_cuda(lambda: be.forward(q, k, v, params), warmup, iters)
+    from .kernels.triton_quantize import quantize_rowcol
+    qq, kq, vq = quantize_rowcol(q), quantize_rowcol(k), quantize_rowcol(v)
+    ob, sb = torch.empty_like(o), torch.empty_like(stats)
+
+    def fwd_kernel():
+        tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale,
+                         softmax_scale=scale, offset=0, left_bound=None, right_bound=0 if causal else None,
+                         out=ob, stats=sb)
+    res["triton_fwd_kernel_ms"] = time_cuda(fwd_kernel, warmup, iters)
+    del qq, kq, vq, ob, sb
+    res["triton_bwd_ms"] = time_cuda(lambda: be.backward(saved, o, stats, do, params), warmup, iters)
+
+    def tri_fb():
+        o2, st2, sv2 = be.forward(q, k, v, params)
+        return be.backward(sv2, o2, st2, do, params)
+    res["triton_fwdbwd_ms"] = time_cuda(tri_fb, warmup, iters)
+    del o, stats, saved
+    res["triton_fwdbwd_peak_bytes"] = peak_bytes(tri_fb)
+
+    for kind in ("cudnn", "flash"):
+        qg = q.detach().requires_grad_(True)
+        kg = k.detach().requires_grad_(True)
+        vg = v.detach().requires_grad_(True)
+        got, note = _sdpa_runner(kind, qg, kg, vg, causal, hq != hkv)
+        if note:
+            res["notes"].append(f"{kind}: {note}")
+        if got is None:
+            continue
+        run, (kk, vv) = got
+        with torch.no_grad():
+            res[f"sdpa_{kind}_fwd_ms"] = time_cuda(lambda: run(q), warmup, iters)
+        out = run(qg)
+        leaves = (qg, kk, vv)
+        res[f"sdpa_{kind}_bwd_ms"] = time_cuda(
+            lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), warmup, iters)
+        del out
+
+        def fb(run=run, leaves=leaves):
+            return torch.autograd.grad(run(qg), leaves, do)
+        res[f"sdpa_{kind}_fwdbwd_ms"] = time_cuda(fb, warmup, iters)
+        res[f"sdpa_{kind}_fwdbwd_peak_bytes"] = peak_bytes(fb)
+        del qg, kg, vg, kk, vv, leaves, run, got
+
+    mult = {"fwd": 1.0, "fwd_kernel": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+    for key, m in mult.items():
+        for impl in ("triton", "sdpa_cudnn", "sdpa_flash"):
+            ms = res.get(f"{impl}_{key}_ms")
+            if ms is not None:
+                res[f"{impl}_{key}_tflops"] = m * fwd_flops / (ms * 1e-3) / 1e12
+    for key in ("fwd", "bwd", "fwdbwd"):
+        for ref in ("cudnn", "flash"):
+            r = res.get(f"sdpa_{ref}_{key}_ms")
+            if r:
+                res[f"ratio_{key}_vs_{ref}"] = r / res[f"triton_{key}_ms"]
+        r = res.get(f"sdpa_cudnn_fwd_ms")
+        if r:
+            res["ratio_fwd_kernel_vs_cudnn"] = r / res["triton_fwd_kernel_ms"]
+    return res
+
+
+def bench_quantizer(warmup: int, iters: int) -> Dict:
+    """Fused quantizer (row+col, compact; and with swizzled scales) vs a device-to-device copy."""
+    from .kernels.triton_quantize import quantize_rowcol
+
+    dev = torch.device("cuda")
+    shape = (4, 32, 4096, 128)
+    n = math.prod(shape)
+    x = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+    x_bshd = torch.randn((shape[0], shape[2], shape[1], shape[3]), device=dev, dtype=torch.bfloat16).transpose(1, 2)
+    y = torch.empty_like(x)
+    copy_ms = time_cuda(lambda: y.copy_(x), warmup, iters)
+    copy_bw = 2 * 2 * n / (copy_ms * 1e-3)
+    out = {"shape": list(shape), "copy_ms": copy_ms, "copy_GBps": copy_bw / 1e9}
+    qbytes = 2 * n + 2 * n + 2 * (n // 32)  # read bf16, write two fp8 copies and two scale arrays
+    for label, fn in (("compact", lambda: quantize_rowcol(x)),
+                      ("compact_bshd", lambda: quantize_rowcol(x_bshd)),
+                      ("swizzled", lambda: quantize_rowcol(x, swizzle=True))):
+        ms = time_cuda(fn, warmup, iters)
+        extra = 0
+        if label == "swizzled":
+            extra = 2 * (n // 32)
+        bw = (qbytes + extra) / (ms * 1e-3)
+        out[f"quant_{label}_ms"] = ms
+        out[f"quant_{label}_GBps"] = bw / 1e9
+        out[f"quant_{label}_vs_copy"] = bw / copy_bw
+    return out
+
+
+FWD_SWEEP = [(128, 8, 2), (128, 8, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2)]
+BWD_SWEEP = [((64, 128, 8, 2), (128, 64, 8, 2)), ((64, 128, 4, 2), (128, 64, 4, 2)),
+             ((32, 128, 4, 3), (128, 32, 4, 3)), ((64, 64, 4, 2), (64, 64, 4, 2)),
+             ((128, 128, 8, 2), (128, 128, 8, 2)), ((64, 128, 8, 3), (64, 128, 8, 2))]
+
+
+def sweep(cfg, warmup: int, iters: int) -> List[Dict]:
+    """Time the forward and backward kernels under each block/warp/stage candidate for one config."""
+    from .kernels import triton_attention_bwd as tb
+    from .kernels import triton_attention_fwd as tf
+    from .kernels.triton_quantize import quantize_rowcol
+
+    name, B, hq, hkv, S, D, causal = cfg
+    dev = torch.device("cuda")
+    q, do = (torch.randn(B, hq, S, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, hkv, S, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    qq, kq, vq, dq_ = (quantize_rowcol(t) for t in (q, k, v, do))
+    o, st = torch.empty_like(q), torch.empty(B, hq, S, 1, device=dev)
+    fl = 4.0 * B * hq * D * kept_pairs(S, S, causal)
+    mk = dict(softmax_scale=1 / math.sqrt(D), offset=0, left_bound=None, right_bound=0 if causal else None)
+    rows = []
+    for c in FWD_SWEEP:
+        try:
+            ms = time_cuda(lambda: tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale,
+                                                    vq.col.data, vq.col.scale, out=o, stats=st, config=c, **mk),
+                           warmup, iters)
+            rows.append({"config": name, "kernel": "fwd", "params": c, "ms": ms, "tflops": fl / ms / 1e9})
+        except Exception as exc:
+            rows.append({"config": name, "kernel": "fwd", "params": c, "error": f"{type(exc).__name__}: {exc}"[:200]})
+        print(rows[-1], flush=True)
+    tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale,
+                     out=o, stats=st, **mk)
+    g = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    for c in BWD_SWEEP:
+        try:
+            ms = time_cuda(lambda: tb.attention_bwd(qq.row, qq.col, kq.row, kq.col, vq.row, dq_.row, dq_.col, o, do,
+                                                    st, dq=g[0], dk=g[1], dv=g[2], config=c, **mk), warmup, iters)
+            rows.append({"config": name, "kernel": "bwd", "params": c, "ms": ms, "tflops": 2.5 * fl / ms / 1e9})
+        except Exception as exc:
+            rows.append({"config": name, "kernel": "bwd", "params": c, "error": f"{type(exc).__name__}: {exc}"[:200]})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _fmt(v, nd=1):
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def markdown(results: Dict) -> str:
+    """Markdown tables for the results dict."""
+    lines = [f"# MXFP8 attention (triton backend) vs torch SDPA BF16 on {results['gpu']}", "",
+             f"torch {results['torch']}, triton {results['triton']}; CUDA-event medians of {results['iters']} runs "
+             f"after {results['warmup']} warm-up runs. TFLOP/s use 4*B*H*D*(kept pairs) for the forward, 2.5x "
+             "that for the backward and 3.5x for forward+backward. Triton fwd/bwd include quantization of "
+             "Q,K,V / dO; 'fwd kernel' excludes it. Ratios are SDPA time / triton time (higher is better).", "",
+             "| config | impl | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
+             "peak fwd+bwd MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results["configs"]:
+        for impl, label in (("triton", "triton MXFP8"), ("sdpa_cudnn", "SDPA cuDNN bf16"),
+                            ("sdpa_flash", "SDPA flash bf16")):
+            if f"{impl}_fwd_ms" not in r:
+                continue
+            pk = r.get(f"{impl}_fwdbwd_peak_bytes")
+            fwd = _fmt(r[f"{impl}_fwd_ms"], 3)
+            if impl == "triton":
+                fwd += f" (kernel {_fmt(r['triton_fwd_kernel_ms'], 3)})"
+            lines.append(f"| {r['config']} | {label} | {fwd} | {_fmt(r.get(impl + '_fwd_tflops'))} | "
+                         f"{_fmt(r.get(impl + '_bwd_ms'), 3)} | {_fmt(r.get(impl + '_bwd_tflops'))} | "
+                         f"{_fmt(r.get(impl + '_fwdbwd_ms'), 3)} | {_fmt(r.get(impl + '_fwdbwd_tflops'))} | "
+                         f"{_fmt(None if pk is None else pk / 2**20, 0)} |")
+    lines += ["", "| config | fwd vs cuDNN (target 0.6) | fwd kernel vs cuDNN | bwd vs cuDNN (target 0.5) | "
+              "fwd+bwd vs cuDNN (target 0.5) | peak mem triton / cuDNN (target <= 1) |", "|---|---|---|---|---|---|"]
+    for r in results["configs"]:
+        pk_t, pk_c = r.get("triton_fwdbwd_peak_bytes"), r.get("sdpa_cudnn_fwdbwd_peak_bytes")
+        lines.append(f"| {r['config']} | {_fmt(r.get('ratio_fwd_vs_cudnn'), 2)} | "
+                     f"{_fmt(r.get('ratio_fwd_kernel_vs_cudnn'), 2)} | {_fmt(r.get('ratio_bwd_vs_cudnn'), 2)} | "
+                     f"{_fmt(r.get('ratio_fwdbwd_vs_cudnn'), 2)} | "
+                     f"{_fmt(None if not (pk_t and pk_c) else pk_t / pk_c, 2)} |")
+    notes = [f"- {r['config']}: {n}" for r in results["configs"] for n in r.get("notes", [])]
+    if notes:
+        lines += ["", "Notes:"] + notes
+    qz = results.get("quantizer")
+    if qz:
+        lines += ["", f"Fused quantizer on bf16 {qz['shape']} (bytes read + written): device-to-device copy "
+                  f"{qz['copy_GBps']:.0f} GB/s; quantizer row+col compact {qz['quant_compact_GBps']:.0f} GB/s "
+                  f"({qz['quant_compact_vs_copy']:.2f}x copy), from a BSHD view {qz['quant_compact_bshd_GBps']:.0f}"
+                  f" GB/s ({qz['quant_compact_bshd_vs_copy']:.2f}x), with swizzled scales too "
+                  f"{qz['quant_swizzled_GBps']:.0f} GB/s ({qz['quant_swizzled_vs_copy']:.2f}x); target 0.70x."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: Dict, path: str) -> bool:
+    """Bar chart of TFLOP/s per config and impl; False when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cfgs = results["configs"]
+    phases = ("fwd", "bwd", "fwdbwd")
+    impls = (("triton", "triton MXFP8"), ("sdpa_cudnn", "SDPA cuDNN bf16"), ("sdpa_flash", "SDPA flash bf16"))
+    fig, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4.5), sharey=True)
+    width = 0.8 / len(impls)
+    for ax, ph in zip(axes, phases):
+        for i, (impl, label) in enumerate(impls):
+            vals = [r.get(f"{impl}_{ph}_tflops") or 0.0 for r in cfgs]
+            ax.bar([x + i * width for x in range(len(cfgs))], vals, width, label=label)
+        ax.set_xticks([x + width for x in range(len(cfgs))])
+        ax.set_xticklabels([r["config"] for r in cfgs], rotation=20, ha="right", fontsize=7)
+        ax.set_title(ph)
+        ax.set_ylabel("TFLOP/s")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"MXFP8 attention (triton) vs SDPA BF16 on {results['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def _parse_config(text: str):
+    """'name:B:Hq:Hkv:S:D:causal' -> config tuple."""
+    parts = text.split(":")
+    if len(parts) != 7:
+        raise argparse.ArgumentTypeError(f"config must be name:B:Hq:Hkv:S:D:causal(0/1), got {text!r}")
+    name, *nums, causal = parts
+    return (name, *(int(x) for x in nums), causal in ("1", "true", "True"))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of `python -m mxattn bench`; returns the exit status."""
+    ap = argparse.ArgumentParser(prog="python -m mxattn bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=20, help="timed runs per measurement (median; >= 20)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--config", action="append", type=_parse_config,
+                    help="name:B:Hq:Hkv:S:D:causal(0/1); repeatable; default: the four issue configs")
+    ap.add_argument("--out-dir", default=None, help="default benchmarks/results/<gpu-name>/")
+    ap.add_argument("--no-quantizer", action="store_true", help="skip the quantizer-vs-copy measurement")
+    ap.add_argument("--plot-from", default=None, help="render chart.png next to an existing results.json")
+    ap.add_argument("--sweep", action="store_true",
+                    help="only time the kernels' block/warp/stage candidates on the configs (tuning aid)")
+    args = ap.parse_args(argv)
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            results = json.load(f)
+        png = os.path.join(os.path.dirname(os.path.abspath(args.plot_from)), "chart.png")
+        if not plot(results, png):
+            print("matplotlib is not installed: no chart", file=sys.stderr)
+            return 1
+        print(f"wrote {png}")
+        return 0
+    if args.iters < 20:
+        ap.error("--iters must be at least 20")
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    from .backends.triton_backend import TritonBackend
+    ok, why = TritonBackend.availability(torch.device("cuda"))
+    if not ok:
+        print(f"triton backend unavailable: {why}", file=sys.stderr)
+        return 2
+    import triton
+
+    gpu = torch.cuda.get_device_name()
+    results = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "iters": args.iters,
+               "warmup": args.warmup, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "configs": []}
+    if args.sweep:
+        rows = [row for cfg in (args.config or DEFAULT_CONFIGS) for row in sweep(cfg, args.warmup, args.iters)]
+        out_dir = args.out_dir or os.path.join("benchmarks", "results", gpu_dir_name(gpu))
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "sweep.json"), "w") as f:
+            json.dump({"gpu": gpu, "rows": rows}, f, indent=1)
+        return 0
+    for cfg in (args.config or DEFAULT_CONFIGS):
+        r = bench_config(cfg, args.warmup, args.iters)
+        results["configs"].append(r)
+        print(f"{r['config']}: triton fwd {r['triton_fwd_ms']:.3f} ms (kernel {r['triton_fwd_kernel_ms']:.3f}), "
+              f"bwd {r['triton_bwd_ms']:.3f}, fwd+bwd {r['triton_fwdbwd_ms']:.3f}; cuDNN fwd "
+              f"{_fmt(r.get('sdpa_cudnn_fwd_ms'), 3)} bwd {_fmt(r.get('sdpa_cudnn_bwd_ms'), 3)} fwd+bwd "
+              f"{_fmt(r.get('sdpa_cudnn_fwdbwd_ms'), 3)}", flush=True)
+        torch.cuda.empty_cache()
+    if not args.no_quantizer:
+        results["quantizer"] = bench_quantizer(args.warmup, args.iters)
+    out_dir = args.out_dir or os.path.join("benchmarks", "results", gpu_dir_name(gpu))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    md = markdown(results)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(md)
+    plot(results, os.path.join(out_dir, "chart.png"))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

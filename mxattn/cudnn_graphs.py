@@ -1,0 +1,591 @@
+"""cuDNN frontend graphs for MXFP8 attention: the graph config, tensor uids, builders, scale buffers, the variant
+pack and a cache of planned graphs.
+
+Everything here except `planned_graph` runs without a GPU: graphs are built with the pure-Python `cudnn.pygraph`
+(validated by `validate()` and `build_operation_graph()`), and `graph_json` lowers a graph built without a device
+handle to the cuDNN C++ frontend, runs cuDNN's own (arch-aware) validation and returns its JSON.
+
+Scale-factor layout (E8M0, `F8_128x4` reordering), as the cuDNN MXFP8 graph consumes it:
+  * row-wise scales (Q, K, dO, backward V; blocks along D): graph dims [B, H, Sp, D32p]; each (b, h) slab is the
+    M=S x K=ceil(D/32) matrix in 128x4 tiles, byte of (m, k) inside the slab
+    ``((m//128)*(D32p//4) + k//4)*512 + (m%32)*16 + ((m%128)//32)*4 + k%4``, slabs one after another in (b, h)
+    order (spec section 4).
+  * column-wise scales (forward V, Q_T, K_T, dO_T; blocks along S): graph dims [B, H, S32p, Dp]. The 128x4 rule
+    is applied to the transpose of the WHOLE column-wise scale, i.e. the matrix M=D x K=B*H*S32p (each slab's
+    ceil(S/32) scale rows zero-padded to S32p first). Byte of (b, h, k, m):
+    ``((m//128)*(B*H*S32p//4) + (b*H+h)*(S32p//4) + k//4)*512 + (m%32)*16 + ((m%128)//32)*4 + k%4``.
+    For D <= 128 (one 128-row D tile) this equals the per-slab formula of spec section 4; for D > 128 (Q_T/K_T at
+    d_qk=192) cuDNN wants the D tile as the OUTER index across all heads ("D-plane-major": see the frontend's
+    ``cudnn/sdpa/kernels/_mxfp8_sf.py`` docstring and its test quantizer, which swizzles the transposed
+    [D, B*H*S32] matrix), which differs from the spec's per-slab order.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import IntEnum
+from functools import cached_property
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+import cudnn
+
+from .errors import MXFP8NotSupportedError
+from .formats import MXFP8Tensor, swizzle_128x4
+from .mask import MaskSpec
+
+Stride = Tuple[int, int, int, int]
+Shape = Tuple[int, int, int, int]
+
+BLOCK = 32
+LAYOUT_PERMUTATIONS = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}  # physical axis order
+OUT_DTYPES = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}
+FP8_DTYPES = {torch.float8_e4m3fn: cudnn.data_type.FP8_E4M3, torch.float8_e5m2: cudnn.data_type.FP8_E5M2}
+SCALE_DTYPE = torch.float8_e8m0fnu
+_ALIGNMENT = {"top_left": cudnn.diagonal_alignment.TOP_LEFT, "bottom_right": cudnn.diagonal_alignment.BOTTOM_RIGHT}
+#: heuristics asked for when planning; FALLBACK keeps a plan available where mode A has none.
+HEUR_MODES = (cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK)
+
+
+class FwdUid(IntEnum):
+    """Variant-pack uids of the forward graph."""
+
+    Q = 1
+    K = 2
+    V = 3
+    SF_Q = 4
+    SF_K = 5
+    SF_V = 6
+    O = 7
+    STATS = 8
+    AMAX_O = 9
+
+
+class BwdUid(IntEnum):
+    """Variant-pack uids of the backward graph."""
+
+    Q = 101
+    Q_T = 102
+    K = 103
+    K_T = 104
+    V = 105
+    O = 106
+    DO_F16 = 107
+    DO = 108
+    DO_T = 109
+    STATS = 110
+    SF_Q = 111
+    SF_Q_T = 112
+    SF_K = 113
+    SF_K_T = 114
+    SF_V = 115
+    SF_DO = 116
+    SF_DO_T = 117
+    DQ = 118
+    DK = 119
+    DV = 120
+    AMAX_DQ = 121
+    AMAX_DK = 122
+    AMAX_DV = 123
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def row_scale_dims(b: int, h: int, s: int, d: int) -> Shape:
+    """Graph dims of a row-wise (blocks along D) F8_128x4 scale tensor: [B, H, ceil(S/128)*128, D32p]."""
+    return (b, h, _ceil(s, 128) * 128, _ceil(_ceil(d, BLOCK), 4) * 4)
+
+
+def col_scale_dims(b: int, h: int, s: int, d: int) -> Shape:
+    """Graph dims of a column-wise (blocks along S) F8_128x4 scale tensor: [B, H, S32p, ceil(D/128)*128]."""
+    return (b, h, _ceil(_ceil(s, BLOCK), 4) * 4, _ceil(d, 128) * 128)
+
+
+def row_major(shape) -> Tuple[int, ...]:
+    """Row-major (contiguous) strides of `shape`."""
+    out, step = [], 1
+    for n in reversed(tuple(shape)):
+        out.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def col_scale_stride(dims: Shape) -> Stride:
+    """Declared strides of a column-wise scale tensor: the scale-block axis (dim 2) contiguous, as the
+    `sdpa_mxfp8` binding documents ("descale_v: ... stride[2]=1") and the frontend's C++ sample declares."""
+    b, h, s32p, dp = dims
+    return (h * s32p * dp, s32p * dp, 1, s32p)
+
+
+def dense_stride(shape: Shape, order: Tuple[int, ...]) -> Stride:
+    """Strides of a dense [B, H, S, D] tensor whose memory holds the axes in `order` (outermost first)."""
+    stride, step = [0] * 4, 1
+    for axis in reversed(order):
+        stride[axis] = step
+        step *= max(int(shape[axis]), 1)
+    return tuple(stride)
+
+
+def axis_order(stride: Stride) -> Tuple[int, ...]:
+    """Axes of a [B, H, S, D] tensor from outermost to innermost memory stride (ties keep [B, H, S, D] order)."""
+    return tuple(sorted(range(4), key=lambda a: (-stride[a], a)))
+
+
+def layout_strides(layout: str, shape: Shape) -> Stride:
+    """Strides of the [B, H, S, D] view of a dense `layout` ("bhsd", "bshd", "sbhd") tensor of `shape`."""
+    if layout not in LAYOUT_PERMUTATIONS:
+        raise ValueError(f"layout must be one of {tuple(LAYOUT_PERMUTATIONS)}, got {layout!r}")
+    return dense_stride(shape, LAYOUT_PERMUTATIONS[layout])
+
+
+def layout_name(stride: Stride) -> str:
+    """"bhsd", "bshd" or "sbhd" for the axis order of `stride`, else "strided"."""
+    order = axis_order(stride)
+    for name, perm in LAYOUT_PERMUTATIONS.items():
+        if order == perm:
+            return name
+    return "strided"
+
+
+def _check_stride(name: str, stride) -> Stride:
+    stride = tuple(int(s) for s in stride)
+    if len(stride) != 4 or any(s < 0 for s in stride):
+        raise ValueError(f"{name} must be 4 non-negative strides of a [B, H, S, D] view, got {stride}")
+    if stride[3] != 1:
+        raise ValueError(f"{name} must have unit stride on D (cuDNN reads rows of D contiguously), got {stride}")
+    return stride
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """Everything that changes a cuDNN MXFP8 attention graph.
+
+    Shapes are of the [B, H, S, D] views: Q [b, h_q, s_q, d_qk], K [b, h_k, s_kv, d_qk], V [b, h_v, s_kv, d_v],
+    O/dO [b, h_q, s_q, d_v]. Layout is carried as strides of those views (q_stride also serves Q_T and dQ,
+    k_stride K_T and dK, v_stride dV; do_stride the BF16/FP16 dO and its FP8 copies, backward only).
+    """
+
+    b: int
+    h_q: int
+    h_k: int
+    h_v: int
+    s_q: int
+    s_kv: int
+    d_qk: int
+    d_v: int
+    attn_scale: float
+    q_stride: Stride
+    k_stride: Stride
+    v_stride: Stride
+    o_stride: Stride
+    do_stride: Optional[Stride] = None
+    mask: MaskSpec = field(default_factory=MaskSpec)
+    out_dtype: torch.dtype = torch.bfloat16
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    deterministic: bool = True
+
+    def __post_init__(self):
+        for name in ("b", "h_q", "h_k", "h_v", "s_q", "s_kv", "d_qk", "d_v"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.h_q % self.h_k or self.h_q % self.h_v:
+            raise ValueError(f"h_q ({self.h_q}) must be divisible by h_k ({self.h_k}) and h_v ({self.h_v})")
+        if not isinstance(self.attn_scale, (int, float)) or not (float(self.attn_scale) == float(self.attn_scale)) \
+                or abs(float(self.attn_scale)) == float("inf"):
+            raise ValueError(f"attn_scale must be a finite float, got {self.attn_scale!r}")
+        for name in ("q_stride", "k_stride", "v_stride", "o_stride", "do_stride"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _check_stride(name, value))
+        object.__setattr__(self, "attn_scale", float(self.attn_scale))
+        if not isinstance(self.mask, MaskSpec):
+            raise TypeError(f"mask must be a mxattn.MaskSpec, got {type(self.mask).__name__}")
+        if self.out_dtype not in OUT_DTYPES:
+            raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {self.out_dtype}")
+        if self.fp8_dtype not in FP8_DTYPES:
+            raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.fp8_dtype}")
+
+    @classmethod
+    def from_layout(cls, b: int, h_q: int, h_kv: int, s_q: int, s_kv: int, d_qk: int, d_v: Optional[int] = None, *,
+                    layout: str = "bshd", attn_scale: Optional[float] = None, mask: Optional[MaskSpec] = None,
+                    out_dtype: torch.dtype = torch.bfloat16, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                    deterministic: bool = True) -> "GraphConfig":
+        """Config for dense tensors in a named layout (all of Q, K, V, O, dO in that layout)."""
+        d_v = d_qk if d_v is None else d_v
+        o_stride = layout_strides(layout, (b, h_q, s_q, d_v))
+        return cls(b=b, h_q=h_q, h_k=h_kv, h_v=h_kv, s_q=s_q, s_kv=s_kv, d_qk=d_qk, d_v=d_v,
+                   attn_scale=d_qk ** -0.5 if attn_scale is None else attn_scale,
+                   q_stride=layout_strides(layout, (b, h_q, s_q, d_qk)),
+                   k_stride=layout_strides(layout, (b, h_kv, s_kv, d_qk)),
+                   v_stride=layout_strides(layout, (b, h_kv, s_kv, d_v)),
+                   o_stride=o_stride, do_stride=o_stride, mask=mask or MaskSpec(), out_dtype=out_dtype,
+                   fp8_dtype=fp8_dtype, deterministic=deterministic)
+
+    # --- shapes -------------------------------------------------------------------------------------------------
+    @property
+    def q_shape(self) -> Shape:
+        return (self.b, self.h_q, self.s_q, self.d_qk)
+
+    @property
+    def k_shape(self) -> Shape:
+        return (self.b, self.h_k, self.s_kv, self.d_qk)
+
+    @property
+    def v_shape(self) -> Shape:
+        return (self.b, self.h_v, self.s_kv, self.d_v)
+
+    @property
+    def o_shape(self) -> Shape:
+        return (self.b, self.h_q, self.s_q, self.d_v)
+
+    @property
+    def stats_shape(self) -> Shape:
+        return (self.b, self.h_q, self.s_q, 1)
+
+    def describe(self) -> str:
+        """One line for error messages and tables."""
+        m = self.mask
+        mask = "none" if m.is_unmasked else (f"{'causal ' if m.causal else ''}{m.diagonal_alignment}"
+                                             f" left={m.left_bound} right={m.effective_right_bound}")
+        return (f"b={self.b} h_q={self.h_q} h_k={self.h_k} h_v={self.h_v} s_q={self.s_q} s_kv={self.s_kv} "
+                f"d_qk={self.d_qk} d_v={self.d_v} layout={layout_name(self.q_stride)} mask=[{mask}] "
+                f"out={str(self.out_dtype).replace('torch.', '')} fp8={str(self.fp8_dtype).replace('torch.', '')}"
+                f" deterministic={self.deterministic}")
+
+    # --- what every variant-pack slot must look like: uid -> (shape, stride, torch dtype) --------------------------
+    @cached_property
+    def forward_specs(self) -> Dict[int, Tuple[Shape, Stride, torch.dtype]]:
+        sq, sk, sv = (row_scale_dims(*self.q_shape), row_scale_dims(*self.k_shape), col_scale_dims(*self.v_shape))
+        f8 = self.fp8_dtype
+        return _plain_keys({
+            FwdUid.Q: (self.q_shape, self.q_stride, f8),
+            FwdUid.K: (self.k_shape, self.k_stride, f8),
+            FwdUid.V: (self.v_shape, self.v_stride, f8),
+            FwdUid.SF_Q: (sq, row_major(sq), SCALE_DTYPE),
+            FwdUid.SF_K: (sk, row_major(sk), SCALE_DTYPE),
+            FwdUid.SF_V: (sv, col_scale_stride(sv), SCALE_DTYPE),
+            FwdUid.O: (self.o_shape, self.o_stride, self.out_dtype),
+            FwdUid.STATS: (self.stats_shape, row_major(self.stats_shape), torch.float32),
+            FwdUid.AMAX_O: ((1, 1, 1, 1), (1, 1, 1, 1), torch.float32),
+        })
+
+    @cached_property
+    def backward_specs(self) -> Dict[int, Tuple[Shape, Stride, torch.dtype]]:
+        do_stride = self.o_stride if self.do_stride is None else self.do_stride
+        f8, f16 = self.fp8_dtype, self.out_dtype
+        scales = {
+            BwdUid.SF_Q: row_scale_dims(*self.q_shape), BwdUid.SF_K: row_scale_dims(*self.k_shape),
+            BwdUid.SF_V: row_scale_dims(*self.v_shape), BwdUid.SF_DO: row_scale_dims(*self.o_shape),
+        }
+        col_scales = {
+            BwdUid.SF_Q_T: col_scale_dims(*self.q_shape), BwdUid.SF_K_T: col_scale_dims(*self.k_shape),
+            BwdUid.SF_DO_T: col_scale_dims(*self.o_shape),
+        }
+        specs = {
+            BwdUid.Q: (self.q_shape, self.q_stride, f8), BwdUid.Q_T: (self.q_shape, self.q_stride, f8),
+            BwdUid.K: (self.k_shape, self.k_stride, f8), BwdUid.K_T: (self.k_shape, self.k_stride, f8),
+            BwdUid.V: (self.v_shape, self.v_stride, f8),
+            BwdUid.O: (self.o_shape, self.o_stride, f16), BwdUid.DO_F16: (self.o_shape, do_stride, f16),
+            BwdUid.DO: (self.o_shape, do_stride, f8), BwdUid.DO_T: (self.o_shape, do_stride, f8),
+            BwdUid.STATS: (self.stats_shape, row_major(self.stats_shape), torch.float32),
+            BwdUid.DQ: (self.q_shape, self.q_stride, f16), BwdUid.DK: (self.k_shape, self.k_stride, f16),
+            BwdUid.DV: (self.v_shape, self.v_stride, f16),
+        }
+        specs.update({uid: (dims, row_major(dims), SCALE_DTYPE) for uid, dims in scales.items()})
+        specs.update({uid: (dims, col_scale_stride(dims), SCALE_DTYPE) for uid, dims in col_scales.items()})
+        for uid in (BwdUid.AMAX_DQ, BwdUid.AMAX_DK, BwdUid.AMAX_DV):
+            specs[uid] = ((1, 1, 1, 1), (1, 1, 1, 1), torch.float32)
+        return _plain_keys(dict(sorted(specs.items())))
+
+
+def _plain_keys(specs: dict) -> dict:
+    """Slot specs keyed by plain ints (the variant pack's keys), in uid order of the graph's slots."""
+    return {int(uid): spec for uid, spec in specs.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# graph builders
+# ---------------------------------------------------------------------------------------------------------------
+_CUDNN_TYPES = {torch.float32: cudnn.data_type.FLOAT, SCALE_DTYPE: cudnn.data_type.FP8_E8M0,
+                **OUT_DTYPES, **FP8_DTYPES}
+
+
+def _new_graph(cfg: GraphConfig, handle, sm_version: int, name: str):
+    if handle is None:  # deviceless: lowering and cuDNN's validation target `sm_version`, no GPU needed
+        handle_kwargs = dict(handle=cudnn.Handle(None), sm_version=sm_version)
+    else:
+        handle_kwargs = dict(handle=handle)
+    return cudnn.pygraph(name=name, io_data_type=FP8_DTYPES[cfg.fp8_dtype],
+                         intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT,
+                         **handle_kwargs)
+
+
+def _declare_inputs(graph, specs, uids):
+    out = {}
+    for uid in uids:
+        shape, stride, dtype = specs[int(uid)]
+        is_scale = dtype == SCALE_DTYPE
+        out[uid] = graph.tensor(dim=list(shape), stride=list(stride), data_type=_CUDNN_TYPES[dtype], uid=int(uid),
+                                name=uid.name, reordering_type=cudnn.tensor_reordering.F8_128x4 if is_scale else None)
+    return out
+
+
+def _declare_outputs(graph_outputs, specs, uids):
+    for tensor, uid in zip(graph_outputs, uids):
+        shape, stride, dtype = specs[int(uid)]
+        tensor.set_uid(int(uid)).set_name(uid.name).set_output(True).set_dim(list(shape)).set_stride(list(stride))
+        tensor.set_data_type(_CUDNN_TYPES[dtype])
+
+
+def _finish(graph, cfg: GraphConfig, what: str):
+    try:
+        graph.validate()
+        graph.build_operation_graph()
+    except (cudnn.cudnnGraphNotSupportedError, ValueError, RuntimeError) as exc:
+        raise MXFP8NotSupportedError(f"cuDNN rejected the MXFP8 {what} graph for {cfg.describe()}: {exc}") from None
+    return graph
+
+
+def build_forward_graph(cfg: GraphConfig, handle=None, *, sm_version: int = 100):
+    """The `sdpa_mxfp8` forward graph for `cfg`, validated and with its operation graph built.
+
+    Inputs Q, K, V (FP8, uids FwdUid.Q/K/V) and SF_Q, SF_K (row-wise) / SF_V (column-wise) E8M0 F8_128x4 scales;
+    outputs O [b,h_q,s_q,d_v] (out_dtype), Stats [b,h_q,s_q,1] FP32 (log-sum-exp) and Amax_O [1,1,1,1] FP32.
+    `handle`: the cudnn.Handle to plan and run with; None builds a deviceless graph whose lowering targets
+    `sm_version` (for inspection and validation without a GPU; it cannot be planned).
+    Raises MXFP8NotSupportedError with cuDNN's reason if cuDNN rejects the graph.
+    """
+    specs = cfg.forward_specs
+    graph = _new_graph(cfg, handle, sm_version, "mxattn_mxfp8_fwd")
+    t = _declare_inputs(graph, specs, (FwdUid.Q, FwdUid.K, FwdUid.V, FwdUid.SF_Q, FwdUid.SF_K, FwdUid.SF_V))
+    mask = cfg.mask
+    outputs = graph.sdpa_mxfp8(
+        q=t[FwdUid.Q], k=t[FwdUid.K], v=t[FwdUid.V],
+        descale_q=t[FwdUid.SF_Q], descale_k=t[FwdUid.SF_K], descale_v=t[FwdUid.SF_V],
+        attn_scale=cfg.attn_scale, generate_stats=True,
+        diagonal_alignment=_ALIGNMENT[mask.diagonal_alignment],
+        diagonal_band_left_bound=mask.left_bound, diagonal_band_right_bound=mask.effective_right_bound,
+        name="sdpa_mxfp8")
+    _declare_outputs(outputs, specs, (FwdUid.O, FwdUid.STATS, FwdUid.AMAX_O))
+    return _finish(graph, cfg, "forward")
+
+
+def build_backward_graph(cfg: GraphConfig, handle=None, *, sm_version: int = 100):
+    """The `sdpa_mxfp8_backward` graph for `cfg`, validated and with its operation graph built.
+
+    Inputs: Q, Q_T, K, K_T, V, dO, dO_T (FP8; *_T are the column-wise quantized copies), O and dO in out_dtype,
+    Stats [b,h_q,s_q,1] FP32 from the forward, and the seven E8M0 F8_128x4 scales (SF_Q/SF_K/SF_V/SF_DO row-wise,
+    SF_Q_T/SF_K_T/SF_DO_T column-wise). Outputs dQ, dK, dV (out_dtype, strides of Q, K, V) and their FP32 amaxes.
+    `handle`/`sm_version` as in build_forward_graph.
+    """
+    specs = cfg.backward_specs
+    graph = _new_graph(cfg, handle, sm_version, "mxattn_mxfp8_bwd")
+    inputs = [u for u in BwdUid if u not in (BwdUid.DQ, BwdUid.DK, BwdUid.DV, BwdUid.AMAX_DQ, BwdUid.AMAX_DK,
+                                              BwdUid.AMAX_DV)]
+    t = _declare_inputs(graph, specs, inputs)
+    mask = cfg.mask
+    outputs = graph.sdpa_mxfp8_backward(
+        q=t[BwdUid.Q], q_T=t[BwdUid.Q_T], k=t[BwdUid.K], k_T=t[BwdUid.K_T], v=t[BwdUid.V],
+        o_f16=t[BwdUid.O], dO_f16=t[BwdUid.DO_F16], dO=t[BwdUid.DO], dO_T=t[BwdUid.DO_T], stats=t[BwdUid.STATS],
+        descale_q=t[BwdUid.SF_Q], descale_q_T=t[BwdUid.SF_Q_T], descale_k=t[BwdUid.SF_K],
+        descale_k_T=t[BwdUid.SF_K_T], descale_v=t[BwdUid.SF_V], descale_dO=t[BwdUid.SF_DO],
+        descale_dO_T=t[BwdUid.SF_DO_T],
+        attn_scale=cfg.attn_scale, use_deterministic_algorithm=cfg.deterministic,
+        diagonal_alignment=_ALIGNMENT[mask.diagonal_alignment],
+        left_bound=mask.left_bound, right_bound=mask.effective_right_bound,
+        name="sdpa_mxfp8_backward")
+    _declare_outputs(outputs, specs, (BwdUid.DQ, BwdUid.DK, BwdUid.DV, BwdUid.AMAX_DQ, BwdUid.AMAX_DK,
+                                      BwdUid.AMAX_DV))
+    return _finish(graph, cfg, "backward")
+
+
+def graph_json(graph) -> dict:
+    """cuDNN's own JSON description of `graph` (a dict: "nodes", "tensors" with dim/stride/data_type/
+    reordering_type/uid, "context", versions).
+
+    A graph already lowered to the cuDNN C++ frontend (planned on a device) is described as it is. Otherwise it is
+    lowered here, which needs a deviceless graph (built with handle=None), and cuDNN's C++ `validate()` runs first
+    (raises MXFP8NotSupportedError with cuDNN's reason). Relies on the pure-Python pygraph's lowering hook
+    (`_lower_to_cpp`) of cudnn-frontend 1.32, the only way to reach the C++ JSON without a GPU.
+    """
+    lowered = getattr(graph, "_lowered_graph", None)
+    if lowered is None:
+        lower = getattr(graph, "_lower_to_cpp", None)
+        if lower is None:
+            raise RuntimeError("this cudnn-frontend's pygraph has no _lower_to_cpp(); graph_json needs 1.32's layout")
+        lowered = lower()
+        try:
+            lowered.validate()
+        except (cudnn.cudnnGraphNotSupportedError, ValueError) as exc:
+            raise MXFP8NotSupportedError(f"cuDNN's validation rejected the graph: {exc}") from None
+    return json.loads(repr(lowered))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scale buffers (compact E8M0 scales -> the F8_128x4 bytes cuDNN reads)
+# ---------------------------------------------------------------------------------------------------------------
+def row_scale_buffer(scale: torch.Tensor) -> torch.Tensor:
+    """Row-wise compact scale [B, H, S, ceil(D/32)] (e8m0) -> F8_128x4 buffer [B, H, Sp, D32p] (e8m0, row-major),
+    each (b, h) slab swizzled on its own."""
+    return swizzle_128x4(scale)
+
+
+def col_scale_buffer(scale: torch.Tensor) -> torch.Tensor:
+    """Column-wise compact scale [B, H, ceil(S/32), D] (e8m0) -> F8_128x4 buffer declared [B, H, S32p, Dp] with
+    strides `col_scale_stride` (e8m0).
+
+    Bytes: each slab's scale rows zero-padded to S32p, the whole [B*H*S32p, D] matrix transposed to
+    M=D x K=B*H*S32p and swizzled (D tile outermost; module docstring)."""
+    b, h, s32, d = scale.shape
+    dims = col_scale_dims(b, h, s32 * BLOCK, d)
+    s32p = dims[2]
+    raw = scale.view(torch.uint8)
+    if s32p != s32:
+        raw = torch.nn.functional.pad(raw, (0, 0, 0, s32p - s32))
+    buf = swizzle_128x4(raw.reshape(b * h * s32p, d).t())  # [Dp, B*H*S32p], contiguous
+    return buf.view(SCALE_DTYPE).as_strided(dims, col_scale_stride(dims))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# variant packs
+# ---------------------------------------------------------------------------------------------------------------
+def _pack(specs, named, uids, check: bool) -> Dict[int, torch.Tensor]:
+    if not check:
+        return {uid: tensor for uid, (_, tensor) in zip(specs, named)}
+    pack = {}
+    for (uid, (shape, stride, dtype)), (name, tensor) in zip(specs.items(), named):
+        assert uids(uid).name.lower() == name, (uid, name)  # the slot orders of the specs and the arguments agree
+        if tensor.dtype != dtype or tensor.shape != shape or tensor.stride() != stride:
+            raise ValueError(f"{name} must be {tuple(shape)} {dtype} with strides {stride} for this graph, got "
+                             f"{tuple(tensor.shape)} {tensor.dtype} strides {tensor.stride()}")
+        pack[uid] = tensor
+    return pack
+
+
+def forward_pack(cfg: GraphConfig, *, q, sf_q, k, sf_k, v, sf_v, o, stats, amax_o, check: bool = True
+                 ) -> Dict[int, torch.Tensor]:
+    """uid -> tensor for the forward graph. q/k/v: FP8 data; sf_*: F8_128x4 buffers (row_scale_buffer for Q, K;
+    col_scale_buffer for V); o, stats, amax_o: output buffers. Raises ValueError naming a tensor whose shape,
+    strides or dtype differ from the graph's. `check=False` skips that check: only for callers whose tensors are
+    derived from `cfg` by construction (the cudnn backend, where the cache key pins every argument's geometry)."""
+    return _pack(cfg.forward_specs, (("q", q), ("k", k), ("v", v), ("sf_q", sf_q), ("sf_k", sf_k), ("sf_v", sf_v),
+                                     ("o", o), ("stats", stats), ("amax_o", amax_o)), FwdUid, check)
+
+
+def backward_pack(cfg: GraphConfig, *, q, q_t, k, k_t, v, o, do_f16, do, do_t, stats, sf_q, sf_q_t, sf_k, sf_k_t,
+                  sf_v, sf_do, sf_do_t, dq, dk, dv, amax_dq, amax_dk, amax_dv, check: bool = True
+                  ) -> Dict[int, torch.Tensor]:
+    """uid -> tensor for the backward graph (names as the BwdUid members, lower case); `check` as in
+    forward_pack."""
+    named = (("q", q), ("q_t", q_t), ("k", k), ("k_t", k_t), ("v", v), ("o", o), ("do_f16", do_f16), ("do", do),
+             ("do_t", do_t), ("stats", stats), ("sf_q", sf_q), ("sf_q_t", sf_q_t), ("sf_k", sf_k),
+             ("sf_k_t", sf_k_t), ("sf_v", sf_v), ("sf_do", sf_do), ("sf_do_t", sf_do_t), ("dq", dq), ("dk", dk),
+             ("dv", dv), ("amax_dq", amax_dq), ("amax_dk", amax_dk), ("amax_dv", amax_dv))
+    return _pack(cfg.backward_specs, named, BwdUid, check)
+
+
+def operand(x: MXFP8Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 data, F8_128x4 scale buffer) of an MXFP8Tensor quantized along D (axis 3) or S (axis 2)."""
+    if x.axis == 3:
+        return x.data, row_scale_buffer(x.scale)
+    if x.axis == 2:
+        return x.data, col_scale_buffer(x.scale)
+    raise ValueError(f"MXFP8Tensor must be quantized along D (axis 3) or S (axis 2) of [B, H, S, D], got {x.axis}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# planning and the cache
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class PlannedGraph:
+    """A graph with a built execution plan, ready for `execute` on the device it was planned for."""
+
+    kind: str
+    cfg: GraphConfig
+    graph: object
+    workspace_size: int
+
+
+def plan_graph(graph, cfg: GraphConfig, kind: str) -> PlannedGraph:
+    """create_execution_plans + check_support + build_plans; cuDNN's refusal becomes MXFP8NotSupportedError."""
+    try:
+        graph.create_execution_plans(list(HEUR_MODES))
+        graph.check_support()
+        graph.build_plans()
+        workspace = int(graph.get_workspace_size())
+    except (cudnn.cudnnGraphNotSupportedError, ValueError, RuntimeError, NotImplementedError) as exc:
+        raise MXFP8NotSupportedError(f"cuDNN has no plan for the MXFP8 {kind} graph ({cfg.describe()}): "
+                                     f"{type(exc).__name__}: {exc}") from None
+    return PlannedGraph(kind, cfg, graph, workspace)
+
+
+_BUILDERS: Dict[str, Callable] = {"forward": build_forward_graph, "backward": build_backward_graph}
+
+
+def build_and_plan(kind: str, cfg: GraphConfig, handle) -> PlannedGraph:
+    """Build the `kind` ("forward"/"backward") graph for `cfg` with cuDNN handle `handle` and plan it."""
+    return plan_graph(_BUILDERS[kind](cfg, handle), cfg, kind)
+
+
+class GraphCache:
+    """Bounded, thread-safe LRU of planned graphs.
+
+    Keys are hashable descriptions of (graph config, device): `planned_graph` uses (kind, GraphConfig, device
+    index); the cudnn backend uses the tuple of every fact of its argument tensors that a config is derived
+    from, which skips re-deriving and re-validating a GraphConfig on a hit. A miss calls `build()` outside the
+    lock (two threads missing one key may both build; the first stored wins and every caller gets that object).
+    Failures are not cached: a retry asks cuDNN again.
+    """
+
+    def __init__(self, maxsize: int = 64):
+        if maxsize < 1:
+            raise ValueError(f"maxsize must be >= 1, got {maxsize}")
+        self.maxsize = maxsize
+        self._entries: "OrderedDict[object, PlannedGraph]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def lookup(self, key) -> Optional[PlannedGraph]:
+        """The entry for `key` (now the most recently used), or None."""
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+            return hit
+
+    def get(self, key, build: Callable[[], PlannedGraph]) -> PlannedGraph:
+        """The entry for `key`, made by `build()` on a miss."""
+        hit = self.lookup(key)
+        if hit is not None:
+            return hit
+        built = build()
+        with self._lock:
+            planned = self._entries.setdefault(key, built)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+        return planned
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+GRAPH_CACHE = GraphCache()
+
+
+def planned_graph(kind: str, cfg: GraphConfig, device_index: int, handle, cache: GraphCache = GRAPH_CACHE
+                  ) -> PlannedGraph:
+    """The planned `kind` graph for `cfg` on CUDA device `device_index` from `cache` (built with `handle`, a
+    cudnn.Handle of that device, on a miss). MXFP8NotSupportedError if cuDNN cannot run it."""
+    return cache.get((kind, cfg, device_index), lambda: build_and_plan(kind, cfg, handle))

@@ -1,0 +1,194 @@
+"""Triton MXFP8 attention forward (spec section 6) for GPUs without MXFP8 tensor cores (Hopper, Ada, Ampere).
+
+Q and K (row-wise) and V (column-wise) arrive as E4M3 data with compact E8M0 scales. Each tile is dequantized
+exactly to BF16 (E4M3 * 2^k fits BF16) and multiplied on the BF16 tensor cores with FP32 accumulation. The
+softmax is online over 128-wide KV blocks taken in ascending order, as the reference does; P is quantized to
+E4M3 with the fixed scale 256 before the P V product. Output: O (bf16/fp16) and log-sum-exp stats (fp32).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_quantize import dequant_cols, dequant_rows
+
+BLOCK_N = 128  # KV block of the online softmax: fixed by the recipe, not a tuning knob
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n, offs_d,
+               stride_kn, stride_kd, stride_ksn, stride_vn, stride_vd, stride_vsn, SKV, D, qk_scale, offset, LB, RB,
+               MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr):
+    # 2-D pointers are rebuilt from scalars and 1-D ranges each block, so they do not occupy registers
+    # across the loop
+    cols = n0 + offs_n
+    k_ptrs = Kb + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    ks_ptrs = KSb + offs_n[:, None] * stride_ksn + tl.arange(0, DP // 32)[None, :]
+    v_ptrs = Vb + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    vs_ptrs = VSb + tl.arange(0, BN // 32)[:, None] * stride_vsn + offs_d[None, :]
+    if MASK:
+        kmask = (cols < SKV)[:, None] & (offs_d < D)[None, :]
+        smask = (cols < SKV)[:, None] & (tl.arange(0, DP // 32) * 32 < D)[None, :]
+        k = tl.load(k_ptrs + n0 * stride_kn, mask=kmask, other=0.0)
+        ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=smask, other=127)
+    else:
+        if DP == D:
+            k = tl.load(k_ptrs + n0 * stride_kn)
+            ks = tl.load(ks_ptrs + n0 * stride_ksn)
+        else:
+            k = tl.load(k_ptrs + n0 * stride_kn, mask=(offs_d < D)[None, :], other=0.0)
+            ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=(tl.arange(0, DP // 32) * 32 < D)[None, :], other=127)
+    k_dq = dequant_rows(k, ks, BN, DP)
+    s = tl.dot(q_dq, tl.trans(k_dq)) * qk_scale
+    if MASK:
+        keep = (cols < SKV)[None, :]
+        if HAS_RB:
+            keep = keep & (cols[None, :] <= offs_m[:, None] + offset + RB)
+        if HAS_LB:
+            keep = keep & (cols[None, :] > offs_m[:, None] + offset - LB)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pq = (p * 256.0).to(tl.float8e4nv).to(tl.bfloat16)
+    if MASK:
+        vmask = (cols < SKV)[:, None] & (offs_d < D)[None, :]
+        v = tl.load(v_ptrs + n0 * stride_vn, mask=vmask, other=0.0)
+        vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn,
+                     mask=((n0 // 32 + tl.arange(0, BN // 32)) * 32 < SKV)[:, None] & (offs_d < D)[None, :],
+                     other=127)
+    else:
+        if DP == D:
+            v = tl.load(v_ptrs + n0 * stride_vn)
+            vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn)
+        else:
+            v = tl.load(v_ptrs + n0 * stride_vn, mask=(offs_d < D)[None, :], other=0.0)
+            vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn, mask=(offs_d < D)[None, :], other=127)
+    v_dq = dequant_cols(v, vs, BN, DP)
+    acc = acc * alpha[:, None] + tl.dot(pq, v_dq)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+        Q, QS, K, KS, V, VS, O, LSE,
+        sqb, sqh, sqs, sqd, sqsb, sqsh, sqss,
+        skb, skh, sks, skd, sksb, sksh, skss,
+        svb, svh, svs, svd, svsb, svsh, svss,
+        sob, soh, sos, sod, slb, slh, sls,
+        HQ, GROUP, SQ, SKV, D, qk_scale, offset, LB, RB,
+        HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr):
+    """Grid (cdiv(SQ, BM), B * HQ). Q/K row-wise scales [B,H,S,DP/32-ish], V column-wise [B,H,S/32,D]."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    hq = (pid_bh % HQ).to(tl.int64)
+    hk = hq // GROUP
+    m0 = pid_m * BM
+    offs_m = m0 + tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, DP)
+    offs_kb = tl.arange(0, DP // 32)
+
+    qmask = (offs_m < SQ)[:, None] & (offs_d < D)[None, :]
+    q = tl.load(Q + b * sqb + hq * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd, mask=qmask, other=0.0)
+    qs = tl.load(QS + b * sqsb + hq * sqsh + offs_m[:, None] * sqss + offs_kb[None, :],
+                 mask=(offs_m < SQ)[:, None] & (offs_kb * 32 < D)[None, :], other=127)
+    q_dq = dequant_rows(q, qs, BM, DP)
+
+    Kb = K + b * skb + hk * skh
+    KSb = KS + b * sksb + hk * sksh
+    Vb = V + b * svb + hk * svh
+    VSb = VS + b * svsb + hk * svsh
+
+    # KV range touched by rows [m0, m0 + BM) and the sub-range where no element is masked
+    zero = pid_m * 0  # keeps every bound a run-time i32 (both branches of the `if` below agree in type)
+    lo = zero
+    hi = zero + SKV
+    full_lo = zero
+    full_hi = zero + (SKV // BN) * BN
+    if HAS_RB:
+        hi = tl.minimum(SKV, tl.maximum(m0 + BM + offset + RB, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + offset + RB + 1, 0) // BN) * BN)
+    if HAS_LB:
+        lo = (tl.maximum(m0 + offset - LB + 1, 0) // BN) * BN
+        full_lo = ((tl.maximum(m0 + BM + offset - LB, 0) + BN - 1) // BN) * BN
+    full_lo = tl.maximum(full_lo, lo)
+    if full_hi <= full_lo:
+        full_lo = hi
+        full_hi = hi
+    mask_hi = tl.minimum(full_lo, hi)
+
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, DP], tl.float32)
+    for n0 in range(lo, mask_hi, BN):
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
+                                   offs_d, sks, skd, skss, svs, svd, svss, SKV, D, qk_scale, offset, LB, RB,
+                                   True, HAS_LB, HAS_RB, BM, BN, DP)
+    for n0 in range(full_lo, full_hi, BN):
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
+                                   offs_d, sks, skd, skss, svs, svd, svss, SKV, D, qk_scale, offset, LB, RB,
+                                   False, HAS_LB, HAS_RB, BM, BN, DP)
+    for n0 in range(tl.maximum(full_hi, mask_hi), hi, BN):
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
+                                   offs_d, sks, skd, skss, svs, svd, svss, SKV, D, qk_scale, offset, LB, RB,
+                                   True, HAS_LB, HAS_RB, BM, BN, DP)
+
+    has = l_i > 0.0
+    denom = tl.where(has, l_i * 256.0, 1.0)
+    o = tl.where(has[:, None], acc / denom[:, None], 0.0)
+    lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(O + b * sob + hq * soh + offs_m[:, None] * sos + offs_d[None, :] * sod,
+             o.to(O.dtype.element_ty), mask=qmask)
+    tl.store(LSE + b * slb + hq * slh + offs_m * sls, lse, mask=offs_m < SQ)
+
+
+def _fwd_config(dp: int):
+    """(BLOCK_M, num_warps, num_stages) for padded head dim dp."""
+    if dp <= 64:
+        return 128, 4, 3
+    if dp <= 128:
+        return 128, 8, 2
+    return 64, 8, 2
+
+
+def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, softmax_scale: float,
+                  offset: int, left_bound, right_bound, out: torch.Tensor, stats: torch.Tensor,
+                  config=None) -> None:
+    """Launch the forward kernel.
+
+    q_data [B,Hq,Sq,D] e4m3, q_scale [B,Hq,Sq,ceil(D/32)] e8m0 (row-wise); k_data/k_scale likewise with Hkv
+    heads and Skv rows; v_data [B,Hkv,Skv,D] e4m3 with v_scale_col [B,Hkv,ceil(Skv/32),D] e8m0 (column-wise).
+    Writes out [B,Hq,Sq,D] (bf16/fp16) and stats [B,Hq,Sq,1] fp32 (natural log-sum-exp, -inf for empty rows).
+    Scale tensors must have a contiguous last axis. offset: diagonal offset (0 top_left, Skv-Sq bottom_right).
+    config: optional (BLOCK_M, num_warps, num_stages) override (benchmark sweeps); BLOCK_M a multiple of 16.
+    """
+    B, HQ, SQ, D = q_data.shape
+    HKV, SKV = k_data.shape[1], k_data.shape[2]
+    dp = max(32, triton.next_power_of_2(D))
+    bm, warps, stages = config if config is not None else _fwd_config(dp)
+    u8 = torch.uint8
+    qs, ks, vs = q_scale.view(u8), k_scale.view(u8), v_scale_col.view(u8)
+    for name, t in (("q_scale", qs), ("k_scale", ks), ("v_scale_col", vs)):
+        if t.stride(3) != 1:
+            raise ValueError(f"{name} must have a contiguous last axis, got strides {tuple(t.stride())}")
+    grid = (triton.cdiv(SQ, bm), B * HQ)
+    _attn_fwd_kernel[grid](
+        q_data, qs, k_data, ks, v_data, vs, out, stats,
+        *q_data.stride(), *qs.stride()[:3],
+        *k_data.stride(), *ks.stride()[:3],
+        *v_data.stride(), *vs.stride()[:3],
+        *out.stride(), *stats.stride()[:3],
+        HQ, HQ // HKV, SQ, SKV, D, float(softmax_scale) * LOG2E, int(offset),
+        0 if left_bound is None else int(left_bound), 0 if right_bound is None else int(right_bound),
+        HAS_LB=left_bound is not None, HAS_RB=right_bound is not None,
+        BM=bm, BN=BLOCK_N, DP=dp, num_warps=warps, num_stages=stages)
+
+
+__all__ = ["attention_fwd", "BLOCK_N", "LOG2E"]

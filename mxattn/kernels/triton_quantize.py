@@ -1,0 +1,214 @@
+"""Fused Triton MXFP8 quantizer, and the device helpers the attention kernels share.
+
+`quantize_rowcol` reads a bf16/fp16/fp32 [B, H, S, D] tensor once (any strides) and writes row-wise (blocks of
+32 along D) and column-wise (blocks of 32 along S) E4M3 data with compact E8M0 scales, and on request the
+scales in F8_128x4 order too. The `@triton.jit` helpers below (E8M0 arithmetic, tile dequantization and
+quantize-dequantize) are used by the forward and backward kernels as well.
+
+Scale rule (spec section 2, round-up): ``e = biased_exponent(amax / 448) + (mantissa != 0)``, clamped to
+[0, 254]; ``e = 0`` when ``amax / 448 <= 2^-127``; ``e = 255`` for NaN (the whole block becomes NaN).
+Elements: ``RNE_saturate_E4M3(x * 2^(127 - e))`` (the hardware conversion saturates to +-448).
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def scale_exponent(amax):
+    """amax fp32 tile (>= 0 or NaN) -> int32 tile of E8M0 biased exponents (round-up rule)."""
+    descale = tl.math.div_rn(amax, 448.0)
+    bits = descale.to(tl.int32, bitcast=True)
+    expo = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    e = expo + (mant != 0).to(tl.int32)
+    # subnormal descale: at or below 2^-127 (mantissa <= 0x400000) gives 0, above it rounds up to 2^-126
+    e = tl.where(expo == 0, (mant > 0x400000).to(tl.int32), e)
+    e = tl.minimum(e, 254)
+    e = tl.where(amax != amax, 255, e)
+    return e
+
+
+@triton.jit
+def pow2_of_biased(e):
+    """int32 tile e in [0, 254] -> fp32 2^(e - 127) (exact, 2^-127 as a subnormal)."""
+    bits = tl.where(e == 0, 0x400000, e << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def inv_pow2_of_biased(e):
+    """int32 tile e in [0, 254] -> fp32 2^(127 - e) (exact; e = 254 gives 2^-127 as a subnormal)."""
+    bits = tl.where(e >= 254, 0x400000, (254 - e) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dequant_rows(x, s, R: tl.constexpr, C: tl.constexpr):
+    """x fp8 [R, C] with E8M0 bytes s (uint8) [R, C // 32] along axis 1 -> bf16 [R, C] (exact)."""
+    sc = pow2_of_biased(s.to(tl.int32))
+    y = tl.reshape(x.to(tl.float32), (R, C // 32, 32)) * sc[:, :, None]
+    return tl.reshape(y, (R, C)).to(tl.bfloat16)
+
+
+@triton.jit
+def dequant_cols(x, s, R: tl.constexpr, C: tl.constexpr):
+    """x fp8 [R, C] with E8M0 bytes s (uint8) [R // 32, C] along axis 0 -> bf16 [R, C] (exact)."""
+    sc = pow2_of_biased(s.to(tl.int32))
+    y = tl.reshape(x.to(tl.float32), (R // 32, 32, C)) * sc[:, None, :]
+    return tl.reshape(y, (R, C)).to(tl.bfloat16)
+
+
+@triton.jit
+def qdq_rows(x, R: tl.constexpr, C: tl.constexpr):
+    """fp32 [R, C] -> MXFP8 (E4M3, blocks of 32 along axis 1) and back, as bf16 [R, C]."""
+    x3 = tl.reshape(x, (R, C // 32, 32))
+    e = scale_exponent(tl.max(tl.abs(x3), axis=2))
+    q = (x3 * inv_pow2_of_biased(e)[:, :, None]).to(tl.float8e4nv)
+    y = q.to(tl.float32) * pow2_of_biased(e)[:, :, None]
+    return tl.reshape(y, (R, C)).to(tl.bfloat16)
+
+
+@triton.jit
+def _swizzle_offset(m, k, KP):
+    """Byte offset of (m, k) inside one F8_128x4 slab whose padded column count is KP (spec section 4)."""
+    return ((m // 128) * (KP // 4) + k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
+
+
+@triton.jit
+def _quantize_rowcol_kernel(
+        X, sxb, sxh, sxs, sxd,
+        QR, sqrb, sqrh, sqrs, sqrd, SR,
+        QC, sqcb, sqch, sqcs, sqcd, SC,
+        SRZ, SCZ,
+        H, S, D, NR, NC, SRZ_KP, SRZ_SLAB, SCZ_KP, SCZ_SLAB,
+        BS: tl.constexpr, BD: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SWZ: tl.constexpr):
+    """One [BS, BD] tile of x read once -> row-wise and/or column-wise E4M3 data and E8M0 scales."""
+    pid_s = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_s = pid_s * BS + tl.arange(0, BS)
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    mask = (offs_s < S)[:, None] & (offs_d < D)[None, :]
+    x = tl.load(X + b * sxb + h * sxh + offs_s[:, None] * sxs + offs_d[None, :] * sxd, mask=mask,
+                other=0.0).to(tl.float32)
+    if ROW:
+        x3 = tl.reshape(x, (BS, BD // 32, 32))
+        e = scale_exponent(tl.max(tl.abs(x3), axis=2))
+        y = tl.where((e == 255)[:, :, None], float("nan"), x3 * inv_pow2_of_biased(e)[:, :, None])
+        q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
+        tl.store(QR + b * sqrb + h * sqrh + offs_s[:, None] * sqrs + offs_d[None, :] * sqrd, q, mask=mask)
+        offs_k = pid_d * (BD // 32) + tl.arange(0, BD // 32)
+        smask = (offs_s < S)[:, None] & (offs_k < NR)[None, :]
+        tl.store(SR + (pid_bh.to(tl.int64) * S + offs_s[:, None]) * NR + offs_k[None, :], e.to(tl.uint8),
+                 mask=smask)
+        if SWZ:
+            off = _swizzle_offset(offs_s[:, None], offs_k[None, :], SRZ_KP)
+            tl.store(SRZ + pid_bh.to(tl.int64) * SRZ_SLAB + off, e.to(tl.uint8), mask=smask)
+    if COL:
+        x3 = tl.reshape(x, (BS // 32, 32, BD))
+        e = scale_exponent(tl.max(tl.abs(x3), axis=1))
+        y = tl.where((e == 255)[:, None, :], float("nan"), x3 * inv_pow2_of_biased(e)[:, None, :])
+        q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
+        tl.store(QC + b * sqcb + h * sqch + offs_s[:, None] * sqcs + offs_d[None, :] * sqcd, q, mask=mask)
+        offs_j = pid_s * (BS // 32) + tl.arange(0, BS // 32)
+        smask = (offs_j < NC)[:, None] & (offs_d < D)[None, :]
+        tl.store(SC + (pid_bh.to(tl.int64) * NC + offs_j[:, None]) * D + offs_d[None, :], e.to(tl.uint8),
+                 mask=smask)
+        if SWZ:
+            off = _swizzle_offset(offs_d[None, :], offs_j[:, None], SCZ_KP)
+            tl.store(SCZ + pid_bh.to(tl.int64) * SCZ_SLAB + off, e.to(tl.uint8), mask=smask)
+
+
+_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class RowColQuantized(NamedTuple):
+    """What `quantize_rowcol` returns; entries not asked for are None.
+
+    row / col: mxattn.formats.MXFP8Tensor (axis 3 / axis 2, compact E8M0 scales).
+    row_swizzled: uint8-compatible E8M0 [B, H, Sp, ceil(ceil(D/32)/4)*4] in F8_128x4 order.
+    col_swizzled: E8M0 [B, H, ceil(D/128)*128, ceil(ceil(S/32)/4)*4] in F8_128x4 order (M = D, K = S blocks).
+    """
+
+    row: Optional[object]
+    col: Optional[object]
+    row_swizzled: Optional[torch.Tensor]
+    col_swizzled: Optional[torch.Tensor]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _data_like(x: torch.Tensor) -> torch.Tensor:
+    """FP8 tensor with x's strides when x is dense, else contiguous (the MXFP8Tensor data convention)."""
+    if x.is_contiguous() or _is_dense(x):
+        return torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=torch.preserve_format)
+    return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+
+
+def _is_dense(x: torch.Tensor) -> bool:
+    """True when x's elements exactly fill a storage block of numel elements (any dimension order)."""
+    order = sorted(range(x.dim()), key=lambda i: x.stride(i))
+    expected = 1
+    for i in order:
+        if x.shape[i] != 1 and x.stride(i) != expected:
+            return False
+        expected *= x.shape[i]
+    return True
+
+
+def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swizzle: bool = False
+                    ) -> RowColQuantized:
+    """Fused MXFP8 quantizer: x [B, H, S, D] bf16/fp16/fp32 (any strides, CUDA) read once ->
+    row-wise (blocks of 32 along D) and/or column-wise (blocks of 32 along S) E4M3 data with compact E8M0
+    scales, and on request the scales also in F8_128x4 order. Bit-identical to mxattn.quantize_mxfp8."""
+    from ..formats import MXFP8Tensor
+
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"x must be 4-D [B, H, S, D], got shape {tuple(x.shape)}")
+    if x.dtype not in _IN_DTYPES:
+        raise TypeError(f"x must be one of {_IN_DTYPES}, got {x.dtype}")
+    if x.device.type != "cuda":
+        raise ValueError(f"x must be on a CUDA device, got {x.device}")
+    if not (row or col):
+        raise ValueError("quantize_rowcol: at least one of row, col must be True")
+    B, H, S, D = x.shape
+    nr, nc = _cdiv(D, 32), _cdiv(S, 32)
+    dev = x.device
+    dummy8 = torch.empty(1, dtype=torch.float8_e4m3fn, device=dev)
+    dummyu = torch.empty(1, dtype=torch.uint8, device=dev)
+    qr = _data_like(x) if row else dummy8
+    sr = torch.empty((B, H, S, nr), dtype=torch.uint8, device=dev) if row else dummyu
+    qc = _data_like(x) if col else dummy8
+    sc = torch.empty((B, H, nc, D), dtype=torch.uint8, device=dev) if col else dummyu
+    srz_kp, scz_kp = _cdiv(nr, 4) * 4, _cdiv(nc, 4) * 4
+    srz_slab, scz_slab = _cdiv(S, 128) * 128 * srz_kp, _cdiv(D, 128) * 128 * scz_kp
+    srz = torch.zeros((B, H, _cdiv(S, 128) * 128, srz_kp), dtype=torch.uint8, device=dev) \
+        if (swizzle and row) else dummyu
+    scz = torch.zeros((B, H, _cdiv(D, 128) * 128, scz_kp), dtype=torch.uint8, device=dev) \
+        if (swizzle and col) else dummyu
+    if x.numel() > 0:
+        bd = min(128, max(32, triton.next_power_of_2(D)))
+        bs = 64
+        grid = (_cdiv(S, bs), _cdiv(D, bd), B * H)
+        qr_st = qr.stride() if row else (0, 0, 0, 0)
+        qc_st = qc.stride() if col else (0, 0, 0, 0)
+        _quantize_rowcol_kernel[grid](
+            x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, srz, scz,
+            H, S, D, nr, nc, srz_kp, srz_slab, scz_kp, scz_slab,
+            BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle, num_warps=4)
+    e8 = torch.float8_e8m0fnu
+    return RowColQuantized(
+        MXFP8Tensor(qr, sr.view(e8), 3) if row else None,
+        MXFP8Tensor(qc, sc.view(e8), 2) if col else None,
+        srz.view(e8) if (swizzle and row) else None,
+        scz.view(e8) if (swizzle and col) else None)

@@ -1,0 +1,24 @@
+"""Independent reference (yardstick) emulator of cuDNN's MXFP8 SDPA numerics.
+
+Never imports ``mxattn``: it is the yardstick the library is measured against.
+"""
+
+from .mxfp8_ref import (
+    dequantize,
+    keep_mask,
+    quantize,
+    sdpa_bwd,
+    sdpa_bwd_quantized,
+    sdpa_fwd,
+    sdpa_fwd_quantized,
+)
+
+__all__ = [
+    "quantize",
+    "dequantize",
+    "keep_mask",
+    "sdpa_fwd",
+    "sdpa_bwd",
+    "sdpa_fwd_quantized",
+    "sdpa_bwd_quantized",
+]

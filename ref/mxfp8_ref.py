@@ -1,0 +1,517 @@
+"""Reference emulator of cuDNN's MXFP8 scaled-dot-product attention numerics (CPU, torch only).
+
+This module is the project's yardstick: it is written from the spec
+(shared/spec/MXFP8_ATTENTION.md sections 1-2, 6, 7), never imports ``mxattn``,
+and favours clarity over speed (vectorised torch, Python loops only over
+128-wide KV blocks and over memory chunks of heads / query rows).
+
+Quantization (spec section 2, "round-up" / RCEIL scale)
+-------------------------------------------------------
+For each block of 32 consecutive elements along ``axis`` (the last block of a
+length that is not a multiple of 32 is padded with zeros):
+  amax = max|x| in FP32; descale = amax / 448 in FP32;
+  e = biased FP32 exponent field of descale, +1 if any mantissa bit is set,
+      clamped to [0, 254]; descale <= 2^-127 (amax = 0 included) gives e = 0;
+      NaN amax gives e = 255;
+  element = RNE_saturate_E4M3(x * 2^(127 - e)), computed as an FP32 product
+  with the FP32 value 2^(127-e) and clamped to +-448 before the cast.
+Infinities follow torchao 0.18 ``to_mx(..., ScaleCalculationMode.RCEIL)``
+(checked on this machine, see tests/test_ref.py): a block whose amax is +inf
+gets e = 254 (descale = inf has exponent field 255 and no mantissa bits, the
+clamp gives 254); its elements are x * 2^-127, so +-inf saturates to +-448 and
+finite neighbours become tiny (mostly 0). A NaN block gets e = 255 and every
+element of that block becomes NaN (torchao multiplies by the NaN reciprocal).
+Inputs are cast to FP32 first (FP64 inputs are therefore rounded to FP32).
+Random data at magnitudes 1e-6..1e6 (bf16 and fp32) is bit-identical to
+torchao's RCEIL. Known differences from torchao's eager (CPU) RCEIL, where
+this module follows the spec (and TransformerEngine's ``float_to_e8m0`` /
+``exp2f_rcp`` as described in cudnn-frontend ``test/python/sdpa/mxfp8_quant.py``):
+(a) torchao takes ceil(log2(descale)) in FP32, which misses the round-up when
+descale is within ~1e-7 relative above a power of two (e.g. amax =
+nextafter(448 * 2^k), |k| >= 2): torchao gives 127+k, the bit rule 128+k;
+(b) for 0 < descale <= 2^-127 (amax <= ~2.6e-36) torchao multiplies by 1.0
+instead of 2^127, so its elements flush to 0; here they are x * 2^127.
+Note also that TE / the cuDNN frontend test helpers form descale as
+amax * fp32(1/448) (one FP32 multiply) rather than amax / 448; the two can
+differ by one ulp, which changes e only when amax is within an ulp of
+448 * 2^k. This module divides, as the spec and torchao do.
+
+Mask rule (verified, cuDNN frontend meaning)
+--------------------------------------------
+offset = 0 for diagonal_alignment "top_left", s_kv - s_q for "bottom_right".
+Query row i keeps key column j iff
+    (right_bound is None or j - i <= offset + right_bound) and
+    (left_bound  is None or j - i >  offset - left_bound).
+causal=True is right_bound = 0. left_bound >= 1 (a sliding-window length:
+the row keeps at most left_bound keys at or left of its diagonal), right_bound >= 0.
+Sources: NVIDIA/cudnn-frontend ``test/python/sdpa/fp16_ref.py`` class
+``_ScoreMask`` (masks ``rel > diag_offset + right_bound`` and
+``rel <= diag_offset - left_bound`` with rel = col - row and diag_offset =
+s_kv - s_q for BOTTOM_RIGHT); the installed frontend 1.32
+``cudnn/sdpa/graph_analyzer.py`` (``window_left = left_bound - 1``,
+``diagonal_band_left_bound`` / ``sliding_window_length`` are the same knob,
+use_causal_mask pins right_bound to 0, left_bound < 1 is invalid) and
+``cudnn/sdpa/fwd/config_sm100.py`` ("row q attends kv in [q - window_left,
+q + window_right], shifted by S_kv - S_q when bottom_right"). This equals the
+tentative rule in CONTRACT.md. Rows that keep nothing give O = 0,
+stats = -inf and zero gradients.
+
+Forward (spec section 6) walks KV in blocks of 128 with an online softmax
+(l from the unquantized P), Pq = E4M3(P * p_scale) / p_scale, O += Pq V_dq.
+Backward (spec section 7) recomputes S from row-wise Q, K; P is the
+normalized FP32 softmax (from ``stats`` when given, in the kernel's log2
+form 2^(S_raw * attn_scale * log2 e - stats * log2 e)); delta = rowsum(O * dO)
+in FP32 from the high-precision O and dO; dS is MXFP8-quantized along s_kv
+(for dQ) and along s_q (for dK); GQA dK/dV are summed over the group in FP32.
+
+Identity switch ``quantize_inputs=False``: every quantization (Q, K, V, P,
+dO, dS) is the identity; the math runs in float64 when all inputs are float64
+(stats are then float64 too), else in float32.
+
+Optional ``rescale_threshold`` (forward only, default None = spec literal,
+the running max is always updated): when a float t is given, the running max
+is only replaced when a block max exceeds it by more than t * ln 2 (lazy
+rescaling, P then reaches up to 2^t). cuDNN frontend's own reference
+``test/python/sdpa/mxfp8_ref.py`` and the frontend 1.32 OSS MXFP8 prefill
+kernels use t = 4 together with p_scale = 16 in the forward (the backward
+keeps 256); pass ``p_scale=16.0, rescale_threshold=4.0`` to emulate that.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+BLOCK_SIZE = 32
+E4M3_MAX = 448.0
+KV_BLOCK = 128
+# Upper bound on the elements of one [rows, s_kv] score slab in the backward
+# (several such slabs are alive at once): 2^24 fp32 = 64 MiB each.
+CHUNK_ELEMS = 1 << 24
+_LOG2E = math.log2(math.e)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_float_tensor(x, name: str, ndim: Optional[int] = None) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected dtype float16/bfloat16/float32/float64, got {x.dtype}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(x.shape)}")
+
+
+def _norm_axis(axis, ndim: int) -> int:
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise TypeError(f"axis: expected an int, got {type(axis).__name__}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis: expected a value in [{-ndim}, {ndim - 1}], got {axis}")
+    return axis % ndim
+
+
+def _check_out_dtype(out_dtype) -> None:
+    if out_dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"out_dtype: expected float16/bfloat16/float32/float64, got {out_dtype!r}")
+
+
+def _check_p_scale(p_scale) -> float:
+    if isinstance(p_scale, bool) or not isinstance(p_scale, (int, float)) or not p_scale > 0 or math.isinf(p_scale):
+        raise ValueError(f"p_scale: expected a finite positive number, got {p_scale!r}")
+    return float(p_scale)
+
+
+def _check_shapes(q, k, v, names=("q", "k", "v")) -> Tuple[int, int, int, int, int, int, int]:
+    """Shapes of q [B,Hq,Sq,D], k [B,Hkv,Skv,D], v [B,Hkv,Skv,Dv]; returns (B,Hq,Hkv,Sq,Skv,D,Dv)."""
+    nq, nk, nv = names
+    for t, n in ((q, nq), (k, nk), (v, nv)):
+        if t.dim() != 4:
+            raise ValueError(f"{n}: expected a 4-D [B, H, S, D] tensor, got shape {tuple(t.shape)}")
+    B, Hq, Sq, D = q.shape
+    Bk, Hkv, Skv, Dk = k.shape
+    if Bk != B or Dk != D:
+        raise ValueError(f"{nk}: expected [B={B}, Hkv, Skv, D={D}], got {tuple(k.shape)}")
+    if tuple(v.shape[:3]) != (B, Hkv, Skv):
+        raise ValueError(f"{nv}: expected [B={B}, Hkv={Hkv}, Skv={Skv}, Dv], got {tuple(v.shape)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"{nk}: number of heads {Hkv} must divide the query heads {Hq} (GQA/MQA)")
+    if min(B, Hq, Sq, Skv, D, v.shape[3]) == 0:
+        raise ValueError(f"{nq}/{nk}/{nv}: empty dimensions are not supported: {tuple(q.shape)}, {tuple(k.shape)}")
+    return B, Hq, Hkv, Sq, Skv, D, v.shape[3]
+
+
+def _attn_scale(attn_scale, d: int) -> float:
+    if attn_scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(attn_scale, bool) or not isinstance(attn_scale, (int, float)) or not math.isfinite(attn_scale):
+        raise ValueError(f"attn_scale: expected a finite number or None, got {attn_scale!r}")
+    return float(attn_scale)
+
+
+# --------------------------------------------------------------------------- MXFP8 quantization
+
+
+def _exp2_f32(k: torch.Tensor) -> torch.Tensor:
+    """Exact FP32 2^k for integer k in [-149, 127] (via float64)."""
+    return torch.exp2(k.to(torch.float64)).to(torch.float32)
+
+
+def _scale_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """Round-up E8M0 biased exponent (int32) of FP32 ``amax`` / 448 (spec section 2)."""
+    descale = amax.to(torch.float32) / E4M3_MAX
+    bits = descale.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    e = e.clamp(0, 254)
+    e = torch.where(descale <= 2.0**-127, 0, e)
+    return torch.where(torch.isnan(descale), 255, e).to(torch.int32)
+
+
+def _quantize_blocks(x32: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x32 fp32 [..., n] with n % 32 == 0 -> (fp8 e4m3 data [..., n], int32 exponents [..., n/32])."""
+    blocks = x32.unflatten(-1, (-1, BLOCK_SIZE))
+    e = _scale_exponent(blocks.abs().amax(dim=-1))
+    rcp = torch.where(e == 255, float("nan"), _exp2_f32(127 - e))
+    y = (blocks * rcp.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
+    return y.to(torch.float8_e4m3fn).flatten(-2), e
+
+
+def quantize(x: torch.Tensor, axis: int = -1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 (E4M3 elements, E8M0 round-up scales) quantization along ``axis``.
+
+    x: float16/bfloat16/float32/float64 tensor of any shape (cast to FP32 first).
+    Returns (data, scale): data torch.float8_e4m3fn with x's shape (contiguous);
+    scale torch.float8_e8m0fnu with x's shape except ceil(n/32) at ``axis``
+    (contiguous). A length n that is not a multiple of 32 pads the last block with zeros.
+    """
+    _check_float_tensor(x, "x")
+    if x.dim() == 0:
+        raise ValueError("x: expected at least a 1-D tensor, got a scalar")
+    ax = _norm_axis(axis, x.dim())
+    n = x.shape[ax]
+    if n == 0:
+        raise ValueError(f"x: axis {ax} has length 0")
+    xl = x.movedim(ax, -1).to(torch.float32)
+    pad = (-n) % BLOCK_SIZE
+    if pad:
+        xl = F.pad(xl, (0, pad))
+    data, e = _quantize_blocks(xl)
+    data = data[..., :n].movedim(-1, ax).contiguous()
+    scale = e.to(torch.uint8).view(torch.float8_e8m0fnu).movedim(-1, ax).contiguous()
+    return data, scale
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, axis: int = -1) -> torch.Tensor:
+    """FP32 value of MXFP8 ``data`` (fp8, any shape) with compact ``scale`` along ``axis``.
+
+    scale: torch.float8_e8m0fnu (or uint8 holding the exponent bytes) with data's
+    shape except ceil(n/32) at ``axis``. Returns float32 data * 2^(e-127) (e = 255 -> NaN).
+    """
+    if not isinstance(data, torch.Tensor) or data.dtype not in _FP8_DTYPES:
+        raise TypeError(f"data: expected a float8_e4m3fn/float8_e5m2 tensor, got {getattr(data, 'dtype', type(data))}")
+    if not isinstance(scale, torch.Tensor) or scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(f"scale: expected a float8_e8m0fnu (or uint8) tensor, got {getattr(scale, 'dtype', type(scale))}")
+    if data.dim() == 0:
+        raise ValueError("data: expected at least a 1-D tensor, got a scalar")
+    ax = _norm_axis(axis, data.dim())
+    n = data.shape[ax]
+    want = list(data.shape)
+    want[ax] = -(-n // BLOCK_SIZE)
+    if list(scale.shape) != want:
+        raise ValueError(f"scale: expected shape {tuple(want)} for data {tuple(data.shape)} along axis {ax}, got {tuple(scale.shape)}")
+    e = scale.view(torch.uint8).to(torch.int32)
+    s = torch.where(e == 255, float("nan"), _exp2_f32(e - 127))
+    s = s.repeat_interleave(BLOCK_SIZE, dim=ax).narrow(ax, 0, n)
+    return data.to(torch.float32) * s
+
+
+def _qdq(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """Quantize-dequantize round trip in FP32 (used for dS)."""
+    return dequantize(*quantize(x, axis), axis)
+
+
+def _quant_p(p: torch.Tensor, p_scale: float) -> torch.Tensor:
+    """Fixed-scale E4M3 rounding of probabilities: E4M3(P * p_scale) / p_scale, saturating."""
+    return (p * p_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).to(p.dtype) / p_scale
+
+
+# --------------------------------------------------------------------------- masks
+
+
+class _Mask(NamedTuple):
+    offset: int
+    left: Optional[int]
+    right: Optional[int]
+
+
+def _resolve_mask(causal, diagonal_alignment, window, s_q: int, s_kv: int) -> Optional[_Mask]:
+    """Normalise the mask options (see module docstring); None when nothing is masked."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if not isinstance(diagonal_alignment, str) or diagonal_alignment.lower() not in ("top_left", "bottom_right"):
+        raise ValueError(f"diagonal_alignment: expected 'top_left' or 'bottom_right', got {diagonal_alignment!r}")
+    if not isinstance(window, Sequence) or isinstance(window, str) or len(window) != 2:
+        raise ValueError(f"window: expected a pair (left_bound, right_bound), got {window!r}")
+    left, right = window
+    for val, name, low in ((left, "left_bound", 1), (right, "right_bound", 0)):
+        if val is None:
+            continue
+        if isinstance(val, bool) or not isinstance(val, int):
+            raise TypeError(f"window {name}: expected an int or None, got {type(val).__name__}")
+        if val < low:
+            raise ValueError(f"window {name}: expected >= {low}, got {val}")
+    if causal:
+        if right not in (None, 0):
+            raise ValueError(f"causal=True means right_bound 0; got window right_bound {right}")
+        right = 0
+    if left is None and right is None:
+        return None
+    offset = s_kv - s_q if diagonal_alignment.lower() == "bottom_right" else 0
+    return _Mask(offset, left, right)
+
+
+def _keep(mask: Optional[_Mask], r0: int, r1: int, c0: int, c1: int) -> Optional[torch.Tensor]:
+    """Bool [r1-r0, c1-c0]: True where query row i keeps key column j; None when no mask."""
+    if mask is None:
+        return None
+    rel = torch.arange(c0, c1).view(1, -1) - torch.arange(r0, r1).view(-1, 1)
+    keep = torch.ones(r1 - r0, c1 - c0, dtype=torch.bool)
+    if mask.right is not None:
+        keep &= rel <= mask.offset + mask.right
+    if mask.left is not None:
+        keep &= rel > mask.offset - mask.left
+    return keep
+
+
+def keep_mask(s_q: int, s_kv: int, *, causal: bool = False, diagonal_alignment: str = "top_left",
+              window=(None, None)) -> torch.Tensor:
+    """Dense bool [s_q, s_kv] keep-matrix of the cuDNN mask rule (True = attended)."""
+    m = _resolve_mask(causal, diagonal_alignment, window, s_q, s_kv)
+    keep = _keep(m, 0, s_q, 0, s_kv)
+    return torch.ones(s_q, s_kv, dtype=torch.bool) if keep is None else keep
+
+
+# --------------------------------------------------------------------------- cores
+
+
+def _group_chunks(B: int, Hkv: int, G: int, per_head_elems: int):
+    """Yield (kv_head j, q-head slice h0:h1 of j's group) with B*(h1-h0)*per_head_elems <= CHUNK_ELEMS (>= 1 head)."""
+    gc = max(1, min(G, CHUNK_ELEMS // max(1, B * per_head_elems)))
+    for j in range(Hkv):
+        for h0 in range(j * G, (j + 1) * G, gc):
+            yield j, h0, min(h0 + gc, (j + 1) * G)
+
+
+def _fwd_core(qd, kd, vd, *, scale, mask, quant_p, p_scale, rescale_threshold, out_dtype, cdt):
+    """Blocked online-softmax forward on dequantized q [B,Hq,Sq,D], k/v [B,Hkv,Skv,*] in dtype cdt."""
+    B, Hq, Sq, _ = qd.shape
+    Hkv, Skv, Dv = kd.shape[1], kd.shape[2], vd.shape[3]
+    G = Hq // Hkv
+    o_out = torch.empty(B, Hq, Sq, Dv, dtype=out_dtype)
+    stats = torch.empty(B, Hq, Sq, 1, dtype=torch.float64 if cdt == torch.float64 else torch.float32)
+    thr = None if rescale_threshold is None else rescale_threshold * math.log(2.0)
+    for j, h0, h1 in _group_chunks(B, Hkv, G, Sq * (KV_BLOCK + Dv) * 4):
+        q = qd[:, h0:h1]
+        k, v = kd[:, j:j + 1], vd[:, j:j + 1]
+        m = torch.full((B, h1 - h0, Sq, 1), float("-inf"), dtype=cdt)
+        l = torch.zeros(B, h1 - h0, Sq, 1, dtype=cdt)
+        acc = torch.zeros(B, h1 - h0, Sq, Dv, dtype=cdt)
+        for c0 in range(0, Skv, KV_BLOCK):
+            c1 = min(c0 + KV_BLOCK, Skv)
+            s = (q @ k[:, :, c0:c1].transpose(-1, -2)) * scale
+            keep = _keep(mask, 0, Sq, c0, c1)
+            if keep is not None:
+                s = s.masked_fill(~keep, float("-inf"))
+            m_blk = s.amax(dim=-1, keepdim=True)
+            if thr is None:
+                m_new = torch.maximum(m, m_blk)
+            else:
+                m_new = torch.where((m == float("-inf")) | (m_blk - m > thr), m_blk, m)
+            m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = torch.exp(m - m_safe)
+            p = torch.exp(s - m_safe)
+            l = l * alpha + p.sum(dim=-1, keepdim=True)
+            pq = _quant_p(p, p_scale) if quant_p else p
+            acc = acc * alpha + pq @ v[:, :, c0:c1]
+            m = m_new
+        o = torch.where(l == 0, 0.0, acc / l)  # fully masked rows give 0; NaN rows stay NaN
+        o_out[:, h0:h1] = o.to(out_dtype)
+        stats[:, h0:h1] = (m + torch.log(l)).to(stats.dtype)
+    return o_out, stats
+
+
+def _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, *, scale, mask, quant, p_scale, out_dtype, cdt):
+    """Backward on dequantized operands (dtype cdt); returns (dq, dk, dv) in out_dtype."""
+    B, Hq, Sq, D = qr.shape
+    Hkv, Skv, Dv = kr.shape[1], kr.shape[2], vr.shape[3]
+    G = Hq // Hkv
+    delta = (o.to(cdt) * do.to(cdt)).sum(dim=-1, keepdim=True)
+    dq = torch.empty(B, Hq, Sq, D, dtype=cdt)
+    dk = torch.zeros(B, Hkv, Skv, D, dtype=cdt)
+    dv = torch.zeros(B, Hkv, Skv, Dv, dtype=cdt)
+    rows = Sq if B * Sq * Skv <= CHUNK_ELEMS else max(BLOCK_SIZE, CHUNK_ELEMS // (B * Skv) // BLOCK_SIZE * BLOCK_SIZE)
+    for j, h0, h1 in _group_chunks(B, Hkv, G, rows * Skv):
+        kr_j, kc_j, vr_j = kr[:, j:j + 1], kc[:, j:j + 1], vr[:, j:j + 1]
+        for r0 in range(0, Sq, rows):  # r0 is a multiple of 32: s_q blocks of dS stay intact
+            r1 = min(r0 + rows, Sq)
+            s_raw = qr[:, h0:h1, r0:r1] @ kr_j.transpose(-1, -2)
+            keep = _keep(mask, r0, r1, 0, Skv)
+            if stats is not None:
+                lse = stats[:, h0:h1, r0:r1].to(cdt)
+                p = torch.exp2(s_raw * (scale * _LOG2E) - lse * _LOG2E)
+            else:
+                s = s_raw * scale
+                if keep is not None:
+                    s = s.masked_fill(~keep, float("-inf"))
+                mx = s.amax(dim=-1, keepdim=True)
+                e = torch.exp(s - torch.where(mx == float("-inf"), 0.0, mx))
+                den = e.sum(dim=-1, keepdim=True)
+                p = torch.where(den == 0, 0.0, e / den)
+            if keep is not None:
+                p = torch.where(keep, p, 0.0)
+            pq = _quant_p(p, p_scale) if quant else p
+            dp = dor[:, h0:h1, r0:r1] @ vr_j.transpose(-1, -2)
+            ds = p * (dp - delta[:, h0:h1, r0:r1]) * scale
+            ds_r = _qdq(ds, -1) if quant else ds  # blocks along s_kv, for dQ
+            ds_c = _qdq(ds, -2) if quant else ds  # blocks along s_q, for dK
+            dq[:, h0:h1, r0:r1] = ds_r @ kc_j
+            dk[:, j] += (ds_c.transpose(-1, -2) @ qc[:, h0:h1, r0:r1]).sum(dim=1)
+            dv[:, j] += (pq.transpose(-1, -2) @ doc[:, h0:h1, r0:r1]).sum(dim=1)
+    return dq.to(out_dtype), dk.to(out_dtype), dv.to(out_dtype)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _check_pair(pair, name: str, shape, axis: int) -> torch.Tensor:
+    """Validate a (data, scale) pair of shape ``shape`` quantized along ``axis``; return its FP32 dequantization."""
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise TypeError(f"{name}: expected a (data, scale) pair, got {type(pair).__name__}")
+    data, sc = pair
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name} data: expected a float8_e4m3fn tensor, got {getattr(data, 'dtype', type(data))}")
+    if tuple(data.shape) != tuple(shape):
+        raise ValueError(f"{name} data: expected shape {tuple(shape)}, got {tuple(data.shape)}")
+    try:
+        return dequantize(data, sc, axis)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from None
+
+
+def sdpa_fwd_quantized(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, attn_scale=None, causal=False,
+                       diagonal_alignment="top_left", window=(None, None), out_dtype=torch.bfloat16,
+                       p_scale=256.0, rescale_threshold=None):
+    """MXFP8 forward from pre-quantized operands.
+
+    q_data [B,Hq,Sq,D], k_data [B,Hkv,Skv,D] float8_e4m3fn with row-wise scales [B,H,S,ceil(D/32)];
+    v_data [B,Hkv,Skv,Dv] with column-wise scale [B,Hkv,ceil(Skv/32),Dv] (float8_e8m0fnu).
+    Returns (o [B,Hq,Sq,Dv] out_dtype, stats [B,Hq,Sq,1] float32 = max + log(sum exp)).
+    """
+    for t, n in ((q_data, "q_data"), (k_data, "k_data"), (v_data, "v_data")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{n}: expected a torch.Tensor, got {type(t).__name__}")
+    B, Hq, Hkv, Sq, Skv, D, Dv = _check_shapes(q_data, k_data, v_data, ("q_data", "k_data", "v_data"))
+    _check_out_dtype(out_dtype)
+    if rescale_threshold is not None and not (isinstance(rescale_threshold, (int, float)) and rescale_threshold >= 0):
+        raise ValueError(f"rescale_threshold: expected None or a number >= 0, got {rescale_threshold!r}")
+    mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
+    qd = _check_pair((q_data, q_scale), "q", q_data.shape, -1)
+    kd = _check_pair((k_data, k_scale), "k", k_data.shape, -1)
+    vd = _check_pair((v_data, v_scale_col), "v", v_data.shape, -2)
+    return _fwd_core(qd, kd, vd, scale=_attn_scale(attn_scale, D), mask=mask, quant_p=True,
+                     p_scale=_check_p_scale(p_scale), rescale_threshold=rescale_threshold,
+                     out_dtype=out_dtype, cdt=torch.float32)
+
+
+def sdpa_fwd(q, k, v, *, attn_scale=None, causal=False, diagonal_alignment="top_left", window=(None, None),
+             out_dtype=torch.bfloat16, p_scale=256.0, quantize_inputs=True, rescale_threshold=None):
+    """Reference forward from high-precision q [B,Hq,Sq,D], k [B,Hkv,Skv,D], v [B,Hkv,Skv,Dv].
+
+    quantize_inputs=True: Q, K row-wise and V column-wise MXFP8, then ``sdpa_fwd_quantized``.
+    quantize_inputs=False: no quantization at all (float64 math if all inputs are float64).
+    Returns (o [B,Hq,Sq,Dv] out_dtype, stats [B,Hq,Sq,1] float32, float64 in the float64 identity case).
+    """
+    for t, n in ((q, "q"), (k, "k"), (v, "v")):
+        _check_float_tensor(t, n, 4)
+    B, Hq, Hkv, Sq, Skv, D, Dv = _check_shapes(q, k, v)
+    if quantize_inputs:
+        _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)  # validate before quantizing
+        return sdpa_fwd_quantized(*quantize(q, -1), *quantize(k, -1), *quantize(v, -2), attn_scale=attn_scale,
+                                  causal=causal, diagonal_alignment=diagonal_alignment, window=window,
+                                  out_dtype=out_dtype, p_scale=p_scale, rescale_threshold=rescale_threshold)
+    _check_out_dtype(out_dtype)
+    if rescale_threshold is not None and not (isinstance(rescale_threshold, (int, float)) and rescale_threshold >= 0):
+        raise ValueError(f"rescale_threshold: expected None or a number >= 0, got {rescale_threshold!r}")
+    mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
+    cdt = torch.float64 if all(t.dtype == torch.float64 for t in (q, k, v)) else torch.float32
+    return _fwd_core(q.to(cdt), k.to(cdt), v.to(cdt), scale=_attn_scale(attn_scale, D), mask=mask, quant_p=False,
+                     p_scale=_check_p_scale(p_scale), rescale_threshold=rescale_threshold,
+                     out_dtype=out_dtype, cdt=cdt)
+
+
+def _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv):
+    for t, n in ((o, "o"), (do, "do")):
+        _check_float_tensor(t, n, 4)
+        if tuple(t.shape) != (B, Hq, Sq, Dv):
+            raise ValueError(f"{n}: expected shape {(B, Hq, Sq, Dv)}, got {tuple(t.shape)}")
+    if stats is not None:
+        _check_float_tensor(stats, "stats")
+        if tuple(stats.shape) != (B, Hq, Sq, 1):
+            raise ValueError(f"stats: expected shape {(B, Hq, Sq, 1)}, got {tuple(stats.shape)}")
+
+
+def sdpa_bwd_quantized(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats=None, *, attn_scale=None,
+                       causal=False, diagonal_alignment="top_left", window=(None, None),
+                       out_dtype=torch.bfloat16, p_scale=256.0):
+    """MXFP8 backward from pre-quantized operands (each a (data float8_e4m3fn, scale float8_e8m0fnu) pair).
+
+    q_row/k_row/v_row/do_row: scales along D [B,H,S,ceil(D/32)]; q_col/k_col/do_col: scales along S
+    [B,H,ceil(S/32),D]. o, do: high-precision [B,Hq,Sq,Dv] (for delta). stats [B,Hq,Sq,1] or None
+    (then P is recomputed). Returns (dq [B,Hq,Sq,D], dk [B,Hkv,Skv,D], dv [B,Hkv,Skv,Dv]) in out_dtype.
+    """
+    for pair, n in ((q_row, "q_row"), (k_row, "k_row"), (v_row, "v_row")):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not isinstance(pair[0], torch.Tensor):
+            raise TypeError(f"{n}: expected a (data, scale) pair of tensors")
+    B, Hq, Hkv, Sq, Skv, D, Dv = _check_shapes(q_row[0], k_row[0], v_row[0], ("q_row", "k_row", "v_row"))
+    _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv)
+    _check_out_dtype(out_dtype)
+    mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
+    qr = _check_pair(q_row, "q_row", (B, Hq, Sq, D), -1)
+    qc = _check_pair(q_col, "q_col", (B, Hq, Sq, D), -2)
+    kr = _check_pair(k_row, "k_row", (B, Hkv, Skv, D), -1)
+    kc = _check_pair(k_col, "k_col", (B, Hkv, Skv, D), -2)
+    vr = _check_pair(v_row, "v_row", (B, Hkv, Skv, Dv), -1)
+    dor = _check_pair(do_row, "do_row", (B, Hq, Sq, Dv), -1)
+    doc = _check_pair(do_col, "do_col", (B, Hq, Sq, Dv), -2)
+    return _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, scale=_attn_scale(attn_scale, D), mask=mask,
+                     quant=True, p_scale=_check_p_scale(p_scale), out_dtype=out_dtype, cdt=torch.float32)
+
+
+def sdpa_bwd(q, k, v, o, do, stats=None, *, attn_scale=None, causal=False, diagonal_alignment="top_left",
+             window=(None, None), out_dtype=torch.bfloat16, p_scale=256.0, quantize_inputs=True):
+    """Reference backward from high-precision q, k, v, o, do (shapes as in ``sdpa_fwd``).
+
+    quantize_inputs=True: Q, K row+column, V row, dO row+column MXFP8, then ``sdpa_bwd_quantized``.
+    quantize_inputs=False: no quantization at all (float64 math if q, k, v, o, do are all float64).
+    stats [B,Hq,Sq,1] or None (recomputed). Returns (dq, dk, dv) in out_dtype; dk, dv have Hkv heads.
+    """
+    for t, n in ((q, "q"), (k, "k"), (v, "v")):
+        _check_float_tensor(t, n, 4)
+    B, Hq, Hkv, Sq, Skv, D, Dv = _check_shapes(q, k, v)
+    _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv)
+    _check_out_dtype(out_dtype)
+    mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
+    opts = dict(attn_scale=attn_scale, causal=causal, diagonal_alignment=diagonal_alignment, window=window,
+                out_dtype=out_dtype, p_scale=p_scale)
+    if quantize_inputs:
+        return sdpa_bwd_quantized(quantize(q, -1), quantize(q, -2), quantize(k, -1), quantize(k, -2),
+                                  quantize(v, -1), o, do, quantize(do, -1), quantize(do, -2), stats, **opts)
+    cdt = torch.float64 if all(t.dtype == torch.float64 for t in (q, k, v, o, do)) else torch.float32
+    qd, kd, vd, dod = q.to(cdt), k.to(cdt), v.to(cdt), do.to(cdt)
+    return _bwd_core(qd, kd, vd, qd, kd, dod, dod, o, do, stats, scale=_attn_scale(attn_scale, D), mask=mask,
+                     quant=False, p_scale=_check_p_scale(p_scale), out_dtype=out_dtype, cdt=cdt)

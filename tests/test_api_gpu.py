@@ -1,0 +1,59 @@
+"""The public API on a CUDA GPU: `auto` choice, and the GPU backend against the CPU reference backend."""
+
+import warnings
+
+import pytest
+import torch
+
+import mxattn
+from mxattn.metrics import rel_rms
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(fmt="bshd", b=2, s=333, hq=8, hkv=2, d=128, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, hq, d, generator=gen).bfloat16()
+    k = torch.randn(b, s, hkv, d, generator=gen).bfloat16()
+    v = torch.randn(b, s, hkv, d, generator=gen).bfloat16()
+    do = torch.randn(b, s, hq, d, generator=gen).bfloat16()
+    return q, k, v, do
+
+
+def _fwd_bwd(q, k, v, do, device, backend, **kw):
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    o = mxattn.mxfp8_attention(*leaves, backend=backend, **kw)
+    o.backward(do.to(device))
+    return [t.cpu() for t in (o.detach(), *(leaf.grad for leaf in leaves))]
+
+
+def test_auto_choice_matches_cudnn_support():
+    from mxattn import backends
+    backends._WARNED.clear()
+    q, k, v, _ = _inputs()
+    ok, reason = mxattn.cudnn_support()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mxattn.mxfp8_attention(q.cuda(), k.cuda(), v.cuda())
+    notes = [str(w.message) for w in caught if "backend='auto'" in str(w.message)]
+    if ok:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and "'triton'" in notes[0] and "cudnn" in notes[0]
+
+
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "causal_bottom_right"])
+def test_gpu_backend_matches_reference_backend(mask):
+    q, k, v, do = _inputs()
+    gpu = _fwd_bwd(q, k, v, do, "cuda", "auto", attn_mask_type=mask)
+    cpu = _fwd_bwd(q, k, v, do, "cpu", "reference", attn_mask_type=mask)
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), gpu, cpu):
+        assert rel_rms(a, b) < 1e-2, name
+
+
+def test_compile_fullgraph_on_gpu():
+    torch._dynamo.reset()
+    q, k, v, _ = (t.cuda() for t in _inputs(s=256))
+    fn = torch.compile(lambda q, k, v: mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal"), fullgraph=True)
+    expected = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal")
+    assert torch.equal(fn(q, k, v), expected)

@@ -1,0 +1,255 @@
+"""cuDNN MXFP8 attention on a GPU.
+
+* Any CUDA GPU that is not SM 10.x (`gpu`): cuDNN refuses with a readable reason, fast, without leaking.
+* Blackwell (`blackwell`, and cuDNN >= 9.21): forward and backward against `ref.mxfp8_ref` on identical quantized
+  bytes, for a covering set of the configs of the CPU matrix (every s, head dim, head ratio, mask and layout, and
+  every (layout, heads, head dim) triple), at least as tight as the cuDNN frontend's own MXFP8 test (O atol 0.12
+  rtol 0.2; dQ/dK/dV atol 0.08 rtol 0.2) plus a relative-RMS bound; deterministic backward; amax outputs.
+"""
+
+import gc
+import itertools
+import os
+import statistics
+import time
+import zlib
+
+import pytest
+import torch
+
+cudnn = pytest.importorskip("cudnn")
+
+from mxattn import cudnn_graphs as cg  # noqa: E402
+from mxattn.backends.base import AttentionParams  # noqa: E402
+from mxattn.backends.cudnn_backend import CudnnBackend, cudnn_backward, cudnn_forward  # noqa: E402
+from mxattn.cudnn_support import MIN_BACKEND_VERSION, cudnn_support  # noqa: E402
+from mxattn.errors import MXFP8NotSupportedError  # noqa: E402
+from mxattn.formats import quantize_mxfp8  # noqa: E402
+from mxattn.mask import MaskSpec  # noqa: E402
+from mxattn.metrics import rel_rms  # noqa: E402
+from ref import mxfp8_ref  # noqa: E402
+
+
+def _capability():
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+
+
+LAYOUTS = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}
+MASKS = {
+    "none": MaskSpec(),
+    "causal_tl": MaskSpec(causal=True),
+    "causal_br": MaskSpec(causal=True, diagonal_alignment="bottom_right"),
+    "swa_tl": MaskSpec(left_bound=100, right_bound=0),
+    "band_br": MaskSpec(left_bound=64, right_bound=32, diagonal_alignment="bottom_right"),
+    "left_only_br": MaskSpec(left_bound=200, diagonal_alignment="bottom_right"),
+}
+SEQS = (128, 500, 1024, 4096)
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
+HEADS = ((8, 8), (8, 2), (8, 1))
+O_TOL = dict(atol=0.12, rtol=0.2)  # the cuDNN frontend's MXFP8 test
+GRAD_TOL = dict(atol=0.08, rtol=0.2)
+O_REL_RMS, GRAD_REL_RMS = 0.03, 0.05  # tighter, scale-free: catches wrong bytes the loose atol would hide
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# not Blackwell: a clear refusal
+# --------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(_capability()[0] == 10, reason="runs on CUDA GPUs other than SM 10.x")
+def test_non_blackwell_refuses_fast_with_a_reason_and_no_leak():
+    major, minor = _capability()
+    ok, reason = cudnn_support()
+    assert not ok and f"SM {major}.{minor}" in reason and "SM 10.x" in reason
+    if cudnn.backend_version() < MIN_BACKEND_VERSION:  # a frontend installed with an older cuDNN says so too
+        assert "older than 9.21.0" in reason and "nvidia-cudnn-cu1" in reason
+
+    q = torch.randn(1, 4, 256, 128, device="cuda", dtype=torch.bfloat16)
+    qr, vc = quantize_mxfp8(q, -1), quantize_mxfp8(q, -2)
+    params = AttentionParams(softmax_scale=0.125, mask=MaskSpec(causal=True))
+    cfg = cg.GraphConfig.from_layout(1, 4, 4, 256, 256, 128, layout="bshd", mask=MaskSpec(causal=True))
+    handle = cudnn.create_handle()
+    messages = []
+
+    def attempt():
+        with pytest.raises(MXFP8NotSupportedError) as backend_path:
+            CudnnBackend().forward(q, q, q, params)
+        with pytest.raises(MXFP8NotSupportedError) as typed_path:
+            cudnn_forward(qr, qr, vc, attn_scale=0.125)
+        messages[:] = [str(backend_path.value), str(typed_path.value)]
+        for kind, build in (("forward", cg.build_forward_graph), ("backward", cg.build_backward_graph)):
+            with pytest.raises(MXFP8NotSupportedError) as cudnn_path:  # cuDNN's own answer for this device
+                cg.plan_graph(build(cfg, handle), cfg, kind)
+            messages.append(str(cudnn_path.value))
+
+    try:
+        for _ in range(5):  # warm up: first-use imports, the frontend's engine manifest, default handles
+            attempt()
+        gc.collect()
+        torch.cuda.synchronize()
+        mem0, rss0, fds0 = torch.cuda.memory_allocated(), _rss_bytes(), _open_fds()
+        times = []
+        for _ in range(100):
+            t0 = time.perf_counter()
+            attempt()
+            times.append(time.perf_counter() - t0)
+        gc.collect()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == mem0
+        assert _open_fds() <= fds0 + 2
+        assert _rss_bytes() - rss0 < 64 * 2**20, f"RSS grew by {(_rss_bytes() - rss0) / 2**20:.1f} MiB"
+    finally:
+        cudnn.destroy_handle(handle)
+    assert max(times) < 1.0 and statistics.median(times) < 0.5, f"slowest {max(times):.3f} s"
+    for message in messages:
+        assert "MXFP8" in message and len(message) > 60, message
+    assert all("SM" in m for m in messages[:2]) and all("cuDNN" in m for m in messages[2:])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Blackwell: numerics against ref on identical quantized bytes
+# --------------------------------------------------------------------------------------------------------------
+def _blackwell_ready():
+    ok, reason = cudnn_support() if _capability()[0] == 10 else (False, "not SM 10.x")
+    return ok, reason
+
+
+def covering_cases():
+    """(b, s_q, s_kv, d_qk, d_v, h_q, h_kv, mask, layout, out_dtype): every (layout, heads, head dims) triple, s
+    and mask cycling through all values; plus s_q < s_kv and FP16 output."""
+    cases = []
+    masks = list(MASKS)
+    for i, (layout, (hq, hk), (dqk, dv)) in enumerate(itertools.product(LAYOUTS, HEADS, HEAD_DIMS)):
+        s = SEQS[i % len(SEQS)]
+        cases.append((1 if s == 4096 else 2, s, s, dqk, dv, hq, hk, masks[i % len(masks)], layout, torch.bfloat16))
+    cases.append((2, 256, 1024, 128, 128, 8, 2, "causal_br", "bshd", torch.bfloat16))
+    cases.append((2, 500, 500, 128, 128, 8, 2, "causal_br", "bhsd", torch.bfloat16))  # backward refused by cuDNN
+    cases.append((2, 512, 512, 64, 64, 8, 8, "causal_tl", "bshd", torch.float16))
+    return cases
+
+
+def _case_id(c):
+    return f"b{c[0]}-sq{c[1]}-skv{c[2]}-d{c[3]}x{c[4]}-h{c[5]}_{c[6]}-{c[7]}-{c[8]}-{str(c[9])[6:]}"
+
+
+def _view(shape, layout, gen, dtype):
+    perm = LAYOUTS[layout]
+    physical = torch.randn([shape[i] for i in perm], generator=gen, device="cuda").to(dtype)
+    return physical.permute([perm.index(i) for i in range(4)])
+
+
+def _cudnn_rejects_backward(s_q, s_kv, mask):
+    """cuDNN 9.28's rule (see test_cudnn_graphs): a bottom-right band with a right bound needs s % 64 == 0."""
+    return mask.diagonal_alignment == "bottom_right" and mask.effective_right_bound is not None \
+        and (s_q % 64 or s_kv % 64)
+
+
+def _ref_kwargs(mask, attn_scale, out_dtype):
+    return dict(attn_scale=attn_scale, causal=mask.causal, diagonal_alignment=mask.diagonal_alignment,
+                window=(mask.left_bound, mask.right_bound), out_dtype=out_dtype)
+
+
+def _close_amax(amax, t):
+    expected = t.float().abs().max()
+    torch.testing.assert_close(amax.reshape(()), expected, atol=1e-6, rtol=2**-7)  # amax is taken before rounding
+
+
+@pytest.mark.blackwell
+@pytest.mark.parametrize("case", covering_cases(), ids=_case_id)
+def test_cudnn_matches_ref_on_identical_bytes(case):
+    ok, reason = _blackwell_ready()
+    if not ok:
+        pytest.skip(reason)
+    b, s_q, s_kv, dqk, dv, hq, hk, mask_name, layout, out_dtype = case
+    mask, attn_scale = MASKS[mask_name], dqk ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(_case_id(case).encode()))
+    q = _view((b, hq, s_q, dqk), layout, gen, torch.bfloat16)
+    k = _view((b, hk, s_kv, dqk), layout, gen, torch.bfloat16)
+    v = _view((b, hk, s_kv, dv), layout, gen, torch.bfloat16)
+    do = _view((b, hq, s_q, dv), layout, gen, out_dtype)
+    qr, kr, vc = quantize_mxfp8(q, -1), quantize_mxfp8(k, -1), quantize_mxfp8(v, -2)
+    rk = _ref_kwargs(mask, attn_scale, out_dtype)
+
+    o, stats, amax_o = cudnn_forward(qr, kr, vc, attn_scale=attn_scale, mask=mask, out_dtype=out_dtype)
+    assert o.dtype == out_dtype and o.shape == (b, hq, s_q, dv) and stats.shape == (b, hq, s_q, 1)
+    ref_o, ref_stats = mxfp8_ref.sdpa_fwd_quantized(qr.data, qr.scale, kr.data, kr.scale, vc.data, vc.scale, **rk)
+    # the frontend's own MXFP8 reference runs the forward with P scaled by 16 and lazy rescaling (threshold 4)
+    alt_o, _ = mxfp8_ref.sdpa_fwd_quantized(qr.data, qr.scale, kr.data, kr.scale, vc.data, vc.scale, **rk,
+                                            p_scale=16.0, rescale_threshold=4.0)
+    torch.testing.assert_close(o.float(), ref_o.float(), **O_TOL)
+    err = min(rel_rms(o, ref_o), rel_rms(o, alt_o))
+    assert err < O_REL_RMS, f"O rel RMS {err:.4f}"
+    finite = torch.isfinite(ref_stats)
+    assert torch.equal(finite, torch.isfinite(stats))
+    torch.testing.assert_close(stats[finite], ref_stats[finite], atol=2e-2, rtol=1e-2)
+    _close_amax(amax_o, o)
+
+    qc, kc, vr = quantize_mxfp8(q, -2), quantize_mxfp8(k, -2), quantize_mxfp8(v, -1)
+    dor, doc = quantize_mxfp8(do, -1), quantize_mxfp8(do, -2)
+    args = (qr, qc, kr, kc, vr, o, do, dor, doc, stats)
+    if _cudnn_rejects_backward(s_q, s_kv, mask):
+        with pytest.raises(MXFP8NotSupportedError, match="multiple of 64"):
+            cudnn_backward(*args, attn_scale=attn_scale, mask=mask)
+        return
+    first = cudnn_backward(*args, attn_scale=attn_scale, mask=mask, deterministic=True)
+    second = cudnn_backward(*args, attn_scale=attn_scale, mask=mask, deterministic=True)
+    for name, a, bb in zip(("dQ", "dK", "dV", "amax_dQ", "amax_dK", "amax_dV"), first, second):
+        assert torch.equal(a, bb), f"{name} differs between two deterministic runs"
+    dq, dk, dv_, amax_dq, amax_dk, amax_dv = first
+    assert [t.shape for t in (dq, dk, dv_)] == [q.shape, k.shape, v.shape]
+    assert [t.stride() for t in (dq, dk, dv_)] == [q.stride(), k.stride(), v.stride()]
+    refs = mxfp8_ref.sdpa_bwd_quantized(q_row=(qr.data, qr.scale), q_col=(qc.data, qc.scale),
+                                        k_row=(kr.data, kr.scale), k_col=(kc.data, kc.scale),
+                                        v_row=(vr.data, vr.scale), o=o, do=do, do_row=(dor.data, dor.scale),
+                                        do_col=(doc.data, doc.scale), stats=stats, **rk)
+    for name, got, want, amax in (("dQ", dq, refs[0], amax_dq), ("dK", dk, refs[1], amax_dk),
+                                  ("dV", dv_, refs[2], amax_dv)):
+        assert got.dtype == out_dtype
+        torch.testing.assert_close(got.float(), want.float(), **GRAD_TOL, msg=lambda m: f"{name}: {m}")
+        err = rel_rms(got, want)
+        assert err < GRAD_REL_RMS, f"{name} rel RMS {err:.4f}"
+        _close_amax(amax, got)
+
+
+@pytest.mark.blackwell
+def test_backend_class_is_the_typed_functions_and_the_cache_is_reused():
+    ok, reason = _blackwell_ready()
+    if not ok:
+        pytest.skip(reason)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = _view((2, 8, 384, 128), "bshd", gen, torch.bfloat16)
+    k = _view((2, 2, 384, 128), "bshd", gen, torch.bfloat16)
+    v = _view((2, 2, 384, 128), "bshd", gen, torch.bfloat16)
+    do = _view((2, 8, 384, 128), "bshd", gen, torch.bfloat16)
+    params = AttentionParams(softmax_scale=0.1, mask=MaskSpec(causal=True))
+    backend = CudnnBackend()
+    assert backend.availability(q.device)[0]
+    o, stats, saved = backend.forward(q, k, v, params)
+    n_graphs = len(cg.GRAPH_CACHE)
+    o2, stats2, _ = backend.forward(q, k, v, params)
+    assert len(cg.GRAPH_CACHE) == n_graphs and torch.equal(o, o2) and torch.equal(stats, stats2)
+    expected, _, _ = cudnn_forward(quantize_mxfp8(q, -1), quantize_mxfp8(k, -1), quantize_mxfp8(v, -2),
+                                   attn_scale=0.1, mask=MaskSpec(causal=True))
+    assert torch.equal(o, expected)
+    assert o.stride() == q.stride()  # O comes back in the inputs' (bshd) layout
+    grads = backend.backward(saved, o, stats, do, params)
+    direct = cudnn_backward(saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row, o, do,
+                            quantize_mxfp8(do, -1), quantize_mxfp8(do, -2), stats, attn_scale=0.1,
+                            mask=MaskSpec(causal=True))
+    for a, b in zip(grads, direct[:3]):
+        assert torch.equal(a, b)
+    # a non-dense dO (here every other row of a taller tensor) is made dense, not rejected
+    tall = _view((2, 8, 768, 128), "bshd", gen, torch.bfloat16)
+    strided_do = tall[:, :, ::2]
+    grads2 = backend.backward(saved, o, stats, strided_do, params)
+    grads3 = backend.backward(saved, o, stats, strided_do.contiguous(), params)
+    for a, b in zip(grads2, grads3):
+        assert torch.equal(a, b)

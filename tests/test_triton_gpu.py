@@ -1,0 +1,223 @@
+"""Triton backend on a CUDA GPU: fused quantizer bit-identity, accuracy against `ref` on identical quantized
+bytes, determinism, masks, GQA, ragged lengths, head dims and layouts."""
+
+import math
+
+import pytest
+import torch
+
+from mxattn.backends.base import AttentionParams, SavedForBackward
+from mxattn.errors import MXFP8NotSupportedError
+from mxattn.formats import quantize_mxfp8, swizzle_128x4
+from mxattn.mask import MaskSpec
+from ref import mxfp8_ref as ref
+
+pytestmark = pytest.mark.gpu
+
+O_MAX_ABS = 1e-2
+O_ULP_FRACTION = 0.99
+GRAD_REL_RMS = 1e-2
+
+
+def _backend():
+    from mxattn.backends.triton_backend import TritonBackend
+    ok, why = TritonBackend.availability(torch.device("cuda"))
+    if not ok:
+        pytest.skip(f"triton backend unavailable: {why}")
+    return TritonBackend()
+
+
+def _u8(t):
+    return t.view(torch.uint8)
+
+
+def _bf16_ulp(r: torch.Tensor) -> torch.Tensor:
+    """One BF16 ulp at each value of r (fp32 tensor of BF16 values)."""
+    _, e = torch.frexp(r.float())
+    return torch.ldexp(torch.ones_like(r, dtype=torch.float32), (e - 8).clamp(min=-133))
+
+
+def _make(B, hq, hkv, sq, skv, d, dtype=torch.bfloat16, layout="bhsd", seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def mk(h, s):
+        if layout == "bhsd":
+            return torch.randn(B, h, s, d, device="cuda", dtype=dtype, generator=g)
+        if layout == "bshd":
+            return torch.randn(B, s, h, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+        return torch.randn(s, B, h, d, device="cuda", dtype=dtype, generator=g).permute(1, 2, 0, 3)
+    return mk(hq, sq), mk(hkv, skv), mk(hkv, skv), mk(hq, sq)
+
+
+def _pair(t):
+    return (t.data.cpu(), t.scale.cpu())
+
+
+def _ref_opts(mask: MaskSpec, scale: float, out_dtype):
+    return dict(attn_scale=scale, causal=mask.causal, diagonal_alignment=mask.diagonal_alignment,
+                window=(mask.left_bound, None if mask.causal else mask.right_bound), out_dtype=out_dtype)
+
+
+def _check_against_ref(B, hq, hkv, sq, skv, d, mask, dtype=torch.bfloat16, seed=0, layout="bhsd"):
+    be = _backend()
+    q, k, v, do = _make(B, hq, hkv, sq, skv, d, dtype, layout, seed)
+    scale = 1.0 / math.sqrt(d)
+    params = AttentionParams(softmax_scale=scale, mask=mask, out_dtype=dtype)
+    o, stats, saved = be.forward(q, k, v, params)
+    assert isinstance(saved, SavedForBackward)
+    dq, dk, dv = be.backward(saved, o, stats, do, params)
+    torch.cuda.synchronize()
+    opts = _ref_opts(mask, scale, dtype)
+    v_col = quantize_mxfp8(v, axis=2)  # bit-identical to the fused quantizer (tested below)
+    ro, rstats = ref.sdpa_fwd_quantized(saved.q_row.data.cpu(), saved.q_row.scale.cpu(), saved.k_row.data.cpu(),
+                                        saved.k_row.scale.cpu(), v_col.data.cpu(), v_col.scale.cpu(), **opts)
+    o_c, ro_f = o.float().cpu(), ro.float()
+    diff = (o_c - ro_f).abs()
+    assert torch.isfinite(o_c).all()
+    assert diff.max().item() <= O_MAX_ABS, f"O max abs diff {diff.max().item():.3g}"
+    within = (diff <= _bf16_ulp(ro_f)).float().mean().item()
+    assert within >= O_ULP_FRACTION, f"only {within:.4f} of O within one ulp"
+    s_c = stats.cpu()
+    assert torch.equal(torch.isinf(s_c), torch.isinf(rstats))
+    fin = torch.isfinite(rstats)
+    assert (s_c[fin] - rstats[fin]).abs().max().item() <= 1e-4 if fin.any() else True
+
+    do_row, do_col = quantize_mxfp8(do, axis=3), quantize_mxfp8(do, axis=2)
+    rdq, rdk, rdv = ref.sdpa_bwd_quantized(_pair(saved.q_row), _pair(saved.q_col), _pair(saved.k_row),
+                                           _pair(saved.k_col), _pair(saved.v_row), o.cpu(), do.cpu(),
+                                           _pair(do_row), _pair(do_col), stats.cpu(), **opts)
+    errs = {}
+    for name, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        g, w = got.float().cpu(), want.float()
+        assert got.shape == want.shape and got.dtype == dtype
+        assert torch.isfinite(g).all(), name
+        denom = w.norm().item()
+        err = (g - w).norm().item() / denom if denom > 0 else (g - w).norm().item()
+        errs[name] = err
+        assert err <= GRAD_REL_RMS, f"{name} relative RMS {err:.3g}"
+    return o, stats, (dq, dk, dv), errs, within, diff.max().item()
+
+
+# --------------------------------------------------------------------------- quantizer
+
+
+def _special(x):
+    """Put zeros, huge, tiny, inf and NaN blocks/elements into x (a [B,H,S,D] view) in place."""
+    x[0, 0, :32, :32] = 0
+    x[0, 0, 32:64, :32] *= 1e30
+    x[0, 0, 64:96, 32:64] *= 1e-30
+    x[0, 0, 5, 40] = float("inf")
+    x[0, 0, 70, 3] = float("-inf")
+    x[0, 0, 100, 100 % x.shape[3]] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "sbhd"])
+@pytest.mark.parametrize("shape,dtype", [((2, 4, 1000, 128), torch.bfloat16), ((1, 3, 177, 96), torch.float16),
+                                         ((1, 2, 256, 256), torch.bfloat16), ((2, 2, 130, 64), torch.float32)])
+def test_quantizer_bit_identical(layout, shape, dtype):
+    _backend()
+    from mxattn.kernels.triton_quantize import quantize_rowcol
+    B, H, S, D = shape
+    x, _, _, _ = _make(B, H, H, S, S, D, dtype, layout, seed=3)
+    x = _special(x * 4)
+    got = quantize_rowcol(x, swizzle=True)
+    want_r, want_c = quantize_mxfp8(x, axis=3), quantize_mxfp8(x, axis=2)
+    assert got.row.axis == 3 and got.col.axis == 2
+    assert got.row.data.stride() == want_r.data.stride()
+    assert torch.equal(_u8(got.row.data), _u8(want_r.data))
+    assert torch.equal(_u8(got.row.scale), _u8(want_r.scale))
+    assert torch.equal(_u8(got.col.data), _u8(want_c.data))
+    assert torch.equal(_u8(got.col.scale), _u8(want_c.scale))
+    assert torch.equal(_u8(got.row_swizzled), _u8(swizzle_128x4(want_r.scale)))
+    assert torch.equal(_u8(got.col_swizzled), _u8(swizzle_128x4(want_c.scale.transpose(-1, -2).contiguous())))
+
+
+def test_quantizer_rejects_bad_input():
+    _backend()
+    from mxattn.kernels.triton_quantize import quantize_rowcol
+    with pytest.raises(TypeError, match="x must be"):
+        quantize_rowcol(torch.zeros(1, 1, 32, 32, device="cuda", dtype=torch.int32))
+    with pytest.raises(ValueError, match="4-D"):
+        quantize_rowcol(torch.zeros(32, 32, device="cuda"))
+
+
+# --------------------------------------------------------------------------- accuracy (issue configs)
+
+
+@pytest.mark.parametrize("name,B,hq,hkv,s,d,causal", [
+    ("dense", 2, 4, 4, 1024, 128, False),
+    ("causal", 2, 4, 4, 1024, 128, True),
+    ("gqa4to1", 2, 4, 1, 1024, 128, False),
+    ("gqa4to1_causal", 2, 4, 1, 1024, 128, True),
+    ("s1000", 2, 4, 4, 1000, 128, False),
+    ("s1000_causal", 2, 4, 4, 1000, 128, True),
+])
+def test_accuracy_against_ref(name, B, hq, hkv, s, d, causal):
+    _, _, _, errs, within, omax = _check_against_ref(B, hq, hkv, s, s, d, MaskSpec(causal=causal), seed=11)
+    print(f"{name}: O max abs {omax:.3g}, within 1 ulp {within:.5f}, grads rel-RMS {errs}")
+
+
+@pytest.mark.parametrize("sq,skv,align,left,right,causal", [
+    (300, 1000, "bottom_right", None, None, True),
+    (1000, 300, "bottom_right", None, None, True),   # rows that keep nothing
+    (500, 500, "top_left", 100, None, True),         # causal sliding window
+    (400, 700, "top_left", 64, 50, False),           # band
+    (257, 257, "bottom_right", 1, None, True),       # diagonal only
+    (333, 200, "top_left", None, 17, False),
+])
+def test_masks_against_ref(sq, skv, align, left, right, causal):
+    mask = MaskSpec(causal=causal, diagonal_alignment=align, left_bound=left, right_bound=right)
+    o, stats, (dq, _, _), _, _, _ = _check_against_ref(1, 4, 2, sq, skv, 64, mask, seed=5)
+    keep = mask.keep(sq, skv, device="cuda")
+    empty = ~keep.any(dim=1)
+    if empty.any():
+        assert torch.all(o[:, :, empty] == 0)
+        assert torch.all(torch.isneginf(stats[:, :, empty]))
+        assert torch.all(dq[:, :, empty] == 0)
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 192, 256])
+def test_head_dims_against_ref(d):
+    _check_against_ref(1, 2, 1, 300, 300, d, MaskSpec(causal=True), seed=d)
+
+
+def test_fp16_and_sbhd_layout():
+    _check_against_ref(1, 4, 2, 384, 384, 128, MaskSpec(causal=False), dtype=torch.float16, layout="sbhd", seed=2)
+
+
+# --------------------------------------------------------------------------- determinism, layouts, errors
+
+
+def test_deterministic_and_layout_independent():
+    be = _backend()
+    mask = MaskSpec(causal=True)
+    params = AttentionParams(softmax_scale=0.1, mask=mask)
+    q, k, v, do = _make(2, 8, 2, 1000, 1000, 128, layout="bshd", seed=7)
+    runs = []
+    for _ in range(2):
+        o, st, sv = be.forward(q, k, v, params)
+        runs.append((o, st) + be.backward(sv, o, st, do, params))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    qc, kc, vc, doc = (t.contiguous() for t in (q, k, v, do))
+    o, st, sv = be.forward(qc, kc, vc, params)
+    grads = be.backward(sv, o, st, doc, params)
+    for a, b in zip(runs[0], (o, st) + grads):
+        assert torch.equal(a.contiguous(), b.contiguous())
+
+
+def test_unsupported_head_dim_and_bad_inputs():
+    be = _backend()
+    params = AttentionParams(softmax_scale=0.1, mask=MaskSpec())
+    q = torch.randn(1, 2, 64, 80, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(MXFP8NotSupportedError, match="head_dim 80"):
+        be.forward(q, q, q, params)
+    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 3, 64, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple"):
+        be.forward(q, k, k, params)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        be.forward(q.float(), q, q, params)
+    with pytest.raises(ValueError, match="CUDA"):
+        be.forward(q.cpu(), q.cpu(), q.cpu(), params)
