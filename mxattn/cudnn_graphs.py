@@ -116,11 +116,18 @@ def row_major(shape) -> Tuple[int, ...]:
     return tuple(reversed(out))
 
 
+#: Declared strides of the column-wise scale tensors (forward SF_V, SF_Q_T, SF_K_T, SF_dO_T). True: the
+#: scale-block axis (dim 2) contiguous, (H*S32p*Dp, S32p*Dp, 1, S32p), as the `sdpa_mxfp8` binding documents
+#: ("descale_v: ... stride[2]=1") and the frontend's C++ sample declares. False: row-major, as the frontend's
+#: newest Python test declares. The bytes are F8_128x4-ordered either way; only the declaration differs.
+COL_SCALE_BLOCK_AXIS_CONTIGUOUS = True
+
+
 def col_scale_stride(dims: Shape) -> Stride:
-    """Declared strides of a column-wise scale tensor: the scale-block axis (dim 2) contiguous, as the
-    `sdpa_mxfp8` binding documents ("descale_v: ... stride[2]=1") and the frontend's C++ sample declares."""
+    """Declared strides of a column-wise scale tensor of graph dims [B, H, S32p, Dp] (see
+    COL_SCALE_BLOCK_AXIS_CONTIGUOUS)."""
     b, h, s32p, dp = dims
-    return (h * s32p * dp, s32p * dp, 1, s32p)
+    return (h * s32p * dp, s32p * dp, 1, s32p) if COL_SCALE_BLOCK_AXIS_CONTIGUOUS else (h * s32p * dp, s32p * dp, dp, 1)
 
 
 def dense_stride(shape: Shape, order: Tuple[int, ...]) -> Stride:
@@ -348,8 +355,9 @@ def _finish(graph, cfg: GraphConfig, what: str):
     try:
         graph.validate()
         graph.build_operation_graph()
-    except (cudnn.cudnnGraphNotSupportedError, ValueError, RuntimeError) as exc:
-        raise MXFP8NotSupportedError(f"cuDNN rejected the MXFP8 {what} graph for {cfg.describe()}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 -- cuDNN's verdict (typically cudnnGraphNotSupportedError/ValueError)
+        raise MXFP8NotSupportedError(f"cuDNN rejected the MXFP8 {what} graph for {cfg.describe()}: "
+                                     f"{type(exc).__name__}: {exc}") from None
     return graph
 
 
@@ -411,9 +419,10 @@ def graph_json(graph) -> dict:
     reordering_type/uid, "context", versions).
 
     A graph already lowered to the cuDNN C++ frontend (planned on a device) is described as it is. Otherwise it is
-    lowered here, which needs a deviceless graph (built with handle=None), and cuDNN's C++ `validate()` runs first
-    (raises MXFP8NotSupportedError with cuDNN's reason). Relies on the pure-Python pygraph's lowering hook
-    (`_lower_to_cpp`) of cudnn-frontend 1.32, the only way to reach the C++ JSON without a GPU.
+    lowered here (with the graph's handle; a graph built with handle=None lowers without any device) and cuDNN's
+    C++ `validate()` runs first (MXFP8NotSupportedError with cuDNN's reason). Uses the pure-Python pygraph's
+    lowering hook (`_lower_to_cpp`, cudnn-frontend 1.32): the public routes to the C++ JSON (`key()`,
+    `serialize()`) need a GPU or a built plan.
     """
     lowered = getattr(graph, "_lowered_graph", None)
     if lowered is None:
@@ -423,8 +432,9 @@ def graph_json(graph) -> dict:
         lowered = lower()
         try:
             lowered.validate()
-        except (cudnn.cudnnGraphNotSupportedError, ValueError) as exc:
-            raise MXFP8NotSupportedError(f"cuDNN's validation rejected the graph: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 -- cuDNN's verdict on the graph
+            raise MXFP8NotSupportedError(f"cuDNN's validation rejected the graph: {type(exc).__name__}: {exc}") \
+                from None
     return json.loads(repr(lowered))
 
 
@@ -514,13 +524,15 @@ class PlannedGraph:
 
 
 def plan_graph(graph, cfg: GraphConfig, kind: str) -> PlannedGraph:
-    """create_execution_plans + check_support + build_plans; cuDNN's refusal becomes MXFP8NotSupportedError."""
+    """create_execution_plans (heuristics A, then FALLBACK) + check_support + build_plans on `graph` (built with a
+    device handle). Any failure, typically cudnnGraphNotSupportedError, becomes MXFP8NotSupportedError carrying
+    cuDNN's message."""
     try:
         graph.create_execution_plans(list(HEUR_MODES))
         graph.check_support()
         graph.build_plans()
         workspace = int(graph.get_workspace_size())
-    except (cudnn.cudnnGraphNotSupportedError, ValueError, RuntimeError, NotImplementedError) as exc:
+    except Exception as exc:  # noqa: BLE001 -- every failure here is cuDNN's verdict on this graph and device
         raise MXFP8NotSupportedError(f"cuDNN has no plan for the MXFP8 {kind} graph ({cfg.describe()}): "
                                      f"{type(exc).__name__}: {exc}") from None
     return PlannedGraph(kind, cfg, graph, workspace)

@@ -324,6 +324,12 @@ def cudnn_backward(q_row: MXFP8Tensor, q_col: MXFP8Tensor, k_row: MXFP8Tensor, k
 # ---------------------------------------------------------------------------------------------------------------
 # the AttentionBackend
 # ---------------------------------------------------------------------------------------------------------------
+def _graph_layout(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its strides can go to cuDNN (dense, D innermost: bshd/bhsd/sbhd views), else a contiguous
+    copy (a strided slice, or D not innermost)."""
+    return x if x.stride(-1) == 1 and _is_dense(x) else x.contiguous()
+
+
 class CudnnBackend(AttentionBackend):
     """cuDNN's fused MXFP8 attention (Blackwell). Quantizes with mxattn.formats (round-up E8M0 scales)."""
 
@@ -338,6 +344,7 @@ class CudnnBackend(AttentionBackend):
 
     def forward(self, q, k, v, params: AttentionParams):
         _supported_state(q.device)
+        q, k, v = _graph_layout(q), _graph_layout(k), _graph_layout(v)
         q_row, k_row, v_col = quantize_mxfp8(q, axis=-1), quantize_mxfp8(k, axis=-1), quantize_mxfp8(v, axis=-2)
         o, stats, _ = cudnn_forward(q_row, k_row, v_col, attn_scale=params.softmax_scale, mask=params.mask,
                                     out_dtype=params.out_dtype)
@@ -347,10 +354,7 @@ class CudnnBackend(AttentionBackend):
 
     def backward(self, saved: SavedForBackward, o, stats, do, params: AttentionParams):
         _supported_state(o.device)
-        o = o.to(params.out_dtype)
-        do = do.to(params.out_dtype)
-        if not _is_dense(do):
-            do = do.contiguous()
+        o, do = _graph_layout(o.to(params.out_dtype)), _graph_layout(do.to(params.out_dtype))
         do_row, do_col = quantize_mxfp8(do, axis=-1), quantize_mxfp8(do, axis=-2)
         dq, dk, dv, *_ = cudnn_backward(saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row, o, do,
                                         do_row, do_col, stats, attn_scale=params.softmax_scale, mask=params.mask,

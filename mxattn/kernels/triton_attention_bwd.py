@@ -280,8 +280,6 @@ def _dq_kernel(
 
 def _bwd_config(dp: int):
     """((dkdv BM, BN, warps, stages), (dq BM, BN, warps, stages)) for padded head dim dp."""
-    if dp <= 64:
-        return (64, 128, 4, 2), (128, 64, 4, 2)
     if dp <= 128:
         return (64, 128, 8, 2), (128, 64, 8, 2)
     return (32, 64, 8, 1), (64, 32, 8, 1)

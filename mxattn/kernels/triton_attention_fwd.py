@@ -151,8 +151,6 @@ def _attn_fwd_kernel(
 
 def _fwd_config(dp: int):
     """(BLOCK_M, num_warps, num_stages) for padded head dim dp."""
-    if dp <= 64:
-        return 128, 4, 3
     if dp <= 128:
         return 128, 8, 2
     return 64, 8, 2

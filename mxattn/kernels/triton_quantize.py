@@ -33,6 +33,17 @@ def scale_exponent(amax):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def block_amax(x, axis: tl.constexpr):
+    """max |x| along `axis`, NaN if any element is NaN (tl.max alone drops NaNs)."""
+    return tl.reduce(tl.abs(x), axis, _max_nan)
+
+
+@triton.jit
 def pow2_of_biased(e):
     """int32 tile e in [0, 254] -> fp32 2^(e - 127) (exact, 2^-127 as a subnormal)."""
     bits = tl.where(e == 0, 0x400000, e << 23)
@@ -47,19 +58,28 @@ def inv_pow2_of_biased(e):
 
 
 @triton.jit
+def pow2_of_biased_bf16(s):
+    """uint8 tile of E8M0 bytes (0..254) -> bf16 2^(e - 127) (exact; byte 0 gives the subnormal 2^-127)."""
+    e = s.to(tl.int16)
+    bits = tl.where(e == 0, 0x40, e << 7).to(tl.int16)
+    return bits.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def dequant_rows(x, s, R: tl.constexpr, C: tl.constexpr):
-    """x fp8 [R, C] with E8M0 bytes s (uint8) [R, C // 32] along axis 1 -> bf16 [R, C] (exact)."""
-    sc = pow2_of_biased(s.to(tl.int32))
-    y = tl.reshape(x.to(tl.float32), (R, C // 32, 32)) * sc[:, :, None]
-    return tl.reshape(y, (R, C)).to(tl.bfloat16)
+    """x fp8 [R, C] with E8M0 bytes s (uint8) [R, C // 32] along axis 1 -> bf16 [R, C].
+
+    E4M3 -> BF16 is exact and so is the product with a power of two in BF16 (BF16 has FP32's exponent range;
+    only results below 2^-126 lose bits, the spec's section 8 caveat)."""
+    y = tl.reshape(x.to(tl.bfloat16), (R, C // 32, 32)) * pow2_of_biased_bf16(s)[:, :, None]
+    return tl.reshape(y, (R, C))
 
 
 @triton.jit
 def dequant_cols(x, s, R: tl.constexpr, C: tl.constexpr):
-    """x fp8 [R, C] with E8M0 bytes s (uint8) [R // 32, C] along axis 0 -> bf16 [R, C] (exact)."""
-    sc = pow2_of_biased(s.to(tl.int32))
-    y = tl.reshape(x.to(tl.float32), (R // 32, 32, C)) * sc[:, None, :]
-    return tl.reshape(y, (R, C)).to(tl.bfloat16)
+    """x fp8 [R, C] with E8M0 bytes s (uint8) [R // 32, C] along axis 0 -> bf16 [R, C] (as dequant_rows)."""
+    y = tl.reshape(x.to(tl.bfloat16), (R // 32, 32, C)) * pow2_of_biased_bf16(s)[:, None, :]
+    return tl.reshape(y, (R, C))
 
 
 @triton.jit
@@ -83,10 +103,12 @@ def _quantize_rowcol_kernel(
         X, sxb, sxh, sxs, sxd,
         QR, sqrb, sqrh, sqrs, sqrd, SR,
         QC, sqcb, sqch, sqcs, sqcd, SC,
-        SRZ, SCZ,
+        SRZ, SCZ, RDQ, CDQ,
         H, S, D, NR, NC, SRZ_KP, SRZ_SLAB, SCZ_KP, SCZ_SLAB,
-        BS: tl.constexpr, BD: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SWZ: tl.constexpr):
-    """One [BS, BD] tile of x read once -> row-wise and/or column-wise E4M3 data and E8M0 scales."""
+        BS: tl.constexpr, BD: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SWZ: tl.constexpr,
+        ROW_DQ: tl.constexpr, COL_DQ: tl.constexpr):
+    """One [BS, BD] tile of x read once -> row-wise and/or column-wise E4M3 data and E8M0 scales, and on
+    request their exact BF16 dequantizations (contiguous [B, H, S, D]) for kernels that stream BF16."""
     pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_bh = tl.program_id(2)
@@ -99,10 +121,14 @@ def _quantize_rowcol_kernel(
                 other=0.0).to(tl.float32)
     if ROW:
         x3 = tl.reshape(x, (BS, BD // 32, 32))
-        e = scale_exponent(tl.max(tl.abs(x3), axis=2))
+        e = scale_exponent(block_amax(x3, 2))
         y = tl.where((e == 255)[:, :, None], float("nan"), x3 * inv_pow2_of_biased(e)[:, :, None])
         q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
         tl.store(QR + b * sqrb + h * sqrh + offs_s[:, None] * sqrs + offs_d[None, :] * sqrd, q, mask=mask)
+        if ROW_DQ:
+            dq = tl.reshape(tl.reshape(q.to(tl.bfloat16), (BS, BD // 32, 32)) *
+                            pow2_of_biased_bf16(e.to(tl.uint8))[:, :, None], (BS, BD))
+            tl.store(RDQ + (pid_bh.to(tl.int64) * S + offs_s[:, None]) * D + offs_d[None, :], dq, mask=mask)
         offs_k = pid_d * (BD // 32) + tl.arange(0, BD // 32)
         smask = (offs_s < S)[:, None] & (offs_k < NR)[None, :]
         tl.store(SR + (pid_bh.to(tl.int64) * S + offs_s[:, None]) * NR + offs_k[None, :], e.to(tl.uint8),
@@ -112,10 +138,14 @@ def _quantize_rowcol_kernel(
             tl.store(SRZ + pid_bh.to(tl.int64) * SRZ_SLAB + off, e.to(tl.uint8), mask=smask)
     if COL:
         x3 = tl.reshape(x, (BS // 32, 32, BD))
-        e = scale_exponent(tl.max(tl.abs(x3), axis=1))
+        e = scale_exponent(block_amax(x3, 1))
         y = tl.where((e == 255)[:, None, :], float("nan"), x3 * inv_pow2_of_biased(e)[:, None, :])
         q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
         tl.store(QC + b * sqcb + h * sqch + offs_s[:, None] * sqcs + offs_d[None, :] * sqcd, q, mask=mask)
+        if COL_DQ:
+            dq = tl.reshape(tl.reshape(q.to(tl.bfloat16), (BS // 32, 32, BD)) *
+                            pow2_of_biased_bf16(e.to(tl.uint8))[:, None, :], (BS, BD))
+            tl.store(CDQ + (pid_bh.to(tl.int64) * S + offs_s[:, None]) * D + offs_d[None, :], dq, mask=mask)
         offs_j = pid_s * (BS // 32) + tl.arange(0, BS // 32)
         smask = (offs_j < NC)[:, None] & (offs_d < D)[None, :]
         tl.store(SC + (pid_bh.to(tl.int64) * NC + offs_j[:, None]) * D + offs_d[None, :], e.to(tl.uint8),
@@ -205,7 +235,7 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         _quantize_rowcol_kernel[grid](
             x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, srz, scz,
             H, S, D, nr, nc, srz_kp, srz_slab, scz_kp, scz_slab,
-            BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle, num_warps=4)
+            BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle, num_warps=8 if bd >= 128 else 4)
     e8 = torch.float8_e8m0fnu
     return RowColQuantized(
         MXFP8Tensor(qr, sr.view(e8), 3) if row else None,
