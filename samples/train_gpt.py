@@ -1,4 +1,4 @@
-"""Train a small character-level GPT twice -- BF16 attention vs MXFP8 attention -- and compare the losses.
+"""Train a small byte-level (character-level) GPT twice -- BF16 vs MXFP8 attention -- and compare the losses.
 
 Both models start from the same weights and see the same batches; the only difference is the attention
 kernel inside each block:
@@ -208,25 +208,29 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=150, help="optimizer steps per model")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per model")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dim", type=int, default=128, help="model width (heads * head_dim)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=128, help="sequence length (bytes)")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
     p.add_argument("--device", default=default_device)
-    p.add_argument("--out", default=os.path.join("samples", "out"), help="directory for the PNG plot")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
+                   help="directory for the PNG plot")
     p.add_argument("--backend", default="auto", help="mxattn backend: auto, cudnn, triton or reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-bytes", type=int, default=2_000_000, help="bytes of stdlib source to use")
     p.add_argument("--untied", action="store_true", help="separate output head instead of tied embeddings")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=25, help="print the losses every N steps")
     p.add_argument("--final-window", type=int, default=10, help="final loss = mean of the last N steps")
     args = p.parse_args(argv)
     for name in ("steps", "layers", "dim", "heads", "seq", "batch", "data_bytes", "log_every", "final_window"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.data_bytes // 10 <= args.seq + 1:
+        p.error(f"--data-bytes ({args.data_bytes}) is too small: the 10% validation split must hold more than "
+                f"--seq + 1 ({args.seq + 1}) bytes")
     return args
 
 

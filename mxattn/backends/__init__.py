@@ -73,7 +73,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
                     _WARNED.add(key)
                     why = "; ".join(reasons)
                     warnings.warn(f"mxattn: backend='auto' chose {candidate!r} on {device} ({why})",
-                                  RuntimeWarning, stacklevel=3)
+                                  RuntimeWarning, stacklevel=4)
             return candidate
         reasons.append(f"{candidate}: {reason}")
     raise MXFP8NotSupportedError("no backend can run: " + "; ".join(reasons))

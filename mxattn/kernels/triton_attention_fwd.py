@@ -20,7 +20,7 @@ LOG2E = 1.4426950408889634
 def _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n, offs_d,
                stride_kn, stride_kd, stride_ksn, stride_vn, stride_vd, stride_vsn, SKV, D, qk_scale, offset, LB, RB,
                MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, KV_BF16: tl.constexpr):
     # 2-D pointers are rebuilt from scalars and 1-D ranges each block, so they do not occupy registers
     # across the loop
     cols = n0 + offs_n
@@ -32,15 +32,22 @@ def _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n, offs_d
         kmask = (cols < SKV)[:, None] & (offs_d < D)[None, :]
         smask = (cols < SKV)[:, None] & (tl.arange(0, DP // 32) * 32 < D)[None, :]
         k = tl.load(k_ptrs + n0 * stride_kn, mask=kmask, other=0.0)
-        ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=smask, other=127)
+        if not KV_BF16:
+            ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=smask, other=127)
     else:
         if DP == D:
             k = tl.load(k_ptrs + n0 * stride_kn)
-            ks = tl.load(ks_ptrs + n0 * stride_ksn)
+            if not KV_BF16:
+                ks = tl.load(ks_ptrs + n0 * stride_ksn)
         else:
             k = tl.load(k_ptrs + n0 * stride_kn, mask=(offs_d < D)[None, :], other=0.0)
-            ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=(tl.arange(0, DP // 32) * 32 < D)[None, :], other=127)
-    k_dq = dequant_rows(k, ks, BN, DP)
+            if not KV_BF16:
+                ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=(tl.arange(0, DP // 32) * 32 < D)[None, :],
+                             other=127)
+    if KV_BF16:
+        k_dq = k
+    else:
+        k_dq = dequant_rows(k, ks, BN, DP)
     s = tl.dot(q_dq, tl.trans(k_dq)) * qk_scale
     if MASK:
         keep = (cols < SKV)[None, :]
@@ -58,17 +65,23 @@ def _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n, offs_d
     if MASK:
         vmask = (cols < SKV)[:, None] & (offs_d < D)[None, :]
         v = tl.load(v_ptrs + n0 * stride_vn, mask=vmask, other=0.0)
-        vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn,
-                     mask=((n0 // 32 + tl.arange(0, BN // 32)) * 32 < SKV)[:, None] & (offs_d < D)[None, :],
-                     other=127)
+        if not KV_BF16:
+            vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn,
+                         mask=((n0 // 32 + tl.arange(0, BN // 32)) * 32 < SKV)[:, None] & (offs_d < D)[None, :],
+                         other=127)
     else:
         if DP == D:
             v = tl.load(v_ptrs + n0 * stride_vn)
-            vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn)
+            if not KV_BF16:
+                vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn)
         else:
             v = tl.load(v_ptrs + n0 * stride_vn, mask=(offs_d < D)[None, :], other=0.0)
-            vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn, mask=(offs_d < D)[None, :], other=127)
-    v_dq = dequant_cols(v, vs, BN, DP)
+            if not KV_BF16:
+                vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn, mask=(offs_d < D)[None, :], other=127)
+    if KV_BF16:
+        v_dq = v
+    else:
+        v_dq = dequant_cols(v, vs, BN, DP)
     acc = acc * alpha[:, None] + tl.dot(pq, v_dq)
     return acc, m_new, l_i
 
@@ -82,7 +95,7 @@ def _attn_fwd_kernel(
         sob, soh, sos, sod, slb, slh, sls,
         HQ, GROUP, SQ, SKV, D, qk_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr):
+        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, KV_BF16: tl.constexpr):
     """Grid (cdiv(SQ, BM), B * HQ). Q/K row-wise scales [B,H,S,DP/32-ish], V column-wise [B,H,S/32,D]."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -130,15 +143,15 @@ def _attn_fwd_kernel(
     for n0 in range(lo, mask_hi, BN):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
                                    offs_d, sks, skd, skss, svs, svd, svss, SKV, D, qk_scale, offset, LB, RB,
-                                   True, HAS_LB, HAS_RB, BM, BN, DP)
+                                   True, HAS_LB, HAS_RB, BM, BN, DP, KV_BF16)
     for n0 in range(full_lo, full_hi, BN):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
                                    offs_d, sks, skd, skss, svs, svd, svss, SKV, D, qk_scale, offset, LB, RB,
-                                   False, HAS_LB, HAS_RB, BM, BN, DP)
+                                   False, HAS_LB, HAS_RB, BM, BN, DP, KV_BF16)
     for n0 in range(tl.maximum(full_hi, mask_hi), hi, BN):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
                                    offs_d, sks, skd, skss, svs, svd, svss, SKV, D, qk_scale, offset, LB, RB,
-                                   True, HAS_LB, HAS_RB, BM, BN, DP)
+                                   True, HAS_LB, HAS_RB, BM, BN, DP, KV_BF16)
 
     has = l_i > 0.0
     denom = tl.where(has, l_i * 256.0, 1.0)
@@ -158,7 +171,7 @@ def _fwd_config(dp: int):
 
 def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, out: torch.Tensor, stats: torch.Tensor,
-                  config=None) -> None:
+                  config=None, k_bf16=None, v_bf16=None) -> None:
     """Launch the forward kernel.
 
     q_data [B,Hq,Sq,D] e4m3, q_scale [B,Hq,Sq,ceil(D/32)] e8m0 (row-wise); k_data/k_scale likewise with Hkv
@@ -166,7 +179,18 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
     Writes out [B,Hq,Sq,D] (bf16/fp16) and stats [B,Hq,Sq,1] fp32 (natural log-sum-exp, -inf for empty rows).
     Scale tensors must have a contiguous last axis. offset: diagonal offset (0 top_left, Skv-Sq bottom_right).
     config: optional (BLOCK_M, num_warps, num_stages) override (benchmark sweeps); BLOCK_M a multiple of 16.
+    k_bf16, v_bf16: optional contiguous bf16 [B,Hkv,Skv,D], the exact dequantizations of (k_data, k_scale)
+    and (v_data, v_scale_col) (e.g. from quantize_rowcol(row_dequant=/col_dequant=True)); when given, the
+    kernel streams them instead of dequantizing K and V tiles in registers (same numbers, fewer ALU ops).
     """
+    if (k_bf16 is None) != (v_bf16 is None):
+        raise ValueError("k_bf16 and v_bf16 must be given together")
+    kv_bf16 = k_bf16 is not None
+    if kv_bf16:
+        for name, t in (("k_bf16", k_bf16), ("v_bf16", v_bf16)):
+            if t.dtype != torch.bfloat16 or tuple(t.shape) != tuple(k_data.shape) or t.stride(3) != 1:
+                raise ValueError(f"{name} must be bf16 of shape {tuple(k_data.shape)} with unit stride along D")
+        k_data, v_data = k_bf16, v_bf16
     B, HQ, SQ, D = q_data.shape
     HKV, SKV = k_data.shape[1], k_data.shape[2]
     dp = max(32, triton.next_power_of_2(D))
@@ -186,7 +210,7 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
         HQ, HQ // HKV, SQ, SKV, D, float(softmax_scale) * LOG2E, int(offset),
         0 if left_bound is None else int(left_bound), 0 if right_bound is None else int(right_bound),
         HAS_LB=left_bound is not None, HAS_RB=right_bound is not None,
-        BM=bm, BN=BLOCK_N, DP=dp, num_warps=warps, num_stages=stages)
+        BM=bm, BN=BLOCK_N, DP=dp, KV_BF16=kv_bf16, num_warps=warps, num_stages=stages)
 
 
 __all__ = ["attention_fwd", "BLOCK_N", "LOG2E"]

@@ -164,12 +164,15 @@ class RowColQuantized(NamedTuple):
     row / col: mxattn.formats.MXFP8Tensor (axis 3 / axis 2, compact E8M0 scales).
     row_swizzled: uint8-compatible E8M0 [B, H, Sp, ceil(ceil(D/32)/4)*4] in F8_128x4 order.
     col_swizzled: E8M0 [B, H, ceil(D/128)*128, ceil(ceil(S/32)/4)*4] in F8_128x4 order (M = D, K = S blocks).
+    row_dequant / col_dequant: contiguous bf16 [B, H, S, D], the exact dequantization of row / col.
     """
 
     row: Optional[object]
     col: Optional[object]
     row_swizzled: Optional[torch.Tensor]
     col_swizzled: Optional[torch.Tensor]
+    row_dequant: Optional[torch.Tensor] = None
+    col_dequant: Optional[torch.Tensor] = None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -194,11 +197,17 @@ def _is_dense(x: torch.Tensor) -> bool:
     return True
 
 
-def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swizzle: bool = False
-                    ) -> RowColQuantized:
+#: (BLOCK_S, num_warps) of the quantizer; BLOCK_D = min(128, next_pow2(D)). Small tiles keep registers low
+#: (about 90 per thread), so many programs are resident per SM to hide memory latency.
+QUANT_TILE = (32, 4)
+
+
+def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swizzle: bool = False,
+                    row_dequant: bool = False, col_dequant: bool = False, tile=None) -> RowColQuantized:
     """Fused MXFP8 quantizer: x [B, H, S, D] bf16/fp16/fp32 (any strides, CUDA) read once ->
     row-wise (blocks of 32 along D) and/or column-wise (blocks of 32 along S) E4M3 data with compact E8M0
-    scales, and on request the scales also in F8_128x4 order. Bit-identical to mxattn.quantize_mxfp8."""
+    scales, and on request the scales also in F8_128x4 order and the exact bf16 dequantizations.
+    Bit-identical to mxattn.quantize_mxfp8. tile: optional (BLOCK_S multiple of 32, num_warps) override."""
     from ..formats import MXFP8Tensor
 
     if not isinstance(x, torch.Tensor):
@@ -211,6 +220,8 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         raise ValueError(f"x must be on a CUDA device, got {x.device}")
     if not (row or col):
         raise ValueError("quantize_rowcol: at least one of row, col must be True")
+    if (row_dequant and not row) or (col_dequant and not col):
+        raise ValueError("quantize_rowcol: row_dequant needs row=True and col_dequant needs col=True")
     B, H, S, D = x.shape
     nr, nc = _cdiv(D, 32), _cdiv(S, 32)
     dev = x.device
@@ -226,19 +237,73 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         if (swizzle and row) else dummyu
     scz = torch.zeros((B, H, _cdiv(D, 128) * 128, scz_kp), dtype=torch.uint8, device=dev) \
         if (swizzle and col) else dummyu
+    dummyb = torch.empty(1, dtype=torch.bfloat16, device=dev)
+    rdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if row_dequant else dummyb
+    cdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if col_dequant else dummyb
     if x.numel() > 0:
+        bs, warps = tile if tile is not None else QUANT_TILE
+        if bs < 32 or bs % 32:
+            raise ValueError(f"tile BLOCK_S must be a positive multiple of 32, got {bs}")
         bd = min(128, max(32, triton.next_power_of_2(D)))
-        bs = 64
         grid = (_cdiv(S, bs), _cdiv(D, bd), B * H)
         qr_st = qr.stride() if row else (0, 0, 0, 0)
         qc_st = qc.stride() if col else (0, 0, 0, 0)
         _quantize_rowcol_kernel[grid](
-            x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, srz, scz,
+            x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, srz, scz, rdq, cdq,
             H, S, D, nr, nc, srz_kp, srz_slab, scz_kp, scz_slab,
-            BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle, num_warps=8 if bd >= 128 else 4)
+            BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle, ROW_DQ=row_dequant, COL_DQ=col_dequant,
+            num_warps=warps)
     e8 = torch.float8_e8m0fnu
     return RowColQuantized(
         MXFP8Tensor(qr, sr.view(e8), 3) if row else None,
         MXFP8Tensor(qc, sc.view(e8), 2) if col else None,
         srz.view(e8) if (swizzle and row) else None,
-        scz.view(e8) if (swizzle and col) else None)
+        scz.view(e8) if (swizzle and col) else None,
+        rdq if row_dequant else None,
+        cdq if col_dequant else None)
+
+
+@triton.jit
+def _dequant_kernel(X, sxb, sxh, sxs, S_, ssb, ssh, sss, Y, H, S, D,
+                    AXIS_ROW: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+    """MXFP8 tile (row-wise: scales [.., S, D/32]; column-wise: scales [.., S/32, D]) -> bf16 Y [B*H, S, D]."""
+    pid_s = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_s = pid_s * BS + tl.arange(0, BS)
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    mask = (offs_s < S)[:, None] & (offs_d < D)[None, :]
+    x = tl.load(X + b * sxb + h * sxh + offs_s[:, None] * sxs + offs_d[None, :], mask=mask, other=0.0)
+    if AXIS_ROW:
+        offs_k = pid_d * (BD // 32) + tl.arange(0, BD // 32)
+        sc = tl.load(S_ + b * ssb + h * ssh + offs_s[:, None] * sss + offs_k[None, :],
+                     mask=(offs_s < S)[:, None] & (offs_k * 32 < D)[None, :], other=127)
+        y = dequant_rows(x, sc, BS, BD)
+    else:
+        offs_j = pid_s * (BS // 32) + tl.arange(0, BS // 32)
+        sc = tl.load(S_ + b * ssb + h * ssh + offs_j[:, None] * sss + offs_d[None, :],
+                     mask=(offs_j * 32 < S)[:, None] & (offs_d < D)[None, :], other=127)
+        y = dequant_cols(x, sc, BS, BD)
+    tl.store(Y + (pid_bh.to(tl.int64) * S + offs_s[:, None]) * D + offs_d[None, :], y, mask=mask)
+
+
+def dequantize_bf16(t, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """MXFP8Tensor [B, H, S, D] (axis 3 row-wise or axis 2 column-wise, unit stride along D) -> contiguous
+    bf16 [B, H, S, D], the exact dequantization the attention kernels use (bf16 products by powers of two).
+    out: optional contiguous bf16 buffer of that shape to write into."""
+    B, H, S, D = t.data.shape
+    if t.axis not in (2, 3):
+        raise ValueError(f"t.axis must be 2 or 3 for a [B, H, S, D] tensor, got {t.axis}")
+    if t.data.stride(3) != 1:
+        raise ValueError("t.data must have unit stride along D")
+    y = out if out is not None else torch.empty((B, H, S, D), dtype=torch.bfloat16, device=t.data.device)
+    if t.data.numel() == 0:
+        return y
+    sc = t.scale.view(torch.uint8)
+    bd = min(128, max(32, triton.next_power_of_2(D)))
+    grid = (_cdiv(S, 32), _cdiv(D, bd), B * H)
+    _dequant_kernel[grid](t.data, *t.data.stride()[:3], sc, *sc.stride()[:3], y, H, S, D,
+                          AXIS_ROW=t.axis == 3, BS=32, BD=bd, num_warps=4)
+    return y
