@@ -34,18 +34,7 @@ def _capability():
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 
 
-LAYOUTS = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}
-MASKS = {
-    "none": MaskSpec(),
-    "causal_tl": MaskSpec(causal=True),
-    "causal_br": MaskSpec(causal=True, diagonal_alignment="bottom_right"),
-    "swa_tl": MaskSpec(left_bound=100, right_bound=0),
-    "band_br": MaskSpec(left_bound=64, right_bound=32, diagonal_alignment="bottom_right"),
-    "left_only_br": MaskSpec(left_bound=200, diagonal_alignment="bottom_right"),
-}
-SEQS = (128, 500, 1024, 4096)
-HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
-HEADS = ((8, 8), (8, 2), (8, 1))
+from cudnn_matrix import HEAD_DIMS, HEADS, LAYOUTS, MASKS, SEQS  # noqa: E402
 O_TOL = dict(atol=0.12, rtol=0.2)  # the cuDNN frontend's MXFP8 test
 GRAD_TOL = dict(atol=0.08, rtol=0.2)
 O_REL_RMS, GRAD_REL_RMS = 0.03, 0.05  # tighter, scale-free: catches wrong bytes the loose atol would hide

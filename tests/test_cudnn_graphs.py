@@ -30,18 +30,7 @@ from mxattn.mask import MaskSpec  # noqa: E402
 needs_mxfp8_cudnn = pytest.mark.skipif(cudnn.backend_version() < 92100,
                                        reason=f"cuDNN {cudnn.backend_version()} < 9.21 cannot validate MXFP8 graphs")
 
-SEQS = (128, 500, 1024, 4096)
-HEAD_DIMS = ((64, 64), (128, 128), (192, 128))  # (d_qk, d_v): cuDNN runs d_qk=192 only with d_v=128
-HEADS = ((8, 8), (8, 2), (8, 1))
-MASKS = {
-    "none": MaskSpec(),
-    "causal_tl": MaskSpec(causal=True),
-    "causal_br": MaskSpec(causal=True, diagonal_alignment="bottom_right"),
-    "swa_tl": MaskSpec(left_bound=100, right_bound=0),
-    "band_br": MaskSpec(left_bound=64, right_bound=32, diagonal_alignment="bottom_right"),
-    "left_only_br": MaskSpec(left_bound=200, diagonal_alignment="bottom_right"),
-}
-LAYOUTS = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}  # physical order of B,H,S,D
+from cudnn_matrix import HEAD_DIMS, HEADS, LAYOUTS, MASKS, SEQS  # noqa: E402
 TORCH_OF = {"FP8_E4M3": torch.float8_e4m3fn, "FP8_E5M2": torch.float8_e5m2, "FP8_E8M0": torch.float8_e8m0fnu,
             "BFLOAT16": torch.bfloat16, "HALF": torch.float16, "FLOAT": torch.float32}
 
