@@ -52,6 +52,23 @@ def time_cuda(fn: Callable[[], object], warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def time_graph(fn: Callable[[], object], warmup: int, iters: int) -> Optional[float]:
+    """Median milliseconds of CUDA-graph replays of fn() (no host launch overhead); None if capture fails."""
+    try:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        torch.cuda.synchronize()
+    except Exception:  # some callable cannot be captured
+        return None
+    ms = time_cuda(g.replay, warmup, iters)
+    del g
+    return ms
+
+
 def peak_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes allocated above what was allocated before fn() ran (its results freed after)."""
     torch.cuda.synchronize()
@@ -126,31 +143,34 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16) -> Dict:
     do = torch.randn(B, hq, S, D, device=dev, dtype=dtype, generator=gen)
     scale = 1.0 / math.sqrt(D)
     params = AttentionParams(softmax_scale=scale, mask=MaskSpec(causal=causal), out_dtype=dtype)
-    be = TritonBackend()
     fwd_flops = 4.0 * B * hq * D * kept_pairs(S, S, causal)
     res = {"config": name, "B": B, "Hq": hq, "Hkv": hkv, "S": S, "D": D, "causal": causal,
            "fwd_flop": fwd_flops, "notes": []}
 
-    o, stats, saved = be.forward(q, k, v, params)
-    res["triton_fwd_ms"] = time_cuda(lambda: be.forward(q, k, v, params), warmup, iters)
+    for mode, impl in (("fast", "triton"), ("lowmem", "triton_lowmem")):
+        be = TritonBackend(mode)
+        o, stats, saved = be.forward(q, k, v, params)
+        res[f"{impl}_fwd_ms"] = time_cuda(lambda: be.forward(q, k, v, params), warmup, iters)
+        res[f"{impl}_bwd_ms"] = time_cuda(lambda: be.backward(saved, o, stats, do, params), warmup, iters)
+
+        def tri_fb(be=be):
+            o2, st2, sv2 = be.forward(q, k, v, params)
+            return be.backward(sv2, o2, st2, do, params)
+        res[f"{impl}_fwdbwd_ms"] = time_cuda(tri_fb, warmup, iters)
+        res[f"{impl}_fwdbwd_graph_ms"] = time_graph(tri_fb, warmup, iters)
+        res[f"{impl}_fwd_graph_ms"] = time_graph(lambda: be.forward(q, k, v, params), warmup, iters)
+        del o, stats, saved
+        res[f"{impl}_fwdbwd_peak_bytes"] = peak_bytes(tri_fb)
     from .kernels.triton_quantize import quantize_rowcol
-    qq, kq, vq = quantize_rowcol(q), quantize_rowcol(k), quantize_rowcol(v)
-    ob, sb = torch.empty_like(o), torch.empty_like(stats)
-
-    def fwd_kernel():
-        tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale,
-                         softmax_scale=scale, offset=0, left_bound=None, right_bound=0 if causal else None,
-                         out=ob, stats=sb)
-    res["triton_fwd_kernel_ms"] = time_cuda(fwd_kernel, warmup, iters)
+    qq, kq, vq = quantize_rowcol(q), quantize_rowcol(k, row_dequant=True), quantize_rowcol(v, col_dequant=True)
+    ob, sb = torch.empty_like(q), torch.empty(B, hq, S, 1, device=dev)
+    for impl, extra in (("triton", dict(k_bf16=kq.row_dequant, v_bf16=vq.col_dequant)), ("triton_lowmem", {})):
+        def fwd_kernel(extra=extra):
+            tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale,
+                             softmax_scale=scale, offset=0, left_bound=None, right_bound=0 if causal else None,
+                             out=ob, stats=sb, **extra)
+        res[f"{impl}_fwd_kernel_ms"] = time_cuda(fwd_kernel, warmup, iters)
     del qq, kq, vq, ob, sb
-    res["triton_bwd_ms"] = time_cuda(lambda: be.backward(saved, o, stats, do, params), warmup, iters)
-
-    def tri_fb():
-        o2, st2, sv2 = be.forward(q, k, v, params)
-        return be.backward(sv2, o2, st2, do, params)
-    res["triton_fwdbwd_ms"] = time_cuda(tri_fb, warmup, iters)
-    del o, stats, saved
-    res["triton_fwdbwd_peak_bytes"] = peak_bytes(tri_fb)
 
     for kind in ("cudnn", "flash"):
         qg = q.detach().requires_grad_(True)
@@ -178,7 +198,7 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16) -> Dict:
 
     mult = {"fwd": 1.0, "fwd_kernel": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
     for key, m in mult.items():
-        for impl in ("triton", "sdpa_cudnn", "sdpa_flash"):
+        for impl in ("triton", "triton_lowmem", "sdpa_cudnn", "sdpa_flash"):
             ms = res.get(f"{impl}_{key}_ms")
             if ms is not None:
                 res[f"{impl}_{key}_tflops"] = m * fwd_flops / (ms * 1e-3) / 1e12
@@ -187,9 +207,12 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16) -> Dict:
             r = res.get(f"sdpa_{ref}_{key}_ms")
             if r:
                 res[f"ratio_{key}_vs_{ref}"] = r / res[f"triton_{key}_ms"]
-        r = res.get(f"sdpa_cudnn_fwd_ms")
+        r = res.get(f"sdpa_cudnn_{key}_ms")
         if r:
-            res["ratio_fwd_kernel_vs_cudnn"] = r / res["triton_fwd_kernel_ms"]
+            res[f"ratio_{key}_lowmem_vs_cudnn"] = r / res[f"triton_lowmem_{key}_ms"]
+    r = res.get("sdpa_cudnn_fwd_ms")
+    if r:
+        res["ratio_fwd_kernel_vs_cudnn"] = r / res["triton_fwd_kernel_ms"]
     return res
 
 
@@ -203,14 +226,15 @@ def bench_quantizer(warmup: int, iters: int) -> Dict:
     x = torch.randn(shape, device=dev, dtype=torch.bfloat16)
     x_bshd = torch.randn((shape[0], shape[2], shape[1], shape[3]), device=dev, dtype=torch.bfloat16).transpose(1, 2)
     y = torch.empty_like(x)
-    copy_ms = time_cuda(lambda: y.copy_(x), warmup, iters)
+    copy_ms = time_graph(lambda: y.copy_(x), warmup, iters) or time_cuda(lambda: y.copy_(x), warmup, iters)
     copy_bw = 2 * 2 * n / (copy_ms * 1e-3)
     out = {"shape": list(shape), "copy_ms": copy_ms, "copy_GBps": copy_bw / 1e9}
     qbytes = 2 * n + 2 * n + 2 * (n // 32)  # read bf16, write two fp8 copies and two scale arrays
     for label, fn in (("compact", lambda: quantize_rowcol(x)),
                       ("compact_bshd", lambda: quantize_rowcol(x_bshd)),
                       ("swizzled", lambda: quantize_rowcol(x, swizzle=True))):
-        ms = time_cuda(fn, warmup, iters)
+        out[f"quant_{label}_eager_ms"] = time_cuda(fn, warmup, iters)
+        ms = time_graph(fn, warmup, iters) or out[f"quant_{label}_eager_ms"]
         extra = 0
         if label == "swizzled":
             extra = 2 * (n // 32)
@@ -221,14 +245,13 @@ def bench_quantizer(warmup: int, iters: int) -> Dict:
     return out
 
 
-FWD_SWEEP = [(128, 8, 2), (128, 8, 3), (128, 8, 1), (64, 4, 2), (64, 8, 2)]
+FWD_SWEEP = [(128, 8, 2), (128, 8, 3), (128, 8, 2, True), (128, 4, 2)]
 BWD_SWEEP = [((64, 128, 8, 2), (128, 64, 8, 2)), ((64, 128, 8, 1), (128, 64, 8, 1)),
-             ((32, 128, 8, 2), (128, 32, 8, 2)), ((64, 64, 4, 2), (64, 64, 4, 2)),
-             ((64, 128, 8, 3), (128, 64, 8, 3)), ((128, 64, 8, 2), (64, 128, 8, 2))]
+             ((64, 64, 4, 2), (64, 64, 4, 2)), ((64, 128, 8, 3), (128, 64, 8, 3))]
 
 
 def sweep(cfg, warmup: int, iters: int) -> List[Dict]:
-    """Time the forward and backward kernels under each block/warp/stage candidate for one config."""
+    """Time the kernels under each block/warp/stage candidate (and both data paths) for one config."""
     from .kernels import triton_attention_bwd as tb
     from .kernels import triton_attention_fwd as tf
     from .kernels.triton_quantize import quantize_rowcol
@@ -237,30 +260,41 @@ def sweep(cfg, warmup: int, iters: int) -> List[Dict]:
     dev = torch.device("cuda")
     q, do = (torch.randn(B, hq, S, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(B, hkv, S, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    qq, kq, vq, dq_ = (quantize_rowcol(t) for t in (q, k, v, do))
+    qq, dq_ = quantize_rowcol(q), quantize_rowcol(do)
+    kq, vq = quantize_rowcol(k, row_dequant=True), quantize_rowcol(v, col_dequant=True)
     o, st = torch.empty_like(q), torch.empty(B, hq, S, 1, device=dev)
     fl = 4.0 * B * hq * D * kept_pairs(S, S, causal)
     mk = dict(softmax_scale=1 / math.sqrt(D), offset=0, left_bound=None, right_bound=0 if causal else None)
     rows = []
-    for c in FWD_SWEEP:
+
+    def rec(kernel, params, fn, mult):
         try:
-            ms = time_cuda(lambda: tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale,
-                                                    vq.col.data, vq.col.scale, out=o, stats=st, config=c, **mk),
-                           warmup, iters)
-            rows.append({"config": name, "kernel": "fwd", "params": c, "ms": ms, "tflops": fl / ms / 1e9})
+            ms = time_cuda(fn, warmup, iters)
+            rows.append({"config": name, "kernel": kernel, "params": params, "ms": ms,
+                         "tflops": mult * fl / ms / 1e9})
         except Exception as exc:
-            rows.append({"config": name, "kernel": "fwd", "params": c, "error": f"{type(exc).__name__}: {exc}"[:200]})
+            rows.append({"config": name, "kernel": kernel, "params": params,
+                         "error": f"{type(exc).__name__}: {exc}"[:200]})
         print(rows[-1], flush=True)
+    for kvb in (True, False):
+        extra = dict(k_bf16=kq.row_dequant, v_bf16=vq.col_dequant) if kvb else {}
+        for c in FWD_SWEEP:
+            rec("fwd_kvbf16" if kvb else "fwd_fp8", c, lambda: tf.attention_fwd(
+                qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale, out=o, stats=st,
+                config=c, **extra, **mk), 1.0)
     tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale,
                      out=o, stats=st, **mk)
     g = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    for c in BWD_SWEEP:
-        try:
-            ms = time_cuda(lambda: tb.attention_bwd(qq.row, qq.col, kq.row, kq.col, vq.row, dq_.row, dq_.col, o, do,
-                                                    st, dq=g[0], dk=g[1], dv=g[2], config=c, **mk), warmup, iters)
-            rows.append({"config": name, "kernel": "bwd", "params": c, "ms": ms, "tflops": 2.5 * fl / ms / 1e9})
-        except Exception as exc:
-            rows.append({"config": name, "kernel": "bwd", "params": c, "error": f"{type(exc).__name__}: {exc}"[:200]})
+    for mode in ("pre", "fp8"):
+        for c in BWD_SWEEP:
+            rec(f"bwd_{mode}", c, lambda: tb.attention_bwd(
+                qq.row, qq.col, kq.row, kq.col, vq.row, dq_.row, dq_.col, o, do, st, dq=g[0], dk=g[1], dv=g[2],
+                config=c, mode=mode, **mk), 2.5)
+    n = q.numel()
+    for tile in ((32, 4), (32, 4, 64), (32, 2, 64), (64, 4, 64), (32, 8)):
+        ms = time_graph(lambda: quantize_rowcol(q, tile=tile), warmup, iters)
+        rows.append({"config": name, "kernel": "quantize", "params": tile, "ms": ms,
+                     "GBps": (4 * n + 2 * (n // 32)) / ms / 1e6})
         print(rows[-1], flush=True)
     return rows
 
@@ -279,32 +313,40 @@ def markdown(results: Dict) -> str:
              "| config | impl | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
              "peak fwd+bwd MiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results["configs"]:
-        for impl, label in (("triton", "triton MXFP8"), ("sdpa_cudnn", "SDPA cuDNN bf16"),
-                            ("sdpa_flash", "SDPA flash bf16")):
+        for impl, label in (("triton", "triton MXFP8"), ("triton_lowmem", "triton MXFP8 lowmem"),
+                            ("sdpa_cudnn", "SDPA cuDNN bf16"), ("sdpa_flash", "SDPA flash bf16")):
             if f"{impl}_fwd_ms" not in r:
                 continue
             pk = r.get(f"{impl}_fwdbwd_peak_bytes")
             fwd = _fmt(r[f"{impl}_fwd_ms"], 3)
-            if impl == "triton":
-                fwd += f" (kernel {_fmt(r['triton_fwd_kernel_ms'], 3)})"
+            if f"{impl}_fwd_kernel_ms" in r:
+                fwd += f" (kernel {_fmt(r[impl + '_fwd_kernel_ms'], 3)})"
             lines.append(f"| {r['config']} | {label} | {fwd} | {_fmt(r.get(impl + '_fwd_tflops'))} | "
                          f"{_fmt(r.get(impl + '_bwd_ms'), 3)} | {_fmt(r.get(impl + '_bwd_tflops'))} | "
                          f"{_fmt(r.get(impl + '_fwdbwd_ms'), 3)} | {_fmt(r.get(impl + '_fwdbwd_tflops'))} | "
                          f"{_fmt(None if pk is None else pk / 2**20, 0)} |")
     lines += ["", "| config | fwd vs cuDNN (target 0.6) | fwd kernel vs cuDNN | bwd vs cuDNN (target 0.5) | "
-              "fwd+bwd vs cuDNN (target 0.5) | peak mem triton / cuDNN (target <= 1) |", "|---|---|---|---|---|---|"]
+              "fwd+bwd vs cuDNN (target 0.5) | peak mem triton / cuDNN (target <= 1) | lowmem: fwd / bwd / fwd+bwd / "
+              "peak vs cuDNN |", "|---|---|---|---|---|---|---|"]
     for r in results["configs"]:
         pk_t, pk_c = r.get("triton_fwdbwd_peak_bytes"), r.get("sdpa_cudnn_fwdbwd_peak_bytes")
         lines.append(f"| {r['config']} | {_fmt(r.get('ratio_fwd_vs_cudnn'), 2)} | "
                      f"{_fmt(r.get('ratio_fwd_kernel_vs_cudnn'), 2)} | {_fmt(r.get('ratio_bwd_vs_cudnn'), 2)} | "
                      f"{_fmt(r.get('ratio_fwdbwd_vs_cudnn'), 2)} | "
-                     f"{_fmt(None if not (pk_t and pk_c) else pk_t / pk_c, 2)} |")
+                     f"{_fmt(None if not (pk_t and pk_c) else pk_t / pk_c, 2)} | "
+                     f"{_fmt(r.get('ratio_fwd_lowmem_vs_cudnn'), 2)} / {_fmt(r.get('ratio_bwd_lowmem_vs_cudnn'), 2)} / "
+                     f"{_fmt(r.get('ratio_fwdbwd_lowmem_vs_cudnn'), 2)} / "
+                     f"{_fmt(None if not (pk_c and r.get('triton_lowmem_fwdbwd_peak_bytes')) else r['triton_lowmem_fwdbwd_peak_bytes'] / pk_c, 2)} |")
+    lines += ["", "Triton GPU time without host overhead (CUDA-graph replay), ms: " + "; ".join(
+        f"{r['config']}: fwd {_fmt(r.get('triton_fwd_graph_ms'), 3)}, fwd+bwd {_fmt(r.get('triton_fwdbwd_graph_ms'), 3)}"
+        f" (vs cuDNN fwd+bwd {_fmt(r.get('sdpa_cudnn_fwdbwd_ms'), 3)})" for r in results["configs"])]
     notes = [f"- {r['config']}: {n}" for r in results["configs"] for n in r.get("notes", [])]
     if notes:
         lines += ["", "Notes:"] + notes
     qz = results.get("quantizer")
     if qz:
-        lines += ["", f"Fused quantizer on bf16 {qz['shape']} (bytes read + written): device-to-device copy "
+        lines += ["", f"Fused quantizer on bf16 {qz['shape']} (bytes read + written, CUDA-graph replays, so no "
+                  "host launch overhead): device-to-device copy "
                   f"{qz['copy_GBps']:.0f} GB/s; quantizer row+col compact {qz['quant_compact_GBps']:.0f} GB/s "
                   f"({qz['quant_compact_vs_copy']:.2f}x copy), from a BSHD view {qz['quant_compact_bshd_GBps']:.0f}"
                   f" GB/s ({qz['quant_compact_bshd_vs_copy']:.2f}x), with swizzled scales too "
@@ -322,7 +364,8 @@ def plot(results: Dict, path: str) -> bool:
         return False
     cfgs = results["configs"]
     phases = ("fwd", "bwd", "fwdbwd")
-    impls = (("triton", "triton MXFP8"), ("sdpa_cudnn", "SDPA cuDNN bf16"), ("sdpa_flash", "SDPA flash bf16"))
+    impls = (("triton", "triton MXFP8"), ("triton_lowmem", "triton MXFP8 lowmem"), ("sdpa_cudnn", "SDPA cuDNN bf16"),
+             ("sdpa_flash", "SDPA flash bf16"))
     fig, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4.5), sharey=True)
     width = 0.8 / len(impls)
     for ax, ph in zip(axes, phases):

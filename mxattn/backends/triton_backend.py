@@ -10,7 +10,8 @@ This module imports without triton or a GPU; the kernels are imported on first u
 
 from __future__ import annotations
 
-from typing import Tuple
+import os
+from typing import Optional, Tuple
 
 import torch
 
@@ -60,6 +61,18 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supported_head_dims = (32, 64, 96, 128, 192, 256)
+    MODES = ("fast", "lowmem")
+
+    def __init__(self, mode: Optional[str] = None):
+        """mode "fast" (default): the quantizer also writes the exact bf16 dequantizations of K (row-wise) and
+        V (column-wise) for the forward kernel to stream, and the backward dequantizes its streamed operands
+        per chunk of heads into bf16 scratch first. mode "lowmem": every kernel reads the FP8 data and
+        dequantizes tiles in registers (no bf16 scratch, slower). Both give bit-identical results.
+        The environment variable MXATTN_TRITON_MODE sets the default."""
+        mode = mode if mode is not None else os.environ.get("MXATTN_TRITON_MODE", "fast")
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
+        self.mode = mode
 
     @classmethod
     def availability(cls, device: torch.device) -> Tuple[bool, str]:
@@ -120,9 +133,10 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv})")
         self._check_common(params, d)
         tq, tf, _ = _kernels()
+        fast = self.mode == "fast"
         qq = tq.quantize_rowcol(_inner_unit(q))
-        kq = tq.quantize_rowcol(_inner_unit(k))
-        vq = tq.quantize_rowcol(_inner_unit(v))
+        kq = tq.quantize_rowcol(_inner_unit(k), row_dequant=fast)
+        vq = tq.quantize_rowcol(_inner_unit(v), col_dequant=fast)
         o = _like(q, params.out_dtype)
         stats = torch.empty((B, hq, sq, 1), dtype=torch.float32, device=q.device)
         if skv == 0:
@@ -130,7 +144,8 @@ class TritonBackend(AttentionBackend):
             stats.fill_(float("-inf"))
         elif sq > 0 and B * hq > 0:
             tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale,
-                             softmax_scale=params.softmax_scale, out=o, stats=stats, **_mask_args(params, sq, skv))
+                             softmax_scale=params.softmax_scale, out=o, stats=stats, k_bf16=kq.row_dequant,
+                             v_bf16=vq.col_dequant, **_mask_args(params, sq, skv))
         saved = SavedForBackward(q_row=qq.row, q_col=qq.col, k_row=kq.row, k_col=kq.col, v_row=vq.row)
         return o, stats, saved
 
@@ -161,11 +176,16 @@ class TritonBackend(AttentionBackend):
         dv = _like(saved.v_row.data, params.out_dtype)
         if sq == 0 or skv == 0 or B * hq == 0:
             return dq.zero_(), dk.zero_(), dv.zero_()
-        dq_ = tq.quantize_rowcol(_inner_unit(do))
         parts = [saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row]
         parts = [p if p.data.stride(3) == 1 else type(p)(p.data.contiguous(), p.scale, p.axis) for p in parts]
-        tb.attention_bwd(*parts, dq_.row, dq_.col, o, do, stats, softmax_scale=params.softmax_scale,
-                         dq=dq, dk=dk, dv=dv, **_mask_args(params, sq, skv))
+        do = _inner_unit(do)
+        if self.mode == "fast":  # dO is quantized chunk by chunk inside attention_bwd
+            tb.attention_bwd(*parts, None, None, o, do, stats, softmax_scale=params.softmax_scale,
+                             dq=dq, dk=dk, dv=dv, mode="pre", **_mask_args(params, sq, skv))
+        else:
+            dq_ = tq.quantize_rowcol(do)
+            tb.attention_bwd(*parts, dq_.row, dq_.col, o, do, stats, softmax_scale=params.softmax_scale,
+                             dq=dq, dk=dk, dv=dv, mode="fp8", **_mask_args(params, sq, skv))
         return dq, dk, dv
 
 

@@ -95,7 +95,7 @@ def _attn_fwd_kernel(
         sob, soh, sos, sod, slb, slh, sls,
         HQ, GROUP, SQ, SKV, D, qk_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, KV_BF16: tl.constexpr):
+        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, KV_BF16: tl.constexpr, WS: tl.constexpr):
     """Grid (cdiv(SQ, BM), B * HQ). Q/K row-wise scales [B,H,S,DP/32-ish], V column-wise [B,H,S/32,D]."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -144,7 +144,7 @@ def _attn_fwd_kernel(
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
                                    offs_d, sks, skd, skss, svs, svd, svss, SKV, D, qk_scale, offset, LB, RB,
                                    True, HAS_LB, HAS_RB, BM, BN, DP, KV_BF16)
-    for n0 in range(full_lo, full_hi, BN):
+    for n0 in tl.range(full_lo, full_hi, BN, warp_specialize=WS):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
                                    offs_d, sks, skd, skss, svs, svd, svss, SKV, D, qk_scale, offset, LB, RB,
                                    False, HAS_LB, HAS_RB, BM, BN, DP, KV_BF16)
@@ -166,7 +166,7 @@ def _fwd_config(dp: int):
     """(BLOCK_M, num_warps, num_stages) for padded head dim dp."""
     if dp <= 128:
         return 128, 8, 2
-    return 64, 8, 2
+    return 64, 8, 1
 
 
 def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, softmax_scale: float,
@@ -178,7 +178,7 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
     heads and Skv rows; v_data [B,Hkv,Skv,D] e4m3 with v_scale_col [B,Hkv,ceil(Skv/32),D] e8m0 (column-wise).
     Writes out [B,Hq,Sq,D] (bf16/fp16) and stats [B,Hq,Sq,1] fp32 (natural log-sum-exp, -inf for empty rows).
     Scale tensors must have a contiguous last axis. offset: diagonal offset (0 top_left, Skv-Sq bottom_right).
-    config: optional (BLOCK_M, num_warps, num_stages) override (benchmark sweeps); BLOCK_M a multiple of 16.
+    config: optional (BLOCK_M, num_warps, num_stages[, warp_specialize]) override (benchmark sweeps).
     k_bf16, v_bf16: optional contiguous bf16 [B,Hkv,Skv,D], the exact dequantizations of (k_data, k_scale)
     and (v_data, v_scale_col) (e.g. from quantize_rowcol(row_dequant=/col_dequant=True)); when given, the
     kernel streams them instead of dequantizing K and V tiles in registers (same numbers, fewer ALU ops).
@@ -194,7 +194,8 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
     B, HQ, SQ, D = q_data.shape
     HKV, SKV = k_data.shape[1], k_data.shape[2]
     dp = max(32, triton.next_power_of_2(D))
-    bm, warps, stages = config if config is not None else _fwd_config(dp)
+    bm, warps, stages, *rest = config if config is not None else _fwd_config(dp)
+    ws = bool(rest[0]) if rest else False
     u8 = torch.uint8
     qs, ks, vs = q_scale.view(u8), k_scale.view(u8), v_scale_col.view(u8)
     for name, t in (("q_scale", qs), ("k_scale", ks), ("v_scale_col", vs)):
@@ -210,7 +211,7 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
         HQ, HQ // HKV, SQ, SKV, D, float(softmax_scale) * LOG2E, int(offset),
         0 if left_bound is None else int(left_bound), 0 if right_bound is None else int(right_bound),
         HAS_LB=left_bound is not None, HAS_RB=right_bound is not None,
-        BM=bm, BN=BLOCK_N, DP=dp, KV_BF16=kv_bf16, num_warps=warps, num_stages=stages)
+        BM=bm, BN=BLOCK_N, DP=dp, KV_BF16=kv_bf16, WS=ws, num_warps=warps, num_stages=stages)
 
 
 __all__ = ["attention_fwd", "BLOCK_N", "LOG2E"]

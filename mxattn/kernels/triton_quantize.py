@@ -20,27 +20,31 @@ import triton.language as tl
 @triton.jit
 def scale_exponent(amax):
     """amax fp32 tile (>= 0 or NaN) -> int32 tile of E8M0 biased exponents (round-up rule)."""
-    descale = tl.math.div_rn(amax, 448.0)
-    bits = descale.to(tl.int32, bitcast=True)
-    expo = (bits >> 23) & 0xFF
-    mant = bits & 0x7FFFFF
-    e = expo + (mant != 0).to(tl.int32)
-    # subnormal descale: at or below 2^-127 (mantissa <= 0x400000) gives 0, above it rounds up to 2^-126
-    e = tl.where(expo == 0, (mant > 0x400000).to(tl.int32), e)
-    e = tl.minimum(e, 254)
-    e = tl.where(amax != amax, 255, e)
+    return scale_exponent_from_bits(amax.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def scale_exponent_from_bits(abits):
+    """Bits (int32) of amax = max |x| (NaN patterns compare above inf) -> E8M0 biased exponent, int32.
+
+    Division-free: for FP32 amax = M * 2^E, RN(amax / 448) <= 2^k exactly when amax <= 448 * 2^k (the next FP32
+    above 448 * 2^k already exceeds the rounding threshold 448 * 2^k * (1 + 2^-24)), so the round-up exponent
+    is E - 8 when M <= 1.75 (mantissa field <= 0x600000) and E - 7 otherwise; clamped to [0, 254]. inf gives
+    254, NaN 255. Identical to the rule on exponent(RN(amax / 448)) for every BF16/FP16 amax; for FP32 amax it
+    differs only at the single value 1.75 * 2^-119 + 2^-142 (a subnormal quotient).
+    """
+    expo = (abits >> 23) & 0xFF
+    mant = abits & 0x7FFFFF
+    e = tl.minimum(tl.maximum(expo - 8 + (mant > 0x600000).to(tl.int32), 0), 254)
+    e = tl.where(expo == 255, tl.where(mant != 0, 255, 254), e)
     return e
 
 
 @triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def block_amax(x, axis: tl.constexpr):
-    """max |x| along `axis`, NaN if any element is NaN (tl.max alone drops NaNs)."""
-    return tl.reduce(tl.abs(x), axis, _max_nan)
+def block_amax_bits(x, axis: tl.constexpr):
+    """Bits of max |x| along `axis` as int32: an integer max of the sign-cleared bit patterns, so a NaN
+    (pattern above inf) wins, unlike tl.max on floats."""
+    return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=axis)
 
 
 @triton.jit
@@ -86,7 +90,7 @@ def dequant_cols(x, s, R: tl.constexpr, C: tl.constexpr):
 def qdq_rows(x, R: tl.constexpr, C: tl.constexpr):
     """fp32 [R, C] -> MXFP8 (E4M3, blocks of 32 along axis 1) and back, as bf16 [R, C]."""
     x3 = tl.reshape(x, (R, C // 32, 32))
-    e = scale_exponent(tl.max(tl.abs(x3), axis=2))
+    e = scale_exponent_from_bits(block_amax_bits(x3, 2))
     q = (x3 * inv_pow2_of_biased(e)[:, :, None]).to(tl.float8e4nv)
     y = q.to(tl.float32) * pow2_of_biased(e)[:, :, None]
     return tl.reshape(y, (R, C)).to(tl.bfloat16)
@@ -121,7 +125,7 @@ def _quantize_rowcol_kernel(
                 other=0.0).to(tl.float32)
     if ROW:
         x3 = tl.reshape(x, (BS, BD // 32, 32))
-        e = scale_exponent(block_amax(x3, 2))
+        e = scale_exponent_from_bits(block_amax_bits(x3, 2))
         y = tl.where((e == 255)[:, :, None], float("nan"), x3 * inv_pow2_of_biased(e)[:, :, None])
         q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
         tl.store(QR + b * sqrb + h * sqrh + offs_s[:, None] * sqrs + offs_d[None, :] * sqrd, q, mask=mask)
@@ -138,7 +142,7 @@ def _quantize_rowcol_kernel(
             tl.store(SRZ + pid_bh.to(tl.int64) * SRZ_SLAB + off, e.to(tl.uint8), mask=smask)
     if COL:
         x3 = tl.reshape(x, (BS // 32, 32, BD))
-        e = scale_exponent(block_amax(x3, 1))
+        e = scale_exponent_from_bits(block_amax_bits(x3, 1))
         y = tl.where((e == 255)[:, None, :], float("nan"), x3 * inv_pow2_of_biased(e)[:, None, :])
         q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
         tl.store(QC + b * sqcb + h * sqch + offs_s[:, None] * sqcs + offs_d[None, :] * sqcd, q, mask=mask)
@@ -197,9 +201,9 @@ def _is_dense(x: torch.Tensor) -> bool:
     return True
 
 
-#: (BLOCK_S, num_warps) of the quantizer; BLOCK_D = min(128, next_pow2(D)). Small tiles keep registers low
+#: (BLOCK_S, num_warps, max BLOCK_D) of the quantizer (fastest of a sweep on an H200). Small tiles keep registers low
 #: (about 90 per thread), so many programs are resident per SM to hide memory latency.
-QUANT_TILE = (32, 4)
+QUANT_TILE = (32, 2, 64)
 
 
 def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swizzle: bool = False,
@@ -207,7 +211,8 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
     """Fused MXFP8 quantizer: x [B, H, S, D] bf16/fp16/fp32 (any strides, CUDA) read once ->
     row-wise (blocks of 32 along D) and/or column-wise (blocks of 32 along S) E4M3 data with compact E8M0
     scales, and on request the scales also in F8_128x4 order and the exact bf16 dequantizations.
-    Bit-identical to mxattn.quantize_mxfp8. tile: optional (BLOCK_S multiple of 32, num_warps) override."""
+    Bit-identical to mxattn.quantize_mxfp8. tile: optional (BLOCK_S multiple of 32, num_warps[, max BLOCK_D])
+    override."""
     from ..formats import MXFP8Tensor
 
     if not isinstance(x, torch.Tensor):
@@ -241,10 +246,10 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
     rdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if row_dequant else dummyb
     cdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if col_dequant else dummyb
     if x.numel() > 0:
-        bs, warps = tile if tile is not None else QUANT_TILE
+        bs, warps, *bd_ = tile if tile is not None else QUANT_TILE
         if bs < 32 or bs % 32:
             raise ValueError(f"tile BLOCK_S must be a positive multiple of 32, got {bs}")
-        bd = min(128, max(32, triton.next_power_of_2(D)))
+        bd = min(bd_[0] if bd_ else 128, max(32, triton.next_power_of_2(D)))
         grid = (_cdiv(S, bs), _cdiv(D, bd), B * H)
         qr_st = qr.stride() if row else (0, 0, 0, 0)
         qc_st = qc.stride() if col else (0, 0, 0, 0)
