@@ -18,12 +18,6 @@ import triton.language as tl
 
 
 @triton.jit
-def scale_exponent(amax):
-    """amax fp32 tile (>= 0 or NaN) -> int32 tile of E8M0 biased exponents (round-up rule)."""
-    return scale_exponent_from_bits(amax.to(tl.int32, bitcast=True))
-
-
-@triton.jit
 def scale_exponent_from_bits(abits):
     """Bits (int32) of amax = max |x| (NaN patterns compare above inf) -> E8M0 biased exponent, int32.
 

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Everything the GPU can check, in one go (run from the repo root on a CUDA machine; logs go to $OUT or ./device-logs).
+# Usage: bash benchmarks/device_checks.sh [pytest -k expression]
+set -u
+OUT=${OUT:-device-logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+python -m mxattn info 2>&1 | tee "$OUT/info.txt"
+python -m pytest -q -ra -p no:cacheprovider tests/test_cudnn_gpu.py tests/test_api_gpu.py tests/test_triton_gpu.py \
+    tests/test_triton_import.py ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_tests.txt"
+{
+  python -m mxattn demo
+  python -m mxattn demo --causal --heads 16 --kv-heads 4 --seq 4096
+  python samples/compare_with_ref.py --backend triton --batch 2 --heads 8 --kv-heads 2 --seq 1000 --causal
+  python samples/cudnn_graphs.py
+  python samples/forward.py
+  python samples/backward.py
+} 2>&1 | tee "$OUT/samples.txt"
+python samples/train_gpt.py --device cuda --layers 4 --dim 256 --heads 4 --seq 256 --batch 32 --steps 500 --out "$OUT" 2>&1 | tail -n 25 | tee "$OUT/train_gpt.txt"
