@@ -56,20 +56,23 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_forma
         raise ValueError(f"empty input: head_dim {d}, heads {hq} {where}")
 
 
-def check_head_dim(backend: str, head_dim: int) -> None:
-    """Raise ValueError if `backend` cannot run `head_dim`, listing the ones it can."""
-    supported = backend_class(backend).supported_head_dims
+def check_backend_limits(backend: str, head_dim: int, dtype: torch.dtype) -> None:
+    """Raise ValueError/TypeError if `backend` cannot run `head_dim` or inputs of `dtype`, listing what it can."""
+    cls = backend_class(backend)
+    supported = cls.supported_head_dims
     if supported is not None and head_dim not in supported:
         raise ValueError(f"head_dim {head_dim} is not supported by backend {backend!r}; supported: "
                          f"{', '.join(map(str, supported))}")
+    if dtype not in cls.input_dtypes:
+        raise TypeError(f"backend {backend!r} takes q, k, v in {', '.join(map(str, cls.input_dtypes))}; got {dtype}")
 
 
 @torch.compiler.assume_constant_result
-def _choose_backend(backend: str, device: str, head_dim: int) -> str:
-    """Concrete backend name for (backend, device, head_dim); a constant under torch.compile (the choice and its
-    checks run once at trace time, with no graph break)."""
+def _choose_backend(backend: str, device: str, head_dim: int, dtype: torch.dtype) -> str:
+    """Concrete backend name for (backend, device, head_dim, dtype); a constant under torch.compile (the choice
+    and its checks run once at trace time, with no graph break)."""
     name = resolve_backend_name(backend, torch.device(device))
-    check_head_dim(name, head_dim)
+    check_backend_limits(name, head_dim, dtype)
     return name
 
 
@@ -98,7 +101,7 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
         out_dtype = q.dtype if q.dtype in OUTPUT_DTYPES else torch.bfloat16
     if out_dtype not in OUTPUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
-    name = _choose_backend(backend, str(q.device), head_dim)
+    name = _choose_backend(backend, str(q.device), head_dim, q.dtype)
     return _run(to_bhsd(q, qkv_format), to_bhsd(k, qkv_format), to_bhsd(v, qkv_format), float(softmax_scale),
                 mask, out_dtype, qkv_format, name)
 
@@ -109,4 +112,4 @@ def _run(q, k, v, softmax_scale: float, mask: MaskSpec, out_dtype, qkv_format: s
     return from_bhsd(out[0], qkv_format)
 
 
-__all__ = ["mxfp8_attention", "validate_inputs", "check_head_dim", "MXFP8NotSupportedError"]
+__all__ = ["mxfp8_attention", "validate_inputs", "check_backend_limits", "MXFP8NotSupportedError"]

@@ -177,3 +177,12 @@ def test_unsupported_head_dim_lists_supported(monkeypatch):
     q, k, v, _ = _inputs(b=1, hq=2, hkv=2, sq=32, skv=32, d=32)
     with pytest.raises(ValueError, match=r"head_dim 32 is not supported by backend 'reference'; supported: 64, 128"):
         mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="reference")
+
+
+def test_backend_input_dtypes_are_checked(monkeypatch):
+    from mxattn.backends import reference
+    monkeypatch.setattr(reference.ReferenceBackend, "input_dtypes", (torch.bfloat16, torch.float16))
+    q, k, v, _ = _inputs(b=1, hq=2, hkv=2, sq=32, skv=32, d=32, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"backend 'reference' takes q, k, v in torch.bfloat16, torch.float16; got "
+                                        r"torch.float32"):
+        mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="reference")

@@ -60,6 +60,8 @@ class AttentionBackend(abc.ABC):
     name: str = ""
     #: head dims this backend runs; None means any.
     supported_head_dims: Optional[Tuple[int, ...]] = None
+    #: dtypes of q, k, v this backend takes
+    input_dtypes: Tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
     @classmethod
     @abc.abstractmethod

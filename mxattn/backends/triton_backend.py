@@ -61,6 +61,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supported_head_dims = (32, 64, 96, 128, 192, 256)
+    input_dtypes = _IN_DTYPES
     MODES = ("fast", "lowmem")
 
     def __init__(self, mode: Optional[str] = None):
