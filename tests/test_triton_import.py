@@ -43,8 +43,11 @@ def test_registry_reports_triton_reason_without_raising():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
 def test_kernel_modules_import_without_gpu():
-    for name in ("triton_quantize", "triton_attention_fwd", "triton_attention_bwd"):
-        importlib.import_module(f"mxattn.kernels.{name}")
+    entry_points = {"triton_quantize": "quantize_rowcol", "triton_attention_fwd": "attention_fwd",
+                    "triton_attention_bwd": "attention_bwd"}
+    for name, fn in entry_points.items():
+        module = importlib.import_module(f"mxattn.kernels.{name}")
+        assert callable(getattr(module, fn)), f"{name}.{fn}"
 
 
 def test_backend_rejects_cpu_tensors_before_any_kernel():
