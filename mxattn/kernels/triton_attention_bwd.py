@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import launch
 from .triton_quantize import dequant_cols, dequant_rows, qdq_rows
 
 LOG2E = 1.4426950408889634
@@ -313,7 +314,8 @@ def _launch_dkdv(qr, qc, kr, vr, dor, doc, stats, delta, dk, dv, cfg, pre, args,
     ops = [_op(t) for t in (qr, qc, kr, vr, dor, doc)]
     flat = [x for pair in ops for x in pair]
     strides = [st for pair in ops for x in pair for st in _st3(x)]
-    _dkdv_kernel[(triton.cdiv(SKV, bn1), B * HKV)](
+    launch(
+        _dkdv_kernel, (triton.cdiv(SKV, bn1), B * HKV),
         *flat, stats, delta, dk, dv, *strides, *_st3(stats), delta.stride(0), *_st3(dk), *_st3(dv),
         HKV, *args, BM=bm1, BN=bn1, PRE=pre, num_warps=w1, num_stages=st1, **common)
 
@@ -325,7 +327,8 @@ def _launch_dq(qr, kr, kc, vr, dor, stats, delta, dq, cfg, pre, args, common):
     ops = [_op(t) for t in (qr, kr, kc, vr, dor)]
     flat = [x for pair in ops for x in pair]
     strides = [st for pair in ops for x in pair for st in _st3(x)]
-    _dq_kernel[(triton.cdiv(SQ, bm2), B * HQ)](
+    launch(
+        _dq_kernel, (triton.cdiv(SQ, bm2), B * HQ),
         *flat, stats, delta, dq, *strides, *_st3(stats), delta.stride(0), *_st3(dq),
         HQ, *args, BM=bm2, BN=bn2, PRE=pre, num_warps=w2, num_stages=st2, **common)
 
@@ -376,8 +379,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     if min(bm1, bn1, bm2, bn2) < 32 or any(x % 32 for x in (bm1, bn1, bm2, bn2)):
         raise ValueError(f"backward block sizes must be multiples of 32, got {config}")
     delta = torch.empty((B, HQ, SQ), dtype=torch.float32, device=o.device)
-    _delta_kernel[(triton.cdiv(SQ, 64), B * HQ)](o, do, delta, *o.stride(), *do.stride(), HQ, SQ, D,
-                                                 BM=64, DP=dp, num_warps=4)
+    launch(_delta_kernel, (triton.cdiv(SQ, 64), B * HQ), o, do, delta, *o.stride(), *do.stride(), HQ, SQ, D,
+           BM=64, DP=dp, num_warps=4)
     lb = 0 if left_bound is None else int(left_bound)
     rb = 0 if right_bound is None else int(right_bound)
     common = dict(HAS_LB=left_bound is not None, HAS_RB=right_bound is not None, DP=dp)

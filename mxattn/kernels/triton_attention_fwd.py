@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import launch
 from .triton_quantize import dequant_cols, dequant_rows
 
 BLOCK_N = 128  # KV block of the online softmax: fixed by the recipe, not a tuning knob
@@ -202,8 +203,8 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
         if t.stride(3) != 1:
             raise ValueError(f"{name} must have a contiguous last axis, got strides {tuple(t.stride())}")
     grid = (triton.cdiv(SQ, bm), B * HQ)
-    _attn_fwd_kernel[grid](
-        q_data, qs, k_data, ks, v_data, vs, out, stats,
+    launch(
+        _attn_fwd_kernel, grid, q_data, qs, k_data, ks, v_data, vs, out, stats,
         *q_data.stride(), *qs.stride()[:3],
         *k_data.stride(), *ks.stride()[:3],
         *v_data.stride(), *vs.stride()[:3],

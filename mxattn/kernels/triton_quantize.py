@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import launch
+
 
 @triton.jit
 def scale_exponent_from_bits(abits):
@@ -224,21 +226,22 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
     B, H, S, D = x.shape
     nr, nc = _cdiv(D, 32), _cdiv(S, 32)
     dev = x.device
-    dummy8 = torch.empty(1, dtype=torch.float8_e4m3fn, device=dev)
-    dummyu = torch.empty(1, dtype=torch.uint8, device=dev)
-    qr = _data_like(x) if row else dummy8
-    sr = torch.empty((B, H, S, nr), dtype=torch.uint8, device=dev) if row else dummyu
-    qc = _data_like(x) if col else dummy8
-    sc = torch.empty((B, H, nc, D), dtype=torch.uint8, device=dev) if col else dummyu
+    # pointers of outputs not asked for are never dereferenced (their stores sit under false constexprs), so
+    # an existing tensor stands in for them instead of fresh allocations (host time per call matters here)
+    qr = _data_like(x) if row else None
+    sr = torch.empty((B, H, S, nr), dtype=torch.uint8, device=dev) if row else None
+    qc = _data_like(x) if col else qr
+    sc = torch.empty((B, H, nc, D), dtype=torch.uint8, device=dev) if col else sr
+    qr = qc if qr is None else qr
+    sr = sc if sr is None else sr
     srz_kp, scz_kp = _cdiv(nr, 4) * 4, _cdiv(nc, 4) * 4
     srz_slab, scz_slab = _cdiv(S, 128) * 128 * srz_kp, _cdiv(D, 128) * 128 * scz_kp
     srz = torch.zeros((B, H, _cdiv(S, 128) * 128, srz_kp), dtype=torch.uint8, device=dev) \
-        if (swizzle and row) else dummyu
+        if (swizzle and row) else sr
     scz = torch.zeros((B, H, _cdiv(D, 128) * 128, scz_kp), dtype=torch.uint8, device=dev) \
-        if (swizzle and col) else dummyu
-    dummyb = torch.empty(1, dtype=torch.bfloat16, device=dev)
-    rdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if row_dequant else dummyb
-    cdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if col_dequant else dummyb
+        if (swizzle and col) else sc
+    rdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if row_dequant else None
+    cdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if col_dequant else None
     if x.numel() > 0:
         bs, warps, *bd_ = tile if tile is not None else QUANT_TILE
         if bs < 32 or bs % 32:
@@ -247,11 +250,11 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         grid = (_cdiv(S, bs), _cdiv(D, bd), B * H)
         qr_st = qr.stride() if row else (0, 0, 0, 0)
         qc_st = qc.stride() if col else (0, 0, 0, 0)
-        _quantize_rowcol_kernel[grid](
-            x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, srz, scz, rdq, cdq,
-            H, S, D, nr, nc, srz_kp, srz_slab, scz_kp, scz_slab,
-            BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle, ROW_DQ=row_dequant, COL_DQ=col_dequant,
-            num_warps=warps)
+        launch(_quantize_rowcol_kernel, grid,
+               x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, srz, scz, x if rdq is None else rdq,
+               x if cdq is None else cdq, H, S, D, nr, nc, srz_kp, srz_slab, scz_kp, scz_slab,
+               BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle, ROW_DQ=row_dequant, COL_DQ=col_dequant,
+               num_warps=warps)
     e8 = torch.float8_e8m0fnu
     return RowColQuantized(
         MXFP8Tensor(qr, sr.view(e8), 3) if row else None,
@@ -303,6 +306,6 @@ def dequantize_bf16(t, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     sc = t.scale.view(torch.uint8)
     bd = min(128, max(32, triton.next_power_of_2(D)))
     grid = (_cdiv(S, 32), _cdiv(D, bd), B * H)
-    _dequant_kernel[grid](t.data, *t.data.stride()[:3], sc, *sc.stride()[:3], y, H, S, D,
-                          AXIS_ROW=t.axis == 3, BS=32, BD=bd, num_warps=4)
+    launch(_dequant_kernel, grid, t.data, *t.data.stride()[:3], sc, *sc.stride()[:3], y, H, S, D,
+           AXIS_ROW=t.axis == 3, BS=32, BD=bd, num_warps=4)
     return y
