@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
+from .triton_attention_fwd import kv_block_range
 from .triton_quantize import dequant_cols, dequant_rows, qdq_rows
 
 LOG2E = 1.4426950408889634
@@ -255,22 +256,7 @@ def _dq_kernel(
     Vh = V + b * svb + hk * svh
     VSh = VS + b * svsb + hk * svsh
 
-    zero = pid_m * 0  # keeps every bound a run-time i32 (both branches of the `if` below agree in type)
-    lo = zero
-    hi = zero + SKV
-    full_lo = zero
-    full_hi = zero + (SKV // BN) * BN
-    if HAS_RB:
-        hi = tl.minimum(SKV, tl.maximum(m0 + BM + offset + RB, 0))
-        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + offset + RB + 1, 0) // BN) * BN)
-    if HAS_LB:
-        lo = (tl.maximum(m0 + offset - LB + 1, 0) // BN) * BN
-        full_lo = ((tl.maximum(m0 + BM + offset - LB, 0) + BN - 1) // BN) * BN
-    full_lo = tl.maximum(full_lo, lo)
-    if full_hi <= full_lo:
-        full_lo = hi
-        full_hi = hi
-    mask_hi = tl.minimum(full_lo, hi)
+    lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
 
     dq = tl.zeros([BM, DP], tl.float32)
     for n0 in range(lo, mask_hi, BN):

@@ -18,6 +18,30 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def kv_block_range(m0, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr):
+    """KV blocks touched by query rows [m0, m0 + BM) under the band mask -> (lo, mask_hi, full_lo, full_hi, hi):
+    blocks [lo, mask_hi) and [max(full_hi, mask_hi), hi) need the mask, [full_lo, full_hi) are fully kept."""
+    zero = m0 * 0  # keeps every bound a run-time i32 (both branches of the `if` below agree in type)
+    lo = zero
+    hi = zero + SKV
+    full_lo = zero
+    full_hi = zero + (SKV // BN) * BN
+    if HAS_RB:
+        hi = tl.minimum(SKV, tl.maximum(m0 + BM + offset + RB, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + offset + RB + 1, 0) // BN) * BN)
+    if HAS_LB:
+        lo = (tl.maximum(m0 + offset - LB + 1, 0) // BN) * BN
+        full_lo = ((tl.maximum(m0 + BM + offset - LB, 0) + BN - 1) // BN) * BN
+    full_lo = tl.maximum(full_lo, lo)
+    if full_hi <= full_lo:
+        full_lo = hi
+        full_hi = hi
+    mask_hi = tl.minimum(full_lo, hi)
+    return lo, mask_hi, full_lo, full_hi, hi
+
+
+@triton.jit
 def _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n, offs_d,
                stride_kn, stride_kd, stride_ksn, stride_vn, stride_vd, stride_vsn, SKV, D, qk_scale, offset, LB, RB,
                MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
@@ -121,22 +145,7 @@ def _attn_fwd_kernel(
     VSb = VS + b * svsb + hk * svsh
 
     # KV range touched by rows [m0, m0 + BM) and the sub-range where no element is masked
-    zero = pid_m * 0  # keeps every bound a run-time i32 (both branches of the `if` below agree in type)
-    lo = zero
-    hi = zero + SKV
-    full_lo = zero
-    full_hi = zero + (SKV // BN) * BN
-    if HAS_RB:
-        hi = tl.minimum(SKV, tl.maximum(m0 + BM + offset + RB, 0))
-        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + offset + RB + 1, 0) // BN) * BN)
-    if HAS_LB:
-        lo = (tl.maximum(m0 + offset - LB + 1, 0) // BN) * BN
-        full_lo = ((tl.maximum(m0 + BM + offset - LB, 0) + BN - 1) // BN) * BN
-    full_lo = tl.maximum(full_lo, lo)
-    if full_hi <= full_lo:
-        full_lo = hi
-        full_hi = hi
-    mask_hi = tl.minimum(full_lo, hi)
+    lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
