@@ -29,6 +29,16 @@ def from_bhsd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
     return x.permute(_FROM_BHSD[qkv_format])
 
 
+def dense_strides_bhsd(shape_bhsd: Tuple[int, int, int, int], qkv_format: str) -> Tuple[int, ...]:
+    """Strides of a [B, H, S, D] view whose memory is dense in `qkv_format` order (no allocation)."""
+    physical = [shape_bhsd[i] for i in _FROM_BHSD[qkv_format]]
+    strides, step = [0] * 4, 1
+    for axis in reversed(range(4)):
+        strides[axis] = step
+        step *= max(physical[axis], 1)
+    return tuple(strides[i] for i in _TO_BHSD[qkv_format])
+
+
 def empty_bhsd(shape_bhsd: Tuple[int, int, int, int], qkv_format: str, dtype, device) -> torch.Tensor:
     """An uninitialised [B, H, S, D] view whose memory is dense in `qkv_format` order."""
     physical = [shape_bhsd[i] for i in _FROM_BHSD[qkv_format]]

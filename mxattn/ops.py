@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .backends import AttentionParams, SavedForBackward, get_backend
 from .formats import quantize_mxfp8  # noqa: F401  (the quantizer backends use; imported for early errors)
-from .layouts import empty_bhsd
+from .layouts import dense_strides_bhsd, empty_bhsd
 from .mask import MaskSpec
 
 _FP8 = torch.float8_e4m3fn
@@ -52,12 +52,9 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal:
     then data/scale of q_row, q_col, k_row, k_col, v_row)."""
     params = _params(softmax_scale, causal, bottom_right, left_bound, right_bound, out_dtype)
     o, stats, saved = get_backend(backend).forward(q, k, v, params)
-    out = empty_bhsd(tuple(o.shape), qkv_format, out_dtype, o.device)
-    if out.stride() != o.stride():
-        out.copy_(o)
-    else:
-        out = o
-    return (out, stats.contiguous()) + saved.tensors()
+    if o.stride() != dense_strides_bhsd(tuple(o.shape), qkv_format):  # backends that ignore q's layout
+        o = empty_bhsd(tuple(o.shape), qkv_format, out_dtype, o.device).copy_(o)
+    return (o, stats.contiguous()) + saved.tensors()
 
 
 @attention_fwd.register_fake

@@ -186,3 +186,10 @@ def test_backend_input_dtypes_are_checked(monkeypatch):
     with pytest.raises(TypeError, match=r"backend 'reference' takes q, k, v in torch.bfloat16, torch.float16; got "
                                         r"torch.float32"):
         mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="reference")
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 4, 1, 8), (2, 1, 3, 1)])
+def test_dense_strides_match_an_allocation_in_that_layout(fmt, shape):
+    from mxattn.layouts import dense_strides_bhsd, empty_bhsd
+    assert empty_bhsd(shape, fmt, torch.float32, "cpu").stride() == dense_strides_bhsd(shape, fmt)

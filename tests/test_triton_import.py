@@ -85,3 +85,16 @@ def test_bench_rejects_too_few_iterations():
     from mxattn import bench
     with pytest.raises(SystemExit):
         bench.main(["--iters", "5"])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
+def test_quantizer_checks_arguments_before_any_kernel():
+    from mxattn.kernels.triton_quantize import quantize_rowcol
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        quantize_rowcol([1.0])
+    with pytest.raises(ValueError, match="x must be 4-D"):
+        quantize_rowcol(torch.zeros(32, 32))
+    with pytest.raises(TypeError, match="x must have dtype in"):
+        quantize_rowcol(torch.zeros(1, 1, 32, 32, dtype=torch.int32))
+    with pytest.raises(ValueError, match="x must be on a CUDA device"):
+        quantize_rowcol(torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16))

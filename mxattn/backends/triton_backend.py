@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..checks import check_bhsd_tensor
 from ..errors import MXFP8NotSupportedError
 from .base import AttentionBackend, AttentionParams, SavedForBackward
 
@@ -27,17 +28,6 @@ MIN_CAPABILITY = (8, 9)
 def _kernels():
     from ..kernels import triton_attention_bwd, triton_attention_fwd, triton_quantize
     return triton_quantize, triton_attention_fwd, triton_attention_bwd
-
-
-def _check_tensor(x, name: str, dtypes) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 4:
-        raise ValueError(f"{name} must be 4-D [B, H, S, D], got shape {tuple(x.shape)}")
-    if x.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {dtypes}, got {x.dtype}")
-    if x.device.type != "cuda":
-        raise ValueError(f"{name} must be on a CUDA device for the triton backend, got {x.device}")
 
 
 def _inner_unit(x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +111,7 @@ class TritonBackend(AttentionBackend):
         """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] bf16/fp16 CUDA (any strides) -> (o [B,Hq,Sq,D] params.out_dtype,
         stats [B,Hq,Sq,1] fp32 log-sum-exp (-inf for rows that keep nothing), SavedForBackward)."""
         for t, n in ((q, "q"), (k, "k"), (v, "v")):
-            _check_tensor(t, n, _IN_DTYPES)
+            check_bhsd_tensor(t, n, _IN_DTYPES, "cuda")
         if not (q.device == k.device == v.device):
             raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
         B, hq, sq, d = q.shape
@@ -158,8 +148,8 @@ class TritonBackend(AttentionBackend):
         dk, dv [B,Hkv,Skv,D]) in params.out_dtype. Deterministic (params.deterministic is always honoured)."""
         if not isinstance(saved, SavedForBackward):
             raise TypeError(f"saved must be a SavedForBackward, got {type(saved).__name__}")
-        _check_tensor(o, "o", _IN_DTYPES)
-        _check_tensor(do, "do", _IN_DTYPES)
+        check_bhsd_tensor(o, "o", _IN_DTYPES, "cuda")
+        check_bhsd_tensor(do, "do", _IN_DTYPES, "cuda")
         B, hq, sq, d = saved.q_row.data.shape
         hkv, skv = saved.k_row.data.shape[1], saved.k_row.data.shape[2]
         for t, n in ((o, "o"), (do, "do")):

@@ -209,16 +209,10 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
     scales, and on request the scales also in F8_128x4 order and the exact bf16 dequantizations.
     Bit-identical to mxattn.quantize_mxfp8. tile: optional (BLOCK_S multiple of 32, num_warps[, max BLOCK_D])
     override."""
+    from ..checks import check_bhsd_tensor
     from ..formats import MXFP8Tensor
 
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 4:
-        raise ValueError(f"x must be 4-D [B, H, S, D], got shape {tuple(x.shape)}")
-    if x.dtype not in _IN_DTYPES:
-        raise TypeError(f"x must be one of {_IN_DTYPES}, got {x.dtype}")
-    if x.device.type != "cuda":
-        raise ValueError(f"x must be on a CUDA device, got {x.device}")
+    check_bhsd_tensor(x, "x", _IN_DTYPES, "cuda")
     if not (row or col):
         raise ValueError("quantize_rowcol: at least one of row, col must be True")
     if (row_dequant and not row) or (col_dequant and not col):
