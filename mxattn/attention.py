@@ -1,4 +1,4 @@
-"""`mxfp8_attention`: the differentiable functional API (validation, layout, backend choice)."""
+"""`mxfp8_attention`: the differentiable functional API (validation, layout, lengths, backend choice)."""
 
 from __future__ import annotations
 
@@ -8,38 +8,49 @@ from typing import Optional, Tuple
 import torch
 
 from . import ops
-from .backends import backend_class, resolve_backend_name
+from .backends import Problem, choose_backend
 from .errors import MXFP8NotSupportedError
 from .layouts import check_format, from_bhsd, to_bhsd
-from .mask import MaskSpec, mask_from_te
+from .mask import resolve_mask
+from .seqinfo import SeqInfo, make_seqinfo
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-OUTPUT_DTYPES = (torch.bfloat16, torch.float16)
+#: dtypes the kernels write O and the gradients in; fp32 callers get a cast at the end
+KERNEL_OUT_DTYPES = (torch.bfloat16, torch.float16)
+OUTPUT_DTYPES = KERNEL_OUT_DTYPES + (torch.float32,)
 
 
-def _check_tensor(name: str, x) -> None:
+def _check_tensor(name: str, x, ndim: int, qkv_format: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"{name} has dtype {x.dtype}; mxattn accepts {', '.join(map(str, INPUT_DTYPES))} "
                         "(it quantizes them to MXFP8 itself)")
-    if x.dim() != 4:
-        raise ValueError(f"{name} must be 4-D, got shape {tuple(x.shape)}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D for qkv_format={qkv_format!r}, got shape {tuple(x.shape)}")
+
+
+def _thd_to_bhsd(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] -> a [1, H, T, D] view."""
+    return x.permute(1, 0, 2).unsqueeze(0)
 
 
 def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format: str) -> None:
-    """Check q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] (given in `qkv_format` order); raise TypeError/ValueError naming
+    """Check q, k, v given in `qkv_format` (4-D bshd/sbhd/bhsd, 3-D thd); raise TypeError/ValueError naming
     the argument."""
     check_format(qkv_format)
+    ndim = 3 if qkv_format == "thd" else 4
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x)
+        _check_tensor(name, x, ndim, qkv_format)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    (b, hq, sq, d), (bk, hk, sk, dk) = to_bhsd(q, qkv_format).shape, to_bhsd(k, qkv_format).shape
-    bv, hv, sv, dv = to_bhsd(v, qkv_format).shape
-    where = f"(shapes read as [B, H, S, D] from qkv_format={qkv_format!r})"
+    view = _thd_to_bhsd if qkv_format == "thd" else (lambda x: to_bhsd(x, qkv_format))
+    (b, hq, sq, d), (bk, hk, sk, dk) = view(q).shape, view(k).shape
+    bv, hv, sv, dv = view(v).shape
+    where = ("(shapes read as [T, H, D] for qkv_format='thd')" if qkv_format == "thd"
+             else f"(shapes read as [B, H, S, D] from qkv_format={qkv_format!r})")
     if not (b == bk == bv):
         raise ValueError(f"batch size mismatch: q {b}, k {bk}, v {bv} {where}")
     if sk != sv:
@@ -50,66 +61,86 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_forma
         raise ValueError(f"k and v must have the same number of heads, got k {hk}, v {hv} {where}")
     if hq % hk:
         raise ValueError(f"query heads ({hq}) must be divisible by key/value heads ({hk}) {where}")
-    if sq == 0 or sk == 0 or b == 0:
+    if (sq == 0 or sk == 0 or b == 0) and qkv_format != "thd":
         raise ValueError(f"empty input: q has S={sq}, k/v have S={sk}, batch {b} {where}")
     if d == 0 or hq == 0:
         raise ValueError(f"empty input: head_dim {d}, heads {hq} {where}")
 
 
-def check_backend_limits(backend: str, head_dim: int, dtype: torch.dtype) -> None:
-    """Raise ValueError/TypeError if `backend` cannot run `head_dim` or inputs of `dtype`, listing what it can."""
-    cls = backend_class(backend)
-    supported = cls.supported_head_dims
-    if supported is not None and head_dim not in supported:
-        raise ValueError(f"head_dim {head_dim} is not supported by backend {backend!r}; supported: "
-                         f"{', '.join(map(str, supported))}")
-    if dtype not in cls.input_dtypes:
-        raise TypeError(f"backend {backend!r} takes q, k, v in {', '.join(map(str, cls.input_dtypes))}; got {dtype}")
-
-
-@torch.compiler.assume_constant_result
-def _choose_backend(backend: str, device: str, head_dim: int, dtype: torch.dtype) -> str:
-    """Concrete backend name for (backend, device, head_dim, dtype); a constant under torch.compile (the choice
-    and its checks run once at trace time, with no graph break)."""
-    name = resolve_backend_name(backend, torch.device(device))
-    check_backend_limits(name, head_dim, dtype)
-    return name
-
-
 def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_format: str = "bshd",
                     attn_mask_type: str = "no_mask", window_size: Optional[Tuple[int, int]] = None,
                     softmax_scale: Optional[float] = None, backend: str = "auto",
-                    out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                    out_dtype: Optional[torch.dtype] = None, cu_seqlens_q: Optional[torch.Tensor] = None,
+                    cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+                    max_seqlen_kv: Optional[int] = None) -> torch.Tensor:
     """Scaled-dot-product attention with Q, K, V (and dO in backward) in MXFP8, differentiable.
 
-    q: [B, Sq, Hq, D] (bshd), [Sq, B, Hq, D] (sbhd) or [B, Hq, Sq, D] (bhsd); k, v: the same with Hkv heads
-    (Hq % Hkv == 0) and Skv positions. dtypes bf16, fp16 or fp32 (one for all three). Returns O in q's layout
-    and shape, dtype `out_dtype` (default: q's dtype for bf16/fp16, bf16 for fp32).
-    attn_mask_type: "no_mask", "causal" (top-left diagonal) or "causal_bottom_right"; window_size=(left, right)
-    as in Transformer Engine (-1 = unbounded). softmax_scale defaults to 1/sqrt(D).
-    backend: "auto" (cudnn on Blackwell, else triton on CUDA, else reference), "cudnn", "triton", "reference".
-    NaN in an input gives NaN in the outputs that depend on it (the MXFP8 block holding it has a NaN scale).
+    q: [B, Sq, Hq, D] (bshd), [Sq, B, Hq, D] (sbhd), [B, Hq, Sq, D] (bhsd) or [T_q, Hq, D] (thd, packed
+    sequences); k, v: the same with Hkv heads (Hq % Hkv == 0) and Skv positions / T_kv tokens. dtypes bf16,
+    fp16 or fp32 (one for all three). Returns O in q's layout and shape.
+    out_dtype: default q's dtype, like torch SDPA. The kernels write O (and dQ, dK, dV) in bf16/fp16; for fp32
+    inputs they compute in bf16 and the result is cast to fp32 at the end (gradients likewise).
+    attn_mask_type (Transformer Engine's words): "no_mask", "causal" (top-left diagonal),
+    "causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right"; window_size=(left,
+    right) as in TE (-1 = unbounded). softmax_scale defaults to 1/sqrt(D).
+    cu_seqlens_q, cu_seqlens_kv: int32 [B+1] cumulative sequence lengths on q's device (TE's names): required
+    for thd and the padding mask types; with bshd/sbhd/bhsd they are the valid lengths of the padded
+    sequences (rows past a length give O = 0 and zero gradients). cu_seqlens_kv defaults to cu_seqlens_q.
+    max_seqlen_q/kv: the longest sequences (computed from cu_seqlens when None, needed under torch.compile).
+    Masks apply per sequence (bottom-right uses each sequence's own lengths). A query row with no key gives
+    O = 0 and stats -inf.
+    backend: "auto" (the first of cudnn, triton, reference that supports the call), or one of them by name.
+    NaN in an input gives NaN in the outputs that depend on it (the MXFP8 block holding it has a NaN scale);
+    NaN in padding rows reaches no output.
     """
     validate_inputs(q, k, v, qkv_format)
-    mask = mask_from_te(attn_mask_type, window_size)
+    band, padding_type = resolve_mask(attn_mask_type, window_size)
+    packed = qkv_format == "thd"
+    if packed:
+        qb, kb, vb = _thd_to_bhsd(q), _thd_to_bhsd(k), _thd_to_bhsd(v)
+    else:
+        qb, kb, vb = to_bhsd(q, qkv_format), to_bhsd(k, qkv_format), to_bhsd(v, qkv_format)
+    seq: Optional[SeqInfo] = None
+    if packed or padding_type or cu_seqlens_q is not None or cu_seqlens_kv is not None:
+        if cu_seqlens_q is None:
+            why = "qkv_format='thd'" if packed else f"attn_mask_type={attn_mask_type!r}"
+            raise ValueError(f"{why} needs cu_seqlens_q (int32 [batch + 1] cumulative sequence lengths)")
+        seq = make_seqinfo(packed=packed, batch=None if packed else qb.shape[0], rows_q=qb.shape[2],
+                           rows_kv=kb.shape[2], device=q.device, cu_seqlens_q=cu_seqlens_q,
+                           cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
     head_dim = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+    if isinstance(softmax_scale, bool) or not (isinstance(softmax_scale, (int, float))
+                                               and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
     if out_dtype is None:
-        out_dtype = q.dtype if q.dtype in OUTPUT_DTYPES else torch.bfloat16
+        out_dtype = q.dtype
     if out_dtype not in OUTPUT_DTYPES:
-        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
-    name = _choose_backend(backend, str(q.device), head_dim, q.dtype)
-    return _run(to_bhsd(q, qkv_format), to_bhsd(k, qkv_format), to_bhsd(v, qkv_format), float(softmax_scale),
-                mask, out_dtype, qkv_format, name)
+        raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    kernel_dtype = out_dtype if out_dtype in KERNEL_OUT_DTYPES else (
+        q.dtype if q.dtype in KERNEL_OUT_DTYPES else torch.bfloat16)
+    problem = Problem(device=q.device, dtype=q.dtype, batch=seq.batch if seq is not None else qb.shape[0],
+                      heads_q=qb.shape[1], heads_kv=kb.shape[1],
+                      seqlen_q=seq.max_seqlen_q if packed else qb.shape[2],
+                      seqlen_kv=seq.max_seqlen_kv if packed else kb.shape[2], head_dim=head_dim, mask=band,
+                      varlen=None if seq is None else ("packed" if packed else "padded"),
+                      needs_backward=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+                      out_dtype=kernel_dtype)
+    name = choose_backend(backend, problem)
+    out_format = "bshd" if packed else qkv_format
+    o = ops.attention_fwd(qb, kb, vb, float(softmax_scale), band.diagonal_alignment == "bottom_right",
+                          band.left_bound, band.right_bound, kernel_dtype, out_format, name,
+                          *_seq_args(seq))[0]
+    o = o[0].transpose(0, 1) if packed else from_bhsd(o, qkv_format)
+    return o if o.dtype == out_dtype else o.to(out_dtype)
 
 
-def _run(q, k, v, softmax_scale: float, mask: MaskSpec, out_dtype, qkv_format: str, backend: str):
-    out = ops.attention_fwd(q, k, v, softmax_scale, mask.causal, mask.diagonal_alignment == "bottom_right",
-                            mask.left_bound, mask.right_bound, out_dtype, qkv_format, backend)
-    return from_bhsd(out[0], qkv_format)
+def _seq_args(seq: Optional[SeqInfo]):
+    """SeqInfo as the custom ops' flat arguments (cu_q, cu_kv, max_q, max_kv, packed)."""
+    if seq is None:
+        return None, None, 0, 0, False
+    return seq.cu_seqlens_q, seq.cu_seqlens_kv, seq.max_seqlen_q, seq.max_seqlen_kv, seq.packed
 
 
-__all__ = ["mxfp8_attention", "validate_inputs", "check_backend_limits", "MXFP8NotSupportedError"]
+__all__ = ["mxfp8_attention", "validate_inputs", "MXFP8NotSupportedError"]

@@ -260,7 +260,7 @@ class GraphConfig:
         """One line for error messages and tables."""
         m = self.mask
         mask = "none" if m.is_unmasked else (f"{'causal ' if m.causal else ''}{m.diagonal_alignment}"
-                                             f" left={m.left_bound} right={m.effective_right_bound}")
+                                             f" left={m.left_bound} right={m.right_bound}")
         return (f"b={self.b} h_q={self.h_q} h_k={self.h_k} h_v={self.h_v} s_q={self.s_q} s_kv={self.s_kv} "
                 f"d_qk={self.d_qk} d_v={self.d_v} layout={layout_name(self.q_stride)} mask=[{mask}] "
                 f"out={str(self.out_dtype).replace('torch.', '')} fp8={str(self.fp8_dtype).replace('torch.', '')}"
@@ -379,7 +379,7 @@ def build_forward_graph(cfg: GraphConfig, handle=None, *, sm_version: int = 100)
         descale_q=t[FwdUid.SF_Q], descale_k=t[FwdUid.SF_K], descale_v=t[FwdUid.SF_V],
         attn_scale=cfg.attn_scale, generate_stats=True,
         diagonal_alignment=_ALIGNMENT[mask.diagonal_alignment],
-        diagonal_band_left_bound=mask.left_bound, diagonal_band_right_bound=mask.effective_right_bound,
+        diagonal_band_left_bound=mask.left_bound, diagonal_band_right_bound=mask.right_bound,
         name="sdpa_mxfp8")
     _declare_outputs(outputs, specs, (FwdUid.O, FwdUid.STATS, FwdUid.AMAX_O))
     return _finish(graph, cfg, "forward")
@@ -407,7 +407,7 @@ def build_backward_graph(cfg: GraphConfig, handle=None, *, sm_version: int = 100
         descale_dO_T=t[BwdUid.SF_DO_T],
         attn_scale=cfg.attn_scale, use_deterministic_algorithm=cfg.deterministic,
         diagonal_alignment=_ALIGNMENT[mask.diagonal_alignment],
-        left_bound=mask.left_bound, right_bound=mask.effective_right_bound,
+        left_bound=mask.left_bound, right_bound=mask.right_bound,
         name="sdpa_mxfp8_backward")
     _declare_outputs(outputs, specs, (BwdUid.DQ, BwdUid.DK, BwdUid.DV, BwdUid.AMAX_DQ, BwdUid.AMAX_DK,
                                       BwdUid.AMAX_DV))

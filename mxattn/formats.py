@@ -52,6 +52,12 @@ whole block NaN on dequantization either way).
 Blocks run along ``axis``; a length not divisible by 32 pads the last block with
 zeros (its scale comes from the real values only).
 
+Segmented tensors (packed variable-length batches, TE's ``thd``): with ``segments`` (int32 cumulative offsets
+``[B+1]`` along ``axis``, starting at 0 and ending at n) blocks restart at every segment start, each segment's
+last block padded with zeros as above. The scale axis then has ``n // 32 + B`` block rows, segment b's
+blocks starting at row ``segments[b] // 32 + b`` (`segment_block_start`; never overlapping, since
+``floor((a + l) / 32) - floor(a / 32) + 1 >= ceil(l / 32)``); rows no segment uses hold byte 0.
+
 F8_128x4 layout (spec section 4): for one slab of compact scales ``[M, K]`` (M the
 non-contracting axis, K the scale blocks of the contracting axis), pad to
 ``Mp = ceil(M/128)*128``, ``Kp = ceil(K/4)*4`` with zero bytes; byte (m, k) goes
@@ -62,6 +68,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -74,6 +81,8 @@ __all__ = [
     "swizzle_128x4",
     "unswizzle_128x4",
     "swizzled_scale_shape",
+    "segment_block_start",
+    "segmented_scale_rows",
 ]
 
 BLOCK_SIZE = 32
@@ -102,6 +111,16 @@ def _normalize_axis(axis, ndim: int, arg: str = "axis") -> int:
     if not -ndim <= axis < ndim:
         raise ValueError(f"{arg}={axis} is out of range for a tensor of rank {ndim}")
     return axis % ndim
+
+
+def segment_block_start(offset: int, index: int) -> int:
+    """First scale row of the segment `index` that starts at element `offset` of a segmented axis."""
+    return offset // BLOCK_SIZE + index
+
+
+def segmented_scale_rows(n: int, n_segments: int) -> int:
+    """Scale rows of a segmented axis of length n split into n_segments segments."""
+    return n // BLOCK_SIZE + n_segments
 
 
 def _is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
@@ -148,11 +167,15 @@ class MXFP8Tensor:
     data:  fp8 (float8_e4m3fn or float8_e5m2), the original tensor's shape.
     scale: float8_e8m0fnu, the shape of data with ``axis`` replaced by ceil(n/32), contiguous.
     axis:  non-negative int, the axis the blocks of 32 run along.
+    segments: None, or int32 [B+1] cumulative segment offsets along ``axis`` (packed variable-length
+           batches): blocks restart at every segment start and scale has ``n // 32 + B`` rows along ``axis``
+           (module docstring).
     """
 
     data: torch.Tensor
     scale: torch.Tensor
     axis: int
+    segments: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if not isinstance(self.data, torch.Tensor) or self.data.dtype not in _FP8_FORMATS:
@@ -165,7 +188,10 @@ class MXFP8Tensor:
             raise ValueError("data must have rank >= 1")
         self.axis = _normalize_axis(self.axis, self.data.dim())
         expected = list(self.data.shape)
-        expected[self.axis] = _ceil_div(expected[self.axis], BLOCK_SIZE)
+        if self.segments is not None:
+            expected[self.axis] = segmented_scale_rows(expected[self.axis], self.segments.numel() - 1)
+        else:
+            expected[self.axis] = _ceil_div(expected[self.axis], BLOCK_SIZE)
         if list(self.scale.shape) != expected:
             raise ValueError(
                 f"scale shape {tuple(self.scale.shape)} does not match data shape "
@@ -188,6 +214,14 @@ class MXFP8Tensor:
         """data * 2**(scale - 127) as ``dtype`` (computed exactly in FP32, then cast), data's shape."""
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype}")
+        if self.segments is not None:
+            out = torch.empty(self.data.shape, dtype=dtype, device=self.data.device)
+            offsets = self.segments.tolist()
+            for b in range(len(offsets) - 1):
+                if offsets[b + 1] > offsets[b]:
+                    out.narrow(self.axis, offsets[b], offsets[b + 1] - offsets[b]).copy_(
+                        self.segment(b, offsets).dequantize(dtype))
+            return out
         ax, n = self.axis, self.data.shape[self.axis]
         s = e8m0_to_float(self.scale)
         if n % BLOCK_SIZE == 0:
@@ -198,6 +232,18 @@ class MXFP8Tensor:
             s = s.repeat_interleave(BLOCK_SIZE, dim=ax).narrow(ax, 0, n)
             out = self.data.float() * s
         return out.to(dtype)
+
+
+    def segment(self, index: int, offsets=None) -> "MXFP8Tensor":
+        """Segment `index` of a segmented tensor as an ordinary MXFP8Tensor (views, no copy).
+        offsets: the segments as a Python list (saves a device-to-host copy per call)."""
+        if self.segments is None:
+            raise ValueError("segment() needs a segmented MXFP8Tensor (segments is None)")
+        offsets = self.segments.tolist() if offsets is None else offsets
+        start, stop = offsets[index], offsets[index + 1]
+        rows = _ceil_div(stop - start, BLOCK_SIZE)
+        return MXFP8Tensor(self.data.narrow(self.axis, start, stop - start),
+                           self.scale.narrow(self.axis, segment_block_start(start, index), rows), self.axis)
 
 
 def _block_exponent(amax: torch.Tensor, fmax: float, emax: int, rounding: str) -> torch.Tensor:
@@ -230,6 +276,7 @@ def quantize_mxfp8(
     *,
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     scale_rounding: str = "ceil",
+    segments: Optional[torch.Tensor] = None,
 ) -> MXFP8Tensor:
     """Quantize x to MXFP8 with blocks of 32 along ``axis`` (rule: module docstring).
 
@@ -238,7 +285,12 @@ def quantize_mxfp8(
     non-overlapping and dense, else contiguous) and scale float8_e8m0fnu of x's shape
     with ``axis`` replaced by ceil(n/32) (contiguous).
     ``scale_rounding``: "ceil" (spec / RCEIL, default) or "floor" (OCP MX).
+    ``segments``: None, or int32 [B+1] cumulative offsets along ``axis`` (0 .. n): blocks restart at every
+    segment start (packed variable-length batches); the scale then has ``n // 32 + B`` rows along ``axis``
+    (module docstring). Costs one small device-to-host copy of the offsets.
     """
+    if segments is not None:
+        return _quantize_segmented(x, axis, segments, fp8_dtype=fp8_dtype, scale_rounding=scale_rounding)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _INPUT_DTYPES:
@@ -283,6 +335,35 @@ def quantize_mxfp8(
 
     scale = e.to(torch.uint8).contiguous().view(torch.float8_e8m0fnu)
     return MXFP8Tensor(data=data, scale=scale, axis=ax)
+
+
+def _quantize_segmented(x, axis, segments, **kw) -> MXFP8Tensor:
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise TypeError("x must be a torch.Tensor of rank >= 1")
+    ax = _normalize_axis(axis, x.dim())
+    if not isinstance(segments, torch.Tensor) or segments.dim() != 1 or segments.numel() < 2 \
+            or segments.dtype not in (torch.int32, torch.int64):
+        raise ValueError("segments must be a 1-D int32 tensor of B + 1 >= 2 cumulative offsets")
+    offsets = segments.tolist()
+    if offsets[0] != 0 or offsets[-1] != x.shape[ax] or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"segments must rise from 0 to the length {x.shape[ax]} of axis {ax}, got {offsets}")
+    n_seg = len(offsets) - 1
+    sshape = list(x.shape)
+    sshape[ax] = segmented_scale_rows(x.shape[ax], n_seg)
+    scale = torch.zeros(sshape, dtype=torch.uint8, device=x.device)
+    if _is_non_overlapping_and_dense(x):
+        data = torch.empty_strided(x.shape, x.stride(), dtype=kw["fp8_dtype"], device=x.device)
+    else:
+        data = torch.empty(x.shape, dtype=kw["fp8_dtype"], device=x.device)
+    for b in range(n_seg):
+        start, stop = offsets[b], offsets[b + 1]
+        if stop == start:
+            continue
+        part = quantize_mxfp8(x.narrow(ax, start, stop - start), ax, **kw)
+        data.narrow(ax, start, stop - start).copy_(part.data)
+        scale.narrow(ax, segment_block_start(start, b), part.scale.shape[ax]).copy_(part.scale.view(torch.uint8))
+    return MXFP8Tensor(data=data, scale=scale.view(torch.float8_e8m0fnu), axis=ax,
+                       segments=segments.to(torch.int32))
 
 
 def swizzled_scale_shape(M: int, K: int) -> tuple[int, int]:

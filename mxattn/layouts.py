@@ -6,7 +6,7 @@ from typing import Tuple
 
 import torch
 
-QKV_FORMATS = ("bshd", "sbhd", "bhsd")
+QKV_FORMATS = ("bshd", "sbhd", "bhsd", "thd")
 # permutation taking a tensor in `format` order to [B, H, S, D]
 _TO_BHSD = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
 # permutation taking [B, H, S, D] back to `format` order

@@ -1,54 +1,94 @@
-"""Attention masks in the cuDNN frontend's terms, and the mapping from Transformer Engine's arguments.
+"""Attention masks in one canonical form (cuDNN's diagonal band), and the one place that reads TE's mask words.
 
 A mask is a diagonal band. With ``offset = 0`` for ``diagonal_alignment="top_left"`` and
-``offset = s_kv - s_q`` for ``"bottom_right"``, query row ``i`` may attend key column ``j`` iff::
+``offset = s_kv - s_q`` for ``"bottom_right"`` (per sequence, with that sequence's own lengths), query row ``i``
+may attend key column ``j`` iff::
 
     (right_bound is None or j <= i + offset + right_bound) and
     (left_bound  is None or j >  i + offset - left_bound)
 
-``causal=True`` is the band with ``right_bound = 0``. This is the meaning of cuDNN's
-``diagonal_band_left_bound`` / ``diagonal_band_right_bound`` / ``diagonal_alignment``.
+Causal is not a separate switch: it *is* the band with ``right_bound = 0`` (``MaskSpec(causal=True)`` builds
+exactly that), so a backend reads ``left_bound``, ``right_bound`` and ``diagonal_alignment`` and nothing else.
+This is the meaning of cuDNN's ``diagonal_band_left_bound`` / ``diagonal_band_right_bound`` /
+``diagonal_alignment``. Padding (per-sequence lengths) is not part of the band: it travels as
+`mxattn.seqinfo.SeqInfo`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 ALIGNMENTS = ("top_left", "bottom_right")
-MASK_TYPES = ("no_mask", "causal", "causal_bottom_right")
+#: Transformer Engine's mask words: (causal, bottom-right alignment, needs sequence lengths)
+_TE_MASK_TYPES = {
+    "no_mask": (False, False, False),
+    "causal": (True, False, False),
+    "causal_bottom_right": (True, True, False),
+    "padding": (False, False, True),
+    "padding_causal": (True, False, True),
+    "padding_causal_bottom_right": (True, True, True),
+}
+MASK_TYPES = tuple(_TE_MASK_TYPES)
 
 
-@dataclass(frozen=True)
 class MaskSpec:
-    """A causal / sliding-window band mask (cuDNN meaning, see module docstring)."""
+    """A band mask in canonical form: (diagonal_alignment, left_bound, right_bound); see the module docstring.
 
-    causal: bool = False
-    diagonal_alignment: str = "top_left"
-    left_bound: Optional[int] = None
-    right_bound: Optional[int] = None
+    ``causal=True`` is shorthand for ``right_bound=0``; two specs with the same band compare equal and hash
+    alike however they were written.
+    """
 
-    def __post_init__(self):
-        if self.diagonal_alignment not in ALIGNMENTS:
-            raise ValueError(f"diagonal_alignment must be one of {ALIGNMENTS}, got {self.diagonal_alignment!r}")
-        if self.left_bound is not None and self.left_bound < 1:
-            raise ValueError(f"left_bound must be None or >= 1 (cuDNN meaning), got {self.left_bound}")
-        if self.right_bound is not None and self.right_bound < 0:
-            raise ValueError(f"right_bound must be None or >= 0, got {self.right_bound}")
-        if self.causal and self.right_bound not in (None, 0):
-            raise ValueError(f"a causal mask has right_bound 0, got right_bound={self.right_bound}")
+    __slots__ = ("diagonal_alignment", "left_bound", "right_bound")
+
+    def __init__(self, causal: bool = False, diagonal_alignment: str = "top_left",
+                 left_bound: Optional[int] = None, right_bound: Optional[int] = None):
+        if diagonal_alignment not in ALIGNMENTS:
+            raise ValueError(f"diagonal_alignment must be one of {ALIGNMENTS}, got {diagonal_alignment!r}")
+        for name, val, low in (("left_bound", left_bound, 1), ("right_bound", right_bound, 0)):
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int)):
+                raise TypeError(f"{name} must be None or an int, got {type(val).__name__}")
+            if val is not None and val < low:
+                raise ValueError(f"{name} must be None or >= {low} (cuDNN meaning), got {val}")
+        if causal and right_bound not in (None, 0):
+            raise ValueError(f"a causal mask has right_bound 0, got right_bound={right_bound}")
+        object.__setattr__(self, "diagonal_alignment", diagonal_alignment)
+        object.__setattr__(self, "left_bound", left_bound)
+        object.__setattr__(self, "right_bound", 0 if causal else right_bound)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("MaskSpec is immutable")
+
+    def _key(self):
+        return (self.diagonal_alignment, self.left_bound, self.right_bound)
+
+    def __eq__(self, other):
+        return isinstance(other, MaskSpec) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(("MaskSpec",) + self._key())
+
+    def __repr__(self):
+        return (f"MaskSpec(diagonal_alignment={self.diagonal_alignment!r}, left_bound={self.left_bound}, "
+                f"right_bound={self.right_bound})")
+
+    def __reduce__(self):
+        return (MaskSpec, (False, self.diagonal_alignment, self.left_bound, self.right_bound))
 
     @property
-    def effective_right_bound(self) -> Optional[int]:
-        """The right bound with ``causal`` folded in (0 for causal, else ``right_bound``)."""
-        return 0 if self.causal else self.right_bound
+    def causal(self) -> bool:
+        """True when no key right of the diagonal is kept (right_bound == 0)."""
+        return self.right_bound == 0
+
+    @property
+    def bottom_right(self) -> bool:
+        return self.diagonal_alignment == "bottom_right"
 
     @property
     def is_unmasked(self) -> bool:
         """True when every (i, j) is kept for every sequence length."""
-        return self.left_bound is None and self.effective_right_bound is None
+        return self.left_bound is None and self.right_bound is None
 
     def offset(self, s_q: int, s_kv: int) -> int:
         """Column of the diagonal for query row 0."""
@@ -59,29 +99,35 @@ class MaskSpec:
         i = torch.arange(s_q, device=device).unsqueeze(1) + self.offset(s_q, s_kv)
         j = torch.arange(s_kv, device=device).unsqueeze(0)
         keep = torch.ones(s_q, s_kv, dtype=torch.bool, device=device)
-        right = self.effective_right_bound
-        if right is not None:
-            keep &= j <= i + right
+        if self.right_bound is not None:
+            keep &= j <= i + self.right_bound
         if self.left_bound is not None:
             keep &= j > i - self.left_bound
         return keep
 
 
-def mask_from_te(attn_mask_type: str = "no_mask", window_size: Optional[Tuple[int, int]] = None) -> MaskSpec:
-    """Translate Transformer Engine's ``attn_mask_type`` and ``window_size=(left, right)`` to a MaskSpec.
+class ResolvedMask(NamedTuple):
+    """TE's (attn_mask_type, window_size) resolved: the band, and whether the mask type needs lengths."""
+
+    band: MaskSpec
+    padding: bool
+
+
+def resolve_mask(attn_mask_type: str = "no_mask", window_size: Optional[Tuple[int, int]] = None) -> ResolvedMask:
+    """Translate Transformer Engine's ``attn_mask_type`` and ``window_size=(left, right)``.
 
     TE's window keeps keys ``j`` in ``[i + o - left, i + o + right]`` (``-1`` or ``None`` = unbounded), which
     is cuDNN's ``left_bound = left + 1``, ``right_bound = right``. The diagonal offset ``o`` follows the mask
-    type: bottom-right alignment for ``"causal_bottom_right"``, top-left otherwise.
+    type: bottom-right alignment for the ``*_bottom_right`` types, top-left otherwise. ``padding*`` types say
+    that per-sequence lengths (``cu_seqlens_*``) must be given.
     """
-    if attn_mask_type not in MASK_TYPES:
+    if attn_mask_type not in _TE_MASK_TYPES:
         raise ValueError(f"attn_mask_type must be one of {MASK_TYPES}, got {attn_mask_type!r}")
-    causal = attn_mask_type != "no_mask"
-    alignment = "bottom_right" if attn_mask_type == "causal_bottom_right" else "top_left"
+    causal, bottom_right, padding = _TE_MASK_TYPES[attn_mask_type]
     left = right = None
     if window_size is not None:
         if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-                and all(isinstance(w, int) or w is None for w in window_size)):
+                and all((isinstance(w, int) and not isinstance(w, bool)) or w is None for w in window_size)):
             raise ValueError(f"window_size must be a (left, right) pair of ints (-1 = unbounded), got {window_size!r}")
         w_left, w_right = (-1 if w is None else w for w in window_size)
         if w_left < -1 or w_right < -1:
@@ -92,5 +138,11 @@ def mask_from_te(attn_mask_type: str = "no_mask", window_size: Optional[Tuple[in
             raise ValueError(
                 f"window_size={tuple(window_size)!r}: a causal attn_mask_type allows no keys to the right of the "
                 "diagonal; use window_size=(left, 0) or (left, -1)")
-    return MaskSpec(causal=causal, diagonal_alignment=alignment, left_bound=left,
-                    right_bound=None if causal else right)
+    band = MaskSpec(causal=causal, diagonal_alignment="bottom_right" if bottom_right else "top_left",
+                    left_bound=left, right_bound=None if causal else right)
+    return ResolvedMask(band, padding)
+
+
+def mask_from_te(attn_mask_type: str = "no_mask", window_size: Optional[Tuple[int, int]] = None) -> MaskSpec:
+    """The band of `resolve_mask` (the padding flag dropped)."""
+    return resolve_mask(attn_mask_type, window_size).band

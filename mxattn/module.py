@@ -9,15 +9,19 @@ from torch import nn
 
 from .attention import mxfp8_attention
 from .layouts import check_format
-from .mask import mask_from_te
+from .mask import resolve_mask
+from .seqinfo import cu_seqlens_from_padding_mask
 
 
 class DotProductAttention(nn.Module):
     """MXFP8 scaled-dot-product attention with no parameters.
 
-    forward(query, key, value): tensors in `qkv_format` ("bshd", "sbhd", "bhsd") with `num_attention_heads`
-    query heads, `num_gqa_groups` key/value heads and head size `kv_channels`. Returns [b, s, h*d] for bshd,
-    [s, b, h*d] for sbhd (Transformer Engine's convention) and [b, h, s, d] for bhsd.
+    forward(query, key, value, ...): tensors in `qkv_format` ("bshd", "sbhd", "bhsd", "thd") with
+    `num_attention_heads` query heads, `num_gqa_groups` key/value heads and head size `kv_channels`. Returns
+    [b, s, h*d] for bshd, [s, b, h*d] for sbhd, [t, h*d] for thd (Transformer Engine's convention) and
+    [b, h, s, d] for bhsd, in the inputs' dtype. forward takes TE's per-call arguments: qkv_format,
+    attn_mask_type, window_size, cu_seqlens_q/kv, max_seqlen_q/kv, and attention_mask (bool, True = masked
+    out, [b, 1, 1, s_kv] or [b, s_kv], right padding; turned into cu_seqlens).
     """
 
     def __init__(self, num_attention_heads: int, kv_channels: int, num_gqa_groups: Optional[int] = None,
@@ -37,7 +41,7 @@ class DotProductAttention(nn.Module):
             raise ValueError(f"num_gqa_groups must divide num_attention_heads ({num_attention_heads}), "
                              f"got {num_gqa_groups!r}")
         check_format(qkv_format)
-        mask_from_te(attn_mask_type, window_size)  # validates both now, not at the first call
+        resolve_mask(attn_mask_type, window_size)  # validates both now, not at the first call
         self.num_attention_heads = num_attention_heads
         self.kv_channels = kv_channels
         self.num_gqa_groups = num_gqa_groups
@@ -47,23 +51,58 @@ class DotProductAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.backend = backend
 
-    def _check_heads(self, name: str, x: torch.Tensor, heads: int) -> None:
-        if isinstance(x, torch.Tensor) and x.dim() == 4:
-            h, d = (x.shape[1], x.shape[3]) if self.qkv_format == "bhsd" else (x.shape[2], x.shape[3])
+    def _check_heads(self, name: str, x: torch.Tensor, heads: int, qkv_format: str) -> None:
+        if isinstance(x, torch.Tensor) and x.dim() == (3 if qkv_format == "thd" else 4):
+            h, d = (x.shape[1], x.shape[3]) if qkv_format == "bhsd" else (x.shape[-2], x.shape[-1])
             if h != heads or d != self.kv_channels:
                 raise ValueError(f"{name} has {h} heads of size {d}; this module expects {heads} heads of "
-                                 f"size kv_channels={self.kv_channels} (qkv_format={self.qkv_format!r})")
+                                 f"size kv_channels={self.kv_channels} (qkv_format={qkv_format!r})")
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        self._check_heads("query", query, self.num_attention_heads)
-        self._check_heads("key", key, self.num_gqa_groups)
-        self._check_heads("value", value, self.num_gqa_groups)
-        out = mxfp8_attention(query, key, value, qkv_format=self.qkv_format, attn_mask_type=self.attn_mask_type,
-                              window_size=self.window_size, softmax_scale=self.softmax_scale,
-                              backend=self.backend)
-        if self.qkv_format == "bhsd":
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None, qkv_format: Optional[str] = None,
+                cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_kv: Optional[torch.Tensor] = None,
+                max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
+                attn_mask_type: Optional[str] = None, window_size: Optional[Tuple[int, int]] = None
+                ) -> torch.Tensor:
+        qkv_format = self.qkv_format if qkv_format is None else qkv_format
+        check_format(qkv_format)
+        attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        window_size = self.window_size if window_size is None else window_size
+        self._check_heads("query", query, self.num_attention_heads, qkv_format)
+        self._check_heads("key", key, self.num_gqa_groups, qkv_format)
+        self._check_heads("value", value, self.num_gqa_groups, qkv_format)
+        if attention_mask is not None:
+            if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+                raise ValueError("pass either attention_mask or cu_seqlens_q/cu_seqlens_kv, not both")
+            if qkv_format == "thd":
+                raise ValueError("attention_mask does not apply to qkv_format='thd' (use cu_seqlens_q/kv)")
+            cu_seqlens_q, cu_seqlens_kv = self._lengths_from_mask(attention_mask, query, key, qkv_format)
+        out = mxfp8_attention(query, key, value, qkv_format=qkv_format, attn_mask_type=attn_mask_type,
+                              window_size=window_size, softmax_scale=self.softmax_scale, backend=self.backend,
+                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                              max_seqlen_kv=max_seqlen_kv)
+        if qkv_format == "bhsd":
             return out
-        return out.reshape(*out.shape[:2], -1)
+        return out.reshape(*out.shape[:-2], -1)
+
+    @staticmethod
+    def _lengths_from_mask(attention_mask, query, key, qkv_format):
+        """TE's padding mask (True = masked out): [b, 1, 1, s] / [b, s] for self-attention, or a pair
+        (q mask, kv mask) -> (cu_seqlens_q, cu_seqlens_kv)."""
+        seq_axis = {"bshd": 1, "sbhd": 0, "bhsd": 2}[qkv_format]
+        masks = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask, attention_mask)
+        if len(masks) != 2:
+            raise ValueError("attention_mask must be a tensor or a (q mask, kv mask) pair")
+        cus = []
+        for m, x, name in zip(masks, (query, key), ("q", "kv")):
+            if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+                raise TypeError(f"attention_mask ({name}) must be a bool tensor (True = masked out)")
+            m2 = m.reshape(m.shape[0], m.shape[-1]) if m.dim() == 4 and m.shape[1] == m.shape[2] == 1 else m
+            if m2.dim() != 2 or m2.shape[1] != x.shape[seq_axis]:
+                raise ValueError(f"attention_mask ({name}) must be [b, 1, 1, s] or [b, s] with s = "
+                                 f"{x.shape[seq_axis]}, got {tuple(m.shape)}")
+            cus.append(cu_seqlens_from_padding_mask(~m2, f"attention_mask ({name})"))
+        return cus[0], cus[1]
 
     def extra_repr(self) -> str:
         return (f"num_attention_heads={self.num_attention_heads}, kv_channels={self.kv_channels}, "

@@ -89,9 +89,13 @@ def test_fp16_and_fp32_inputs():
     q, k, v, do = _inputs(hq=2, hkv=2, sq=40, skv=40, d=32, dtype=torch.float32)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     o = mxattn.mxfp8_attention(*leaves, qkv_format="bhsd", backend="reference")
-    assert o.dtype == torch.bfloat16
-    o.backward(do.bfloat16())
+    assert o.dtype == torch.float32  # like torch SDPA: the inputs' dtype (computed in bf16, cast at the end)
+    ref_o, _ = mxfp8_ref.sdpa_fwd(q, k, v, out_dtype=torch.bfloat16)
+    assert _bits_equal(o, ref_o.float())
+    o.backward(do)
     assert all(leaf.grad.dtype == torch.float32 for leaf in leaves)
+    o_bf16 = mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="reference", out_dtype=torch.bfloat16)
+    assert o_bf16.dtype == torch.bfloat16 and _bits_equal(o_bf16, ref_o)
     o16 = mxattn.mxfp8_attention(*(t.half() for t in (q, k, v)), qkv_format="bhsd", backend="reference")
     assert o16.dtype == torch.float16
     ref16, _ = mxfp8_ref.sdpa_fwd(q.half(), k.half(), v.half(), out_dtype=torch.float16)

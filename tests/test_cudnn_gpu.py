@@ -137,7 +137,7 @@ def _view(shape, layout, gen, dtype):
 
 def _cudnn_rejects_backward(s_q, s_kv, mask):
     """cuDNN 9.28's rule (see test_cudnn_graphs): a bottom-right band with a right bound needs s % 64 == 0."""
-    return mask.diagonal_alignment == "bottom_right" and mask.effective_right_bound is not None \
+    return mask.diagonal_alignment == "bottom_right" and mask.right_bound is not None \
         and (s_q % 64 or s_kv % 64)
 
 

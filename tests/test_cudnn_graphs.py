@@ -90,7 +90,7 @@ def cudnn_rejects(kind, s_q, s_kv, mask):
     """cuDNN 9.28's own rule (its C++ validation): the backward's bottom-right band with a right bound needs
     s_q and s_kv multiples of 64."""
     return (kind == "backward" and mask.diagonal_alignment == "bottom_right"
-            and mask.effective_right_bound is not None and (s_q % 64 or s_kv % 64))
+            and mask.right_bound is not None and (s_q % 64 or s_kv % 64))
 
 
 def check_json(j, kind, cfg, layout):
@@ -106,7 +106,7 @@ def check_json(j, kind, cfg, layout):
     assert node["attn_scale_value"] == struct.pack(">f", cfg.attn_scale).hex().upper()
     m = cfg.mask
     assert node["diagonal_alignment"] == m.diagonal_alignment.upper()
-    assert node["left_bound"] == m.left_bound and node["right_bound"] == m.effective_right_bound
+    assert node["left_bound"] == m.left_bound and node["right_bound"] == m.right_bound
     ports = {**node["inputs"], **node["outputs"]}
     if kind == "forward":
         assert node["generate_stats"] is True

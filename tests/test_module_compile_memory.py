@@ -33,8 +33,8 @@ def test_module_has_no_state_and_moves():
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(attention_dropout=0.1), NotImplementedError, "attention_dropout"),
     (dict(num_gqa_groups=3), ValueError, "num_gqa_groups"),
-    (dict(qkv_format="thd"), ValueError, "qkv_format"),
-    (dict(attn_mask_type="padding_causal"), ValueError, "attn_mask_type"),
+    (dict(qkv_format="tbhd"), ValueError, "qkv_format"),
+    (dict(attn_mask_type="padding_arbitrary"), ValueError, "attn_mask_type"),
     (dict(window_size=(8, 8), attn_mask_type="causal"), ValueError, "window_size"),
 ])
 def test_module_bad_arguments(kwargs, exc, match):
@@ -118,7 +118,12 @@ def test_torch_compile_inductor_fullgraph():
 def test_library_ops_pass_opcheck():
     from mxattn import ops
     q, k, v = (t.permute(0, 2, 1, 3) for t in _qkv("bshd", s=40))
-    args = (q, k, v, 0.125, True, False, None, None, torch.bfloat16, "bshd", "reference")
+    args = (q, k, v, 0.125, False, None, 0, torch.bfloat16, "bshd", "reference", None, None, 0, 0, False)
+    torch.library.opcheck(ops.attention_fwd, args, test_utils=("test_schema", "test_faketensor"))
+    # a packed batch of 3 sequences (segmented column-wise scales have T // 32 + 3 rows)
+    qp, kp, vp = (t[:1] for t in (q, k, v))
+    cu = torch.tensor([0, 7, 7, 40], dtype=torch.int32)
+    args = (qp, kp, vp, 0.125, False, None, 0, torch.bfloat16, "bshd", "reference", cu, cu, 33, 33, True)
     torch.library.opcheck(ops.attention_fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 

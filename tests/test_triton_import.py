@@ -58,7 +58,7 @@ def test_backend_rejects_cpu_tensors_before_any_kernel():
     with pytest.raises(ValueError, match="CUDA"):
         TritonBackend().forward(q, q, q, AttentionParams(softmax_scale=0.125, mask=MaskSpec()))
     with pytest.raises(TypeError, match="dtype"):
-        TritonBackend().forward(q.float(), q, q, AttentionParams(softmax_scale=0.125, mask=MaskSpec()))
+        TritonBackend().forward(q.to(torch.int32), q, q, AttentionParams(softmax_scale=0.125, mask=MaskSpec()))
 
 
 def test_bench_helpers_and_markdown(tmp_path):

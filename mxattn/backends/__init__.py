@@ -1,4 +1,5 @@
-"""Backend registry and the `auto` choice: cudnn (Blackwell) > triton (other CUDA GPUs) > reference."""
+"""Backend registry and the `auto` choice: the first of cudnn (Blackwell), triton (other CUDA GPUs), reference
+that supports the whole call (`AttentionBackend.supports`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Dict, Tuple, Type
 import torch
 
 from ..errors import MXFP8NotSupportedError
-from .base import AttentionBackend, AttentionParams, SavedForBackward
+from ..mask import MaskSpec
+from .base import AttentionBackend, AttentionParams, Problem, SavedForBackward
 
 BACKEND_NAMES = ("cudnn", "triton", "reference")
 _MODULES = {
@@ -79,10 +81,65 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     raise MXFP8NotSupportedError("no backend can run: " + "; ".join(reasons))
 
 
+def supports(name: str, problem: Problem) -> Tuple[bool, str]:
+    """(can run, reason) for backend `name` on the whole call `problem`; never raises."""
+    try:
+        return backend_class(name).supports(problem)
+    except MXFP8NotSupportedError as exc:
+        return False, str(exc)
+
+
+def _warn_once(problem: Problem, chosen: str, reasons) -> None:
+    key = (problem.device.type, chosen, tuple(r.split(":")[0] for r in reasons))
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"mxattn: backend='auto' chose {chosen!r} on {problem.device} ({'; '.join(reasons)})",
+                      RuntimeWarning, stacklevel=5)
+
+
+def choose_backend(name: str, problem: Problem) -> str:
+    """`pick_backend` for a Problem; a constant under torch.compile (the choice runs once at trace time)."""
+    p = problem
+    return _choose_constant(name, str(p.device), p.dtype, p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv,
+                            p.head_dim, p.mask.diagonal_alignment, p.mask.left_bound, p.mask.right_bound,
+                            p.varlen, p.needs_backward, p.out_dtype)
+
+
+@torch.compiler.assume_constant_result
+def _choose_constant(name, device, dtype, batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim, alignment,
+                     left_bound, right_bound, varlen, needs_backward, out_dtype) -> str:
+    mask = MaskSpec(diagonal_alignment=alignment, left_bound=left_bound, right_bound=right_bound)
+    return pick_backend(name, Problem(torch.device(device), dtype, batch, heads_q, heads_kv, seqlen_q, seqlen_kv,
+                                      head_dim, mask, varlen, needs_backward, out_dtype))
+
+
+def pick_backend(name: str, problem: Problem) -> str:
+    """The concrete backend that runs `problem`: `name` itself after checking it supports the call
+    (MXFP8NotSupportedError with the reason otherwise), or for "auto" the first of BACKEND_NAMES that does,
+    warning once per (device type, choice, reasons) when it is not cudnn. A constant under torch.compile: the
+    choice runs once at trace time, with no graph break."""
+    if name != "auto":
+        if name not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {('auto',) + BACKEND_NAMES}, got {name!r}")
+        ok, reason = supports(name, problem)
+        if not ok:
+            raise MXFP8NotSupportedError(f"backend {name!r} cannot run this call on {problem.device}: {reason}")
+        return name
+    reasons = []
+    for candidate in BACKEND_NAMES:
+        ok, reason = supports(candidate, problem)
+        if ok:
+            if candidate != "cudnn":
+                _warn_once(problem, candidate, reasons)
+            return candidate
+        reasons.append(f"{candidate}: {reason}")
+    raise MXFP8NotSupportedError("no backend can run this call: " + "; ".join(reasons))
+
+
 def get_backend(name: str) -> AttentionBackend:
     """The shared instance of a concrete backend (no availability check)."""
     return _instance(name)
 
 
-__all__ = ["AttentionBackend", "AttentionParams", "SavedForBackward", "BACKEND_NAMES", "availability",
-           "backend_class", "get_backend", "resolve_backend_name"]
+__all__ = ["AttentionBackend", "AttentionParams", "Problem", "SavedForBackward", "BACKEND_NAMES", "availability",
+           "backend_class", "choose_backend", "get_backend", "pick_backend", "resolve_backend_name", "supports"]

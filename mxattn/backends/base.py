@@ -1,7 +1,10 @@
 """The small typed interface every attention backend implements.
 
-Tensors cross this interface as [B, H, S, D] views (any strides). A backend quantizes its own inputs, so it
-can use a fused quantizer, and hands back exactly what the backward pass needs (`SavedForBackward`).
+Tensors cross this interface as [B, H, S, D] views (any strides); a packed (thd) batch arrives as a
+[1, H, T, D] view with its sequences described by `AttentionParams.seq` (`mxattn.seqinfo.SeqInfo`). A backend
+quantizes its own inputs, so it can use a fused quantizer, and hands back exactly what the backward pass
+needs (`SavedForBackward`). `supports(problem)` sees the whole call before any work is done, so `auto` can
+pick a backend that will run it, forward and backward.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from ..formats import MXFP8Tensor
 from ..mask import MaskSpec
+from ..seqinfo import SeqInfo
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,29 @@ class AttentionParams:
     mask: MaskSpec
     out_dtype: torch.dtype = torch.bfloat16
     deterministic: bool = True
+    #: per-sequence lengths (padded or packed batch); None for a dense batch
+    seq: Optional[SeqInfo] = None
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What a backend must know to say whether it can run a call (no tensors, hashable).
+
+    seqlen_q/kv are the padded lengths (dense/padded) or the longest sequence (packed); varlen is None,
+    "padded" or "packed"."""
+
+    device: torch.device
+    dtype: torch.dtype
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_kv: int
+    head_dim: int
+    mask: MaskSpec
+    varlen: Optional[str] = None
+    needs_backward: bool = False
+    out_dtype: torch.dtype = torch.bfloat16
 
 
 @dataclass
@@ -47,10 +74,12 @@ class SavedForBackward:
         return tuple(out)
 
     @classmethod
-    def from_tensors(cls, flat) -> "SavedForBackward":
-        """Inverse of `tensors()`."""
+    def from_tensors(cls, flat, seq: Optional[SeqInfo] = None) -> "SavedForBackward":
+        """Inverse of `tensors()`; seq restores the segments of the column-wise copies of a packed batch."""
         axes = (3, 2, 3, 2, 3)
-        parts = [MXFP8Tensor(flat[2 * i], flat[2 * i + 1], axis) for i, axis in enumerate(axes)]
+        segs = (None, None, None, None, None) if seq is None else \
+            (None, seq.segments("q"), None, seq.segments("kv"), None)
+        parts = [MXFP8Tensor(flat[2 * i], flat[2 * i + 1], axis, segs[i]) for i, axis in enumerate(axes)]
         return cls(*parts)
 
 
@@ -67,6 +96,21 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def availability(cls, device: torch.device) -> Tuple[bool, str]:
         """(usable on `device`, human-readable reason). Never raises."""
+
+    @classmethod
+    def supports(cls, problem: Problem) -> Tuple[bool, str]:
+        """(can run this whole call, forward and, if problem.needs_backward, backward; reason). Never raises.
+
+        The base class checks the device, the input dtype and the head dim; backends add their own limits."""
+        ok, reason = cls.availability(problem.device)
+        if not ok:
+            return False, reason
+        if problem.dtype not in cls.input_dtypes:
+            return False, (f"takes q, k, v in {', '.join(map(str, cls.input_dtypes))}, got {problem.dtype}")
+        if cls.supported_head_dims is not None and problem.head_dim not in cls.supported_head_dims:
+            return False, (f"head_dim {problem.head_dim} is not supported (supported: "
+                           f"{', '.join(map(str, cls.supported_head_dims))})")
+        return True, reason
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams

@@ -342,6 +342,13 @@ class CudnnBackend(AttentionBackend):
     def availability(cls, device: torch.device) -> Tuple[bool, str]:
         return cudnn_support(device)
 
+    @classmethod
+    def supports(cls, problem):
+        ok, reason = super().supports(problem)
+        if ok and problem.varlen is not None:
+            return False, "variable-length graphs are not wired into the cudnn backend yet"
+        return ok, reason
+
     def forward(self, q, k, v, params: AttentionParams):
         _supported_state(q.device)
         q, k, v = _graph_layout(q), _graph_layout(k), _graph_layout(v)

@@ -19,6 +19,9 @@ from ..checks import check_bhsd_tensor
 from ..errors import MXFP8NotSupportedError
 from .base import AttentionBackend, AttentionParams, SavedForBackward
 
+#: q, k, v go only through the quantizer, which reads fp32 too
+_QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: O and dO are the kernels' own output dtype
 _IN_DTYPES = (torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 #: lowest compute capability whose Triton supports E4M3 conversions (float8e4nv)
@@ -43,7 +46,7 @@ def _like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _mask_args(params: AttentionParams, s_q: int, s_kv: int):
     m = params.mask
-    return dict(offset=m.offset(s_q, s_kv), left_bound=m.left_bound, right_bound=m.effective_right_bound)
+    return dict(offset=m.offset(s_q, s_kv), left_bound=m.left_bound, right_bound=m.right_bound)
 
 
 class TritonBackend(AttentionBackend):
@@ -51,7 +54,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supported_head_dims = (32, 64, 96, 128, 192, 256)
-    input_dtypes = _IN_DTYPES
+    input_dtypes = _QKV_DTYPES
     MODES = ("fast", "lowmem")
 
     def __init__(self, mode: Optional[str] = None):
@@ -93,6 +96,13 @@ class TritonBackend(AttentionBackend):
             return False, f"the Triton kernels failed to import: {type(exc).__name__}: {exc}"
         return True, f"CUDA device {index} ({torch.cuda.get_device_name(index)}, sm_{cap[0]}{cap[1]}) with triton"
 
+    @classmethod
+    def supports(cls, problem):
+        ok, reason = super().supports(problem)
+        if ok and problem.varlen is not None:
+            return False, "variable-length batches are not implemented in the triton kernels yet"
+        return ok, reason
+
     # ------------------------------------------------------------------ checks
 
     def _check_common(self, params: AttentionParams, d: int) -> None:
@@ -111,7 +121,7 @@ class TritonBackend(AttentionBackend):
         """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] bf16/fp16 CUDA (any strides) -> (o [B,Hq,Sq,D] params.out_dtype,
         stats [B,Hq,Sq,1] fp32 log-sum-exp (-inf for rows that keep nothing), SavedForBackward)."""
         for t, n in ((q, "q"), (k, "k"), (v, "v")):
-            check_bhsd_tensor(t, n, _IN_DTYPES, "cuda")
+            check_bhsd_tensor(t, n, _QKV_DTYPES, "cuda")
         if not (q.device == k.device == v.device):
             raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
         B, hq, sq, d = q.shape
