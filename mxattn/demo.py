@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .attention import mxfp8_attention
-from .backends import resolve_backend_name
+from .backends import Problem, pick_backend
+from .mask import MaskSpec
 from .metrics import rel_rms
 
 
@@ -28,6 +29,22 @@ def _sdpa_grads(q, k, v, do, causal: bool, dtype):
     return [t.double() for t in (o.detach(), *(leaf.grad for leaf in leaves))]
 
 
+def backend_line(device: torch.device, name: str, asked: str = "auto") -> str:
+    """One short line: which backend runs on `device` and why (full reasons: `python -m mxattn info`)."""
+    if asked != "auto":
+        why = "asked for"
+    elif name == "cudnn":
+        why = "cuDNN's MXFP8 kernels on Blackwell"
+    elif device.type != "cuda":
+        why = "no CUDA device"
+    elif name == "triton":
+        major, minor = torch.cuda.get_device_capability(device)
+        why = f"sm_{major}{minor}: cuDNN's MXFP8 kernels need Blackwell, Triton emulates them"
+    else:
+        why = "neither cudnn nor triton can run this call"
+    return f"{device.type}: {name} backend ({why})"
+
+
 def run(batch=1, heads=8, kv_heads=None, seq=1024, head_dim=128, causal=False, backend="auto", device=None,
         seed=0):
     """Run the demo once; returns a dict with the backend, timings and the error table."""
@@ -37,10 +54,13 @@ def run(batch=1, heads=8, kv_heads=None, seq=1024, head_dim=128, causal=False, b
     shape_q, shape_kv = (batch, heads, seq, head_dim), (batch, kv_heads, seq, head_dim)
     q, k, v = (torch.randn(s, generator=gen).to(device, torch.bfloat16) for s in (shape_q, shape_kv, shape_kv))
     do = torch.randn(shape_q, generator=gen).to(device, torch.bfloat16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        name = resolve_backend_name(backend, device)
-    reason = "; ".join(str(w.message) for w in caught)
+    problem = Problem(device=device, dtype=torch.bfloat16, batch=batch, heads_q=heads, heads_kv=kv_heads,
+                      seqlen_q=seq, seqlen_kv=seq, head_dim=head_dim, mask=MaskSpec(causal=causal),
+                      needs_backward=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one line below says which backend runs and why
+        name = pick_backend(backend, problem)
+    reason = backend_line(device, name, backend)
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     mask = "causal" if causal else "no_mask"
@@ -83,7 +103,7 @@ def main(argv=None) -> int:
     result = run(args.batch, args.heads, args.kv_heads, args.seq, args.head_dim, args.causal, args.backend,
                  args.device)
     print(f"mxattn demo: MXFP8 attention, {result['shape']}, bf16 inputs, device {result['device']}")
-    print(f"backend: {result['backend']}" + (f"  ({result['reason']})" if result["reason"] else ""))
+    print(f"{result['reason']}; `python -m mxattn info` gives every backend's reasons")
     print(f"time: forward {result['fwd_s'] * 1e3:.1f} ms, backward {result['bwd_s'] * 1e3:.1f} ms")
     print()
     print("relative RMS error        MXFP8 vs FP64   MXFP8 vs BF16   (BF16 vs FP64)")

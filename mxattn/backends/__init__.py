@@ -52,35 +52,6 @@ def _instance(name: str) -> AttentionBackend:
         return _INSTANCES[name]
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """Turn "auto" into a concrete backend name for `device` (warns once per choice); check explicit names.
-
-    Raises MXFP8NotSupportedError with the reason if an explicitly named backend cannot run on `device`.
-    """
-    device = torch.device(device)
-    if name != "auto":
-        if name not in BACKEND_NAMES:
-            raise ValueError(f"backend must be one of {('auto',) + BACKEND_NAMES}, got {name!r}")
-        ok, reason = availability(name, device)
-        if not ok:
-            raise MXFP8NotSupportedError(f"backend {name!r} cannot run on {device}: {reason}")
-        return name
-    reasons = []
-    for candidate in BACKEND_NAMES:
-        ok, reason = availability(candidate, device)
-        if ok:
-            if candidate != "cudnn":
-                key = (device.type, candidate)
-                if key not in _WARNED:
-                    _WARNED.add(key)
-                    why = "; ".join(reasons)
-                    warnings.warn(f"mxattn: backend='auto' chose {candidate!r} on {device} ({why})",
-                                  RuntimeWarning, stacklevel=4)
-            return candidate
-        reasons.append(f"{candidate}: {reason}")
-    raise MXFP8NotSupportedError("no backend can run: " + "; ".join(reasons))
-
-
 def supports(name: str, problem: Problem) -> Tuple[bool, str]:
     """(can run, reason) for backend `name` on the whole call `problem`; never raises."""
     try:
@@ -142,4 +113,4 @@ def get_backend(name: str) -> AttentionBackend:
 
 
 __all__ = ["AttentionBackend", "AttentionParams", "Problem", "SavedForBackward", "BACKEND_NAMES", "availability",
-           "backend_class", "choose_backend", "get_backend", "pick_backend", "resolve_backend_name", "supports"]
+           "backend_class", "choose_backend", "get_backend", "pick_backend", "supports"]
