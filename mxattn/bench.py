@@ -245,6 +245,67 @@ def bench_quantizer(warmup: int, iters: int) -> Dict:
     return out
 
 
+#: the variable-length config: a THD pack of 16 causal sequences, lengths drawn in [128, 4096] (seeded)
+VARLEN_CONFIG = dict(name="thd16_h16_d128_causal", n_seq=16, min_len=128, max_len=4096, heads=16, head_dim=128,
+                     seed=0)
+
+
+def _bf16_varlen_runner(q, k, v, cu, max_len):
+    """The BF16 attention a user would run on a packed batch on this GPU: torch's varlen_attn when this torch
+    has it, else SDPA on a jagged nested tensor. Returns (forward callable, its name)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        def run():
+            return varlen_attn(q, k, v, cu, cu, max_len, max_len, is_causal=True)
+        run()
+        return run, "torch.nn.attention.varlen.varlen_attn (bf16)"
+    except Exception:  # older torch: jagged nested tensors through SDPA
+        import torch.nn.functional as F
+        offsets = cu.to(torch.int64)
+
+        def run():
+            nq, nk, nv = (torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2) for t in (q, k, v))
+            return F.scaled_dot_product_attention(nq, nk, nv, is_causal=True).transpose(1, 2).values()
+        run()
+        return run, "SDPA on jagged nested tensors (bf16)"
+
+
+def bench_varlen(warmup: int, iters: int, cfg=VARLEN_CONFIG) -> Dict:
+    """Triton MXFP8 on a packed causal batch vs the BF16 varlen baseline, and the dense ratio at the same
+    token count (16 equal sequences, triton vs SDPA cuDNN), all in this run."""
+    from .attention import mxfp8_attention
+
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    lengths = torch.randint(cfg["min_len"], cfg["max_len"] + 1, (cfg["n_seq"],), generator=gen).tolist()
+    total, h, d = sum(lengths), cfg["heads"], cfg["head_dim"]
+    dev = torch.device("cuda")
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    q, k, v, do = (torch.randn(total, h, d, device=dev, dtype=torch.bfloat16).requires_grad_() for _ in range(4))
+    flops = 4.0 * h * d * sum(kept_pairs(n, n, True) for n in lengths)
+    kw = dict(qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+              max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths), backend="triton")
+    res = {"config": cfg["name"], "lengths": lengths, "tokens": total, "fwd_flop": flops}
+    with torch.no_grad():
+        res["triton_fwd_ms"] = time_cuda(lambda: mxfp8_attention(q, k, v, **kw), warmup, iters)
+    res["triton_fwdbwd_ms"] = time_cuda(
+        lambda: torch.autograd.grad(mxfp8_attention(q, k, v, **kw), (q, k, v), do), warmup, iters)
+    run, res["baseline"] = _bf16_varlen_runner(q, k, v, cu, max(lengths))
+    with torch.no_grad():
+        res["bf16_fwd_ms"] = time_cuda(run, warmup, iters)
+    res["bf16_fwdbwd_ms"] = time_cuda(lambda: torch.autograd.grad(run(), (q, k, v), do), warmup, iters)
+    seq = max(128, total // cfg["n_seq"] // 128 * 128)
+    dense = bench_config((f"dense_b{cfg['n_seq']}_s{seq}", cfg["n_seq"], h, h, seq, d, True), warmup, iters)
+    res["dense_config"] = dense["config"]
+    for key in ("fwd", "fwdbwd"):
+        res[f"triton_{key}_tflops"] = (1.0 if key == "fwd" else 3.5) * flops / (res[f"triton_{key}_ms"] * 1e-3) / 1e12
+        res[f"ratio_{key}_vs_bf16_varlen"] = res[f"bf16_{key}_ms"] / res[f"triton_{key}_ms"]
+        res[f"dense_ratio_{key}_vs_cudnn"] = dense.get(f"ratio_{key}_vs_cudnn")
+        if res[f"dense_ratio_{key}_vs_cudnn"]:
+            res[f"varlen_over_dense_ratio_{key}"] = res[f"ratio_{key}_vs_bf16_varlen"] / res[f"dense_ratio_{key}_vs_cudnn"]
+    return res
+
+
 FWD_SWEEP = [(128, 8, 2), (128, 8, 3), (128, 8, 2, True), (128, 4, 2)]
 BWD_SWEEP = [((64, 128, 8, 2), (128, 64, 8, 2)), ((64, 128, 8, 1), (128, 64, 8, 1)),
              ((64, 64, 4, 2), (64, 64, 4, 2)), ((64, 128, 8, 3), (128, 64, 8, 3))]
@@ -343,6 +404,17 @@ def markdown(results: Dict) -> str:
     notes = [f"- {r['config']}: {n}" for r in results["configs"] for n in r.get("notes", [])]
     if notes:
         lines += ["", "Notes:"] + notes
+    vl = results.get("varlen")
+    if vl:
+        lines += ["", f"Variable lengths ({vl['config']}: {len(vl['lengths'])} causal sequences, {vl['tokens']} "
+                  f"tokens, lengths {vl['lengths']}); baseline: {vl['baseline']}.", "",
+                  "| phase | triton MXFP8 ms | TFLOP/s | BF16 varlen ms | ratio vs BF16 varlen | dense ratio vs cuDNN "
+                  f"({vl['dense_config']}) | varlen / dense ratio (target >= 0.9) |", "|---|---|---|---|---|---|---|"]
+        for key in ("fwd", "fwdbwd"):
+            lines.append(f"| {key} | {_fmt(vl[f'triton_{key}_ms'], 3)} | {_fmt(vl[f'triton_{key}_tflops'])} | "
+                         f"{_fmt(vl[f'bf16_{key}_ms'], 3)} | {_fmt(vl[f'ratio_{key}_vs_bf16_varlen'], 2)} | "
+                         f"{_fmt(vl.get(f'dense_ratio_{key}_vs_cudnn'), 2)} | "
+                         f"{_fmt(vl.get(f'varlen_over_dense_ratio_{key}'), 2)} |")
     qz = results.get("quantizer")
     if qz:
         lines += ["", f"Fused quantizer on bf16 {qz['shape']} (bytes read + written, CUDA-graph replays, so no "
@@ -401,6 +473,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="name:B:Hq:Hkv:S:D:causal(0/1); repeatable; default: the four issue configs")
     ap.add_argument("--out-dir", default=None, help="default benchmarks/results/<gpu-name>/")
     ap.add_argument("--no-quantizer", action="store_true", help="skip the quantizer-vs-copy measurement")
+    ap.add_argument("--no-varlen", action="store_true", help="skip the variable-length (thd) measurement")
+    ap.add_argument("--only-varlen", action="store_true", help="only the variable-length measurement")
     ap.add_argument("--plot-from", default=None, help="render chart.png next to an existing results.json")
     ap.add_argument("--sweep", action="store_true",
                     help="only time the kernels' block/warp/stage candidates on the configs (tuning aid)")
@@ -436,7 +510,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(os.path.join(out_dir, "sweep.json"), "w") as f:
             json.dump({"gpu": gpu, "rows": rows}, f, indent=1)
         return 0
-    for cfg in (args.config or DEFAULT_CONFIGS):
+    for cfg in ([] if args.only_varlen else (args.config or DEFAULT_CONFIGS)):
         r = bench_config(cfg, args.warmup, args.iters)
         results["configs"].append(r)
         print(f"{r['config']}: triton fwd {r['triton_fwd_ms']:.3f} ms (kernel {r['triton_fwd_kernel_ms']:.3f}), "
@@ -444,7 +518,10 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{_fmt(r.get('sdpa_cudnn_fwd_ms'), 3)} bwd {_fmt(r.get('sdpa_cudnn_bwd_ms'), 3)} fwd+bwd "
               f"{_fmt(r.get('sdpa_cudnn_fwdbwd_ms'), 3)}", flush=True)
         torch.cuda.empty_cache()
-    if not args.no_quantizer:
+    if not args.no_varlen:
+        results["varlen"] = bench_varlen(args.warmup, args.iters)
+        print({k: v for k, v in results["varlen"].items() if k != "lengths"}, flush=True)
+    if not args.no_quantizer and not args.only_varlen:
         results["quantizer"] = bench_quantizer(args.warmup, args.iters)
     out_dir = args.out_dir or os.path.join("benchmarks", "results", gpu_dir_name(gpu))
     os.makedirs(out_dir, exist_ok=True)
