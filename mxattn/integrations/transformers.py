@@ -1,0 +1,371 @@
+"""Hugging Face transformers: MXFP8 attention as an ``attn_implementation``.
+
+>>> import mxattn.integrations.transformers as mx_hf
+>>> mx_hf.register()                                   # name "mxfp8", backend "auto"
+>>> model = AutoModel.from_pretrained(path, attn_implementation="mxfp8")
+
+`register` adds one function to ``transformers.AttentionInterface`` and, under the same name, transformers'
+boolean SDPA mask builder to ``AttentionMaskInterface`` (without the latter, transformers 5 hands a custom
+attention function no mask at all). Every model whose attention goes through the attention interface then runs
+`mxattn.mxfp8_attention`: q, k, v are read through strides as bshd, GQA stays GQA, the output has the inputs'
+dtype.
+
+Masks. mxattn masks are a diagonal band (causal, sliding window, bottom-right alignment) plus per-sequence key
+lengths (right padding), so each HF mask is translated into TE mask words + ``cu_seqlens`` and the translation is
+*verified* against HF's mask before anything runs (`plan_attention_mask`):
+
+* ``None``: what torch SDPA would do with it: causal (top-left) for a causal module with more than one query,
+  otherwise no mask (one query token of a decode step sees every key);
+* a 4-D boolean or additive (0 / large negative) mask: each query row must keep one contiguous range of keys; the
+  key lengths are where the kept keys end, the band (causal, left/right window) is read off the rows, top-left
+  alignment when q and k have the same length (prefill, encoders), bottom-right when the queries are the last
+  tokens of a longer KV cache (decode). The band and lengths are rebuilt per row and compared with HF's mask;
+  anything they do not reproduce exactly (left padding, packed sequences with a block-diagonal mask, image-token
+  overlays, per-head masks, ALiBi-like additive biases) raises `UnsupportedMaskError` saying what it found.
+
+Query rows of right-padding tokens are computed as HF computes them (they attend the valid keys); they are not
+zeroed, so outputs agree with eager/SDPA on every row that has a key.
+
+Not supported (raise ``NotImplementedError``): attention dropout in training, logit soft-capping, attention sinks
+(``s_aux``), additive position bias (T5-like), paged KV caches (continuous batching).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from ..attention import mxfp8_attention
+from ..backends import BACKEND_NAMES
+
+#: additive mask entries at or below this value are read as "masked" (HF uses finfo(dtype).min; old code -10000)
+MASKED_AT_OR_BELOW = -1e4
+#: names transformers treats specially (substring checks in `get_correct_attn_implementation` and friends)
+_RESERVED_SUBSTRINGS = ("sdpa", "flash", "flex", "eager", "paged", "/", ":", "|")
+
+_RIGHT_PADDING_HINT = ("mxattn expresses padding as per-sequence lengths of right-padded sequences; pad on the "
+                       "right (tokenizer.padding_side = 'right'), or run this batch with attn_implementation='sdpa'")
+
+
+class UnsupportedMaskError(ValueError):
+    """An attention mask that mxattn's band + right-padding masks cannot express exactly."""
+
+
+@dataclass(frozen=True, eq=False)
+class MaskPlan:
+    """An HF attention mask as `mxattn.mxfp8_attention` arguments.
+
+    kv_len: use only the first kv_len key/value positions (torch SDPA's cropping of a causal prefill into a larger
+    static cache), None = all. cu_seqlens_*: int32 [B+1] (None when no sequence is padded).
+    """
+
+    attn_mask_type: str
+    window_size: Optional[Tuple[int, int]] = None
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_kv: Optional[torch.Tensor] = None
+    kv_len: Optional[int] = None
+
+    def kwargs(self) -> dict:
+        return dict(attn_mask_type=self.attn_mask_type, window_size=self.window_size,
+                    cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_kv=self.cu_seqlens_kv)
+
+
+# --------------------------------------------------------------------------- mask translation
+
+
+def _plan_without_mask(q_len: int, kv_len: int, is_causal: bool, sliding_window: Optional[int]) -> MaskPlan:
+    """attention_mask=None, read as torch SDPA reads it in transformers' `sdpa_attention_forward`."""
+    if not is_causal:
+        return MaskPlan("no_mask")
+    # HF's mask builders only skip a sliding-window mask when the window cannot bite; apply it anyway if it would
+    window = None
+    if sliding_window is not None and 0 < sliding_window < kv_len:
+        window = (int(sliding_window) - 1, 0)
+    if q_len == 1:                       # decode step: SDPA uses no mask, i.e. the last query sees every key
+        return MaskPlan("no_mask" if window is None else "causal_bottom_right", window)
+    # q_len > 1: SDPA's is_causal (top-left); with more keys than queries (prefill into an empty static cache) it
+    # drops the keys past q_len, which top-left causal never reads anyway; crop them so they are not quantized
+    return MaskPlan("causal", window, kv_len=q_len if kv_len > q_len else None)
+
+
+def _keep_mask(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """HF 4-D mask -> bool keep [Bm, Sq, Skv] (Bm = 1 or batch), after shape, head and value checks."""
+    if not isinstance(attention_mask, torch.Tensor) or type(attention_mask).__name__ == "BlockMask":
+        raise UnsupportedMaskError(f"attention_mask of type {type(attention_mask).__name__} is not supported; mxattn "
+                                   "reads 4-D boolean or additive tensor masks (register() sets that up)")
+    if attention_mask.dim() != 4:
+        raise UnsupportedMaskError(
+            f"expected a 4-D attention mask [batch, heads, q_len, kv_len], got shape {tuple(attention_mask.shape)}; "
+            "call mxattn.integrations.transformers.register() so that transformers builds one for this "
+            "attn_implementation")
+    bm, hm, sq, skv = attention_mask.shape
+    if bm not in (1, batch) or sq != q_len or skv != kv_len:
+        raise UnsupportedMaskError(f"attention mask shape {tuple(attention_mask.shape)} does not match "
+                                   f"[batch={batch} (or 1), heads, q_len={q_len}, kv_len={kv_len}]")
+    if attention_mask.dtype == torch.bool:
+        keep = attention_mask
+    elif attention_mask.is_floating_point():
+        keep = attention_mask == 0
+        other = ~(keep | (attention_mask <= MASKED_AT_OR_BELOW))
+        if bool(other.any()):
+            value = attention_mask[other][0].item()
+            raise UnsupportedMaskError(
+                f"the additive attention mask holds values other than 0 and masked (<= {MASKED_AT_OR_BELOW:g}), "
+                f"e.g. {value!r}: an additive bias (ALiBi, relative positions, ...) cannot be expressed by "
+                "mxattn's masks")
+    else:
+        raise UnsupportedMaskError(f"attention mask dtype {attention_mask.dtype} is neither bool nor floating point")
+    if hm > 1:
+        if not torch.equal(keep, keep[:, :1].expand_as(keep)):
+            raise UnsupportedMaskError("the attention mask differs between heads; mxattn applies one mask to all heads")
+    return keep[:, 0]
+
+
+def _row_intervals(keep: torch.Tensor):
+    """keep [Bm, Sq, Skv] -> (lo, hi, nonempty) [Bm, Sq]: the kept key range of each query row. Raises when a
+    row keeps keys that are not one contiguous range."""
+    skv = keep.shape[-1]
+    as_int = keep.to(torch.uint8)
+    count = keep.sum(dim=-1)
+    lo = as_int.argmax(dim=-1)                             # first kept key (argmax returns the first maximum)
+    hi = (skv - 1) - as_int.flip(-1).argmax(dim=-1)        # last kept key
+    nonempty = count > 0
+    holes = nonempty & (hi - lo + 1 != count)
+    if bool(holes.any()):
+        b, i = (int(x) for x in holes.nonzero()[0])
+        kept = keep[b, i].nonzero().flatten().tolist()
+        shown = kept if len(kept) <= 12 else kept[:6] + ["..."] + kept[-6:]
+        raise UnsupportedMaskError(
+            f"attention mask row (batch {b}, query {i}) keeps keys {shown}, which is not one contiguous range "
+            "(packed sequences, an image-token or block overlay, or padding in the middle of a sequence?); mxattn "
+            f"masks are a causal/sliding-window band plus right padding. {_RIGHT_PADDING_HINT}")
+    return lo, hi, nonempty
+
+
+def _try_alignment(lo, hi, nonempty, kv_lengths, q_len: int, kv_len: int, bottom_right: bool):
+    """A (attn_mask_type-without-padding, window) that reproduces the row ranges with this alignment, or None."""
+    device = lo.device
+    i = torch.arange(q_len, device=device).unsqueeze(0)                       # [1, Sq]
+    off = (kv_lengths - q_len).unsqueeze(1) if bottom_right else torch.zeros_like(kv_lengths).unsqueeze(1)
+    last = (kv_lengths - 1).unsqueeze(1)                                       # [B, 1]
+    right_ext = torch.where(nonempty, hi - i - off, torch.full_like(hi, -(1 << 40)))
+    left_ext = torch.where(nonempty, i + off - lo, torch.full_like(lo, -(1 << 40)))
+    right_bites = nonempty & (hi < last)          # some row stops before its sequence's last key
+    left_bites = nonempty & (lo > 0)
+    stats = torch.stack([right_ext.max(), left_ext.max(), right_bites.any().long(), left_bites.any().long(),
+                         nonempty.any().long()]).tolist()
+    r_max, l_max, r_bites, l_bites, any_kept = stats
+    if not any_kept:
+        return "no_mask", None
+    # a right edge that never cuts a row but sits exactly on the diagonal is causal too (decode steps)
+    right = int(r_max) if r_bites or r_max == 0 else None
+    left = int(l_max) if l_bites else None
+    if (right is not None and right < 0) or (left is not None and left < 0):
+        return None
+    causal = right == 0
+    if bottom_right and not causal and (left is not None or right is not None):
+        return None                        # mxattn aligns non-causal windows top-left only
+    # rebuild each row's range from (lengths, band) and compare with HF's rows
+    lo_e = torch.zeros_like(lo) if left is None else (i + off - left).clamp(min=0).expand_as(lo)
+    hi_e = last.expand_as(hi) if right is None else torch.minimum(i + off + right, last)
+    nonempty_e = lo_e <= hi_e
+    same = torch.equal(nonempty_e, nonempty) and torch.equal(torch.where(nonempty, lo - lo_e, 0),
+                                                              torch.zeros_like(lo)) \
+        and torch.equal(torch.where(nonempty, hi - hi_e, 0), torch.zeros_like(hi))
+    if not same:
+        return None
+    if causal:
+        word = "causal_bottom_right" if bottom_right else "causal"
+    else:
+        word = "no_mask"
+    window = None if left is None and right in (None, 0) else (-1 if left is None else left,
+                                                                -1 if right is None else right)
+    return word, window
+
+
+def _explain_failure(lo, nonempty, kv_lengths, q_len: int, kv_len: int) -> str:
+    starts = torch.where(nonempty, lo, torch.full_like(lo, kv_len)).amin(dim=1)       # first key any row keeps
+    rows_kept = nonempty.any(dim=1)
+    left_padded = (rows_kept & (starts > 0)).nonzero().flatten().tolist()
+    full_start = (rows_kept & (starts == 0)).any().item()
+    if left_padded and full_start:
+        b = left_padded[0]
+        return (f"batch row {b} masks its first {int(starts[b])} keys for every query while other rows do not: this "
+                f"looks like left padding. {_RIGHT_PADDING_HINT}")
+    return ("the mask is not a causal or sliding-window band (top-left for q_len == kv_len, bottom-right for decode "
+            f"steps) over right-padded keys (q_len={q_len}, kv_len={kv_len}, key lengths "
+            f"{kv_lengths.tolist()}). {_RIGHT_PADDING_HINT}")
+
+
+def plan_attention_mask(attention_mask: Optional[torch.Tensor], *, batch: int, q_len: int, kv_len: int,
+                        is_causal: bool = True, sliding_window: Optional[int] = None) -> MaskPlan:
+    """Translate the mask a transformers model hands its attention function into `mxfp8_attention` arguments.
+
+    attention_mask: None, or 4-D [B or 1, 1 or H, q_len, kv_len] boolean (True = attend) or additive (0 / <=
+    -1e4). is_causal, sliding_window: the module's flags, used only when the mask is None (then the result is
+    what torch SDPA does with ``attn_mask=None``). The derived band and key lengths are rebuilt row by row and
+    compared with the mask; `UnsupportedMaskError` says what could not be expressed.
+    """
+    if attention_mask is None:
+        return _plan_without_mask(q_len, kv_len, is_causal, sliding_window)
+    keep = _keep_mask(attention_mask, batch, q_len, kv_len)
+    lo, hi, nonempty = _row_intervals(keep)
+    if lo.shape[0] != batch:
+        lo, hi, nonempty = (x.expand(batch, -1) for x in (lo, hi, nonempty))
+    kv_lengths = torch.where(nonempty, hi + 1, torch.zeros_like(hi)).amax(dim=1)         # [B] int64
+    order = (False, True) if q_len == kv_len else (True, False)                           # top-left first?
+    found = None
+    for bottom_right in order:
+        found = _try_alignment(lo, hi, nonempty, kv_lengths, q_len, kv_len, bottom_right)
+        if found is not None:
+            break
+    if found is None:
+        raise UnsupportedMaskError("cannot express this attention mask with mxattn: "
+                                   + _explain_failure(lo, nonempty, kv_lengths, q_len, kv_len))
+    word, window = found
+    if bool((kv_lengths < kv_len).any()):
+        device = attention_mask.device
+        cu_kv = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        torch.cumsum(kv_lengths.to(torch.int32), dim=0, out=cu_kv[1:])
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len       # every query row is computed
+        word = "padding" if word == "no_mask" else "padding_" + word
+        return MaskPlan(word, window, cu_q, cu_kv)
+    return MaskPlan(word, window)
+
+
+class _PlanCache:
+    """The plans of the last few masks: a model hands the same mask tensor to every layer."""
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self.entries: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+    def get(self, mask, key, build):
+        if mask is None:
+            return build()
+        try:
+            version = mask._version
+        except RuntimeError:                       # inference tensors have no version counter
+            return build()
+        full_key = (id(mask), version) + key
+        hit = self.entries.get(full_key)
+        if hit is not None and hit[0]() is mask:
+            self.entries.move_to_end(full_key)
+            return hit[1]
+        plan = build()
+        self.entries[full_key] = (weakref.ref(mask), plan)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return plan
+
+
+_PLANS = _PlanCache()
+
+
+# --------------------------------------------------------------------------- the attention function
+
+
+def _masks_registered(module) -> Optional[str]:
+    """The module's attn_implementation when transformers has no mask builder for it (it then passes None)."""
+    name = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if name is None:
+        return None
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    return None if name in ALL_MASK_ATTENTION_FUNCTIONS else name
+
+
+def make_attention_function(backend: str = "auto"):
+    """An attention function with transformers' calling convention that runs `mxattn.mxfp8_attention`."""
+    if backend not in ("auto",) + BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {('auto',) + BACKEND_NAMES}, got {backend!r}")
+
+    def mxfp8_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                value: torch.Tensor, attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                                scaling: Optional[float] = None, is_causal: Optional[bool] = None,
+                                sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                                s_aux: Optional[torch.Tensor] = None, position_bias: Optional[torch.Tensor] = None,
+                                cache=None, **kwargs) -> Tuple[torch.Tensor, None]:
+        """query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] (transformers' layout) -> ([B, Sq, Hq, D], None)."""
+        if dropout and getattr(module, "training", True):
+            raise NotImplementedError(
+                f"mxattn MXFP8 attention has no attention dropout (got dropout={dropout} in training); set the "
+                "config's attention dropout (attention_dropout / attention_probs_dropout_prob) to 0.0")
+        if softcap is not None:
+            raise NotImplementedError(f"mxattn MXFP8 attention has no logit soft-capping (softcap={softcap})")
+        if s_aux is not None:
+            raise NotImplementedError("mxattn MXFP8 attention has no attention sinks (s_aux)")
+        if position_bias is not None:
+            raise NotImplementedError("mxattn MXFP8 attention cannot add a position bias to the logits")
+        if cache is not None:
+            raise NotImplementedError("mxattn MXFP8 attention does not read paged KV caches (continuous batching)")
+        if kwargs.get("output_attentions", False):
+            import warnings
+            warnings.warn("mxattn MXFP8 attention returns no attention weights (output_attentions=True ignored)",
+                          RuntimeWarning, stacklevel=2)
+        if attention_mask is None:
+            missing = _masks_registered(module)
+            if missing is not None:
+                raise RuntimeError(
+                    f"attn_implementation {missing!r} has no entry in transformers' AttentionMaskInterface, so the "
+                    "model built no mask and padding would be ignored; register it with "
+                    "mxattn.integrations.transformers.register(name=...)")
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        batch, _, q_len, head_dim = query.shape
+        kv_len = key.shape[2]
+        plan = _PLANS.get(attention_mask, (batch, q_len, kv_len, causal, sliding_window),
+                          lambda: plan_attention_mask(attention_mask, batch=batch, q_len=q_len, kv_len=kv_len,
+                                                      is_causal=causal, sliding_window=sliding_window))
+        if plan.kv_len is not None:
+            key, value = key[:, :, :plan.kv_len], value[:, :, :plan.kv_len]
+        if key.dtype != query.dtype or value.dtype != query.dtype:     # e.g. fp32 layer norms under PEFT
+            key, value = key.to(query.dtype), value.to(query.dtype)
+        v_dim = value.shape[-1]
+        if v_dim < head_dim:           # MLA-like models: pad V's head dim (zeros never change V's MXFP8 scales)
+            value = torch.nn.functional.pad(value, (0, head_dim - v_dim))
+        out = mxfp8_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                              qkv_format="bshd", softmax_scale=scaling, backend=backend, **plan.kwargs())
+        if v_dim < head_dim:
+            out = out[..., :v_dim]
+        return out.contiguous(), None
+
+    mxfp8_attention_forward.mxattn_backend = backend
+    return mxfp8_attention_forward
+
+
+def register(name: str = "mxfp8", backend: str = "auto") -> str:
+    """Register MXFP8 attention with transformers under `name`; returns `name`.
+
+    Afterwards ``from_pretrained(..., attn_implementation=name)``, ``config._attn_implementation = name`` before
+    building a model, or ``model.set_attn_implementation(name)`` select it. backend: mxattn's backend ("auto",
+    "cudnn", "triton", "reference"). Registering again replaces the function (e.g. to change the backend).
+    """
+    if not isinstance(name, str) or not name or any(s in name for s in _RESERVED_SUBSTRINGS):
+        raise ValueError(f"name must be a non-empty string without {_RESERVED_SUBSTRINGS} (transformers gives "
+                         f"those a meaning of their own), got {name!r}")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as exc:
+        raise ImportError("mxattn.integrations.transformers needs transformers >= 5.0: pip install "
+                          "'mxattn[hf]'") from exc
+    function = make_attention_function(backend)
+    AttentionInterface.register(name, function)
+    # transformers' boolean SDPA masks (None where SDPA would use is_causal / no mask): what we translate above
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def unregister(name: str = "mxfp8") -> None:
+    """Remove `name` from transformers' attention and mask interfaces (no error if absent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface._global_mapping.pop(name, None)
+    AttentionMaskInterface._global_mapping.pop(name, None)
+
+
+__all__ = ["MaskPlan", "UnsupportedMaskError", "make_attention_function", "plan_attention_mask", "register",
+           "unregister"]

@@ -1,0 +1,433 @@
+"""Hugging Face transformers integration (`mxattn.integrations.transformers`): tiny models built locally on CPU.
+
+Every model runs with attn_implementation="mxfp8" against "eager" on the same weights; each attention call is
+also checked bit for bit against an `mxfp8_attention` call made here on the same q/k/v, and at MXFP8 level
+against torch SDPA with HF's own mask.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import mxattn  # noqa: E402
+from mxattn.integrations import transformers as mx_hf  # noqa: E402
+from transformers import (  # noqa: E402
+    AttentionInterface, AutoModelForCausalLM, BertConfig, BertModel, DynamicCache, LlamaConfig, LlamaForCausalLM,
+    MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+)
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "mxfp8"
+CAPTURE = "mxfp8_capture"
+VOCAB = 96
+LENGTHS = (20, 13, 6)          # right-padded batch: the longest is unpadded, one is shorter than the window
+CALLS = []                     # what the capturing attention function saw
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)     # "backend='auto' chose 'reference' on cpu"
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    mx_hf.register(NAME, backend="reference")
+    calls = CALLS
+    inner = mx_hf.make_attention_function("reference")
+
+    def capture(module, query, key, value, attention_mask, *args, **kwargs):
+        out, weights = inner(module, query, key, value, attention_mask, *args, **kwargs)
+        calls.append(dict(module=module, q=query.detach().clone(), k=key.detach().clone(),
+                          v=value.detach().clone(), mask=attention_mask, out=out.detach().clone(),
+                          scaling=kwargs.get("scaling"), sliding_window=kwargs.get("sliding_window")))
+        return out, weights
+
+    AttentionInterface.register(CAPTURE, capture)
+    AttentionMaskInterface.register(CAPTURE, sdpa_mask)
+    yield
+    mx_hf.unregister(NAME)
+    mx_hf.unregister(CAPTURE)
+
+
+def _calls():
+    CALLS.clear()
+    return CALLS
+
+
+def rel_rms(a, b):
+    return (a.double() - b.double()).pow(2).mean().sqrt().item() / b.double().pow(2).mean().sqrt().item()
+
+
+def batch(lengths=LENGTHS, seed=0, pad_id=0):
+    g = torch.Generator().manual_seed(seed)
+    s = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), s), generator=g)
+    am = (torch.arange(s).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
+    return ids.masked_fill(am == 0, pad_id), am
+
+
+def llama(**kw):
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **kw)
+    return cfg, LlamaForCausalLM
+
+
+def qwen2_mixed():
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                      use_sliding_window=True, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"])
+    return cfg, Qwen2ForCausalLM
+
+
+def mistral_sliding():
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=8)
+    return cfg, MistralForCausalLM
+
+
+def bert():
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=128, max_position_embeddings=64, attention_probs_dropout_prob=0.0,
+                     hidden_dropout_prob=0.0)
+    return cfg, BertModel
+
+
+def build(factory, attn="eager", seed=0):
+    cfg, cls = factory()
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    return cls(cfg).eval()
+
+
+def main_output(out):
+    return out.logits if hasattr(out, "logits") and out.logits is not None else out.last_hidden_state
+
+
+MODELS = {"bert": bert, "llama_gqa": llama, "qwen2_sliding_full": qwen2_mixed, "mistral_sliding": mistral_sliding}
+
+
+# --------------------------------------------------------------------------- whole models
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_model_matches_eager_on_valid_tokens(arch):
+    model = build(MODELS[arch])
+    ids, am = batch()
+    valid = am.bool()
+    with torch.no_grad():
+        ref = main_output(model(input_ids=ids, attention_mask=am))
+        model.set_attn_implementation(NAME)
+        assert model.config._attn_implementation == NAME
+        out = main_output(model(input_ids=ids, attention_mask=am))
+    assert out.dtype == ref.dtype == torch.float32
+    err = rel_rms(out[valid], ref[valid])
+    print(f"{arch}: rel-RMS vs eager on valid tokens {err:.3e}")
+    assert 0 < err < 0.1
+    if out.shape[-1] == VOCAB:
+        agree = (out[valid].argmax(-1) == ref[valid].argmax(-1)).float().mean().item()
+        assert agree > 0.9
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_each_layer_exact_vs_own_mxattn_call_and_close_to_sdpa(arch):
+    """Per attention call: bit-identical to mxfp8_attention with the mask words this test derives from the
+    lengths itself; MXFP8-close to torch SDPA with HF's own mask on rows of real tokens."""
+    model = build(MODELS[arch], attn=CAPTURE)
+    ids, am = batch()
+    lengths = am.sum(1)
+    calls = _calls()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=am)
+    assert len(calls) == 2
+    cu_kv = torch.zeros(len(LENGTHS) + 1, dtype=torch.int32)
+    cu_kv[1:] = lengths.cumsum(0)
+    s = ids.shape[1]
+    cu_q = torch.arange(len(LENGTHS) + 1, dtype=torch.int32) * s
+    causal = arch != "bert"
+    words = []
+    for c in calls:
+        window = None
+        if c["sliding_window"] is not None and c["sliding_window"] < s:
+            window = (c["sliding_window"] - 1, 0)
+        word = "padding_causal" if causal else "padding"
+        words.append((word, window))
+        mine = mxattn.mxfp8_attention(c["q"].transpose(1, 2), c["k"].transpose(1, 2), c["v"].transpose(1, 2),
+                                      qkv_format="bshd", attn_mask_type=word, window_size=window,
+                                      softmax_scale=c["scaling"], backend="reference", cu_seqlens_q=cu_q,
+                                      cu_seqlens_kv=cu_kv)
+        assert torch.equal(c["out"], mine), (arch, word, window)
+        # MXFP8 level against SDPA on HF's mask (GQA expanded), rows of real tokens
+        mask = c["mask"]
+        rep = c["q"].shape[1] // c["k"].shape[1]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            c["q"], c["k"].repeat_interleave(rep, 1), c["v"].repeat_interleave(rep, 1), attn_mask=mask,
+            scale=c["scaling"]).transpose(1, 2)
+        err = rel_rms(c["out"][am.bool()], ref[am.bool()])
+        print(f"{arch} layer {len(words) - 1} ({word}, window {window}): attention output rel-RMS vs SDPA "
+              f"{err:.3e}")
+        assert err < 0.08, (arch, err)
+    if arch == "qwen2_sliding_full":
+        assert [w for _, w in words] == [(7, 0), None]
+    if arch == "mistral_sliding":
+        assert [w for _, w in words] == [(7, 0), (7, 0)]
+
+
+def test_padding_tokens_do_not_change_valid_outputs_bitwise():
+    for factory in (llama, bert):
+        model = build(factory, attn=NAME)
+        ids, am = batch(pad_id=0)
+        ids2, _ = batch(pad_id=7)
+        ids2[am == 0] = torch.randint(3, VOCAB, ((am == 0).sum().item(),))
+        with torch.no_grad():
+            a = main_output(model(input_ids=ids, attention_mask=am))
+            b = main_output(model(input_ids=ids2, attention_mask=am))
+        valid = am.bool()
+        assert not torch.equal(a, b)                     # the padding rows did change
+        assert torch.equal(a[valid], b[valid])
+
+
+def test_unpadded_batch_uses_no_mask_tensor():
+    """Without padding HF's mask builder returns None; the plan is plain causal / no_mask."""
+    model = build(qwen2_mixed, attn=CAPTURE)
+    ids, am = batch(lengths=(20, 20))
+    calls = _calls()
+    with torch.no_grad():
+        out = main_output(model(input_ids=ids, attention_mask=am))
+        model.set_attn_implementation("eager")
+        ref = main_output(model(input_ids=ids, attention_mask=am))
+    assert calls[1]["mask"] is None                     # full-attention layer: SDPA-style is_causal
+    assert calls[0]["mask"] is not None                 # sliding layer: the window bites at 20 > 8
+    assert rel_rms(out, ref) < 0.1
+
+
+def test_backward_runs_with_finite_grads():
+    model = build(llama, attn=NAME).train()
+    ids, am = batch(lengths=(16, 11))
+    labels = ids.masked_fill(am == 0, -100)
+    loss = model(input_ids=ids, attention_mask=am, labels=labels).loss
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert sum(g.abs().sum().item() for g in grads) > 0
+    # close to eager's gradients at MXFP8 level
+    ref = build(llama, attn="eager").train()
+    ref.model.layers[0].self_attn.q_proj.weight.grad = None
+    ref(input_ids=ids, attention_mask=am, labels=labels).loss.backward()
+    w, w_ref = model.model.layers[0].self_attn.q_proj.weight.grad, ref.model.layers[0].self_attn.q_proj.weight.grad
+    assert rel_rms(w, w_ref) < 0.2
+
+
+def test_decode_with_kv_cache_bottom_right():
+    """Prefill, then a 3-token chunk and a 1-token step against a DynamicCache: bottom-right alignment."""
+    logits = {}
+    for attn in ("eager", NAME):
+        model = build(llama, attn=attn)
+        ids, _ = batch(lengths=(14, 14), seed=3)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            out = [model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True).logits]
+            out.append(model(input_ids=ids[:, 10:13], past_key_values=cache, use_cache=True).logits)
+            out.append(model(input_ids=ids[:, 13:14], past_key_values=cache, use_cache=True).logits)
+        logits[attn] = torch.cat(out, dim=1)
+    assert rel_rms(logits[NAME], logits["eager"]) < 0.1
+    plan = mx_hf.plan_attention_mask(torch.ones(2, 1, 3, 13, dtype=torch.bool).tril(10), batch=2, q_len=3,
+                                     kv_len=13)
+    assert plan.attn_mask_type == "causal_bottom_right" and plan.cu_seqlens_kv is None
+
+
+def test_sliding_window_decode_and_generate():
+    """Mistral (window 8): prefill 12, a 3-token chunk (bottom-right window over the sliding cache), 1 token."""
+    logits = {}
+    for attn in ("eager", CAPTURE):
+        model = build(mistral_sliding, attn=attn)
+        ids, _ = batch(lengths=(16, 16), seed=5)
+        cache = DynamicCache(config=model.config)
+        calls = _calls()
+        with torch.no_grad():
+            out = [model(input_ids=ids[:, :12], past_key_values=cache, use_cache=True).logits]
+            out.append(model(input_ids=ids[:, 12:15], past_key_values=cache, use_cache=True).logits)
+            out.append(model(input_ids=ids[:, 15:16], past_key_values=cache, use_cache=True).logits)
+        logits[attn] = torch.cat(out, dim=1)
+    chunk = calls[2]                                       # first layer, 3-token chunk
+    assert chunk["q"].shape[2] == 3 and chunk["k"].shape[2] > 3
+    plan = mx_hf.plan_attention_mask(chunk["mask"], batch=2, q_len=3, kv_len=chunk["k"].shape[2])
+    assert (plan.attn_mask_type, plan.window_size) == ("causal_bottom_right", (7, 0))
+    assert rel_rms(logits[CAPTURE], logits["eager"]) < 0.1
+    with torch.no_grad():
+        gen = build(mistral_sliding, attn=NAME).generate(input_ids=ids[:, :12], max_new_tokens=3, do_sample=False)
+    assert gen.shape == (2, 15)
+
+
+def test_from_pretrained_with_registered_name(tmp_path):
+    model = build(llama, attn="eager")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=NAME)
+    assert loaded.config._attn_implementation == NAME
+    ids, am = batch()
+    with torch.no_grad():
+        model.set_attn_implementation(NAME)
+        assert torch.equal(loaded(input_ids=ids, attention_mask=am).logits,
+                           model(input_ids=ids, attention_mask=am).logits)
+
+
+# --------------------------------------------------------------------------- refused masks and features
+
+
+def test_left_padding_raises_with_right_padding_hint():
+    model = build(llama, attn=NAME)
+    ids, am = batch(lengths=(12, 8))
+    am = am.flip(1)
+    with pytest.raises(mx_hf.UnsupportedMaskError, match="left padding.*padding_side = 'right'"):
+        model(input_ids=ids, attention_mask=am)
+
+
+def test_right_padded_decode_step_raises():
+    """After a right-padded prefill the new token sits behind the padding: a hole in the keys."""
+    model = build(llama, attn=NAME)
+    ids, am = batch(lengths=(10, 7))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=am, past_key_values=cache, use_cache=True)
+        step = torch.cat([am, torch.ones(2, 1, dtype=am.dtype)], dim=1)
+        with pytest.raises(mx_hf.UnsupportedMaskError, match="not one contiguous range"):
+            model(input_ids=ids[:, :1], attention_mask=step, past_key_values=cache, use_cache=True)
+
+
+def test_arbitrary_masks_raise():
+    model = build(bert, attn=NAME)
+    ids, _ = batch(lengths=(10, 10))
+    g = torch.Generator().manual_seed(1)
+    custom = torch.rand(2, 1, 10, 10, generator=g) > 0.5
+    custom[..., 0] = True
+    with pytest.raises(mx_hf.UnsupportedMaskError, match="not one contiguous range"):
+        model(input_ids=ids, attention_mask=custom)
+    bias = torch.zeros(2, 1, 10, 10)
+    bias[..., 3] = -0.5                                        # an additive bias, not a mask
+    with pytest.raises(mx_hf.UnsupportedMaskError, match="additive bias"):
+        model(input_ids=ids, attention_mask=bias)
+    per_head = torch.ones(2, 2, 10, 10, dtype=torch.bool)
+    per_head[:, 1, :, 5:] = False
+    with pytest.raises(mx_hf.UnsupportedMaskError, match="differs between heads"):
+        model(input_ids=ids, attention_mask=per_head)
+
+
+def test_dropout_in_training_raises():
+    cfg, cls = bert()
+    cfg.attention_probs_dropout_prob = 0.1
+    cfg._attn_implementation = NAME
+    model = cls(cfg).train()
+    ids, am = batch(lengths=(8, 8))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        model(input_ids=ids, attention_mask=am)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=am)               # dropout is off in eval: runs
+
+
+def test_attention_without_mask_interface_raises():
+    AttentionInterface.register("mxfp8_nomask", mx_hf.make_attention_function("reference"))
+    try:
+        model = build(llama, attn="mxfp8_nomask")
+        ids, am = batch()
+        with pytest.raises(RuntimeError, match="AttentionMaskInterface"):
+            model(input_ids=ids, attention_mask=am)
+    finally:
+        mx_hf.unregister("mxfp8_nomask")
+
+
+# --------------------------------------------------------------------------- the mask translation itself
+
+
+def _hf_mask(lengths, q_len, kv_len, window=None, causal=True, q_offset=0):
+    """HF's own boolean mask builder (what the models call)."""
+    from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function,
+                                            sliding_window_causal_mask_function)
+    fn = (sliding_window_causal_mask_function(window) if window else causal_mask_function) if causal \
+        else bidirectional_mask_function
+    pad = torch.arange(max(q_offset + q_len, kv_len)).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    return sdpa_mask(batch_size=len(lengths), q_length=q_len, kv_length=kv_len, q_offset=q_offset,
+                     mask_function=fn, attention_mask=pad, allow_is_causal_skip=False, local_size=window)
+
+
+@pytest.mark.parametrize("case", [
+    # (lengths, q_len, kv_len, window, causal, q_offset, expected word, expected window)
+    ((9, 5, 9), 9, 9, None, True, 0, "padding_causal", None),
+    ((9, 5, 9), 9, 9, 4, True, 0, "padding_causal", (3, 0)),
+    ((9, 9), 9, 9, 4, True, 0, "causal", (3, 0)),
+    ((9, 5, 2), 9, 9, None, False, 0, "padding", None),
+    ((6, 4), 8, 8, None, True, 0, "padding_causal", None),             # padded to a multiple of 8
+    ((6, 4), 8, 8, 3, True, 0, "padding_causal", (2, 0)),
+    ((6, 4), 5, 8, None, False, 0, "padding", None),                   # cross-attention over padded keys
+    ((12, 12), 1, 12, None, True, 11, "causal_bottom_right", None),     # decode: = every key
+    ((12, 12), 1, 12, 5, True, 11, "causal_bottom_right", (4, 0)),
+    ((12, 12), 4, 12, None, True, 8, "causal_bottom_right", None),
+    ((12, 12), 4, 12, 3, True, 8, "causal_bottom_right", (2, 0)),
+    ((6, 4), 6, 16, None, True, 0, "padding_causal", None),             # prefill into a static cache
+    ((10, 10), 2, 16, None, True, 8, "padding_causal_bottom_right", None),  # static cache decode
+])
+def test_plan_reproduces_hf_masks(case):
+    lengths, q_len, kv_len, window, causal, q_offset, word, win = case
+    mask = _hf_mask(lengths, q_len, kv_len, window, causal, q_offset)
+    plan = mx_hf.plan_attention_mask(mask, batch=len(lengths), q_len=q_len, kv_len=kv_len)
+    assert (plan.attn_mask_type, plan.window_size) == (word, win)
+    # rebuild the band from mxattn's MaskSpec + lengths and compare with HF's mask (independent of the plan code)
+    band, padding = mxattn.mask.resolve_mask(plan.attn_mask_type, plan.window_size)
+    kv_lens = (plan.cu_seqlens_kv.diff().tolist() if padding else [kv_len] * len(lengths))
+    for b, n in enumerate(kv_lens):
+        keep = torch.zeros(q_len, kv_len, dtype=torch.bool)
+        if n:
+            keep[:, :n] = band.keep(q_len, n)
+        assert torch.equal(keep, mask[b, 0]), (case, b)
+    # an additive version of the same mask gives the same plan
+    additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    plan2 = mx_hf.plan_attention_mask(additive, batch=len(lengths), q_len=q_len, kv_len=kv_len)
+    assert (plan2.attn_mask_type, plan2.window_size) == (word, win)
+
+
+def test_plan_refuses_what_it_cannot_express():
+    left = _hf_mask((9, 9), 9, 9).clone()
+    left[1, :, :, :3] = False                                           # left padding of 3 in row 1
+    with pytest.raises(mx_hf.UnsupportedMaskError, match="left padding"):
+        mx_hf.plan_attention_mask(left, batch=2, q_len=9, kv_len=9)
+    strict = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril(-1)         # strictly causal: not a band mxattn has
+    strict[..., 0, 0] = True
+    with pytest.raises(mx_hf.UnsupportedMaskError):
+        mx_hf.plan_attention_mask(strict, batch=1, q_len=6, kv_len=6)
+    with pytest.raises(mx_hf.UnsupportedMaskError, match="4-D"):
+        mx_hf.plan_attention_mask(torch.ones(2, 9, dtype=torch.bool), batch=2, q_len=9, kv_len=9)
+    # packed sequences (block-diagonal causal)
+    packed = torch.zeros(1, 1, 8, 8, dtype=torch.bool)
+    packed[..., :5, :5] = torch.ones(5, 5, dtype=torch.bool).tril()
+    packed[..., 5:, 5:] = torch.ones(3, 3, dtype=torch.bool).tril()
+    with pytest.raises(mx_hf.UnsupportedMaskError):
+        mx_hf.plan_attention_mask(packed, batch=1, q_len=8, kv_len=8)
+
+
+def test_register_validates_and_import_stays_optional():
+    with pytest.raises(ValueError, match="name"):
+        mx_hf.register("my_sdpa")
+    with pytest.raises(ValueError, match="backend"):
+        mx_hf.register("mx2", backend="fast")
+    code = "import sys, mxattn, mxattn.integrations; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
+                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+@pytest.mark.slow
+def test_sample_runs():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "samples/hf_swap.py", "--layers", "1", "--seq", "24"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "rel-RMS" in res.stdout and "top-1" in res.stdout
