@@ -63,6 +63,14 @@ class FwdUid(IntEnum):
     O = 7
     STATS = 8
     AMAX_O = 9
+    # variable lengths (GraphConfig.varlen): per-sequence lengths, and for "packed" the ragged offsets
+    SEQ_LEN_Q = 10
+    SEQ_LEN_KV = 11
+    RAGGED_Q = 12
+    RAGGED_K = 13
+    RAGGED_V = 14
+    RAGGED_O = 15
+    RAGGED_STATS = 16
 
 
 class BwdUid(IntEnum):
@@ -91,6 +99,20 @@ class BwdUid(IntEnum):
     AMAX_DQ = 121
     AMAX_DK = 122
     AMAX_DV = 123
+    # variable lengths: RAGGED_Q serves Q, Q_T, dQ; RAGGED_K K, K_T, dK; RAGGED_V V, dV; RAGGED_O O, dO (all three)
+    SEQ_LEN_Q = 124
+    SEQ_LEN_KV = 125
+    RAGGED_Q = 126
+    RAGGED_K = 127
+    RAGGED_V = 128
+    RAGGED_O = 129
+    RAGGED_STATS = 130
+
+
+#: the uids that exist only in variable-length graphs
+VARLEN_UIDS = {"padded": ("SEQ_LEN_Q", "SEQ_LEN_KV"),
+               "packed": ("SEQ_LEN_Q", "SEQ_LEN_KV", "RAGGED_Q", "RAGGED_K", "RAGGED_V", "RAGGED_O", "RAGGED_STATS")}
+VARLEN_KINDS = tuple(VARLEN_UIDS)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -160,6 +182,20 @@ def layout_name(stride: Stride) -> str:
     return "strided"
 
 
+def thd_stride(shape: Shape) -> Stride:
+    """Declared strides of a packed (thd) tensor of graph dims [B, H, S_max, D]: token-major rows of H*D
+    elements, as a [T, H, D] tensor holds them (the batch stride is the dense capacity's; cuDNN never steps it,
+    every sequence's base comes from the ragged offsets)."""
+    b, h, s, d = shape
+    return (s * h * d, d, h * d, 1)
+
+
+def thd_stats_stride(shape: Shape) -> Stride:
+    """Declared strides of packed Stats [B, H, S_max, 1]: token-major [T, H] fp32 (cuDNN's ragged Stats)."""
+    b, h, s, _ = shape
+    return (s * h, 1, h, 1)
+
+
 def _check_stride(name: str, stride) -> Stride:
     stride = tuple(int(s) for s in stride)
     if len(stride) != 4 or any(s < 0 for s in stride):
@@ -196,6 +232,7 @@ class GraphConfig:
     out_dtype: torch.dtype = torch.bfloat16
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     deterministic: bool = True
+    varlen: Optional[str] = None
 
     def __post_init__(self):
         for name in ("b", "h_q", "h_k", "h_v", "s_q", "s_kv", "d_qk", "d_v"):
@@ -218,6 +255,15 @@ class GraphConfig:
             raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {self.out_dtype}")
         if self.fp8_dtype not in FP8_DTYPES:
             raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.fp8_dtype}")
+        if self.varlen not in (None,) + VARLEN_KINDS:
+            raise ValueError(f"varlen must be None, 'padded' or 'packed', got {self.varlen!r}")
+        if self.packed_layout:
+            for name, shape in (("q_stride", self.q_shape), ("k_stride", self.k_shape), ("v_stride", self.v_shape),
+                                ("o_stride", self.o_shape), ("do_stride", self.o_shape)):
+                value = getattr(self, name)
+                if value is not None and value != thd_stride(shape):
+                    raise ValueError(f"a packed (thd) graph needs token-major {name} {thd_stride(shape)} for "
+                                     f"[B, H, S, D] = {shape}, got {value}")
 
     @classmethod
     def from_layout(cls, b: int, h_q: int, h_kv: int, s_q: int, s_kv: int, d_qk: int, d_v: Optional[int] = None, *,
@@ -234,6 +280,42 @@ class GraphConfig:
                    v_stride=layout_strides(layout, (b, h_kv, s_kv, d_v)),
                    o_stride=o_stride, do_stride=o_stride, mask=mask or MaskSpec(), out_dtype=out_dtype,
                    fp8_dtype=fp8_dtype, deterministic=deterministic)
+
+    @classmethod
+    def from_packed(cls, b: int, h_q: int, h_kv: int, max_s_q: int, max_s_kv: int, d_qk: int, d_v: Optional[int] = None,
+               *, attn_scale: Optional[float] = None, mask: Optional[MaskSpec] = None,
+               out_dtype: torch.dtype = torch.bfloat16, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+               deterministic: bool = True) -> "GraphConfig":
+        """Config of a packed (thd) batch of b sequences of at most max_s_q / max_s_kv tokens."""
+        d_v = d_qk if d_v is None else d_v
+        o_stride = thd_stride((b, h_q, max_s_q, d_v))
+        return cls(b=b, h_q=h_q, h_k=h_kv, h_v=h_kv, s_q=max_s_q, s_kv=max_s_kv, d_qk=d_qk, d_v=d_v,
+                   attn_scale=d_qk ** -0.5 if attn_scale is None else attn_scale,
+                   q_stride=thd_stride((b, h_q, max_s_q, d_qk)), k_stride=thd_stride((b, h_kv, max_s_kv, d_qk)),
+                   v_stride=thd_stride((b, h_kv, max_s_kv, d_v)), o_stride=o_stride, do_stride=o_stride,
+                   mask=mask or MaskSpec(), out_dtype=out_dtype, fp8_dtype=fp8_dtype, deterministic=deterministic,
+                   varlen="packed")
+
+    # --- variable lengths -----------------------------------------------------------------------------------------
+    @property
+    def packed_layout(self) -> bool:
+        return self.varlen == "packed"
+
+    @property
+    def ragged_dtype(self) -> torch.dtype:
+        """dtype of the ragged offsets: int32 unless an element offset of the capacity can exceed it."""
+        largest = max(self.b * self.s_q * self.h_q * max(self.d_qk, self.d_v),
+                      self.b * self.s_kv * max(self.h_k, self.h_v) * max(self.d_qk, self.d_v))
+        return torch.int32 if largest < 2 ** 31 else torch.int64
+
+    @property
+    def max_total_seq_len_q(self) -> Optional[int]:
+        """Token capacity of a packed Q (b * s_q), told to cuDNN as max_total_seq_len_q; None otherwise."""
+        return self.b * self.s_q if self.packed_layout else None
+
+    @property
+    def max_total_seq_len_kv(self) -> Optional[int]:
+        return self.b * self.s_kv if self.packed_layout else None
 
     # --- shapes -------------------------------------------------------------------------------------------------
     @property
@@ -264,7 +346,21 @@ class GraphConfig:
         return (f"b={self.b} h_q={self.h_q} h_k={self.h_k} h_v={self.h_v} s_q={self.s_q} s_kv={self.s_kv} "
                 f"d_qk={self.d_qk} d_v={self.d_v} layout={layout_name(self.q_stride)} mask=[{mask}] "
                 f"out={str(self.out_dtype).replace('torch.', '')} fp8={str(self.fp8_dtype).replace('torch.', '')}"
-                f" deterministic={self.deterministic}")
+                f" deterministic={self.deterministic}" + (f" varlen={self.varlen}" if self.varlen else ""))
+
+    @property
+    def stats_stride(self) -> Stride:
+        return thd_stats_stride(self.stats_shape) if self.packed_layout else row_major(self.stats_shape)
+
+    def _varlen_specs(self, uids) -> dict:
+        if self.varlen is None:
+            return {}
+        lens = ((self.b, 1, 1, 1), (1, 1, 1, 1), torch.int32)
+        out = {uids.SEQ_LEN_Q: lens, uids.SEQ_LEN_KV: lens}
+        if self.packed_layout:
+            offsets = ((self.b + 1, 1, 1, 1), (1, 1, 1, 1), self.ragged_dtype)
+            out.update({getattr(uids, name): offsets for name in VARLEN_UIDS["packed"][2:]})
+        return out
 
     # --- what every variant-pack slot must look like: uid -> (shape, stride, torch dtype) --------------------------
     @cached_property
@@ -279,8 +375,9 @@ class GraphConfig:
             FwdUid.SF_K: (sk, row_major(sk), SCALE_DTYPE),
             FwdUid.SF_V: (sv, col_scale_stride(sv), SCALE_DTYPE),
             FwdUid.O: (self.o_shape, self.o_stride, self.out_dtype),
-            FwdUid.STATS: (self.stats_shape, row_major(self.stats_shape), torch.float32),
+            FwdUid.STATS: (self.stats_shape, self.stats_stride, torch.float32),
             FwdUid.AMAX_O: ((1, 1, 1, 1), (1, 1, 1, 1), torch.float32),
+            **self._varlen_specs(FwdUid),
         })
 
     @cached_property
@@ -301,7 +398,7 @@ class GraphConfig:
             BwdUid.V: (self.v_shape, self.v_stride, f8),
             BwdUid.O: (self.o_shape, self.o_stride, f16), BwdUid.DO_F16: (self.o_shape, do_stride, f16),
             BwdUid.DO: (self.o_shape, do_stride, f8), BwdUid.DO_T: (self.o_shape, do_stride, f8),
-            BwdUid.STATS: (self.stats_shape, row_major(self.stats_shape), torch.float32),
+            BwdUid.STATS: (self.stats_shape, self.stats_stride, torch.float32),
             BwdUid.DQ: (self.q_shape, self.q_stride, f16), BwdUid.DK: (self.k_shape, self.k_stride, f16),
             BwdUid.DV: (self.v_shape, self.v_stride, f16),
         }
@@ -309,6 +406,7 @@ class GraphConfig:
         specs.update({uid: (dims, col_scale_stride(dims), SCALE_DTYPE) for uid, dims in col_scales.items()})
         for uid in (BwdUid.AMAX_DQ, BwdUid.AMAX_DK, BwdUid.AMAX_DV):
             specs[uid] = ((1, 1, 1, 1), (1, 1, 1, 1), torch.float32)
+        specs.update(self._varlen_specs(BwdUid))
         return _plain_keys(dict(sorted(specs.items())))
 
 
@@ -321,7 +419,7 @@ def _plain_keys(specs: dict) -> dict:
 # graph builders
 # ---------------------------------------------------------------------------------------------------------------
 _CUDNN_TYPES = {torch.float32: cudnn.data_type.FLOAT, SCALE_DTYPE: cudnn.data_type.FP8_E8M0,
-                **OUT_DTYPES, **FP8_DTYPES}
+                torch.int32: cudnn.data_type.INT32, torch.int64: cudnn.data_type.INT64, **OUT_DTYPES, **FP8_DTYPES}
 
 
 def _new_graph(cfg: GraphConfig, handle, sm_version: int, name: str):
@@ -341,6 +439,31 @@ def _declare_inputs(graph, specs, uids):
         is_scale = dtype == SCALE_DTYPE
         out[uid] = graph.tensor(dim=list(shape), stride=list(stride), data_type=_CUDNN_TYPES[dtype], uid=int(uid),
                                 name=uid.name, reordering_type=cudnn.tensor_reordering.F8_128x4 if is_scale else None)
+    return out
+
+
+def _declare_varlen(graph, cfg: GraphConfig, specs, uids) -> dict:
+    """The SEQ_LEN_Q/KV (and, packed, RAGGED_*) input tensors of a variable-length graph, keyed by uid."""
+    if cfg.varlen is None:
+        return {}
+    return _declare_inputs(graph, specs, [getattr(uids, name) for name in VARLEN_UIDS[cfg.varlen]])
+
+
+def _set_ragged(tensors: dict, varlen: dict, uids, which) -> None:
+    """Attach ragged offsets: `which` maps a RAGGED_* uid name to the tensor uids it serves."""
+    for ragged, served in which.items():
+        offset = varlen.get(getattr(uids, ragged))
+        if offset is not None:
+            for uid in served:
+                tensors[uid].set_ragged_offset(offset)
+
+
+def _varlen_kwargs(cfg: GraphConfig, varlen: dict, uids) -> dict:
+    if cfg.varlen is None:
+        return {}
+    out = dict(use_padding_mask=True, seq_len_q=varlen[uids.SEQ_LEN_Q], seq_len_kv=varlen[uids.SEQ_LEN_KV])
+    if cfg.packed_layout:
+        out.update(max_total_seq_len_q=cfg.max_total_seq_len_q, max_total_seq_len_kv=cfg.max_total_seq_len_kv)
     return out
 
 
@@ -373,6 +496,8 @@ def build_forward_graph(cfg: GraphConfig, handle=None, *, sm_version: int = 100)
     specs = cfg.forward_specs
     graph = _new_graph(cfg, handle, sm_version, "mxattn_mxfp8_fwd")
     t = _declare_inputs(graph, specs, (FwdUid.Q, FwdUid.K, FwdUid.V, FwdUid.SF_Q, FwdUid.SF_K, FwdUid.SF_V))
+    varlen = _declare_varlen(graph, cfg, specs, FwdUid)
+    _set_ragged(t, varlen, FwdUid, {"RAGGED_Q": (FwdUid.Q,), "RAGGED_K": (FwdUid.K,), "RAGGED_V": (FwdUid.V,)})
     mask = cfg.mask
     outputs = graph.sdpa_mxfp8(
         q=t[FwdUid.Q], k=t[FwdUid.K], v=t[FwdUid.V],
@@ -380,8 +505,10 @@ def build_forward_graph(cfg: GraphConfig, handle=None, *, sm_version: int = 100)
         attn_scale=cfg.attn_scale, generate_stats=True,
         diagonal_alignment=_ALIGNMENT[mask.diagonal_alignment],
         diagonal_band_left_bound=mask.left_bound, diagonal_band_right_bound=mask.right_bound,
-        name="sdpa_mxfp8")
+        name="sdpa_mxfp8", **_varlen_kwargs(cfg, varlen, FwdUid))
     _declare_outputs(outputs, specs, (FwdUid.O, FwdUid.STATS, FwdUid.AMAX_O))
+    _set_ragged(dict(zip((FwdUid.O, FwdUid.STATS), outputs)), varlen, FwdUid,
+                {"RAGGED_O": (FwdUid.O,), "RAGGED_STATS": (FwdUid.STATS,)})
     return _finish(graph, cfg, "forward")
 
 
@@ -395,9 +522,13 @@ def build_backward_graph(cfg: GraphConfig, handle=None, *, sm_version: int = 100
     """
     specs = cfg.backward_specs
     graph = _new_graph(cfg, handle, sm_version, "mxattn_mxfp8_bwd")
-    inputs = [u for u in BwdUid if u not in (BwdUid.DQ, BwdUid.DK, BwdUid.DV, BwdUid.AMAX_DQ, BwdUid.AMAX_DK,
-                                              BwdUid.AMAX_DV)]
+    inputs = [u for u in BwdUid if u <= BwdUid.SF_DO_T]
     t = _declare_inputs(graph, specs, inputs)
+    varlen = _declare_varlen(graph, cfg, specs, BwdUid)
+    _set_ragged(t, varlen, BwdUid, {"RAGGED_Q": (BwdUid.Q, BwdUid.Q_T), "RAGGED_K": (BwdUid.K, BwdUid.K_T),
+                                    "RAGGED_V": (BwdUid.V,),
+                                    "RAGGED_O": (BwdUid.O, BwdUid.DO_F16, BwdUid.DO, BwdUid.DO_T),
+                                    "RAGGED_STATS": (BwdUid.STATS,)})
     mask = cfg.mask
     outputs = graph.sdpa_mxfp8_backward(
         q=t[BwdUid.Q], q_T=t[BwdUid.Q_T], k=t[BwdUid.K], k_T=t[BwdUid.K_T], v=t[BwdUid.V],
@@ -408,9 +539,11 @@ def build_backward_graph(cfg: GraphConfig, handle=None, *, sm_version: int = 100
         attn_scale=cfg.attn_scale, use_deterministic_algorithm=cfg.deterministic,
         diagonal_alignment=_ALIGNMENT[mask.diagonal_alignment],
         left_bound=mask.left_bound, right_bound=mask.right_bound,
-        name="sdpa_mxfp8_backward")
+        name="sdpa_mxfp8_backward", **_varlen_kwargs(cfg, varlen, BwdUid))
     _declare_outputs(outputs, specs, (BwdUid.DQ, BwdUid.DK, BwdUid.DV, BwdUid.AMAX_DQ, BwdUid.AMAX_DK,
                                       BwdUid.AMAX_DV))
+    _set_ragged(dict(zip((BwdUid.DQ, BwdUid.DK, BwdUid.DV), outputs)), varlen, BwdUid,
+                {"RAGGED_Q": (BwdUid.DQ,), "RAGGED_K": (BwdUid.DK,), "RAGGED_V": (BwdUid.DV,)})
     return _finish(graph, cfg, "backward")
 
 
@@ -463,42 +596,160 @@ def col_scale_buffer(scale: torch.Tensor) -> torch.Tensor:
     return buf.view(SCALE_DTYPE).as_strided(dims, col_scale_stride(dims))
 
 
+# --- packed (thd) batches: cuDNN's per-sequence-tile layout ------------------------------------------------------
+# cuDNN's MXFP8 graphs read the scales of a ragged batch PACKED per sequence tile (frontend 1.32:
+# `cudnn/sdpa/kernels/_mxfp8_sf.py`, the `sdpa_fwd_prefill_sm100_mxfp8` engine spec and the module notes of
+# `cudnn/sdpa/bwd/api_dsl_sm107.py`): per head, every sequence's ceil(s_b/128) tiles of 128 tokens in cu_seqlens
+# order, sequence b's first tile at cu_sf[b] = sum_{i<b} ceil(s_i/128) (NOT cu[b]/128), each tile's bytes
+# contiguous: row-wise 128 rows x D32p scale columns in F8_128x4 order, column-wise the ceil(D/128) D planes of
+# 512 bytes one after another (plane stride one atom; NOT the dense D-plane-major order). The graph keeps the
+# dense dims (a capacity of b * ceil(S_max/128) tiles per head, head-major [H, tiles, tile bytes]); unused
+# tiles and padding bytes are zero.
+SF_TILE = 128
+
+
+def sf_tile_starts(cu: torch.Tensor) -> torch.Tensor:
+    """cu_sf: int64 [B+1] first SF tile of each sequence (and the total) of cumulative lengths `cu`."""
+    cu = cu.to(torch.int64)
+    tiles = (cu[1:] - cu[:-1] + SF_TILE - 1) // SF_TILE
+    return torch.nn.functional.pad(torch.cumsum(tiles, 0), (1, 0))
+
+
+def _packed_rows(cu: torch.Tensor, n_rows: int, rows_per_tile: int, rows_of) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For each destination row r < n_rows of the per-tile layout (rows_per_tile rows per 128-token tile):
+    (source row, valid). rows_of(cu) gives (count, start): each sequence's number of source rows and its first
+    source row."""
+    cu64 = cu.to(torch.int64)
+    count, start = rows_of(cu64)
+    first = sf_tile_starts(cu64) * rows_per_tile  # [B+1]
+    r = torch.arange(n_rows, device=cu.device)
+    b = torch.searchsorted(first[1:], r, right=True).clamp_(max=count.numel() - 1)
+    local = r - first[b]
+    valid = (local >= 0) & (local < count[b])
+    return torch.where(valid, start[b] + local, 0), valid
+
+
+def thd_row_scale_buffer(scale: torch.Tensor, cu: torch.Tensor, b: int, s_max: int) -> torch.Tensor:
+    """Row-wise compact scale of a packed batch [1, H, T, ceil(D/32)] (e8m0; rows = tokens) and its cu_seqlens
+    (int32 [b+1]) -> the graph's SF tensor [b, H, ceil(s_max/128)*128, D32p] (row-major dims, packed
+    per-sequence-tile bytes; section comment above). No host synchronisation."""
+    _, h, t, k = scale.shape
+    dims = row_scale_dims(b, h, s_max, k * BLOCK)
+    n_rows = b * dims[2]  # per head: the capacity in rows
+    src, valid = _packed_rows(cu, n_rows, SF_TILE,
+                              lambda c: (c[1:] - c[:-1], c[:-1]))
+    raw = scale.view(torch.uint8)[0]  # [H, T, K]
+    rows = torch.where(valid.view(1, -1, 1), raw[:, src], 0) if t else raw.new_zeros(h, n_rows, k)
+    buf = swizzle_128x4(rows)  # [H, n_rows, D32p]: tile-major per head, each tile's atoms contiguous
+    return buf.reshape(dims).view(SCALE_DTYPE)
+
+
+def thd_col_scale_buffer(scale: torch.Tensor, cu: torch.Tensor, b: int, s_max: int) -> torch.Tensor:
+    """Column-wise segmented scale of a packed batch [1, H, T//32 + B, D] (e8m0; sequence i's blocks from row
+    cu[i]//32 + i, `mxattn.formats`) -> the graph's SF tensor declared [b, H, S32p, Dp] with `col_scale_stride`
+    (packed per-sequence-tile bytes, both D planes of a (head, tile) contiguous). No host synchronisation."""
+    _, h, n_blocks, d = scale.shape
+    dims = col_scale_dims(b, h, s_max, d)
+    tiles = b * (dims[2] // 4)  # per head: capacity in tiles (4 scale blocks of 32 tokens each)
+    idx = torch.arange(cu.numel() - 1, device=cu.device)
+    src, valid = _packed_rows(cu, tiles * 4, 4,
+                              lambda c: ((c[1:] - c[:-1] + BLOCK - 1) // BLOCK, c[:-1] // BLOCK + idx))
+    raw = scale.view(torch.uint8)[0]  # [H, n_blocks, D] (n_blocks >= B >= 1)
+    blocks = torch.where(valid.view(1, -1, 1), raw[:, src], 0)
+    per_tile = blocks.view(h, tiles, 4, d).transpose(2, 3)  # [H, tiles, M=D, K=4 blocks]
+    buf = swizzle_128x4(per_tile)  # [H, tiles, Dp, 4]: per (head, tile) the D planes one after another
+    return buf.reshape(-1).view(SCALE_DTYPE).as_strided(dims, col_scale_stride(dims))
+
+
+def thd_scale_buffer(x: MXFP8Tensor, cu: torch.Tensor, b: int, s_max: int) -> torch.Tensor:
+    """F8_128x4 scale tensor of a packed-batch MXFP8Tensor (row-wise, or column-wise segmented at `cu`)."""
+    if x.axis == 3:
+        return thd_row_scale_buffer(x.scale, cu, b, s_max)
+    if x.axis == 2:
+        return thd_col_scale_buffer(x.scale, cu, b, s_max)
+    raise ValueError(f"MXFP8Tensor must be quantized along D (axis 3) or S (axis 2) of [B, H, S, D], got {x.axis}")
+
+
+def varlen_tensors(cfg: GraphConfig, cu_q: torch.Tensor, cu_kv: torch.Tensor, kind: str = "forward"
+                   ) -> Dict[str, torch.Tensor]:
+    """The variable-length slots of `cfg`'s `kind` graph, by lower-case uid name: seq_len_q/kv (int32 [b,1,1,1],
+    differences of the cumulative lengths) and, packed, ragged_* (element offsets of each sequence's first row:
+    cu * the tensor's token stride, int32 or int64 per cfg.ragged_dtype, [b+1,1,1,1]). Device ops only."""
+    if cfg.varlen is None:
+        return {}
+    b = cfg.b
+    out = {"seq_len_q": (cu_q[1:] - cu_q[:-1]).to(torch.int32).view(b, 1, 1, 1),
+           "seq_len_kv": (cu_kv[1:] - cu_kv[:-1]).to(torch.int32).view(b, 1, 1, 1)}
+    if cfg.packed_layout:
+        dt = cfg.ragged_dtype
+        for name, cu, stride in (("ragged_q", cu_q, cfg.q_stride[2]), ("ragged_k", cu_kv, cfg.k_stride[2]),
+                                 ("ragged_v", cu_kv, cfg.v_stride[2]), ("ragged_o", cu_q, cfg.o_stride[2]),
+                                 ("ragged_stats", cu_q, cfg.stats_stride[2])):
+            out[name] = (cu.to(dt) * stride).view(b + 1, 1, 1, 1)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # variant packs
 # ---------------------------------------------------------------------------------------------------------------
-def _pack(specs, named, uids, check: bool) -> Dict[int, torch.Tensor]:
-    if not check:
-        return {uid: tensor for uid, (_, tensor) in zip(specs, named)}
+#: slots that hold token rows: in a packed graph their tensors are [1, H, T, D] (T tokens), not the graph's dims
+_TOKEN_SLOTS = {"q", "k", "v", "o", "stats", "q_t", "k_t", "do_f16", "do", "do_t", "dq", "dk", "dv"}
+
+
+def _slot_matches(cfg: GraphConfig, name: str, tensor: torch.Tensor, spec) -> bool:
+    shape, stride, dtype = spec
+    if tensor.dtype != dtype:
+        return False
+    if cfg.packed_layout and name in _TOKEN_SLOTS:
+        return (tensor.dim() == 4 and tensor.shape[0] == 1 and (tensor.shape[1], tensor.shape[3]) ==
+                (shape[1], shape[3]) and all(st == want for st, want, n in zip(tensor.stride()[1:], stride[1:],
+                                                                                  tensor.shape[1:]) if n > 1))
+    return tuple(tensor.shape) == tuple(shape) and tensor.stride() == tuple(stride)
+
+
+def _pack(cfg: GraphConfig, specs, named: Dict[str, torch.Tensor], uids, check: bool) -> Dict[int, torch.Tensor]:
+    names = {uid: uids(uid).name.lower() for uid in specs}
+    missing = [n for n in names.values() if named.get(n) is None]
+    if missing:
+        raise ValueError(f"this graph ({cfg.describe()}) needs {', '.join(missing)}")
+    extra = sorted(set(n for n, t in named.items() if t is not None) - set(names.values()))
+    if extra:
+        raise ValueError(f"this graph ({cfg.describe()}) has no slot for {', '.join(extra)}")
     pack = {}
-    for (uid, (shape, stride, dtype)), (name, tensor) in zip(specs.items(), named):
-        assert uids(uid).name.lower() == name, (uid, name)  # the slot orders of the specs and the arguments agree
-        if tensor.dtype != dtype or tensor.shape != shape or tensor.stride() != stride:
-            raise ValueError(f"{name} must be {tuple(shape)} {dtype} with strides {stride} for this graph, got "
-                             f"{tuple(tensor.shape)} {tensor.dtype} strides {tensor.stride()}")
+    for uid, spec in specs.items():
+        name, tensor = names[uid], named[names[uid]]
+        if check and not _slot_matches(cfg, name, tensor, spec):
+            shape, stride, dtype = spec
+            what = (f"[1, {shape[1]}, T, {shape[3]}] {dtype} with strides (*, {', '.join(map(str, stride[1:]))})"
+                    if cfg.packed_layout and name in _TOKEN_SLOTS else f"{tuple(shape)} {dtype} with strides {stride}")
+            raise ValueError(f"{name} must be {what} for this graph, got {tuple(tensor.shape)} {tensor.dtype} "
+                             f"strides {tensor.stride()}")
         pack[uid] = tensor
     return pack
 
 
-def forward_pack(cfg: GraphConfig, *, q, sf_q, k, sf_k, v, sf_v, o, stats, amax_o, check: bool = True
-                 ) -> Dict[int, torch.Tensor]:
+def forward_pack(cfg: GraphConfig, *, q, sf_q, k, sf_k, v, sf_v, o, stats, amax_o, check: bool = True,
+                 **varlen) -> Dict[int, torch.Tensor]:
     """uid -> tensor for the forward graph. q/k/v: FP8 data; sf_*: F8_128x4 buffers (row_scale_buffer for Q, K;
-    col_scale_buffer for V); o, stats, amax_o: output buffers. Raises ValueError naming a tensor whose shape,
-    strides or dtype differ from the graph's. `check=False` skips that check: only for callers whose tensors are
-    derived from `cfg` by construction (the cudnn backend, where the cache key pins every argument's geometry)."""
-    return _pack(cfg.forward_specs, (("q", q), ("k", k), ("v", v), ("sf_q", sf_q), ("sf_k", sf_k), ("sf_v", sf_v),
-                                     ("o", o), ("stats", stats), ("amax_o", amax_o)), FwdUid, check)
+    col_scale_buffer for V; thd_*_scale_buffer for a packed batch); o, stats, amax_o: output buffers; varlen:
+    the `varlen_tensors` of a variable-length graph (seq_len_q, seq_len_kv, ragged_*). Raises ValueError naming a
+    tensor whose shape, strides or dtype differ from the graph's (in a packed graph the token tensors are
+    [1, H, T, D] with the graph's strides past the batch axis), or a missing or extra slot. `check=False` skips
+    the geometry check: only for callers whose tensors are derived from `cfg` by construction (the cudnn
+    backend, where the cache key pins every argument's geometry)."""
+    named = dict(q=q, k=k, v=v, sf_q=sf_q, sf_k=sf_k, sf_v=sf_v, o=o, stats=stats, amax_o=amax_o, **varlen)
+    return _pack(cfg, cfg.forward_specs, named, FwdUid, check)
 
 
 def backward_pack(cfg: GraphConfig, *, q, q_t, k, k_t, v, o, do_f16, do, do_t, stats, sf_q, sf_q_t, sf_k, sf_k_t,
-                  sf_v, sf_do, sf_do_t, dq, dk, dv, amax_dq, amax_dk, amax_dv, check: bool = True
+                  sf_v, sf_do, sf_do_t, dq, dk, dv, amax_dq, amax_dk, amax_dv, check: bool = True, **varlen
                   ) -> Dict[int, torch.Tensor]:
-    """uid -> tensor for the backward graph (names as the BwdUid members, lower case); `check` as in
+    """uid -> tensor for the backward graph (names as the BwdUid members, lower case); `check`, `varlen` as in
     forward_pack."""
-    named = (("q", q), ("q_t", q_t), ("k", k), ("k_t", k_t), ("v", v), ("o", o), ("do_f16", do_f16), ("do", do),
-             ("do_t", do_t), ("stats", stats), ("sf_q", sf_q), ("sf_q_t", sf_q_t), ("sf_k", sf_k),
-             ("sf_k_t", sf_k_t), ("sf_v", sf_v), ("sf_do", sf_do), ("sf_do_t", sf_do_t), ("dq", dq), ("dk", dk),
-             ("dv", dv), ("amax_dq", amax_dq), ("amax_dk", amax_dk), ("amax_dv", amax_dv))
-    return _pack(cfg.backward_specs, named, BwdUid, check)
+    named = dict(q=q, q_t=q_t, k=k, k_t=k_t, v=v, o=o, do_f16=do_f16, do=do, do_t=do_t, stats=stats, sf_q=sf_q,
+                 sf_q_t=sf_q_t, sf_k=sf_k, sf_k_t=sf_k_t, sf_v=sf_v, sf_do=sf_do, sf_do_t=sf_do_t, dq=dq, dk=dk,
+                 dv=dv, amax_dq=amax_dq, amax_dk=amax_dk, amax_dv=amax_dv, **varlen)
+    return _pack(cfg, cfg.backward_specs, named, BwdUid, check)
 
 
 def operand(x: MXFP8Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -2,14 +2,18 @@
 
     python samples/cudnn_graphs.py --batch 2 --heads 8 --kv-heads 2 --seq 1024 --head-dim 128 --mask causal
     python samples/cudnn_graphs.py --head-dim 192 --head-dim-v 128 --layout sbhd --left-bound 256 --json
+    python samples/cudnn_graphs.py --varlen packed --seq 700 --mask causal   # thd: ragged offsets, packed scales
 
 The graphs are built without a GPU and checked by cuDNN's own validation (targeting SM 10.0); the tables list
-every tensor of the forward and backward graphs (uid, dims, strides, data type, reordering). With a Blackwell GPU
+every tensor of the forward and backward graphs (uid, dims, strides, data type, reordering, ragged offset uid).
+`--varlen padded|packed` prints the variable-length graphs (padding mask, per-sequence lengths; packed: --seq is
+the longest sequence, every token tensor is ragged). With a Blackwell GPU
 and cuDNN >= 9.21 the graphs then run on random inputs and are compared with `ref.mxfp8_ref` on the same
 quantized bytes; elsewhere the script says why they cannot run.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -41,6 +45,8 @@ def parse(argv=None):
     p.add_argument("--right-bound", type=int, default=None, help="cuDNN diagonal band right bound (>= 0)")
     p.add_argument("--out-dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--non-deterministic", action="store_true", help="ask for the non-deterministic backward")
+    p.add_argument("--varlen", choices=("padded", "packed"), default=None,
+                   help="variable-length graphs (packed: thd, --seq/--seq-kv are the longest sequences)")
     p.add_argument("--json", action="store_true", help="print cuDNN's full JSON of both graphs too")
     return p.parse_args(argv)
 
@@ -49,10 +55,13 @@ def config(args) -> cg.GraphConfig:
     mask = MaskSpec(causal=args.mask != "none",
                     diagonal_alignment="bottom_right" if args.mask == "causal_bottom_right" else "top_left",
                     left_bound=args.left_bound, right_bound=args.right_bound)
-    return cg.GraphConfig.from_layout(args.batch, args.heads, args.kv_heads or args.heads, args.seq,
-                                      args.seq_kv or args.seq, args.head_dim, args.head_dim_v, layout=args.layout,
-                                      mask=mask, out_dtype=DTYPES[args.out_dtype],
-                                      deterministic=not args.non_deterministic)
+    kw = dict(mask=mask, out_dtype=DTYPES[args.out_dtype], deterministic=not args.non_deterministic)
+    sizes = (args.batch, args.heads, args.kv_heads or args.heads, args.seq, args.seq_kv or args.seq, args.head_dim,
+             args.head_dim_v)
+    if args.varlen == "packed":
+        return cg.GraphConfig.from_packed(*sizes, **kw)
+    cfg = cg.GraphConfig.from_layout(*sizes, layout=args.layout, **kw)
+    return dataclasses.replace(cfg, varlen=args.varlen) if args.varlen else cfg
 
 
 def print_graph(kind: str, cfg: cg.GraphConfig, full_json: bool) -> bool:
@@ -68,10 +77,12 @@ def print_graph(kind: str, cfg: cg.GraphConfig, full_json: bool) -> bool:
     print(f"  {'uid':>4} {'name':8} {'dims':22} {'strides':30} {'type':9} reordering")
     for t in sorted(j["tensors"], key=lambda t: t["uid"]):
         if not t["is_virtual"]:
+            ragged = f"  ragged offset: uid {t['ragged_offset_uid']}" if t.get("ragged_offset_uid") else ""
             print(f"  {t['uid']:>4} {t['name']:8} {str(t['dim']):22} {str(t['stride']):30} {t['data_type']:9} "
-                  f"{t['reordering_type']}")
+                  f"{t['reordering_type']}{ragged}")
     attrs = {k: node[k] for k in ("diagonal_alignment", "left_bound", "right_bound", "attn_scale_value",
-                                  "generate_stats", "is_deterministic_algorithm") if k in node}
+                                  "generate_stats", "is_deterministic_algorithm", "padding_mask",
+                                  "max_total_seq_len_q", "max_total_seq_len_kv") if node.get(k) is not None}
     print("  attributes:", attrs)
     if full_json:
         print(json.dumps(j, indent=1))
@@ -136,6 +147,9 @@ def main(argv=None) -> int:
         print(f"\ncannot run the graphs here: {reason}")
         return 0
     if not ok_graphs[0]:
+        return 0
+    if cfg.varlen:
+        print("\nvariable-length graphs are run against the reference backend by tests/test_cudnn_gpu.py")
         return 0
     run_on_blackwell(cfg, args.layout)
     return 0

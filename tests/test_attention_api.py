@@ -161,11 +161,12 @@ def test_bad_input_raises_before_any_kernel(mutate, exc, match, monkeypatch):
 
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(qkv_format="bsdh"), ValueError, "qkv_format must be one of"),
-    (dict(attn_mask_type="padding"), ValueError, "attn_mask_type must be one of"),
+    (dict(attn_mask_type="arbitrary"), ValueError, "attn_mask_type must be one of"),
+    (dict(attn_mask_type="padding"), ValueError, "needs cu_seqlens_q"),
     (dict(window_size=(4,)), ValueError, "window_size"),
     (dict(attn_mask_type="causal", window_size=(4, 4)), ValueError, "window_size"),
     (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
-    (dict(out_dtype=torch.float32), TypeError, "out_dtype"),
+    (dict(out_dtype=torch.float64), TypeError, "out_dtype"),
     (dict(backend="flash"), ValueError, "backend must be one of"),
 ])
 def test_bad_options_raise(kwargs, exc, match):
@@ -179,7 +180,9 @@ def test_unsupported_head_dim_lists_supported(monkeypatch):
     from mxattn.backends import reference
     monkeypatch.setattr(reference.ReferenceBackend, "supported_head_dims", (64, 128))
     q, k, v, _ = _inputs(b=1, hq=2, hkv=2, sq=32, skv=32, d=32)
-    with pytest.raises(ValueError, match=r"head_dim 32 is not supported by backend 'reference'; supported: 64, 128"):
+    with pytest.raises(mxattn.MXFP8NotSupportedError,
+                       match=r"backend 'reference' cannot run this call on cpu: head_dim 32 is not supported "
+                             r"\(supported: 64, 128\)"):
         mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="reference")
 
 
@@ -187,8 +190,9 @@ def test_backend_input_dtypes_are_checked(monkeypatch):
     from mxattn.backends import reference
     monkeypatch.setattr(reference.ReferenceBackend, "input_dtypes", (torch.bfloat16, torch.float16))
     q, k, v, _ = _inputs(b=1, hq=2, hkv=2, sq=32, skv=32, d=32, dtype=torch.float32)
-    with pytest.raises(TypeError, match=r"backend 'reference' takes q, k, v in torch.bfloat16, torch.float16; got "
-                                        r"torch.float32"):
+    with pytest.raises(mxattn.MXFP8NotSupportedError,
+                       match=r"backend 'reference' cannot run this call on cpu: takes q, k, v in torch.bfloat16, "
+                             r"torch.float16, got torch.float32"):
         mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="reference")
 
 

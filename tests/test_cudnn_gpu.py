@@ -242,3 +242,86 @@ def test_backend_class_is_the_typed_functions_and_the_cache_is_reused():
     grads3 = backend.backward(saved, o, stats, strided_do.contiguous(), params)
     for a, b in zip(grads2, grads3):
         assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Blackwell: variable lengths (padded and packed/thd) against the reference backend on the same inputs
+# --------------------------------------------------------------------------------------------------------------
+VARLEN_LENGTHS = (([300, 0, 77, 512], [512, 64, 200, 129]), ([130, 257, 1], [130, 257, 400]))
+
+
+def _varlen_batch(varlen, lengths_q, lengths_kv, hq, hk, d, gen, s_pad=512):
+    from mxattn.seqinfo import SeqInfo
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lengths_q)), dtype=torch.int32, device="cuda")
+    cu_kv = torch.tensor([0] + list(itertools.accumulate(lengths_kv)), dtype=torch.int32, device="cuda")
+    seq = SeqInfo(cu_q, cu_kv, max(lengths_q), max(lengths_kv), varlen == "packed")
+    if varlen == "packed":
+        def x(h, t):  # [T, H, D] viewed as [1, H, T, D], as mxattn.attention hands it over
+            return torch.randn(t, h, d, generator=gen, device="cuda").to(torch.bfloat16).permute(1, 0, 2)[None]
+        tq, tkv = sum(lengths_q), sum(lengths_kv)
+    else:
+        def x(h, t):
+            return _view((len(lengths_q), h, t, d), "bshd", gen, torch.bfloat16)
+        tq = tkv = s_pad
+    return seq, x(hq, tq), x(hk, tkv), x(hk, tkv), x(hq, tq)
+
+
+@pytest.mark.blackwell
+@pytest.mark.parametrize("varlen", ["padded", "packed"])
+@pytest.mark.parametrize("mask_name", ["none", "causal_tl", "causal_br", "swa_tl"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cudnn_varlen_matches_the_reference_backend(varlen, mask_name, d):
+    ok, reason = _blackwell_ready()
+    if not ok:
+        pytest.skip(reason)
+    from mxattn.backends.base import Problem
+    from mxattn.backends.reference import ReferenceBackend
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{varlen}{mask_name}{d}".encode()))
+    mask = MASKS[mask_name]
+    for lengths_q, lengths_kv in VARLEN_LENGTHS:
+        seq, q, k, v, do = _varlen_batch(varlen, lengths_q, lengths_kv, 8, 2, d, gen)
+        problem = Problem(q.device, q.dtype, seq.batch, 8, 2, seq.max_seqlen_q if seq.packed else q.shape[2],
+                          seq.max_seqlen_kv if seq.packed else k.shape[2], d, mask, varlen, True)
+        ok, reason = CudnnBackend.supports(problem)
+        if not ok:  # decided up front; then the calls themselves must refuse too
+            assert "cuDNN" in reason
+            with pytest.raises(MXFP8NotSupportedError):
+                params = AttentionParams(softmax_scale=d ** -0.5, mask=mask, seq=seq)
+                o, stats, saved = CudnnBackend().forward(q, k, v, params)
+                CudnnBackend().backward(saved, o, stats, do, params)
+            continue
+        params = AttentionParams(softmax_scale=d ** -0.5, mask=mask, seq=seq)
+        o, stats, saved = CudnnBackend().forward(q, k, v, params)
+        o_ref, stats_ref, saved_ref = ReferenceBackend().forward(q, k, v, params)
+        for a, b in zip(saved.tensors(), saved_ref.tensors()):  # the same quantized bytes
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        torch.testing.assert_close(o.float(), o_ref.float(), **O_TOL)
+        assert rel_rms(o, o_ref) < O_REL_RMS
+        finite = torch.isfinite(stats_ref)
+        assert torch.equal(finite, torch.isfinite(stats))  # -inf exactly on rows without keys / padding
+        torch.testing.assert_close(stats[finite], stats_ref[finite], atol=0.02, rtol=0.01)
+        grads = CudnnBackend().backward(saved, o, stats.contiguous(), do, params)
+        grads_ref = ReferenceBackend().backward(saved_ref, o_ref, stats_ref, do, params)
+        for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ref):
+            torch.testing.assert_close(got.float(), want.float(), **GRAD_TOL, msg=lambda m: f"{name}: {m}")
+            assert rel_rms(got, want) < GRAD_REL_RMS, name
+
+
+@pytest.mark.blackwell
+@pytest.mark.parametrize("varlen", ["padded", "packed"])
+def test_new_lengths_at_the_same_maximum_do_not_rebuild(varlen, monkeypatch):
+    ok, reason = _blackwell_ready()
+    if not ok:
+        pytest.skip(reason)
+    built = []
+    real = cg.build_and_plan
+    monkeypatch.setattr(cg, "build_and_plan", lambda kind, cfg, handle: built.append(kind) or real(kind, cfg, handle))
+    cg.GRAPH_CACHE.clear()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for lengths_q, lengths_kv in (([300, 5, 77, 512], [512, 64, 200, 129]), ([1, 512, 400, 9], [33, 512, 2, 300])):
+        seq, q, k, v, do = _varlen_batch(varlen, lengths_q, lengths_kv, 8, 2, 128, gen)
+        params = AttentionParams(softmax_scale=0.1, mask=MaskSpec(causal=True), seq=seq)
+        o, stats, saved = CudnnBackend().forward(q, k, v, params)
+        CudnnBackend().backward(saved, o, stats.contiguous(), do, params)
+    torch.cuda.synchronize()
+    assert built == ["forward", "backward"]

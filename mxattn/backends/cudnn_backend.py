@@ -5,6 +5,15 @@ Two layers:
     F8_128x4 buffers are made here) and return the outputs with cuDNN's amax side outputs;
   * `CudnnBackend` is the `AttentionBackend` that quantizes (mxattn.formats.quantize_mxfp8) and calls them.
 
+Variable lengths (`SeqInfo`): a padded batch runs the dense graph with cuDNN's padding mask and per-sequence
+lengths; a packed (thd) batch runs the ragged graph (token-major tensors with ragged offsets, scales in cuDNN's
+per-sequence-tile layout, `cudnn_graphs`). Graph keys and configs never hold the lengths' values (a packed graph
+is sized by the longest sequences rounded up to 128), so new lengths reuse the graph.
+
+`CudnnBackend.supports(problem)` decides before any work: the known refusals (`known_refusal`), then, on a device
+where cuDNN MXFP8 runs, the forward graph and (for training) the backward graph are built and planned for the
+problem (cached per problem, and the plans are reused by the calls).
+
 Execution: graphs come from `cudnn_graphs.GRAPH_CACHE` (planned once per config and device; looked up by the
 facts of the argument tensors, so a hit re-validates nothing), run on torch's
 current stream with one cuDNN handle per device (launches serialised by a per-device lock, since a handle carries
@@ -13,6 +22,7 @@ one stream at a time) and one workspace per (device, stream), grown only when a 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Dict, Optional, Tuple
 
@@ -20,14 +30,16 @@ import torch
 
 import cudnn
 
-from ..cudnn_graphs import (GRAPH_CACHE, GraphConfig, PlannedGraph, axis_order, backward_pack, build_and_plan,
-                            dense_stride, forward_pack, operand, row_major)
+from ..cudnn_graphs import (GRAPH_CACHE, OUT_DTYPES, GraphConfig, PlannedGraph, axis_order, backward_pack,
+                            build_backward_graph, build_forward_graph, dense_stride, forward_pack, graph_json, operand,
+                            planned_graph, row_major, thd_scale_buffer, varlen_tensors)
 from ..cudnn_support import cudnn_support
 from ..errors import MXFP8NotSupportedError
 from ..formats import MXFP8Tensor, quantize_mxfp8
 from ..formats import _is_non_overlapping_and_dense as _is_dense
 from ..mask import MaskSpec
-from .base import AttentionBackend, AttentionParams, SavedForBackward
+from ..seqinfo import SeqInfo
+from .base import AttentionBackend, AttentionParams, Problem, SavedForBackward
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -90,13 +102,15 @@ def _current_stream(index: int) -> int:
 
 def planned(key, kind: str, device: torch.device, make_config) -> PlannedGraph:
     """The cached plan for `key`; on a miss `make_config()` validates the arguments (TypeError/ValueError), the
-    support on `device` is checked and the `kind` graph is built and planned (MXFP8NotSupportedError if
-    impossible)."""
+    support on `device` is checked and the `kind` graph for that config is taken from the cache or built and
+    planned (MXFP8NotSupportedError if impossible)."""
     plan = GRAPH_CACHE.lookup(key)
     if plan is None:
         cfg = make_config()
         state = _supported_state(device)
-        plan = GRAPH_CACHE.get(key, lambda: build_and_plan(kind, cfg, state.get_handle()))
+        # one plan per (kind, config, device): shared with the plans `CudnnBackend.supports` made up front
+        plan = planned_graph(kind, cfg, state.index, state.get_handle())
+        plan = GRAPH_CACHE.get(key, lambda: plan)
     return plan
 
 
@@ -123,7 +137,7 @@ def _check_mx(name: str, x, axis: int, fp8_dtype=None) -> Tuple[int, int, int, i
         raise ValueError(f"{name} must be quantized {what}, got axis {x.axis}")
     if fp8_dtype is not None and x.data.dtype != fp8_dtype:
         raise TypeError(f"{name} has fp8 dtype {x.data.dtype}, expected {fp8_dtype} like the other operands")
-    if not _is_dense(x.data):
+    if x.data.numel() and not _is_dense(x.data):
         raise ValueError(f"{name}.data must be non-overlapping and dense (any axis order), got strides "
                          f"{x.data.stride()} for shape {tuple(x.data.shape)}")
     if x.scale.device != x.data.device:
@@ -145,20 +159,58 @@ def _same_device(named) -> torch.device:
 
 
 _NO_MASK = MaskSpec()
+#: token capacity granule of a packed graph: the longest sequences are rounded up to it, so nearby maxima share
+#: a graph, the scale capacity is whole 128-token tiles and the backward's "multiple of 64" rule always holds
+PACKED_CAPACITY = 128
 
 
-def _mx_facts(name: str, x) -> tuple:
-    """What a GraphConfig is derived from, of an MXFP8Tensor argument (cache-key part)."""
+def packed_capacity(max_seqlen: int) -> int:
+    """The graph's S of a packed batch whose longest sequence has `max_seqlen` tokens."""
+    return max(1, -(-int(max_seqlen) // PACKED_CAPACITY)) * PACKED_CAPACITY
+
+
+def _check_seq(seq) -> Optional[SeqInfo]:
+    if seq is not None and not isinstance(seq, SeqInfo):
+        raise TypeError(f"seq must be a mxattn.seqinfo.SeqInfo or None, got {type(seq).__name__}")
+    return seq
+
+
+def _seq_facts(seq: Optional[SeqInfo]) -> tuple:
+    """Cache-key part of the lengths: their kind and, packed, the graph capacity; never the values."""
+    if seq is None:
+        return (None,)
+    if not seq.packed:
+        return ("padded", seq.batch, seq.cu_seqlens_q.device)
+    return ("packed", seq.batch, packed_capacity(seq.max_seqlen_q), packed_capacity(seq.max_seqlen_kv),
+            seq.cu_seqlens_q.device)
+
+
+def _mx_facts(name: str, x, packed: bool = False) -> tuple:
+    """What a GraphConfig is derived from, of an MXFP8Tensor argument (cache-key part). Packed: without the
+    token count."""
     if not isinstance(x, MXFP8Tensor):
         raise TypeError(f"{name} must be an mxattn.MXFP8Tensor, got {type(x).__name__}")
     d = x.data
+    if packed:
+        return (x.axis, d.shape[0], d.shape[1], d.shape[3], d.stride()[1:], d.dtype, d.device, x.scale.device,
+                x.segments is None)
     return (x.axis, d.shape, d.stride(), d.dtype, d.device, x.scale.device)
 
 
-def _t_facts(name: str, t) -> tuple:
+def _t_facts(name: str, t, packed: bool = False) -> tuple:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if packed:
+        return (t.dim(), t.shape[0], t.shape[1], t.shape[-1], t.stride()[1:], t.dtype, t.device)
     return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _stats_facts(stats, packed: bool) -> tuple:
+    if packed:  # converted to token-major by backward_buffers whatever its strides
+        if not isinstance(stats, torch.Tensor):
+            raise TypeError(f"stats must be a torch.Tensor, got {type(stats).__name__}")
+        return (stats.dim(), stats.shape[0], stats.shape[1], stats.dtype, stats.device)
+    return _t_facts("stats", stats)
 
 
 def _mask(mask) -> MaskSpec:
@@ -169,74 +221,172 @@ def _mask(mask) -> MaskSpec:
     return mask
 
 
-def forward_key(q, k, v, attn_scale, mask: MaskSpec, out_dtype) -> tuple:
-    """Cache key of a forward call: every fact of its arguments that its GraphConfig is derived from."""
-    return ("forward", _mx_facts("q", q), _mx_facts("k", k), _mx_facts("v", v), attn_scale, mask, out_dtype)
+def forward_key(q, k, v, attn_scale, mask: MaskSpec, out_dtype, seq: Optional[SeqInfo] = None) -> tuple:
+    """Cache key of a forward call: every fact of its arguments that its GraphConfig is derived from (for
+    variable lengths the kind and capacity, never the lengths)."""
+    packed = seq is not None and seq.packed
+    return ("forward", _mx_facts("q", q, packed), _mx_facts("k", k, packed), _mx_facts("v", v, packed), attn_scale,
+            mask, out_dtype, _seq_facts(seq))
 
 
 def backward_key(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats, attn_scale, mask: MaskSpec,
-                 deterministic) -> tuple:
+                 deterministic, seq: Optional[SeqInfo] = None) -> tuple:
     """Cache key of a backward call (as forward_key)."""
-    return ("backward", _mx_facts("q_row", q_row), _mx_facts("q_col", q_col), _mx_facts("k_row", k_row),
-            _mx_facts("k_col", k_col), _mx_facts("v_row", v_row), _t_facts("o", o), _t_facts("do", do),
-            _mx_facts("do_row", do_row), _mx_facts("do_col", do_col), _t_facts("stats", stats), attn_scale, mask,
-            bool(deterministic))
+    p = seq is not None and seq.packed
+    return ("backward", _mx_facts("q_row", q_row, p), _mx_facts("q_col", q_col, p), _mx_facts("k_row", k_row, p),
+            _mx_facts("k_col", k_col, p), _mx_facts("v_row", v_row, p), _t_facts("o", o, p), _t_facts("do", do, p),
+            _mx_facts("do_row", do_row, p), _mx_facts("do_col", do_col, p), _stats_facts(stats, p),
+            attn_scale, mask, bool(deterministic), _seq_facts(seq))
+
+
+def _token_major(shape) -> Tuple[int, int, int]:
+    """Strides past the batch axis of a [1, H, T, D] view of a token-major [T, H, D] tensor."""
+    return (shape[3], shape[1] * shape[3], 1)
+
+
+def _check_packed(name: str, t: torch.Tensor, seq: SeqInfo) -> None:
+    if t.shape[0] != 1:
+        raise ValueError(f"{name} of a packed batch must be a [1, H, T, D] view, got shape {tuple(t.shape)}")
+    if any(st != want for st, want, n in zip(t.stride()[1:], _token_major(t.shape), t.shape[1:]) if n > 1):
+        raise ValueError(f"{name} of a packed batch must be token-major ([T, H, D] memory, strides past the batch "
+                         f"axis {_token_major(t.shape)}), got {t.stride()}")
+
+
+def _check_segments(name: str, x: MXFP8Tensor, cu: torch.Tensor) -> None:
+    if x.segments is None or x.segments.shape != cu.shape:
+        raise ValueError(f"{name} of a packed batch must be quantized per sequence (segments = cu_seqlens of "
+                         f"{cu.numel() - 1} sequences)")
+
+
+def _varlen_config(seq: Optional[SeqInfo], b: int) -> dict:
+    if seq is None:
+        return {}
+    if seq.batch != b:
+        raise ValueError(f"seq describes {seq.batch} sequences but the padded batch has {b}")
+    return dict(varlen="padded")
 
 
 def forward_config(q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, *, attn_scale: float,
-                   mask: Optional[MaskSpec] = None, out_dtype: torch.dtype = torch.bfloat16) -> GraphConfig:
+                   mask: Optional[MaskSpec] = None, out_dtype: torch.dtype = torch.bfloat16,
+                   seq: Optional[SeqInfo] = None) -> GraphConfig:
     """GraphConfig of the forward for row-wise q [B,Hq,Sq,Dqk], k [B,Hk,Skv,Dqk] and column-wise v [B,Hv,Skv,Dv]
-    (O gets q's axis order). Raises TypeError/ValueError naming the bad argument."""
+    (O gets q's axis order); with `seq` a padded batch, or a packed one ([1, H, T, D] token-major views, v's
+    column blocks segmented at the sequences). Raises TypeError/ValueError naming the bad argument."""
+    seq = _check_seq(seq)
     b, h_q, s_q, d_qk = _check_mx("q", q, 3)
     _, h_k, s_kv, _ = _check_mx("k", k, 3, q.data.dtype)
     _, h_v, _, d_v = _check_mx("v", v, 2, q.data.dtype)
     _same("k", (k.data.shape[0], k.data.shape[3]), (b, d_qk), "(batch, head dim)")
     _same("v", (v.data.shape[0], v.data.shape[2]), (b, s_kv), "(batch, sequence length)")
     _same_device((("q", q.data), ("k", k.data), ("v", v.data)))
+    if seq is not None and seq.packed:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            _check_packed(name, x.data, seq)
+        _check_segments("v", v, seq.cu_seqlens_kv)
+        return GraphConfig.from_packed(seq.batch, h_q, h_k, packed_capacity(seq.max_seqlen_q),
+                                       packed_capacity(seq.max_seqlen_kv), d_qk, d_v, attn_scale=attn_scale,
+                                       mask=_mask(mask), out_dtype=out_dtype, fp8_dtype=q.data.dtype)
     o_shape = (b, h_q, s_q, d_v)
     return GraphConfig(b=b, h_q=h_q, h_k=h_k, h_v=h_v, s_q=s_q, s_kv=s_kv, d_qk=d_qk, d_v=d_v,
                        attn_scale=attn_scale, q_stride=q.data.stride(), k_stride=k.data.stride(),
                        v_stride=v.data.stride(), o_stride=dense_stride(o_shape, axis_order(q.data.stride())),
-                       mask=_mask(mask), out_dtype=out_dtype, fp8_dtype=q.data.dtype)
+                       mask=_mask(mask), out_dtype=out_dtype, fp8_dtype=q.data.dtype, **_varlen_config(seq, b))
 
 
-def forward_buffers(cfg: GraphConfig, q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, check: bool = True):
-    """(variant pack, (o, stats, amax_o)) for `cfg` on q's device: fresh outputs, F8_128x4 scale buffers.
-    `check`: verify every slot against the graph (cudnn_forward skips it: its cache key pins the geometry)."""
+def _packed_empty(h: int, t: int, d: int, dtype, device) -> torch.Tensor:
+    """A [1, H, T, D] view of a fresh token-major [T, H, D] tensor."""
+    return torch.empty((t, h, d), dtype=dtype, device=device).permute(1, 0, 2).unsqueeze(0)
+
+
+def _scales(cfg: GraphConfig, seq: Optional[SeqInfo], named):
+    """(data, F8_128x4 scale tensor) of each (MXFP8Tensor, "q"|"kv") in `named`."""
+    if not cfg.packed_layout:
+        return [operand(x) for x, _ in named]
+    out = []
+    for x, which in named:
+        cu, s = (seq.cu_seqlens_q, cfg.s_q) if which == "q" else (seq.cu_seqlens_kv, cfg.s_kv)
+        out.append((x.data, thd_scale_buffer(x, cu, cfg.b, s)))
+    return out
+
+
+def _varlen(cfg: GraphConfig, seq: Optional[SeqInfo], kind: str) -> dict:
+    return {} if cfg.varlen is None else varlen_tensors(cfg, seq.cu_seqlens_q, seq.cu_seqlens_kv, kind)
+
+
+def forward_buffers(cfg: GraphConfig, q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, check: bool = True,
+                    seq: Optional[SeqInfo] = None):
+    """(variant pack, (o, stats, amax_o)) for `cfg` on q's device: fresh outputs, F8_128x4 scale buffers (and
+    the lengths / ragged offsets of `seq`). `check`: verify every slot against the graph (cudnn_forward skips it:
+    its cache key pins the geometry)."""
     device = q.data.device
-    o = torch.empty_strided(cfg.o_shape, cfg.o_stride, dtype=cfg.out_dtype, device=device)
-    stats = torch.empty(cfg.stats_shape, dtype=torch.float32, device=device)
+    if cfg.packed_layout:
+        t = q.data.shape[2]
+        o = _packed_empty(cfg.h_q, t, cfg.d_v, cfg.out_dtype, device)
+        stats = _packed_empty(cfg.h_q, t, 1, torch.float32, device)
+    else:
+        o = torch.empty_strided(cfg.o_shape, cfg.o_stride, dtype=cfg.out_dtype, device=device)
+        stats = torch.empty(cfg.stats_shape, dtype=torch.float32, device=device)
     amax_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
-    (qd, sf_q), (kd, sf_k), (vd, sf_v) = operand(q), operand(k), operand(v)
+    (qd, sf_q), (kd, sf_k), (vd, sf_v) = _scales(cfg, seq, ((q, "q"), (k, "kv"), (v, "kv")))
     pack = forward_pack(cfg, q=qd, sf_q=sf_q, k=kd, sf_k=sf_k, v=vd, sf_v=sf_v, o=o, stats=stats, amax_o=amax_o,
-                        check=check)
+                        check=check, **_varlen(cfg, seq, "forward"))
     return pack, (o, stats, amax_o)
 
 
+def valid_rows(seq: SeqInfo, which: str, n_rows: int) -> torch.Tensor:
+    """Bool [B, 1, n_rows, 1] (padded) / [1, 1, n_rows, 1] (packed): True on the rows that cuDNN computes and
+    the reference defines as attention results: real tokens of sequences whose other side is not empty (a query
+    with no key gives O = 0, stats -inf, zero gradients; mxattn's rule, enforced after cuDNN ran)."""
+    cu, other = ((seq.cu_seqlens_q, seq.cu_seqlens_kv) if which == "q" else (seq.cu_seqlens_kv, seq.cu_seqlens_q))
+    cu, other = cu.to(torch.int64), other.to(torch.int64)
+    has_other = (other[1:] - other[:-1]) > 0
+    rows = torch.arange(n_rows, device=cu.device)
+    if seq.packed:
+        b = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=seq.batch - 1)
+        return (has_other[b] & (rows < cu[-1])).view(1, 1, n_rows, 1)
+    lengths = (cu[1:] - cu[:-1]).unsqueeze(1)
+    return ((rows.unsqueeze(0) < lengths) & has_other.unsqueeze(1)).view(-1, 1, n_rows, 1)
+
+
 def cudnn_forward(q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, *, attn_scale: float,
-                  mask: Optional[MaskSpec] = None, out_dtype: torch.dtype = torch.bfloat16
-                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  mask: Optional[MaskSpec] = None, out_dtype: torch.dtype = torch.bfloat16,
+                  seq: Optional[SeqInfo] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MXFP8 attention forward with cuDNN.
 
     q [B,Hq,Sq,Dqk], k [B,Hk,Skv,Dqk]: quantized along D (row-wise); v [B,Hv,Skv,Dv]: quantized along S
     (column-wise); one CUDA device, one fp8 dtype. Returns (o [B,Hq,Sq,Dv] out_dtype in q's axis order,
     stats [B,Hq,Sq,1] fp32 log-sum-exp, amax_o [1,1,1,1] fp32 = max|o|).
+    seq: a padded batch (rows past a length: O = 0, stats -inf), or a packed one (q, k, v [1, H, T, D]
+    token-major views, v's blocks segmented at cu_seqlens_kv; O [1,Hq,T,Dv] token-major, stats [1,Hq,T,1]).
     Raises MXFP8NotSupportedError (with cuDNN's reason) where cuDNN cannot run it.
     """
-    mask = _mask(mask)
-    key = forward_key(q, k, v, attn_scale, mask, out_dtype)
-    plan = planned(key, "forward", q.data.device,
-                   lambda: forward_config(q, k, v, attn_scale=attn_scale, mask=mask, out_dtype=out_dtype))
+    mask, seq = _mask(mask), _check_seq(seq)
+    key = forward_key(q, k, v, attn_scale, mask, out_dtype, seq)
+    device = q.data.device
+    plan = planned(key, "forward", device,
+                   lambda: forward_config(q, k, v, attn_scale=attn_scale, mask=mask, out_dtype=out_dtype, seq=seq))
     # plan.cfg: the cached config, with its slot specs computed once; the key pins every argument's geometry
-    pack, outputs = forward_buffers(plan.cfg, q, k, v, check=False)
-    execute(plan, pack, q.data.device)
+    pack, outputs = forward_buffers(plan.cfg, q, k, v, check=False, seq=seq)
+    o, stats, amax = outputs
+    if plan.cfg.packed_layout and (q.data.shape[2] == 0 or k.data.shape[2] == 0):  # nothing for cuDNN to do
+        o.zero_(), stats.fill_(float("-inf")), amax.zero_()
+        return outputs
+    execute(plan, pack, device)
+    if seq is not None:
+        keep = valid_rows(seq, "q", q.data.shape[2])
+        o.masked_fill_(~keep, 0)
+        stats.masked_fill_(~keep, float("-inf"))
     return outputs
 
 
-def _stats_view(stats: torch.Tensor, shape) -> torch.Tensor:
+def _stats_view(stats: torch.Tensor, shape, packed: bool = False) -> torch.Tensor:
     if not isinstance(stats, torch.Tensor) or stats.dtype != torch.float32:
         raise TypeError(f"stats must be a float32 tensor, got {getattr(stats, 'dtype', type(stats).__name__)}")
     _same("stats", stats.shape, shape, "shape")
+    if packed:  # token-major [T, H] as cuDNN's ragged Stats
+        if stats.stride()[1:3] != (1, shape[1]) and shape[2] > 1:
+            stats = stats[0, :, :, 0].t().contiguous().t().unsqueeze(0).unsqueeze(-1)
+        return stats
     if stats.stride() != row_major(shape):
         stats = stats.contiguous().as_strided(shape, row_major(shape))
     return stats
@@ -245,9 +395,10 @@ def _stats_view(stats: torch.Tensor, shape) -> torch.Tensor:
 def backward_config(q_row: MXFP8Tensor, q_col: MXFP8Tensor, k_row: MXFP8Tensor, k_col: MXFP8Tensor,
                     v_row: MXFP8Tensor, o: torch.Tensor, do: torch.Tensor, do_row: MXFP8Tensor,
                     do_col: MXFP8Tensor, stats: torch.Tensor, *, attn_scale: float, mask: Optional[MaskSpec] = None,
-                    deterministic: bool = True) -> GraphConfig:
+                    deterministic: bool = True, seq: Optional[SeqInfo] = None) -> GraphConfig:
     """GraphConfig of the backward (arguments as cudnn_backward). Raises TypeError/ValueError naming the bad
     argument."""
+    seq = _check_seq(seq)
     q_shape = _check_mx("q_row", q_row, 3)
     f8 = q_row.data.dtype
     k_shape, v_shape = _check_mx("k_row", k_row, 3, f8), _check_mx("v_row", v_row, 3, f8)
@@ -270,55 +421,173 @@ def backward_config(q_row: MXFP8Tensor, q_col: MXFP8Tensor, k_row: MXFP8Tensor, 
     if do.stride() != do_row.data.stride():
         raise ValueError(f"do strides {do.stride()} must equal do_row.data's {do_row.data.stride()} (quantize a "
                          "dense do)")
-    _stats_view(stats, (b, h_q, s_q, 1))
+    packed = seq is not None and seq.packed
+    _stats_view(stats, (b, h_q, s_q, 1), packed)
     _same_device((("q_row", q_row.data), ("q_col", q_col.data), ("k_row", k_row.data), ("k_col", k_col.data),
                   ("v_row", v_row.data), ("o", o), ("do", do), ("do_row", do_row.data), ("do_col", do_col.data),
                   ("stats", stats)))
+    if packed:
+        for name, t in (("q_row", q_row.data), ("k_row", k_row.data), ("v_row", v_row.data), ("o", o), ("do", do)):
+            _check_packed(name, t, seq)
+        for name, x, cu in (("q_col", q_col, seq.cu_seqlens_q), ("k_col", k_col, seq.cu_seqlens_kv),
+                            ("do_col", do_col, seq.cu_seqlens_q)):
+            _check_segments(name, x, cu)
+        return GraphConfig.from_packed(seq.batch, h_q, k_shape[1], packed_capacity(seq.max_seqlen_q),
+                                       packed_capacity(seq.max_seqlen_kv), d_qk, v_shape[3], attn_scale=attn_scale,
+                                       mask=_mask(mask), out_dtype=o.dtype, fp8_dtype=f8,
+                                       deterministic=deterministic)
     return GraphConfig(b=b, h_q=h_q, h_k=k_shape[1], h_v=v_shape[1], s_q=s_q, s_kv=k_shape[2], d_qk=d_qk,
                        d_v=v_shape[3], attn_scale=attn_scale, q_stride=q_row.data.stride(),
                        k_stride=k_row.data.stride(), v_stride=v_row.data.stride(), o_stride=o.stride(),
                        do_stride=do.stride(), mask=_mask(mask), out_dtype=o.dtype, fp8_dtype=f8,
-                       deterministic=deterministic)
+                       deterministic=deterministic, **_varlen_config(seq, b))
 
 
 def backward_buffers(cfg: GraphConfig, q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats,
-                     check: bool = True):
-    """(variant pack, (dq, dk, dv, amax_dq, amax_dk, amax_dv)) for `cfg` on q_row's device; `check` as in
+                     check: bool = True, seq: Optional[SeqInfo] = None):
+    """(variant pack, (dq, dk, dv, amax_dq, amax_dk, amax_dv)) for `cfg` on q_row's device; `check`, `seq` as in
     forward_buffers."""
     device = q_row.data.device
-    grads = [torch.empty_strided(shape, stride, dtype=cfg.out_dtype, device=device)
-             for shape, stride in ((cfg.q_shape, cfg.q_stride), (cfg.k_shape, cfg.k_stride),
-                                   (cfg.v_shape, cfg.v_stride))]
+    if cfg.packed_layout:
+        t_q, t_kv = q_row.data.shape[2], k_row.data.shape[2]
+        grads = [_packed_empty(cfg.h_q, t_q, cfg.d_qk, cfg.out_dtype, device),
+                 _packed_empty(cfg.h_k, t_kv, cfg.d_qk, cfg.out_dtype, device),
+                 _packed_empty(cfg.h_v, t_kv, cfg.d_v, cfg.out_dtype, device)]
+        stats = _stats_view(stats, tuple(q_row.data.shape[:3]) + (1,), True)
+    else:
+        grads = [torch.empty_strided(shape, stride, dtype=cfg.out_dtype, device=device)
+                 for shape, stride in ((cfg.q_shape, cfg.q_stride), (cfg.k_shape, cfg.k_stride),
+                                       (cfg.v_shape, cfg.v_stride))]
+        stats = _stats_view(stats, cfg.stats_shape)
     amaxes = [torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device) for _ in range(3)]
-    (qd, sf_q), (qtd, sf_qt), (kd, sf_k), (ktd, sf_kt) = map(operand, (q_row, q_col, k_row, k_col))
-    (vd, sf_v), (dod, sf_do), (dotd, sf_dot) = map(operand, (v_row, do_row, do_col))
+    (qd, sf_q), (qtd, sf_qt), (kd, sf_k), (ktd, sf_kt), (vd, sf_v), (dod, sf_do), (dotd, sf_dot) = _scales(
+        cfg, seq, ((q_row, "q"), (q_col, "q"), (k_row, "kv"), (k_col, "kv"), (v_row, "kv"), (do_row, "q"),
+                   (do_col, "q")))
     pack = backward_pack(cfg, q=qd, q_t=qtd, k=kd, k_t=ktd, v=vd, o=o, do_f16=do, do=dod, do_t=dotd,
-                         stats=_stats_view(stats, cfg.stats_shape), sf_q=sf_q, sf_q_t=sf_qt, sf_k=sf_k,
+                         stats=stats, sf_q=sf_q, sf_q_t=sf_qt, sf_k=sf_k,
                          sf_k_t=sf_kt, sf_v=sf_v, sf_do=sf_do, sf_do_t=sf_dot, dq=grads[0], dk=grads[1],
-                         dv=grads[2], amax_dq=amaxes[0], amax_dk=amaxes[1], amax_dv=amaxes[2], check=check)
+                         dv=grads[2], amax_dq=amaxes[0], amax_dk=amaxes[1], amax_dv=amaxes[2], check=check,
+                         **_varlen(cfg, seq, "backward"))
     return pack, (*grads, *amaxes)
 
 
 def cudnn_backward(q_row: MXFP8Tensor, q_col: MXFP8Tensor, k_row: MXFP8Tensor, k_col: MXFP8Tensor,
                    v_row: MXFP8Tensor, o: torch.Tensor, do: torch.Tensor, do_row: MXFP8Tensor,
                    do_col: MXFP8Tensor, stats: torch.Tensor, *, attn_scale: float, mask: Optional[MaskSpec] = None,
-                   deterministic: bool = True) -> Tuple[torch.Tensor, ...]:
+                   deterministic: bool = True, seq: Optional[SeqInfo] = None) -> Tuple[torch.Tensor, ...]:
     """MXFP8 attention backward with cuDNN.
 
     q_row/q_col [B,Hq,Sq,Dqk], k_row/k_col [B,Hk,Skv,Dqk], v_row [B,Hv,Skv,Dv], do_row/do_col [B,Hq,Sq,Dv]: the
     row-wise (along D) and column-wise (along S) quantized copies (a pair shares one stride set); o, do
     [B,Hq,Sq,Dv] bf16/fp16 of one dtype (dQ/dK/dV get it; do with do_row's strides); stats [B,Hq,Sq,1] fp32
     from the forward. Returns (dq, dk, dv, amax_dq, amax_dk, amax_dv): gradients in o's dtype with the strides of
-    q, k, v; amaxes [1,1,1,1] fp32. Raises MXFP8NotSupportedError (with cuDNN's reason) where cuDNN cannot run it.
+    q, k, v; amaxes [1,1,1,1] fp32. seq as in cudnn_forward (packed: [1, H, T, D] token-major views, column-wise
+    copies segmented; gradients token-major; rows without a result get zero gradients). Raises
+    MXFP8NotSupportedError (with cuDNN's reason) where cuDNN cannot run it.
     """
     args = (q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats)
-    mask = _mask(mask)
-    key = backward_key(*args, attn_scale, mask, deterministic)
-    plan = planned(key, "backward", q_row.data.device,
-                   lambda: backward_config(*args, attn_scale=attn_scale, mask=mask, deterministic=deterministic))
-    pack, outputs = backward_buffers(plan.cfg, *args, check=False)
-    execute(plan, pack, q_row.data.device)
+    mask, seq = _mask(mask), _check_seq(seq)
+    key = backward_key(*args, attn_scale, mask, deterministic, seq)
+    device = q_row.data.device
+    plan = planned(key, "backward", device,
+                   lambda: backward_config(*args, attn_scale=attn_scale, mask=mask, deterministic=deterministic,
+                                           seq=seq))
+    pack, outputs = backward_buffers(plan.cfg, *args, check=False, seq=seq)
+    if plan.cfg.packed_layout and (q_row.data.shape[2] == 0 or k_row.data.shape[2] == 0):
+        for t in outputs:
+            t.zero_()
+        return outputs
+    execute(plan, pack, device)
+    if seq is not None:
+        for g, which in zip(outputs[:3], ("q", "kv", "kv")):
+            g.masked_fill_(~valid_rows(seq, which, g.shape[2]), 0)
     return outputs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# deciding up front (CudnnBackend.supports)
+# ---------------------------------------------------------------------------------------------------------------
+def known_refusal(problem: Problem) -> Optional[str]:
+    """Why cuDNN will refuse `problem`, decided from the Problem alone (no cuDNN call), or None.
+
+    cuDNN 9.28's rules (its C++ validation): a left-bounded band needs s_q <= s_kv unless the batch has
+    per-sequence lengths; the backward with a bottom-right band that has a right bound needs s_q <= s_kv and both
+    multiples of 64; the forward's bottom-right band needs s_q <= s_kv unless the batch has per-sequence lengths. For a packed batch s_q / s_kv are the graph's capacities (`packed_capacity`: multiples
+    of 128), so only s_q <= s_kv can fail there."""
+    m = problem.mask
+    if problem.out_dtype not in OUT_DTYPES:
+        return f"cuDNN writes O in bfloat16 or float16, not {problem.out_dtype}"
+    s_q, s_kv = problem.seqlen_q, problem.seqlen_kv
+    if problem.varlen == "packed":
+        s_q, s_kv = packed_capacity(s_q), packed_capacity(s_kv)
+    if m.left_bound is not None and problem.varlen is None and s_q > s_kv:
+        return (f"cuDNN does not support a left-bounded band (left_bound={m.left_bound}) with s_q={s_q} > "
+                f"s_kv={s_kv} without per-sequence lengths (sliding window needs max_s_q <= max_s_kv)")
+    if not (m.bottom_right and m.right_bound is not None):
+        return None
+    what = f"a bottom-right band (right_bound={m.right_bound}) with s_q={s_q}, s_kv={s_kv}"
+    if s_q > s_kv and (problem.varlen is None or problem.needs_backward):
+        return f"cuDNN does not support {what}: s_q > s_kv" + (" in the backward" if problem.varlen else "")
+    if problem.needs_backward and (s_q % 64 or s_kv % 64):
+        return f"cuDNN's backward does not support {what}: both must be multiples of 64"
+    return None
+
+
+def problem_config(problem: Problem, kind: str = "forward") -> GraphConfig:
+    """The graph config the backend will build for `problem` (bshd inputs, e4m3; packed: thd), for planning up
+    front. The layout of the real call may differ; it does not change what cuDNN supports."""
+    p = problem
+    kw = dict(attn_scale=p.head_dim ** -0.5, mask=p.mask, out_dtype=p.out_dtype)
+    if p.varlen == "packed":
+        return GraphConfig.from_packed(p.batch, p.heads_q, p.heads_kv, packed_capacity(p.seqlen_q),
+                                       packed_capacity(p.seqlen_kv), p.head_dim, **kw)
+    cfg = GraphConfig.from_layout(p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim,
+                                  layout="bshd", **kw)
+    if p.varlen == "padded":
+        cfg = dataclasses.replace(cfg, varlen="padded")
+    return cfg
+
+
+def check_problem(problem: Problem, handle=None, device_index: int = 0, sm_version: int = 100
+                  ) -> Tuple[bool, str]:
+    """(ok, reason) for `problem` on cuDNN: the known refusals, then the forward graph and, if
+    problem.needs_backward, the backward graph are built for `problem_config`. With `handle` (a cudnn.Handle of
+    CUDA device `device_index`) they are planned there (and the plans cached for the calls); without, cuDNN's own
+    validation runs deviceless for SM `sm_version` (no GPU needed). Never raises."""
+    try:
+        refusal = known_refusal(problem)
+        if refusal:
+            return False, refusal
+        if problem.batch < 1 or problem.seqlen_q < 1 or problem.seqlen_kv < 1:
+            return True, "empty problem: nothing for cuDNN to run"
+        kinds = ("forward", "backward") if problem.needs_backward else ("forward",)
+        for kind in kinds:
+            cfg = problem_config(problem, kind)
+            if handle is not None:
+                planned_graph(kind, cfg, device_index, handle)
+            else:
+                build = build_forward_graph if kind == "forward" else build_backward_graph
+                graph_json(build(cfg, sm_version=sm_version))
+        return True, "cuDNN " + (" and ".join(kinds)) + (" planned" if handle is not None else " validated")
+    except MXFP8NotSupportedError as exc:
+        return False, str(exc)
+    except (TypeError, ValueError) as exc:
+        return False, f"no cuDNN graph for this problem: {exc}"
+
+
+_SUPPORT: Dict[Problem, Tuple[bool, str]] = {}
+_SUPPORT_LOCK = threading.Lock()
+
+
+def _support_handle(device: torch.device):
+    """(cuDNN handle, device index) to plan with on `device` (a device where cuDNN MXFP8 runs)."""
+    state = _supported_state(device)
+    return state.get_handle(), state.index
+
+
+def clear_support_cache() -> None:
+    with _SUPPORT_LOCK:
+        _SUPPORT.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -330,12 +599,25 @@ def _graph_layout(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and _is_dense(x) else x.contiguous()
 
 
+def _thd_layout(x: torch.Tensor) -> torch.Tensor:
+    """x [1, H, T, D] itself when token-major (a view of [T, H, D]), else a token-major copy."""
+    if all(st == want for st, want, n in zip(x.stride()[1:], _token_major(x.shape), x.shape[1:]) if n > 1):
+        return x
+    return x[0].transpose(0, 1).contiguous().transpose(0, 1).unsqueeze(0)
+
+
+def _zero_padding(x: torch.Tensor, seq: SeqInfo, which: str) -> torch.Tensor:
+    """x with the padding rows of a padded batch set to 0 (the reference backend's rule: padding values reach
+    no scale), in x's layout."""
+    return x.masked_fill(~seq.valid_rows(which, x.shape[2]), 0)
+
+
 class CudnnBackend(AttentionBackend):
     """cuDNN's fused MXFP8 attention (Blackwell). Quantizes with mxattn.formats (round-up E8M0 scales)."""
 
     name = "cudnn"
     #: head dims cuDNN's graph validation accepts for d_qk == d_v (cuDNN may still refuse one at planning time,
-    #: which raises MXFP8NotSupportedError with its reason).
+    #: which `supports` finds out up front on a Blackwell device).
     supported_head_dims = (16, 32, 48, 64, 80, 96, 112, 128, 256)
 
     @classmethod
@@ -344,26 +626,60 @@ class CudnnBackend(AttentionBackend):
 
     @classmethod
     def supports(cls, problem):
+        """Base checks, the known refusals, then (cached per problem) the forward and, for training, the backward
+        graph planned on the problem's device."""
         ok, reason = super().supports(problem)
-        if ok and problem.varlen is not None:
-            return False, "variable-length graphs are not wired into the cudnn backend yet"
-        return ok, reason
+        if not ok:
+            return ok, reason
+        refusal = known_refusal(problem)
+        if refusal:
+            return False, refusal
+        with _SUPPORT_LOCK:
+            answer = _SUPPORT.get(problem)
+        if answer is None:
+            try:
+                handle, index = _support_handle(problem.device)
+            except MXFP8NotSupportedError as exc:
+                return False, str(exc)
+            answer = check_problem(problem, handle, index)
+            with _SUPPORT_LOCK:
+                _SUPPORT[problem] = answer
+        return answer
 
     def forward(self, q, k, v, params: AttentionParams):
         _supported_state(q.device)
-        q, k, v = _graph_layout(q), _graph_layout(k), _graph_layout(v)
-        q_row, k_row, v_col = quantize_mxfp8(q, axis=-1), quantize_mxfp8(k, axis=-1), quantize_mxfp8(v, axis=-2)
+        seq = params.seq
+        if seq is not None and seq.packed:
+            q, k, v = _thd_layout(q), _thd_layout(k), _thd_layout(v)
+            cu_q, cu_kv = seq.cu_seqlens_q, seq.cu_seqlens_kv
+            q_row, k_row = quantize_mxfp8(q, axis=-1), quantize_mxfp8(k, axis=-1)
+            q_col, k_col = quantize_mxfp8(q, axis=-2, segments=cu_q), quantize_mxfp8(k, axis=-2, segments=cu_kv)
+            v_col = quantize_mxfp8(v, axis=-2, segments=cu_kv)
+        else:
+            q, k, v = _graph_layout(q), _graph_layout(k), _graph_layout(v)
+            if seq is not None:
+                q, k, v = _zero_padding(q, seq, "q"), _zero_padding(k, seq, "kv"), _zero_padding(v, seq, "kv")
+            q_row, k_row, v_col = quantize_mxfp8(q, axis=-1), quantize_mxfp8(k, axis=-1), quantize_mxfp8(v, axis=-2)
+            q_col, k_col = quantize_mxfp8(q, axis=-2), quantize_mxfp8(k, axis=-2)
         o, stats, _ = cudnn_forward(q_row, k_row, v_col, attn_scale=params.softmax_scale, mask=params.mask,
-                                    out_dtype=params.out_dtype)
-        saved = SavedForBackward(q_row=q_row, q_col=quantize_mxfp8(q, axis=-2), k_row=k_row,
-                                 k_col=quantize_mxfp8(k, axis=-2), v_row=quantize_mxfp8(v, axis=-1))
+                                    out_dtype=params.out_dtype, seq=seq)
+        saved = SavedForBackward(q_row=q_row, q_col=q_col, k_row=k_row, k_col=k_col,
+                                 v_row=quantize_mxfp8(v, axis=-1))
         return o, stats, saved
 
     def backward(self, saved: SavedForBackward, o, stats, do, params: AttentionParams):
         _supported_state(o.device)
-        o, do = _graph_layout(o.to(params.out_dtype)), _graph_layout(do.to(params.out_dtype))
-        do_row, do_col = quantize_mxfp8(do, axis=-1), quantize_mxfp8(do, axis=-2)
+        seq = params.seq
+        o, do = o.to(params.out_dtype), do.to(params.out_dtype)
+        if seq is not None and seq.packed:
+            o, do = _thd_layout(o), _thd_layout(do)
+            do_row, do_col = quantize_mxfp8(do, axis=-1), quantize_mxfp8(do, axis=-2, segments=seq.cu_seqlens_q)
+        else:
+            o, do = _graph_layout(o), _graph_layout(do)
+            if seq is not None:
+                do = _graph_layout(_zero_padding(do, seq, "q"))
+            do_row, do_col = quantize_mxfp8(do, axis=-1), quantize_mxfp8(do, axis=-2)
         dq, dk, dv, *_ = cudnn_backward(saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row, o, do,
                                         do_row, do_col, stats, attn_scale=params.softmax_scale, mask=params.mask,
-                                        deterministic=params.deterministic)
+                                        deterministic=params.deterministic, seq=seq)
         return dq, dk, dv
