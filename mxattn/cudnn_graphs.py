@@ -22,6 +22,7 @@ Scale-factor layout (E8M0, `F8_128x4` reordering), as the cuDNN MXFP8 graph cons
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections import OrderedDict
@@ -71,6 +72,8 @@ class FwdUid(IntEnum):
     RAGGED_V = 14
     RAGGED_O = 15
     RAGGED_STATS = 16
+    # attention sink (GraphConfig.sink): fp32 [1, h_q, 1, 1] logits
+    SINK = 17
 
 
 class BwdUid(IntEnum):
@@ -107,12 +110,17 @@ class BwdUid(IntEnum):
     RAGGED_V = 128
     RAGGED_O = 129
     RAGGED_STATS = 130
+    # attention sink: SINK (GraphConfig.sink) input, DSINK (GraphConfig.dsink) output, both fp32 [1, h_q, 1, 1]
+    SINK = 131
+    DSINK = 132
 
 
 #: the uids that exist only in variable-length graphs
 VARLEN_UIDS = {"padded": ("SEQ_LEN_Q", "SEQ_LEN_KV"),
                "packed": ("SEQ_LEN_Q", "SEQ_LEN_KV", "RAGGED_Q", "RAGGED_K", "RAGGED_V", "RAGGED_O", "RAGGED_STATS")}
 VARLEN_KINDS = tuple(VARLEN_UIDS)
+#: TE's softmax_type values and the sink facts of their graphs: (sink_token input, dSink_token output)
+SOFTMAX_TYPES = {"vanilla": (False, False), "off-by-one": (True, False), "learnable": (True, True)}
 
 
 def _ceil(a: int, b: int) -> int:
@@ -212,6 +220,12 @@ class GraphConfig:
     Shapes are of the [B, H, S, D] views: Q [b, h_q, s_q, d_qk], K [b, h_k, s_kv, d_qk], V [b, h_v, s_kv, d_v],
     O/dO [b, h_q, s_q, d_v]. Layout is carried as strides of those views (q_stride also serves Q_T and dQ,
     k_stride K_T and dK, v_stride dV; do_stride the BF16/FP16 dO and its FP8 copies, backward only).
+
+    Attention sink (TE's softmax_type, spec section 11): `sink` adds cuDNN's `sink_token` input (fp32
+    [1, h_q, 1, 1] logits in the scaled-score space, one per query head) to the forward and backward graphs;
+    `dsink` (backward only, needs `sink`) adds the `dSink_token` output (fp32 [1, h_q, 1, 1], summed over batch
+    and query rows). "off-by-one" is sink=True, dsink=False; "learnable" sink=True, dsink=True (`for_softmax`).
+    A forward graph ignores `dsink`: callers keep it False there so forward configs do not split on it.
     """
 
     b: int
@@ -233,6 +247,8 @@ class GraphConfig:
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     deterministic: bool = True
     varlen: Optional[str] = None
+    sink: bool = False
+    dsink: bool = False
 
     def __post_init__(self):
         for name in ("b", "h_q", "h_k", "h_v", "s_q", "s_kv", "d_qk", "d_v"):
@@ -257,6 +273,11 @@ class GraphConfig:
             raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.fp8_dtype}")
         if self.varlen not in (None,) + VARLEN_KINDS:
             raise ValueError(f"varlen must be None, 'padded' or 'packed', got {self.varlen!r}")
+        for name in ("sink", "dsink"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.dsink and not self.sink:
+            raise ValueError("dsink (the dSink_token output) needs sink (the sink_token input)")
         if self.packed_layout:
             for name, shape in (("q_stride", self.q_shape), ("k_stride", self.k_shape), ("v_stride", self.v_shape),
                                 ("o_stride", self.o_shape), ("do_stride", self.o_shape)):
@@ -295,6 +316,14 @@ class GraphConfig:
                    v_stride=thd_stride((b, h_kv, max_s_kv, d_v)), o_stride=o_stride, do_stride=o_stride,
                    mask=mask or MaskSpec(), out_dtype=out_dtype, fp8_dtype=fp8_dtype, deterministic=deterministic,
                    varlen="packed")
+
+    def for_softmax(self, softmax_type: str, kind: str = "backward") -> "GraphConfig":
+        """This config with the sink facts of TE's `softmax_type` ("vanilla", "off-by-one", "learnable") for a
+        `kind` ("forward"/"backward") graph (a forward graph never has dsink)."""
+        if softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"softmax_type must be one of {tuple(SOFTMAX_TYPES)}, got {softmax_type!r}")
+        sink, dsink = SOFTMAX_TYPES[softmax_type]
+        return dataclasses.replace(self, sink=sink, dsink=dsink and kind == "backward")
 
     # --- variable lengths -----------------------------------------------------------------------------------------
     @property
@@ -346,11 +375,23 @@ class GraphConfig:
         return (f"b={self.b} h_q={self.h_q} h_k={self.h_k} h_v={self.h_v} s_q={self.s_q} s_kv={self.s_kv} "
                 f"d_qk={self.d_qk} d_v={self.d_v} layout={layout_name(self.q_stride)} mask=[{mask}] "
                 f"out={str(self.out_dtype).replace('torch.', '')} fp8={str(self.fp8_dtype).replace('torch.', '')}"
-                f" deterministic={self.deterministic}" + (f" varlen={self.varlen}" if self.varlen else ""))
+                f" deterministic={self.deterministic}" + (f" varlen={self.varlen}" if self.varlen else "")
+                + (" sink" + ("+dsink" if self.dsink else "") if self.sink else ""))
+
+    @property
+    def sink_shape(self) -> Shape:
+        return (1, self.h_q, 1, 1)
 
     @property
     def stats_stride(self) -> Stride:
         return thd_stats_stride(self.stats_shape) if self.packed_layout else row_major(self.stats_shape)
+
+    def _sink_specs(self, uids, kind: str) -> dict:
+        spec = (self.sink_shape, row_major(self.sink_shape), torch.float32)
+        out = {uids.SINK: spec} if self.sink else {}
+        if kind == "backward" and self.dsink:
+            out[uids.DSINK] = spec
+        return out
 
     def _varlen_specs(self, uids) -> dict:
         if self.varlen is None:
@@ -378,6 +419,7 @@ class GraphConfig:
             FwdUid.STATS: (self.stats_shape, self.stats_stride, torch.float32),
             FwdUid.AMAX_O: ((1, 1, 1, 1), (1, 1, 1, 1), torch.float32),
             **self._varlen_specs(FwdUid),
+            **self._sink_specs(FwdUid, "forward"),
         })
 
     @cached_property
@@ -407,6 +449,7 @@ class GraphConfig:
         for uid in (BwdUid.AMAX_DQ, BwdUid.AMAX_DK, BwdUid.AMAX_DV):
             specs[uid] = ((1, 1, 1, 1), (1, 1, 1, 1), torch.float32)
         specs.update(self._varlen_specs(BwdUid))
+        specs.update(self._sink_specs(BwdUid, "backward"))
         return _plain_keys(dict(sorted(specs.items())))
 
 
@@ -474,6 +517,19 @@ def _declare_outputs(graph_outputs, specs, uids):
         tensor.set_data_type(_CUDNN_TYPES[dtype])
 
 
+def _declare_sink(graph, cfg: GraphConfig, specs, uids, kind: str) -> dict:
+    """The sink_token (and, backward with cfg.dsink, dSink_token) keyword arguments of the sdpa node: fp32
+    [1, h_q, 1, 1] tensors with uids SINK / DSINK (dSink_token is an output port cuDNN writes)."""
+    out = {}
+    if cfg.sink:
+        out["sink_token"] = _declare_inputs(graph, specs, (uids.SINK,))[uids.SINK]
+    if kind == "backward" and cfg.dsink:
+        shape, stride, dtype = specs[int(uids.DSINK)]
+        out["dSink_token"] = graph.tensor(dim=list(shape), stride=list(stride), data_type=_CUDNN_TYPES[dtype],
+                                          uid=int(uids.DSINK), name=uids.DSINK.name)
+    return out
+
+
 def _finish(graph, cfg: GraphConfig, what: str):
     try:
         graph.validate()
@@ -489,6 +545,8 @@ def build_forward_graph(cfg: GraphConfig, handle=None, *, sm_version: int = 100)
 
     Inputs Q, K, V (FP8, uids FwdUid.Q/K/V) and SF_Q, SF_K (row-wise) / SF_V (column-wise) E8M0 F8_128x4 scales;
     outputs O [b,h_q,s_q,d_v] (out_dtype), Stats [b,h_q,s_q,1] FP32 (log-sum-exp) and Amax_O [1,1,1,1] FP32.
+    With cfg.sink, input SINK fp32 [1,h_q,1,1] (cuDNN's sink_token: one logit per query head in every row's
+    softmax; it enters Stats, not O).
     `handle`: the cudnn.Handle to plan and run with; None builds a deviceless graph whose lowering targets
     `sm_version` (for inspection and validation without a GPU; it cannot be planned).
     Raises MXFP8NotSupportedError with cuDNN's reason if cuDNN rejects the graph.
@@ -505,7 +563,8 @@ def build_forward_graph(cfg: GraphConfig, handle=None, *, sm_version: int = 100)
         attn_scale=cfg.attn_scale, generate_stats=True,
         diagonal_alignment=_ALIGNMENT[mask.diagonal_alignment],
         diagonal_band_left_bound=mask.left_bound, diagonal_band_right_bound=mask.right_bound,
-        name="sdpa_mxfp8", **_varlen_kwargs(cfg, varlen, FwdUid))
+        name="sdpa_mxfp8", **_varlen_kwargs(cfg, varlen, FwdUid), **_declare_sink(graph, cfg, specs, FwdUid,
+                                                                                    "forward"))
     _declare_outputs(outputs, specs, (FwdUid.O, FwdUid.STATS, FwdUid.AMAX_O))
     _set_ragged(dict(zip((FwdUid.O, FwdUid.STATS), outputs)), varlen, FwdUid,
                 {"RAGGED_O": (FwdUid.O,), "RAGGED_STATS": (FwdUid.STATS,)})
@@ -518,6 +577,8 @@ def build_backward_graph(cfg: GraphConfig, handle=None, *, sm_version: int = 100
     Inputs: Q, Q_T, K, K_T, V, dO, dO_T (FP8; *_T are the column-wise quantized copies), O and dO in out_dtype,
     Stats [b,h_q,s_q,1] FP32 from the forward, and the seven E8M0 F8_128x4 scales (SF_Q/SF_K/SF_V/SF_DO row-wise,
     SF_Q_T/SF_K_T/SF_DO_T column-wise). Outputs dQ, dK, dV (out_dtype, strides of Q, K, V) and their FP32 amaxes.
+    With cfg.sink the SINK input fp32 [1,h_q,1,1] (sink_token), and with cfg.dsink the DSINK output (dSink_token,
+    fp32 [1,h_q,1,1]: dL/dsink summed over batch and query rows).
     `handle`/`sm_version` as in build_forward_graph.
     """
     specs = cfg.backward_specs
@@ -539,7 +600,8 @@ def build_backward_graph(cfg: GraphConfig, handle=None, *, sm_version: int = 100
         attn_scale=cfg.attn_scale, use_deterministic_algorithm=cfg.deterministic,
         diagonal_alignment=_ALIGNMENT[mask.diagonal_alignment],
         left_bound=mask.left_bound, right_bound=mask.right_bound,
-        name="sdpa_mxfp8_backward", **_varlen_kwargs(cfg, varlen, BwdUid))
+        name="sdpa_mxfp8_backward", **_varlen_kwargs(cfg, varlen, BwdUid), **_declare_sink(graph, cfg, specs, BwdUid,
+                                                                                              "backward"))
     _declare_outputs(outputs, specs, (BwdUid.DQ, BwdUid.DK, BwdUid.DV, BwdUid.AMAX_DQ, BwdUid.AMAX_DK,
                                       BwdUid.AMAX_DV))
     _set_ragged(dict(zip((BwdUid.DQ, BwdUid.DK, BwdUid.DV), outputs)), varlen, BwdUid,
@@ -728,28 +790,48 @@ def _pack(cfg: GraphConfig, specs, named: Dict[str, torch.Tensor], uids, check: 
     return pack
 
 
-def forward_pack(cfg: GraphConfig, *, q, sf_q, k, sf_k, v, sf_v, o, stats, amax_o, check: bool = True,
+def forward_pack(cfg: GraphConfig, *, q, sf_q, k, sf_k, v, sf_v, o, stats, amax_o, sink=None, check: bool = True,
                  **varlen) -> Dict[int, torch.Tensor]:
     """uid -> tensor for the forward graph. q/k/v: FP8 data; sf_*: F8_128x4 buffers (row_scale_buffer for Q, K;
     col_scale_buffer for V; thd_*_scale_buffer for a packed batch); o, stats, amax_o: output buffers; varlen:
-    the `varlen_tensors` of a variable-length graph (seq_len_q, seq_len_kv, ragged_*). Raises ValueError naming a
+    the `varlen_tensors` of a variable-length graph (seq_len_q, seq_len_kv, ragged_*); sink: fp32 [1, h_q, 1, 1]
+    (`sink_operand`) for a cfg.sink graph. Raises ValueError naming a
     tensor whose shape, strides or dtype differ from the graph's (in a packed graph the token tensors are
     [1, H, T, D] with the graph's strides past the batch axis), or a missing or extra slot. `check=False` skips
     the geometry check: only for callers whose tensors are derived from `cfg` by construction (the cudnn
     backend, where the cache key pins every argument's geometry)."""
-    named = dict(q=q, k=k, v=v, sf_q=sf_q, sf_k=sf_k, sf_v=sf_v, o=o, stats=stats, amax_o=amax_o, **varlen)
+    named = dict(q=q, k=k, v=v, sf_q=sf_q, sf_k=sf_k, sf_v=sf_v, o=o, stats=stats, amax_o=amax_o, sink=sink,
+                 **varlen)
     return _pack(cfg, cfg.forward_specs, named, FwdUid, check)
 
 
 def backward_pack(cfg: GraphConfig, *, q, q_t, k, k_t, v, o, do_f16, do, do_t, stats, sf_q, sf_q_t, sf_k, sf_k_t,
-                  sf_v, sf_do, sf_do_t, dq, dk, dv, amax_dq, amax_dk, amax_dv, check: bool = True, **varlen
-                  ) -> Dict[int, torch.Tensor]:
-    """uid -> tensor for the backward graph (names as the BwdUid members, lower case); `check`, `varlen` as in
-    forward_pack."""
+                  sf_v, sf_do, sf_do_t, dq, dk, dv, amax_dq, amax_dk, amax_dv, sink=None, dsink=None,
+                  check: bool = True, **varlen) -> Dict[int, torch.Tensor]:
+    """uid -> tensor for the backward graph (names as the BwdUid members, lower case); `check`, `varlen`, `sink`
+    as in forward_pack; dsink: the fp32 [1, h_q, 1, 1] output buffer of a cfg.dsink graph."""
     named = dict(q=q, q_t=q_t, k=k, k_t=k_t, v=v, o=o, do_f16=do_f16, do=do, do_t=do_t, stats=stats, sf_q=sf_q,
                  sf_q_t=sf_q_t, sf_k=sf_k, sf_k_t=sf_k_t, sf_v=sf_v, sf_do=sf_do, sf_do_t=sf_do_t, dq=dq, dk=dk,
-                 dv=dv, amax_dq=amax_dq, amax_dk=amax_dk, amax_dv=amax_dv, **varlen)
+                 dv=dv, amax_dq=amax_dq, amax_dk=amax_dk, amax_dv=amax_dv, sink=sink, dsink=dsink, **varlen)
     return _pack(cfg, cfg.backward_specs, named, BwdUid, check)
+
+
+def sink_operand(sink: Optional[torch.Tensor], h_q: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The SINK slot for sink logits `sink` (fp32 [h_q] or [1, h_q, 1, 1], TE's softmax_offset; None: no sink):
+    a [1, h_q, 1, 1] fp32 contiguous tensor on `device` (a view of `sink` when it already is one, detached).
+    TypeError/ValueError naming the problem."""
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"sink must be a torch.Tensor or None, got {type(sink).__name__}")
+    if tuple(sink.shape) not in ((h_q,), (1, h_q, 1, 1)):
+        raise ValueError(f"sink must have one logit per query head, [{h_q}] (or [1, {h_q}, 1, 1]), got "
+                         f"{tuple(sink.shape)}")
+    if not sink.is_floating_point():
+        raise TypeError(f"sink must be a floating-point tensor (fp32 logits), got {sink.dtype}")
+    if sink.device != device:
+        raise ValueError(f"sink is on {sink.device}, expected {device} like q")
+    return sink.detach().to(torch.float32).contiguous().view(1, h_q, 1, 1)
 
 
 def operand(x: MXFP8Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -3,11 +3,14 @@
     python samples/cudnn_graphs.py --batch 2 --heads 8 --kv-heads 2 --seq 1024 --head-dim 128 --mask causal
     python samples/cudnn_graphs.py --head-dim 192 --head-dim-v 128 --layout sbhd --left-bound 256 --json
     python samples/cudnn_graphs.py --varlen packed --seq 700 --mask causal   # thd: ragged offsets, packed scales
+    python samples/cudnn_graphs.py --softmax-type learnable                  # attention sink: SINK in, DSINK out
 
 The graphs are built without a GPU and checked by cuDNN's own validation (targeting SM 10.0); the tables list
 every tensor of the forward and backward graphs (uid, dims, strides, data type, reordering, ragged offset uid).
 `--varlen padded|packed` prints the variable-length graphs (padding mask, per-sequence lengths; packed: --seq is
-the longest sequence, every token tensor is ragged). With a Blackwell GPU
+the longest sequence, every token tensor is ragged). `--softmax-type off-by-one|learnable` adds the attention sink
+(cuDNN's sink_token, fp32 [1, H, 1, 1], to both graphs; learnable: the backward's dSink_token output too). With a
+Blackwell GPU
 and cuDNN >= 9.21 the graphs then run on random inputs and are compared with `ref.mxfp8_ref` on the same
 quantized bytes; elsewhere the script says why they cannot run.
 """
@@ -47,6 +50,8 @@ def parse(argv=None):
     p.add_argument("--non-deterministic", action="store_true", help="ask for the non-deterministic backward")
     p.add_argument("--varlen", choices=("padded", "packed"), default=None,
                    help="variable-length graphs (packed: thd, --seq/--seq-kv are the longest sequences)")
+    p.add_argument("--softmax-type", choices=tuple(cg.SOFTMAX_TYPES), default="vanilla",
+                   help="TE's softmax_type: off-by-one / learnable add the attention sink (learnable: and dSink)")
     p.add_argument("--json", action="store_true", help="print cuDNN's full JSON of both graphs too")
     return p.parse_args(argv)
 
@@ -59,9 +64,11 @@ def config(args) -> cg.GraphConfig:
     sizes = (args.batch, args.heads, args.kv_heads or args.heads, args.seq, args.seq_kv or args.seq, args.head_dim,
              args.head_dim_v)
     if args.varlen == "packed":
-        return cg.GraphConfig.from_packed(*sizes, **kw)
-    cfg = cg.GraphConfig.from_layout(*sizes, layout=args.layout, **kw)
-    return dataclasses.replace(cfg, varlen=args.varlen) if args.varlen else cfg
+        cfg = cg.GraphConfig.from_packed(*sizes, **kw)
+    else:
+        cfg = cg.GraphConfig.from_layout(*sizes, layout=args.layout, **kw)
+        cfg = dataclasses.replace(cfg, varlen=args.varlen) if args.varlen else cfg
+    return cfg.for_softmax(args.softmax_type)  # the forward graph ignores dsink
 
 
 def print_graph(kind: str, cfg: cg.GraphConfig, full_json: bool) -> bool:
@@ -148,8 +155,9 @@ def main(argv=None) -> int:
         return 0
     if not ok_graphs[0]:
         return 0
-    if cfg.varlen:
-        print("\nvariable-length graphs are run against the reference backend by tests/test_cudnn_gpu.py")
+    if cfg.varlen or cfg.sink:
+        print(f"\n{'variable-length' if cfg.varlen else 'attention-sink'} graphs are run against the reference "
+              "backend by tests/test_cudnn_gpu.py")
         return 0
     run_on_blackwell(cfg, args.layout)
     return 0

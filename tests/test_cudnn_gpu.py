@@ -4,9 +4,12 @@
 * Blackwell (`blackwell`, and cuDNN >= 9.21): forward and backward against `ref.mxfp8_ref` on identical quantized
   bytes, for a covering set of the configs of the CPU matrix (every s, head dim, head ratio, mask and layout, and
   every (layout, heads, head dim) triple), at least as tight as the cuDNN frontend's own MXFP8 test (O atol 0.12
-  rtol 0.2; dQ/dK/dV atol 0.08 rtol 0.2) plus a relative-RMS bound; deterministic backward; amax outputs.
+  rtol 0.2; dQ/dK/dV atol 0.08 rtol 0.2) plus a relative-RMS bound; deterministic backward; amax outputs;
+  variable lengths and attention sinks (softmax_type, through `mxattn.mxfp8_attention`) against the reference
+  backend.
 """
 
+import dataclasses
 import gc
 import itertools
 import os
@@ -19,6 +22,7 @@ import torch
 
 cudnn = pytest.importorskip("cudnn")
 
+import mxattn  # noqa: E402
 from mxattn import cudnn_graphs as cg  # noqa: E402
 from mxattn.backends.base import AttentionParams  # noqa: E402
 from mxattn.backends.cudnn_backend import CudnnBackend, cudnn_backward, cudnn_forward  # noqa: E402
@@ -325,3 +329,116 @@ def test_new_lengths_at_the_same_maximum_do_not_rebuild(varlen, monkeypatch):
         CudnnBackend().backward(saved, o, stats.contiguous(), do, params)
     torch.cuda.synchronize()
     assert built == ["forward", "backward"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Blackwell: attention sinks (TE softmax_type "off-by-one" / "learnable") through the public API, cudnn against
+# the reference backend on the same inputs
+# --------------------------------------------------------------------------------------------------------------
+SINK_CASES = [  # (qkv_format, attn_mask_type, window_size, h_q, h_kv, d, lengths_q, lengths_kv)
+    ("bshd", "no_mask", None, 8, 8, 128, None, None),
+    ("bshd", "causal", None, 8, 2, 128, None, None),
+    ("bhsd", "causal_bottom_right", None, 8, 1, 64, None, None),
+    ("sbhd", "no_mask", (128, 0), 8, 2, 128, None, None),
+    ("bshd", "padding_causal", None, 8, 2, 128, [300, 0, 77, 512], [512, 64, 200, 129]),
+    ("thd", "padding_causal", None, 8, 2, 128, [300, 5, 77, 512], [512, 64, 200, 129]),
+    ("thd", "padding", None, 8, 2, 64, [130, 257, 1], [130, 257, 400]),
+]
+DSINK_REL_TOL = 0.03  # |dOffset - ref| <= 3% of max|ref| (a sum over batch and query rows of p_sink * delta)
+
+
+def _sink_case_id(c):
+    return f"{c[0]}-{c[1]}-w{c[2]}-h{c[3]}_{c[4]}-d{c[5]}" + ("-varlen" if c[6] else "")
+
+
+def _sink_inputs(case, gen, s=512, b=2):
+    fmt, mask_type, window, hq, hk, d, lengths_q, lengths_kv = case
+    kw = dict(qkv_format=fmt, attn_mask_type=mask_type, window_size=window)
+    if lengths_q is not None:
+        cu_q = torch.tensor([0] + list(itertools.accumulate(lengths_q)), dtype=torch.int32, device="cuda")
+        cu_kv = torch.tensor([0] + list(itertools.accumulate(lengths_kv)), dtype=torch.int32, device="cuda")
+        kw.update(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+        b = len(lengths_q)
+    if fmt == "thd":
+        shapes = [(sum(lengths_q), hq, d), (sum(lengths_kv), hk, d), (sum(lengths_kv), hk, d),
+                  (sum(lengths_q), hq, d)]
+    else:
+        def shape(h):
+            return {"bshd": (b, s, h, d), "sbhd": (s, b, h, d), "bhsd": (b, h, s, d)}[fmt]
+        shapes = [shape(hq), shape(hk), shape(hk), shape(hq)]
+    q, k, v, do = (torch.randn(sh, generator=gen, device="cuda").to(torch.bfloat16) for sh in shapes)
+    return q, k, v, do, kw
+
+
+def _run_sink(backend, q, k, v, do, kw, softmax_type, offset):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    sink = None if offset is None else offset.detach().clone().requires_grad_(True)
+    extra = dict(softmax_type=softmax_type)
+    if sink is not None:
+        extra["softmax_offset"] = sink
+    o = mxattn.mxfp8_attention(*leaves, backend=backend, **kw, **extra)
+    o.backward(do)
+    return o.detach(), [t.grad for t in leaves], (None if sink is None else sink.grad)
+
+
+@pytest.mark.blackwell
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+@pytest.mark.parametrize("case", SINK_CASES, ids=_sink_case_id)
+def test_cudnn_sinks_match_the_reference_backend(case, softmax_type):
+    ok, reason = _blackwell_ready()
+    if not ok:
+        pytest.skip(reason)
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32((_sink_case_id(case) + softmax_type).encode()))
+    q, k, v, do, kw = _sink_inputs(case, gen)
+    hq = case[3]
+    # logits spread around the scores' range, so the sink takes from nothing to most of a row's mass
+    offset = torch.linspace(-3.0, 4.0, hq, device="cuda") if softmax_type == "learnable" else None
+    o, grads, doffset = _run_sink("cudnn", q, k, v, do, kw, softmax_type, offset)
+    o_ref, grads_ref, doffset_ref = _run_sink("reference", q, k, v, do, kw, softmax_type, offset)
+    assert o.dtype == q.dtype and o.shape == q.shape
+    torch.testing.assert_close(o.float(), o_ref.float(), **O_TOL)
+    assert rel_rms(o, o_ref) < O_REL_RMS
+    for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ref):
+        torch.testing.assert_close(got.float(), want.float(), **GRAD_TOL, msg=lambda m: f"{name}: {m}")
+        assert rel_rms(got, want) < GRAD_REL_RMS, name
+    if softmax_type == "learnable":
+        assert doffset.shape == (hq,) and doffset.dtype == torch.float32 and torch.isfinite(doffset).all()
+        scale = doffset_ref.abs().max().item()
+        assert scale > 0
+        torch.testing.assert_close(doffset, doffset_ref, atol=DSINK_REL_TOL * scale, rtol=0.0)
+    else:
+        assert doffset is None
+    # the sink changes the output (it takes softmax mass): the test is not passing on vanilla attention
+    o_vanilla, _, _ = _run_sink("reference", q, k, v, do, kw, "vanilla", None)
+    assert rel_rms(o_ref, o_vanilla) > 4 * O_REL_RMS
+
+
+@pytest.mark.blackwell
+def test_cudnn_dsink_is_the_gradient_of_its_own_forward():
+    """The backend's dSink (cuDNN's dSink_token) against the generic formula on cuDNN's own O and stats
+    (`base.sink_grad`), and deterministic; the sink enters the stats and not O's support."""
+    ok, reason = _blackwell_ready()
+    if not ok:
+        pytest.skip(reason)
+    from mxattn.backends.base import sink_grad
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    q = _view((2, 8, 384, 128), "bshd", gen, torch.bfloat16)
+    k = _view((2, 2, 384, 128), "bshd", gen, torch.bfloat16)
+    v = _view((2, 2, 384, 128), "bshd", gen, torch.bfloat16)
+    do = _view((2, 8, 384, 128), "bshd", gen, torch.bfloat16)
+    sink = torch.linspace(-2.0, 3.0, 8, device="cuda")
+    backend = CudnnBackend()
+    base = AttentionParams(softmax_scale=128 ** -0.5, mask=MaskSpec(causal=True))
+    params = AttentionParams(softmax_scale=128 ** -0.5, mask=MaskSpec(causal=True), sink=sink,
+                             sink_requires_grad=True)
+    o0, stats0, _ = backend.forward(q, k, v, base)
+    o, stats, saved = backend.forward(q, k, v, params)
+    # stats = logaddexp(stats without sink, sink)
+    torch.testing.assert_close(stats, torch.logaddexp(stats0, sink.view(1, -1, 1, 1)), atol=2e-2, rtol=1e-2)
+    first = backend.backward(saved, o, stats, do, params)
+    second = backend.backward(saved, o, stats, do, params)
+    assert len(first) == 4 and all(torch.equal(a, b) for a, b in zip(first, second))
+    want = sink_grad(o, do, stats, sink)
+    torch.testing.assert_close(first[3], want, atol=DSINK_REL_TOL * want.abs().max().item(), rtol=0.0)
+    off = backend.backward(saved, o, stats, do, dataclasses.replace(params, sink_requires_grad=False))
+    assert len(off) == 3 and all(torch.equal(a, b) for a, b in zip(off, first[:3]))

@@ -30,6 +30,11 @@ class AttentionParams:
     deterministic: bool = True
     #: per-sequence lengths (padded or packed batch); None for a dense batch
     seq: Optional[SeqInfo] = None
+    #: attention-sink logits, fp32 [Hq] on the tensors' device (TE's softmax_offset; zeros for "off-by-one"),
+    #: or None ("vanilla"). The sink joins every row's softmax denominator and adds nothing to O.
+    sink: Optional[torch.Tensor] = None
+    #: True when the caller needs the gradient of `sink` (softmax_type "learnable")
+    sink_requires_grad: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,21 @@ class Problem:
     varlen: Optional[str] = None
     needs_backward: bool = False
     out_dtype: torch.dtype = torch.bfloat16
+    #: "vanilla", "off-by-one" or "learnable" (TE's softmax_type)
+    softmax_type: str = "vanilla"
+
+
+def sink_grad(o: torch.Tensor, do: torch.Tensor, stats: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """dSink [Hq] fp32 from o, do [B,Hq,S,D] and stats [B,Hq,S,1] (log-sum-exp including the sink).
+
+    The sink's probability in row i is P_sink = exp(sink - stats_i) and dL/dsink = -sum_i P_sink * delta_i with
+    delta_i = rowsum(O_i * dO_i) (fp32), summed over batch and rows. Rows without a softmax (padding: stats
+    -inf) contribute nothing."""
+    lse = stats.squeeze(-1)
+    delta = (o.float() * do.float()).sum(dim=-1)
+    p_sink = torch.exp(sink.view(1, -1, 1) - lse)
+    contrib = torch.where(torch.isfinite(lse), p_sink * delta, torch.zeros((), device=lse.device))
+    return -contrib.sum(dim=(0, 2))
 
 
 @dataclass
@@ -120,6 +140,7 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def backward(self, saved: SavedForBackward, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
-                 params: AttentionParams) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 params: AttentionParams) -> Tuple[torch.Tensor, ...]:
         """o, do [B,Hq,Sq,D] (bf16/fp16), stats [B,Hq,Sq,1] fp32 -> (dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D]) in
-        params.out_dtype."""
+        params.out_dtype, followed by dsink [Hq] fp32 when params.sink_requires_grad (a backend without its own
+        may use `sink_grad`)."""

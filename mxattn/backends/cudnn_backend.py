@@ -5,6 +5,10 @@ Two layers:
     F8_128x4 buffers are made here) and return the outputs with cuDNN's amax side outputs;
   * `CudnnBackend` is the `AttentionBackend` that quantizes (mxattn.formats.quantize_mxfp8) and calls them.
 
+Attention sinks (TE's softmax_type, `AttentionParams.sink`): the graphs get cuDNN's sink_token (fp32
+[1, Hq, 1, 1], a view of the [Hq] logits) and, when the sink's gradient is wanted ("learnable"), the backward's
+dSink_token output, returned as dsink [Hq] fp32 after dq, dk, dv.
+
 Variable lengths (`SeqInfo`): a padded batch runs the dense graph with cuDNN's padding mask and per-sequence
 lengths; a packed (thd) batch runs the ragged graph (token-major tensors with ragged offsets, scales in cuDNN's
 per-sequence-tile layout, `cudnn_graphs`). Graph keys and configs never hold the lengths' values (a packed graph
@@ -30,9 +34,10 @@ import torch
 
 import cudnn
 
-from ..cudnn_graphs import (GRAPH_CACHE, OUT_DTYPES, GraphConfig, PlannedGraph, axis_order, backward_pack,
-                            build_backward_graph, build_forward_graph, dense_stride, forward_pack, graph_json, operand,
-                            planned_graph, row_major, thd_scale_buffer, varlen_tensors)
+from ..cudnn_graphs import (GRAPH_CACHE, OUT_DTYPES, SOFTMAX_TYPES, GraphConfig, PlannedGraph, axis_order,
+                            backward_pack, build_backward_graph, build_forward_graph, dense_stride, forward_pack,
+                            graph_json, operand, planned_graph, row_major, sink_operand, thd_scale_buffer,
+                            varlen_tensors)
 from ..cudnn_support import cudnn_support
 from ..errors import MXFP8NotSupportedError
 from ..formats import MXFP8Tensor, quantize_mxfp8
@@ -221,22 +226,24 @@ def _mask(mask) -> MaskSpec:
     return mask
 
 
-def forward_key(q, k, v, attn_scale, mask: MaskSpec, out_dtype, seq: Optional[SeqInfo] = None) -> tuple:
+def forward_key(q, k, v, attn_scale, mask: MaskSpec, out_dtype, seq: Optional[SeqInfo] = None,
+                sink: bool = False) -> tuple:
     """Cache key of a forward call: every fact of its arguments that its GraphConfig is derived from (for
-    variable lengths the kind and capacity, never the lengths)."""
+    variable lengths the kind and capacity, never the lengths; for a sink only its presence: the sink operand
+    is normalized to fp32 [1, Hq, 1, 1] by `sink_operand` on every call)."""
     packed = seq is not None and seq.packed
     return ("forward", _mx_facts("q", q, packed), _mx_facts("k", k, packed), _mx_facts("v", v, packed), attn_scale,
-            mask, out_dtype, _seq_facts(seq))
+            mask, out_dtype, _seq_facts(seq), bool(sink))
 
 
 def backward_key(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats, attn_scale, mask: MaskSpec,
-                 deterministic, seq: Optional[SeqInfo] = None) -> tuple:
-    """Cache key of a backward call (as forward_key)."""
+                 deterministic, seq: Optional[SeqInfo] = None, sink: bool = False, dsink: bool = False) -> tuple:
+    """Cache key of a backward call (as forward_key; dsink: the sink's gradient is wanted)."""
     p = seq is not None and seq.packed
     return ("backward", _mx_facts("q_row", q_row, p), _mx_facts("q_col", q_col, p), _mx_facts("k_row", k_row, p),
             _mx_facts("k_col", k_col, p), _mx_facts("v_row", v_row, p), _t_facts("o", o, p), _t_facts("do", do, p),
             _mx_facts("do_row", do_row, p), _mx_facts("do_col", do_col, p), _stats_facts(stats, p),
-            attn_scale, mask, bool(deterministic), _seq_facts(seq))
+            attn_scale, mask, bool(deterministic), _seq_facts(seq), bool(sink), bool(dsink))
 
 
 def _token_major(shape) -> Tuple[int, int, int]:
@@ -268,10 +275,16 @@ def _varlen_config(seq: Optional[SeqInfo], b: int) -> dict:
 
 def forward_config(q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, *, attn_scale: float,
                    mask: Optional[MaskSpec] = None, out_dtype: torch.dtype = torch.bfloat16,
-                   seq: Optional[SeqInfo] = None) -> GraphConfig:
+                   seq: Optional[SeqInfo] = None, sink: bool = False) -> GraphConfig:
     """GraphConfig of the forward for row-wise q [B,Hq,Sq,Dqk], k [B,Hk,Skv,Dqk] and column-wise v [B,Hv,Skv,Dv]
     (O gets q's axis order); with `seq` a padded batch, or a packed one ([1, H, T, D] token-major views, v's
-    column blocks segmented at the sequences). Raises TypeError/ValueError naming the bad argument."""
+    column blocks segmented at the sequences); `sink`: the graph takes sink logits. Raises TypeError/ValueError
+    naming the bad argument."""
+    return dataclasses.replace(_forward_config(q, k, v, attn_scale=attn_scale, mask=mask, out_dtype=out_dtype,
+                                               seq=seq), sink=bool(sink))
+
+
+def _forward_config(q, k, v, *, attn_scale, mask, out_dtype, seq) -> GraphConfig:
     seq = _check_seq(seq)
     b, h_q, s_q, d_qk = _check_mx("q", q, 3)
     _, h_k, s_kv, _ = _check_mx("k", k, 3, q.data.dtype)
@@ -314,10 +327,10 @@ def _varlen(cfg: GraphConfig, seq: Optional[SeqInfo], kind: str) -> dict:
 
 
 def forward_buffers(cfg: GraphConfig, q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, check: bool = True,
-                    seq: Optional[SeqInfo] = None):
+                    seq: Optional[SeqInfo] = None, sink: Optional[torch.Tensor] = None):
     """(variant pack, (o, stats, amax_o)) for `cfg` on q's device: fresh outputs, F8_128x4 scale buffers (and
-    the lengths / ragged offsets of `seq`). `check`: verify every slot against the graph (cudnn_forward skips it:
-    its cache key pins the geometry)."""
+    the lengths / ragged offsets of `seq`; the [1, Hq, 1, 1] view of the sink logits `sink`, fp32 [Hq]).
+    `check`: verify every slot against the graph (cudnn_forward skips it: its cache key pins the geometry)."""
     device = q.data.device
     if cfg.packed_layout:
         t = q.data.shape[2]
@@ -329,7 +342,7 @@ def forward_buffers(cfg: GraphConfig, q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Te
     amax_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
     (qd, sf_q), (kd, sf_k), (vd, sf_v) = _scales(cfg, seq, ((q, "q"), (k, "kv"), (v, "kv")))
     pack = forward_pack(cfg, q=qd, sf_q=sf_q, k=kd, sf_k=sf_k, v=vd, sf_v=sf_v, o=o, stats=stats, amax_o=amax_o,
-                        check=check, **_varlen(cfg, seq, "forward"))
+                        sink=sink_operand(sink, cfg.h_q, device), check=check, **_varlen(cfg, seq, "forward"))
     return pack, (o, stats, amax_o)
 
 
@@ -350,7 +363,8 @@ def valid_rows(seq: SeqInfo, which: str, n_rows: int) -> torch.Tensor:
 
 def cudnn_forward(q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, *, attn_scale: float,
                   mask: Optional[MaskSpec] = None, out_dtype: torch.dtype = torch.bfloat16,
-                  seq: Optional[SeqInfo] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  seq: Optional[SeqInfo] = None, sink: Optional[torch.Tensor] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MXFP8 attention forward with cuDNN.
 
     q [B,Hq,Sq,Dqk], k [B,Hk,Skv,Dqk]: quantized along D (row-wise); v [B,Hv,Skv,Dv]: quantized along S
@@ -358,15 +372,20 @@ def cudnn_forward(q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, *, attn_scale:
     stats [B,Hq,Sq,1] fp32 log-sum-exp, amax_o [1,1,1,1] fp32 = max|o|).
     seq: a padded batch (rows past a length: O = 0, stats -inf), or a packed one (q, k, v [1, H, T, D]
     token-major views, v's blocks segmented at cu_seqlens_kv; O [1,Hq,T,Dv] token-major, stats [1,Hq,T,1]).
+    sink: attention-sink logits fp32 [Hq] (TE's softmax_offset; zeros for "off-by-one") or None: one more logit
+    in every row's softmax (scaled-score space), nothing added to O; stats include it.
     Raises MXFP8NotSupportedError (with cuDNN's reason) where cuDNN cannot run it.
     """
     mask, seq = _mask(mask), _check_seq(seq)
-    key = forward_key(q, k, v, attn_scale, mask, out_dtype, seq)
+    if sink is not None and isinstance(q, MXFP8Tensor):
+        sink = sink_operand(sink, q.data.shape[1], q.data.device)
+    key = forward_key(q, k, v, attn_scale, mask, out_dtype, seq, sink is not None)
     device = q.data.device
     plan = planned(key, "forward", device,
-                   lambda: forward_config(q, k, v, attn_scale=attn_scale, mask=mask, out_dtype=out_dtype, seq=seq))
+                   lambda: forward_config(q, k, v, attn_scale=attn_scale, mask=mask, out_dtype=out_dtype, seq=seq,
+                                          sink=sink is not None))
     # plan.cfg: the cached config, with its slot specs computed once; the key pins every argument's geometry
-    pack, outputs = forward_buffers(plan.cfg, q, k, v, check=False, seq=seq)
+    pack, outputs = forward_buffers(plan.cfg, q, k, v, check=False, seq=seq, sink=sink)
     o, stats, amax = outputs
     if plan.cfg.packed_layout and (q.data.shape[2] == 0 or k.data.shape[2] == 0):  # nothing for cuDNN to do
         o.zero_(), stats.fill_(float("-inf")), amax.zero_()
@@ -395,9 +414,17 @@ def _stats_view(stats: torch.Tensor, shape, packed: bool = False) -> torch.Tenso
 def backward_config(q_row: MXFP8Tensor, q_col: MXFP8Tensor, k_row: MXFP8Tensor, k_col: MXFP8Tensor,
                     v_row: MXFP8Tensor, o: torch.Tensor, do: torch.Tensor, do_row: MXFP8Tensor,
                     do_col: MXFP8Tensor, stats: torch.Tensor, *, attn_scale: float, mask: Optional[MaskSpec] = None,
-                    deterministic: bool = True, seq: Optional[SeqInfo] = None) -> GraphConfig:
-    """GraphConfig of the backward (arguments as cudnn_backward). Raises TypeError/ValueError naming the bad
-    argument."""
+                    deterministic: bool = True, seq: Optional[SeqInfo] = None, sink: bool = False,
+                    dsink: bool = False) -> GraphConfig:
+    """GraphConfig of the backward (arguments as cudnn_backward; sink: the graph takes sink logits, dsink: and
+    writes their gradient). Raises TypeError/ValueError naming the bad argument."""
+    cfg = _backward_config(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats, attn_scale=attn_scale,
+                           mask=mask, deterministic=deterministic, seq=seq)
+    return dataclasses.replace(cfg, sink=bool(sink), dsink=bool(dsink))
+
+
+def _backward_config(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats, *, attn_scale, mask,
+                     deterministic, seq) -> GraphConfig:
     seq = _check_seq(seq)
     q_shape = _check_mx("q_row", q_row, 3)
     f8 = q_row.data.dtype
@@ -444,9 +471,13 @@ def backward_config(q_row: MXFP8Tensor, q_col: MXFP8Tensor, k_row: MXFP8Tensor, 
 
 
 def backward_buffers(cfg: GraphConfig, q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats,
-                     check: bool = True, seq: Optional[SeqInfo] = None):
-    """(variant pack, (dq, dk, dv, amax_dq, amax_dk, amax_dv)) for `cfg` on q_row's device; `check`, `seq` as in
-    forward_buffers."""
+                     check: bool = True, seq: Optional[SeqInfo] = None, sink: Optional[torch.Tensor] = None):
+    """(variant pack, (dq, dk, dv, amax_dq, amax_dk, amax_dv[, dsink])) for `cfg` on q_row's device; `check`,
+    `seq`, `sink` as in forward_buffers; dsink: a zeroed fp32 [1, Hq, 1, 1] buffer for a cfg.dsink graph.
+
+    With a sink, the rows whose stats are -inf (mxattn's rows without a result: padding, queries without keys)
+    reach cuDNN as +inf: every probability of such a row, the sink's included, is then exp(-inf) = 0, so they add
+    nothing to dQ/dK/dV/dSink (with -inf the sink's would be exp(+inf) times a zero delta)."""
     device = q_row.data.device
     if cfg.packed_layout:
         t_q, t_kv = q_row.data.shape[2], k_row.data.shape[2]
@@ -459,22 +490,29 @@ def backward_buffers(cfg: GraphConfig, q_row, q_col, k_row, k_col, v_row, o, do,
                  for shape, stride in ((cfg.q_shape, cfg.q_stride), (cfg.k_shape, cfg.k_stride),
                                        (cfg.v_shape, cfg.v_stride))]
         stats = _stats_view(stats, cfg.stats_shape)
+    if cfg.sink:
+        stats = stats.clone()  # keeps the strides (dense)
+        stats.masked_fill_(stats == float("-inf"), float("inf"))
     amaxes = [torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device) for _ in range(3)]
+    if cfg.dsink:
+        amaxes.append(torch.zeros(cfg.sink_shape, dtype=torch.float32, device=device))
     (qd, sf_q), (qtd, sf_qt), (kd, sf_k), (ktd, sf_kt), (vd, sf_v), (dod, sf_do), (dotd, sf_dot) = _scales(
         cfg, seq, ((q_row, "q"), (q_col, "q"), (k_row, "kv"), (k_col, "kv"), (v_row, "kv"), (do_row, "q"),
                    (do_col, "q")))
     pack = backward_pack(cfg, q=qd, q_t=qtd, k=kd, k_t=ktd, v=vd, o=o, do_f16=do, do=dod, do_t=dotd,
                          stats=stats, sf_q=sf_q, sf_q_t=sf_qt, sf_k=sf_k,
                          sf_k_t=sf_kt, sf_v=sf_v, sf_do=sf_do, sf_do_t=sf_dot, dq=grads[0], dk=grads[1],
-                         dv=grads[2], amax_dq=amaxes[0], amax_dk=amaxes[1], amax_dv=amaxes[2], check=check,
-                         **_varlen(cfg, seq, "backward"))
+                         dv=grads[2], amax_dq=amaxes[0], amax_dk=amaxes[1], amax_dv=amaxes[2],
+                         sink=sink_operand(sink, cfg.h_q, device), dsink=amaxes[3] if cfg.dsink else None,
+                         check=check, **_varlen(cfg, seq, "backward"))
     return pack, (*grads, *amaxes)
 
 
 def cudnn_backward(q_row: MXFP8Tensor, q_col: MXFP8Tensor, k_row: MXFP8Tensor, k_col: MXFP8Tensor,
                    v_row: MXFP8Tensor, o: torch.Tensor, do: torch.Tensor, do_row: MXFP8Tensor,
                    do_col: MXFP8Tensor, stats: torch.Tensor, *, attn_scale: float, mask: Optional[MaskSpec] = None,
-                   deterministic: bool = True, seq: Optional[SeqInfo] = None) -> Tuple[torch.Tensor, ...]:
+                   deterministic: bool = True, seq: Optional[SeqInfo] = None, sink: Optional[torch.Tensor] = None,
+                   sink_requires_grad: bool = False) -> Tuple[torch.Tensor, ...]:
     """MXFP8 attention backward with cuDNN.
 
     q_row/q_col [B,Hq,Sq,Dqk], k_row/k_col [B,Hk,Skv,Dqk], v_row [B,Hv,Skv,Dv], do_row/do_col [B,Hq,Sq,Dv]: the
@@ -482,17 +520,26 @@ def cudnn_backward(q_row: MXFP8Tensor, q_col: MXFP8Tensor, k_row: MXFP8Tensor, k
     [B,Hq,Sq,Dv] bf16/fp16 of one dtype (dQ/dK/dV get it; do with do_row's strides); stats [B,Hq,Sq,1] fp32
     from the forward. Returns (dq, dk, dv, amax_dq, amax_dk, amax_dv): gradients in o's dtype with the strides of
     q, k, v; amaxes [1,1,1,1] fp32. seq as in cudnn_forward (packed: [1, H, T, D] token-major views, column-wise
-    copies segmented; gradients token-major; rows without a result get zero gradients). Raises
-    MXFP8NotSupportedError (with cuDNN's reason) where cuDNN cannot run it.
+    copies segmented; gradients token-major; rows without a result get zero gradients). sink: the forward's sink
+    logits fp32 [Hq] (or None); with sink_requires_grad the outputs end with dsink [Hq] fp32 (dL/dsink summed over
+    batch and query rows, cuDNN's dSink_token). Raises MXFP8NotSupportedError (with cuDNN's reason) where cuDNN
+    cannot run it.
     """
     args = (q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats)
     mask, seq = _mask(mask), _check_seq(seq)
-    key = backward_key(*args, attn_scale, mask, deterministic, seq)
+    if sink_requires_grad and sink is None:
+        raise ValueError("sink_requires_grad needs the sink logits (sink=None)")
+    if sink is not None and isinstance(q_row, MXFP8Tensor):
+        sink = sink_operand(sink, q_row.data.shape[1], q_row.data.device)
+    has_sink, dsink = sink is not None, bool(sink_requires_grad)
+    key = backward_key(*args, attn_scale, mask, deterministic, seq, has_sink, dsink)
     device = q_row.data.device
     plan = planned(key, "backward", device,
                    lambda: backward_config(*args, attn_scale=attn_scale, mask=mask, deterministic=deterministic,
-                                           seq=seq))
-    pack, outputs = backward_buffers(plan.cfg, *args, check=False, seq=seq)
+                                           seq=seq, sink=has_sink, dsink=dsink))
+    pack, outputs = backward_buffers(plan.cfg, *args, check=False, seq=seq, sink=sink)
+    if dsink:
+        outputs = (*outputs[:6], outputs[6].view(-1))
     if plan.cfg.packed_layout and (q_row.data.shape[2] == 0 or k_row.data.shape[2] == 0):
         for t in outputs:
             t.zero_()
@@ -507,16 +554,33 @@ def cudnn_backward(q_row: MXFP8Tensor, q_col: MXFP8Tensor, k_row: MXFP8Tensor, k
 # ---------------------------------------------------------------------------------------------------------------
 # deciding up front (CudnnBackend.supports)
 # ---------------------------------------------------------------------------------------------------------------
+#: first cuDNN that runs the backward of a ragged (packed) graph with a sink_token (cuDNN frontend 1.32's rule)
+SINK_PACKED_BACKWARD_VERSION = 92600
+
+
 def known_refusal(problem: Problem) -> Optional[str]:
     """Why cuDNN will refuse `problem`, decided from the Problem alone (no cuDNN call), or None.
 
     cuDNN 9.28's rules (its C++ validation): a left-bounded band needs s_q <= s_kv unless the batch has
     per-sequence lengths; the backward with a bottom-right band that has a right bound needs s_q <= s_kv and both
-    multiples of 64; the forward's bottom-right band needs s_q <= s_kv unless the batch has per-sequence lengths. For a packed batch s_q / s_kv are the graph's capacities (`packed_capacity`: multiples
-    of 128), so only s_q <= s_kv can fail there."""
+    multiples of 64; the forward's bottom-right band needs s_q <= s_kv unless the batch has per-sequence lengths.
+    For a packed batch s_q / s_kv are the graph's capacities (`packed_capacity`: multiples of 128), so only
+    s_q <= s_kv can fail there.
+
+    Attention sinks (softmax_type "off-by-one"/"learnable"): cuDNN 9.28's validation accepts sink_token (and
+    dSink_token) on every dense, padded and packed MXFP8 graph it accepts without one, so a sink adds no rule there;
+    its frontend refuses the packed (ragged) backward with a sink below cuDNN 9.26 (an out-of-bounds read in its
+    dO.O pre-pass), which is checked here against the loaded cuDNN."""
     m = problem.mask
     if problem.out_dtype not in OUT_DTYPES:
         return f"cuDNN writes O in bfloat16 or float16, not {problem.out_dtype}"
+    softmax_type = getattr(problem, "softmax_type", "vanilla")
+    if softmax_type not in SOFTMAX_TYPES:
+        return f"cuDNN has no softmax_type {softmax_type!r} (it runs {', '.join(SOFTMAX_TYPES)})"
+    if (softmax_type != "vanilla" and problem.varlen == "packed" and problem.needs_backward
+            and cudnn.backend_version() < SINK_PACKED_BACKWARD_VERSION):
+        return (f"cuDNN {cudnn.backend_version()} cannot run the packed (thd) backward with an attention sink "
+                f"(softmax_type {softmax_type!r}): it needs cuDNN >= 9.26.0")
     s_q, s_kv = problem.seqlen_q, problem.seqlen_kv
     if problem.varlen == "packed":
         s_q, s_kv = packed_capacity(s_q), packed_capacity(s_kv)
@@ -535,17 +599,19 @@ def known_refusal(problem: Problem) -> Optional[str]:
 
 def problem_config(problem: Problem, kind: str = "forward") -> GraphConfig:
     """The graph config the backend will build for `problem` (bshd inputs, e4m3; packed: thd), for planning up
-    front. The layout of the real call may differ; it does not change what cuDNN supports."""
+    front. The layout of the real call may differ; it does not change what cuDNN supports. The sink facts follow
+    problem.softmax_type (the forward never has dsink)."""
     p = problem
     kw = dict(attn_scale=p.head_dim ** -0.5, mask=p.mask, out_dtype=p.out_dtype)
     if p.varlen == "packed":
-        return GraphConfig.from_packed(p.batch, p.heads_q, p.heads_kv, packed_capacity(p.seqlen_q),
-                                       packed_capacity(p.seqlen_kv), p.head_dim, **kw)
-    cfg = GraphConfig.from_layout(p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim,
-                                  layout="bshd", **kw)
-    if p.varlen == "padded":
-        cfg = dataclasses.replace(cfg, varlen="padded")
-    return cfg
+        cfg = GraphConfig.from_packed(p.batch, p.heads_q, p.heads_kv, packed_capacity(p.seqlen_q),
+                                      packed_capacity(p.seqlen_kv), p.head_dim, **kw)
+    else:
+        cfg = GraphConfig.from_layout(p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim,
+                                      layout="bshd", **kw)
+        if p.varlen == "padded":
+            cfg = dataclasses.replace(cfg, varlen="padded")
+    return cfg.for_softmax(getattr(p, "softmax_type", "vanilla"), kind)
 
 
 def check_problem(problem: Problem, handle=None, device_index: int = 0, sm_version: int = 100
@@ -662,7 +728,7 @@ class CudnnBackend(AttentionBackend):
             q_row, k_row, v_col = quantize_mxfp8(q, axis=-1), quantize_mxfp8(k, axis=-1), quantize_mxfp8(v, axis=-2)
             q_col, k_col = quantize_mxfp8(q, axis=-2), quantize_mxfp8(k, axis=-2)
         o, stats, _ = cudnn_forward(q_row, k_row, v_col, attn_scale=params.softmax_scale, mask=params.mask,
-                                    out_dtype=params.out_dtype, seq=seq)
+                                    out_dtype=params.out_dtype, seq=seq, sink=params.sink)
         saved = SavedForBackward(q_row=q_row, q_col=q_col, k_row=k_row, k_col=k_col,
                                  v_row=quantize_mxfp8(v, axis=-1))
         return o, stats, saved
@@ -679,7 +745,10 @@ class CudnnBackend(AttentionBackend):
             if seq is not None:
                 do = _graph_layout(_zero_padding(do, seq, "q"))
             do_row, do_col = quantize_mxfp8(do, axis=-1), quantize_mxfp8(do, axis=-2)
-        dq, dk, dv, *_ = cudnn_backward(saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row, o, do,
-                                        do_row, do_col, stats, attn_scale=params.softmax_scale, mask=params.mask,
-                                        deterministic=params.deterministic, seq=seq)
-        return dq, dk, dv
+        out = cudnn_backward(saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row, o, do, do_row, do_col,
+                             stats, attn_scale=params.softmax_scale, mask=params.mask,
+                             deterministic=params.deterministic, seq=seq, sink=params.sink,
+                             sink_requires_grad=params.sink_requires_grad)
+        if params.sink_requires_grad:
+            return out[0], out[1], out[2], out[6]
+        return out[0], out[1], out[2]
