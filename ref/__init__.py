@@ -9,8 +9,10 @@ from .mxfp8_ref import (
     quantize,
     sdpa_bwd,
     sdpa_bwd_quantized,
+    sdpa_bwd_varlen,
     sdpa_fwd,
     sdpa_fwd_quantized,
+    sdpa_fwd_varlen,
 )
 
 __all__ = [
@@ -21,4 +23,6 @@ __all__ = [
     "sdpa_bwd",
     "sdpa_fwd_quantized",
     "sdpa_bwd_quantized",
+    "sdpa_fwd_varlen",
+    "sdpa_bwd_varlen",
 ]

@@ -1,9 +1,21 @@
-"""Reference emulator of cuDNN's MXFP8 scaled-dot-product attention numerics (CPU, torch only).
+"""Reference emulator of cuDNN's MXFP8 scaled-dot-product attention numerics (torch only, any device).
 
 This module is the project's yardstick: it is written from the spec
-(shared/spec/MXFP8_ATTENTION.md sections 1-2, 6, 7), never imports ``mxattn``,
+(shared/spec/MXFP8_ATTENTION.md sections 1-2, 6, 7, 10), never imports ``mxattn``,
 and favours clarity over speed (vectorised torch, Python loops only over
-128-wide KV blocks and over memory chunks of heads / query rows).
+128-wide KV blocks, over memory chunks of heads / query rows and over the
+sequences of a variable-length batch).
+
+Devices
+-------
+Every tensor the functions make lives on their inputs' device (all tensor
+arguments of one call must share it; a mismatch raises ValueError naming the
+argument; cu_seqlens may live anywhere). The results are the same bits on CPU
+and CUDA: quantization, masks, divisions and casts are exact or correctly
+rounded IEEE operations on both, and the matrix products, sums, exp, exp2 and
+log of the attention cores are taken in FP64 and rounded once to FP32 (see
+"device-independent math" below), which also makes them independent of the
+summation order. Checked bit for bit on an H100 (tests marked ``gpu``).
 
 Quantization (spec section 2, "round-up" / RCEIL scale)
 -------------------------------------------------------
@@ -64,6 +76,12 @@ form 2^(S_raw * attn_scale * log2 e - stats * log2 e)); delta = rowsum(O * dO)
 in FP32 from the high-precision O and dO; dS is MXFP8-quantized along s_kv
 (for dQ) and along s_q (for dK); GQA dK/dV are summed over the group in FP32.
 
+Variable lengths (spec section 10): ``sdpa_fwd_varlen`` / ``sdpa_bwd_varlen``
+take packed "thd" tensors or padded "bhsd_padded" ones with ``cu_seqlens_q`` /
+``cu_seqlens_kv`` and run the dense functions on each sequence alone, so MXFP8
+blocks restart at each sequence, masks use each sequence's own lengths, and
+padding never reaches a result (see that section below).
+
 Identity switch ``quantize_inputs=False``: every quantization (Q, K, V, P,
 dO, dS) is the identity; the math runs in float64 when all inputs are float64
 (stats are then float64 too), else in float32.
@@ -89,7 +107,7 @@ BLOCK_SIZE = 32
 E4M3_MAX = 448.0
 KV_BLOCK = 128
 # Upper bound on the elements of one [rows, s_kv] score slab in the backward
-# (several such slabs are alive at once): 2^24 fp32 = 64 MiB each.
+# (several such slabs are alive at once): 2^24 fp32 = 64 MiB each, FP64 temporaries twice that.
 CHUNK_ELEMS = 1 << 24
 _LOG2E = math.log2(math.e)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -127,12 +145,23 @@ def _check_p_scale(p_scale) -> float:
     return float(p_scale)
 
 
+def _check_device(t: torch.Tensor, name: str, device: torch.device, like: str) -> None:
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {like}'s device {device}, got one on {t.device}")
+
+
+def _check_rescale_threshold(rescale_threshold) -> None:
+    if rescale_threshold is not None and not (isinstance(rescale_threshold, (int, float)) and rescale_threshold >= 0):
+        raise ValueError(f"rescale_threshold: expected None or a number >= 0, got {rescale_threshold!r}")
+
+
 def _check_shapes(q, k, v, names=("q", "k", "v")) -> Tuple[int, int, int, int, int, int, int]:
-    """Shapes of q [B,Hq,Sq,D], k [B,Hkv,Skv,D], v [B,Hkv,Skv,Dv]; returns (B,Hq,Hkv,Sq,Skv,D,Dv)."""
+    """Shapes (and one device) of q [B,Hq,Sq,D], k [B,Hkv,Skv,D], v [B,Hkv,Skv,Dv]; returns (B,Hq,Hkv,Sq,Skv,D,Dv)."""
     nq, nk, nv = names
     for t, n in ((q, nq), (k, nk), (v, nv)):
         if t.dim() != 4:
             raise ValueError(f"{n}: expected a 4-D [B, H, S, D] tensor, got shape {tuple(t.shape)}")
+        _check_device(t, n, q.device, nq)
     B, Hq, Sq, D = q.shape
     Bk, Hkv, Skv, Dk = k.shape
     if Bk != B or Dk != D:
@@ -158,8 +187,17 @@ def _attn_scale(attn_scale, d: int) -> float:
 
 
 def _exp2_f32(k: torch.Tensor) -> torch.Tensor:
-    """Exact FP32 2^k for integer k in [-149, 127] (via float64)."""
-    return torch.exp2(k.to(torch.float64)).to(torch.float32)
+    """Exact FP32 2^k for an integer tensor k, on k's device.
+
+    Built from the IEEE bit pattern (no exp2 call, so every device gives the same bits):
+    normal for -126 <= k <= 127, subnormal for -149 <= k <= -127, 0 below -149, +inf above 127.
+    """
+    k = k.to(torch.int32)
+    normal = ((k.clamp(-126, 127) + 127) << 23).view(torch.float32)
+    subnormal = (torch.ones_like(k) << (k.clamp(-149, -127) + 149)).view(torch.float32)
+    out = torch.where(k >= -126, normal, subnormal)
+    out = torch.where(k < -149, 0.0, out)
+    return torch.where(k > 127, float("inf"), out)
 
 
 def _scale_exponent(amax: torch.Tensor) -> torch.Tensor:
@@ -240,6 +278,40 @@ def _quant_p(p: torch.Tensor, p_scale: float) -> torch.Tensor:
     return (p * p_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).to(p.dtype) / p_scale
 
 
+# --------------------------------------------------------------------------- device-independent math
+#
+# torch's float32 exp / exp2 / log, its sums and its matrix products are not the same bits on CPU and
+# CUDA (measured on an H100, torch 2.11 against torch 2.13 CPU: float32 exp differed in 30% of elements,
+# log in 7%, 128-wide row sums in 20% of rows; products contracting over 64-300 elements agreed, but dQ
+# contracting over 1000 keys differed in 3 of 358400 elements: cuBLAS and the CPU BLAS add in different
+# orders). So the attention cores take all of these through float64 and round once to the working dtype:
+# products of FP32 (dequantized MXFP8) values are exact in FP64, FP64 sums barely depend on the order and
+# FP64 exp/log are within an FP64 ulp on both devices, so the rounded results agree except when a value
+# lies within ~2^-29 of an FP32 rounding boundary (never seen). The result is then also (nearly always)
+# the correctly rounded FP32 value, independent of any kernel's summation order. In the float64 identity
+# mode these are plain float64 ops (not bit-identical across devices; that mode is an oracle).
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x.double()).to(x.dtype)
+
+
+def _exp2(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(x.double()).to(x.dtype)
+
+
+def _log(x: torch.Tensor) -> torch.Tensor:
+    return torch.log(x.double()).to(x.dtype)
+
+
+def _sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    return x.double().sum(dim=dim, keepdim=keepdim).to(x.dtype)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(a.double(), b.double()).to(a.dtype)
+
+
 # --------------------------------------------------------------------------- masks
 
 
@@ -275,12 +347,13 @@ def _resolve_mask(causal, diagonal_alignment, window, s_q: int, s_kv: int) -> Op
     return _Mask(offset, left, right)
 
 
-def _keep(mask: Optional[_Mask], r0: int, r1: int, c0: int, c1: int) -> Optional[torch.Tensor]:
-    """Bool [r1-r0, c1-c0]: True where query row i keeps key column j; None when no mask."""
+def _keep(mask: Optional[_Mask], r0: int, r1: int, c0: int, c1: int,
+          device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
+    """Bool [r1-r0, c1-c0] on ``device``: True where query row i keeps key column j; None when no mask."""
     if mask is None:
         return None
-    rel = torch.arange(c0, c1).view(1, -1) - torch.arange(r0, r1).view(-1, 1)
-    keep = torch.ones(r1 - r0, c1 - c0, dtype=torch.bool)
+    rel = torch.arange(c0, c1, device=device).view(1, -1) - torch.arange(r0, r1, device=device).view(-1, 1)
+    keep = torch.ones(r1 - r0, c1 - c0, dtype=torch.bool, device=device)
     if mask.right is not None:
         keep &= rel <= mask.offset + mask.right
     if mask.left is not None:
@@ -312,19 +385,20 @@ def _fwd_core(qd, kd, vd, *, scale, mask, quant_p, p_scale, rescale_threshold, o
     B, Hq, Sq, _ = qd.shape
     Hkv, Skv, Dv = kd.shape[1], kd.shape[2], vd.shape[3]
     G = Hq // Hkv
-    o_out = torch.empty(B, Hq, Sq, Dv, dtype=out_dtype)
-    stats = torch.empty(B, Hq, Sq, 1, dtype=torch.float64 if cdt == torch.float64 else torch.float32)
+    dev = qd.device  # every tensor made here lives on the inputs' device
+    o_out = torch.empty(B, Hq, Sq, Dv, dtype=out_dtype, device=dev)
+    stats = torch.empty(B, Hq, Sq, 1, dtype=torch.float64 if cdt == torch.float64 else torch.float32, device=dev)
     thr = None if rescale_threshold is None else rescale_threshold * math.log(2.0)
     for j, h0, h1 in _group_chunks(B, Hkv, G, Sq * (KV_BLOCK + Dv) * 4):
         q = qd[:, h0:h1]
         k, v = kd[:, j:j + 1], vd[:, j:j + 1]
-        m = torch.full((B, h1 - h0, Sq, 1), float("-inf"), dtype=cdt)
-        l = torch.zeros(B, h1 - h0, Sq, 1, dtype=cdt)
-        acc = torch.zeros(B, h1 - h0, Sq, Dv, dtype=cdt)
+        m = torch.full((B, h1 - h0, Sq, 1), float("-inf"), dtype=cdt, device=dev)
+        l = torch.zeros(B, h1 - h0, Sq, 1, dtype=cdt, device=dev)
+        acc = torch.zeros(B, h1 - h0, Sq, Dv, dtype=cdt, device=dev)
         for c0 in range(0, Skv, KV_BLOCK):
             c1 = min(c0 + KV_BLOCK, Skv)
-            s = (q @ k[:, :, c0:c1].transpose(-1, -2)) * scale
-            keep = _keep(mask, 0, Sq, c0, c1)
+            s = _mm(q, k[:, :, c0:c1].transpose(-1, -2)) * scale
+            keep = _keep(mask, 0, Sq, c0, c1, dev)
             if keep is not None:
                 s = s.masked_fill(~keep, float("-inf"))
             m_blk = s.amax(dim=-1, keepdim=True)
@@ -333,15 +407,15 @@ def _fwd_core(qd, kd, vd, *, scale, mask, quant_p, p_scale, rescale_threshold, o
             else:
                 m_new = torch.where((m == float("-inf")) | (m_blk - m > thr), m_blk, m)
             m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = torch.exp(m - m_safe)
-            p = torch.exp(s - m_safe)
-            l = l * alpha + p.sum(dim=-1, keepdim=True)
+            alpha = _exp(m - m_safe)
+            p = _exp(s - m_safe)
+            l = l * alpha + _sum(p, -1, keepdim=True)
             pq = _quant_p(p, p_scale) if quant_p else p
-            acc = acc * alpha + pq @ v[:, :, c0:c1]
+            acc = acc * alpha + _mm(pq, v[:, :, c0:c1])
             m = m_new
         o = torch.where(l == 0, 0.0, acc / l)  # fully masked rows give 0; NaN rows stay NaN
         o_out[:, h0:h1] = o.to(out_dtype)
-        stats[:, h0:h1] = (m + torch.log(l)).to(stats.dtype)
+        stats[:, h0:h1] = (m + _log(l)).to(stats.dtype)
     return o_out, stats
 
 
@@ -350,46 +424,49 @@ def _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, *, scale, mask, quant,
     B, Hq, Sq, D = qr.shape
     Hkv, Skv, Dv = kr.shape[1], kr.shape[2], vr.shape[3]
     G = Hq // Hkv
-    delta = (o.to(cdt) * do.to(cdt)).sum(dim=-1, keepdim=True)
-    dq = torch.empty(B, Hq, Sq, D, dtype=cdt)
-    dk = torch.zeros(B, Hkv, Skv, D, dtype=cdt)
-    dv = torch.zeros(B, Hkv, Skv, Dv, dtype=cdt)
+    dev = qr.device  # every tensor made here lives on the inputs' device
+    delta = _sum(o.to(cdt) * do.to(cdt), -1, keepdim=True)
+    dq = torch.empty(B, Hq, Sq, D, dtype=cdt, device=dev)
+    dk = torch.zeros(B, Hkv, Skv, D, dtype=cdt, device=dev)
+    dv = torch.zeros(B, Hkv, Skv, Dv, dtype=cdt, device=dev)
     rows = Sq if B * Sq * Skv <= CHUNK_ELEMS else max(BLOCK_SIZE, CHUNK_ELEMS // (B * Skv) // BLOCK_SIZE * BLOCK_SIZE)
     for j, h0, h1 in _group_chunks(B, Hkv, G, rows * Skv):
         kr_j, kc_j, vr_j = kr[:, j:j + 1], kc[:, j:j + 1], vr[:, j:j + 1]
         for r0 in range(0, Sq, rows):  # r0 is a multiple of 32: s_q blocks of dS stay intact
             r1 = min(r0 + rows, Sq)
-            s_raw = qr[:, h0:h1, r0:r1] @ kr_j.transpose(-1, -2)
-            keep = _keep(mask, r0, r1, 0, Skv)
+            s_raw = _mm(qr[:, h0:h1, r0:r1], kr_j.transpose(-1, -2))
+            keep = _keep(mask, r0, r1, 0, Skv, dev)
             if stats is not None:
                 lse = stats[:, h0:h1, r0:r1].to(cdt)
-                p = torch.exp2(s_raw * (scale * _LOG2E) - lse * _LOG2E)
+                p = _exp2(s_raw * (scale * _LOG2E) - lse * _LOG2E)
             else:
                 s = s_raw * scale
                 if keep is not None:
                     s = s.masked_fill(~keep, float("-inf"))
                 mx = s.amax(dim=-1, keepdim=True)
-                e = torch.exp(s - torch.where(mx == float("-inf"), 0.0, mx))
-                den = e.sum(dim=-1, keepdim=True)
+                e = _exp(s - torch.where(mx == float("-inf"), 0.0, mx))
+                den = _sum(e, -1, keepdim=True)
                 p = torch.where(den == 0, 0.0, e / den)
             if keep is not None:
                 p = torch.where(keep, p, 0.0)
             pq = _quant_p(p, p_scale) if quant else p
-            dp = dor[:, h0:h1, r0:r1] @ vr_j.transpose(-1, -2)
+            dp = _mm(dor[:, h0:h1, r0:r1], vr_j.transpose(-1, -2))
             ds = p * (dp - delta[:, h0:h1, r0:r1]) * scale
             ds_r = _qdq(ds, -1) if quant else ds  # blocks along s_kv, for dQ
             ds_c = _qdq(ds, -2) if quant else ds  # blocks along s_q, for dK
-            dq[:, h0:h1, r0:r1] = ds_r @ kc_j
-            dk[:, j] += (ds_c.transpose(-1, -2) @ qc[:, h0:h1, r0:r1]).sum(dim=1)
-            dv[:, j] += (pq.transpose(-1, -2) @ doc[:, h0:h1, r0:r1]).sum(dim=1)
+            dq[:, h0:h1, r0:r1] = _mm(ds_r, kc_j)
+            dk[:, j] += _sum(_mm(ds_c.transpose(-1, -2), qc[:, h0:h1, r0:r1]), 1)
+            dv[:, j] += _sum(_mm(pq.transpose(-1, -2), doc[:, h0:h1, r0:r1]), 1)
     return dq.to(out_dtype), dk.to(out_dtype), dv.to(out_dtype)
 
 
 # --------------------------------------------------------------------------- public API
 
 
-def _check_pair(pair, name: str, shape, axis: int) -> torch.Tensor:
-    """Validate a (data, scale) pair of shape ``shape`` quantized along ``axis``; return its FP32 dequantization."""
+def _check_pair(pair, name: str, shape, axis: int, device: torch.device) -> torch.Tensor:
+    """Validate a (data, scale) pair of shape ``shape`` on ``device`` quantized along ``axis``.
+
+    Returns its FP32 dequantization."""
     if not isinstance(pair, (tuple, list)) or len(pair) != 2:
         raise TypeError(f"{name}: expected a (data, scale) pair, got {type(pair).__name__}")
     data, sc = pair
@@ -397,6 +474,9 @@ def _check_pair(pair, name: str, shape, axis: int) -> torch.Tensor:
         raise TypeError(f"{name} data: expected a float8_e4m3fn tensor, got {getattr(data, 'dtype', type(data))}")
     if tuple(data.shape) != tuple(shape):
         raise ValueError(f"{name} data: expected shape {tuple(shape)}, got {tuple(data.shape)}")
+    _check_device(data, f"{name} data", device, "the query operand")
+    if isinstance(sc, torch.Tensor):
+        _check_device(sc, f"{name} scale", device, "the query operand")
     try:
         return dequantize(data, sc, axis)
     except (TypeError, ValueError) as exc:
@@ -417,12 +497,12 @@ def sdpa_fwd_quantized(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *,
             raise TypeError(f"{n}: expected a torch.Tensor, got {type(t).__name__}")
     B, Hq, Hkv, Sq, Skv, D, Dv = _check_shapes(q_data, k_data, v_data, ("q_data", "k_data", "v_data"))
     _check_out_dtype(out_dtype)
-    if rescale_threshold is not None and not (isinstance(rescale_threshold, (int, float)) and rescale_threshold >= 0):
-        raise ValueError(f"rescale_threshold: expected None or a number >= 0, got {rescale_threshold!r}")
+    _check_rescale_threshold(rescale_threshold)
     mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
-    qd = _check_pair((q_data, q_scale), "q", q_data.shape, -1)
-    kd = _check_pair((k_data, k_scale), "k", k_data.shape, -1)
-    vd = _check_pair((v_data, v_scale_col), "v", v_data.shape, -2)
+    dev = q_data.device
+    qd = _check_pair((q_data, q_scale), "q", q_data.shape, -1, dev)
+    kd = _check_pair((k_data, k_scale), "k", k_data.shape, -1, dev)
+    vd = _check_pair((v_data, v_scale_col), "v", v_data.shape, -2, dev)
     return _fwd_core(qd, kd, vd, scale=_attn_scale(attn_scale, D), mask=mask, quant_p=True,
                      p_scale=_check_p_scale(p_scale), rescale_threshold=rescale_threshold,
                      out_dtype=out_dtype, cdt=torch.float32)
@@ -445,8 +525,7 @@ def sdpa_fwd(q, k, v, *, attn_scale=None, causal=False, diagonal_alignment="top_
                                   causal=causal, diagonal_alignment=diagonal_alignment, window=window,
                                   out_dtype=out_dtype, p_scale=p_scale, rescale_threshold=rescale_threshold)
     _check_out_dtype(out_dtype)
-    if rescale_threshold is not None and not (isinstance(rescale_threshold, (int, float)) and rescale_threshold >= 0):
-        raise ValueError(f"rescale_threshold: expected None or a number >= 0, got {rescale_threshold!r}")
+    _check_rescale_threshold(rescale_threshold)
     mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
     cdt = torch.float64 if all(t.dtype == torch.float64 for t in (q, k, v)) else torch.float32
     return _fwd_core(q.to(cdt), k.to(cdt), v.to(cdt), scale=_attn_scale(attn_scale, D), mask=mask, quant_p=False,
@@ -454,15 +533,17 @@ def sdpa_fwd(q, k, v, *, attn_scale=None, causal=False, diagonal_alignment="top_
                      out_dtype=out_dtype, cdt=cdt)
 
 
-def _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv):
+def _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv, device, like):
     for t, n in ((o, "o"), (do, "do")):
         _check_float_tensor(t, n, 4)
         if tuple(t.shape) != (B, Hq, Sq, Dv):
             raise ValueError(f"{n}: expected shape {(B, Hq, Sq, Dv)}, got {tuple(t.shape)}")
+        _check_device(t, n, device, like)
     if stats is not None:
         _check_float_tensor(stats, "stats")
         if tuple(stats.shape) != (B, Hq, Sq, 1):
             raise ValueError(f"stats: expected shape {(B, Hq, Sq, 1)}, got {tuple(stats.shape)}")
+        _check_device(stats, "stats", device, like)
 
 
 def sdpa_bwd_quantized(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats=None, *, attn_scale=None,
@@ -478,16 +559,17 @@ def sdpa_bwd_quantized(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col,
         if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not isinstance(pair[0], torch.Tensor):
             raise TypeError(f"{n}: expected a (data, scale) pair of tensors")
     B, Hq, Hkv, Sq, Skv, D, Dv = _check_shapes(q_row[0], k_row[0], v_row[0], ("q_row", "k_row", "v_row"))
-    _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv)
+    dev = q_row[0].device
+    _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv, dev, "q_row")
     _check_out_dtype(out_dtype)
     mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
-    qr = _check_pair(q_row, "q_row", (B, Hq, Sq, D), -1)
-    qc = _check_pair(q_col, "q_col", (B, Hq, Sq, D), -2)
-    kr = _check_pair(k_row, "k_row", (B, Hkv, Skv, D), -1)
-    kc = _check_pair(k_col, "k_col", (B, Hkv, Skv, D), -2)
-    vr = _check_pair(v_row, "v_row", (B, Hkv, Skv, Dv), -1)
-    dor = _check_pair(do_row, "do_row", (B, Hq, Sq, Dv), -1)
-    doc = _check_pair(do_col, "do_col", (B, Hq, Sq, Dv), -2)
+    qr = _check_pair(q_row, "q_row", (B, Hq, Sq, D), -1, dev)
+    qc = _check_pair(q_col, "q_col", (B, Hq, Sq, D), -2, dev)
+    kr = _check_pair(k_row, "k_row", (B, Hkv, Skv, D), -1, dev)
+    kc = _check_pair(k_col, "k_col", (B, Hkv, Skv, D), -2, dev)
+    vr = _check_pair(v_row, "v_row", (B, Hkv, Skv, Dv), -1, dev)
+    dor = _check_pair(do_row, "do_row", (B, Hq, Sq, Dv), -1, dev)
+    doc = _check_pair(do_col, "do_col", (B, Hq, Sq, Dv), -2, dev)
     return _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, scale=_attn_scale(attn_scale, D), mask=mask,
                      quant=True, p_scale=_check_p_scale(p_scale), out_dtype=out_dtype, cdt=torch.float32)
 
@@ -503,7 +585,7 @@ def sdpa_bwd(q, k, v, o, do, stats=None, *, attn_scale=None, causal=False, diago
     for t, n in ((q, "q"), (k, "k"), (v, "v")):
         _check_float_tensor(t, n, 4)
     B, Hq, Hkv, Sq, Skv, D, Dv = _check_shapes(q, k, v)
-    _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv)
+    _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv, q.device, "q")
     _check_out_dtype(out_dtype)
     mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
     opts = dict(attn_scale=attn_scale, causal=causal, diagonal_alignment=diagonal_alignment, window=window,
@@ -515,3 +597,204 @@ def sdpa_bwd(q, k, v, o, do, stats=None, *, attn_scale=None, causal=False, diago
     qd, kd, vd, dod = q.to(cdt), k.to(cdt), v.to(cdt), do.to(cdt)
     return _bwd_core(qd, kd, vd, qd, kd, dod, dod, o, do, stats, scale=_attn_scale(attn_scale, D), mask=mask,
                      quant=False, p_scale=_check_p_scale(p_scale), out_dtype=out_dtype, cdt=cdt)
+
+
+# --------------------------------------------------------------------------- variable lengths
+#
+# Each sequence of a varlen batch is computed by the dense functions above on that sequence alone
+# (a contiguous copy of its rows), so MXFP8 blocks along S start at the sequence's own first row, the
+# masks use the sequence's own s_q and s_kv, and nothing outside the sequence (neighbours in a pack,
+# padding rows, even NaN there) can reach its result. Outputs start as O = 0, stats = -inf and zero
+# gradients; a sequence with no query rows or no keys is skipped and keeps them.
+#
+# layout "thd":          q [T_q, Hq, D], k [T_kv, Hkv, D], v [T_kv, Hkv, Dv]; sequence b is rows
+#                        cu[b]:cu[b+1]; cu[-1] must equal T. stats [T_q, Hq].
+# layout "bhsd_padded":  q [B, Hq, Sq_max, D], k [B, Hkv, Skv_max, D], v [B, Hkv, Skv_max, Dv]; sequence b
+#                        is rows 0:len_b of batch b with len_b = cu[b+1] - cu[b] <= S_max. stats [B, Hq, Sq_max, 1].
+#
+# Internally every tensor is seen as a [B', H, S', *] view: thd [T, H, D] as [1, H, T, D] (stats [T, H] as
+# [1, H, T, 1]), padded tensors as they are. Sequence b is then view[batch:batch+1, :, start:start+length].
+
+_LAYOUTS = ("thd", "bhsd_padded")
+
+
+class _Seq(NamedTuple):
+    """Where sequence b lives in the [B', H, S', *] views."""
+    batch: int  # index along B' (always 0 for thd)
+    q0: int  # first query row
+    len_q: int
+    kv0: int  # first key row
+    len_kv: int
+
+
+def _check_layout(layout) -> None:
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout: expected 'thd' or 'bhsd_padded', got {layout!r}")
+
+
+def _bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """The [B', H, S', *] view of a varlen tensor (no copy)."""
+    if layout == "bhsd_padded":
+        return x
+    if x.dim() == 2:  # thd stats [T, H]
+        return x.transpose(0, 1).unsqueeze(0).unsqueeze(-1)
+    return x.transpose(0, 1).unsqueeze(0)  # thd [T, H, D]
+
+
+def _rows(x4: torch.Tensor, seq: _Seq, which: str) -> torch.Tensor:
+    """View [1, H, len, *] of sequence ``seq``'s query ("q") or key ("kv") rows of a [B', H, S', *] view."""
+    start, length = (seq.q0, seq.len_q) if which == "q" else (seq.kv0, seq.len_kv)
+    return x4[seq.batch:seq.batch + 1, :, start:start + length]
+
+
+def _check_cu_seqlens(cu, name: str) -> list:
+    """Host list of a cumulative-lengths tensor [B+1] (int32/int64, starts at 0, non-decreasing)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name}: expected an int32/int64 torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name}: expected dtype int32 or int64, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name}: expected a 1-D tensor [B+1] with B >= 1, got shape {tuple(cu.shape)}")
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"{name}: must start at 0, got {vals[0]}")
+    for b in range(len(vals) - 1):
+        if vals[b + 1] < vals[b]:
+            raise ValueError(f"{name}: must be non-decreasing, got entry {b + 1} = {vals[b + 1]} "
+                             f"after entry {b} = {vals[b]}")
+    return vals
+
+
+def _varlen_operands(layout: str, q, k, v):
+    """Validate q, k, v of a varlen call; return their [B', H, S', D] views and the head dim D."""
+    _check_layout(layout)
+    ndim, form = (3, "[T, H, D]") if layout == "thd" else (4, "[B, H, S_max, D]")
+    for t, n in ((q, "q"), (k, "k"), (v, "v")):
+        _check_float_tensor(t, n)
+        if t.dim() != ndim:
+            raise ValueError(f"{n}: layout {layout!r} expects a {ndim}-D {form} tensor, got shape {tuple(t.shape)}")
+        _check_device(t, n, q.device, "q")
+    q4, k4, v4 = _bhsd(q, layout), _bhsd(k, layout), _bhsd(v, layout)
+    B, Hq, _, D = q4.shape
+    Bk, Hkv, Skv, Dk = k4.shape
+    if Bk != B:
+        raise ValueError(f"k: batch {Bk} differs from q's batch {B}")
+    if Dk != D:
+        raise ValueError(f"k: head dim {Dk} differs from q's head dim {D}")
+    if tuple(v4.shape[:3]) != (B, Hkv, Skv):
+        raise ValueError(f"v: expected the sequence and head dims of k {tuple(k.shape)[:-1]}, got {tuple(v.shape)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"k: number of heads {Hkv} must divide the query heads {Hq} (GQA/MQA)")
+    if min(Hq, D, v4.shape[3]) == 0:
+        raise ValueError(f"q/k/v: empty head or head dimensions are not supported: {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    return q4, k4, v4, D
+
+
+def _varlen_sequences(layout: str, cu_seqlens_q, cu_seqlens_kv, q4, k4) -> list:
+    """Validate the cumulative lengths against the [B', H, S', D] views of q and k; one _Seq per sequence."""
+    cq = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
+    ck = _check_cu_seqlens(cu_seqlens_kv, "cu_seqlens_kv")
+    if len(ck) != len(cq):
+        raise ValueError(f"cu_seqlens_kv: expected {len(cq)} entries (B = {len(cq) - 1} sequences, as in "
+                         f"cu_seqlens_q), got {len(ck)}")
+    batch = len(cq) - 1
+    if layout == "thd":
+        for cu, name, total, t in ((cq, "cu_seqlens_q", q4.shape[2], "q"), (ck, "cu_seqlens_kv", k4.shape[2], "k")):
+            if cu[-1] != total:
+                raise ValueError(f"{name}: last entry {cu[-1]} must equal the total length T = {total} of {t}")
+        return [_Seq(0, cq[b], cq[b + 1] - cq[b], ck[b], ck[b + 1] - ck[b]) for b in range(batch)]
+    if batch != q4.shape[0]:
+        raise ValueError(f"cu_seqlens_q: expected B+1 = {q4.shape[0] + 1} entries for q's batch B = {q4.shape[0]}, "
+                         f"got {len(cq)}")
+    for cu, name, s_max, t in ((cq, "cu_seqlens_q", q4.shape[2], "q"), (ck, "cu_seqlens_kv", k4.shape[2], "k")):
+        for b in range(batch):
+            if cu[b + 1] - cu[b] > s_max:
+                raise ValueError(f"{name}: sequence {b} has length {cu[b + 1] - cu[b]} > S_max = {s_max} of {t}")
+    return [_Seq(b, 0, cq[b + 1] - cq[b], 0, ck[b + 1] - ck[b]) for b in range(batch)]
+
+
+def _check_common_options(attn_scale, causal, diagonal_alignment, window, out_dtype, p_scale) -> None:
+    """Validate the options up front: a batch of empty sequences never reaches the dense checks."""
+    _resolve_mask(causal, diagonal_alignment, window, 1, 1)
+    _check_out_dtype(out_dtype)
+    _check_p_scale(p_scale)
+    _attn_scale(attn_scale, 1)
+
+
+def sdpa_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, *, layout="thd", attn_scale=None, causal=False,
+                    diagonal_alignment="top_left", window=(None, None), out_dtype=torch.bfloat16, p_scale=256.0,
+                    quantize_inputs=True, rescale_threshold=None):
+    """Variable-length forward: ``sdpa_fwd`` on each sequence alone (see the section comment above).
+
+    layout "thd": q [T_q, Hq, D], k [T_kv, Hkv, D], v [T_kv, Hkv, Dv]; returns (o [T_q, Hq, Dv], stats [T_q, Hq]).
+    layout "bhsd_padded": q [B, Hq, Sq_max, D], k/v [B, Hkv, Skv_max, *]; returns (o [B, Hq, Sq_max, Dv],
+    stats [B, Hq, Sq_max, 1]); rows past a sequence's length are O = 0, stats = -inf.
+    cu_seqlens_q / cu_seqlens_kv: int32/int64 [B+1], cumulative lengths from 0. Masks apply per sequence
+    (bottom_right offset len_kv[b] - len_q[b]). Rows with no key to attend give O = 0 and stats = -inf.
+    o is out_dtype; stats float32 (float64 for quantize_inputs=False with float64 q, k, v, as in ``sdpa_fwd``).
+    """
+    q4, k4, v4, _ = _varlen_operands(layout, q, k, v)
+    seqs = _varlen_sequences(layout, cu_seqlens_q, cu_seqlens_kv, q4, k4)
+    _check_common_options(attn_scale, causal, diagonal_alignment, window, out_dtype, p_scale)
+    _check_rescale_threshold(rescale_threshold)
+    all64 = all(t.dtype == torch.float64 for t in (q, k, v))
+    stats_dtype = torch.float64 if not quantize_inputs and all64 else torch.float32
+    lead = q.shape[:-1]  # [T_q, Hq] or [B, Hq, Sq_max]
+    o = torch.zeros(*lead, v.shape[-1], dtype=out_dtype, device=q.device)
+    stats = torch.full(lead if layout == "thd" else (*lead, 1), float("-inf"), dtype=stats_dtype, device=q.device)
+    o4, stats4 = _bhsd(o, layout), _bhsd(stats, layout)
+    opts = dict(attn_scale=attn_scale, causal=causal, diagonal_alignment=diagonal_alignment, window=window,
+                out_dtype=out_dtype, p_scale=p_scale, quantize_inputs=quantize_inputs,
+                rescale_threshold=rescale_threshold)
+    for seq in seqs:
+        if seq.len_q == 0 or seq.len_kv == 0:
+            continue  # no query rows, or nothing to attend: O = 0, stats = -inf
+        o_b, stats_b = sdpa_fwd(_rows(q4, seq, "q").contiguous(), _rows(k4, seq, "kv").contiguous(),
+                                _rows(v4, seq, "kv").contiguous(), **opts)
+        _rows(o4, seq, "q").copy_(o_b)
+        _rows(stats4, seq, "q").copy_(stats_b)
+    return o, stats
+
+
+def sdpa_bwd_varlen(q, k, v, o, do, stats, cu_seqlens_q, cu_seqlens_kv, *, layout="thd", attn_scale=None,
+                    causal=False, diagonal_alignment="top_left", window=(None, None), out_dtype=torch.bfloat16,
+                    p_scale=256.0, quantize_inputs=True):
+    """Variable-length backward: ``sdpa_bwd`` on each sequence alone (see the section comment above).
+
+    q, k, v, cu_seqlens_*, layout as in ``sdpa_fwd_varlen``; o, do shaped like q with v's head dim;
+    stats as returned by ``sdpa_fwd_varlen`` (thd [T_q, Hq], padded [B, Hq, Sq_max, 1]) or None (recomputed).
+    Returns (dq, dk, dv) shaped like q, k, v in out_dtype; padding rows and sequences with no query rows or
+    no keys get zero gradients.
+    """
+    q4, k4, v4, _ = _varlen_operands(layout, q, k, v)
+    want = (*q.shape[:-1], v.shape[-1])
+    for t, n in ((o, "o"), (do, "do")):
+        _check_float_tensor(t, n)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{n}: expected shape {want} (q's rows and heads, v's head dim), got {tuple(t.shape)}")
+        _check_device(t, n, q.device, "q")
+    if stats is not None:
+        want_stats = tuple(q.shape[:-1]) if layout == "thd" else (*q.shape[:-1], 1)
+        _check_float_tensor(stats, "stats")
+        if tuple(stats.shape) != want_stats:
+            raise ValueError(f"stats: expected shape {want_stats}, got {tuple(stats.shape)}")
+        _check_device(stats, "stats", q.device, "q")
+    seqs = _varlen_sequences(layout, cu_seqlens_q, cu_seqlens_kv, q4, k4)
+    _check_common_options(attn_scale, causal, diagonal_alignment, window, out_dtype, p_scale)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=out_dtype, device=q.device) for t in (q, k, v))
+    o4, do4, dq4, dk4, dv4 = (_bhsd(t, layout) for t in (o, do, dq, dk, dv))
+    stats4 = None if stats is None else _bhsd(stats, layout)
+    opts = dict(attn_scale=attn_scale, causal=causal, diagonal_alignment=diagonal_alignment, window=window,
+                out_dtype=out_dtype, p_scale=p_scale, quantize_inputs=quantize_inputs)
+    for seq in seqs:
+        if seq.len_q == 0 or seq.len_kv == 0:
+            continue  # no query rows, or nothing to attend: zero gradients
+        stats_b = None if stats4 is None else _rows(stats4, seq, "q").contiguous()
+        dq_b, dk_b, dv_b = sdpa_bwd(_rows(q4, seq, "q").contiguous(), _rows(k4, seq, "kv").contiguous(),
+                                    _rows(v4, seq, "kv").contiguous(), _rows(o4, seq, "q").contiguous(),
+                                    _rows(do4, seq, "q").contiguous(), stats_b, **opts)
+        _rows(dq4, seq, "q").copy_(dq_b)
+        _rows(dk4, seq, "kv").copy_(dk_b)
+        _rows(dv4, seq, "kv").copy_(dv_b)
+    return dq, dk, dv

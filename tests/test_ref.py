@@ -256,28 +256,33 @@ def test_identity_lazy_rescale_is_exact():
 
 
 def _dense_quantized_reference(q, k, v, o, do, scale, keep, p_scale=256.0):
-    """Single-KV-block (Skv <= 128) dense emulation of spec sections 6-7, independent of the blocked code."""
+    """Single-KV-block (Skv <= 128) dense emulation of spec sections 6-7, independent of the blocked code.
+
+    Like ref, products, sums, exp and log are taken in FP64 and rounded once to FP32 (ref does so to give
+    the same bits on every device)."""
     g = q.shape[1] // k.shape[1]
     rep = lambda t: t.repeat_interleave(g, 1)  # noqa: E731
+    mm = lambda a, b: (a.double() @ b.double()).float()  # noqa: E731
+    rowsum = lambda t: t.double().sum(-1, keepdim=True).float()  # noqa: E731
     qr, kr = dequantize(*quantize(q, -1), -1), rep(dequantize(*quantize(k, -1), -1))
     vc, vr = rep(dequantize(*quantize(v, -2), -2)), rep(dequantize(*quantize(v, -1), -1))
     qc, kc = dequantize(*quantize(q, -2), -2), rep(dequantize(*quantize(k, -2), -2))
     dor, doc = dequantize(*quantize(do, -1), -1), dequantize(*quantize(do, -2), -2)
-    s = (qr @ kr.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+    s = (mm(qr, kr.transpose(-1, -2)) * scale).masked_fill(~keep, float("-inf"))
     m = s.amax(-1, keepdim=True)
-    e = torch.exp(s - m)
-    l = e.sum(-1, keepdim=True)
+    e = torch.exp((s - m).double()).float()
+    l = rowsum(e)
     eq = (e * p_scale).to(torch.float8_e4m3fn).float() / p_scale
-    o_ref = (eq @ vc) / l
+    o_ref = mm(eq, vc) / l
     p = e / l
     pq = (p * p_scale).to(torch.float8_e4m3fn).float() / p_scale
-    delta = (o.float() * do.float()).sum(-1, keepdim=True)
-    ds = p * (dor @ vr.transpose(-1, -2) - delta) * scale
+    delta = rowsum(o.float() * do.float())
+    ds = p * (mm(dor, vr.transpose(-1, -2)) - delta) * scale
     ds_r, ds_c = dequantize(*quantize(ds, -1), -1), dequantize(*quantize(ds, -2), -2)
-    dq = ds_r @ kc
-    dk = (ds_c.transpose(-1, -2) @ qc).unflatten(1, (-1, g)).sum(2)
-    dv = (pq.transpose(-1, -2) @ doc).unflatten(1, (-1, g)).sum(2)
-    return o_ref, m + torch.log(l), dq, dk, dv
+    dq = mm(ds_r, kc)
+    dk = mm(ds_c.transpose(-1, -2), qc).unflatten(1, (-1, g)).double().sum(2).float()
+    dv = mm(pq.transpose(-1, -2), doc).unflatten(1, (-1, g)).double().sum(2).float()
+    return o_ref, m + torch.log(l.double()).float(), dq, dk, dv
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True, diagonal_alignment="bottom_right")])
@@ -425,3 +430,97 @@ def test_fully_masked_rows_give_zero(quantize_inputs, opts):
         dq, dk, dv = sdpa_bwd(q, k, v, o, do, stats, quantize_inputs=quantize_inputs, **opts)
         assert not any(torch.isnan(t).any() for t in (dq, dk, dv))
         assert (dq[:, :, dead] == 0).all() and (dq[:, :, ~dead] != 0).any()
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def _mismatch(got, want):
+    """Number of elements whose bits differ (got on any device, want on the CPU)."""
+    if got.shape != want.shape:
+        return -1
+    as_int = {2: torch.int16, 4: torch.int32}[want.element_size()]
+    return (got.cpu().view(as_int) != want.view(as_int)).sum().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 8, 2, 200, 300, 64), (1, 4, 1, 700, 1000, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fwd_opts", [dict(), dict(p_scale=16.0, rescale_threshold=4.0)], ids=["spec", "p16_lazy4"])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_cuda_equals_cpu_bit_for_bit(causal, fwd_opts, shape):
+    """Every tensor ref makes follows its inputs' device, and the results have the same bits there
+    (GQA; exp/log/sums go through FP64, see ref's "device-independent math")."""
+    B, Hq, Hkv, Sq, Skv, D = shape
+    g = torch.Generator().manual_seed(31)
+    q, do = (torch.randn(B, Hq, Sq, D, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(B, Hkv, Skv, D, generator=g).bfloat16() for _ in range(2))
+    opts = dict(causal=causal, diagonal_alignment="bottom_right" if causal else "top_left")
+    cpu = (q, k, v, do)
+    gpu = tuple(t.cuda() for t in cpu)
+    results = {}
+    for name, (q_, k_, v_, do_) in (("cpu", cpu), ("cuda", gpu)):
+        o, st = sdpa_fwd(q_, k_, v_, **opts, **fwd_opts)
+        grads = sdpa_bwd(q_, k_, v_, o, do_, st, **opts)
+        grads_recomputed = sdpa_bwd(q_, k_, v_, o, do_, None, **opts)
+        results[name] = dict(o=o, stats=st, dq=grads[0], dk=grads[1], dv=grads[2], dq_recomputed=grads_recomputed[0])
+    for key, want in results["cpu"].items():
+        got = results["cuda"][key]
+        assert got.device.type == "cuda" and got.dtype == want.dtype, key
+        assert _mismatch(got, want) == 0, f"{key}: {_mismatch(got, want)} of {want.numel()} elements differ"
+
+
+@pytest.mark.gpu
+def test_cuda_quantize_and_masks_equal_cpu():
+    g = torch.Generator().manual_seed(32)
+    mag = 10 ** (torch.rand(64, 96, generator=g) * 12 - 6)
+    x = torch.randn(64, 96, generator=g) * mag
+    x[0, :32] = 0
+    x[1, 3], x[2, 40], x[3, 7] = float("inf"), float("nan"), 1e-37
+    for axis in (0, 1):
+        d_cpu, s_cpu = quantize(x, axis)
+        d_gpu, s_gpu = quantize(x.cuda(), axis)
+        assert d_gpu.is_cuda and s_gpu.is_cuda
+        assert torch.equal(_u8(d_gpu).cpu(), _u8(d_cpu)) and torch.equal(_u8(s_gpu).cpu(), _u8(s_cpu))
+        deq_gpu, deq_cpu = dequantize(d_gpu, s_gpu, axis).cpu(), dequantize(d_cpu, s_cpu, axis)
+        nan = torch.isnan(deq_cpu)  # NaN payloads differ (CPU 0x7fc00000, CUDA 0x7fffffff): compare where
+        assert nan.any() and torch.equal(torch.isnan(deq_gpu), nan)
+        assert torch.equal(deq_gpu[~nan].view(torch.int32), deq_cpu[~nan].view(torch.int32))
+    assert torch.equal(R._keep(R._Mask(3, 5, 0), 0, 40, 0, 70, torch.device("cuda")).cpu(),
+                       R._keep(R._Mask(3, 5, 0), 0, 40, 0, 70))
+
+
+@pytest.mark.parametrize("quantize_inputs", [True, False])
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window=(40, 3), diagonal_alignment="bottom_right")],
+                         ids=["nomask", "causal", "window_br"])
+def test_every_tensor_follows_the_input_device(opts, quantize_inputs):
+    """CPU stand-in for a GPU run: on the "meta" device (shapes only) any tensor ref made on the CPU by a
+    missing device= meets a meta tensor and torch raises, so the whole forward/backward path is covered."""
+    q, do = (torch.empty(1, 8, 200, 64, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.empty(1, 2, 300, 64, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    common = dict(quantize_inputs=quantize_inputs, **opts)
+    for fwd_extra in (dict(), dict(p_scale=16.0, rescale_threshold=4.0)):
+        o, st = sdpa_fwd(q, k, v, **common, **fwd_extra)
+        assert o.is_meta and st.is_meta
+    for stats in (st, None):
+        assert all(t.is_meta for t in sdpa_bwd(q, k, v, o, do, stats, **common))
+    data, scale = quantize(q, -2)
+    assert data.is_meta and scale.is_meta and dequantize(data, scale, -2).is_meta
+
+
+def test_exp2_f32_is_exact():
+    ks = torch.arange(-160, 140)
+    want = torch.tensor([2.0 ** k if k <= 127 else float("inf") for k in ks.tolist()], dtype=torch.float64).float()
+    assert torch.equal(R._exp2_f32(ks).view(torch.int32), want.view(torch.int32))
+
+
+def test_mixed_devices_are_rejected_by_name():
+    q = torch.randn(1, 2, 8, 32)
+    with pytest.raises(ValueError, match="k: expected a tensor on q's device"):
+        sdpa_fwd(q, q.to("meta"), q)
+    o, st = sdpa_fwd(q, q, q)
+    with pytest.raises(ValueError, match="stats: expected a tensor on q's device"):
+        sdpa_bwd(q, q, q, o, o, st.to("meta"))
+    qd, qs = quantize(q)
+    with pytest.raises(ValueError, match="k scale: expected a tensor"):
+        sdpa_fwd_quantized(qd, qs, qd, qs.to("meta"), *quantize(q, -2))

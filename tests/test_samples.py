@@ -43,7 +43,7 @@ def test_compare_with_ref_sample_is_exact_on_reference():
 
 def test_demo_and_info_commands():
     out = _run("-m", "mxattn", "demo", "--seq", "256", "--heads", "2", "--head-dim", "64")
-    assert "backend: reference" in out
+    assert "cpu: reference backend (no CUDA device)" in out
     rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in out.splitlines()
             if line.strip().split()[:1] in (["O"], ["dQ"], ["dK"], ["dV"])}
     assert set(rows) == {"O", "dQ", "dK", "dV"}
