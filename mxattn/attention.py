@@ -16,6 +16,7 @@ from .seqinfo import SeqInfo, make_seqinfo
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: dtypes the kernels write O and the gradients in; fp32 callers get a cast at the end
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 KERNEL_OUT_DTYPES = (torch.bfloat16, torch.float16)
 OUTPUT_DTYPES = KERNEL_OUT_DTYPES + (torch.float32,)
 
@@ -72,7 +73,8 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
                     softmax_scale: Optional[float] = None, backend: str = "auto",
                     out_dtype: Optional[torch.dtype] = None, cu_seqlens_q: Optional[torch.Tensor] = None,
                     cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
-                    max_seqlen_kv: Optional[int] = None) -> torch.Tensor:
+                    max_seqlen_kv: Optional[int] = None, softmax_type: str = "vanilla",
+                    softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Scaled-dot-product attention with Q, K, V (and dO in backward) in MXFP8, differentiable.
 
     q: [B, Sq, Hq, D] (bshd), [Sq, B, Hq, D] (sbhd), [B, Hq, Sq, D] (bhsd) or [T_q, Hq, D] (thd, packed
@@ -89,6 +91,9 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     max_seqlen_q/kv: the longest sequences (computed from cu_seqlens when None, needed under torch.compile).
     Masks apply per sequence (bottom-right uses each sequence's own lengths). A query row with no key gives
     O = 0 and stats -inf.
+    softmax_type (TE's): "vanilla"; "off-by-one" adds a sink logit 0 to every row's softmax denominator;
+    "learnable" adds the per-head sink logit softmax_offset (fp32 [Hq] on q's device, differentiable: its
+    gradient is summed over batch and query rows). The sink is not quantized and adds nothing to O.
     backend: "auto" (the first of cudnn, triton, reference that supports the call), or one of them by name.
     NaN in an input gives NaN in the outputs that depend on it (the MXFP8 block holding it has a NaN scale);
     NaN in padding rows reaches no output.
@@ -108,6 +113,7 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
         seq = make_seqinfo(packed=packed, batch=None if packed else qb.shape[0], rows_q=qb.shape[2],
                            rows_kv=kb.shape[2], device=q.device, cu_seqlens_q=cu_seqlens_q,
                            cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+    sink = _sink(softmax_type, softmax_offset, qb.shape[1], q.device)
     head_dim = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
@@ -126,14 +132,36 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
                       seqlen_kv=seq.max_seqlen_kv if packed else kb.shape[2], head_dim=head_dim, mask=band,
                       varlen=None if seq is None else ("packed" if packed else "padded"),
                       needs_backward=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-                      out_dtype=kernel_dtype)
+                      out_dtype=kernel_dtype, softmax_type=softmax_type)
     name = choose_backend(backend, problem)
     out_format = "bshd" if packed else qkv_format
     o = ops.attention_fwd(qb, kb, vb, float(softmax_scale), band.diagonal_alignment == "bottom_right",
                           band.left_bound, band.right_bound, kernel_dtype, out_format, name,
-                          *_seq_args(seq))[0]
+                          *_seq_args(seq), sink)[0]
     o = o[0].transpose(0, 1) if packed else from_bhsd(o, qkv_format)
     return o if o.dtype == out_dtype else o.to(out_dtype)
+
+
+def _sink(softmax_type: str, softmax_offset, heads: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The sink logits [heads] fp32 for TE's softmax_type (None for "vanilla"); raises naming the argument."""
+    if softmax_type not in SOFTMAX_TYPES:
+        raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
+    if softmax_type != "learnable":
+        if softmax_offset is not None:
+            raise ValueError(f"softmax_offset is only used with softmax_type='learnable', got softmax_type="
+                             f"{softmax_type!r}")
+        return None if softmax_type == "vanilla" else torch.zeros(heads, dtype=torch.float32, device=device)
+    if not isinstance(softmax_offset, torch.Tensor):
+        raise TypeError(f"softmax_type='learnable' needs softmax_offset, a float32 tensor of shape [{heads}], "
+                        f"got {type(softmax_offset).__name__}")
+    if softmax_offset.dtype != torch.float32:
+        raise TypeError(f"softmax_offset must have dtype torch.float32, got {softmax_offset.dtype}")
+    if tuple(softmax_offset.shape) != (heads,):
+        raise ValueError(f"softmax_offset must have shape ({heads},) (one logit per query head), got "
+                         f"{tuple(softmax_offset.shape)}")
+    if softmax_offset.device != device:
+        raise ValueError(f"softmax_offset must be on q's device ({device}), got {softmax_offset.device}")
+    return softmax_offset
 
 
 def _seq_args(seq: Optional[SeqInfo]):

@@ -7,14 +7,14 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from .attention import mxfp8_attention
+from .attention import SOFTMAX_TYPES, mxfp8_attention
 from .layouts import check_format
 from .mask import resolve_mask
 from .seqinfo import cu_seqlens_from_padding_mask
 
 
 class DotProductAttention(nn.Module):
-    """MXFP8 scaled-dot-product attention with no parameters.
+    """MXFP8 scaled-dot-product attention (no parameters, except the learnable sink logits).
 
     forward(query, key, value, ...): tensors in `qkv_format` ("bshd", "sbhd", "bhsd", "thd") with
     `num_attention_heads` query heads, `num_gqa_groups` key/value heads and head size `kv_channels`. Returns
@@ -27,7 +27,7 @@ class DotProductAttention(nn.Module):
     def __init__(self, num_attention_heads: int, kv_channels: int, num_gqa_groups: Optional[int] = None,
                  attention_dropout: float = 0.0, qkv_format: str = "bshd", attn_mask_type: str = "causal",
                  window_size: Optional[Tuple[int, int]] = None, softmax_scale: Optional[float] = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", softmax_type: str = "vanilla"):
         super().__init__()
         if attention_dropout != 0.0:
             raise NotImplementedError(f"attention_dropout={attention_dropout}: mxattn has no dropout in the "
@@ -50,6 +50,13 @@ class DotProductAttention(nn.Module):
         self.window_size = None if window_size is None else tuple(window_size)
         self.softmax_scale = softmax_scale
         self.backend = backend
+        if softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
+        self.softmax_type = softmax_type
+        # TE's learnable sink: one logit per query head, zeros at init (the only parameter, so state_dict
+        # gains exactly `softmax_offset`)
+        self.softmax_offset = (nn.Parameter(torch.zeros(num_attention_heads, dtype=torch.float32))
+                               if softmax_type == "learnable" else None)
 
     def _check_heads(self, name: str, x: torch.Tensor, heads: int, qkv_format: str) -> None:
         if isinstance(x, torch.Tensor) and x.dim() == (3 if qkv_format == "thd" else 4):
@@ -80,7 +87,8 @@ class DotProductAttention(nn.Module):
         out = mxfp8_attention(query, key, value, qkv_format=qkv_format, attn_mask_type=attn_mask_type,
                               window_size=window_size, softmax_scale=self.softmax_scale, backend=self.backend,
                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-                              max_seqlen_kv=max_seqlen_kv)
+                              max_seqlen_kv=max_seqlen_kv, softmax_type=self.softmax_type,
+                              softmax_offset=None if self.softmax_offset is None else self.softmax_offset.float())
         if qkv_format == "bhsd":
             return out
         return out.reshape(*out.shape[:-2], -1)
@@ -108,4 +116,4 @@ class DotProductAttention(nn.Module):
         return (f"num_attention_heads={self.num_attention_heads}, kv_channels={self.kv_channels}, "
                 f"num_gqa_groups={self.num_gqa_groups}, qkv_format={self.qkv_format!r}, "
                 f"attn_mask_type={self.attn_mask_type!r}, window_size={self.window_size}, "
-                f"backend={self.backend!r}")
+                f"backend={self.backend!r}, softmax_type={self.softmax_type!r}")

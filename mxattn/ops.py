@@ -29,10 +29,12 @@ def _seq(cu_q, cu_kv, max_q, max_kv, packed) -> Optional[SeqInfo]:
     return None if cu_q is None else SeqInfo(cu_q, cu_kv, max_q, max_kv, packed)
 
 
-def _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq) -> AttentionParams:
+def _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink=None,
+            sink_requires_grad=False) -> AttentionParams:
     mask = MaskSpec(diagonal_alignment="bottom_right" if bottom_right else "top_left",
                     left_bound=left_bound, right_bound=right_bound)
-    return AttentionParams(softmax_scale=softmax_scale, mask=mask, out_dtype=out_dtype, seq=seq)
+    return AttentionParams(softmax_scale=softmax_scale, mask=mask, out_dtype=out_dtype, seq=seq, sink=sink,
+                           sink_requires_grad=sink_requires_grad)
 
 
 def _fake_saved(x: Tensor, segments: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -50,11 +52,11 @@ FwdOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_right: bool,
                   left_bound: Optional[int], right_bound: Optional[int], out_dtype: torch.dtype,
                   qkv_format: str, backend: str, cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
-                  max_seqlen_q: int, max_seqlen_kv: int, packed: bool) -> FwdOut:
-    """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] -> (o [B,Hq,Sq,D] dense in qkv_format order, stats [B,Hq,Sq,1] fp32,
-    then data/scale of q_row, q_col, k_row, k_col, v_row)."""
+                  max_seqlen_q: int, max_seqlen_kv: int, packed: bool, sink: Optional[Tensor]) -> FwdOut:
+    """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D], sink None or fp32 [Hq] -> (o [B,Hq,Sq,D] dense in qkv_format order,
+    stats [B,Hq,Sq,1] fp32, then data/scale of q_row, q_col, k_row, k_col, v_row)."""
     seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
-    params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq)
+    params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink)
     o, stats, saved = get_backend(backend).forward(q, k, v, params)
     if o.stride() != dense_strides_bhsd(tuple(o.shape), qkv_format):  # backends that ignore q's layout
         o = empty_bhsd(tuple(o.shape), qkv_format, out_dtype, o.device).copy_(o)
@@ -63,7 +65,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format,
-                        backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed):
+                        backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink):
     b, h, s, _ = q.shape
     seg_q, seg_kv = (cu_seqlens_q, cu_seqlens_kv) if packed else (None, None)
     o = empty_bhsd(tuple(q.shape), qkv_format, out_dtype, q.device)
@@ -80,25 +82,31 @@ def attention_bwd(do: Tensor, o: Tensor, stats: Tensor, q_row: Tensor, q_row_sca
                   v_row: Tensor, v_row_scale: Tensor, softmax_scale: float, bottom_right: bool,
                   left_bound: Optional[int], right_bound: Optional[int], out_dtype: torch.dtype,
                   backend: str, cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
-                  max_seqlen_q: int, max_seqlen_kv: int, packed: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """dO, O [B,Hq,Sq,D], stats [B,Hq,Sq,1] and the saved FP8 copies -> contiguous (dq, dk, dv) in out_dtype."""
+                  max_seqlen_q: int, max_seqlen_kv: int, packed: bool, sink: Optional[Tensor],
+                  sink_requires_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dO, O [B,Hq,Sq,D], stats [B,Hq,Sq,1] and the saved FP8 copies -> contiguous (dq, dk, dv) in out_dtype
+    and dsink (fp32 [Hq] when sink_requires_grad, else an empty tensor)."""
     seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
-    params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq)
+    params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink, sink_requires_grad)
     saved = SavedForBackward.from_tensors((q_row, q_row_scale, q_col, q_col_scale, k_row, k_row_scale,
                                            k_col, k_col_scale, v_row, v_row_scale), seq)
-    dq, dk, dv = get_backend(backend).backward(saved, o, stats, do, params)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    dq, dk, dv, *dsink = get_backend(backend).backward(saved, o, stats, do, params)
+    dsink = dsink[0] if sink_requires_grad else stats.new_empty((0,), dtype=torch.float32)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsink
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(do, o, stats, q_row, q_row_scale, q_col, q_col_scale, k_row, k_row_scale, k_col,
                         k_col_scale, v_row, v_row_scale, softmax_scale, bottom_right, left_bound, right_bound,
-                        out_dtype, backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed):
+                        out_dtype, backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink,
+                        sink_requires_grad):
     dq = q_row.new_empty(q_row.shape, dtype=out_dtype)
-    return dq, k_row.new_empty(k_row.shape, dtype=out_dtype), v_row.new_empty(v_row.shape, dtype=out_dtype)
+    dsink = stats.new_empty((q_row.shape[1] if sink_requires_grad else 0,), dtype=torch.float32)
+    return (dq, k_row.new_empty(k_row.shape, dtype=out_dtype), v_row.new_empty(v_row.shape, dtype=out_dtype),
+            dsink)
 
 
-_N_FWD_ARGS = 15
+_N_FWD_ARGS = 16
 
 
 def _setup_context(ctx, inputs, output):
@@ -107,9 +115,10 @@ def _setup_context(ctx, inputs, output):
     ctx.max_lens_packed = inputs[12:15]
     ctx.input_dtypes = (q.dtype, k.dtype, v.dtype)
     o, stats, *saved = output
-    cu_q, cu_kv = inputs[10:12]
-    ctx.has_seq = cu_q is not None
-    ctx.save_for_backward(o, stats, *saved, *((cu_q, cu_kv) if ctx.has_seq else ()))
+    cu_q, cu_kv, sink = inputs[10], inputs[11], inputs[15]
+    ctx.has_seq, ctx.has_sink = cu_q is not None, sink is not None
+    ctx.save_for_backward(o, stats, *saved, *((cu_q, cu_kv) if ctx.has_seq else ()),
+                          *((sink,) if ctx.has_sink else ()))
     ctx.mark_non_differentiable(stats, *saved)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the FP8 side outputs
 
@@ -118,12 +127,15 @@ def _backward(ctx, grad_o, *unused_grads):
     if grad_o is None:
         return (None,) * _N_FWD_ARGS
     o, stats, *rest = ctx.saved_tensors
+    sink = rest.pop() if ctx.has_sink else None
     saved, cu = (rest[:-2], rest[-2:]) if ctx.has_seq else (rest, (None, None))
     softmax_scale, bottom_right, left_bound, right_bound, out_dtype, _fmt, backend = ctx.options
-    dq, dk, dv = attention_bwd(grad_o, o, stats, *saved, softmax_scale, bottom_right, left_bound, right_bound,
-                               out_dtype, backend, *cu, *ctx.max_lens_packed)
+    sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[15]
+    dq, dk, dv, dsink = attention_bwd(grad_o, o, stats, *saved, softmax_scale, bottom_right, left_bound,
+                                      right_bound, out_dtype, backend, *cu, *ctx.max_lens_packed, sink,
+                                      sink_requires_grad)
     grads = tuple(g.to(dt) for g, dt in zip((dq, dk, dv), ctx.input_dtypes))
-    return grads + (None,) * (_N_FWD_ARGS - 3)
+    return grads + (None,) * (_N_FWD_ARGS - 4) + (dsink if sink_requires_grad else None,)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

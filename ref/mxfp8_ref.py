@@ -86,6 +86,14 @@ Identity switch ``quantize_inputs=False``: every quantization (Q, K, V, P,
 dO, dS) is the identity; the math runs in float64 when all inputs are float64
 (stats are then float64 too), else in float32.
 
+Attention sinks (``sink``, TE's ``softmax_type`` "off-by-one" = zeros, "learnable" = softmax_offset):
+an fp32 [Hq] logit per query head that joins every row's softmax denominator, in the space of the scaled
+scores S * attn_scale, and adds nothing to O. It is not quantized. The online softmax starts from it
+(max = sink, sum = 1), so P = exp(S - m) uses a running max m >= sink before its E4M3 rounding, and stats =
+log(exp(sink) + sum_j exp(S_j)) include it; a row that keeps no key gives O = 0 and stats = sink. The
+backward is unchanged given those stats (P = exp(S - stats)); the sink's gradient is
+dsink[h] = -sum over batch and rows of exp(sink[h] - stats) * delta, delta = rowsum(O * dO).
+
 Optional ``rescale_threshold`` (forward only, default None = spec literal,
 the running max is always updated): when a float t is given, the running max
 is only replaced when a block max exceeds it by more than t * ln 2 (lazy
@@ -173,6 +181,19 @@ def _check_shapes(q, k, v, names=("q", "k", "v")) -> Tuple[int, int, int, int, i
     if min(B, Hq, Sq, Skv, D, v.shape[3]) == 0:
         raise ValueError(f"{nq}/{nk}/{nv}: empty dimensions are not supported: {tuple(q.shape)}, {tuple(k.shape)}")
     return B, Hq, Hkv, Sq, Skv, D, v.shape[3]
+
+
+def _check_sink(sink, hq: int, device: torch.device):
+    """None, or a float32/float64 [Hq] tensor on ``device`` (the sink logits)."""
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor) or sink.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"sink: expected a float32/float64 tensor of shape [{hq}], got "
+                        f"{getattr(sink, 'dtype', type(sink).__name__)}")
+    if tuple(sink.shape) != (hq,):
+        raise ValueError(f"sink: expected shape ({hq},) (one logit per query head), got {tuple(sink.shape)}")
+    _check_device(sink, "sink", device, "q")
+    return sink
 
 
 def _attn_scale(attn_scale, d: int) -> float:
@@ -380,8 +401,9 @@ def _group_chunks(B: int, Hkv: int, G: int, per_head_elems: int):
             yield j, h0, min(h0 + gc, (j + 1) * G)
 
 
-def _fwd_core(qd, kd, vd, *, scale, mask, quant_p, p_scale, rescale_threshold, out_dtype, cdt):
-    """Blocked online-softmax forward on dequantized q [B,Hq,Sq,D], k/v [B,Hkv,Skv,*] in dtype cdt."""
+def _fwd_core(qd, kd, vd, *, scale, mask, quant_p, p_scale, rescale_threshold, out_dtype, cdt, sink=None):
+    """Blocked online-softmax forward on dequantized q [B,Hq,Sq,D], k/v [B,Hkv,Skv,*] in dtype cdt; sink None
+    or [Hq] (the softmax starts from it: max = sink, sum = 1)."""
     B, Hq, Sq, _ = qd.shape
     Hkv, Skv, Dv = kd.shape[1], kd.shape[2], vd.shape[3]
     G = Hq // Hkv
@@ -392,8 +414,12 @@ def _fwd_core(qd, kd, vd, *, scale, mask, quant_p, p_scale, rescale_threshold, o
     for j, h0, h1 in _group_chunks(B, Hkv, G, Sq * (KV_BLOCK + Dv) * 4):
         q = qd[:, h0:h1]
         k, v = kd[:, j:j + 1], vd[:, j:j + 1]
-        m = torch.full((B, h1 - h0, Sq, 1), float("-inf"), dtype=cdt, device=dev)
-        l = torch.zeros(B, h1 - h0, Sq, 1, dtype=cdt, device=dev)
+        if sink is None:
+            m = torch.full((B, h1 - h0, Sq, 1), float("-inf"), dtype=cdt, device=dev)
+            l = torch.zeros(B, h1 - h0, Sq, 1, dtype=cdt, device=dev)
+        else:
+            m = sink[h0:h1].to(cdt).view(1, -1, 1, 1).expand(B, h1 - h0, Sq, 1).clone()
+            l = torch.ones(B, h1 - h0, Sq, 1, dtype=cdt, device=dev)
         acc = torch.zeros(B, h1 - h0, Sq, Dv, dtype=cdt, device=dev)
         for c0 in range(0, Skv, KV_BLOCK):
             c1 = min(c0 + KV_BLOCK, Skv)
@@ -419,8 +445,10 @@ def _fwd_core(qd, kd, vd, *, scale, mask, quant_p, p_scale, rescale_threshold, o
     return o_out, stats
 
 
-def _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, *, scale, mask, quant, p_scale, out_dtype, cdt):
-    """Backward on dequantized operands (dtype cdt); returns (dq, dk, dv) in out_dtype."""
+def _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, *, scale, mask, quant, p_scale, out_dtype, cdt,
+              sink=None):
+    """Backward on dequantized operands (dtype cdt); returns (dq, dk, dv) in out_dtype, and dsink [Hq]
+    (float32, float64 in the float64 case) after them when sink [Hq] is given."""
     B, Hq, Sq, D = qr.shape
     Hkv, Skv, Dv = kr.shape[1], kr.shape[2], vr.shape[3]
     G = Hq // Hkv
@@ -429,6 +457,7 @@ def _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, *, scale, mask, quant,
     dq = torch.empty(B, Hq, Sq, D, dtype=cdt, device=dev)
     dk = torch.zeros(B, Hkv, Skv, D, dtype=cdt, device=dev)
     dv = torch.zeros(B, Hkv, Skv, Dv, dtype=cdt, device=dev)
+    dsink = None if sink is None else torch.zeros(Hq, dtype=cdt, device=dev)
     rows = Sq if B * Sq * Skv <= CHUNK_ELEMS else max(BLOCK_SIZE, CHUNK_ELEMS // (B * Skv) // BLOCK_SIZE * BLOCK_SIZE)
     for j, h0, h1 in _group_chunks(B, Hkv, G, rows * Skv):
         kr_j, kc_j, vr_j = kr[:, j:j + 1], kc[:, j:j + 1], vr[:, j:j + 1]
@@ -436,6 +465,7 @@ def _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, *, scale, mask, quant,
             r1 = min(r0 + rows, Sq)
             s_raw = _mm(qr[:, h0:h1, r0:r1], kr_j.transpose(-1, -2))
             keep = _keep(mask, r0, r1, 0, Skv, dev)
+            sink_j = None if sink is None else sink[h0:h1].to(cdt).view(1, -1, 1, 1)
             if stats is not None:
                 lse = stats[:, h0:h1, r0:r1].to(cdt)
                 p = _exp2(s_raw * (scale * _LOG2E) - lse * _LOG2E)
@@ -444,9 +474,18 @@ def _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, *, scale, mask, quant,
                 if keep is not None:
                     s = s.masked_fill(~keep, float("-inf"))
                 mx = s.amax(dim=-1, keepdim=True)
-                e = _exp(s - torch.where(mx == float("-inf"), 0.0, mx))
+                if sink_j is not None:
+                    mx = torch.maximum(mx, sink_j)
+                mx_safe = torch.where(mx == float("-inf"), 0.0, mx)
+                e = _exp(s - mx_safe)
                 den = _sum(e, -1, keepdim=True)
+                if sink_j is not None:
+                    den = den + _exp(sink_j - mx_safe)
                 p = torch.where(den == 0, 0.0, e / den)
+                lse = mx_safe + _log(den)
+            if sink_j is not None:  # the sink's probability per row, times delta
+                p_sink = _exp(sink_j - lse)
+                dsink[h0:h1] -= _sum(_sum(p_sink * delta[:, h0:h1, r0:r1], 3), 2).sum(dim=0)
             if keep is not None:
                 p = torch.where(keep, p, 0.0)
             pq = _quant_p(p, p_scale) if quant else p
@@ -457,7 +496,10 @@ def _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, *, scale, mask, quant,
             dq[:, h0:h1, r0:r1] = _mm(ds_r, kc_j)
             dk[:, j] += _sum(_mm(ds_c.transpose(-1, -2), qc[:, h0:h1, r0:r1]), 1)
             dv[:, j] += _sum(_mm(pq.transpose(-1, -2), doc[:, h0:h1, r0:r1]), 1)
-    return dq.to(out_dtype), dk.to(out_dtype), dv.to(out_dtype)
+    grads = (dq.to(out_dtype), dk.to(out_dtype), dv.to(out_dtype))
+    if dsink is None:
+        return grads
+    return grads + (dsink.to(torch.float64 if cdt == torch.float64 else torch.float32),)
 
 
 # --------------------------------------------------------------------------- public API
@@ -485,8 +527,8 @@ def _check_pair(pair, name: str, shape, axis: int, device: torch.device) -> torc
 
 def sdpa_fwd_quantized(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, attn_scale=None, causal=False,
                        diagonal_alignment="top_left", window=(None, None), out_dtype=torch.bfloat16,
-                       p_scale=256.0, rescale_threshold=None):
-    """MXFP8 forward from pre-quantized operands.
+                       p_scale=256.0, rescale_threshold=None, sink=None):
+    """MXFP8 forward from pre-quantized operands (sink: None or the [Hq] sink logits, module docstring).
 
     q_data [B,Hq,Sq,D], k_data [B,Hkv,Skv,D] float8_e4m3fn with row-wise scales [B,H,S,ceil(D/32)];
     v_data [B,Hkv,Skv,Dv] with column-wise scale [B,Hkv,ceil(Skv/32),Dv] (float8_e8m0fnu).
@@ -505,12 +547,13 @@ def sdpa_fwd_quantized(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *,
     vd = _check_pair((v_data, v_scale_col), "v", v_data.shape, -2, dev)
     return _fwd_core(qd, kd, vd, scale=_attn_scale(attn_scale, D), mask=mask, quant_p=True,
                      p_scale=_check_p_scale(p_scale), rescale_threshold=rescale_threshold,
-                     out_dtype=out_dtype, cdt=torch.float32)
+                     out_dtype=out_dtype, cdt=torch.float32, sink=_check_sink(sink, Hq, dev))
 
 
 def sdpa_fwd(q, k, v, *, attn_scale=None, causal=False, diagonal_alignment="top_left", window=(None, None),
-             out_dtype=torch.bfloat16, p_scale=256.0, quantize_inputs=True, rescale_threshold=None):
-    """Reference forward from high-precision q [B,Hq,Sq,D], k [B,Hkv,Skv,D], v [B,Hkv,Skv,Dv].
+             out_dtype=torch.bfloat16, p_scale=256.0, quantize_inputs=True, rescale_threshold=None, sink=None):
+    """Reference forward from high-precision q [B,Hq,Sq,D], k [B,Hkv,Skv,D], v [B,Hkv,Skv,Dv] (sink: None
+    or the [Hq] sink logits).
 
     quantize_inputs=True: Q, K row-wise and V column-wise MXFP8, then ``sdpa_fwd_quantized``.
     quantize_inputs=False: no quantization at all (float64 math if all inputs are float64).
@@ -519,18 +562,20 @@ def sdpa_fwd(q, k, v, *, attn_scale=None, causal=False, diagonal_alignment="top_
     for t, n in ((q, "q"), (k, "k"), (v, "v")):
         _check_float_tensor(t, n, 4)
     B, Hq, Hkv, Sq, Skv, D, Dv = _check_shapes(q, k, v)
+    _check_sink(sink, Hq, q.device)
     if quantize_inputs:
         _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)  # validate before quantizing
         return sdpa_fwd_quantized(*quantize(q, -1), *quantize(k, -1), *quantize(v, -2), attn_scale=attn_scale,
                                   causal=causal, diagonal_alignment=diagonal_alignment, window=window,
-                                  out_dtype=out_dtype, p_scale=p_scale, rescale_threshold=rescale_threshold)
+                                  out_dtype=out_dtype, p_scale=p_scale, rescale_threshold=rescale_threshold,
+                                  sink=sink)
     _check_out_dtype(out_dtype)
     _check_rescale_threshold(rescale_threshold)
     mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
     cdt = torch.float64 if all(t.dtype == torch.float64 for t in (q, k, v)) else torch.float32
     return _fwd_core(q.to(cdt), k.to(cdt), v.to(cdt), scale=_attn_scale(attn_scale, D), mask=mask, quant_p=False,
                      p_scale=_check_p_scale(p_scale), rescale_threshold=rescale_threshold,
-                     out_dtype=out_dtype, cdt=cdt)
+                     out_dtype=out_dtype, cdt=cdt, sink=sink)
 
 
 def _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv, device, like):
@@ -548,8 +593,9 @@ def _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv, device, like):
 
 def sdpa_bwd_quantized(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats=None, *, attn_scale=None,
                        causal=False, diagonal_alignment="top_left", window=(None, None),
-                       out_dtype=torch.bfloat16, p_scale=256.0):
+                       out_dtype=torch.bfloat16, p_scale=256.0, sink=None):
     """MXFP8 backward from pre-quantized operands (each a (data float8_e4m3fn, scale float8_e8m0fnu) pair).
+    With sink [Hq] (the forward's sink logits) a fourth result dsink [Hq] float32 follows.
 
     q_row/k_row/v_row/do_row: scales along D [B,H,S,ceil(D/32)]; q_col/k_col/do_col: scales along S
     [B,H,ceil(S/32),D]. o, do: high-precision [B,Hq,Sq,Dv] (for delta). stats [B,Hq,Sq,1] or None
@@ -571,12 +617,14 @@ def sdpa_bwd_quantized(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col,
     dor = _check_pair(do_row, "do_row", (B, Hq, Sq, Dv), -1, dev)
     doc = _check_pair(do_col, "do_col", (B, Hq, Sq, Dv), -2, dev)
     return _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, scale=_attn_scale(attn_scale, D), mask=mask,
-                     quant=True, p_scale=_check_p_scale(p_scale), out_dtype=out_dtype, cdt=torch.float32)
+                     quant=True, p_scale=_check_p_scale(p_scale), out_dtype=out_dtype, cdt=torch.float32,
+                     sink=_check_sink(sink, Hq, dev))
 
 
 def sdpa_bwd(q, k, v, o, do, stats=None, *, attn_scale=None, causal=False, diagonal_alignment="top_left",
-             window=(None, None), out_dtype=torch.bfloat16, p_scale=256.0, quantize_inputs=True):
-    """Reference backward from high-precision q, k, v, o, do (shapes as in ``sdpa_fwd``).
+             window=(None, None), out_dtype=torch.bfloat16, p_scale=256.0, quantize_inputs=True, sink=None):
+    """Reference backward from high-precision q, k, v, o, do (shapes as in ``sdpa_fwd``); with sink [Hq] a
+    fourth result dsink [Hq] follows.
 
     quantize_inputs=True: Q, K row+column, V row, dO row+column MXFP8, then ``sdpa_bwd_quantized``.
     quantize_inputs=False: no quantization at all (float64 math if q, k, v, o, do are all float64).
@@ -588,15 +636,16 @@ def sdpa_bwd(q, k, v, o, do, stats=None, *, attn_scale=None, causal=False, diago
     _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv, q.device, "q")
     _check_out_dtype(out_dtype)
     mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
+    _check_sink(sink, Hq, q.device)
     opts = dict(attn_scale=attn_scale, causal=causal, diagonal_alignment=diagonal_alignment, window=window,
-                out_dtype=out_dtype, p_scale=p_scale)
+                out_dtype=out_dtype, p_scale=p_scale, sink=sink)
     if quantize_inputs:
         return sdpa_bwd_quantized(quantize(q, -1), quantize(q, -2), quantize(k, -1), quantize(k, -2),
                                   quantize(v, -1), o, do, quantize(do, -1), quantize(do, -2), stats, **opts)
     cdt = torch.float64 if all(t.dtype == torch.float64 for t in (q, k, v, o, do)) else torch.float32
     qd, kd, vd, dod = q.to(cdt), k.to(cdt), v.to(cdt), do.to(cdt)
     return _bwd_core(qd, kd, vd, qd, kd, dod, dod, o, do, stats, scale=_attn_scale(attn_scale, D), mask=mask,
-                     quant=False, p_scale=_check_p_scale(p_scale), out_dtype=out_dtype, cdt=cdt)
+                     quant=False, p_scale=_check_p_scale(p_scale), out_dtype=out_dtype, cdt=cdt, sink=sink)
 
 
 # --------------------------------------------------------------------------- variable lengths
@@ -724,8 +773,9 @@ def _check_common_options(attn_scale, causal, diagonal_alignment, window, out_dt
 
 def sdpa_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, *, layout="thd", attn_scale=None, causal=False,
                     diagonal_alignment="top_left", window=(None, None), out_dtype=torch.bfloat16, p_scale=256.0,
-                    quantize_inputs=True, rescale_threshold=None):
+                    quantize_inputs=True, rescale_threshold=None, sink=None):
     """Variable-length forward: ``sdpa_fwd`` on each sequence alone (see the section comment above).
+    sink: None or the [Hq] sink logits; a sequence with queries but no keys then gets stats = sink.
 
     layout "thd": q [T_q, Hq, D], k [T_kv, Hkv, D], v [T_kv, Hkv, Dv]; returns (o [T_q, Hq, Dv], stats [T_q, Hq]).
     layout "bhsd_padded": q [B, Hq, Sq_max, D], k/v [B, Hkv, Skv_max, *]; returns (o [B, Hq, Sq_max, Dv],
@@ -746,10 +796,12 @@ def sdpa_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, *, layout="thd", attn_
     o4, stats4 = _bhsd(o, layout), _bhsd(stats, layout)
     opts = dict(attn_scale=attn_scale, causal=causal, diagonal_alignment=diagonal_alignment, window=window,
                 out_dtype=out_dtype, p_scale=p_scale, quantize_inputs=quantize_inputs,
-                rescale_threshold=rescale_threshold)
+                rescale_threshold=rescale_threshold, sink=_check_sink(sink, q4.shape[1], q.device))
     for seq in seqs:
+        if seq.len_q > 0 and seq.len_kv == 0 and sink is not None:  # only the sink in the softmax
+            _rows(stats4, seq, "q").copy_(sink.view(1, -1, 1, 1).expand_as(_rows(stats4, seq, "q")))
         if seq.len_q == 0 or seq.len_kv == 0:
-            continue  # no query rows, or nothing to attend: O = 0, stats = -inf
+            continue  # no query rows, or nothing to attend: O = 0, stats = -inf (or the sink)
         o_b, stats_b = sdpa_fwd(_rows(q4, seq, "q").contiguous(), _rows(k4, seq, "kv").contiguous(),
                                 _rows(v4, seq, "kv").contiguous(), **opts)
         _rows(o4, seq, "q").copy_(o_b)
@@ -759,8 +811,9 @@ def sdpa_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, *, layout="thd", attn_
 
 def sdpa_bwd_varlen(q, k, v, o, do, stats, cu_seqlens_q, cu_seqlens_kv, *, layout="thd", attn_scale=None,
                     causal=False, diagonal_alignment="top_left", window=(None, None), out_dtype=torch.bfloat16,
-                    p_scale=256.0, quantize_inputs=True):
+                    p_scale=256.0, quantize_inputs=True, sink=None):
     """Variable-length backward: ``sdpa_bwd`` on each sequence alone (see the section comment above).
+    With sink [Hq] a fourth result dsink [Hq] (summed over the sequences) follows.
 
     q, k, v, cu_seqlens_*, layout as in ``sdpa_fwd_varlen``; o, do shaped like q with v's head dim;
     stats as returned by ``sdpa_fwd_varlen`` (thd [T_q, Hq], padded [B, Hq, Sq_max, 1]) or None (recomputed).
@@ -786,15 +839,19 @@ def sdpa_bwd_varlen(q, k, v, o, do, stats, cu_seqlens_q, cu_seqlens_kv, *, layou
     o4, do4, dq4, dk4, dv4 = (_bhsd(t, layout) for t in (o, do, dq, dk, dv))
     stats4 = None if stats is None else _bhsd(stats, layout)
     opts = dict(attn_scale=attn_scale, causal=causal, diagonal_alignment=diagonal_alignment, window=window,
-                out_dtype=out_dtype, p_scale=p_scale, quantize_inputs=quantize_inputs)
+                out_dtype=out_dtype, p_scale=p_scale, quantize_inputs=quantize_inputs,
+                sink=_check_sink(sink, q4.shape[1], q.device))
+    dsink = None if sink is None else torch.zeros(sink.shape, dtype=sink.dtype, device=q.device)
     for seq in seqs:
         if seq.len_q == 0 or seq.len_kv == 0:
-            continue  # no query rows, or nothing to attend: zero gradients
+            continue  # no query rows, or nothing to attend (O = 0, so delta = 0): zero gradients
         stats_b = None if stats4 is None else _rows(stats4, seq, "q").contiguous()
-        dq_b, dk_b, dv_b = sdpa_bwd(_rows(q4, seq, "q").contiguous(), _rows(k4, seq, "kv").contiguous(),
+        dq_b, dk_b, dv_b, *dsink_b = sdpa_bwd(_rows(q4, seq, "q").contiguous(), _rows(k4, seq, "kv").contiguous(),
                                     _rows(v4, seq, "kv").contiguous(), _rows(o4, seq, "q").contiguous(),
                                     _rows(do4, seq, "q").contiguous(), stats_b, **opts)
         _rows(dq4, seq, "q").copy_(dq_b)
         _rows(dk4, seq, "kv").copy_(dk_b)
         _rows(dv4, seq, "kv").copy_(dv_b)
-    return dq, dk, dv
+        if dsink is not None:
+            dsink += dsink_b[0].to(dsink.dtype)
+    return (dq, dk, dv) if dsink is None else (dq, dk, dv, dsink)

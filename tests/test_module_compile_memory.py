@@ -118,12 +118,13 @@ def test_torch_compile_inductor_fullgraph():
 def test_library_ops_pass_opcheck():
     from mxattn import ops
     q, k, v = (t.permute(0, 2, 1, 3) for t in _qkv("bshd", s=40))
-    args = (q, k, v, 0.125, False, None, 0, torch.bfloat16, "bshd", "reference", None, None, 0, 0, False)
+    args = (q, k, v, 0.125, False, None, 0, torch.bfloat16, "bshd", "reference", None, None, 0, 0, False, None)
     torch.library.opcheck(ops.attention_fwd, args, test_utils=("test_schema", "test_faketensor"))
     # a packed batch of 3 sequences (segmented column-wise scales have T // 32 + 3 rows)
     qp, kp, vp = (t[:1] for t in (q, k, v))
     cu = torch.tensor([0, 7, 7, 40], dtype=torch.int32)
-    args = (qp, kp, vp, 0.125, False, None, 0, torch.bfloat16, "bshd", "reference", cu, cu, 33, 33, True)
+    args = (qp, kp, vp, 0.125, False, None, 0, torch.bfloat16, "bshd", "reference", cu, cu, 33, 33, True,
+            torch.zeros(4))
     torch.library.opcheck(ops.attention_fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 

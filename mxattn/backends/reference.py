@@ -22,7 +22,7 @@ from .base import AttentionBackend, AttentionParams, SavedForBackward
 def _ref_mask_kwargs(params: AttentionParams) -> dict:
     mask = params.mask
     return dict(attn_scale=params.softmax_scale, diagonal_alignment=mask.diagonal_alignment,
-                window=(mask.left_bound, mask.right_bound), out_dtype=params.out_dtype)
+                window=(mask.left_bound, mask.right_bound), out_dtype=params.out_dtype, sink=params.sink)
 
 
 def _zero_padding(x: torch.Tensor, seq: Optional[SeqInfo], which: str) -> torch.Tensor:
@@ -69,11 +69,16 @@ class _Sequences:
         return x.data[b:b + 1, :, :n], x.scale[b:b + 1, :, :-(-n // BLOCK_SIZE)]
 
 
-def _per_sequence(seq: SeqInfo, body: Callable[[_Sequences, int], None]) -> None:
+def _per_sequence(seq: SeqInfo, body: Callable[[_Sequences, int], None],
+                  no_keys: Optional[Callable[[_Sequences, int], None]] = None) -> None:
+    """body(seqs, b) for every sequence with queries and keys; no_keys(seqs, b) for those with queries only.
+    Outputs start as zeros / -inf stats, which is what an empty sequence keeps."""
     seqs = _Sequences(seq)
     for b, len_q, len_kv in seqs:
-        if len_q > 0 and len_kv > 0:  # empty sequences keep the zero outputs / -inf stats set up front
+        if len_q > 0 and len_kv > 0:
             body(seqs, b)
+        elif len_q > 0 and no_keys is not None:
+            no_keys(seqs, b)
 
 
 class ReferenceBackend(AttentionBackend):
@@ -105,7 +110,11 @@ class ReferenceBackend(AttentionBackend):
             seqs.rows(o, "q", b).copy_(o_b)
             seqs.rows(stats, "q", b).copy_(stats_b)
 
-        _per_sequence(seq, one)
+        def only_sink(seqs: _Sequences, b: int) -> None:  # no keys: the sink alone, O = 0, stats = sink
+            rows = seqs.rows(stats, "q", b)
+            rows.copy_(params.sink.view(1, -1, 1, 1).expand_as(rows))
+
+        _per_sequence(seq, one, only_sink if params.sink is not None else None)
         return o, stats, saved
 
     def backward(self, saved: SavedForBackward, o, stats, do, params: AttentionParams):
@@ -113,13 +122,15 @@ class ReferenceBackend(AttentionBackend):
         do_row, do_col = _quantize(do, seq, "q")
         pair = lambda t: (t.data, t.scale)  # noqa: E731
         if seq is None:
-            return mxfp8_ref.sdpa_bwd_quantized(
+            grads = mxfp8_ref.sdpa_bwd_quantized(
                 q_row=pair(saved.q_row), q_col=pair(saved.q_col), k_row=pair(saved.k_row),
                 k_col=pair(saved.k_col), v_row=pair(saved.v_row), o=o, do=do,
                 do_row=pair(do_row), do_col=pair(do_col), stats=stats, **_ref_mask_kwargs(params))
+            return grads if params.sink_requires_grad else grads[:3]
         dq = torch.zeros(saved.q_row.shape, dtype=params.out_dtype, device=do.device)
         dk = torch.zeros(saved.k_row.shape, dtype=params.out_dtype, device=do.device)
         dv = torch.zeros(saved.v_row.shape, dtype=params.out_dtype, device=do.device)
+        dsink = None if params.sink is None else torch.zeros_like(params.sink, dtype=torch.float32)
 
         def one(seqs: _Sequences, b: int) -> None:
             grads = mxfp8_ref.sdpa_bwd_quantized(
@@ -130,6 +141,8 @@ class ReferenceBackend(AttentionBackend):
                 **_ref_mask_kwargs(params))
             for out, g, which in zip((dq, dk, dv), grads, ("q", "kv", "kv")):
                 seqs.rows(out, which, b).copy_(g)
+            if dsink is not None:
+                dsink.add_(grads[3])
 
-        _per_sequence(seq, one)
-        return dq, dk, dv
+        _per_sequence(seq, one)  # sequences with no keys have O = 0, so delta = 0: no dsink either
+        return (dq, dk, dv, dsink) if params.sink_requires_grad else (dq, dk, dv)
