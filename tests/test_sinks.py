@@ -93,7 +93,7 @@ def test_off_by_one_is_a_zero_sink_and_changes_o():
 
 
 def test_sink_with_packed_sequences_and_an_empty_kv_sequence():
-    lengths_q, lengths_kv = [5, 30, 64], [9, 0, 64]
+    lengths_kv = [9, 0, 64]
     cq = torch.tensor([0, 5, 35, 99], dtype=torch.int32)
     ck = torch.tensor([0, 9, 9, 73], dtype=torch.int32)
     gen = torch.Generator().manual_seed(4)

@@ -1,7 +1,6 @@
 """Variable lengths through the public API (reference backend, CPU): packed thd and padded batches, the
 per-sequence semantics, NaN in padding, empty sequences, argument errors, the module and torch.compile."""
 
-import math
 import warnings
 
 import pytest

@@ -4,6 +4,8 @@ Forward: the fused Triton quantizer turns Q, K, V into row-wise and column-wise 
 forward kernel runs on Q/K row-wise and V column-wise, and Q row+col, K row+col, V row are kept for backward.
 Backward: dO is quantized row+col by the same kernel, then the delta pre-pass, the dK/dV kernel and the dQ
 kernel run (deterministic: no atomics, fixed summation order, also for GQA). See mxattn/kernels/.
+Variable lengths (`params.seq`, padded or packed): every kernel reads the per-sequence offsets and lengths
+itself (grids sized by the longest sequence); results equal the reference backend's sequence-by-sequence run.
 
 This module imports without triton or a GPU; the kernels are imported on first use.
 """
@@ -45,8 +47,23 @@ def _like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _mask_args(params: AttentionParams, s_q: int, s_kv: int):
+    """Band-mask and length arguments of the attention kernels. A variable-length call gets the diagonal
+    offset per sequence in the kernels (bottom_right); a dense one gets it here."""
     m = params.mask
+    if params.seq is not None:
+        return dict(offset=0, bottom_right=m.bottom_right, left_bound=m.left_bound, right_bound=m.right_bound,
+                    seq=params.seq)
     return dict(offset=m.offset(s_q, s_kv), left_bound=m.left_bound, right_bound=m.right_bound)
+
+
+def _quant_args(params: AttentionParams, which: str) -> dict:
+    """quantize_rowcol's length arguments for the "q" or "kv" side (empty for a dense call)."""
+    seq = params.seq
+    if seq is None:
+        return {}
+    if which == "q":
+        return dict(cu_seqlens=seq.cu_seqlens_q, max_seqlen=seq.max_seqlen_q, packed=seq.packed)
+    return dict(cu_seqlens=seq.cu_seqlens_kv, max_seqlen=seq.max_seqlen_kv, packed=seq.packed)
 
 
 class TritonBackend(AttentionBackend):
@@ -96,13 +113,6 @@ class TritonBackend(AttentionBackend):
             return False, f"the Triton kernels failed to import: {type(exc).__name__}: {exc}"
         return True, f"CUDA device {index} ({torch.cuda.get_device_name(index)}, sm_{cap[0]}{cap[1]}) with triton"
 
-    @classmethod
-    def supports(cls, problem):
-        ok, reason = super().supports(problem)
-        if ok and problem.varlen is not None:
-            return False, "variable-length batches are not implemented in the triton kernels yet"
-        return ok, reason
-
     # ------------------------------------------------------------------ checks
 
     def _check_common(self, params: AttentionParams, d: int) -> None:
@@ -118,12 +128,11 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams
                 ) -> Tuple[torch.Tensor, torch.Tensor, SavedForBackward]:
-        """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] bf16/fp16 CUDA (any strides) -> (o [B,Hq,Sq,D] params.out_dtype,
-        stats [B,Hq,Sq,1] fp32 log-sum-exp (-inf for rows that keep nothing), SavedForBackward)."""
+        """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] bf16/fp16/fp32 CUDA (any strides; a packed batch as [1,H,T,D]
+        views) -> (o [B,Hq,Sq,D] params.out_dtype, stats [B,Hq,Sq,1] fp32 log-sum-exp (-inf for rows that keep
+        nothing, and for padding rows), SavedForBackward)."""
         for t, n in ((q, "q"), (k, "k"), (v, "v")):
-            check_bhsd_tensor(t, n, _QKV_DTYPES, "cuda")
-        if not (q.device == k.device == v.device):
-            raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+            check_bhsd_tensor(t, n, _QKV_DTYPES)
         B, hq, sq, d = q.shape
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -133,11 +142,15 @@ class TritonBackend(AttentionBackend):
         if hkv == 0 or hq % hkv != 0:
             raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv})")
         self._check_common(params, d)
+        for t, n in ((q, "q"), (k, "k"), (v, "v")):  # after the shape checks, so those are testable on the CPU
+            check_bhsd_tensor(t, n, _QKV_DTYPES, "cuda")
+        if not (q.device == k.device == v.device):
+            raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
         tq, tf, _ = _kernels()
         fast = self.mode == "fast"
-        qq = tq.quantize_rowcol(_inner_unit(q))
-        kq = tq.quantize_rowcol(_inner_unit(k), row_dequant=fast)
-        vq = tq.quantize_rowcol(_inner_unit(v), col_dequant=fast)
+        qq = tq.quantize_rowcol(_inner_unit(q), **_quant_args(params, "q"))
+        kq = tq.quantize_rowcol(_inner_unit(k), row_dequant=fast, **_quant_args(params, "kv"))
+        vq = tq.quantize_rowcol(_inner_unit(v), col_dequant=fast, **_quant_args(params, "kv"))
         o = _like(q, params.out_dtype)
         stats = torch.empty((B, hq, sq, 1), dtype=torch.float32, device=q.device)
         if skv == 0:
@@ -178,13 +191,14 @@ class TritonBackend(AttentionBackend):
         if sq == 0 or skv == 0 or B * hq == 0:
             return dq.zero_(), dk.zero_(), dv.zero_()
         parts = [saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row]
-        parts = [p if p.data.stride(3) == 1 else type(p)(p.data.contiguous(), p.scale, p.axis) for p in parts]
+        parts = [p if p.data.stride(3) == 1 else type(p)(p.data.contiguous(), p.scale, p.axis, p.segments)
+                 for p in parts]
         do = _inner_unit(do)
         if self.mode == "fast":  # dO is quantized chunk by chunk inside attention_bwd
             tb.attention_bwd(*parts, None, None, o, do, stats, softmax_scale=params.softmax_scale,
                              dq=dq, dk=dk, dv=dv, mode="pre", **_mask_args(params, sq, skv))
         else:
-            dq_ = tq.quantize_rowcol(do)
+            dq_ = tq.quantize_rowcol(do, **_quant_args(params, "q"))
             tb.attention_bwd(*parts, dq_.row, dq_.col, o, do, stats, softmax_scale=params.softmax_scale,
                              dq=dq, dk=dk, dv=dv, mode="fp8", **_mask_args(params, sq, skv))
         return dq, dk, dv

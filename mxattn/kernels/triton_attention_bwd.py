@@ -9,6 +9,10 @@ Three launches:
   3. dQ kernel: one program per query block; it recomputes S, P, dP and quantizes dS along s_kv (blocks of 32)
      for dQ = dS_r K_col.
 Every FP8 operand is dequantized exactly to BF16 in registers and multiplied with FP32 accumulation.
+
+Variable lengths (`seq`): as in the forward kernel, every kernel starts with `seq_prologue` (`seq_span` for
+the delta pre-pass), works in rows relative to its sequence's start, and programs past their sequence's end
+exit at once (padded batch: after writing zero gradients on the padding rows of their tile).
 """
 
 from types import SimpleNamespace
@@ -18,27 +22,35 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
-from .triton_attention_fwd import kv_block_range
-from .triton_quantize import dequant_cols, dequant_rows, qdq_rows
-
-LOG2E = 1.4426950408889634
+from .triton_attention_fwd import check_seq, kv_block_range, seq_prologue
+from .triton_quantize import LOG2E, P_DESCALE, P_SCALE, dequant_cols, dequant_rows, qdq_rows, seq_span
 
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, sob, soh, sos, sod, sdb, sdh, sds, sdd, HQ, SQ, D,
-                  BM: tl.constexpr, DP: tl.constexpr):
-    """delta[b*HQ + h, i] = sum_d O[b,h,i,d] * dO[b,h,i,d] in FP32."""
+def _delta_kernel(O, DO, DELTA, CU, sob, soh, sos, sod, sdb, sdh, sds, sdd, HQ, SQ, D,
+                  BM: tl.constexpr, DP: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr):
+    """delta[bt, h, i] = sum_d O[bt,h,i,d] * dO[bt,h,i,d] in FP32 (delta contiguous [B, HQ, SQ]); 0 on the
+    padding rows of a padded batch (their dO is never read)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HQ).to(tl.int64)
     h = (pid_bh % HQ).to(tl.int64)
+    bt, start, length, _ = seq_span(CU, b, SQ, VARLEN, PACKED)
+    if PACKED:
+        if pid_m * BM >= length:
+            return
+        n_out = length
+    else:
+        n_out = SQ
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, DP)
-    mask = (offs_m < SQ)[:, None] & (offs_d < D)[None, :]
-    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod, mask=mask, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sds + offs_d[None, :] * sdd, mask=mask, other=0.0)
+    mask = (offs_m < length)[:, None] & (offs_d < D)[None, :]
+    o = tl.load(O + bt * sob + h * soh + start * sos + offs_m[:, None] * sos + offs_d[None, :] * sod, mask=mask,
+                other=0.0)
+    do = tl.load(DO + bt * sdb + h * sdh + start * sds + offs_m[:, None] * sds + offs_d[None, :] * sdd,
+                 mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + pid_bh.to(tl.int64) * SQ + offs_m, delta, mask=offs_m < SQ)
+    tl.store(DELTA + (bt * HQ + h) * SQ + start + offs_m, delta, mask=offs_m < n_out)
 
 
 @triton.jit
@@ -73,6 +85,14 @@ def _load_col_tile(ptr, sptr, r0, offs_r, offs_d, s_r, s_sr, NR, D, R: tl.conste
 
 
 @triton.jit
+def _store_rows(X, bt, h, r0, sxb, sxh, sxs, rows, offs_d, n_out, D, x):
+    """Gradient tile x (fp32) -> rows `rows` < n_out (relative to the sequence's first row r0) of X (unit stride
+    along D), cast to X's dtype."""
+    tl.store(X + bt * sxb + h * sxh + r0 * sxs + rows[:, None] * sxs + offs_d[None, :], x.to(X.dtype.element_ty),
+             mask=(rows < n_out)[:, None] & (offs_d < D)[None, :])
+
+
+@triton.jit
 def _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
                 Qh, QSh, QCh, QCSh, DOh, DOSh, DOCh, DOCSh, LSEh, DELTAh,
                 sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls,
@@ -82,7 +102,7 @@ def _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
     rows = m0 + offs_mb
     rmask = rows < SQ
     q_dq = _load_row_tile(Qh, QSh, rows, offs_d, offs_kb, sqs, sqss, SQ, D, BM, DP, PRE)
-    lse = tl.load(LSEh + rows * sls, mask=rmask, other=float("inf")) * 1.4426950408889634
+    lse = tl.load(LSEh + rows * sls, mask=rmask, other=float("inf")) * LOG2E
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     p_t = tl.math.exp2(tl.dot(k_dq, tl.trans(q_dq)) * qk_scale - lse[None, :])  # [BN, BM]
     if MASK:
@@ -93,7 +113,7 @@ def _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
             keep = keep & (cols[:, None] > rows[None, :] + offset - LB)
         p_t = tl.where(keep, p_t, 0.0)
     do_c = _load_col_tile(DOCh, DOCSh, m0, offs_mb, offs_d, sdocs, sdocss, SQ, D, BM, DP, PRE)
-    pq_t = (p_t * 256.0).to(tl.float8e4nv).to(tl.bfloat16)
+    pq_t = (p_t * P_SCALE).to(tl.float8e4nv).to(tl.bfloat16)
     dv += tl.dot(pq_t, do_c)
     do_r = _load_row_tile(DOh, DOSh, rows, offs_d, offs_kb, sdos, sdoss, SQ, D, BM, DP, PRE)
     dp_t = tl.dot(v_dq, tl.trans(do_r))
@@ -106,36 +126,12 @@ def _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
 
 
 @triton.jit
-def _dkdv_kernel(
-        Q, QS, QC, QCS, K, KS, V, VS, DO, DOS, DOC, DOCS, LSE, DELTA, DK, DV,
-        sqb, sqh, sqs, sqsb, sqsh, sqss,
-        sqcb, sqch, sqcs, sqcsb, sqcsh, sqcss,
-        skb, skh, sks, sksb, sksh, skss,
-        svb, svh, svs, svsb, svsh, svss,
-        sdob, sdoh, sdos, sdosb, sdosh, sdoss,
-        sdocb, sdoch, sdocs, sdocsb, sdocsh, sdocss,
-        slb, slh, sls, sdelb,
-        sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-        HKV, GROUP, SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
-        HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, PRE: tl.constexpr):
-    """Grid (cdiv(SKV, BN), B * HKV). All FP8 tensors have a unit stride along D."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HKV).to(tl.int64)
-    hk = (pid_bh % HKV).to(tl.int64)
-    n0 = pid_n * BN
-    cols = n0 + tl.arange(0, BN)
-    offs_mb = tl.arange(0, BM)
-    offs_d = tl.arange(0, DP)
-    offs_kb = tl.arange(0, DP // 32)
-    k_dq = _load_row_tile(K + b * skb + hk * skh, KS + b * sksb + hk * sksh, cols, offs_d, offs_kb, sks, skss,
-                          SKV, D, BN, DP)
-    v_dq = _load_row_tile(V + b * svb + hk * svh, VS + b * svsb + hk * svsh, cols, offs_d, offs_kb, svs, svss,
-                          SKV, D, BN, DP)
-
-    # query rows that see this KV block, and the query blocks that see all of it
-    zero = pid_n * 0  # keeps every bound a run-time i32 (both branches of the `if`s below agree in type)
+def q_block_range(n0, SQ, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr):
+    """Query blocks that see KV rows [n0, n0 + BN) under the band mask (the transpose of kv_block_range) ->
+    (lo, mask_hi, full_lo, full_hi, hi): blocks [lo, mask_hi) and [max(full_hi, mask_hi), hi) need the mask,
+    [full_lo, full_hi) see all of the KV block."""
+    zero = n0 * 0  # keeps every bound a run-time i32 (both branches of the `if`s below agree in type)
     lo = zero
     hi = zero + SQ
     full_lo = zero
@@ -153,44 +149,93 @@ def _dkdv_kernel(
         full_lo = hi
         full_hi = hi
     mask_hi = tl.minimum(full_lo, hi)
+    return lo, mask_hi, full_lo, full_hi, hi
+
+
+@triton.jit
+def _dkdv_kernel(
+        Q, QS, QC, QCS, K, KS, V, VS, DO, DOS, DOC, DOCS, LSE, DELTA, DK, DV, CU_Q, CU_KV,
+        sqb, sqh, sqs, sqsb, sqsh, sqss,
+        sqcb, sqch, sqcs, sqcsb, sqcsh, sqcss,
+        skb, skh, sks, sksb, sksh, skss,
+        svb, svh, svs, svsb, svsh, svss,
+        sdob, sdoh, sdos, sdosb, sdosh, sdoss,
+        sdocb, sdoch, sdocs, sdocsb, sdocsh, sdocss,
+        slb, slh, sls, sdelb,
+        sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+        HKV, GROUP, SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
+        HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, PRE: tl.constexpr,
+        VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+    """Grid (KV tiles, sequences * HKV). All FP8 tensors have a unit stride along D. SQ, SKV: the tensors'
+    row counts; len_q, len_kv: the sequence's."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    hk = (pid_bh % HKV).to(tl.int64)
+    bt, q0, kv0, len_q, len_kv, qb0, _, offset = seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN,
+                                                              PACKED, BOTTOM_RIGHT)
+    n0 = pid_n * BN
+    cols = n0 + tl.arange(0, BN)
+    offs_mb = tl.arange(0, BM)
+    offs_d = tl.arange(0, DP)
+    offs_kb = tl.arange(0, DP // 32)
+    if PACKED:
+        n_out = len_kv
+    else:
+        n_out = SKV
+    if VARLEN:
+        if n0 >= len_kv:  # no key row of this sequence in the tile
+            if not PACKED:  # padding rows of a padded batch: zero gradients
+                zero = tl.zeros([BN, DP], tl.float32)
+                _store_rows(DK, bt, hk, kv0, sdkb, sdkh, sdks, cols, offs_d, n_out, D, zero)
+                _store_rows(DV, bt, hk, kv0, sdvb, sdvh, sdvs, cols, offs_d, n_out, D, zero)
+            return
+    k_dq = _load_row_tile(K + bt * skb + hk * skh + kv0 * sks, KS + bt * sksb + hk * sksh + kv0 * skss, cols,
+                          offs_d, offs_kb, sks, skss, len_kv, D, BN, DP)
+    v_dq = _load_row_tile(V + bt * svb + hk * svh + kv0 * svs, VS + bt * svsb + hk * svsh + kv0 * svss, cols,
+                          offs_d, offs_kb, svs, svss, len_kv, D, BN, DP)
+
+    # query rows that see this KV block, and the query blocks that see all of it
+    lo, mask_hi, full_lo, full_hi, hi = q_block_range(n0, len_q, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
 
     dk = tl.zeros([BN, DP], tl.float32)
     dv = tl.zeros([BN, DP], tl.float32)
     for g in range(0, GROUP):
         hq = hk * GROUP + g
-        Qh = Q + b * sqb + hq * sqh
-        QSh = QS + b * sqsb + hq * sqsh
-        QCh = QC + b * sqcb + hq * sqch
-        QCSh = QCS + b * sqcsb + hq * sqcsh
-        DOh = DO + b * sdob + hq * sdoh
-        DOSh = DOS + b * sdosb + hq * sdosh
-        DOCh = DOC + b * sdocb + hq * sdoch
-        DOCSh = DOCS + b * sdocsb + hq * sdocsh
-        LSEh = LSE + b * slb + hq * slh
-        DELTAh = DELTA + b * sdelb + hq * SQ
+        Qh = Q + bt * sqb + hq * sqh + q0 * sqs
+        QSh = QS + bt * sqsb + hq * sqsh + q0 * sqss
+        QCh = QC + bt * sqcb + hq * sqch + q0 * sqcs
+        QCSh = QCS + bt * sqcsb + hq * sqcsh + qb0 * sqcss
+        DOh = DO + bt * sdob + hq * sdoh + q0 * sdos
+        DOSh = DOS + bt * sdosb + hq * sdosh + q0 * sdoss
+        DOCh = DOC + bt * sdocb + hq * sdoch + q0 * sdocs
+        DOCSh = DOCS + bt * sdocsb + hq * sdocsh + qb0 * sdocss
+        LSEh = LSE + bt * slb + hq * slh + q0 * sls
+        DELTAh = DELTA + bt * sdelb + hq * SQ + q0
         for m0 in range(lo, mask_hi, BM):
             dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
                                  Qh, QSh, QCh, QCSh, DOh, DOSh, DOCh, DOCSh, LSEh, DELTAh,
                                  sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls,
-                                 SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
+                                 len_q, len_kv, D, qk_scale, sm_scale, offset, LB, RB,
                                  True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
         for m0 in range(full_lo, full_hi, BM):
             dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
                                  Qh, QSh, QCh, QCSh, DOh, DOSh, DOCh, DOCSh, LSEh, DELTAh,
                                  sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls,
-                                 SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
+                                 len_q, len_kv, D, qk_scale, sm_scale, offset, LB, RB,
                                  False, HAS_LB, HAS_RB, BM, BN, DP, PRE)
         for m0 in range(tl.maximum(full_hi, mask_hi), hi, BM):
             dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
                                  Qh, QSh, QCh, QCSh, DOh, DOSh, DOCh, DOCSh, LSEh, DELTAh,
                                  sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls,
-                                 SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
+                                 len_q, len_kv, D, qk_scale, sm_scale, offset, LB, RB,
                                  True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
-    omask = (cols < SKV)[:, None] & (offs_d < D)[None, :]
-    tl.store(DK + b * sdkb + hk * sdkh + cols[:, None] * sdks + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=omask)
-    tl.store(DV + b * sdvb + hk * sdvh + cols[:, None] * sdvs + offs_d[None, :],
-             (dv * (1.0 / 256.0)).to(DV.dtype.element_ty), mask=omask)
+    if VARLEN:  # rows past the sequence (padding) get exact zeros even where a NaN of its own rows reached them
+        dk = tl.where((cols < len_kv)[:, None], dk, 0.0)
+        dv = tl.where((cols < len_kv)[:, None], dv, 0.0)
+    _store_rows(DK, bt, hk, kv0, sdkb, sdkh, sdks, cols, offs_d, n_out, D, dk)
+    _store_rows(DV, bt, hk, kv0, sdvb, sdvh, sdvs, cols, offs_d, n_out, D, dv * P_DESCALE)
 
 
 @triton.jit
@@ -220,7 +265,7 @@ def _dq_block(dq, q_dq, do_r, lse, delta, n0, offs_m, offs_n, offs_d, offs_kb,
 
 @triton.jit
 def _dq_kernel(
-        Q, QS, K, KS, KC, KCS, V, VS, DO, DOS, LSE, DELTA, DQ,
+        Q, QS, K, KS, KC, KCS, V, VS, DO, DOS, LSE, DELTA, DQ, CU_Q, CU_KV,
         sqb, sqh, sqs, sqsb, sqsh, sqss,
         skb, skh, sks, sksb, sksh, skss,
         skcb, skch, skcs, skcsb, skcsh, skcss,
@@ -229,50 +274,65 @@ def _dq_kernel(
         slb, slh, sls, sdelb, sdqb, sdqh, sdqs,
         HQ, GROUP, SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, PRE: tl.constexpr):
-    """Grid (cdiv(SQ, BM), B * HQ)."""
+        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, PRE: tl.constexpr,
+        VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+    """Grid (query tiles, sequences * HQ)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HQ).to(tl.int64)
     hq = (pid_bh % HQ).to(tl.int64)
     hk = hq // GROUP
+    bt, q0, kv0, len_q, len_kv, _, kvb0, offset = seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN,
+                                                               PACKED, BOTTOM_RIGHT)
     m0 = pid_m * BM
     offs_m = m0 + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
     offs_kb = tl.arange(0, DP // 32)
-    rmask = offs_m < SQ
-    q_dq = _load_row_tile(Q + b * sqb + hq * sqh, QS + b * sqsb + hq * sqsh, offs_m, offs_d, offs_kb, sqs, sqss,
-                          SQ, D, BM, DP, PRE)
-    do_r = _load_row_tile(DO + b * sdob + hq * sdoh, DOS + b * sdosb + hq * sdosh, offs_m, offs_d, offs_kb,
-                          sdos, sdoss, SQ, D, BM, DP, PRE)
-    lse = tl.load(LSE + b * slb + hq * slh + offs_m * sls, mask=rmask, other=float("inf")) * 1.4426950408889634
+    if PACKED:
+        n_out = len_q
+    else:
+        n_out = SQ
+    if VARLEN:
+        if m0 >= len_q:  # no query row of this sequence in the tile
+            if not PACKED:  # padding rows of a padded batch: zero gradients
+                _store_rows(DQ, bt, hq, q0, sdqb, sdqh, sdqs, offs_m, offs_d, n_out, D,
+                            tl.zeros([BM, DP], tl.float32))
+            return
+    rmask = offs_m < len_q
+    q_dq = _load_row_tile(Q + bt * sqb + hq * sqh + q0 * sqs, QS + bt * sqsb + hq * sqsh + q0 * sqss, offs_m,
+                          offs_d, offs_kb, sqs, sqss, len_q, D, BM, DP, PRE)
+    do_r = _load_row_tile(DO + bt * sdob + hq * sdoh + q0 * sdos, DOS + bt * sdosb + hq * sdosh + q0 * sdoss,
+                          offs_m, offs_d, offs_kb, sdos, sdoss, len_q, D, BM, DP, PRE)
+    LSEb = LSE + bt * slb + hq * slh + q0 * sls
+    lse = tl.load(LSEb + offs_m * sls, mask=rmask, other=float("inf")) * LOG2E
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    delta = tl.load(DELTA + b * sdelb + hq * SQ + offs_m, mask=rmask, other=0.0)
-    Kh = K + b * skb + hk * skh
-    KSh = KS + b * sksb + hk * sksh
-    KCh = KC + b * skcb + hk * skch
-    KCSh = KCS + b * skcsb + hk * skcsh
-    Vh = V + b * svb + hk * svh
-    VSh = VS + b * svsb + hk * svsh
+    delta = tl.load(DELTA + bt * sdelb + hq * SQ + q0 + offs_m, mask=rmask, other=0.0)
+    Kh = K + bt * skb + hk * skh + kv0 * sks
+    KSh = KS + bt * sksb + hk * sksh + kv0 * skss
+    KCh = KC + bt * skcb + hk * skch + kv0 * skcs
+    KCSh = KCS + bt * skcsb + hk * skcsh + kvb0 * skcss
+    Vh = V + bt * svb + hk * svh + kv0 * svs
+    VSh = VS + bt * svsb + hk * svsh + kv0 * svss
 
-    lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
+    lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
 
     dq = tl.zeros([BM, DP], tl.float32)
     for n0 in range(lo, mask_hi, BN):
         dq = _dq_block(dq, q_dq, do_r, lse, delta, n0, offs_m, offs_n, offs_d, offs_kb,
                        Kh, KSh, KCh, KCSh, Vh, VSh, sks, skss, skcs, skcss, svs, svss,
-                       SKV, D, qk_scale, sm_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
+                       len_kv, D, qk_scale, sm_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
     for n0 in range(full_lo, full_hi, BN):
         dq = _dq_block(dq, q_dq, do_r, lse, delta, n0, offs_m, offs_n, offs_d, offs_kb,
                        Kh, KSh, KCh, KCSh, Vh, VSh, sks, skss, skcs, skcss, svs, svss,
-                       SKV, D, qk_scale, sm_scale, offset, LB, RB, False, HAS_LB, HAS_RB, BM, BN, DP, PRE)
+                       len_kv, D, qk_scale, sm_scale, offset, LB, RB, False, HAS_LB, HAS_RB, BM, BN, DP, PRE)
     for n0 in range(tl.maximum(full_hi, mask_hi), hi, BN):
         dq = _dq_block(dq, q_dq, do_r, lse, delta, n0, offs_m, offs_n, offs_d, offs_kb,
                        Kh, KSh, KCh, KCSh, Vh, VSh, sks, skss, skcs, skcss, svs, svss,
-                       SKV, D, qk_scale, sm_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
-    tl.store(DQ + b * sdqb + hq * sdqh + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=rmask[:, None] & (offs_d < D)[None, :])
+                       len_kv, D, qk_scale, sm_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
+    if VARLEN:  # as in the dK/dV kernel
+        dq = tl.where(rmask[:, None], dq, 0.0)
+    _store_rows(DQ, bt, hq, q0, sdqb, sdqh, sdqs, offs_m, offs_d, n_out, D, dq)
 
 
 def _bwd_config(dp: int):
@@ -294,19 +354,19 @@ def _op(t):
     return t.data, t.scale.view(torch.uint8)
 
 
-def _launch_dkdv(qr, qc, kr, vr, dor, doc, stats, delta, dk, dv, cfg, pre, args, common):
+def _launch_dkdv(qr, qc, kr, vr, dor, doc, stats, delta, dk, dv, cfg, pre, args, common, sa):
     (bm1, bn1, w1, st1) = cfg
     B, HKV, SKV = kr.data.shape[0], kr.data.shape[1], kr.data.shape[2]
     ops = [_op(t) for t in (qr, qc, kr, vr, dor, doc)]
     flat = [x for pair in ops for x in pair]
     strides = [st for pair in ops for x in pair for st in _st3(x)]
     launch(
-        _dkdv_kernel, (triton.cdiv(SKV, bn1), B * HKV),
-        *flat, stats, delta, dk, dv, *strides, *_st3(stats), delta.stride(0), *_st3(dk), *_st3(dv),
-        HKV, *args, BM=bm1, BN=bn1, PRE=pre, num_warps=w1, num_stages=st1, **common)
+        _dkdv_kernel, (sa.kv_tiles(SKV, bn1), sa.programs(B, HKV)),
+        *flat, stats, delta, dk, dv, sa.cu_q, sa.cu_kv, *strides, *_st3(stats), delta.stride(0), *_st3(dk),
+        *_st3(dv), HKV, *args, BM=bm1, BN=bn1, PRE=pre, num_warps=w1, num_stages=st1, **common)
 
 
-def _launch_dq(qr, kr, kc, vr, dor, stats, delta, dq, cfg, pre, args, common):
+def _launch_dq(qr, kr, kc, vr, dor, stats, delta, dq, cfg, pre, args, common, sa):
     (bm2, bn2, w2, st2) = cfg
     qd = qr if isinstance(qr, torch.Tensor) else qr.data
     B, HQ, SQ = qd.shape[0], qd.shape[1], qd.shape[2]
@@ -314,23 +374,27 @@ def _launch_dq(qr, kr, kc, vr, dor, stats, delta, dq, cfg, pre, args, common):
     flat = [x for pair in ops for x in pair]
     strides = [st for pair in ops for x in pair for st in _st3(x)]
     launch(
-        _dq_kernel, (triton.cdiv(SQ, bm2), B * HQ),
-        *flat, stats, delta, dq, *strides, *_st3(stats), delta.stride(0), *_st3(dq),
+        _dq_kernel, (sa.q_tiles(SQ, bm2), sa.programs(B, HQ)),
+        *flat, stats, delta, dq, sa.cu_q, sa.cu_kv, *strides, *_st3(stats), delta.stride(0), *_st3(dq),
         HQ, *args, BM=bm2, BN=bn2, PRE=pre, num_warps=w2, num_stages=st2, **common)
 
 
 def _heads(t, h0: int, h1: int):
-    """Head slice [h0, h1) of an MXFP8Tensor (data and scale views, no copy)."""
-    return SimpleNamespace(data=t.data[:, h0:h1], scale=t.scale[:, h0:h1], axis=t.axis)
+    """Head slice [h0, h1) of an MXFP8Tensor (data and scale views, no copy; segments kept)."""
+    return SimpleNamespace(data=t.data[:, h0:h1], scale=t.scale[:, h0:h1], axis=t.axis,
+                           segments=getattr(t, "segments", None))
 
 
 #: upper bound on the bf16 scratch (dequantized operands) one head chunk of the "pre" backward may hold
 PRE_BUDGET_BYTES = 128 << 20
 
+#: rows of the delta pre-pass's tiles
+DELTA_BM = 64
+
 
 def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stats, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                  config=None, mode: str = "fp8") -> None:
+                  config=None, mode: str = "fp8", seq=None, bottom_right: bool = False) -> None:
     """Launch delta pre-pass, dK/dV kernel and dQ kernel.
 
     q_row, q_col: MXFP8Tensor [B,Hq,Sq,D] (row: scales [B,H,S,ceil(D/32)], col: scales [B,H,ceil(S/32),D]);
@@ -343,6 +407,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     operations in the inner loops; at most about PRE_BUDGET_BYTES of scratch per chunk).
     config: optional ((BM, BN, warps, stages) of dK/dV, (BM, BN, warps, stages) of dQ) override (sweeps);
     every block size a multiple of 32 (dS is quantized in blocks of 32 inside a tile).
+    seq, bottom_right: variable lengths as in `attention_fwd` (a packed batch's column-wise copies q_col,
+    k_col, do_col are segmented; a padded batch's copies were quantized with the padding rows read as zeros).
     """
     if mode not in ("fp8", "pre"):
         raise ValueError(f"mode must be 'fp8' or 'pre', got {mode!r}")
@@ -361,45 +427,54 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
         if t.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride along D")
+    sa = check_seq(seq, q_row.data, k_row.data, stats, bottom_right, offset)
+    if sa.packed:
+        for name, t in (("q_col", q_col), ("k_col", k_col), ("do_col", do_col)):
+            if t is not None and getattr(t, "segments", None) is None:
+                raise ValueError(f"{name} of a packed batch must be segmented (MXFP8Tensor segments=cu_seqlens)")
     (bm1, bn1, w1, st1), (bm2, bn2, w2, st2) = config if config is not None else _bwd_config(dp)
     if min(bm1, bn1, bm2, bn2) < 32 or any(x % 32 for x in (bm1, bn1, bm2, bn2)):
         raise ValueError(f"backward block sizes must be multiples of 32, got {config}")
     delta = torch.empty((B, HQ, SQ), dtype=torch.float32, device=o.device)
-    launch(_delta_kernel, (triton.cdiv(SQ, 64), B * HQ), o, do, delta, *o.stride(), *do.stride(), HQ, SQ, D,
-           BM=64, DP=dp, num_warps=4)
+    launch(_delta_kernel, (sa.q_tiles(SQ, DELTA_BM), sa.programs(B, HQ)), o, do, delta, sa.cu_q, *o.stride(),
+           *do.stride(), HQ, SQ, D, BM=DELTA_BM, DP=dp, VARLEN=sa.varlen, PACKED=sa.packed, num_warps=4)
     lb = 0 if left_bound is None else int(left_bound)
     rb = 0 if right_bound is None else int(right_bound)
-    common = dict(HAS_LB=left_bound is not None, HAS_RB=right_bound is not None, DP=dp)
-    args = (group, SQ, SKV, D, float(softmax_scale) * LOG2E, float(softmax_scale), int(offset), lb, rb)
+    common = dict(HAS_LB=left_bound is not None, HAS_RB=right_bound is not None, DP=dp, **sa.constexprs(bottom_right))
+    args = (group, SQ, SKV, D, float(softmax_scale) * LOG2E.value, float(softmax_scale), int(offset), lb, rb)
     cfg1, cfg2 = (bm1, bn1, w1, st1), (bm2, bn2, w2, st2)
     if mode == "fp8":
-        _launch_dkdv(q_row, q_col, k_row, v_row, do_row, do_col, stats, delta, dk, dv, cfg1, False, args, common)
-        _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, False, args, common)
+        _launch_dkdv(q_row, q_col, k_row, v_row, do_row, do_col, stats, delta, dk, dv, cfg1, False, args, common,
+                     sa)
+        _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, False, args, common, sa)
         return
     from .triton_quantize import dequantize_bf16, quantize_rowcol
     # scratch bytes per KV head: dK/dV phase holds 4 q-side bf16 operands (+ FP8 dO temporaries)
     per_head = max(B * group * SQ * D * 10, B * (group * SQ * 4 + SKV * 6) * D)
     sms = torch.cuda.get_device_properties(o.device).multi_processor_count if o.is_cuda else 132
-    want = triton.cdiv(2 * sms, max(1, triton.cdiv(SKV, bn1) * B))  # heads for about two waves of programs
+    # heads for about two waves of programs
+    want = triton.cdiv(2 * sms, max(1, sa.kv_tiles(SKV, bn1) * sa.programs(B, 1)))
     hc = max(1, min(HKV, max(want, PRE_BUDGET_BYTES // max(1, per_head))))
     if hc * per_head > 4 * PRE_BUDGET_BYTES:
         hc = max(1, (4 * PRE_BUDGET_BYTES) // per_head)
+    quant_seq = dict(cu_seqlens=seq.cu_seqlens_q, max_seqlen=seq.max_seqlen_q, packed=sa.packed) if sa.varlen \
+        else {}
     for h0 in range(0, HKV, hc):  # a loop over head chunks, not elements
         h1 = min(HKV, h0 + hc)
         q0, q1 = h0 * group, h1 * group
-        dq_ = quantize_rowcol(do[:, q0:q1], row_dequant=True, col_dequant=True)
+        dq_ = quantize_rowcol(do[:, q0:q1], row_dequant=True, col_dequant=True, **quant_seq)
         do_r, do_c = dq_.row_dequant, dq_.col_dequant
         del dq_
         q_r = dequantize_bf16(_heads(q_row, q0, q1))
-        q_c = dequantize_bf16(_heads(q_col, q0, q1))
+        q_c = dequantize_bf16(_heads(q_col, q0, q1), max_seqlen=sa.max_q)
         st, de = stats[:, q0:q1], delta[:, q0:q1]
         _launch_dkdv(q_r, q_c, _heads(k_row, h0, h1), _heads(v_row, h0, h1), do_r, do_c, st, de,
-                     dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args, common)
+                     dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args, common, sa)
         del q_c, do_c
         k_r = dequantize_bf16(_heads(k_row, h0, h1))
-        k_c = dequantize_bf16(_heads(k_col, h0, h1))
+        k_c = dequantize_bf16(_heads(k_col, h0, h1), max_seqlen=sa.max_kv)
         v_r = dequantize_bf16(_heads(v_row, h0, h1))
-        _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common)
+        _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common, sa)
         del q_r, do_r, k_r, k_c, v_r
 
 

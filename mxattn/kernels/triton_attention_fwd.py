@@ -4,17 +4,41 @@ Q and K (row-wise) and V (column-wise) arrive as E4M3 data with compact E8M0 sca
 exactly to BF16 (E4M3 * 2^k fits BF16) and multiplied on the BF16 tensor cores with FP32 accumulation. The
 softmax is online over 128-wide KV blocks taken in ascending order, as the reference does; P is quantized to
 E4M3 with the fixed scale 256 before the P V product. Output: O (bf16/fp16) and log-sum-exp stats (fp32).
+
+Variable lengths (`seq`, a `mxattn.seqinfo.SeqInfo`): the grid is (query tiles of the longest sequence,
+sequences * heads); `seq_prologue` gives each program its sequence's rows and lengths, every index below it is
+relative to the sequence start, and programs whose tile starts past their sequence's end exit at once (in a
+padded batch after writing O = 0 and stats = -inf on the padding rows of their tile). So a sequence's numbers
+are those of a dense call on that sequence alone, bit for bit.
 """
+
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from .triton_launch import launch
-from .triton_quantize import dequant_cols, dequant_rows
+from .triton_quantize import (LN2, LOG2E, P_SCALE, dequant_cols, dequant_rows, row_tiles, seq_programs,
+                              seq_span)
 
 BLOCK_N = 128  # KV block of the online softmax: fixed by the recipe, not a tuning knob
-LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN: tl.constexpr, PACKED: tl.constexpr,
+                 BOTTOM_RIGHT: tl.constexpr):
+    """The per-sequence prologue of the attention kernels: sequence b (int64) ->
+    (bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset): the batch index into the tensors, the first query and key
+    rows, the lengths, the first column-wise scale rows of the Q side and of the K/V side (`seq_span`), and the
+    diagonal offset of the band mask (varlen bottom-right: len_kv - len_q of this sequence; else the `offset`
+    passed in). Dense (VARLEN False): (b, 0, 0, SQ, SKV, 0, 0, offset)."""
+    bt, q0, len_q, qb0 = seq_span(CU_Q, b, SQ, VARLEN, PACKED)
+    _, kv0, len_kv, kvb0 = seq_span(CU_KV, b, SKV, VARLEN, PACKED)
+    if VARLEN:
+        if BOTTOM_RIGHT:
+            offset = len_kv - len_q
+    return bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset
 
 
 @triton.jit
@@ -86,7 +110,7 @@ def _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n, offs_d
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    pq = (p * 256.0).to(tl.float8e4nv).to(tl.bfloat16)
+    pq = (p * P_SCALE).to(tl.float8e4nv).to(tl.bfloat16)
     if MASK:
         vmask = (cols < SKV)[:, None] & (offs_d < D)[None, :]
         v = tl.load(v_ptrs + n0 * stride_vn, mask=vmask, other=0.0)
@@ -113,63 +137,89 @@ def _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n, offs_d
 
 @triton.jit
 def _attn_fwd_kernel(
-        Q, QS, K, KS, V, VS, O, LSE,
+        Q, QS, K, KS, V, VS, O, LSE, CU_Q, CU_KV,
         sqb, sqh, sqs, sqd, sqsb, sqsh, sqss,
         skb, skh, sks, skd, sksb, sksh, skss,
         svb, svh, svs, svd, svsb, svsh, svss,
         sob, soh, sos, sod, slb, slh, sls,
         HQ, GROUP, SQ, SKV, D, qk_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, KV_BF16: tl.constexpr, WS: tl.constexpr):
-    """Grid (cdiv(SQ, BM), B * HQ). Q/K row-wise scales [B,H,S,DP/32-ish], V column-wise [B,H,S/32,D]."""
+        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, KV_BF16: tl.constexpr, WS: tl.constexpr,
+        VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+    """Grid (query tiles, sequences * HQ). Q/K row-wise scales [B,H,S,DP/32-ish], V column-wise [B,H,S/32,D]
+    (segmented for a packed batch). SQ, SKV: the tensors' row counts; len_q, len_kv: the sequence's."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HQ).to(tl.int64)
     hq = (pid_bh % HQ).to(tl.int64)
     hk = hq // GROUP
+    bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset = seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN,
+                                                                 PACKED, BOTTOM_RIGHT)
     m0 = pid_m * BM
     offs_m = m0 + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
     offs_kb = tl.arange(0, DP // 32)
+    # rows this program writes: its sequence's (packed), or all rows of the tile in the tensor (padding of a
+    # padded batch gets O = 0 and stats = -inf)
+    if PACKED:
+        n_out = len_q
+    else:
+        n_out = SQ
+    if VARLEN:
+        if m0 >= len_q:  # no query row of this sequence in the tile
+            if not PACKED:
+                _store_out(O, LSE, bt, hq, q0, offs_m, offs_d, sob, soh, sos, sod, slb, slh, sls, n_out, D,
+                           tl.zeros([BM, DP], tl.float32), tl.full([BM], float("-inf"), tl.float32))
+            return
 
-    qmask = (offs_m < SQ)[:, None] & (offs_d < D)[None, :]
-    q = tl.load(Q + b * sqb + hq * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd, mask=qmask, other=0.0)
-    qs = tl.load(QS + b * sqsb + hq * sqsh + offs_m[:, None] * sqss + offs_kb[None, :],
-                 mask=(offs_m < SQ)[:, None] & (offs_kb * 32 < D)[None, :], other=127)
+    qmask = (offs_m < len_q)[:, None] & (offs_d < D)[None, :]
+    Qb = Q + bt * sqb + hq * sqh + q0 * sqs
+    QSb = QS + bt * sqsb + hq * sqsh + q0 * sqss
+    q = tl.load(Qb + offs_m[:, None] * sqs + offs_d[None, :] * sqd, mask=qmask, other=0.0)
+    qs = tl.load(QSb + offs_m[:, None] * sqss + offs_kb[None, :],
+                 mask=(offs_m < len_q)[:, None] & (offs_kb * 32 < D)[None, :], other=127)
     q_dq = dequant_rows(q, qs, BM, DP)
 
-    Kb = K + b * skb + hk * skh
-    KSb = KS + b * sksb + hk * sksh
-    Vb = V + b * svb + hk * svh
-    VSb = VS + b * svsb + hk * svsh
+    Kb = K + bt * skb + hk * skh + kv0 * sks
+    KSb = KS + bt * sksb + hk * sksh + kv0 * skss
+    Vb = V + bt * svb + hk * svh + kv0 * svs
+    VSb = VS + bt * svsb + hk * svsh + kvb0 * svss
 
     # KV range touched by rows [m0, m0 + BM) and the sub-range where no element is masked
-    lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
+    lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DP], tl.float32)
     for n0 in range(lo, mask_hi, BN):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
-                                   offs_d, sks, skd, skss, svs, svd, svss, SKV, D, qk_scale, offset, LB, RB,
+                                   offs_d, sks, skd, skss, svs, svd, svss, len_kv, D, qk_scale, offset, LB, RB,
                                    True, HAS_LB, HAS_RB, BM, BN, DP, KV_BF16)
     for n0 in tl.range(full_lo, full_hi, BN, warp_specialize=WS):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
-                                   offs_d, sks, skd, skss, svs, svd, svss, SKV, D, qk_scale, offset, LB, RB,
+                                   offs_d, sks, skd, skss, svs, svd, svss, len_kv, D, qk_scale, offset, LB, RB,
                                    False, HAS_LB, HAS_RB, BM, BN, DP, KV_BF16)
     for n0 in range(tl.maximum(full_hi, mask_hi), hi, BN):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
-                                   offs_d, sks, skd, skss, svs, svd, svss, SKV, D, qk_scale, offset, LB, RB,
+                                   offs_d, sks, skd, skss, svs, svd, svss, len_kv, D, qk_scale, offset, LB, RB,
                                    True, HAS_LB, HAS_RB, BM, BN, DP, KV_BF16)
 
     has = l_i > 0.0
-    denom = tl.where(has, l_i * 256.0, 1.0)
+    if VARLEN:
+        has = has & (offs_m < len_q)  # padding rows of a padded tile saw zero queries, not no keys
+    denom = tl.where(has, l_i * P_SCALE, 1.0)
     o = tl.where(has[:, None], acc / denom[:, None], 0.0)
-    lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(O + b * sob + hq * soh + offs_m[:, None] * sos + offs_d[None, :] * sod,
-             o.to(O.dtype.element_ty), mask=qmask)
-    tl.store(LSE + b * slb + hq * slh + offs_m * sls, lse, mask=offs_m < SQ)
+    lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
+    _store_out(O, LSE, bt, hq, q0, offs_m, offs_d, sob, soh, sos, sod, slb, slh, sls, n_out, D, o, lse)
+
+
+@triton.jit
+def _store_out(O, LSE, bt, hq, q0, offs_m, offs_d, sob, soh, sos, sod, slb, slh, sls, n_out, D, o, lse):
+    """Rows offs_m < n_out of O (o, fp32 [BM, DP], cast to O's dtype) and of the stats (lse [BM])."""
+    tl.store(O + bt * sob + hq * soh + q0 * sos + offs_m[:, None] * sos + offs_d[None, :] * sod,
+             o.to(O.dtype.element_ty), mask=(offs_m < n_out)[:, None] & (offs_d < D)[None, :])
+    tl.store(LSE + bt * slb + hq * slh + q0 * sls + offs_m * sls, lse, mask=offs_m < n_out)
 
 
 def _fwd_config(dp: int):
@@ -181,7 +231,7 @@ def _fwd_config(dp: int):
 
 def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, out: torch.Tensor, stats: torch.Tensor,
-                  config=None, k_bf16=None, v_bf16=None) -> None:
+                  config=None, k_bf16=None, v_bf16=None, seq=None, bottom_right: bool = False) -> None:
     """Launch the forward kernel.
 
     q_data [B,Hq,Sq,D] e4m3, q_scale [B,Hq,Sq,ceil(D/32)] e8m0 (row-wise); k_data/k_scale likewise with Hkv
@@ -192,6 +242,10 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
     k_bf16, v_bf16: optional contiguous bf16 [B,Hkv,Skv,D], the exact dequantizations of (k_data, k_scale)
     and (v_data, v_scale_col) (e.g. from quantize_rowcol(row_dequant=/col_dequant=True)); when given, the
     kernel streams them instead of dequantizing K and V tiles in registers (same numbers, fewer ALU ops).
+    seq: optional SeqInfo-like object (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
+    making the call variable-length (module docstring); a packed batch has B = 1 and v_scale_col segmented
+    ([1,Hkv,Skv//32 + n_seq,D]). The band mask then applies per sequence: bottom_right=True takes each
+    sequence's len_kv - len_q as its offset (offset must then be 0), else offset is used (0 = top_left).
     """
     if (k_bf16 is None) != (v_bf16 is None):
         raise ValueError("k_bf16 and v_bf16 must be given together")
@@ -203,6 +257,7 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
         k_data, v_data = k_bf16, v_bf16
     B, HQ, SQ, D = q_data.shape
     HKV, SKV = k_data.shape[1], k_data.shape[2]
+    sa = check_seq(seq, q_data, k_data, stats, bottom_right, offset)
     dp = max(32, triton.next_power_of_2(D))
     bm, warps, stages, *rest = config if config is not None else _fwd_config(dp)
     ws = bool(rest[0]) if rest else False
@@ -211,17 +266,66 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
     for name, t in (("q_scale", qs), ("k_scale", ks), ("v_scale_col", vs)):
         if t.stride(3) != 1:
             raise ValueError(f"{name} must have a contiguous last axis, got strides {tuple(t.stride())}")
-    grid = (triton.cdiv(SQ, bm), B * HQ)
     launch(
-        _attn_fwd_kernel, grid, q_data, qs, k_data, ks, v_data, vs, out, stats,
+        _attn_fwd_kernel, (sa.q_tiles(SQ, bm), sa.programs(B, HQ)), q_data, qs, k_data, ks, v_data, vs, out, stats,
+        sa.cu_q, sa.cu_kv,
         *q_data.stride(), *qs.stride()[:3],
         *k_data.stride(), *ks.stride()[:3],
         *v_data.stride(), *vs.stride()[:3],
         *out.stride(), *stats.stride()[:3],
-        HQ, HQ // HKV, SQ, SKV, D, float(softmax_scale) * LOG2E, int(offset),
+        HQ, HQ // HKV, SQ, SKV, D, float(softmax_scale) * LOG2E.value, int(offset),
         0 if left_bound is None else int(left_bound), 0 if right_bound is None else int(right_bound),
         HAS_LB=left_bound is not None, HAS_RB=right_bound is not None,
-        BM=bm, BN=BLOCK_N, DP=dp, KV_BF16=kv_bf16, WS=ws, num_warps=warps, num_stages=stages)
+        BM=bm, BN=BLOCK_N, DP=dp, KV_BF16=kv_bf16, WS=ws, **sa.constexprs(bottom_right), num_warps=warps,
+        num_stages=stages)
 
 
-__all__ = ["attention_fwd", "BLOCK_N", "LOG2E"]
+class SeqArgs(NamedTuple):
+    """Variable-length arguments as the launches take them. Dense: varlen False, cu_q/cu_kv stand-in tensors
+    the kernels never read, max_q/max_kv None (grids then cover the tensors' rows)."""
+
+    cu_q: torch.Tensor
+    cu_kv: torch.Tensor
+    max_q: Optional[int]
+    max_kv: Optional[int]
+    varlen: bool
+    packed: bool
+
+    def q_tiles(self, n_rows: int, block: int) -> int:
+        return row_tiles(n_rows, block, self.max_q, self.packed)
+
+    def kv_tiles(self, n_rows: int, block: int) -> int:
+        return row_tiles(n_rows, block, self.max_kv, self.packed)
+
+    def programs(self, batch: int, heads: int) -> int:
+        """Programs along the (sequence, head) grid axis."""
+        return seq_programs(batch, heads, self.cu_q if self.varlen else None, self.packed)
+
+    def constexprs(self, bottom_right: bool) -> dict:
+        return dict(VARLEN=self.varlen, PACKED=self.packed, BOTTOM_RIGHT=self.varlen and bool(bottom_right))
+
+
+def check_seq(seq, q: torch.Tensor, k: torch.Tensor, stand_in: torch.Tensor, bottom_right: bool = False,
+              offset: int = 0) -> SeqArgs:
+    """Host checks of an attention kernel's variable-length arguments -> SeqArgs. seq: None or a SeqInfo-like
+    object (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed); q [B,Hq,Sq,D], k [B,Hkv,Skv,D]
+    (data tensors); stand_in: any tensor to pass for the unread cu pointers of a dense call. Raises
+    ValueError/TypeError before any launch."""
+    if seq is None:
+        if bottom_right:
+            raise ValueError("bottom_right=True is for variable-length calls (seq); a dense call passes its "
+                             "offset (Skv - Sq)")
+        return SeqArgs(stand_in, stand_in, None, None, False, False)
+    from .triton_quantize import check_cu_seqlens
+    packed = bool(seq.packed)
+    check_cu_seqlens(seq.cu_seqlens_q, "seq.cu_seqlens_q", q, packed)
+    check_cu_seqlens(seq.cu_seqlens_kv, "seq.cu_seqlens_kv", k, packed)
+    if seq.cu_seqlens_q.numel() != seq.cu_seqlens_kv.numel():
+        raise ValueError(f"seq.cu_seqlens_q and seq.cu_seqlens_kv describe different batch sizes: "
+                         f"{seq.cu_seqlens_q.numel() - 1} and {seq.cu_seqlens_kv.numel() - 1}")
+    if bottom_right and offset != 0:
+        raise ValueError(f"with bottom_right=True each sequence has its own offset; pass offset=0, got {offset}")
+    return SeqArgs(seq.cu_seqlens_q, seq.cu_seqlens_kv, seq.max_seqlen_q, seq.max_seqlen_kv, True, packed)
+
+
+__all__ = ["attention_fwd", "check_seq", "SeqArgs", "kv_block_range", "seq_prologue", "BLOCK_N", "LOG2E"]

@@ -8,6 +8,12 @@ quantize-dequantize) are used by the forward and backward kernels as well.
 Scale rule (spec section 2, round-up): ``e = biased_exponent(amax / 448) + (mantissa != 0)``, clamped to
 [0, 254]; ``e = 0`` when ``amax / 448 <= 2^-127``; ``e = 255`` for NaN (the whole block becomes NaN).
 Elements: ``RNE_saturate_E4M3(x * 2^(127 - e))`` (the hardware conversion saturates to +-448).
+
+Variable lengths (`seq_span`): with ``cu_seqlens`` a padded batch ([B, H, S, D], sequence b = rows
+``0 .. len_b`` of batch b) is quantized with the rows past each length read as zeros, and a packed one
+([1, H, T, D], sequence b = rows ``cu[b] .. cu[b+1]``) has its column-wise blocks restarting at every sequence
+start, the column scales being [1, H, T // 32 + B, D] with sequence b's blocks from row ``cu[b] // 32 + b``
+(`mxattn.formats.segment_block_start`; unused rows hold byte 0).
 """
 
 from typing import NamedTuple, Optional
@@ -17,6 +23,43 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
+
+# --------------------------------------------------------------------------- recipe constants (spec sections 6, 7)
+# tl.constexpr so that @triton.jit code can read them; host code uses `.value`.
+#: elements per MXFP8 block (one E8M0 scale each)
+MX_BLOCK = tl.constexpr(32)
+#: fixed power-of-two scale of P before its E4M3 cast (Pq = E4M3(P * 256) / 256)
+P_SCALE = tl.constexpr(256.0)
+P_DESCALE = tl.constexpr(1.0 / 256.0)
+#: the kernels run the softmax in base 2: exp(x) = exp2(x * LOG2E), ln(y) = log2(y) * LN2
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def seq_span(CU, b, S, VARLEN: tl.constexpr, PACKED: tl.constexpr):
+    """Where sequence b (int64) lies in a [B, H, S, D] tensor -> (bt, start, length, blk0):
+    the batch index into the tensor, its first row, its length and its first column-wise scale row.
+    Dense (VARLEN False): (b, 0, S, 0). Padded: (b, 0, cu[b+1] - cu[b], 0). Packed: (0, cu[b], len_b,
+    cu[b] // 32 + b). Row offsets come back as int64 scalars (they multiply row strides of a whole pack)."""
+    zero = b * 0
+    if VARLEN:
+        first = tl.load(CU + b)
+        length = tl.load(CU + b + 1) - first
+        if PACKED:
+            bt = zero
+            start = first.to(tl.int64)
+            blk0 = start // MX_BLOCK + b
+        else:
+            bt = b
+            start = zero
+            blk0 = zero
+    else:
+        bt = b
+        start = zero
+        length = S
+        blk0 = zero
+    return bt, start, length, blk0
 
 
 @triton.jit
@@ -103,37 +146,49 @@ def _quantize_rowcol_kernel(
         X, sxb, sxh, sxs, sxd,
         QR, sqrb, sqrh, sqrs, sqrd, SR,
         QC, sqcb, sqch, sqcs, sqcd, SC,
-        SRZ, SCZ, RDQ, CDQ,
+        SRZ, SCZ, RDQ, CDQ, CU,
         H, S, D, NR, NC, SRZ_KP, SRZ_SLAB, SCZ_KP, SCZ_SLAB,
         BS: tl.constexpr, BD: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SWZ: tl.constexpr,
-        ROW_DQ: tl.constexpr, COL_DQ: tl.constexpr):
+        ROW_DQ: tl.constexpr, COL_DQ: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr):
     """One [BS, BD] tile of x read once -> row-wise and/or column-wise E4M3 data and E8M0 scales, and on
-    request their exact BF16 dequantizations (contiguous [B, H, S, D]) for kernels that stream BF16."""
+    request their exact BF16 dequantizations (contiguous [B, H, S, D]) for kernels that stream BF16.
+    Grid (row tiles, D tiles, sequences * H); offs_s are rows of the program's sequence (`seq_span`)."""
     pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_bh = tl.program_id(2)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
+    bt, start, length, blk0 = seq_span(CU, b, S, VARLEN, PACKED)
+    if PACKED:
+        if pid_s * BS >= length:  # past the end of this sequence: nothing to do
+            return
+    # rows written: a packed program owns its sequence's rows only; a padded one writes zeros on padding
+    if PACKED:
+        n_out = length
+    else:
+        n_out = S
+    slab = (bt * H + h) * S + start  # first row of (bt, h) in the contiguous [B, H, S, *] outputs
     offs_s = pid_s * BS + tl.arange(0, BS)
     offs_d = pid_d * BD + tl.arange(0, BD)
-    mask = (offs_s < S)[:, None] & (offs_d < D)[None, :]
-    x = tl.load(X + b * sxb + h * sxh + offs_s[:, None] * sxs + offs_d[None, :] * sxd, mask=mask,
-                other=0.0).to(tl.float32)
+    dmask = (offs_d < D)[None, :]
+    mask = (offs_s < n_out)[:, None] & dmask
+    x = tl.load(X + bt * sxb + h * sxh + start * sxs + offs_s[:, None] * sxs + offs_d[None, :] * sxd,
+                mask=(offs_s < length)[:, None] & dmask, other=0.0).to(tl.float32)
     if ROW:
         x3 = tl.reshape(x, (BS, BD // 32, 32))
         e = scale_exponent_from_bits(block_amax_bits(x3, 2))
         y = tl.where((e == 255)[:, :, None], float("nan"), x3 * inv_pow2_of_biased(e)[:, :, None])
         q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
-        tl.store(QR + b * sqrb + h * sqrh + offs_s[:, None] * sqrs + offs_d[None, :] * sqrd, q, mask=mask)
+        tl.store(QR + bt * sqrb + h * sqrh + start * sqrs + offs_s[:, None] * sqrs + offs_d[None, :] * sqrd, q,
+                 mask=mask)
         if ROW_DQ:
             dq = tl.reshape(tl.reshape(q.to(tl.bfloat16), (BS, BD // 32, 32)) *
                             pow2_of_biased_bf16(e.to(tl.uint8))[:, :, None], (BS, BD))
-            tl.store(RDQ + (pid_bh.to(tl.int64) * S + offs_s[:, None]) * D + offs_d[None, :], dq, mask=mask)
+            tl.store(RDQ + slab * D + offs_s[:, None] * D + offs_d[None, :], dq, mask=mask)
         offs_k = pid_d * (BD // 32) + tl.arange(0, BD // 32)
-        smask = (offs_s < S)[:, None] & (offs_k < NR)[None, :]
-        tl.store(SR + (pid_bh.to(tl.int64) * S + offs_s[:, None]) * NR + offs_k[None, :], e.to(tl.uint8),
-                 mask=smask)
-        if SWZ:
+        smask = (offs_s < n_out)[:, None] & (offs_k < NR)[None, :]
+        tl.store(SR + slab * NR + offs_s[:, None] * NR + offs_k[None, :], e.to(tl.uint8), mask=smask)
+        if SWZ:  # never with PACKED (refused on the host)
             off = _swizzle_offset(offs_s[:, None], offs_k[None, :], SRZ_KP)
             tl.store(SRZ + pid_bh.to(tl.int64) * SRZ_SLAB + off, e.to(tl.uint8), mask=smask)
     if COL:
@@ -141,14 +196,18 @@ def _quantize_rowcol_kernel(
         e = scale_exponent_from_bits(block_amax_bits(x3, 1))
         y = tl.where((e == 255)[:, None, :], float("nan"), x3 * inv_pow2_of_biased(e)[:, None, :])
         q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
-        tl.store(QC + b * sqcb + h * sqch + offs_s[:, None] * sqcs + offs_d[None, :] * sqcd, q, mask=mask)
+        tl.store(QC + bt * sqcb + h * sqch + start * sqcs + offs_s[:, None] * sqcs + offs_d[None, :] * sqcd, q,
+                 mask=mask)
         if COL_DQ:
             dq = tl.reshape(tl.reshape(q.to(tl.bfloat16), (BS // 32, 32, BD)) *
                             pow2_of_biased_bf16(e.to(tl.uint8))[:, None, :], (BS, BD))
-            tl.store(CDQ + (pid_bh.to(tl.int64) * S + offs_s[:, None]) * D + offs_d[None, :], dq, mask=mask)
-        offs_j = pid_s * (BS // 32) + tl.arange(0, BS // 32)
-        smask = (offs_j < NC)[:, None] & (offs_d < D)[None, :]
-        tl.store(SC + (pid_bh.to(tl.int64) * NC + offs_j[:, None]) * D + offs_d[None, :], e.to(tl.uint8),
+            tl.store(CDQ + slab * D + offs_s[:, None] * D + offs_d[None, :], dq, mask=mask)
+        offs_j = pid_s * (BS // 32) + tl.arange(0, BS // 32)  # blocks of this sequence (from its start)
+        if PACKED:
+            smask = (offs_j * 32 < n_out)[:, None] & dmask
+        else:
+            smask = (offs_j < NC)[:, None] & dmask
+        tl.store(SC + ((bt * H + h) * NC + blk0) * D + offs_j[:, None] * D + offs_d[None, :], e.to(tl.uint8),
                  mask=smask)
         if SWZ:
             off = _swizzle_offset(offs_d[None, :], offs_j[:, None], SCZ_KP)
@@ -179,6 +238,55 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+#: CUDA's limit on the y and z extents of a grid (the attention and quantizer grids put sequences * heads there)
+MAX_GRID_YZ = 65535
+
+
+def seq_programs(batch: int, heads: int, cu_seqlens: Optional[torch.Tensor] = None, packed: bool = False) -> int:
+    """Programs along the (sequence, head) axis of a kernel grid: (number of sequences) * heads, the sequences
+    being cu_seqlens.numel() - 1 for a packed batch and the tensor batch otherwise. Raises ValueError beyond
+    what a CUDA grid holds."""
+    n_seq = cu_seqlens.numel() - 1 if packed else batch
+    n = n_seq * heads
+    if n > MAX_GRID_YZ:
+        raise ValueError(f"{n_seq} sequences x {heads} heads = {n} programs exceed the CUDA grid limit "
+                         f"{MAX_GRID_YZ}; split the batch")
+    return n
+
+
+def row_tiles(n_rows: int, block: int, max_seqlen: Optional[int] = None, packed: bool = False) -> int:
+    """Programs along S for tiles of `block` rows: a packed batch needs enough for its longest sequence
+    (max_seqlen; programs past their own sequence's end exit at once), a dense or padded one covers all
+    n_rows (the padding rows of a padded batch get their zeros from the kernels)."""
+    if packed and max_seqlen is not None:
+        n_rows = min(n_rows, max_seqlen)
+    return _cdiv(n_rows, block)
+
+
+def check_cu_seqlens(cu_seqlens, name: str, x: torch.Tensor, packed: bool) -> None:
+    """Shape/dtype/device checks of one side's cumulative lengths against its [B, H, S, D] tensor x (host
+    side, before any launch; the values are trusted: `mxattn.seqinfo.make_seqinfo` checked them)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (int32 [batch + 1]), got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 >= 2 offsets, got "
+                         f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != x.device:
+        raise ValueError(f"{name} must be on {x.device}, got {cu_seqlens.device}")
+    if packed and x.shape[0] != 1:
+        raise ValueError(f"a packed batch is a [1, H, T, D] view, got batch size {x.shape[0]}")
+    if not packed and cu_seqlens.numel() - 1 != x.shape[0]:
+        raise ValueError(f"{name} has {cu_seqlens.numel()} entries but the padded batch has "
+                         f"{x.shape[0]} sequences (expected {x.shape[0] + 1})")
+
+
+def col_scale_rows(n_rows: int, cu_seqlens: Optional[torch.Tensor] = None, packed: bool = False) -> int:
+    """Rows of a column-wise scale tensor: ceil(S / 32), or T // 32 + B for a packed batch (segments)."""
+    if packed:
+        return n_rows // MX_BLOCK.value + cu_seqlens.numel() - 1
+    return _cdiv(n_rows, MX_BLOCK.value)
+
+
 def _data_like(x: torch.Tensor) -> torch.Tensor:
     """FP8 tensor with x's strides when x is dense, else contiguous (the MXFP8Tensor data convention)."""
     if x.is_contiguous() or _is_dense(x):
@@ -203,12 +311,19 @@ QUANT_TILE = (32, 2, 64)
 
 
 def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swizzle: bool = False,
-                    row_dequant: bool = False, col_dequant: bool = False, tile=None) -> RowColQuantized:
+                    row_dequant: bool = False, col_dequant: bool = False, tile=None,
+                    cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
+                    packed: bool = False) -> RowColQuantized:
     """Fused MXFP8 quantizer: x [B, H, S, D] bf16/fp16/fp32 (any strides, CUDA) read once ->
     row-wise (blocks of 32 along D) and/or column-wise (blocks of 32 along S) E4M3 data with compact E8M0
     scales, and on request the scales also in F8_128x4 order and the exact bf16 dequantizations.
     Bit-identical to mxattn.quantize_mxfp8. tile: optional (BLOCK_S multiple of 32, num_warps[, max BLOCK_D])
-    override."""
+    override.
+    cu_seqlens (int32 [B+1] on x's device) makes x a variable-length batch (module docstring): padded
+    (packed False; rows past each length are read as zeros, = quantize_mxfp8 of the zeroed tensor) or packed
+    (x [1, H, T, D]; the column-wise copy is segmented, = quantize_mxfp8(x, axis=2, segments=cu_seqlens)).
+    max_seqlen bounds the longest sequence of a packed batch (sizes the grid; default T). swizzle is not
+    available for a packed batch."""
     from ..checks import check_bhsd_tensor
     from ..formats import MXFP8Tensor
 
@@ -217,15 +332,24 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         raise ValueError("quantize_rowcol: at least one of row, col must be True")
     if (row_dequant and not row) or (col_dequant and not col):
         raise ValueError("quantize_rowcol: row_dequant needs row=True and col_dequant needs col=True")
+    varlen = cu_seqlens is not None
+    if varlen:
+        check_cu_seqlens(cu_seqlens, "cu_seqlens", x, packed)
+        if packed and swizzle:
+            raise ValueError("quantize_rowcol: swizzle=True is not available for a packed batch (packed=True)")
+    elif packed:
+        raise ValueError("quantize_rowcol: packed=True needs cu_seqlens")
+    packed = varlen and bool(packed)
     B, H, S, D = x.shape
-    nr, nc = _cdiv(D, 32), _cdiv(S, 32)
+    nr, nc = _cdiv(D, 32), col_scale_rows(S, cu_seqlens, packed)
     dev = x.device
     # pointers of outputs not asked for are never dereferenced (their stores sit under false constexprs), so
     # an existing tensor stands in for them instead of fresh allocations (host time per call matters here)
     qr = _data_like(x) if row else None
     sr = torch.empty((B, H, S, nr), dtype=torch.uint8, device=dev) if row else None
     qc = _data_like(x) if col else qr
-    sc = torch.empty((B, H, nc, D), dtype=torch.uint8, device=dev) if col else sr
+    # segmented scales: the rows between sequences belong to no block and hold byte 0
+    sc = (torch.zeros if packed else torch.empty)((B, H, nc, D), dtype=torch.uint8, device=dev) if col else sr
     qr = qc if qr is None else qr
     sr = sc if sr is None else sr
     srz_kp, scz_kp = _cdiv(nr, 4) * 4, _cdiv(nc, 4) * 4
@@ -241,18 +365,19 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         if bs < 32 or bs % 32:
             raise ValueError(f"tile BLOCK_S must be a positive multiple of 32, got {bs}")
         bd = min(bd_[0] if bd_ else 128, max(32, triton.next_power_of_2(D)))
-        grid = (_cdiv(S, bs), _cdiv(D, bd), B * H)
+        grid = (row_tiles(S, bs, max_seqlen, packed), _cdiv(D, bd), seq_programs(B, H, cu_seqlens, packed))
         qr_st = qr.stride() if row else (0, 0, 0, 0)
         qc_st = qc.stride() if col else (0, 0, 0, 0)
         launch(_quantize_rowcol_kernel, grid,
                x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, srz, scz, x if rdq is None else rdq,
-               x if cdq is None else cdq, H, S, D, nr, nc, srz_kp, srz_slab, scz_kp, scz_slab,
+               x if cdq is None else cdq, cu_seqlens if varlen else sr, H, S, D, nr, nc, srz_kp, srz_slab,
+               scz_kp, scz_slab,
                BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle, ROW_DQ=row_dequant, COL_DQ=col_dequant,
-               num_warps=warps)
+               VARLEN=varlen, PACKED=packed, num_warps=warps)
     e8 = torch.float8_e8m0fnu
     return RowColQuantized(
         MXFP8Tensor(qr, sr.view(e8), 3) if row else None,
-        MXFP8Tensor(qc, sc.view(e8), 2) if col else None,
+        MXFP8Tensor(qc, sc.view(e8), 2, cu_seqlens if packed else None) if col else None,
         srz.view(e8) if (swizzle and row) else None,
         scz.view(e8) if (swizzle and col) else None,
         rdq if row_dequant else None,
@@ -260,46 +385,57 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
 
 
 @triton.jit
-def _dequant_kernel(X, sxb, sxh, sxs, S_, ssb, ssh, sss, Y, H, S, D,
-                    AXIS_ROW: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
-    """MXFP8 tile (row-wise: scales [.., S, D/32]; column-wise: scales [.., S/32, D]) -> bf16 Y [B*H, S, D]."""
+def _dequant_kernel(X, sxb, sxh, sxs, S_, ssb, ssh, sss, Y, CU, H, S, D,
+                    AXIS_ROW: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PACKED: tl.constexpr):
+    """MXFP8 tile (row-wise: scales [.., S, D/32]; column-wise: scales [.., S/32, D], or segmented ones of a
+    packed batch, PACKED) -> bf16 Y [B*H, S, D]. Grid (row tiles, D tiles, sequences * H) as the quantizer's."""
     pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_bh = tl.program_id(2)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
+    bt, start, length, blk0 = seq_span(CU, b, S, PACKED, PACKED)
+    if PACKED:
+        if pid_s * BS >= length:
+            return
     offs_s = pid_s * BS + tl.arange(0, BS)
     offs_d = pid_d * BD + tl.arange(0, BD)
-    mask = (offs_s < S)[:, None] & (offs_d < D)[None, :]
-    x = tl.load(X + b * sxb + h * sxh + offs_s[:, None] * sxs + offs_d[None, :], mask=mask, other=0.0)
+    mask = (offs_s < length)[:, None] & (offs_d < D)[None, :]
+    x = tl.load(X + bt * sxb + h * sxh + start * sxs + offs_s[:, None] * sxs + offs_d[None, :], mask=mask,
+                other=0.0)
     if AXIS_ROW:
         offs_k = pid_d * (BD // 32) + tl.arange(0, BD // 32)
-        sc = tl.load(S_ + b * ssb + h * ssh + offs_s[:, None] * sss + offs_k[None, :],
-                     mask=(offs_s < S)[:, None] & (offs_k * 32 < D)[None, :], other=127)
+        sc = tl.load(S_ + bt * ssb + h * ssh + start * sss + offs_s[:, None] * sss + offs_k[None, :],
+                     mask=(offs_s < length)[:, None] & (offs_k * 32 < D)[None, :], other=127)
         y = dequant_rows(x, sc, BS, BD)
     else:
         offs_j = pid_s * (BS // 32) + tl.arange(0, BS // 32)
-        sc = tl.load(S_ + b * ssb + h * ssh + offs_j[:, None] * sss + offs_d[None, :],
-                     mask=(offs_j * 32 < S)[:, None] & (offs_d < D)[None, :], other=127)
+        sc = tl.load(S_ + bt * ssb + h * ssh + blk0 * sss + offs_j[:, None] * sss + offs_d[None, :],
+                     mask=(offs_j * 32 < length)[:, None] & (offs_d < D)[None, :], other=127)
         y = dequant_cols(x, sc, BS, BD)
-    tl.store(Y + (pid_bh.to(tl.int64) * S + offs_s[:, None]) * D + offs_d[None, :], y, mask=mask)
+    tl.store(Y + ((bt * H + h) * S + start) * D + offs_s[:, None] * D + offs_d[None, :], y, mask=mask)
 
 
-def dequantize_bf16(t, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def dequantize_bf16(t, out: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None) -> torch.Tensor:
     """MXFP8Tensor [B, H, S, D] (axis 3 row-wise or axis 2 column-wise, unit stride along D) -> contiguous
     bf16 [B, H, S, D], the exact dequantization the attention kernels use (bf16 products by powers of two).
-    out: optional contiguous bf16 buffer of that shape to write into."""
+    A column-wise tensor with segments (packed batch, [1, H, T, D]) is read segment by segment; max_seqlen
+    (its longest segment, default T) sizes the grid. out: optional contiguous bf16 buffer to write into."""
     B, H, S, D = t.data.shape
     if t.axis not in (2, 3):
         raise ValueError(f"t.axis must be 2 or 3 for a [B, H, S, D] tensor, got {t.axis}")
     if t.data.stride(3) != 1:
         raise ValueError("t.data must have unit stride along D")
+    segments = getattr(t, "segments", None) if t.axis == 2 else None
+    packed = segments is not None
+    if packed and B != 1:
+        raise ValueError(f"a segmented (packed) tensor is [1, H, T, D], got batch size {B}")
     y = out if out is not None else torch.empty((B, H, S, D), dtype=torch.bfloat16, device=t.data.device)
     if t.data.numel() == 0:
         return y
     sc = t.scale.view(torch.uint8)
     bd = min(128, max(32, triton.next_power_of_2(D)))
-    grid = (_cdiv(S, 32), _cdiv(D, bd), B * H)
-    launch(_dequant_kernel, grid, t.data, *t.data.stride()[:3], sc, *sc.stride()[:3], y, H, S, D,
-           AXIS_ROW=t.axis == 3, BS=32, BD=bd, num_warps=4)
+    grid = (row_tiles(S, 32, max_seqlen, packed), _cdiv(D, bd), seq_programs(B, H, segments, packed))
+    launch(_dequant_kernel, grid, t.data, *t.data.stride()[:3], sc, *sc.stride()[:3], y,
+           segments if packed else sc, H, S, D, AXIS_ROW=t.axis == 3, BS=32, BD=bd, PACKED=packed, num_warps=4)
     return y

@@ -1,0 +1,164 @@
+"""Host-side logic of the triton backend and its kernels' entry points, on the CPU (no GPU): argument checks
+and messages raised before any kernel launch, grid sizing, and what `supports` accepts. Needs triton
+importable (CI has it); nothing here launches a kernel."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from mxattn.backends.base import AttentionParams, Problem
+from mxattn.errors import MXFP8NotSupportedError
+from mxattn.mask import MaskSpec
+from mxattn.seqinfo import SeqInfo
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+# --------------------------------------------------------------------------- quantizer entry point
+
+
+def test_quantizer_rejects_bad_input():
+    from mxattn.kernels.triton_quantize import quantize_rowcol
+    with pytest.raises(TypeError, match="x must have dtype"):
+        quantize_rowcol(torch.zeros(1, 1, 32, 32, dtype=torch.int32))
+    with pytest.raises(ValueError, match="4-D"):
+        quantize_rowcol(torch.zeros(32, 32))
+    with pytest.raises(ValueError, match="x must be on a CUDA device"):
+        quantize_rowcol(torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16))
+
+
+def test_quantizer_checks_lengths_before_any_kernel(monkeypatch):
+    from mxattn import checks
+    from mxattn.kernels import triton_quantize as tq
+
+    launched = []
+    monkeypatch.setattr(tq, "launch", lambda *a, **k: launched.append(a))
+    real = checks.check_bhsd_tensor
+    monkeypatch.setattr(checks, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))  # accept CPU x
+    x = torch.zeros(1, 2, 64, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="packed=True needs cu_seqlens"):
+        tq.quantize_rowcol(x, packed=True)
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        tq.quantize_rowcol(x, cu_seqlens=[0, 64], packed=True)
+    with pytest.raises(ValueError, match="1-D int32"):
+        tq.quantize_rowcol(x, cu_seqlens=torch.tensor([0, 64]), packed=True)  # int64
+    with pytest.raises(ValueError, match="swizzle=True is not available for a packed batch"):
+        tq.quantize_rowcol(x, cu_seqlens=_cu([64]), packed=True, swizzle=True)
+    with pytest.raises(ValueError, match=r"\[1, H, T, D\]"):
+        tq.quantize_rowcol(torch.zeros(2, 2, 64, 32), cu_seqlens=_cu([64, 64]), packed=True)
+    with pytest.raises(ValueError, match="expected 3"):
+        tq.quantize_rowcol(torch.zeros(2, 2, 64, 32), cu_seqlens=_cu([64]), packed=False)
+    assert not launched
+
+
+def test_quantizer_varlen_shapes_without_a_kernel(monkeypatch):
+    """Output shapes, segments and the grid of a packed / padded call (the launch itself is stubbed)."""
+    from mxattn import checks
+    from mxattn.kernels import triton_quantize as tq
+
+    grids = []
+    monkeypatch.setattr(tq, "launch", lambda fn, grid, *a, **k: grids.append((grid, k)))
+    real = checks.check_bhsd_tensor
+    monkeypatch.setattr(checks, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))
+    lengths = [0, 1, 33, 300]
+    cu = _cu(lengths)
+    x = torch.zeros(sum(lengths), 3, 64).permute(1, 0, 2).unsqueeze(0)  # thd viewed as [1, H, T, D]
+    got = tq.quantize_rowcol(x, cu_seqlens=cu, max_seqlen=300, packed=True)
+    assert got.col.scale.shape == (1, 3, 334 // 32 + 4, 64) and got.col.segments is cu
+    assert got.row.scale.shape == (1, 3, 334, 2) and got.row.segments is None
+    assert torch.all(got.col.scale.view(torch.uint8) == 0)  # unused rows are byte 0 (zeros allocation)
+    (grid, kw), = grids
+    assert grid == (tq.row_tiles(334, tq.QUANT_TILE[0], 300, True), 1, 4 * 3) == (10, 1, 12)
+    assert kw["VARLEN"] and kw["PACKED"]
+    grids.clear()
+    xp = torch.zeros(4, 3, 300, 64)
+    got = tq.quantize_rowcol(xp, cu_seqlens=cu, max_seqlen=300)
+    assert got.col.scale.shape == (4, 3, 10, 64) and got.col.segments is None
+    (grid, kw), = grids
+    assert grid == (10, 1, 12) and kw["VARLEN"] and not kw["PACKED"]
+
+
+def test_grid_helpers():
+    from mxattn.kernels.triton_quantize import MAX_GRID_YZ, col_scale_rows, row_tiles, seq_programs
+    # packed: tiles for the longest sequence only (4096 + 128 + 128 costs about its tokens)
+    assert row_tiles(4096 + 256, 128, max_seqlen=4096, packed=True) == 32
+    assert row_tiles(4096 + 256, 128, max_seqlen=None, packed=True) == 34
+    # dense and padded: every row of the tensor (padding rows get their zeros from the kernels)
+    assert row_tiles(1000, 128) == 8 and row_tiles(1000, 128, max_seqlen=10, packed=False) == 8
+    assert seq_programs(2, 8) == 16
+    assert seq_programs(1, 8, _cu([5, 0, 7]), packed=True) == 24
+    assert seq_programs(3, 8, _cu([5, 0, 7]), packed=False) == 24
+    with pytest.raises(ValueError, match="CUDA grid limit"):
+        seq_programs(1, 64, torch.zeros(MAX_GRID_YZ // 64 + 2, dtype=torch.int32), packed=True)
+    assert col_scale_rows(100) == 4
+    assert col_scale_rows(100, _cu([1, 99]), packed=True) == 100 // 32 + 2
+
+
+def test_dequantize_segmented_needs_a_packed_tensor():
+    from mxattn.formats import MXFP8Tensor
+    from mxattn.kernels.triton_quantize import dequantize_bf16
+    cu = _cu([40, 40])
+    t = MXFP8Tensor(torch.zeros(2, 1, 40, 32, dtype=torch.float8_e4m3fn),
+                    torch.zeros(2, 1, 40 // 32 + 2, 32, dtype=torch.float8_e8m0fnu), 2, cu)
+    with pytest.raises(ValueError, match=r"\[1, H, T, D\]"):
+        dequantize_bf16(t)
+
+
+# --------------------------------------------------------------------------- attention entry points
+
+
+def test_attention_kernels_check_seq_before_any_kernel():
+    from mxattn.kernels.triton_attention_fwd import check_seq
+    q = torch.zeros(1, 4, 70, 64)
+    k = torch.zeros(1, 2, 90, 64)
+    with pytest.raises(ValueError, match="bottom_right=True is for variable-length calls"):
+        check_seq(None, q, k, q, bottom_right=True)
+    dense = check_seq(None, q, k, q)
+    assert not dense.varlen and dense.q_tiles(70, 64) == 2 and dense.programs(1, 4) == 4
+    seq = SeqInfo(_cu([30, 40]), _cu([50, 40]), 40, 50, True)
+    sa = check_seq(seq, q, k, q, bottom_right=True)
+    assert sa.varlen and sa.packed and sa.q_tiles(70, 32) == 2 and sa.kv_tiles(90, 32) == 2
+    assert sa.programs(1, 4) == 8
+    assert sa.constexprs(True) == dict(VARLEN=True, PACKED=True, BOTTOM_RIGHT=True)
+    with pytest.raises(ValueError, match="pass offset=0"):
+        check_seq(seq, q, k, q, bottom_right=True, offset=3)
+    with pytest.raises(ValueError, match="different batch sizes"):
+        check_seq(SeqInfo(_cu([30, 40]), _cu([90]), 40, 90, True), q, k, q)
+    with pytest.raises(ValueError, match="seq.cu_seqlens_kv has 3 entries"):
+        check_seq(SeqInfo(_cu([30]), _cu([50, 40]), 30, 50, False), q, k, q)
+
+
+def test_backend_argument_checks_before_any_kernel():
+    from mxattn.backends.triton_backend import TritonBackend
+    be = TritonBackend()
+    params = AttentionParams(softmax_scale=0.1, mask=MaskSpec())
+    q = torch.randn(1, 2, 64, 80, dtype=torch.bfloat16)
+    with pytest.raises(MXFP8NotSupportedError, match="head_dim 80"):
+        be.forward(q, q, q, params)
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 3, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple"):
+        be.forward(q, k, k, params)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        be.forward(q.to(torch.int32), q, q, params)
+    with pytest.raises(ValueError, match="CUDA"):
+        be.forward(q, q, q, params)
+    with pytest.raises(TypeError, match="params.out_dtype"):
+        be.forward(q, q, q, AttentionParams(softmax_scale=0.1, mask=MaskSpec(), out_dtype=torch.float32))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        TritonBackend("turbo")
+
+
+def test_supports_variable_lengths(monkeypatch):
+    from mxattn.backends.triton_backend import TritonBackend
+    monkeypatch.setattr(TritonBackend, "availability", classmethod(lambda cls, dev: (True, "stub")))
+    for varlen in (None, "padded", "packed"):
+        problem = Problem(device=torch.device("cuda"), dtype=torch.float32, batch=3, heads_q=8, heads_kv=2,
+                          seqlen_q=300, seqlen_kv=129, head_dim=128, mask=MaskSpec(causal=True), varlen=varlen,
+                          needs_backward=True)
+        assert TritonBackend.supports(problem) == (True, "stub")

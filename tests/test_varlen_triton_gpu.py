@@ -1,0 +1,364 @@
+"""Variable-length batches (padded and packed thd) in the Triton kernels, on a CUDA GPU.
+
+Against the `reference` backend on the same inputs: saved FP8 bytes and scales bit-equal, O within one ulp
+(>= 99.9% of elements), stats to 1e-4, gradients (from the reference backward on the identical saved bytes,
+O and stats) to a relative RMS of 2e-4; padding rows zero, NaN in padding rows reaching nothing. A packed
+batch equals per-sequence dense triton calls bit for bit; the backward is deterministic.
+"""
+
+import math
+
+import pytest
+import torch
+
+import mxattn
+from mxattn.backends.base import AttentionParams, SavedForBackward
+from mxattn.formats import MXFP8Tensor, quantize_mxfp8
+from mxattn.mask import MaskSpec
+from mxattn.seqinfo import SeqInfo
+
+pytestmark = pytest.mark.gpu
+
+O_MAX_ABS = 1e-2
+O_ULP_FRACTION = 0.999
+STATS_ABS = 1e-4
+GRAD_REL_RMS = 2e-4
+
+#: lengths with the edge cases of the 32-blocks and 64/128-row tiles; the KV side differs per sequence (so
+#: bottom-right offsets differ), with one empty KV sequence and one empty query sequence
+LENS_Q = [0, 1, 31, 33, 127, 129, 300]
+LENS_KV = [5, 1, 33, 0, 129, 300, 127]
+
+MASKS = {
+    "padding": MaskSpec(),
+    "padding_causal": MaskSpec(causal=True),
+    "padding_causal_bottom_right": MaskSpec(causal=True, diagonal_alignment="bottom_right"),
+    "window": MaskSpec(left_bound=65, right_bound=16),  # TE window_size=(64, 16)
+    "causal_window_bottom_right": MaskSpec(causal=True, diagonal_alignment="bottom_right", left_bound=100),
+}
+
+
+def _backend(mode=None):
+    from mxattn.backends.triton_backend import TritonBackend
+    ok, why = TritonBackend.availability(torch.device("cuda"))
+    if not ok:
+        pytest.skip(f"triton backend unavailable: {why}")
+    return TritonBackend(mode)
+
+
+def _u8(t):
+    return t.view(torch.uint8)
+
+
+def _same(a, b):
+    """Equal values, NaN where the other has NaN (NaN bit patterns may differ)."""
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def _cu(lengths, device="cuda"):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def _ulp(r: torch.Tensor, dtype) -> torch.Tensor:
+    """One ulp of `dtype` (bf16/fp16) at each value of r (fp32 tensor of such values)."""
+    _, e = torch.frexp(r.float())
+    bits, low = (8, -133) if dtype == torch.bfloat16 else (11, -24)
+    return torch.ldexp(torch.ones_like(r, dtype=torch.float32), (e - bits).clamp(min=low))
+
+
+class Batch:
+    """q, k, v, do as the backend takes them ([B,H,S,D] views; packed: [1,H,T,D] views of thd tensors),
+    the SeqInfo, and the per-sequence (start, length) of each side."""
+
+    def __init__(self, kind, lens_q, lens_kv, hq, hkv, d, dtype, seed=0, nan_padding=True, pad=(7, 5)):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.kind, self.lens_q, self.lens_kv = kind, list(lens_q), list(lens_kv)
+        cu_q, cu_kv = _cu(lens_q), _cu(lens_kv)
+        self.seq = SeqInfo(cu_q, cu_kv, max(lens_q), max(lens_kv), kind == "packed")
+        self.cq, self.ckv = cu_q.tolist(), cu_kv.tolist()
+
+        def rnd(*shape):
+            return torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
+
+        if kind == "packed":
+            tq, tkv = self.cq[-1], self.ckv[-1]
+            self.thd = [rnd(tq, hq, d), rnd(tkv, hkv, d), rnd(tkv, hkv, d), rnd(tq, hq, d)]
+            self.q, self.k, self.v, self.do = (t.permute(1, 0, 2).unsqueeze(0) for t in self.thd)
+        else:
+            B, sq, skv = len(lens_q), max(lens_q) + pad[0], max(lens_kv) + pad[1]
+            self.q, self.do = rnd(B, sq, hq, d).transpose(1, 2), rnd(B, sq, hq, d).transpose(1, 2)  # bshd
+            self.k, self.v = rnd(B, skv, hkv, d).transpose(1, 2), rnd(B, skv, hkv, d).transpose(1, 2)
+            if nan_padding:
+                for t, lens in ((self.q, lens_q), (self.do, lens_q), (self.k, lens_kv), (self.v, lens_kv)):
+                    for b, n in enumerate(lens):
+                        t[b, :, n:] = float("nan")
+        if dtype == torch.float32:  # dO arrives in the kernels' output dtype
+            self.do = self.do.to(torch.bfloat16)
+
+    def rows(self, t, which, b):
+        """[1, H, len, *] rows of sequence b of a [B, H, S, *] tensor (which: "q" or "kv")."""
+        cu = self.cq if which == "q" else self.ckv
+        if self.kind == "packed":
+            return t[:, :, cu[b]:cu[b + 1]]
+        return t[b:b + 1, :, :cu[b + 1] - cu[b]]
+
+    def padding(self, t, which, b):
+        """Rows of batch b past its length (padded batches; empty for packed ones)."""
+        if self.kind == "packed":
+            return t[:0]
+        cu = self.cq if which == "q" else self.ckv
+        return t[b:b + 1, :, cu[b + 1] - cu[b]:]
+
+
+def _params(mask, d, out_dtype, seq):
+    return AttentionParams(softmax_scale=1.0 / math.sqrt(d), mask=mask, out_dtype=out_dtype, seq=seq)
+
+
+def _to(saved: SavedForBackward, device) -> SavedForBackward:
+    parts = [MXFP8Tensor(t.data.to(device), t.scale.to(device), t.axis,
+                         None if t.segments is None else t.segments.to(device))
+             for t in (saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row)]
+    return SavedForBackward(*parts)
+
+
+def _seq_to(seq: SeqInfo, device) -> SeqInfo:
+    return SeqInfo(seq.cu_seqlens_q.to(device), seq.cu_seqlens_kv.to(device), seq.max_seqlen_q,
+                   seq.max_seqlen_kv, seq.packed)
+
+
+def _reference(bt: Batch, params, saved, o, stats):
+    """Reference forward on the same CUDA inputs and reference backward on the triton run's saved bytes, O and
+    stats (ref runs on CUDA bit-identically to CPU)."""
+    from mxattn.backends.reference import ReferenceBackend
+    ref = ReferenceBackend()
+    ro, rstats, rsaved = ref.forward(bt.q, bt.k, bt.v, params)
+    grads = ref.backward(saved, o, stats, bt.do, params)
+    return ro, rstats, rsaved, grads
+
+
+def _assert_saved_equal(saved, rsaved):
+    for name in ("q_row", "q_col", "k_row", "k_col", "v_row"):
+        a, b = getattr(saved, name), getattr(rsaved, name)
+        assert a.axis == b.axis and a.data.shape == b.data.shape and a.scale.shape == b.scale.shape, name
+        assert torch.equal(_u8(a.data).cpu(), _u8(b.data).cpu()), f"{name} data"
+        assert torch.equal(_u8(a.scale).cpu(), _u8(b.scale).cpu()), f"{name} scale"
+        assert (a.segments is None) == (b.segments is None), name
+
+
+def _check_against_reference(bt: Batch, mask, mode, out_dtype):
+    be = _backend(mode)
+    d = bt.q.shape[3]
+    params = _params(mask, d, out_dtype, bt.seq)
+    o, stats, saved = be.forward(bt.q, bt.k, bt.v, params)
+    dq, dk, dv = be.backward(saved, o, stats, bt.do, params)
+    torch.cuda.synchronize()
+    ro, rstats, rsaved, (rdq, rdk, rdv) = _reference(bt, params, saved, o, stats)
+    _assert_saved_equal(saved, rsaved)
+
+    o_c, ro_f = o.float().cpu(), ro.float().cpu()
+    assert o.dtype == out_dtype and torch.isfinite(o_c).all()
+    diff = (o_c - ro_f).abs()
+    assert diff.max().item() <= O_MAX_ABS, f"O max abs diff {diff.max().item():.3g}"
+    within = (diff <= _ulp(ro_f, out_dtype)).float().mean().item()
+    assert within >= O_ULP_FRACTION, f"only {within:.5f} of O within one ulp"
+    s_c, rs = stats.cpu(), rstats.cpu()
+    assert torch.equal(torch.isneginf(s_c), torch.isneginf(rs)) and not torch.isnan(s_c).any()
+    fin = torch.isfinite(rs)
+    if fin.any():
+        assert (s_c[fin] - rs[fin]).abs().max().item() <= STATS_ABS
+
+    errs = {}
+    for name, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        g, w = got.float().cpu(), want.float().cpu()
+        assert got.shape == want.shape and got.dtype == out_dtype
+        assert torch.isfinite(g).all(), f"{name} has non-finite values"
+        denom = w.norm().item()
+        err = (g - w).norm().item() / denom if denom > 0 else g.norm().item()
+        errs[name] = err
+        assert err <= GRAD_REL_RMS, f"{name} relative RMS {err:.3g}"
+
+    for b in range(len(bt.lens_q)):  # padding rows: exact zeros and -inf; empty sequences likewise
+        assert torch.all(bt.padding(o, "q", b) == 0) and torch.all(bt.padding(dq, "q", b) == 0)
+        assert torch.all(torch.isneginf(bt.padding(stats, "q", b)))
+        assert torch.all(bt.padding(dk, "kv", b) == 0) and torch.all(bt.padding(dv, "kv", b) == 0)
+        if bt.lens_kv[b] == 0:
+            assert torch.all(bt.rows(o, "q", b) == 0) and torch.all(torch.isneginf(bt.rows(stats, "q", b)))
+            assert torch.all(bt.rows(dq, "q", b) == 0)
+        if bt.lens_q[b] == 0:
+            assert torch.all(bt.rows(dk, "kv", b) == 0) and torch.all(bt.rows(dv, "kv", b) == 0)
+    return (o, stats, dq, dk, dv), errs, within
+
+
+# --------------------------------------------------------------------------- quantizer
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_quantizer_packed_bit_identical(dtype, d):
+    _backend()
+    from mxattn.kernels.triton_quantize import dequantize_bf16, quantize_rowcol
+    lens = LENS_Q + [64, 2]
+    cu = _cu(lens)
+    g = torch.Generator(device="cuda").manual_seed(d)
+    x = (torch.randn(sum(lens), 3, d, device="cuda", generator=g) * 4).to(dtype)
+    x[40, 1, 3] = float("nan")
+    x[200, 0, :] = float("inf")
+    x[300:340] *= 1e-30
+    xb = x.permute(1, 0, 2).unsqueeze(0)
+    got = quantize_rowcol(xb, cu_seqlens=cu, max_seqlen=max(lens), packed=True, row_dequant=True,
+                          col_dequant=True)
+    want_r, want_c = quantize_mxfp8(xb, axis=3), quantize_mxfp8(xb, axis=2, segments=cu)
+    assert torch.equal(_u8(got.row.data), _u8(want_r.data)) and torch.equal(_u8(got.row.scale), _u8(want_r.scale))
+    assert torch.equal(_u8(got.col.data), _u8(want_c.data)) and torch.equal(_u8(got.col.scale), _u8(want_c.scale))
+    assert got.col.segments is cu and got.row.data.stride() == want_r.data.stride()
+    assert _same(got.row_dequant, want_r.dequantize(torch.bfloat16))
+    assert _same(got.col_dequant, want_c.dequantize(torch.bfloat16))
+    assert _same(dequantize_bf16(got.col, max_seqlen=max(lens)), want_c.dequantize(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantizer_padded_reads_padding_as_zero(dtype):
+    _backend()
+    from mxattn.kernels.triton_quantize import quantize_rowcol
+    lens = [0, 1, 31, 33, 100]
+    cu = _cu(lens)
+    x = torch.randn(5, 106, 2, 128, device="cuda").to(dtype).transpose(1, 2)
+    valid = (torch.arange(106, device="cuda")[None, :] < torch.tensor(lens, device="cuda")[:, None])
+    valid = valid.view(5, 1, 106, 1)
+    x = torch.where(valid, x, torch.full((), float("nan"), dtype=dtype, device="cuda"))
+    got = quantize_rowcol(x, cu_seqlens=cu, max_seqlen=100, swizzle=True)
+    xz = torch.where(valid, x, torch.zeros((), dtype=dtype, device="cuda"))
+    want_r, want_c = quantize_mxfp8(xz, axis=3), quantize_mxfp8(xz, axis=2)
+    for a, b in ((got.row, want_r), (got.col, want_c)):
+        assert torch.equal(_u8(a.data), _u8(b.data)) and torch.equal(_u8(a.scale), _u8(b.scale))
+
+
+# --------------------------------------------------------------------------- against the reference backend
+
+
+@pytest.mark.parametrize("mode", ["fast", "lowmem"])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("kind", ["packed", "padded"])
+def test_varlen_against_reference(kind, mask_name, mode):
+    """GQA 4/2, D 128, bf16; padded batches carry NaN in every padding row."""
+    bt = Batch(kind, LENS_Q, LENS_KV, 4, 2, 128, torch.bfloat16, seed=1)
+    _, errs, within = _check_against_reference(bt, MASKS[mask_name], mode, torch.bfloat16)
+    print(f"{kind} {mask_name} [{mode}]: within 1 ulp {within:.5f}, grads rel-RMS {errs}")
+
+
+@pytest.mark.parametrize("kind,mask_name,hq,hkv,d,dtype,mode,self_attn", [
+    ("packed", "padding_causal_bottom_right", 4, 1, 64, torch.float16, "fast", False),   # MQA, fp16
+    ("packed", "window", 4, 1, 64, torch.float16, "lowmem", False),
+    ("padded", "padding_causal_bottom_right", 4, 1, 64, torch.float16, "fast", False),
+    ("padded", "window", 2, 2, 64, torch.bfloat16, "lowmem", True),
+    ("packed", "padding_causal", 4, 2, 256, torch.bfloat16, "fast", True),               # D 256
+    ("padded", "padding_causal_bottom_right", 2, 1, 256, torch.bfloat16, "lowmem", False),
+    ("packed", "padding", 4, 2, 128, torch.float32, "fast", False),                      # fp32 in, bf16 out
+    ("padded", "padding_causal", 4, 2, 128, torch.float32, "lowmem", True),
+])
+def test_varlen_configs_against_reference(kind, mask_name, hq, hkv, d, dtype, mode, self_attn):
+    lens_kv = LENS_Q if self_attn else LENS_KV
+    bt = Batch(kind, LENS_Q, lens_kv, hq, hkv, d, dtype, seed=d + hq)
+    out_dtype = torch.bfloat16 if dtype == torch.float32 else dtype
+    _, errs, within = _check_against_reference(bt, MASKS[mask_name], mode, out_dtype)
+    print(f"{kind} {mask_name} {hq}/{hkv} d{d} {dtype} [{mode}]: within 1 ulp {within:.5f}, grads {errs}")
+
+
+# --------------------------------------------------------------------------- per-sequence identity, determinism
+
+
+@pytest.mark.parametrize("mode", ["fast", "lowmem"])
+@pytest.mark.parametrize("kind", ["packed", "padded"])
+@pytest.mark.parametrize("mask_name", ["padding_causal_bottom_right", "window"])
+def test_varlen_equals_per_sequence_dense_calls(kind, mask_name, mode):
+    """Every sequence of a packed or padded batch gets exactly what a dense call on it alone gets."""
+    be = _backend(mode)
+    bt = Batch(kind, LENS_Q, LENS_KV, 4, 2, 128, torch.bfloat16, seed=3)
+    mask = MASKS[mask_name]
+    params = _params(mask, 128, torch.bfloat16, bt.seq)
+    o, stats, saved = be.forward(bt.q, bt.k, bt.v, params)
+    dq, dk, dv = be.backward(saved, o, stats, bt.do, params)
+    dense = _params(mask, 128, torch.bfloat16, None)
+    for b in range(len(bt.lens_q)):
+        if bt.lens_q[b] == 0 or bt.lens_kv[b] == 0:  # empty sequences: checked against the reference above
+            continue
+        q, k, v, do = (bt.rows(t, w, b) for t, w in ((bt.q, "q"), (bt.k, "kv"), (bt.v, "kv"), (bt.do, "q")))
+        o1, st1, sv1 = be.forward(q, k, v, dense)
+        dq1, dk1, dv1 = be.backward(sv1, o1, st1, do, dense)
+        for name, got, want in (("o", bt.rows(o, "q", b), o1), ("stats", bt.rows(stats, "q", b), st1),
+                                ("dq", bt.rows(dq, "q", b), dq1), ("dk", bt.rows(dk, "kv", b), dk1),
+                                ("dv", bt.rows(dv, "kv", b), dv1)):
+            assert torch.equal(got, want), f"sequence {b}: {name}"
+
+
+@pytest.mark.parametrize("mode", ["fast", "lowmem"])
+def test_varlen_backward_deterministic(mode):
+    be = _backend(mode)
+    bt = Batch("packed", LENS_Q * 2, LENS_KV * 2, 8, 2, 128, torch.bfloat16, seed=4)
+    params = _params(MASKS["padding_causal_bottom_right"], 128, torch.bfloat16, bt.seq)
+    runs = []
+    for _ in range(2):
+        o, stats, saved = be.forward(bt.q, bt.k, bt.v, params)
+        runs.append((o, stats) + be.backward(saved, o, stats, bt.do, params))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_pack_with_one_long_sequence():
+    """4096 + 128 + 128 tokens: the grids are sized by the longest sequence; results still per sequence."""
+    be = _backend()
+    bt = Batch("packed", [4096, 128, 128], [4096, 128, 128], 2, 1, 128, torch.bfloat16, seed=5)
+    params = _params(MASKS["padding_causal"], 128, torch.bfloat16, bt.seq)
+    o, stats, saved = be.forward(bt.q, bt.k, bt.v, params)
+    dq, dk, dv = be.backward(saved, o, stats, bt.do, params)
+    dense = _params(MASKS["padding_causal"], 128, torch.bfloat16, None)
+    b = 2
+    q, k, v, do = (bt.rows(t, w, b) for t, w in ((bt.q, "q"), (bt.k, "kv"), (bt.v, "kv"), (bt.do, "q")))
+    o1, st1, sv1 = be.forward(q, k, v, dense)
+    grads = be.backward(sv1, o1, st1, do, dense)
+    assert torch.equal(bt.rows(o, "q", b), o1)
+    for got, want in zip((bt.rows(dq, "q", b), bt.rows(dk, "kv", b), bt.rows(dv, "kv", b)), grads):
+        assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _api_run(q, k, v, cu, attn_mask_type, backend):
+    """(O, dq, dk, dv) of mxfp8_attention on thd q, k, v (loss: sum of O squared)."""
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    o = mxattn.mxfp8_attention(qq, kk, vv, qkv_format="thd", attn_mask_type=attn_mask_type, backend=backend,
+                               cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    o.float().square().sum().backward()
+    return o, qq.grad, kk.grad, vv.grad
+
+
+@pytest.mark.parametrize("attn_mask_type", ["padding", "padding_causal_bottom_right"])
+def test_public_api_thd_and_padded(attn_mask_type):
+    _backend()
+    torch.manual_seed(6)
+    lens = [3, 300, 0, 129]
+    cu = _cu(lens)
+    starts = cu.tolist()
+    q = torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q[:, :2]), torch.randn_like(q[:, :2])
+    o, *g = _api_run(q, k, v, cu, attn_mask_type, "triton")
+    ro, *rg = _api_run(q, k, v, cu, attn_mask_type, "reference")
+    assert (o.float().cpu() - ro.float().cpu()).abs().max().item() <= O_MAX_ABS
+    for a, b in zip(g, rg):
+        a, b = a.float().cpu(), b.float().cpu()
+        assert torch.isfinite(a).all()
+        assert (a - b).norm().item() <= 1e-2 * b.norm().item()
+
+    # the same sequences padded (bshd, NaN padding): the same outputs on the real rows, zeros elsewhere
+    B, S = len(lens), max(lens) + 3
+    qp = torch.full((B, S, 4, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    kp, vp = qp[:, :, :2].clone(), qp[:, :, :2].clone()
+    for b, n in enumerate(lens):
+        c = starts[b]
+        qp[b, :n], kp[b, :n], vp[b, :n] = q[c:c + n], k[c:c + n], v[c:c + n]
+    op = mxattn.mxfp8_attention(qp, kp, vp, qkv_format="bshd", attn_mask_type=attn_mask_type, backend="triton",
+                                cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    for b, n in enumerate(lens):
+        assert torch.equal(op[b, :n], o[starts[b]:starts[b] + n])
+        assert torch.all(op[b, n:] == 0)
