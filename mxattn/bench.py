@@ -306,6 +306,31 @@ def bench_varlen(warmup: int, iters: int, cfg=VARLEN_CONFIG) -> Dict:
     return res
 
 
+def bench_sink(warmup: int, iters: int, cfg=("b2_h16_s4096_d128_causal", 2, 16, 16, 4096, 128, True)) -> Dict:
+    """Cost of softmax_type="learnable" (sink logits and their gradient) against "vanilla" on the triton
+    backend, forward and forward+backward through the public API, in the same run."""
+    from .attention import mxfp8_attention
+
+    name, B, hq, hkv, S, D, causal = cfg
+    dev = torch.device("cuda")
+    q, do = (torch.randn(B, S, hq, D, device=dev, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    k, v = (torch.randn(B, S, hkv, D, device=dev, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    offset = torch.zeros(hq, device=dev, requires_grad=True)
+    mask = "causal" if causal else "no_mask"
+    res = {"config": name}
+    for kind, kw, leaves in (("vanilla", {}, (q, k, v)),
+                             ("learnable", dict(softmax_type="learnable", softmax_offset=offset), (q, k, v, offset))):
+        def fwd(kw=kw):
+            return mxfp8_attention(q, k, v, attn_mask_type=mask, backend="triton", **kw)
+        with torch.no_grad():
+            res[f"{kind}_fwd_ms"] = time_cuda(fwd, warmup, iters)
+        res[f"{kind}_fwdbwd_ms"] = time_cuda(lambda fwd=fwd, leaves=leaves: torch.autograd.grad(fwd(), leaves, do),
+                                             warmup, iters)
+    for key in ("fwd", "fwdbwd"):
+        res[f"learnable_over_vanilla_{key}"] = res[f"learnable_{key}_ms"] / res[f"vanilla_{key}_ms"]
+    return res
+
+
 FWD_SWEEP = [(128, 8, 2), (128, 8, 3), (128, 8, 2, True), (128, 4, 2)]
 BWD_SWEEP = [((64, 128, 8, 2), (128, 64, 8, 2)), ((64, 128, 8, 1), (128, 64, 8, 1)),
              ((64, 64, 4, 2), (64, 64, 4, 2)), ((64, 128, 8, 3), (128, 64, 8, 3))]
@@ -415,6 +440,12 @@ def markdown(results: Dict) -> str:
                          f"{_fmt(vl[f'bf16_{key}_ms'], 3)} | {_fmt(vl[f'ratio_{key}_vs_bf16_varlen'], 2)} | "
                          f"{_fmt(vl.get(f'dense_ratio_{key}_vs_cudnn'), 2)} | "
                          f"{_fmt(vl.get(f'varlen_over_dense_ratio_{key}'), 2)} |")
+    sk = results.get("sink")
+    if sk:
+        lines += ["", f"Attention sinks ({sk['config']}, triton, public API): softmax_type='learnable' vs 'vanilla': "
+                  f"forward {sk['learnable_fwd_ms']:.3f} vs {sk['vanilla_fwd_ms']:.3f} ms "
+                  f"({sk['learnable_over_vanilla_fwd']:.3f}x), forward+backward {sk['learnable_fwdbwd_ms']:.3f} vs "
+                  f"{sk['vanilla_fwdbwd_ms']:.3f} ms ({sk['learnable_over_vanilla_fwdbwd']:.3f}x; target <= 1.03x)."]
     qz = results.get("quantizer")
     if qz:
         lines += ["", f"Fused quantizer on bf16 {qz['shape']} (bytes read + written, CUDA-graph replays, so no "
@@ -474,7 +505,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out-dir", default=None, help="default benchmarks/results/<gpu-name>/")
     ap.add_argument("--no-quantizer", action="store_true", help="skip the quantizer-vs-copy measurement")
     ap.add_argument("--no-varlen", action="store_true", help="skip the variable-length (thd) measurement")
-    ap.add_argument("--only-varlen", action="store_true", help="only the variable-length measurement")
+    ap.add_argument("--no-sink", action="store_true", help="skip the attention-sink cost measurement")
+    ap.add_argument("--only-extras", action="store_true",
+                    help="only the variable-length and attention-sink measurements (no dense configs, no quantizer)")
     ap.add_argument("--plot-from", default=None, help="render chart.png next to an existing results.json")
     ap.add_argument("--sweep", action="store_true",
                     help="only time the kernels' block/warp/stage candidates on the configs (tuning aid)")
@@ -510,7 +543,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(os.path.join(out_dir, "sweep.json"), "w") as f:
             json.dump({"gpu": gpu, "rows": rows}, f, indent=1)
         return 0
-    for cfg in ([] if args.only_varlen else (args.config or DEFAULT_CONFIGS)):
+    for cfg in ([] if args.only_extras else (args.config or DEFAULT_CONFIGS)):
         r = bench_config(cfg, args.warmup, args.iters)
         results["configs"].append(r)
         print(f"{r['config']}: triton fwd {r['triton_fwd_ms']:.3f} ms (kernel {r['triton_fwd_kernel_ms']:.3f}), "
@@ -521,16 +554,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.no_varlen:
         results["varlen"] = bench_varlen(args.warmup, args.iters)
         print({k: v for k, v in results["varlen"].items() if k != "lengths"}, flush=True)
-    if not args.no_quantizer and not args.only_varlen:
+    if not args.no_sink:
+        results["sink"] = bench_sink(args.warmup, args.iters)
+        print(results["sink"], flush=True)
+    if not args.no_quantizer and not args.only_extras:
         results["quantizer"] = bench_quantizer(args.warmup, args.iters)
     out_dir = args.out_dir or os.path.join("benchmarks", "results", gpu_dir_name(gpu))
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
+    stem = "results_extras" if args.only_extras else "results"  # a partial run never overwrites the full one
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
         json.dump(results, f, indent=1)
     md = markdown(results)
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write(md)
-    plot(results, os.path.join(out_dir, "chart.png"))
+    if not args.only_extras:
+        plot(results, os.path.join(out_dir, "chart.png"))
     print(md)
     return 0
 

@@ -19,7 +19,7 @@ import torch
 
 from ..checks import check_bhsd_tensor
 from ..errors import MXFP8NotSupportedError
-from .base import AttentionBackend, AttentionParams, SavedForBackward
+from .base import AttentionBackend, AttentionParams, SavedForBackward, sink_grad
 
 #: q, k, v go only through the quantizer, which reads fp32 too
 _QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -153,22 +153,35 @@ class TritonBackend(AttentionBackend):
         vq = tq.quantize_rowcol(_inner_unit(v), col_dequant=fast, **_quant_args(params, "kv"))
         o = _like(q, params.out_dtype)
         stats = torch.empty((B, hq, sq, 1), dtype=torch.float32, device=q.device)
-        if skv == 0:
+        sink = None if params.sink is None else params.sink.float().contiguous()
+        if skv == 0:  # no key anywhere: O = 0, stats = the sink alone (or -inf)
             o.zero_()
-            stats.fill_(float("-inf"))
+            if sink is None:
+                stats.fill_(float("-inf"))
+            else:
+                stats.copy_(sink.view(1, -1, 1, 1).expand_as(stats))
         elif sq > 0 and B * hq > 0:
             tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale,
                              softmax_scale=params.softmax_scale, out=o, stats=stats, k_bf16=kq.row_dequant,
-                             v_bf16=vq.col_dequant, **_mask_args(params, sq, skv))
+                             v_bf16=vq.col_dequant, sink=sink, **_mask_args(params, sq, skv))
         saved = SavedForBackward(q_row=qq.row, q_col=qq.col, k_row=kq.row, k_col=kq.col, v_row=vq.row)
         return o, stats, saved
 
     # ------------------------------------------------------------------ backward
 
     def backward(self, saved: SavedForBackward, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
-                 params: AttentionParams) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 params: AttentionParams) -> Tuple[torch.Tensor, ...]:
         """saved (from forward), o/do [B,Hq,Sq,D] bf16/fp16, stats [B,Hq,Sq,1] fp32 -> (dq [B,Hq,Sq,D],
-        dk, dv [B,Hkv,Skv,D]) in params.out_dtype. Deterministic (params.deterministic is always honoured)."""
+        dk, dv [B,Hkv,Skv,D]) in params.out_dtype, then dsink [Hq] fp32 when params.sink_requires_grad (the
+        kernels need nothing else for a sink: it lives in the stats). Deterministic (params.deterministic is
+        always honoured)."""
+        grads = self._grads(saved, o, stats, do, params)
+        if params.sink_requires_grad:
+            return grads + (sink_grad(o, do, stats, params.sink.float()),)
+        return grads
+
+    def _grads(self, saved: SavedForBackward, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
+               params: AttentionParams) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not isinstance(saved, SavedForBackward):
             raise TypeError(f"saved must be a SavedForBackward, got {type(saved).__name__}")
         check_bhsd_tensor(o, "o", _IN_DTYPES, "cuda")

@@ -137,7 +137,7 @@ def _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n, offs_d
 
 @triton.jit
 def _attn_fwd_kernel(
-        Q, QS, K, KS, V, VS, O, LSE, CU_Q, CU_KV,
+        Q, QS, K, KS, V, VS, O, LSE, CU_Q, CU_KV, SINK,
         sqb, sqh, sqs, sqd, sqsb, sqsh, sqss,
         skb, skh, sks, skd, sksb, sksh, skss,
         svb, svh, svs, svd, svsb, svsh, svss,
@@ -145,9 +145,10 @@ def _attn_fwd_kernel(
         HQ, GROUP, SQ, SKV, D, qk_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, KV_BF16: tl.constexpr, WS: tl.constexpr,
-        VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+        VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_SINK: tl.constexpr):
     """Grid (query tiles, sequences * HQ). Q/K row-wise scales [B,H,S,DP/32-ish], V column-wise [B,H,S/32,D]
-    (segmented for a packed batch). SQ, SKV: the tensors' row counts; len_q, len_kv: the sequence's."""
+    (segmented for a packed batch). SQ, SKV: the tensors' row counts; len_q, len_kv: the sequence's.
+    HAS_SINK: SINK holds fp32 [HQ] sink logits; the online softmax starts from them (max = sink, sum = 1)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HQ).to(tl.int64)
@@ -189,8 +190,12 @@ def _attn_fwd_kernel(
     # KV range touched by rows [m0, m0 + BM) and the sub-range where no element is masked
     lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
 
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
+    if HAS_SINK:  # the sink joins the softmax before any key: max = sink (log2 units), sum = 1
+        m_i = tl.zeros([BM], tl.float32) + tl.load(SINK + hq) * LOG2E
+        l_i = tl.full([BM], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DP], tl.float32)
     for n0 in range(lo, mask_hi, BN):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
@@ -231,7 +236,8 @@ def _fwd_config(dp: int):
 
 def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, out: torch.Tensor, stats: torch.Tensor,
-                  config=None, k_bf16=None, v_bf16=None, seq=None, bottom_right: bool = False) -> None:
+                  config=None, k_bf16=None, v_bf16=None, seq=None, bottom_right: bool = False,
+                  sink: Optional[torch.Tensor] = None) -> None:
     """Launch the forward kernel.
 
     q_data [B,Hq,Sq,D] e4m3, q_scale [B,Hq,Sq,ceil(D/32)] e8m0 (row-wise); k_data/k_scale likewise with Hkv
@@ -246,7 +252,13 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
     making the call variable-length (module docstring); a packed batch has B = 1 and v_scale_col segmented
     ([1,Hkv,Skv//32 + n_seq,D]). The band mask then applies per sequence: bottom_right=True takes each
     sequence's len_kv - len_q as its offset (offset must then be 0), else offset is used (0 = top_left).
+    sink: optional fp32 [Hq] contiguous sink logits (attention sinks): they join every row's softmax
+    denominator and the stats; a row with no key then gets O = 0 and stats = sink.
     """
+    if sink is not None and (sink.dtype != torch.float32 or tuple(sink.shape) != (q_data.shape[1],)
+                             or not sink.is_contiguous() or sink.device != q_data.device):
+        raise ValueError(f"sink must be a contiguous float32 tensor of shape ({q_data.shape[1]},) on "
+                         f"{q_data.device}, got {sink.dtype} {tuple(sink.shape)} on {sink.device}")
     if (k_bf16 is None) != (v_bf16 is None):
         raise ValueError("k_bf16 and v_bf16 must be given together")
     kv_bf16 = k_bf16 is not None
@@ -268,7 +280,7 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
             raise ValueError(f"{name} must have a contiguous last axis, got strides {tuple(t.stride())}")
     launch(
         _attn_fwd_kernel, (sa.q_tiles(SQ, bm), sa.programs(B, HQ)), q_data, qs, k_data, ks, v_data, vs, out, stats,
-        sa.cu_q, sa.cu_kv,
+        sa.cu_q, sa.cu_kv, stats if sink is None else sink,
         *q_data.stride(), *qs.stride()[:3],
         *k_data.stride(), *ks.stride()[:3],
         *v_data.stride(), *vs.stride()[:3],
@@ -276,8 +288,8 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
         HQ, HQ // HKV, SQ, SKV, D, float(softmax_scale) * LOG2E.value, int(offset),
         0 if left_bound is None else int(left_bound), 0 if right_bound is None else int(right_bound),
         HAS_LB=left_bound is not None, HAS_RB=right_bound is not None,
-        BM=bm, BN=BLOCK_N, DP=dp, KV_BF16=kv_bf16, WS=ws, **sa.constexprs(bottom_right), num_warps=warps,
-        num_stages=stages)
+        BM=bm, BN=BLOCK_N, DP=dp, KV_BF16=kv_bf16, WS=ws, **sa.constexprs(bottom_right), HAS_SINK=sink is not None,
+        num_warps=warps, num_stages=stages)
 
 
 class SeqArgs(NamedTuple):
