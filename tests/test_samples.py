@@ -54,3 +54,11 @@ def test_demo_and_info_commands():
         assert key in info
     reference_line = next(line for line in info.splitlines() if line.startswith("backend reference"))
     assert reference_line.split()[2:4] == ["usable:", "pure"]
+
+
+def test_varlen_sample():
+    out = _run("samples/varlen.py")
+    assert "each document equals its own call, bit for bit: True" in out
+    assert "no NaN in the output: True, real rows equal the packed output: True" in out
+    err = float(out.rsplit(":", 1)[1])
+    assert 0 < err < 0.1

@@ -66,8 +66,12 @@ def sink_grad(o: torch.Tensor, do: torch.Tensor, stats: torch.Tensor, sink: torc
     The sink's probability in row i is P_sink = exp(sink - stats_i) and dL/dsink = -sum_i P_sink * delta_i with
     delta_i = rowsum(O_i * dO_i) (fp32), summed over batch and rows. Rows without a softmax (padding: stats
     -inf) contribute nothing."""
+    return sink_grad_from_delta((o.float() * do.float()).sum(dim=-1), stats, sink)
+
+
+def sink_grad_from_delta(delta: torch.Tensor, stats: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """`sink_grad` from a backward's own delta = rowsum(O * dO), fp32 [B,Hq,S] (no second pass over O, dO)."""
     lse = stats.squeeze(-1)
-    delta = (o.float() * do.float()).sum(dim=-1)
     p_sink = torch.exp(sink.view(1, -1, 1) - lse)
     contrib = torch.where(torch.isfinite(lse), p_sink * delta, torch.zeros((), device=lse.device))
     return -contrib.sum(dim=(0, 2))

@@ -19,7 +19,7 @@ import torch
 
 from ..checks import check_bhsd_tensor
 from ..errors import MXFP8NotSupportedError
-from .base import AttentionBackend, AttentionParams, SavedForBackward, sink_grad
+from .base import AttentionBackend, AttentionParams, SavedForBackward, sink_grad_from_delta
 
 #: q, k, v go only through the quantizer, which reads fp32 too
 _QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -175,13 +175,16 @@ class TritonBackend(AttentionBackend):
         dk, dv [B,Hkv,Skv,D]) in params.out_dtype, then dsink [Hq] fp32 when params.sink_requires_grad (the
         kernels need nothing else for a sink: it lives in the stats). Deterministic (params.deterministic is
         always honoured)."""
-        grads = self._grads(saved, o, stats, do, params)
+        *grads, delta = self._grads(saved, o, stats, do, params)
         if params.sink_requires_grad:
-            return grads + (sink_grad(o, do, stats, params.sink.float()),)
-        return grads
+            dsink = (sink_grad_from_delta(delta, stats, params.sink.float()) if delta is not None
+                     else torch.zeros_like(params.sink, dtype=torch.float32))
+            return tuple(grads) + (dsink,)
+        return tuple(grads)
 
     def _grads(self, saved: SavedForBackward, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
-               params: AttentionParams) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               params: AttentionParams) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(dq, dk, dv, delta fp32 [B,Hq,Sq] or None when there was nothing to compute)."""
         if not isinstance(saved, SavedForBackward):
             raise TypeError(f"saved must be a SavedForBackward, got {type(saved).__name__}")
         check_bhsd_tensor(o, "o", _IN_DTYPES, "cuda")
@@ -202,19 +205,19 @@ class TritonBackend(AttentionBackend):
         dk = _like(saved.k_row.data, params.out_dtype)
         dv = _like(saved.v_row.data, params.out_dtype)
         if sq == 0 or skv == 0 or B * hq == 0:
-            return dq.zero_(), dk.zero_(), dv.zero_()
+            return dq.zero_(), dk.zero_(), dv.zero_(), None
         parts = [saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row]
         parts = [p if p.data.stride(3) == 1 else type(p)(p.data.contiguous(), p.scale, p.axis, p.segments)
                  for p in parts]
         do = _inner_unit(do)
         if self.mode == "fast":  # dO is quantized chunk by chunk inside attention_bwd
-            tb.attention_bwd(*parts, None, None, o, do, stats, softmax_scale=params.softmax_scale,
-                             dq=dq, dk=dk, dv=dv, mode="pre", **_mask_args(params, sq, skv))
+            delta = tb.attention_bwd(*parts, None, None, o, do, stats, softmax_scale=params.softmax_scale,
+                                     dq=dq, dk=dk, dv=dv, mode="pre", **_mask_args(params, sq, skv))
         else:
             dq_ = tq.quantize_rowcol(do, **_quant_args(params, "q"))
-            tb.attention_bwd(*parts, dq_.row, dq_.col, o, do, stats, softmax_scale=params.softmax_scale,
-                             dq=dq, dk=dk, dv=dv, mode="fp8", **_mask_args(params, sq, skv))
-        return dq, dk, dv
+            delta = tb.attention_bwd(*parts, dq_.row, dq_.col, o, do, stats, softmax_scale=params.softmax_scale,
+                                     dq=dq, dk=dk, dv=dv, mode="fp8", **_mask_args(params, sq, skv))
+        return dq, dk, dv, delta
 
 
 __all__ = ["TritonBackend", "MIN_CAPABILITY"]

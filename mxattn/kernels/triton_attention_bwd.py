@@ -394,13 +394,14 @@ DELTA_BM = 64
 
 def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stats, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                  config=None, mode: str = "fp8", seq=None, bottom_right: bool = False) -> None:
+                  config=None, mode: str = "fp8", seq=None, bottom_right: bool = False) -> torch.Tensor:
     """Launch delta pre-pass, dK/dV kernel and dQ kernel.
 
     q_row, q_col: MXFP8Tensor [B,Hq,Sq,D] (row: scales [B,H,S,ceil(D/32)], col: scales [B,H,ceil(S/32),D]);
     k_row, k_col, v_row: MXFP8Tensor [B,Hkv,Skv,D]; do_row, do_col: MXFP8Tensor of dO (mode "fp8"; None
     allowed in mode "pre"); o, do [B,Hq,Sq,D] bf16/fp16; stats [B,Hq,Sq,1] fp32.
-    Writes dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D] (unit stride along D).
+    Writes dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D] (unit stride along D); returns the pre-pass's
+    delta = rowsum(O * dO) fp32 [B,Hq,Sq] (what a sink's gradient needs).
     mode "fp8": the kernels read the FP8 operands and dequantize tiles in registers (least memory).
     mode "pre": per chunk of KV heads the streamed operands are first dequantized exactly to bf16 scratch
     (dO quantized chunk-wise by the fused quantizer), then the kernels stream bf16 (same numbers, fewer ALU
@@ -447,7 +448,7 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
         _launch_dkdv(q_row, q_col, k_row, v_row, do_row, do_col, stats, delta, dk, dv, cfg1, False, args, common,
                      sa)
         _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, False, args, common, sa)
-        return
+        return delta
     from .triton_quantize import dequantize_bf16, quantize_rowcol
     # scratch bytes per KV head: dK/dV phase holds 4 q-side bf16 operands (+ FP8 dO temporaries)
     per_head = max(B * group * SQ * D * 10, B * (group * SQ * 4 + SKV * 6) * D)
@@ -476,6 +477,7 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
         v_r = dequantize_bf16(_heads(v_row, h0, h1))
         _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common, sa)
         del q_r, do_r, k_r, k_c, v_r
+    return delta
 
 
 __all__ = ["attention_bwd"]
