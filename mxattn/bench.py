@@ -336,6 +336,33 @@ def bench_sink(warmup: int, iters: int, cfg=("b2_h16_s4096_d128_causal", 2, 16, 
     return res
 
 
+def bench_host_overhead(iters: int = 200) -> Dict:
+    """CPU time (thread time, no synchronisation: launches are asynchronous) of one public-API forward call on
+    the triton backend, B2 H16 S4096 D128 bshd causal, and a thd pack of the same tokens; microseconds."""
+    from .attention import mxfp8_attention
+
+    dev = torch.device("cuda")
+    q, k, v = (torch.randn(2, 4096, 16, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, 1000, 4096, 8192], dtype=torch.int32, device=dev)
+    qt, kt, vt = (t.reshape(8192, 16, 128) for t in (q, k, v))
+    calls = {"bshd_s4096": lambda: mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton"),
+             "thd_8192_tokens": lambda: mxfp8_attention(qt, kt, vt, qkv_format="thd", attn_mask_type="padding_causal",
+                                                        cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4096,
+                                                        max_seqlen_kv=4096, backend="triton")}
+    res = {}
+    with torch.no_grad():
+        for name, fn in calls.items():
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.thread_time()
+            for _ in range(iters):
+                fn()
+            res[f"{name}_fwd_host_us"] = (time.thread_time() - t0) / iters * 1e6
+            torch.cuda.synchronize()
+    return res
+
+
 FWD_SWEEP = [(128, 8, 2), (128, 8, 3), (128, 8, 2, True), (128, 4, 2)]
 BWD_SWEEP = [((64, 128, 8, 2), (128, 64, 8, 2)), ((64, 128, 8, 1), (128, 64, 8, 1)),
              ((64, 64, 4, 2), (64, 64, 4, 2)), ((64, 128, 8, 3), (128, 64, 8, 3))]
@@ -447,6 +474,11 @@ def markdown(results: Dict) -> str:
                          f"{_fmt(vl.get(f'dense_ratio_{key}_vs_cudnn'), 2)} | "
                          f"{_fmt(vl.get(f'varlen_over_dense_ratio_{key}'), 2)} | "
                          f"{_fmt(vl.get(f'varlen_over_dense_tflops_{key}'), 2)} |")
+    ho = results.get("host")
+    if ho:
+        lines += ["", "Host overhead of one public-API forward call (CPU thread time, launches asynchronous; target "
+                  "<= 40 us): " + ", ".join(f"{k.replace('_fwd_host_us', '')} {v:.0f} us" for k, v in ho.items())
+                  + "."]
     sk = results.get("sink")
     if sk:
         graph = (f"; forward GPU time (CUDA-graph replays, no host overhead) {_fmt(sk.get('learnable_fwd_graph_ms'), 3)}"
@@ -564,6 +596,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.no_varlen:
         results["varlen"] = bench_varlen(args.warmup, args.iters)
         print({k: v for k, v in results["varlen"].items() if k != "lengths"}, flush=True)
+    results["host"] = bench_host_overhead()
+    print(results["host"], flush=True)
     if not args.no_sink:
         results["sink"] = bench_sink(args.warmup, args.iters)
         print(results["sink"], flush=True)

@@ -4,6 +4,15 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True)
+def _fresh_backend_choice():
+    """Tests monkeypatch backends' support checks: forget the choices cached by earlier tests."""
+    from mxattn import backends
+    backends.pick_backend.cache_clear()
+    yield
+    backends.pick_backend.cache_clear()
+
+
 def _is_blackwell() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
 

@@ -243,3 +243,18 @@ def test_demo_names_backend_in_one_line(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("cpu: reference backend (no CUDA device)") and len(lines[1]) < 120
     assert "python -m mxattn info" in lines[1]
+
+
+def test_backend_choice_is_cached_per_problem(monkeypatch):
+    """The support checks read library versions and package metadata: one call per distinct problem."""
+    from mxattn import backends
+    from mxattn.backends.reference import ReferenceBackend
+    calls = []
+    original = ReferenceBackend.supports.__func__
+    monkeypatch.setattr(ReferenceBackend, "supports",
+                        classmethod(lambda cls, p: calls.append(p) or original(cls, p)))
+    q = torch.randn(1, 40, 2, 32, dtype=torch.bfloat16)
+    for _ in range(3):
+        mxattn.mxfp8_attention(q, q, q, backend="reference")
+    mxattn.mxfp8_attention(q, q, q, backend="reference", attn_mask_type="causal")
+    assert len(calls) == 2

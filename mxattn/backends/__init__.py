@@ -3,6 +3,7 @@ that supports the whole call (`AttentionBackend.supports`)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 import warnings
@@ -84,11 +85,14 @@ def _choose_constant(name, device, dtype, batch, heads_q, heads_kv, seqlen_q, se
                                       head_dim, mask, varlen, needs_backward, out_dtype))
 
 
+@functools.lru_cache(maxsize=1024)
 def pick_backend(name: str, problem: Problem) -> str:
     """The concrete backend that runs `problem`: `name` itself after checking it supports the call
     (MXFP8NotSupportedError with the reason otherwise), or for "auto" the first of BACKEND_NAMES that does,
     warning once per (device type, choice, reasons) when it is not cudnn. A constant under torch.compile: the
-    choice runs once at trace time, with no graph break."""
+    choice runs once at trace time, with no graph break. Answers are cached per (name, problem): the support
+    checks read library versions and package metadata (about a millisecond), which must not be paid per call;
+    refusals raise every time (exceptions are not cached)."""
     if name != "auto":
         if name not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {('auto',) + BACKEND_NAMES}, got {name!r}")
