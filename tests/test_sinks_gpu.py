@@ -59,7 +59,7 @@ def test_triton_sink_packed_with_an_empty_kv_sequence():
     ck = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     q = torch.randn(1, 4, sum(lq), 64, device="cuda", dtype=torch.bfloat16, generator=gen)
     k, v = (torch.randn(1, 2, sum(lk), 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    do = torch.randn_like(q)
+    do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
     seq = SeqInfo(cq, ck, max(lq), max(lk), True)
     sink = torch.randn(4, device="cuda", generator=gen)
     params = AttentionParams(softmax_scale=0.125, mask=MaskSpec(causal=True, diagonal_alignment="bottom_right"),
