@@ -2,7 +2,8 @@
 
 Q, K, V (and dO in backward) are FP8 E4M3 with one E8M0 power-of-two scale per 32 values, following the
 cuDNN / Transformer Engine MXFP8 recipe. Backends: `cudnn` (Blackwell), `triton` (other CUDA GPUs, exact
-emulation), `reference` (pure PyTorch, any device).
+emulation), `reference` (pure PyTorch, any device). Variable lengths (padded and packed `thd` batches) and
+attention sinks follow Transformer Engine's arguments; `mxattn.integrations.transformers` plugs into Hugging Face.
 """
 
 from .attention import mxfp8_attention
@@ -12,6 +13,7 @@ from .errors import MXFP8NotSupportedError
 from .formats import MXFP8Tensor, quantize_mxfp8, swizzle_128x4, unswizzle_128x4
 from .mask import MaskSpec
 from .module import DotProductAttention
+from .seqinfo import SeqInfo, cu_seqlens_from_padding_mask
 
 __version__ = "0.1.0"
 
@@ -21,7 +23,9 @@ __all__ = [
     "MXFP8NotSupportedError",
     "MXFP8Tensor",
     "MaskSpec",
+    "SeqInfo",
     "backend_availability",
+    "cu_seqlens_from_padding_mask",
     "cudnn_support",
     "mxfp8_attention",
     "quantize_mxfp8",
