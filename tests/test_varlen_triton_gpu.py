@@ -114,18 +114,6 @@ def _params(mask, d, out_dtype, seq):
     return AttentionParams(softmax_scale=1.0 / math.sqrt(d), mask=mask, out_dtype=out_dtype, seq=seq)
 
 
-def _to(saved: SavedForBackward, device) -> SavedForBackward:
-    parts = [MXFP8Tensor(t.data.to(device), t.scale.to(device), t.axis,
-                         None if t.segments is None else t.segments.to(device))
-             for t in (saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row)]
-    return SavedForBackward(*parts)
-
-
-def _seq_to(seq: SeqInfo, device) -> SeqInfo:
-    return SeqInfo(seq.cu_seqlens_q.to(device), seq.cu_seqlens_kv.to(device), seq.max_seqlen_q,
-                   seq.max_seqlen_kv, seq.packed)
-
-
 def _reference(bt: Batch, params, saved, o, stats):
     """Reference forward on the same CUDA inputs and reference backward on the triton run's saved bytes, O and
     stats (ref runs on CUDA bit-identically to CPU)."""
