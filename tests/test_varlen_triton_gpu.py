@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import mxattn
-from mxattn.backends.base import AttentionParams, SavedForBackward
-from mxattn.formats import MXFP8Tensor, quantize_mxfp8
+from mxattn.backends.base import AttentionParams
+from mxattn.formats import quantize_mxfp8
 from mxattn.mask import MaskSpec
 from mxattn.seqinfo import SeqInfo
 
