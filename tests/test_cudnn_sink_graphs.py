@@ -18,6 +18,7 @@ import torch
 
 cudnn = pytest.importorskip("cudnn")
 
+from cudnn_fixtures import MASKS, needs_mxfp8_cudnn, pretend_blackwell  # noqa: E402,F401
 from mxattn import cudnn_graphs as cg  # noqa: E402
 from mxattn.backends import Problem  # noqa: E402
 from mxattn.backends import cudnn_backend as cb  # noqa: E402
@@ -27,12 +28,6 @@ from mxattn.formats import quantize_mxfp8  # noqa: E402
 from mxattn.mask import MaskSpec  # noqa: E402
 from mxattn.seqinfo import SeqInfo  # noqa: E402
 
-needs_mxfp8_cudnn = pytest.mark.skipif(cudnn.backend_version() < 92100,
-                                       reason=f"cuDNN {cudnn.backend_version()} < 9.21 cannot validate MXFP8 graphs")
-MASKS = {"none": MaskSpec(), "causal_tl": MaskSpec(causal=True),
-         "causal_br": MaskSpec(causal=True, diagonal_alignment="bottom_right"),
-         "swa_tl": MaskSpec(left_bound=100, right_bound=0),
-         "band_br": MaskSpec(left_bound=64, right_bound=32, diagonal_alignment="bottom_right")}
 SINK_TYPES = ("off-by-one", "learnable")
 TORCH_OF = {"FP8_E4M3": torch.float8_e4m3fn, "FP8_E8M0": torch.float8_e8m0fnu, "BFLOAT16": torch.bfloat16,
             "HALF": torch.float16, "FLOAT": torch.float32, "INT32": torch.int32, "INT64": torch.int64}
@@ -396,22 +391,6 @@ def test_problem_config_carries_the_sink_facts():
             fwd, bwd = cb.problem_config(p, "forward"), cb.problem_config(p, "backward")
             assert (fwd.sink, fwd.dsink, bwd.sink, bwd.dsink, fwd.varlen) == (sink, False, sink, dsink, varlen)
 
-
-@pytest.fixture
-def pretend_blackwell(monkeypatch):
-    calls = []
-    real = cb.check_problem
-
-    def counting(p, handle=None, device_index=0, sm_version=100):
-        calls.append(p)
-        return real(p, handle, device_index, sm_version)
-
-    monkeypatch.setattr(cb.CudnnBackend, "availability", classmethod(lambda cls, device: (True, "pretend SM 10.0")))
-    monkeypatch.setattr(cb, "_support_handle", lambda device: (None, 0))
-    monkeypatch.setattr(cb, "check_problem", counting)
-    cb.clear_support_cache()
-    yield calls
-    cb.clear_support_cache()
 
 
 @needs_mxfp8_cudnn

@@ -16,6 +16,7 @@ import torch
 
 cudnn = pytest.importorskip("cudnn")
 
+from cudnn_fixtures import MASKS, needs_mxfp8_cudnn, pretend_blackwell  # noqa: E402,F401
 from mxattn import cudnn_graphs as cg  # noqa: E402
 from mxattn.backends import Problem, pick_backend  # noqa: E402
 from mxattn.backends import cudnn_backend as cb  # noqa: E402
@@ -24,14 +25,8 @@ from mxattn.formats import quantize_mxfp8  # noqa: E402
 from mxattn.mask import MaskSpec  # noqa: E402
 from mxattn.seqinfo import SeqInfo  # noqa: E402
 
-needs_mxfp8_cudnn = pytest.mark.skipif(cudnn.backend_version() < 92100,
-                                       reason=f"cuDNN {cudnn.backend_version()} < 9.21 cannot validate MXFP8 graphs")
 TORCH_OF = {"FP8_E4M3": torch.float8_e4m3fn, "FP8_E8M0": torch.float8_e8m0fnu, "BFLOAT16": torch.bfloat16,
             "HALF": torch.float16, "FLOAT": torch.float32, "INT32": torch.int32, "INT64": torch.int64}
-MASKS = {"none": MaskSpec(), "causal_tl": MaskSpec(causal=True),
-         "causal_br": MaskSpec(causal=True, diagonal_alignment="bottom_right"),
-         "band_br": MaskSpec(left_bound=64, right_bound=32, diagonal_alignment="bottom_right"),
-         "swa_tl": MaskSpec(left_bound=100, right_bound=0)}
 
 
 def cdiv(a, b):
@@ -446,24 +441,6 @@ def test_known_refusals_of_the_readme():
                                     needs_backward=True)) is None  # no right bound: not cuDNN's "causal" rule
     assert "float16" in cb.known_refusal(dataclasses.replace(problem(), out_dtype=torch.float32))
 
-
-@pytest.fixture
-def pretend_blackwell(monkeypatch):
-    """CudnnBackend believes it runs on a Blackwell GPU; the graphs are checked by cuDNN's deviceless
-    validation (handle None) instead of being planned. Counts the checks."""
-    calls = []
-    real = cb.check_problem
-
-    def counting(p, handle=None, device_index=0, sm_version=100):
-        calls.append(p)
-        return real(p, handle, device_index, sm_version)
-
-    monkeypatch.setattr(cb.CudnnBackend, "availability", classmethod(lambda cls, device: (True, "pretend SM 10.0")))
-    monkeypatch.setattr(cb, "_support_handle", lambda device: (None, 0))
-    monkeypatch.setattr(cb, "check_problem", counting)
-    cb.clear_support_cache()
-    yield calls
-    cb.clear_support_cache()
 
 
 @needs_mxfp8_cudnn

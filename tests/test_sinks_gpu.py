@@ -21,6 +21,7 @@ def _ulp_share_and_max(a, b):
 
 
 def _compare(q, k, v, do, params):
+    """Asserts the tolerances; returns triton's O."""
     tri, ref = TritonBackend(), ReferenceBackend()
     o, stats, saved = tri.forward(q, k, v, params)
     ro, rstats, _ = ref.forward(q, k, v, params)
@@ -36,6 +37,7 @@ def _compare(q, k, v, do, params):
         assert rel_rms(a, b) <= 2e-4, (name, rel_rms(a, b))
     again = tri.backward(saved, o, stats, do, params)
     assert all(torch.equal(a, b) for a, b in zip(got, again))  # deterministic
+    return o
 
 
 @pytest.mark.parametrize("hkv,mask", [(8, MaskSpec()), (2, MaskSpec(causal=True)),
@@ -49,7 +51,9 @@ def test_triton_sink_matches_reference(hkv, mask, learnable):
     do = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     sink = (torch.randn(hq, device="cuda", generator=gen) * 2) if learnable else torch.zeros(hq, device="cuda")
     params = AttentionParams(softmax_scale=d ** -0.5, mask=mask, sink=sink, sink_requires_grad=learnable)
-    _compare(q, k, v, do, params)
+    o = _compare(q, k, v, do, params)
+    vanilla, _, _ = TritonBackend().forward(q, k, v, AttentionParams(softmax_scale=d ** -0.5, mask=mask))
+    assert not torch.equal(o, vanilla)  # the sink took part in the softmax
 
 
 def test_triton_sink_packed_with_an_empty_kv_sequence():

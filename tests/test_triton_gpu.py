@@ -10,6 +10,7 @@ import torch
 from mxattn.backends.base import AttentionParams, SavedForBackward
 from mxattn.formats import quantize_mxfp8, swizzle_128x4
 from mxattn.mask import MaskSpec
+from triton_helpers import as_bytes, triton_backend
 from ref import mxfp8_ref as ref
 
 pytestmark = pytest.mark.gpu
@@ -19,16 +20,6 @@ O_ULP_FRACTION = 0.99
 GRAD_REL_RMS = 1e-2
 
 
-def _backend(mode=None):
-    from mxattn.backends.triton_backend import TritonBackend
-    ok, why = TritonBackend.availability(torch.device("cuda"))
-    if not ok:
-        pytest.skip(f"triton backend unavailable: {why}")
-    return TritonBackend(mode)
-
-
-def _u8(t):
-    return t.view(torch.uint8)
 
 
 def _bf16_ulp(r: torch.Tensor) -> torch.Tensor:
@@ -59,7 +50,7 @@ def _ref_opts(mask: MaskSpec, scale: float, out_dtype):
 
 
 def _check_against_ref(B, hq, hkv, sq, skv, d, mask, dtype=torch.bfloat16, seed=0, layout="bhsd", mode=None):
-    be = _backend(mode)
+    be = triton_backend(mode)
     q, k, v, do = _make(B, hq, hkv, sq, skv, d, dtype, layout, seed)
     scale = 1.0 / math.sqrt(d)
     params = AttentionParams(softmax_scale=scale, mask=mask, out_dtype=dtype)
@@ -116,7 +107,7 @@ def _special(x):
 @pytest.mark.parametrize("shape,dtype", [((2, 4, 1000, 128), torch.bfloat16), ((1, 3, 177, 96), torch.float16),
                                          ((1, 2, 256, 256), torch.bfloat16), ((2, 2, 130, 64), torch.float32)])
 def test_quantizer_bit_identical(layout, shape, dtype):
-    _backend()
+    triton_backend()
     from mxattn.kernels.triton_quantize import quantize_rowcol
     B, H, S, D = shape
     x, _, _, _ = _make(B, H, H, S, S, D, dtype, layout, seed=3)
@@ -125,12 +116,12 @@ def test_quantizer_bit_identical(layout, shape, dtype):
     want_r, want_c = quantize_mxfp8(x, axis=3), quantize_mxfp8(x, axis=2)
     assert got.row.axis == 3 and got.col.axis == 2
     assert got.row.data.stride() == want_r.data.stride()
-    assert torch.equal(_u8(got.row.data), _u8(want_r.data))
-    assert torch.equal(_u8(got.row.scale), _u8(want_r.scale))
-    assert torch.equal(_u8(got.col.data), _u8(want_c.data))
-    assert torch.equal(_u8(got.col.scale), _u8(want_c.scale))
-    assert torch.equal(_u8(got.row_swizzled), _u8(swizzle_128x4(want_r.scale)))
-    assert torch.equal(_u8(got.col_swizzled), _u8(swizzle_128x4(want_c.scale.transpose(-1, -2).contiguous())))
+    assert torch.equal(as_bytes(got.row.data), as_bytes(want_r.data))
+    assert torch.equal(as_bytes(got.row.scale), as_bytes(want_r.scale))
+    assert torch.equal(as_bytes(got.col.data), as_bytes(want_c.data))
+    assert torch.equal(as_bytes(got.col.scale), as_bytes(want_c.scale))
+    assert torch.equal(as_bytes(got.row_swizzled), as_bytes(swizzle_128x4(want_r.scale)))
+    assert torch.equal(as_bytes(got.col_swizzled), as_bytes(swizzle_128x4(want_c.scale.transpose(-1, -2).contiguous())))
 
 
 # --------------------------------------------------------------------------- accuracy (issue configs)
@@ -184,7 +175,7 @@ def test_fp16_and_sbhd_layout():
 
 @pytest.mark.parametrize("mode", ["fast", "lowmem"])
 def test_deterministic_and_layout_independent(mode):
-    be = _backend(mode)
+    be = triton_backend(mode)
     mask = MaskSpec(causal=True)
     params = AttentionParams(softmax_scale=0.1, mask=mask)
     q, k, v, do = _make(2, 8, 2, 1000, 1000, 128, layout="bshd", seed=7)
@@ -209,11 +200,11 @@ def test_modes_agree_and_chunked_backward_matches(monkeypatch):
     q, k, v, do = _make(2, 8, 4, 700, 700, 128, seed=9)
     outs = {}
     for mode in ("fast", "lowmem"):
-        be = _backend(mode)
+        be = triton_backend(mode)
         o, st, sv = be.forward(q, k, v, params)
         outs[mode] = (o, st) + be.backward(sv, o, st, do, params)
     monkeypatch.setattr(tb, "PRE_BUDGET_BYTES", 1)  # one KV head per chunk
-    be = _backend("fast")
+    be = triton_backend("fast")
     o, st, sv = be.forward(q, k, v, params)
     outs["chunked"] = (o, st) + be.backward(sv, o, st, do, params)
     for name in ("lowmem", "chunked"):

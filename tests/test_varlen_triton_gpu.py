@@ -15,6 +15,7 @@ import mxattn
 from mxattn.backends.base import AttentionParams
 from mxattn.formats import quantize_mxfp8
 from mxattn.mask import MaskSpec
+from triton_helpers import as_bytes, triton_backend
 from mxattn.seqinfo import SeqInfo
 
 pytestmark = pytest.mark.gpu
@@ -38,16 +39,6 @@ MASKS = {
 }
 
 
-def _backend(mode=None):
-    from mxattn.backends.triton_backend import TritonBackend
-    ok, why = TritonBackend.availability(torch.device("cuda"))
-    if not ok:
-        pytest.skip(f"triton backend unavailable: {why}")
-    return TritonBackend(mode)
-
-
-def _u8(t):
-    return t.view(torch.uint8)
 
 
 def _same(a, b):
@@ -128,13 +119,13 @@ def _assert_saved_equal(saved, rsaved):
     for name in ("q_row", "q_col", "k_row", "k_col", "v_row"):
         a, b = getattr(saved, name), getattr(rsaved, name)
         assert a.axis == b.axis and a.data.shape == b.data.shape and a.scale.shape == b.scale.shape, name
-        assert torch.equal(_u8(a.data).cpu(), _u8(b.data).cpu()), f"{name} data"
-        assert torch.equal(_u8(a.scale).cpu(), _u8(b.scale).cpu()), f"{name} scale"
+        assert torch.equal(as_bytes(a.data).cpu(), as_bytes(b.data).cpu()), f"{name} data"
+        assert torch.equal(as_bytes(a.scale).cpu(), as_bytes(b.scale).cpu()), f"{name} scale"
         assert (a.segments is None) == (b.segments is None), name
 
 
 def _check_against_reference(bt: Batch, mask, mode, out_dtype):
-    be = _backend(mode)
+    be = triton_backend(mode)
     d = bt.q.shape[3]
     params = _params(mask, d, out_dtype, bt.seq)
     o, stats, saved = be.forward(bt.q, bt.k, bt.v, params)
@@ -183,7 +174,7 @@ def _check_against_reference(bt: Batch, mask, mode, out_dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("d", [64, 96, 128])
 def test_quantizer_packed_bit_identical(dtype, d):
-    _backend()
+    triton_backend()
     from mxattn.kernels.triton_quantize import dequantize_bf16, quantize_rowcol
     lens = LENS_Q + [64, 2]
     cu = _cu(lens)
@@ -196,8 +187,8 @@ def test_quantizer_packed_bit_identical(dtype, d):
     got = quantize_rowcol(xb, cu_seqlens=cu, max_seqlen=max(lens), packed=True, row_dequant=True,
                           col_dequant=True)
     want_r, want_c = quantize_mxfp8(xb, axis=3), quantize_mxfp8(xb, axis=2, segments=cu)
-    assert torch.equal(_u8(got.row.data), _u8(want_r.data)) and torch.equal(_u8(got.row.scale), _u8(want_r.scale))
-    assert torch.equal(_u8(got.col.data), _u8(want_c.data)) and torch.equal(_u8(got.col.scale), _u8(want_c.scale))
+    assert torch.equal(as_bytes(got.row.data), as_bytes(want_r.data)) and torch.equal(as_bytes(got.row.scale), as_bytes(want_r.scale))
+    assert torch.equal(as_bytes(got.col.data), as_bytes(want_c.data)) and torch.equal(as_bytes(got.col.scale), as_bytes(want_c.scale))
     assert got.col.segments is cu and got.row.data.stride() == want_r.data.stride()
     assert _same(got.row_dequant, want_r.dequantize(torch.bfloat16))
     assert _same(got.col_dequant, want_c.dequantize(torch.bfloat16))
@@ -206,7 +197,7 @@ def test_quantizer_packed_bit_identical(dtype, d):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantizer_padded_reads_padding_as_zero(dtype):
-    _backend()
+    triton_backend()
     from mxattn.kernels.triton_quantize import quantize_rowcol
     lens = [0, 1, 31, 33, 100]
     cu = _cu(lens)
@@ -218,7 +209,7 @@ def test_quantizer_padded_reads_padding_as_zero(dtype):
     xz = torch.where(valid, x, torch.zeros((), dtype=dtype, device="cuda"))
     want_r, want_c = quantize_mxfp8(xz, axis=3), quantize_mxfp8(xz, axis=2)
     for a, b in ((got.row, want_r), (got.col, want_c)):
-        assert torch.equal(_u8(a.data), _u8(b.data)) and torch.equal(_u8(a.scale), _u8(b.scale))
+        assert torch.equal(as_bytes(a.data), as_bytes(b.data)) and torch.equal(as_bytes(a.scale), as_bytes(b.scale))
 
 
 # --------------------------------------------------------------------------- against the reference backend
@@ -260,7 +251,7 @@ def test_varlen_configs_against_reference(kind, mask_name, hq, hkv, d, dtype, mo
 @pytest.mark.parametrize("mask_name", ["padding_causal_bottom_right", "window"])
 def test_varlen_equals_per_sequence_dense_calls(kind, mask_name, mode):
     """Every sequence of a packed or padded batch gets exactly what a dense call on it alone gets."""
-    be = _backend(mode)
+    be = triton_backend(mode)
     bt = Batch(kind, LENS_Q, LENS_KV, 4, 2, 128, torch.bfloat16, seed=3)
     mask = MASKS[mask_name]
     params = _params(mask, 128, torch.bfloat16, bt.seq)
@@ -281,7 +272,7 @@ def test_varlen_equals_per_sequence_dense_calls(kind, mask_name, mode):
 
 @pytest.mark.parametrize("mode", ["fast", "lowmem"])
 def test_varlen_backward_deterministic(mode):
-    be = _backend(mode)
+    be = triton_backend(mode)
     bt = Batch("packed", LENS_Q * 2, LENS_KV * 2, 8, 2, 128, torch.bfloat16, seed=4)
     params = _params(MASKS["padding_causal_bottom_right"], 128, torch.bfloat16, bt.seq)
     runs = []
@@ -294,7 +285,7 @@ def test_varlen_backward_deterministic(mode):
 
 def test_pack_with_one_long_sequence():
     """4096 + 128 + 128 tokens: the grids are sized by the longest sequence; results still per sequence."""
-    be = _backend()
+    be = triton_backend()
     bt = Batch("packed", [4096, 128, 128], [4096, 128, 128], 2, 1, 128, torch.bfloat16, seed=5)
     params = _params(MASKS["padding_causal"], 128, torch.bfloat16, bt.seq)
     o, stats, saved = be.forward(bt.q, bt.k, bt.v, params)
@@ -323,7 +314,7 @@ def _api_run(q, k, v, cu, attn_mask_type, backend):
 
 @pytest.mark.parametrize("attn_mask_type", ["padding", "padding_causal_bottom_right"])
 def test_public_api_thd_and_padded(attn_mask_type):
-    _backend()
+    triton_backend()
     torch.manual_seed(6)
     lens = [3, 300, 0, 129]
     cu = _cu(lens)

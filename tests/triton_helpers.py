@@ -1,0 +1,17 @@
+"""Shared by the Triton GPU tests."""
+
+import pytest
+import torch
+
+
+def triton_backend(mode=None):
+    """A TritonBackend on this CUDA device, or skip the test with the reason."""
+    from mxattn.backends.triton_backend import TritonBackend
+    ok, why = TritonBackend.availability(torch.device("cuda"))
+    if not ok:
+        pytest.skip(f"triton backend unavailable: {why}")
+    return TritonBackend(mode)
+
+
+def as_bytes(t):
+    return t.view(torch.uint8)
