@@ -81,6 +81,22 @@ def peak_bytes(fn: Callable[[], object]) -> int:
     return int(peak)
 
 
+def kept_bytes(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd keeps for backward when fn(q, k, v) runs with grad-requiring
+    copies of q, k, v (what stays alive between forward and backward)."""
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*leaves)
+    del out
+    return int(sum(seen.values()))
+
+
 def kept_pairs(s_q: int, s_kv: int, causal: bool) -> int:
     """Number of (i, j) pairs the mask keeps (top-left causal or none)."""
     if not causal:
@@ -130,6 +146,7 @@ def _sdpa_runner(kind: str, q, k, v, causal: bool, gqa: bool):
 def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16) -> Dict:
     """Time one config; returns a dict of milliseconds, TFLOP/s, ratios and peak bytes."""
     from .backends.base import AttentionParams
+    from .attention import mxfp8_attention
     from .backends.triton_backend import TritonBackend
     from .kernels import triton_attention_fwd as tf
     from .mask import MaskSpec
@@ -147,29 +164,27 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16) -> Dict:
     res = {"config": name, "B": B, "Hq": hq, "Hkv": hkv, "S": S, "D": D, "causal": causal,
            "fwd_flop": fwd_flops, "notes": []}
 
-    for mode, impl in (("fast", "triton"), ("lowmem", "triton_lowmem")):
-        be = TritonBackend(mode)
-        o, stats, saved = be.forward(q, k, v, params)
-        res[f"{impl}_fwd_ms"] = time_cuda(lambda: be.forward(q, k, v, params), warmup, iters)
-        res[f"{impl}_bwd_ms"] = time_cuda(lambda: be.backward(saved, o, stats, do, params), warmup, iters)
+    be = TritonBackend()
+    o, stats, saved = be.forward(q, k, v, params)
+    res["triton_fwd_ms"] = time_cuda(lambda: be.forward(q, k, v, params), warmup, iters)
+    res["triton_bwd_ms"] = time_cuda(lambda: be.backward(saved, o, stats, do, params), warmup, iters)
 
-        def tri_fb(be=be):
-            o2, st2, sv2 = be.forward(q, k, v, params)
-            return be.backward(sv2, o2, st2, do, params)
-        res[f"{impl}_fwdbwd_ms"] = time_cuda(tri_fb, warmup, iters)
-        res[f"{impl}_fwdbwd_graph_ms"] = time_graph(tri_fb, warmup, iters)
-        res[f"{impl}_fwd_graph_ms"] = time_graph(lambda: be.forward(q, k, v, params), warmup, iters)
-        del o, stats, saved
-        res[f"{impl}_fwdbwd_peak_bytes"] = peak_bytes(tri_fb)
+    def tri_fb():
+        o2, st2, sv2 = be.forward(q, k, v, params)
+        return be.backward(sv2, o2, st2, do, params)
+    res["triton_fwdbwd_ms"] = time_cuda(tri_fb, warmup, iters)
+    res["triton_fwdbwd_graph_ms"] = time_graph(tri_fb, warmup, iters)
+    res["triton_fwd_graph_ms"] = time_graph(lambda: be.forward(q, k, v, params), warmup, iters)
+    del o, stats, saved
+    res["triton_fwdbwd_peak_bytes"] = peak_bytes(tri_fb)
+    res["triton_kept_bytes"] = kept_bytes(lambda x, y, z: mxfp8_attention(
+        x, y, z, qkv_format="bhsd", attn_mask_type="causal" if causal else "no_mask", backend="triton"), q, k, v)
     from .kernels.triton_quantize import quantize_rowcol
-    qq, kq, vq = quantize_rowcol(q), quantize_rowcol(k, row_dequant=True), quantize_rowcol(v, col_dequant=True)
+    qq, kq, vq = quantize_rowcol(q), quantize_rowcol(k), quantize_rowcol(v)
     ob, sb = torch.empty_like(q), torch.empty(B, hq, S, 1, device=dev)
-    for impl, extra in (("triton", dict(k_bf16=kq.row_dequant, v_bf16=vq.col_dequant)), ("triton_lowmem", {})):
-        def fwd_kernel(extra=extra):
-            tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale,
-                             softmax_scale=scale, offset=0, left_bound=None, right_bound=0 if causal else None,
-                             out=ob, stats=sb, **extra)
-        res[f"{impl}_fwd_kernel_ms"] = time_cuda(fwd_kernel, warmup, iters)
+    res["triton_fwd_kernel_ms"] = time_cuda(lambda: tf.attention_fwd(
+        qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale, softmax_scale=scale,
+        offset=0, left_bound=None, right_bound=0 if causal else None, out=ob, stats=sb), warmup, iters)
     del qq, kq, vq, ob, sb
 
     for kind in ("cudnn", "flash"):
@@ -194,11 +209,12 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16) -> Dict:
             return torch.autograd.grad(run(qg), leaves, do)
         res[f"sdpa_{kind}_fwdbwd_ms"] = time_cuda(fb, warmup, iters)
         res[f"sdpa_{kind}_fwdbwd_peak_bytes"] = peak_bytes(fb)
+        res[f"sdpa_{kind}_kept_bytes"] = kept_bytes(lambda x, y, z, run=run: run(x), qg, kk, vv)
         del qg, kg, vg, kk, vv, leaves, run, got
 
     mult = {"fwd": 1.0, "fwd_kernel": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
     for key, m in mult.items():
-        for impl in ("triton", "triton_lowmem", "sdpa_cudnn", "sdpa_flash"):
+        for impl in ("triton", "sdpa_cudnn", "sdpa_flash"):
             ms = res.get(f"{impl}_{key}_ms")
             if ms is not None:
                 res[f"{impl}_{key}_tflops"] = m * fwd_flops / (ms * 1e-3) / 1e12
@@ -207,9 +223,6 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16) -> Dict:
             r = res.get(f"sdpa_{ref}_{key}_ms")
             if r:
                 res[f"ratio_{key}_vs_{ref}"] = r / res[f"triton_{key}_ms"]
-        r = res.get(f"sdpa_cudnn_{key}_ms")
-        if r:
-            res[f"ratio_{key}_lowmem_vs_cudnn"] = r / res[f"triton_lowmem_{key}_ms"]
     r = res.get("sdpa_cudnn_fwd_ms")
     if r:
         res["ratio_fwd_kernel_vs_cudnn"] = r / res["triton_fwd_kernel_ms"]
@@ -363,13 +376,13 @@ def bench_host_overhead(iters: int = 200) -> Dict:
     return res
 
 
-FWD_SWEEP = [(128, 8, 2), (128, 8, 3), (128, 8, 2, True), (128, 4, 2)]
-BWD_SWEEP = [((64, 128, 8, 2), (128, 64, 8, 2)), ((64, 128, 8, 1), (128, 64, 8, 1)),
-             ((64, 64, 4, 2), (64, 64, 4, 2)), ((64, 128, 8, 3), (128, 64, 8, 3))]
+FWD_SWEEP = [(128, 8, 2), (128, 8, 3), (128, 8, 4), (64, 4, 3), (64, 4, 4), (128, 4, 3)]
+BWD_SWEEP = [((64, 128, 8, 2), (128, 64, 8, 2)), ((32, 128, 8, 1), (128, 32, 8, 3)),
+             ((64, 64, 4, 2), (64, 64, 4, 2)), ((32, 128, 8, 2), (128, 64, 8, 3))]
 
 
 def sweep(cfg, warmup: int, iters: int) -> List[Dict]:
-    """Time the kernels under each block/warp/stage candidate (and both data paths) for one config."""
+    """Time the kernels under each block/warp/stage candidate for one config."""
     from .kernels import triton_attention_bwd as tb
     from .kernels import triton_attention_fwd as tf
     from .kernels.triton_quantize import quantize_rowcol
@@ -378,8 +391,7 @@ def sweep(cfg, warmup: int, iters: int) -> List[Dict]:
     dev = torch.device("cuda")
     q, do = (torch.randn(B, hq, S, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(B, hkv, S, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    qq, dq_ = quantize_rowcol(q), quantize_rowcol(do)
-    kq, vq = quantize_rowcol(k, row_dequant=True), quantize_rowcol(v, col_dequant=True)
+    qq, dq_, kq, vq = quantize_rowcol(q), quantize_rowcol(do), quantize_rowcol(k), quantize_rowcol(v)
     o, st = torch.empty_like(q), torch.empty(B, hq, S, 1, device=dev)
     fl = 4.0 * B * hq * D * kept_pairs(S, S, causal)
     mk = dict(softmax_scale=1 / math.sqrt(D), offset=0, left_bound=None, right_bound=0 if causal else None)
@@ -394,20 +406,17 @@ def sweep(cfg, warmup: int, iters: int) -> List[Dict]:
             rows.append({"config": name, "kernel": kernel, "params": params,
                          "error": f"{type(exc).__name__}: {exc}"[:200]})
         print(rows[-1], flush=True)
-    for kvb in (True, False):
-        extra = dict(k_bf16=kq.row_dequant, v_bf16=vq.col_dequant) if kvb else {}
-        for c in FWD_SWEEP:
-            rec("fwd_kvbf16" if kvb else "fwd_fp8", c, lambda: tf.attention_fwd(
-                qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale, out=o, stats=st,
-                config=c, **extra, **mk), 1.0)
+    for c in FWD_SWEEP:
+        rec("fwd", c, lambda: tf.attention_fwd(
+            qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale, out=o, stats=st,
+            config=c, **mk), 1.0)
     tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale,
                      out=o, stats=st, **mk)
     g = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    for mode in ("pre", "fp8"):
-        for c in BWD_SWEEP:
-            rec(f"bwd_{mode}", c, lambda: tb.attention_bwd(
-                qq.row, qq.col, kq.row, kq.col, vq.row, dq_.row, dq_.col, o, do, st, dq=g[0], dk=g[1], dv=g[2],
-                config=c, mode=mode, **mk), 2.5)
+    for c in BWD_SWEEP:
+        rec("bwd", c, lambda: tb.attention_bwd(
+            qq.row, qq.col, kq.row, kq.col, vq.row, dq_.row, dq_.col, o, do, st, dq=g[0], dk=g[1], dv=g[2],
+            config=c, **mk), 2.5)
     n = q.numel()
     for tile in ((32, 4), (32, 4, 64), (32, 2, 64), (64, 4, 64), (32, 8)):
         ms = time_graph(lambda: quantize_rowcol(q, tile=tile), warmup, iters)
@@ -431,8 +440,8 @@ def markdown(results: Dict) -> str:
              "| config | impl | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
              "peak fwd+bwd MiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results["configs"]:
-        for impl, label in (("triton", "triton MXFP8"), ("triton_lowmem", "triton MXFP8 lowmem"),
-                            ("sdpa_cudnn", "SDPA cuDNN bf16"), ("sdpa_flash", "SDPA flash bf16")):
+        for impl, label in (("triton", "triton MXFP8"), ("sdpa_cudnn", "SDPA cuDNN bf16"),
+                            ("sdpa_flash", "SDPA flash bf16")):
             if f"{impl}_fwd_ms" not in r:
                 continue
             pk = r.get(f"{impl}_fwdbwd_peak_bytes")
@@ -444,17 +453,16 @@ def markdown(results: Dict) -> str:
                          f"{_fmt(r.get(impl + '_fwdbwd_ms'), 3)} | {_fmt(r.get(impl + '_fwdbwd_tflops'))} | "
                          f"{_fmt(None if pk is None else pk / 2**20, 0)} |")
     lines += ["", "| config | fwd vs cuDNN (target 0.6) | fwd kernel vs cuDNN | bwd vs cuDNN (target 0.5) | "
-              "fwd+bwd vs cuDNN (target 0.5) | peak mem triton / cuDNN (target <= 1) | lowmem: fwd / bwd / fwd+bwd / "
-              "peak vs cuDNN |", "|---|---|---|---|---|---|---|"]
+              "fwd+bwd vs cuDNN (target 0.55) | peak mem triton / cuDNN (target <= 1) | kept for backward "
+              "triton / cuDNN (target <= 0.9) |", "|---|---|---|---|---|---|---|"]
     for r in results["configs"]:
         pk_t, pk_c = r.get("triton_fwdbwd_peak_bytes"), r.get("sdpa_cudnn_fwdbwd_peak_bytes")
+        kt, kc = r.get("triton_kept_bytes"), r.get("sdpa_cudnn_kept_bytes")
         lines.append(f"| {r['config']} | {_fmt(r.get('ratio_fwd_vs_cudnn'), 2)} | "
                      f"{_fmt(r.get('ratio_fwd_kernel_vs_cudnn'), 2)} | {_fmt(r.get('ratio_bwd_vs_cudnn'), 2)} | "
                      f"{_fmt(r.get('ratio_fwdbwd_vs_cudnn'), 2)} | "
                      f"{_fmt(None if not (pk_t and pk_c) else pk_t / pk_c, 2)} | "
-                     f"{_fmt(r.get('ratio_fwd_lowmem_vs_cudnn'), 2)} / {_fmt(r.get('ratio_bwd_lowmem_vs_cudnn'), 2)} / "
-                     f"{_fmt(r.get('ratio_fwdbwd_lowmem_vs_cudnn'), 2)} / "
-                     f"{_fmt(None if not (pk_c and r.get('triton_lowmem_fwdbwd_peak_bytes')) else r['triton_lowmem_fwdbwd_peak_bytes'] / pk_c, 2)} |")
+                     f"{_fmt(None if not (kt and kc) else kt / kc, 2)} |")
     lines += ["", "Triton GPU time without host overhead (CUDA-graph replay), ms: " + "; ".join(
         f"{r['config']}: fwd {_fmt(r.get('triton_fwd_graph_ms'), 3)}, fwd+bwd {_fmt(r.get('triton_fwdbwd_graph_ms'), 3)}"
         f" (vs cuDNN fwd+bwd {_fmt(r.get('sdpa_cudnn_fwdbwd_ms'), 3)})" for r in results["configs"])]
@@ -509,8 +517,7 @@ def plot(results: Dict, path: str) -> bool:
         return False
     cfgs = results["configs"]
     phases = ("fwd", "bwd", "fwdbwd")
-    impls = (("triton", "triton MXFP8"), ("triton_lowmem", "triton MXFP8 lowmem"), ("sdpa_cudnn", "SDPA cuDNN bf16"),
-             ("sdpa_flash", "SDPA flash bf16"))
+    impls = (("triton", "triton MXFP8"), ("sdpa_cudnn", "SDPA cuDNN bf16"), ("sdpa_flash", "SDPA flash bf16"))
     fig, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4.5), sharey=True)
     width = 0.8 / len(impls)
     for ax, ph in zip(axes, phases):

@@ -124,8 +124,8 @@ def _assert_saved_equal(saved, rsaved):
         assert (a.segments is None) == (b.segments is None), name
 
 
-def _check_against_reference(bt: Batch, mask, mode, out_dtype):
-    be = triton_backend(mode)
+def _check_against_reference(bt: Batch, mask, out_dtype):
+    be = triton_backend()
     d = bt.q.shape[3]
     params = _params(mask, d, out_dtype, bt.seq)
     o, stats, saved = be.forward(bt.q, bt.k, bt.v, params)
@@ -184,14 +184,12 @@ def test_quantizer_packed_bit_identical(dtype, d):
     x[200, 0, :] = float("inf")
     x[300:340] *= 1e-30
     xb = x.permute(1, 0, 2).unsqueeze(0)
-    got = quantize_rowcol(xb, cu_seqlens=cu, max_seqlen=max(lens), packed=True, row_dequant=True,
-                          col_dequant=True)
+    got = quantize_rowcol(xb, cu_seqlens=cu, max_seqlen=max(lens), packed=True)
     want_r, want_c = quantize_mxfp8(xb, axis=3), quantize_mxfp8(xb, axis=2, segments=cu)
     assert torch.equal(as_bytes(got.row.data), as_bytes(want_r.data)) and torch.equal(as_bytes(got.row.scale), as_bytes(want_r.scale))
     assert torch.equal(as_bytes(got.col.data), as_bytes(want_c.data)) and torch.equal(as_bytes(got.col.scale), as_bytes(want_c.scale))
     assert got.col.segments is cu and got.row.data.stride() == want_r.data.stride()
-    assert _same(got.row_dequant, want_r.dequantize(torch.bfloat16))
-    assert _same(got.col_dequant, want_c.dequantize(torch.bfloat16))
+    assert _same(dequantize_bf16(got.row), want_r.dequantize(torch.bfloat16))
     assert _same(dequantize_bf16(got.col, max_seqlen=max(lens)), want_c.dequantize(torch.bfloat16))
 
 
@@ -215,43 +213,41 @@ def test_quantizer_padded_reads_padding_as_zero(dtype):
 # --------------------------------------------------------------------------- against the reference backend
 
 
-@pytest.mark.parametrize("mode", ["fast", "lowmem"])
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("kind", ["packed", "padded"])
-def test_varlen_against_reference(kind, mask_name, mode):
+def test_varlen_against_reference(kind, mask_name):
     """GQA 4/2, D 128, bf16; padded batches carry NaN in every padding row."""
     bt = Batch(kind, LENS_Q, LENS_KV, 4, 2, 128, torch.bfloat16, seed=1)
-    _, errs, within = _check_against_reference(bt, MASKS[mask_name], mode, torch.bfloat16)
-    print(f"{kind} {mask_name} [{mode}]: within 1 ulp {within:.5f}, grads rel-RMS {errs}")
+    _, errs, within = _check_against_reference(bt, MASKS[mask_name], torch.bfloat16)
+    print(f"{kind} {mask_name}: within 1 ulp {within:.5f}, grads rel-RMS {errs}")
 
 
-@pytest.mark.parametrize("kind,mask_name,hq,hkv,d,dtype,mode,self_attn", [
-    ("packed", "padding_causal_bottom_right", 4, 1, 64, torch.float16, "fast", False),   # MQA, fp16
-    ("packed", "window", 4, 1, 64, torch.float16, "lowmem", False),
-    ("padded", "padding_causal_bottom_right", 4, 1, 64, torch.float16, "fast", False),
-    ("padded", "window", 2, 2, 64, torch.bfloat16, "lowmem", True),
-    ("packed", "padding_causal", 4, 2, 256, torch.bfloat16, "fast", True),               # D 256
-    ("padded", "padding_causal_bottom_right", 2, 1, 256, torch.bfloat16, "lowmem", False),
-    ("packed", "padding", 4, 2, 128, torch.float32, "fast", False),                      # fp32 in, bf16 out
-    ("padded", "padding_causal", 4, 2, 128, torch.float32, "lowmem", True),
+@pytest.mark.parametrize("kind,mask_name,hq,hkv,d,dtype,self_attn", [
+    ("packed", "padding_causal_bottom_right", 4, 1, 64, torch.float16, False),   # MQA, fp16
+    ("packed", "window", 4, 1, 64, torch.float16, False),
+    ("padded", "padding_causal_bottom_right", 4, 1, 64, torch.float16, False),
+    ("padded", "window", 2, 2, 64, torch.bfloat16, True),
+    ("packed", "padding_causal", 4, 2, 256, torch.bfloat16, True),               # D 256
+    ("padded", "padding_causal_bottom_right", 2, 1, 256, torch.bfloat16, False),
+    ("packed", "padding", 4, 2, 128, torch.float32, False),                      # fp32 in, bf16 out
+    ("padded", "padding_causal", 4, 2, 128, torch.float32, True),
 ])
-def test_varlen_configs_against_reference(kind, mask_name, hq, hkv, d, dtype, mode, self_attn):
+def test_varlen_configs_against_reference(kind, mask_name, hq, hkv, d, dtype, self_attn):
     lens_kv = LENS_Q if self_attn else LENS_KV
     bt = Batch(kind, LENS_Q, lens_kv, hq, hkv, d, dtype, seed=d + hq)
     out_dtype = torch.bfloat16 if dtype == torch.float32 else dtype
-    _, errs, within = _check_against_reference(bt, MASKS[mask_name], mode, out_dtype)
-    print(f"{kind} {mask_name} {hq}/{hkv} d{d} {dtype} [{mode}]: within 1 ulp {within:.5f}, grads {errs}")
+    _, errs, within = _check_against_reference(bt, MASKS[mask_name], out_dtype)
+    print(f"{kind} {mask_name} {hq}/{hkv} d{d} {dtype}: within 1 ulp {within:.5f}, grads {errs}")
 
 
 # --------------------------------------------------------------------------- per-sequence identity, determinism
 
 
-@pytest.mark.parametrize("mode", ["fast", "lowmem"])
 @pytest.mark.parametrize("kind", ["packed", "padded"])
 @pytest.mark.parametrize("mask_name", ["padding_causal_bottom_right", "window"])
-def test_varlen_equals_per_sequence_dense_calls(kind, mask_name, mode):
+def test_varlen_equals_per_sequence_dense_calls(kind, mask_name):
     """Every sequence of a packed or padded batch gets exactly what a dense call on it alone gets."""
-    be = triton_backend(mode)
+    be = triton_backend()
     bt = Batch(kind, LENS_Q, LENS_KV, 4, 2, 128, torch.bfloat16, seed=3)
     mask = MASKS[mask_name]
     params = _params(mask, 128, torch.bfloat16, bt.seq)
@@ -270,9 +266,8 @@ def test_varlen_equals_per_sequence_dense_calls(kind, mask_name, mode):
             assert torch.equal(got, want), f"sequence {b}: {name}"
 
 
-@pytest.mark.parametrize("mode", ["fast", "lowmem"])
-def test_varlen_backward_deterministic(mode):
-    be = triton_backend(mode)
+def test_varlen_backward_deterministic():
+    be = triton_backend()
     bt = Batch("packed", LENS_Q * 2, LENS_KV * 2, 8, 2, 128, torch.bfloat16, seed=4)
     params = _params(MASKS["padding_causal_bottom_right"], 128, torch.bfloat16, bt.seq)
     runs = []

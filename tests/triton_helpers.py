@@ -4,13 +4,13 @@ import pytest
 import torch
 
 
-def triton_backend(mode=None):
+def triton_backend():
     """A TritonBackend on this CUDA device, or skip the test with the reason."""
     from mxattn.backends.triton_backend import TritonBackend
     ok, why = TritonBackend.availability(torch.device("cuda"))
     if not ok:
         pytest.skip(f"triton backend unavailable: {why}")
-    return TritonBackend(mode)
+    return TritonBackend()
 
 
 def as_bytes(t):

@@ -12,7 +12,6 @@ This module imports without triton or a GPU; the kernels are imported on first u
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -72,19 +71,6 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supported_head_dims = (32, 64, 96, 128, 192, 256)
     input_dtypes = _QKV_DTYPES
-    MODES = ("fast", "lowmem")
-
-    def __init__(self, mode: Optional[str] = None):
-        """mode "fast" (default): the quantizer also writes the exact bf16 dequantizations of K (row-wise) and
-        V (column-wise) for the forward kernel to stream, and the backward dequantizes its streamed operands
-        per chunk of heads into bf16 scratch first. mode "lowmem": every kernel reads the FP8 data and
-        dequantizes tiles in registers (no bf16 scratch, slower). Both give bit-identical results.
-        The environment variable MXATTN_TRITON_MODE sets the default."""
-        mode = mode if mode is not None else os.environ.get("MXATTN_TRITON_MODE", "fast")
-        if mode not in self.MODES:
-            raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
-        self.mode = mode
-
     @classmethod
     def availability(cls, device: torch.device) -> Tuple[bool, str]:
         """(ok, reason). Needs a CUDA device of compute capability >= 8.9 and an importable triton."""
@@ -147,10 +133,9 @@ class TritonBackend(AttentionBackend):
         if not (q.device == k.device == v.device):
             raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
         tq, tf, _ = _kernels()
-        fast = self.mode == "fast"
         qq = tq.quantize_rowcol(_inner_unit(q), **_quant_args(params, "q"))
-        kq = tq.quantize_rowcol(_inner_unit(k), row_dequant=fast, **_quant_args(params, "kv"))
-        vq = tq.quantize_rowcol(_inner_unit(v), col_dequant=fast, **_quant_args(params, "kv"))
+        kq = tq.quantize_rowcol(_inner_unit(k), **_quant_args(params, "kv"))
+        vq = tq.quantize_rowcol(_inner_unit(v), **_quant_args(params, "kv"))
         o = _like(q, params.out_dtype)
         stats = torch.empty((B, hq, sq, 1), dtype=torch.float32, device=q.device)
         sink = None if params.sink is None else params.sink.float().contiguous()
@@ -162,8 +147,8 @@ class TritonBackend(AttentionBackend):
                 stats.copy_(sink.view(1, -1, 1, 1).expand_as(stats))
         elif sq > 0 and B * hq > 0:
             tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale,
-                             softmax_scale=params.softmax_scale, out=o, stats=stats, k_bf16=kq.row_dequant,
-                             v_bf16=vq.col_dequant, sink=sink, **_mask_args(params, sq, skv))
+                             softmax_scale=params.softmax_scale, out=o, stats=stats, sink=sink,
+                             **_mask_args(params, sq, skv))
         saved = SavedForBackward(q_row=qq.row, q_col=qq.col, k_row=kq.row, k_col=kq.col, v_row=vq.row)
         return o, stats, saved
 
@@ -200,7 +185,7 @@ class TritonBackend(AttentionBackend):
         if stats.device != do.device:
             raise ValueError(f"stats must be on {do.device}, got {stats.device}")
         self._check_common(params, d)
-        tq, _, tb = _kernels()
+        _, _, tb = _kernels()
         dq = _like(do, params.out_dtype)
         dk = _like(saved.k_row.data, params.out_dtype)
         dv = _like(saved.v_row.data, params.out_dtype)
@@ -210,13 +195,9 @@ class TritonBackend(AttentionBackend):
         parts = [p if p.data.stride(3) == 1 else type(p)(p.data.contiguous(), p.scale, p.axis, p.segments)
                  for p in parts]
         do = _inner_unit(do)
-        if self.mode == "fast":  # dO is quantized chunk by chunk inside attention_bwd
-            delta = tb.attention_bwd(*parts, None, None, o, do, stats, softmax_scale=params.softmax_scale,
-                                     dq=dq, dk=dk, dv=dv, mode="pre", **_mask_args(params, sq, skv))
-        else:
-            dq_ = tq.quantize_rowcol(do, **_quant_args(params, "q"))
-            delta = tb.attention_bwd(*parts, dq_.row, dq_.col, o, do, stats, softmax_scale=params.softmax_scale,
-                                     dq=dq, dk=dk, dv=dv, mode="fp8", **_mask_args(params, sq, skv))
+        # dO is quantized inside (per head chunk when the backward streams bf16 scratch, `bwd_plan`)
+        delta = tb.attention_bwd(*parts, None, None, o, do, stats, softmax_scale=params.softmax_scale,
+                                 dq=dq, dk=dk, dv=dv, **_mask_args(params, sq, skv))
         return dq, dk, dv, delta
 
 

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
-from .triton_quantize import (LN2, LOG2E, P_SCALE, dequant_cols, dequant_rows, row_tiles, seq_programs,
-                              seq_span)
+from .triton_quantize import (LN2, LOG2_P_SCALE, LOG2E, P_SCALE, dequant_cols, dequant_rows, round_p_to_bf16,
+                              row_tiles, seq_programs, seq_span)
 
 BLOCK_N = 128  # KV block of the online softmax: fixed by the recipe, not a tuning knob
 
@@ -66,89 +66,67 @@ def kv_block_range(m0, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.con
 
 
 @triton.jit
-def _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n, offs_d,
-               stride_kn, stride_kd, stride_ksn, stride_vn, stride_vd, stride_vsn, SKV, D, qk_scale, offset, LB, RB,
-               MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, KV_BF16: tl.constexpr):
-    # 2-D pointers are rebuilt from scalars and 1-D ranges each block, so they do not occupy registers
-    # across the loop
+def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, n0, rows, offs_n, offs_d, offs_kb,
+                     stride_kn, stride_ksn, stride_vn, stride_vsn, len_kv, D, qk_scale, offset, LB, RB,
+                     MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BN: tl.constexpr,
+                     DP: tl.constexpr, EVEN_D: tl.constexpr):
+    """One step of the online softmax over KV rows [n0, n0 + BN): K row-wise and V column-wise FP8 tiles are
+    dequantized on chip; m_i is the running max in log2 units; the exponent is shifted by log2(P_SCALE), so
+    exp2 gives P * 256 directly and l_i sums P * 256. MASK: the block needs the band/length mask (else every element is kept)."""
     cols = n0 + offs_n
-    k_ptrs = Kb + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    ks_ptrs = KSb + offs_n[:, None] * stride_ksn + tl.arange(0, DP // 32)[None, :]
-    v_ptrs = Vb + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    vs_ptrs = VSb + tl.arange(0, BN // 32)[:, None] * stride_vsn + offs_d[None, :]
     if MASK:
-        kmask = (cols < SKV)[:, None] & (offs_d < D)[None, :]
-        smask = (cols < SKV)[:, None] & (tl.arange(0, DP // 32) * 32 < D)[None, :]
-        k = tl.load(k_ptrs + n0 * stride_kn, mask=kmask, other=0.0)
-        if not KV_BF16:
-            ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=smask, other=127)
+        kv_rows = (cols < len_kv)[:, None]
+        k = tl.load(k_ptrs + n0 * stride_kn, mask=kv_rows & (offs_d < D)[None, :], other=0.0)
+        ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=kv_rows & (offs_kb * 32 < D)[None, :], other=127)
+    elif EVEN_D:
+        k = tl.load(k_ptrs + n0 * stride_kn)
+        ks = tl.load(ks_ptrs + n0 * stride_ksn)
     else:
-        if DP == D:
-            k = tl.load(k_ptrs + n0 * stride_kn)
-            if not KV_BF16:
-                ks = tl.load(ks_ptrs + n0 * stride_ksn)
-        else:
-            k = tl.load(k_ptrs + n0 * stride_kn, mask=(offs_d < D)[None, :], other=0.0)
-            if not KV_BF16:
-                ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=(tl.arange(0, DP // 32) * 32 < D)[None, :],
-                             other=127)
-    if KV_BF16:
-        k_dq = k
-    else:
-        k_dq = dequant_rows(k, ks, BN, DP)
-    s = tl.dot(q_dq, tl.trans(k_dq)) * qk_scale
+        k = tl.load(k_ptrs + n0 * stride_kn, mask=(offs_d < D)[None, :], other=0.0)
+        ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=(offs_kb * 32 < D)[None, :], other=127)
+    qk = tl.dot(q, tl.trans(dequant_rows(k, ks, BN, DP)))
     if MASK:
-        keep = (cols < SKV)[None, :]
+        keep = (cols < len_kv)[None, :]
         if HAS_RB:
-            keep = keep & (cols[None, :] <= offs_m[:, None] + offset + RB)
+            keep = keep & (cols[None, :] <= rows[:, None] + offset + RB)
         if HAS_LB:
-            keep = keep & (cols[None, :] > offs_m[:, None] + offset - LB)
-        s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            keep = keep & (cols[None, :] > rows[:, None] + offset - LB)
+        qk = tl.where(keep, qk, float("-inf"))
+    # qk_scale > 0, so max(qk) * qk_scale == max(qk * qk_scale) exactly
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s - m_use[:, None])
+    p = tl.math.exp2(qk * qk_scale - (m_use - LOG2_P_SCALE)[:, None])  # P * 256
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    pq = (p * P_SCALE).to(tl.float8e4nv).to(tl.bfloat16)
     if MASK:
-        vmask = (cols < SKV)[:, None] & (offs_d < D)[None, :]
-        v = tl.load(v_ptrs + n0 * stride_vn, mask=vmask, other=0.0)
-        if not KV_BF16:
-            vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn,
-                         mask=((n0 // 32 + tl.arange(0, BN // 32)) * 32 < SKV)[:, None] & (offs_d < D)[None, :],
-                         other=127)
+        vs_blk = n0 // 32 + tl.arange(0, BN // 32)
+        v = tl.load(v_ptrs + n0 * stride_vn, mask=(cols < len_kv)[:, None] & (offs_d < D)[None, :], other=0.0)
+        vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn, mask=(vs_blk * 32 < len_kv)[:, None] & (offs_d < D)[None, :],
+                     other=127)
+    elif EVEN_D:
+        v = tl.load(v_ptrs + n0 * stride_vn)
+        vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn)
     else:
-        if DP == D:
-            v = tl.load(v_ptrs + n0 * stride_vn)
-            if not KV_BF16:
-                vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn)
-        else:
-            v = tl.load(v_ptrs + n0 * stride_vn, mask=(offs_d < D)[None, :], other=0.0)
-            if not KV_BF16:
-                vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn, mask=(offs_d < D)[None, :], other=127)
-    if KV_BF16:
-        v_dq = v
-    else:
-        v_dq = dequant_cols(v, vs, BN, DP)
-    acc = acc * alpha[:, None] + tl.dot(pq, v_dq)
+        v = tl.load(v_ptrs + n0 * stride_vn, mask=(offs_d < D)[None, :], other=0.0)
+        vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn, mask=(offs_d < D)[None, :], other=127)
+    acc = acc * alpha[:, None] + tl.dot(round_p_to_bf16(p), dequant_cols(v, vs, BN, DP))
     return acc, m_new, l_i
 
 
 @triton.jit
 def _attn_fwd_kernel(
         Q, QS, K, KS, V, VS, O, LSE, CU_Q, CU_KV, SINK,
-        sqb, sqh, sqs, sqd, sqsb, sqsh, sqss,
-        skb, skh, sks, skd, sksb, sksh, skss,
-        svb, svh, svs, svd, svsb, svsh, svss,
-        sob, soh, sos, sod, slb, slh, sls,
+        sqb, sqh, sqs, sqsb, sqsh, sqss,
+        skb, skh, sks, sksb, sksh, skss,
+        svb, svh, svs, svsb, svsh, svss,
+        sob, soh, sos, slb, slh, sls,
         HQ, GROUP, SQ, SKV, D, qk_scale, offset, LB, RB,
-        HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, KV_BF16: tl.constexpr, WS: tl.constexpr,
-        VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_SINK: tl.constexpr):
+        HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
+        EVEN_D: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_SINK: tl.constexpr):
     """Grid (query tiles, sequences * HQ). Q/K row-wise scales [B,H,S,DP/32-ish], V column-wise [B,H,S/32,D]
-    (segmented for a packed batch). SQ, SKV: the tensors' row counts; len_q, len_kv: the sequence's.
-    HAS_SINK: SINK holds fp32 [HQ] sink logits; the online softmax starts from them (max = sink, sum = 1)."""
+    (segmented for a packed batch); every tensor has a unit stride along D. SQ, SKV: the tensors' row counts;
+    len_q, len_kv: the sequence's. HAS_SINK: SINK holds fp32 [HQ] sink logits; the online softmax starts from
+    them (max = sink, sum = 1)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HQ).to(tl.int64)
@@ -157,7 +135,7 @@ def _attn_fwd_kernel(
     bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset = seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN,
                                                                  PACKED, BOTTOM_RIGHT)
     m0 = pid_m * BM
-    offs_m = m0 + tl.arange(0, BM)
+    rows = m0 + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
     offs_kb = tl.arange(0, DP // 32)
@@ -170,84 +148,87 @@ def _attn_fwd_kernel(
     if VARLEN:
         if m0 >= len_q:  # no query row of this sequence in the tile
             if not PACKED:
-                _store_out(O, LSE, bt, hq, q0, offs_m, offs_d, sob, soh, sos, sod, slb, slh, sls, n_out, D,
+                _store_out(O, LSE, bt, hq, q0, rows, offs_d, sob, soh, sos, slb, slh, sls, n_out, D,
                            tl.zeros([BM, DP], tl.float32), tl.full([BM], float("-inf"), tl.float32))
             return
 
-    qmask = (offs_m < len_q)[:, None] & (offs_d < D)[None, :]
-    Qb = Q + bt * sqb + hq * sqh + q0 * sqs
-    QSb = QS + bt * sqsb + hq * sqsh + q0 * sqss
-    q = tl.load(Qb + offs_m[:, None] * sqs + offs_d[None, :] * sqd, mask=qmask, other=0.0)
-    qs = tl.load(QSb + offs_m[:, None] * sqss + offs_kb[None, :],
-                 mask=(offs_m < len_q)[:, None] & (offs_kb * 32 < D)[None, :], other=127)
-    q_dq = dequant_rows(q, qs, BM, DP)
+    q_rows = (rows < len_q)[:, None]
+    q = tl.load(Q + bt * sqb + hq * sqh + q0 * sqs + rows[:, None] * sqs + offs_d[None, :],
+                mask=q_rows & (offs_d < D)[None, :], other=0.0)
+    qs = tl.load(QS + bt * sqsb + hq * sqsh + q0 * sqss + rows[:, None] * sqss + offs_kb[None, :],
+                 mask=q_rows & (offs_kb * 32 < D)[None, :], other=127)
+    q = dequant_rows(q, qs, BM, DP)
 
-    Kb = K + bt * skb + hk * skh + kv0 * sks
-    KSb = KS + bt * sksb + hk * sksh + kv0 * skss
-    Vb = V + bt * svb + hk * svh + kv0 * svs
-    VSb = VS + bt * svsb + hk * svsh + kvb0 * svss
+    k_ptrs = K + bt * skb + hk * skh + kv0 * sks + offs_n[:, None] * sks + offs_d[None, :]
+    ks_ptrs = KS + bt * sksb + hk * sksh + kv0 * skss + offs_n[:, None] * skss + offs_kb[None, :]
+    v_ptrs = V + bt * svb + hk * svh + kv0 * svs + offs_n[:, None] * svs + offs_d[None, :]
+    vs_ptrs = VS + bt * svsb + hk * svsh + kvb0 * svss + tl.arange(0, BN // 32)[:, None] * svss + offs_d[None, :]
 
     # KV range touched by rows [m0, m0 + BM) and the sub-range where no element is masked
     lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
 
-    if HAS_SINK:  # the sink joins the softmax before any key: max = sink (log2 units), sum = 1
+    if HAS_SINK:  # the sink joins the softmax before any key: max = sink (log2 units), sum = 1 (P_SCALE units)
         m_i = tl.zeros([BM], tl.float32) + tl.load(SINK + hq) * LOG2E
-        l_i = tl.full([BM], 1.0, tl.float32)
+        l_i = tl.full([BM], P_SCALE, tl.float32)
     else:
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DP], tl.float32)
     for n0 in range(lo, mask_hi, BN):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
-                                   offs_d, sks, skd, skss, svs, svd, svss, len_kv, D, qk_scale, offset, LB, RB,
-                                   True, HAS_LB, HAS_RB, BM, BN, DP, KV_BF16)
-    for n0 in tl.range(full_lo, full_hi, BN, warp_specialize=WS):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
-                                   offs_d, sks, skd, skss, svs, svd, svss, len_kv, D, qk_scale, offset, LB, RB,
-                                   False, HAS_LB, HAS_RB, BM, BN, DP, KV_BF16)
+        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, n0, rows, offs_n,
+                                         offs_d, offs_kb, sks, skss, svs, svss, len_kv, D, qk_scale, offset,
+                                         LB, RB, True, HAS_LB, HAS_RB, BN, DP, EVEN_D)
+    for n0 in range(full_lo, full_hi, BN):
+        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, n0, rows, offs_n,
+                                         offs_d, offs_kb, sks, skss, svs, svss, len_kv, D, qk_scale, offset,
+                                         LB, RB, False, HAS_LB, HAS_RB, BN, DP, EVEN_D)
     for n0 in range(tl.maximum(full_hi, mask_hi), hi, BN):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q_dq, Kb, KSb, Vb, VSb, n0, offs_m, offs_n,
-                                   offs_d, sks, skd, skss, svs, svd, svss, len_kv, D, qk_scale, offset, LB, RB,
-                                   True, HAS_LB, HAS_RB, BM, BN, DP, KV_BF16)
+        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, n0, rows, offs_n,
+                                         offs_d, offs_kb, sks, skss, svs, svss, len_kv, D, qk_scale, offset,
+                                         LB, RB, True, HAS_LB, HAS_RB, BN, DP, EVEN_D)
 
     has = l_i > 0.0
     if VARLEN:
-        has = has & (offs_m < len_q)  # padding rows of a padded tile saw zero queries, not no keys
-    denom = tl.where(has, l_i * P_SCALE, 1.0)
+        has = has & (rows < len_q)  # padding rows of a padded tile saw zero queries, not no keys
+    denom = tl.where(has, l_i, 1.0)  # both acc and l_i carry the factor P_SCALE
     o = tl.where(has[:, None], acc / denom[:, None], 0.0)
-    lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
-    _store_out(O, LSE, bt, hq, q0, offs_m, offs_d, sob, soh, sos, sod, slb, slh, sls, n_out, D, o, lse)
+    lse = tl.where(has, (m_i + tl.math.log2(denom) - LOG2_P_SCALE) * LN2, float("-inf"))
+    _store_out(O, LSE, bt, hq, q0, rows, offs_d, sob, soh, sos, slb, slh, sls, n_out, D, o, lse)
 
 
 @triton.jit
-def _store_out(O, LSE, bt, hq, q0, offs_m, offs_d, sob, soh, sos, sod, slb, slh, sls, n_out, D, o, lse):
-    """Rows offs_m < n_out of O (o, fp32 [BM, DP], cast to O's dtype) and of the stats (lse [BM])."""
-    tl.store(O + bt * sob + hq * soh + q0 * sos + offs_m[:, None] * sos + offs_d[None, :] * sod,
+def _store_out(O, LSE, bt, hq, q0, offs_m, offs_d, sob, soh, sos, slb, slh, sls, n_out, D, o, lse):
+    """Rows offs_m < n_out of O (o, fp32 [BM, DP], cast to O's dtype; unit stride along D) and of the stats
+    (lse [BM])."""
+    tl.store(O + bt * sob + hq * soh + q0 * sos + offs_m[:, None] * sos + offs_d[None, :],
              o.to(O.dtype.element_ty), mask=(offs_m < n_out)[:, None] & (offs_d < D)[None, :])
     tl.store(LSE + bt * slb + hq * slh + q0 * sls + offs_m * sls, lse, mask=offs_m < n_out)
 
 
+#: (BLOCK_M, num_warps, num_stages) of the forward kernel by padded head dim (the KV block is BLOCK_N)
+FWD_CONFIGS = {32: (128, 8, 3), 64: (128, 8, 3), 128: (128, 8, 3), 256: (64, 8, 2)}
+
+
 def _fwd_config(dp: int):
     """(BLOCK_M, num_warps, num_stages) for padded head dim dp."""
-    if dp <= 128:
-        return 128, 8, 2
-    return 64, 8, 1
+    return FWD_CONFIGS[dp]
+
+
+def _unit_d(name: str, t: torch.Tensor) -> None:
+    if t.shape[3] > 1 and t.stride(3) != 1:
+        raise ValueError(f"{name} must have unit stride along its last axis, got strides {tuple(t.stride())}")
 
 
 def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, out: torch.Tensor, stats: torch.Tensor,
-                  config=None, k_bf16=None, v_bf16=None, seq=None, bottom_right: bool = False,
-                  sink: Optional[torch.Tensor] = None) -> None:
+                  config=None, seq=None, bottom_right: bool = False, sink: Optional[torch.Tensor] = None) -> None:
     """Launch the forward kernel.
 
     q_data [B,Hq,Sq,D] e4m3, q_scale [B,Hq,Sq,ceil(D/32)] e8m0 (row-wise); k_data/k_scale likewise with Hkv
     heads and Skv rows; v_data [B,Hkv,Skv,D] e4m3 with v_scale_col [B,Hkv,ceil(Skv/32),D] e8m0 (column-wise).
     Writes out [B,Hq,Sq,D] (bf16/fp16) and stats [B,Hq,Sq,1] fp32 (natural log-sum-exp, -inf for empty rows).
-    Scale tensors must have a contiguous last axis. offset: diagonal offset (0 top_left, Skv-Sq bottom_right).
-    config: optional (BLOCK_M, num_warps, num_stages[, warp_specialize]) override (benchmark sweeps).
-    k_bf16, v_bf16: optional contiguous bf16 [B,Hkv,Skv,D], the exact dequantizations of (k_data, k_scale)
-    and (v_data, v_scale_col) (e.g. from quantize_rowcol(row_dequant=/col_dequant=True)); when given, the
-    kernel streams them instead of dequantizing K and V tiles in registers (same numbers, fewer ALU ops).
+    Every tensor needs a unit stride along its last axis. offset: diagonal offset (0 top_left, Skv-Sq
+    bottom_right). config: optional (BLOCK_M, num_warps, num_stages) override (benchmark sweeps).
     seq: optional SeqInfo-like object (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
     making the call variable-length (module docstring); a packed batch has B = 1 and v_scale_col segmented
     ([1,Hkv,Skv//32 + n_seq,D]). The band mask then applies per sequence: bottom_right=True takes each
@@ -259,36 +240,27 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
                              or not sink.is_contiguous() or sink.device != q_data.device):
         raise ValueError(f"sink must be a contiguous float32 tensor of shape ({q_data.shape[1]},) on "
                          f"{q_data.device}, got {sink.dtype} {tuple(sink.shape)} on {sink.device}")
-    if (k_bf16 is None) != (v_bf16 is None):
-        raise ValueError("k_bf16 and v_bf16 must be given together")
-    kv_bf16 = k_bf16 is not None
-    if kv_bf16:
-        for name, t in (("k_bf16", k_bf16), ("v_bf16", v_bf16)):
-            if t.dtype != torch.bfloat16 or tuple(t.shape) != tuple(k_data.shape) or t.stride(3) != 1:
-                raise ValueError(f"{name} must be bf16 of shape {tuple(k_data.shape)} with unit stride along D")
-        k_data, v_data = k_bf16, v_bf16
     B, HQ, SQ, D = q_data.shape
     HKV, SKV = k_data.shape[1], k_data.shape[2]
     sa = check_seq(seq, q_data, k_data, stats, bottom_right, offset)
     dp = max(32, triton.next_power_of_2(D))
-    bm, warps, stages, *rest = config if config is not None else _fwd_config(dp)
-    ws = bool(rest[0]) if rest else False
+    bm, warps, stages = config if config is not None else _fwd_config(dp)
     u8 = torch.uint8
     qs, ks, vs = q_scale.view(u8), k_scale.view(u8), v_scale_col.view(u8)
-    for name, t in (("q_scale", qs), ("k_scale", ks), ("v_scale_col", vs)):
-        if t.stride(3) != 1:
-            raise ValueError(f"{name} must have a contiguous last axis, got strides {tuple(t.stride())}")
+    for name, t in (("q_data", q_data), ("k_data", k_data), ("v_data", v_data), ("out", out), ("q_scale", qs),
+                    ("k_scale", ks), ("v_scale_col", vs)):
+        _unit_d(name, t)
     launch(
         _attn_fwd_kernel, (sa.q_tiles(SQ, bm), sa.programs(B, HQ)), q_data, qs, k_data, ks, v_data, vs, out, stats,
         sa.cu_q, sa.cu_kv, stats if sink is None else sink,
-        *q_data.stride(), *qs.stride()[:3],
-        *k_data.stride(), *ks.stride()[:3],
-        *v_data.stride(), *vs.stride()[:3],
-        *out.stride(), *stats.stride()[:3],
+        *q_data.stride()[:3], *qs.stride()[:3],
+        *k_data.stride()[:3], *ks.stride()[:3],
+        *v_data.stride()[:3], *vs.stride()[:3],
+        *out.stride()[:3], *stats.stride()[:3],
         HQ, HQ // HKV, SQ, SKV, D, float(softmax_scale) * LOG2E.value, int(offset),
         0 if left_bound is None else int(left_bound), 0 if right_bound is None else int(right_bound),
         HAS_LB=left_bound is not None, HAS_RB=right_bound is not None,
-        BM=bm, BN=BLOCK_N, DP=dp, KV_BF16=kv_bf16, WS=ws, **sa.constexprs(bottom_right), HAS_SINK=sink is not None,
+        BM=bm, BN=BLOCK_N, DP=dp, EVEN_D=dp == D, **sa.constexprs(bottom_right), HAS_SINK=sink is not None,
         num_warps=warps, num_stages=stages)
 
 

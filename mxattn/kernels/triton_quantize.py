@@ -31,6 +31,7 @@ MX_BLOCK = tl.constexpr(32)
 #: fixed power-of-two scale of P before its E4M3 cast (Pq = E4M3(P * 256) / 256)
 P_SCALE = tl.constexpr(256.0)
 P_DESCALE = tl.constexpr(1.0 / 256.0)
+LOG2_P_SCALE = tl.constexpr(8.0)
 #: the kernels run the softmax in base 2: exp(x) = exp2(x * LOG2E), ln(y) = log2(y) * LN2
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -101,27 +102,78 @@ def inv_pow2_of_biased(e):
 
 
 @triton.jit
-def pow2_of_biased_bf16(s):
-    """uint8 tile of E8M0 bytes (0..254) -> bf16 2^(e - 127) (exact; byte 0 gives the subnormal 2^-127)."""
+def e4m3_to_bf16_biased(x):
+    """uint8 tile of E4M3 bit patterns -> bf16 tile holding x * 2^-120, exactly, with integer operations only
+    (no conversion instructions): the E4M3 magnitude bits shifted left by 4 are a BF16 pattern whose exponent
+    field is E4M3's, so normal values land 120 binades low and E4M3 subnormals land on BF16 subnormals.
+    Four bytes per 32-bit register: one byte permute (sign-extending each byte into a 16-bit lane), one shift,
+    one mask per pair."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 lo, hi;
+        prmt.b32 lo, $2, 0, 0x9180;
+        prmt.b32 hi, $2, 0, 0xB3A2;
+        shl.b32 lo, lo, 4;
+        shl.b32 hi, hi, 4;
+        and.b32 $0, lo, 0x87F087F0;
+        and.b32 $1, hi, 0x87F087F0;
+        }""",
+        constraints="=r,=r,r", args=[x], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def round_p_to_bf16(p):
+    """fp32 tile p in [0, 448] (or NaN) -> bf16 tile E4M3(p) (round to nearest even, the recipe's rounding of
+    P * 256), exactly: one E4M3 conversion per pair, the integer widening of `e4m3_to_bf16_biased` and one BF16
+    multiply by 2^120 (exact, also for E4M3 subnormals) instead of the E4M3 -> F16 -> BF16 conversions. A NaN
+    (E4M3 magnitude 0x7F, widened to 0x07F0) gets the exponent bits set first, so it stays NaN."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 h;
+        .reg .b32 w, t, m, c;
+        cvt.rn.satfinite.e4m3x2.f32 h, $2, $1;
+        cvt.u32.u16 w, h;
+        prmt.b32 t, w, 0, 0x4140;
+        shl.b32 t, t, 4;
+        add.u32 m, t, 0x00100010;
+        and.b32 m, m, 0x08000800;
+        mul.lo.u32 m, m, 15;
+        or.b32 t, t, m;
+        mov.b32 c, 0x7B807B80;
+        mul.rn.bf16x2 $0, t, c;
+        }""",
+        constraints="=r,r,r", args=[p], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def dequant_factors_bf16(s):
+    """uint8 tile of E8M0 bytes -> (f1, f2), bf16 tiles with e4m3_to_bf16_biased(x) * f1 * f2 == x * 2^(e - 127)
+    exactly (f1 = 2^(min(e, 134) - 7) carries the 2^120 back, f2 = 2^(max(e, 134) - 134) the rest; both normal
+    BF16 numbers). e = 255 (the NaN scale) gives f2 = NaN: the whole block dequantizes to NaN."""
     e = s.to(tl.int16)
-    bits = tl.where(e == 0, 0x40, e << 7).to(tl.int16)
-    return bits.to(tl.bfloat16, bitcast=True)
+    f1 = ((tl.minimum(e, 134) + 120) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    f2 = tl.where(e == 255, 0x7FC0, (tl.maximum(e, 134) - 7) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return f1, f2
 
 
 @triton.jit
 def dequant_rows(x, s, R: tl.constexpr, C: tl.constexpr):
     """x fp8 [R, C] with E8M0 bytes s (uint8) [R, C // 32] along axis 1 -> bf16 [R, C].
 
-    E4M3 -> BF16 is exact and so is the product with a power of two in BF16 (BF16 has FP32's exponent range;
-    only results below 2^-126 lose bits, the spec's section 8 caveat)."""
-    y = tl.reshape(x.to(tl.bfloat16), (R, C // 32, 32)) * pow2_of_biased_bf16(s)[:, :, None]
+    E4M3 -> BF16 is exact and so are the products with powers of two in BF16 (BF16 has FP32's exponent range;
+    only results below about 2^-133 lose bits, the spec's section 8 caveat)."""
+    f1, f2 = dequant_factors_bf16(s)
+    y = tl.reshape(e4m3_to_bf16_biased(x.to(tl.uint8, bitcast=True)), (R, C // 32, 32))
+    y = y * f1[:, :, None] * f2[:, :, None]
     return tl.reshape(y, (R, C))
 
 
 @triton.jit
 def dequant_cols(x, s, R: tl.constexpr, C: tl.constexpr):
     """x fp8 [R, C] with E8M0 bytes s (uint8) [R // 32, C] along axis 0 -> bf16 [R, C] (as dequant_rows)."""
-    y = tl.reshape(x.to(tl.bfloat16), (R // 32, 32, C)) * pow2_of_biased_bf16(s)[:, None, :]
+    f1, f2 = dequant_factors_bf16(s)
+    y = tl.reshape(e4m3_to_bf16_biased(x.to(tl.uint8, bitcast=True)), (R // 32, 32, C))
+    y = y * f1[:, None, :] * f2[:, None, :]
     return tl.reshape(y, (R, C))
 
 
@@ -146,12 +198,11 @@ def _quantize_rowcol_kernel(
         X, sxb, sxh, sxs, sxd,
         QR, sqrb, sqrh, sqrs, sqrd, SR,
         QC, sqcb, sqch, sqcs, sqcd, SC,
-        SRZ, SCZ, RDQ, CDQ, CU,
+        SRZ, SCZ, CU,
         H, S, D, NR, NC, SRZ_KP, SRZ_SLAB, SCZ_KP, SCZ_SLAB,
         BS: tl.constexpr, BD: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SWZ: tl.constexpr,
-        ROW_DQ: tl.constexpr, COL_DQ: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr):
-    """One [BS, BD] tile of x read once -> row-wise and/or column-wise E4M3 data and E8M0 scales, and on
-    request their exact BF16 dequantizations (contiguous [B, H, S, D]) for kernels that stream BF16.
+        VARLEN: tl.constexpr, PACKED: tl.constexpr):
+    """One [BS, BD] tile of x read once -> row-wise and/or column-wise E4M3 data and E8M0 scales.
     Grid (row tiles, D tiles, sequences * H); offs_s are rows of the program's sequence (`seq_span`)."""
     pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -181,10 +232,6 @@ def _quantize_rowcol_kernel(
         q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
         tl.store(QR + bt * sqrb + h * sqrh + start * sqrs + offs_s[:, None] * sqrs + offs_d[None, :] * sqrd, q,
                  mask=mask)
-        if ROW_DQ:
-            dq = tl.reshape(tl.reshape(q.to(tl.bfloat16), (BS, BD // 32, 32)) *
-                            pow2_of_biased_bf16(e.to(tl.uint8))[:, :, None], (BS, BD))
-            tl.store(RDQ + slab * D + offs_s[:, None] * D + offs_d[None, :], dq, mask=mask)
         offs_k = pid_d * (BD // 32) + tl.arange(0, BD // 32)
         smask = (offs_s < n_out)[:, None] & (offs_k < NR)[None, :]
         tl.store(SR + slab * NR + offs_s[:, None] * NR + offs_k[None, :], e.to(tl.uint8), mask=smask)
@@ -198,10 +245,6 @@ def _quantize_rowcol_kernel(
         q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
         tl.store(QC + bt * sqcb + h * sqch + start * sqcs + offs_s[:, None] * sqcs + offs_d[None, :] * sqcd, q,
                  mask=mask)
-        if COL_DQ:
-            dq = tl.reshape(tl.reshape(q.to(tl.bfloat16), (BS // 32, 32, BD)) *
-                            pow2_of_biased_bf16(e.to(tl.uint8))[:, None, :], (BS, BD))
-            tl.store(CDQ + slab * D + offs_s[:, None] * D + offs_d[None, :], dq, mask=mask)
         offs_j = pid_s * (BS // 32) + tl.arange(0, BS // 32)  # blocks of this sequence (from its start)
         if PACKED:
             smask = (offs_j * 32 < n_out)[:, None] & dmask
@@ -223,15 +266,12 @@ class RowColQuantized(NamedTuple):
     row / col: mxattn.formats.MXFP8Tensor (axis 3 / axis 2, compact E8M0 scales).
     row_swizzled: uint8-compatible E8M0 [B, H, Sp, ceil(ceil(D/32)/4)*4] in F8_128x4 order.
     col_swizzled: E8M0 [B, H, ceil(D/128)*128, ceil(ceil(S/32)/4)*4] in F8_128x4 order (M = D, K = S blocks).
-    row_dequant / col_dequant: contiguous bf16 [B, H, S, D], the exact dequantization of row / col.
     """
 
     row: Optional[object]
     col: Optional[object]
     row_swizzled: Optional[torch.Tensor]
     col_swizzled: Optional[torch.Tensor]
-    row_dequant: Optional[torch.Tensor] = None
-    col_dequant: Optional[torch.Tensor] = None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -311,12 +351,12 @@ QUANT_TILE = (32, 2, 64)
 
 
 def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swizzle: bool = False,
-                    row_dequant: bool = False, col_dequant: bool = False, tile=None,
+                    tile=None,
                     cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
                     packed: bool = False) -> RowColQuantized:
     """Fused MXFP8 quantizer: x [B, H, S, D] bf16/fp16/fp32 (any strides, CUDA) read once ->
     row-wise (blocks of 32 along D) and/or column-wise (blocks of 32 along S) E4M3 data with compact E8M0
-    scales, and on request the scales also in F8_128x4 order and the exact bf16 dequantizations.
+    scales, and on request the scales also in F8_128x4 order.
     Bit-identical to mxattn.quantize_mxfp8. tile: optional (BLOCK_S multiple of 32, num_warps[, max BLOCK_D])
     override.
     cu_seqlens (int32 [B+1] on x's device) makes x a variable-length batch (module docstring): padded
@@ -330,8 +370,6 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
     check_bhsd_tensor(x, "x", _IN_DTYPES, "cuda")
     if not (row or col):
         raise ValueError("quantize_rowcol: at least one of row, col must be True")
-    if (row_dequant and not row) or (col_dequant and not col):
-        raise ValueError("quantize_rowcol: row_dequant needs row=True and col_dequant needs col=True")
     varlen = cu_seqlens is not None
     if varlen:
         check_cu_seqlens(cu_seqlens, "cu_seqlens", x, packed)
@@ -358,8 +396,6 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         if (swizzle and row) else sr
     scz = torch.zeros((B, H, _cdiv(D, 128) * 128, scz_kp), dtype=torch.uint8, device=dev) \
         if (swizzle and col) else sc
-    rdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if row_dequant else None
-    cdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if col_dequant else None
     if x.numel() > 0:
         bs, warps, *bd_ = tile if tile is not None else QUANT_TILE
         if bs < 32 or bs % 32:
@@ -369,19 +405,16 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         qr_st = qr.stride() if row else (0, 0, 0, 0)
         qc_st = qc.stride() if col else (0, 0, 0, 0)
         launch(_quantize_rowcol_kernel, grid,
-               x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, srz, scz, x if rdq is None else rdq,
-               x if cdq is None else cdq, cu_seqlens if varlen else sr, H, S, D, nr, nc, srz_kp, srz_slab,
+               x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, srz, scz, cu_seqlens if varlen else sr, H, S, D, nr, nc, srz_kp, srz_slab,
                scz_kp, scz_slab,
-               BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle, ROW_DQ=row_dequant, COL_DQ=col_dequant,
+               BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle,
                VARLEN=varlen, PACKED=packed, num_warps=warps)
     e8 = torch.float8_e8m0fnu
     return RowColQuantized(
         MXFP8Tensor(qr, sr.view(e8), 3) if row else None,
         MXFP8Tensor(qc, sc.view(e8), 2, cu_seqlens if packed else None) if col else None,
         srz.view(e8) if (swizzle and row) else None,
-        scz.view(e8) if (swizzle and col) else None,
-        rdq if row_dequant else None,
-        cdq if col_dequant else None)
+        scz.view(e8) if (swizzle and col) else None)
 
 
 @triton.jit
