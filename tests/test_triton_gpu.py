@@ -189,6 +189,23 @@ def test_deterministic_and_layout_independent():
         assert torch.equal(a.contiguous(), b.contiguous())
 
 
+def test_backward_paths_agree(monkeypatch):
+    """The backward's two data paths (bf16 scratch per head chunk, chosen by default; FP8 streamed with on-chip
+    dequantization, chosen when one head's scratch is too large) give the same numbers."""
+    from mxattn.kernels import triton_attention_bwd as tb
+    be = triton_backend()
+    params = AttentionParams(softmax_scale=0.09, mask=MaskSpec(causal=True, left_bound=300))
+    q, k, v, do = _make(2, 8, 4, 700, 700, 128, seed=9)
+    o, st, sv = be.forward(q, k, v, params)
+    assert tb.bwd_streams_bf16(2, 8, 4, 700, 700, 128)
+    outs = {"pre": be.backward(sv, o, st, do, params)}
+    monkeypatch.setattr(tb, "bwd_streams_bf16", lambda *a: False)
+    outs["fp8"] = be.backward(sv, o, st, do, params)
+    for a, b in zip(outs["pre"], outs["fp8"]):
+        diff = (a.float() - b.float()).abs().max().item()
+        assert diff <= 2 * _bf16_ulp(a.float().abs().max()).item(), diff
+
+
 def test_on_chip_dequantization_is_exact_for_every_byte_and_scale():
     """The kernels' integer E4M3 -> BF16 widening times the E8M0 factors equals E4M3 * 2^(e - 127) computed in
     FP64 for all 256 bytes and every scale whose products are representable in BF16 (spec section 8), and

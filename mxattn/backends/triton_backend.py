@@ -185,7 +185,7 @@ class TritonBackend(AttentionBackend):
         if stats.device != do.device:
             raise ValueError(f"stats must be on {do.device}, got {stats.device}")
         self._check_common(params, d)
-        _, _, tb = _kernels()
+        tq, _, tb = _kernels()
         dq = _like(do, params.out_dtype)
         dk = _like(saved.k_row.data, params.out_dtype)
         dv = _like(saved.v_row.data, params.out_dtype)
@@ -195,9 +195,14 @@ class TritonBackend(AttentionBackend):
         parts = [p if p.data.stride(3) == 1 else type(p)(p.data.contiguous(), p.scale, p.axis, p.segments)
                  for p in parts]
         do = _inner_unit(do)
-        # dO is quantized inside (per head chunk when the backward streams bf16 scratch, `bwd_plan`)
-        delta = tb.attention_bwd(*parts, None, None, o, do, stats, softmax_scale=params.softmax_scale,
-                                 dq=dq, dk=dk, dv=dv, **_mask_args(params, sq, skv))
+        if tb.bwd_streams_bf16(B, hq, saved.k_row.data.shape[1], sq, skv, d):
+            # bf16 scratch per chunk of heads; dO is quantized chunk by chunk inside
+            delta = tb.attention_bwd(*parts, None, None, o, do, stats, softmax_scale=params.softmax_scale,
+                                     dq=dq, dk=dk, dv=dv, mode="pre", **_mask_args(params, sq, skv))
+        else:
+            do_q = tq.quantize_rowcol(do, **_quant_args(params, "q"))
+            delta = tb.attention_bwd(*parts, do_q.row, do_q.col, o, do, stats, softmax_scale=params.softmax_scale,
+                                     dq=dq, dk=dk, dv=dv, mode="fp8", **_mask_args(params, sq, skv))
         return dq, dk, dv, delta
 
 

@@ -15,14 +15,15 @@ the delta pre-pass), works in rows relative to its sequence's start, and program
 exit at once (padded batch: after writing zero gradients on the padding rows of their tile).
 """
 
+from types import SimpleNamespace
+
 import torch
 import triton
 import triton.language as tl
 
 from .triton_launch import launch
 from .triton_attention_fwd import check_seq, kv_block_range, seq_prologue
-from .triton_quantize import (LOG2E, P_DESCALE, P_SCALE, dequant_cols, dequant_rows, qdq_rows, round_p_to_bf16,
-                              seq_span)
+from .triton_quantize import LOG2E, P_DESCALE, P_SCALE, dequant_cols, dequant_rows, qdq_rows, seq_span
 
 
 @triton.jit
@@ -53,38 +54,33 @@ def _delta_kernel(O, DO, DELTA, CU, sob, soh, sos, sod, sdb, sdh, sds, sdd, HQ, 
 
 
 @triton.jit
-def _load_rows(x_ptrs, rows, offs, NR, D, MASK: tl.constexpr, EVEN_D: tl.constexpr, other):
-    """tl.load of a [R, C] tile whose column offsets `offs` are compared with D (element columns or scale
-    columns * 32 when `offs` counts blocks: the caller passes offs * 32); rows past NR masked when MASK."""
-    if MASK:
-        x = tl.load(x_ptrs, mask=(rows < NR)[:, None] & (offs < D)[None, :], other=other)
-    elif EVEN_D:
-        x = tl.load(x_ptrs)
-    else:
-        x = tl.load(x_ptrs, mask=(offs < D)[None, :], other=other)
-    return x
-
-
-@triton.jit
 def _load_row_tile(ptr, sptr, rows, offs_d, offs_kb, s_r, s_sr, NR, D, R: tl.constexpr, DP: tl.constexpr,
-                   MASK: tl.constexpr, EVEN_D: tl.constexpr):
+                   RAW: tl.constexpr = False):
     """Row-wise MXFP8 tile: rows [R] of a [.., N, D] tensor with scales [.., N, D/32] -> bf16 [R, DP].
-    MASK: some rows may lie past NR (else every row is in range; unmasked loads are what the software
-    pipeliner turns into asynchronous copies)."""
-    x = _load_rows(ptr + rows[:, None] * s_r + offs_d[None, :], rows, offs_d, NR, D, MASK, EVEN_D, 0.0)
-    s = _load_rows(sptr + rows[:, None] * s_sr + offs_kb[None, :], rows, offs_kb * 32, NR, D, MASK, EVEN_D, 127)
+    RAW: ptr already holds the bf16 dequantization; load it as is."""
+    rmask = rows < NR
+    x = tl.load(ptr + rows[:, None] * s_r + offs_d[None, :], mask=rmask[:, None] & (offs_d < D)[None, :],
+                other=0.0)
+    if RAW:
+        return x
+    s = tl.load(sptr + rows[:, None] * s_sr + offs_kb[None, :], mask=rmask[:, None] & (offs_kb * 32 < D)[None, :],
+                other=127)
     return dequant_rows(x, s, R, DP)
 
 
 @triton.jit
 def _load_col_tile(ptr, sptr, r0, offs_r, offs_d, s_r, s_sr, NR, D, R: tl.constexpr, DP: tl.constexpr,
-                   MASK: tl.constexpr, EVEN_D: tl.constexpr):
-    """Column-wise MXFP8 tile: rows [r0, r0 + R) (r0 % 32 == 0) with scales [.., ceil(N/32), D] -> bf16
-    [R, DP]. MASK as in _load_row_tile."""
+                   RAW: tl.constexpr = False):
+    """Column-wise MXFP8 tile: rows [r0, r0 + R) (r0 % 32 == 0) with scales [.., ceil(N/32), D] -> bf16.
+    RAW: ptr already holds the bf16 dequantization; load it as is."""
     rows = r0 + offs_r
+    x = tl.load(ptr + rows[:, None] * s_r + offs_d[None, :], mask=(rows < NR)[:, None] & (offs_d < D)[None, :],
+                other=0.0)
+    if RAW:
+        return x
     blk = r0 // 32 + tl.arange(0, R // 32)
-    x = _load_rows(ptr + rows[:, None] * s_r + offs_d[None, :], rows, offs_d, NR, D, MASK, EVEN_D, 0.0)
-    s = _load_rows(sptr + blk[:, None] * s_sr + offs_d[None, :], blk * 32, offs_d, NR, D, MASK, EVEN_D, 127)
+    s = tl.load(sptr + blk[:, None] * s_sr + offs_d[None, :], mask=(blk * 32 < NR)[:, None] & (offs_d < D)[None, :],
+                other=127)
     return dequant_cols(x, s, R, DP)
 
 
@@ -102,33 +98,29 @@ def _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
                 sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls,
                 SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
                 MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr):
-    """dK, dV (fp32 [BN, DP]) += the contributions of query rows [m0, m0 + BM) (one head). MASK: the block
-    needs the band/length mask (else every (query, key) pair is kept and every row is in range)."""
+                BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, PRE: tl.constexpr):
     rows = m0 + offs_mb
-    q_dq = _load_row_tile(Qh, QSh, rows, offs_d, offs_kb, sqs, sqss, SQ, D, BM, DP, MASK, EVEN_D)
-    if MASK:
-        lse = tl.load(LSEh + rows * sls, mask=rows < SQ, other=float("inf")) * LOG2E
-        delta = tl.load(DELTAh + rows, mask=rows < SQ, other=0.0)
-    else:
-        lse = tl.load(LSEh + rows * sls) * LOG2E
-        delta = tl.load(DELTAh + rows)
+    rmask = rows < SQ
+    q_dq = _load_row_tile(Qh, QSh, rows, offs_d, offs_kb, sqs, sqss, SQ, D, BM, DP, PRE)
+    lse = tl.load(LSEh + rows * sls, mask=rmask, other=float("inf")) * LOG2E
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     p_t = tl.math.exp2(tl.dot(k_dq, tl.trans(q_dq)) * qk_scale - lse[None, :])  # [BN, BM]
     if MASK:
-        keep = (cols < SKV)[:, None] & (rows < SQ)[None, :]
+        keep = (cols < SKV)[:, None] & rmask[None, :]
         if HAS_RB:
             keep = keep & (cols[:, None] <= rows[None, :] + offset + RB)
         if HAS_LB:
             keep = keep & (cols[:, None] > rows[None, :] + offset - LB)
         p_t = tl.where(keep, p_t, 0.0)
-    do_c = _load_col_tile(DOCh, DOCSh, m0, offs_mb, offs_d, sdocs, sdocss, SQ, D, BM, DP, MASK, EVEN_D)
-    dv += tl.dot(round_p_to_bf16(p_t * P_SCALE), do_c)
-    do_r = _load_row_tile(DOh, DOSh, rows, offs_d, offs_kb, sdos, sdoss, SQ, D, BM, DP, MASK, EVEN_D)
+    do_c = _load_col_tile(DOCh, DOCSh, m0, offs_mb, offs_d, sdocs, sdocss, SQ, D, BM, DP, PRE)
+    pq_t = (p_t * P_SCALE).to(tl.float8e4nv).to(tl.bfloat16)
+    dv += tl.dot(pq_t, do_c)
+    do_r = _load_row_tile(DOh, DOSh, rows, offs_d, offs_kb, sdos, sdoss, SQ, D, BM, DP, PRE)
     dp_t = tl.dot(v_dq, tl.trans(do_r))
+    delta = tl.load(DELTAh + rows, mask=rmask, other=0.0)
     ds_t = p_t * (dp_t - delta[None, :]) * sm_scale
     ds_c = qdq_rows(ds_t, BN, BM)  # blocks of 32 along s_q
-    q_c = _load_col_tile(QCh, QCSh, m0, offs_mb, offs_d, sqcs, sqcss, SQ, D, BM, DP, MASK, EVEN_D)
+    q_c = _load_col_tile(QCh, QCSh, m0, offs_mb, offs_d, sqcs, sqcss, SQ, D, BM, DP, PRE)
     dk += tl.dot(ds_c, q_c)
     return dk, dv
 
@@ -143,7 +135,7 @@ def q_block_range(n0, SQ, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.
     lo = zero
     hi = zero + SQ
     full_lo = zero
-    full_hi = zero + (SQ // BM) * BM  # a partial last query block is loaded with masks
+    full_hi = zero + ((SQ + BM - 1) // BM) * BM
     if HAS_RB:
         lo = (tl.maximum(n0 - offset - RB, 0) // BM) * BM
         full_lo = ((tl.maximum(n0 + BN - 1 - offset - RB, 0) + BM - 1) // BM) * BM
@@ -173,7 +165,7 @@ def _dkdv_kernel(
         sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
         HKV, GROUP, SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, PRE: tl.constexpr,
         VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
     """Grid (KV tiles, sequences * HKV). All FP8 tensors have a unit stride along D. SQ, SKV: the tensors'
     row counts; len_q, len_kv: the sequence's."""
@@ -200,9 +192,9 @@ def _dkdv_kernel(
                 _store_rows(DV, bt, hk, kv0, sdvb, sdvh, sdvs, cols, offs_d, n_out, D, zero)
             return
     k_dq = _load_row_tile(K + bt * skb + hk * skh + kv0 * sks, KS + bt * sksb + hk * sksh + kv0 * skss, cols,
-                          offs_d, offs_kb, sks, skss, len_kv, D, BN, DP, True, EVEN_D)
+                          offs_d, offs_kb, sks, skss, len_kv, D, BN, DP)
     v_dq = _load_row_tile(V + bt * svb + hk * svh + kv0 * svs, VS + bt * svsb + hk * svsh + kv0 * svss, cols,
-                          offs_d, offs_kb, svs, svss, len_kv, D, BN, DP, True, EVEN_D)
+                          offs_d, offs_kb, svs, svss, len_kv, D, BN, DP)
 
     # query rows that see this KV block, and the query blocks that see all of it
     lo, mask_hi, full_lo, full_hi, hi = q_block_range(n0, len_q, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
@@ -226,19 +218,19 @@ def _dkdv_kernel(
                                  Qh, QSh, QCh, QCSh, DOh, DOSh, DOCh, DOCSh, LSEh, DELTAh,
                                  sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls,
                                  len_q, len_kv, D, qk_scale, sm_scale, offset, LB, RB,
-                                 True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D)
+                                 True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
         for m0 in range(full_lo, full_hi, BM):
             dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
                                  Qh, QSh, QCh, QCSh, DOh, DOSh, DOCh, DOCSh, LSEh, DELTAh,
                                  sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls,
                                  len_q, len_kv, D, qk_scale, sm_scale, offset, LB, RB,
-                                 False, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D)
+                                 False, HAS_LB, HAS_RB, BM, BN, DP, PRE)
         for m0 in range(tl.maximum(full_hi, mask_hi), hi, BM):
             dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
                                  Qh, QSh, QCh, QCSh, DOh, DOSh, DOCh, DOCSh, LSEh, DELTAh,
                                  sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls,
                                  len_q, len_kv, D, qk_scale, sm_scale, offset, LB, RB,
-                                 True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D)
+                                 True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
     if VARLEN:  # rows past the sequence (padding) get exact zeros even where a NaN of its own rows reached them
         dk = tl.where((cols < len_kv)[:, None], dk, 0.0)
         dv = tl.where((cols < len_kv)[:, None], dv, 0.0)
@@ -251,10 +243,9 @@ def _dq_block(dq, q_dq, do_r, lse, delta, n0, offs_m, offs_n, offs_d, offs_kb,
               Kh, KSh, KCh, KCSh, Vh, VSh, sks, skss, skcs, skcss, svs, svss,
               SKV, D, qk_scale, sm_scale, offset, LB, RB,
               MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr):
-    """dQ (fp32 [BM, DP]) += the contribution of KV rows [n0, n0 + BN). MASK as in _dkdv_block."""
+              BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, PRE: tl.constexpr):
     cols = n0 + offs_n
-    k_dq = _load_row_tile(Kh, KSh, cols, offs_d, offs_kb, sks, skss, SKV, D, BN, DP, MASK, EVEN_D)
+    k_dq = _load_row_tile(Kh, KSh, cols, offs_d, offs_kb, sks, skss, SKV, D, BN, DP, PRE)
     p = tl.math.exp2(tl.dot(q_dq, tl.trans(k_dq)) * qk_scale - lse[:, None])
     if MASK:
         keep = (cols < SKV)[None, :]
@@ -263,11 +254,11 @@ def _dq_block(dq, q_dq, do_r, lse, delta, n0, offs_m, offs_n, offs_d, offs_kb,
         if HAS_LB:
             keep = keep & (cols[None, :] > offs_m[:, None] + offset - LB)
         p = tl.where(keep, p, 0.0)
-    v_dq = _load_row_tile(Vh, VSh, cols, offs_d, offs_kb, svs, svss, SKV, D, BN, DP, MASK, EVEN_D)
+    v_dq = _load_row_tile(Vh, VSh, cols, offs_d, offs_kb, svs, svss, SKV, D, BN, DP, PRE)
     dp = tl.dot(do_r, tl.trans(v_dq))
     ds = p * (dp - delta[:, None]) * sm_scale
     ds_r = qdq_rows(ds, BM, BN)  # blocks of 32 along s_kv
-    k_c = _load_col_tile(KCh, KCSh, n0, offs_n, offs_d, skcs, skcss, SKV, D, BN, DP, MASK, EVEN_D)
+    k_c = _load_col_tile(KCh, KCSh, n0, offs_n, offs_d, skcs, skcss, SKV, D, BN, DP, PRE)
     dq += tl.dot(ds_r, k_c)
     return dq
 
@@ -283,7 +274,7 @@ def _dq_kernel(
         slb, slh, sls, sdelb, sdqb, sdqh, sdqs,
         HQ, GROUP, SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, PRE: tl.constexpr,
         VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
     """Grid (query tiles, sequences * HQ)."""
     pid_m = tl.program_id(0)
@@ -310,9 +301,9 @@ def _dq_kernel(
             return
     rmask = offs_m < len_q
     q_dq = _load_row_tile(Q + bt * sqb + hq * sqh + q0 * sqs, QS + bt * sqsb + hq * sqsh + q0 * sqss, offs_m,
-                          offs_d, offs_kb, sqs, sqss, len_q, D, BM, DP, True, EVEN_D)
+                          offs_d, offs_kb, sqs, sqss, len_q, D, BM, DP, PRE)
     do_r = _load_row_tile(DO + bt * sdob + hq * sdoh + q0 * sdos, DOS + bt * sdosb + hq * sdosh + q0 * sdoss,
-                          offs_m, offs_d, offs_kb, sdos, sdoss, len_q, D, BM, DP, True, EVEN_D)
+                          offs_m, offs_d, offs_kb, sdos, sdoss, len_q, D, BM, DP, PRE)
     LSEb = LSE + bt * slb + hq * slh + q0 * sls
     lse = tl.load(LSEb + offs_m * sls, mask=rmask, other=float("inf")) * LOG2E
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -330,29 +321,25 @@ def _dq_kernel(
     for n0 in range(lo, mask_hi, BN):
         dq = _dq_block(dq, q_dq, do_r, lse, delta, n0, offs_m, offs_n, offs_d, offs_kb,
                        Kh, KSh, KCh, KCSh, Vh, VSh, sks, skss, skcs, skcss, svs, svss,
-                       len_kv, D, qk_scale, sm_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D)
+                       len_kv, D, qk_scale, sm_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
     for n0 in range(full_lo, full_hi, BN):
         dq = _dq_block(dq, q_dq, do_r, lse, delta, n0, offs_m, offs_n, offs_d, offs_kb,
                        Kh, KSh, KCh, KCSh, Vh, VSh, sks, skss, skcs, skcss, svs, svss,
-                       len_kv, D, qk_scale, sm_scale, offset, LB, RB, False, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D)
+                       len_kv, D, qk_scale, sm_scale, offset, LB, RB, False, HAS_LB, HAS_RB, BM, BN, DP, PRE)
     for n0 in range(tl.maximum(full_hi, mask_hi), hi, BN):
         dq = _dq_block(dq, q_dq, do_r, lse, delta, n0, offs_m, offs_n, offs_d, offs_kb,
                        Kh, KSh, KCh, KCSh, Vh, VSh, sks, skss, skcs, skcss, svs, svss,
-                       len_kv, D, qk_scale, sm_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D)
+                       len_kv, D, qk_scale, sm_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
     if VARLEN:  # as in the dK/dV kernel
         dq = tl.where(rmask[:, None], dq, 0.0)
     _store_rows(DQ, bt, hq, q0, sdqb, sdqh, sdqs, offs_m, offs_d, n_out, D, dq)
 
 
-#: ((dK/dV BM, BN, warps, stages), (dQ BM, BN, warps, stages)) by padded head dim (H100 sweep, `python -m
-#: mxattn bench --sweep`)
-BWD_CONFIGS = {32: ((64, 64, 4, 2), (64, 64, 4, 2)), 64: ((64, 64, 4, 2), (64, 64, 4, 2)),
-               128: ((64, 64, 4, 2), (64, 64, 4, 2)), 256: ((32, 64, 8, 1), (64, 32, 8, 1))}
-
-
 def _bwd_config(dp: int):
     """((dkdv BM, BN, warps, stages), (dq BM, BN, warps, stages)) for padded head dim dp."""
-    return BWD_CONFIGS[dp]
+    if dp <= 128:
+        return (64, 128, 8, 2), (128, 64, 8, 2)
+    return (32, 64, 8, 1), (64, 32, 8, 1)
 
 
 def _st3(t):
@@ -360,11 +347,14 @@ def _st3(t):
 
 
 def _op(t):
-    """(data, scale-bytes) of an MXFP8Tensor."""
+    """(data, scale-bytes) of an MXFP8Tensor, or (t, t) for a bf16 tensor that already holds the
+    dequantization (the scale argument is then unused)."""
+    if isinstance(t, torch.Tensor):
+        return t, t
     return t.data, t.scale.view(torch.uint8)
 
 
-def _launch_dkdv(qr, qc, kr, vr, dor, doc, stats, delta, dk, dv, cfg, args, common, sa):
+def _launch_dkdv(qr, qc, kr, vr, dor, doc, stats, delta, dk, dv, cfg, pre, args, common, sa):
     (bm1, bn1, w1, st1) = cfg
     B, HKV, SKV = kr.data.shape[0], kr.data.shape[1], kr.data.shape[2]
     ops = [_op(t) for t in (qr, qc, kr, vr, dor, doc)]
@@ -373,19 +363,38 @@ def _launch_dkdv(qr, qc, kr, vr, dor, doc, stats, delta, dk, dv, cfg, args, comm
     launch(
         _dkdv_kernel, (sa.kv_tiles(SKV, bn1), sa.programs(B, HKV)),
         *flat, stats, delta, dk, dv, sa.cu_q, sa.cu_kv, *strides, *_st3(stats), delta.stride(0), *_st3(dk),
-        *_st3(dv), HKV, *args, BM=bm1, BN=bn1, num_warps=w1, num_stages=st1, **common)
+        *_st3(dv), HKV, *args, BM=bm1, BN=bn1, PRE=pre, num_warps=w1, num_stages=st1, **common)
 
 
-def _launch_dq(qr, kr, kc, vr, dor, stats, delta, dq, cfg, args, common, sa):
+def _launch_dq(qr, kr, kc, vr, dor, stats, delta, dq, cfg, pre, args, common, sa):
     (bm2, bn2, w2, st2) = cfg
-    B, HQ, SQ = qr.data.shape[0], qr.data.shape[1], qr.data.shape[2]
+    qd = qr if isinstance(qr, torch.Tensor) else qr.data
+    B, HQ, SQ = qd.shape[0], qd.shape[1], qd.shape[2]
     ops = [_op(t) for t in (qr, kr, kc, vr, dor)]
     flat = [x for pair in ops for x in pair]
     strides = [st for pair in ops for x in pair for st in _st3(x)]
     launch(
         _dq_kernel, (sa.q_tiles(SQ, bm2), sa.programs(B, HQ)),
         *flat, stats, delta, dq, sa.cu_q, sa.cu_kv, *strides, *_st3(stats), delta.stride(0), *_st3(dq),
-        HQ, *args, BM=bm2, BN=bn2, num_warps=w2, num_stages=st2, **common)
+        HQ, *args, BM=bm2, BN=bn2, PRE=pre, num_warps=w2, num_stages=st2, **common)
+
+
+def _heads(t, h0: int, h1: int):
+    """Head slice [h0, h1) of an MXFP8Tensor (data and scale views, no copy; segments kept)."""
+    return SimpleNamespace(data=t.data[:, h0:h1], scale=t.scale[:, h0:h1], axis=t.axis,
+                           segments=getattr(t, "segments", None))
+
+
+#: upper bound on the bf16 scratch (dequantized operands) one head chunk of the "pre" backward may hold
+PRE_BUDGET_BYTES = 128 << 20
+
+def bwd_streams_bf16(B: int, HQ: int, HKV: int, SQ: int, SKV: int, D: int) -> bool:
+    """The problem's choice of backward data path: True ("pre": per chunk of KV heads the streamed operands
+    are dequantized to bf16 scratch first, faster) unless one KV head's scratch alone exceeds 4 *
+    PRE_BUDGET_BYTES, where the kernels stream FP8 and dequantize on chip (no scratch; same numbers)."""
+    group = max(1, HQ // max(1, HKV))
+    per_head = max(B * group * SQ * D * 10, B * (group * SQ * 4 + SKV * 6) * D)
+    return per_head <= 4 * PRE_BUDGET_BYTES
 
 
 #: rows of the delta pre-pass's tiles
@@ -394,20 +403,25 @@ DELTA_BM = 64
 
 def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stats, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                  config=None, seq=None, bottom_right: bool = False) -> torch.Tensor:
+                  config=None, mode: str = "fp8", seq=None, bottom_right: bool = False) -> torch.Tensor:
     """Launch delta pre-pass, dK/dV kernel and dQ kernel.
 
     q_row, q_col: MXFP8Tensor [B,Hq,Sq,D] (row: scales [B,H,S,ceil(D/32)], col: scales [B,H,ceil(S/32),D]);
-    k_row, k_col, v_row: MXFP8Tensor [B,Hkv,Skv,D]; do_row, do_col: MXFP8Tensor of dO or None (dO is then
-    quantized here); o, do [B,Hq,Sq,D] bf16/fp16; stats [B,Hq,Sq,1] fp32. Every FP8 operand is streamed as
-    FP8 and dequantized tile by tile on chip (no bf16 copies in memory).
+    k_row, k_col, v_row: MXFP8Tensor [B,Hkv,Skv,D]; do_row, do_col: MXFP8Tensor of dO (mode "fp8"; None
+    allowed in mode "pre"); o, do [B,Hq,Sq,D] bf16/fp16; stats [B,Hq,Sq,1] fp32.
     Writes dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D] (unit stride along D); returns the pre-pass's
     delta = rowsum(O * dO) fp32 [B,Hq,Sq] (what a sink's gradient needs).
+    mode "fp8": the kernels read the FP8 operands and dequantize tiles in registers (least memory).
+    mode "pre": per chunk of KV heads the streamed operands are first dequantized exactly to bf16 scratch
+    (dO quantized chunk-wise by the fused quantizer), then the kernels stream bf16 (same numbers, fewer ALU
+    operations in the inner loops; at most about PRE_BUDGET_BYTES of scratch per chunk).
     config: optional ((BM, BN, warps, stages) of dK/dV, (BM, BN, warps, stages) of dQ) override (sweeps);
     every block size a multiple of 32 (dS is quantized in blocks of 32 inside a tile).
     seq, bottom_right: variable lengths as in `attention_fwd` (a packed batch's column-wise copies q_col,
     k_col, do_col are segmented; a padded batch's copies were quantized with the padding rows read as zeros).
     """
+    if mode not in ("fp8", "pre"):
+        raise ValueError(f"mode must be 'fp8' or 'pre', got {mode!r}")
     B, HQ, SQ, D = q_row.data.shape
     HKV, SKV = k_row.data.shape[1], k_row.data.shape[2]
     group = HQ // HKV
@@ -415,6 +429,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     for name, t in (("q_row", q_row), ("q_col", q_col), ("k_row", k_row), ("k_col", k_col), ("v_row", v_row),
                     ("do_row", do_row), ("do_col", do_col)):
         if t is None:
+            if mode == "fp8":
+                raise ValueError(f"{name} is required in mode 'fp8'")
             continue
         if t.data.stride(3) != 1 or t.scale.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride along its last axis (data and scale)")
@@ -426,26 +442,50 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
         for name, t in (("q_col", q_col), ("k_col", k_col), ("do_col", do_col)):
             if t is not None and getattr(t, "segments", None) is None:
                 raise ValueError(f"{name} of a packed batch must be segmented (MXFP8Tensor segments=cu_seqlens)")
-    cfg1, cfg2 = config if config is not None else _bwd_config(dp)
-    blocks = (cfg1[0], cfg1[1], cfg2[0], cfg2[1])
-    if min(blocks) < 32 or any(x % 32 for x in blocks):
+    (bm1, bn1, w1, st1), (bm2, bn2, w2, st2) = config if config is not None else _bwd_config(dp)
+    if min(bm1, bn1, bm2, bn2) < 32 or any(x % 32 for x in (bm1, bn1, bm2, bn2)):
         raise ValueError(f"backward block sizes must be multiples of 32, got {config}")
     delta = torch.empty((B, HQ, SQ), dtype=torch.float32, device=o.device)
     launch(_delta_kernel, (sa.q_tiles(SQ, DELTA_BM), sa.programs(B, HQ)), o, do, delta, sa.cu_q, *o.stride(),
            *do.stride(), HQ, SQ, D, BM=DELTA_BM, DP=dp, VARLEN=sa.varlen, PACKED=sa.packed, num_warps=4)
     lb = 0 if left_bound is None else int(left_bound)
     rb = 0 if right_bound is None else int(right_bound)
-    common = dict(HAS_LB=left_bound is not None, HAS_RB=right_bound is not None, DP=dp, EVEN_D=dp == D,
-                  **sa.constexprs(bottom_right))
+    common = dict(HAS_LB=left_bound is not None, HAS_RB=right_bound is not None, DP=dp, **sa.constexprs(bottom_right))
     args = (group, SQ, SKV, D, float(softmax_scale) * LOG2E.value, float(softmax_scale), int(offset), lb, rb)
-    if do_row is None or do_col is None:
-        from .triton_quantize import quantize_rowcol
-        quant_seq = dict(cu_seqlens=seq.cu_seqlens_q, max_seqlen=seq.max_seqlen_q, packed=sa.packed) \
-            if sa.varlen else {}
-        do_q = quantize_rowcol(do, **quant_seq)
-        do_row, do_col = do_q.row, do_q.col
-    _launch_dkdv(q_row, q_col, k_row, v_row, do_row, do_col, stats, delta, dk, dv, cfg1, args, common, sa)
-    _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, args, common, sa)
+    cfg1, cfg2 = (bm1, bn1, w1, st1), (bm2, bn2, w2, st2)
+    if mode == "fp8":
+        _launch_dkdv(q_row, q_col, k_row, v_row, do_row, do_col, stats, delta, dk, dv, cfg1, False, args, common,
+                     sa)
+        _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, False, args, common, sa)
+        return delta
+    from .triton_quantize import dequantize_bf16, quantize_rowcol
+    # scratch bytes per KV head: dK/dV phase holds 4 q-side bf16 operands (+ FP8 dO temporaries)
+    per_head = max(B * group * SQ * D * 10, B * (group * SQ * 4 + SKV * 6) * D)
+    sms = torch.cuda.get_device_properties(o.device).multi_processor_count if o.is_cuda else 132
+    # heads for about two waves of programs
+    want = triton.cdiv(2 * sms, max(1, sa.kv_tiles(SKV, bn1) * sa.programs(B, 1)))
+    hc = max(1, min(HKV, max(want, PRE_BUDGET_BYTES // max(1, per_head))))
+    if hc * per_head > 4 * PRE_BUDGET_BYTES:
+        hc = max(1, (4 * PRE_BUDGET_BYTES) // per_head)
+    quant_seq = dict(cu_seqlens=seq.cu_seqlens_q, max_seqlen=seq.max_seqlen_q, packed=sa.packed) if sa.varlen \
+        else {}
+    for h0 in range(0, HKV, hc):  # a loop over head chunks, not elements
+        h1 = min(HKV, h0 + hc)
+        q0, q1 = h0 * group, h1 * group
+        dq_ = quantize_rowcol(do[:, q0:q1], row_dequant=True, col_dequant=True, **quant_seq)
+        do_r, do_c = dq_.row_dequant, dq_.col_dequant
+        del dq_
+        q_r = dequantize_bf16(_heads(q_row, q0, q1))
+        q_c = dequantize_bf16(_heads(q_col, q0, q1), max_seqlen=sa.max_q)
+        st, de = stats[:, q0:q1], delta[:, q0:q1]
+        _launch_dkdv(q_r, q_c, _heads(k_row, h0, h1), _heads(v_row, h0, h1), do_r, do_c, st, de,
+                     dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args, common, sa)
+        del q_c, do_c
+        k_r = dequantize_bf16(_heads(k_row, h0, h1))
+        k_c = dequantize_bf16(_heads(k_col, h0, h1), max_seqlen=sa.max_kv)
+        v_r = dequantize_bf16(_heads(v_row, h0, h1))
+        _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common, sa)
+        del q_r, do_r, k_r, k_c, v_r
     return delta
 
 

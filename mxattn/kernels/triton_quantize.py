@@ -198,11 +198,12 @@ def _quantize_rowcol_kernel(
         X, sxb, sxh, sxs, sxd,
         QR, sqrb, sqrh, sqrs, sqrd, SR,
         QC, sqcb, sqch, sqcs, sqcd, SC,
-        SRZ, SCZ, CU,
+        SRZ, SCZ, RDQ, CDQ, CU,
         H, S, D, NR, NC, SRZ_KP, SRZ_SLAB, SCZ_KP, SCZ_SLAB,
         BS: tl.constexpr, BD: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SWZ: tl.constexpr,
-        VARLEN: tl.constexpr, PACKED: tl.constexpr):
-    """One [BS, BD] tile of x read once -> row-wise and/or column-wise E4M3 data and E8M0 scales.
+        ROW_DQ: tl.constexpr, COL_DQ: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr):
+    """One [BS, BD] tile of x read once -> row-wise and/or column-wise E4M3 data and E8M0 scales, and on
+    request their exact BF16 dequantizations (contiguous [B, H, S, D]; the backward's bf16 scratch).
     Grid (row tiles, D tiles, sequences * H); offs_s are rows of the program's sequence (`seq_span`)."""
     pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -232,6 +233,9 @@ def _quantize_rowcol_kernel(
         q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
         tl.store(QR + bt * sqrb + h * sqrh + start * sqrs + offs_s[:, None] * sqrs + offs_d[None, :] * sqrd, q,
                  mask=mask)
+        if ROW_DQ:
+            tl.store(RDQ + slab * D + offs_s[:, None] * D + offs_d[None, :], dequant_rows(q, e.to(tl.uint8), BS, BD),
+                     mask=mask)
         offs_k = pid_d * (BD // 32) + tl.arange(0, BD // 32)
         smask = (offs_s < n_out)[:, None] & (offs_k < NR)[None, :]
         tl.store(SR + slab * NR + offs_s[:, None] * NR + offs_k[None, :], e.to(tl.uint8), mask=smask)
@@ -245,6 +249,9 @@ def _quantize_rowcol_kernel(
         q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
         tl.store(QC + bt * sqcb + h * sqch + start * sqcs + offs_s[:, None] * sqcs + offs_d[None, :] * sqcd, q,
                  mask=mask)
+        if COL_DQ:
+            tl.store(CDQ + slab * D + offs_s[:, None] * D + offs_d[None, :], dequant_cols(q, e.to(tl.uint8), BS, BD),
+                     mask=mask)
         offs_j = pid_s * (BS // 32) + tl.arange(0, BS // 32)  # blocks of this sequence (from its start)
         if PACKED:
             smask = (offs_j * 32 < n_out)[:, None] & dmask
@@ -266,12 +273,15 @@ class RowColQuantized(NamedTuple):
     row / col: mxattn.formats.MXFP8Tensor (axis 3 / axis 2, compact E8M0 scales).
     row_swizzled: uint8-compatible E8M0 [B, H, Sp, ceil(ceil(D/32)/4)*4] in F8_128x4 order.
     col_swizzled: E8M0 [B, H, ceil(D/128)*128, ceil(ceil(S/32)/4)*4] in F8_128x4 order (M = D, K = S blocks).
+    row_dequant / col_dequant: contiguous bf16 [B, H, S, D], the exact dequantization of row / col.
     """
 
     row: Optional[object]
     col: Optional[object]
     row_swizzled: Optional[torch.Tensor]
     col_swizzled: Optional[torch.Tensor]
+    row_dequant: Optional[torch.Tensor] = None
+    col_dequant: Optional[torch.Tensor] = None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -351,12 +361,12 @@ QUANT_TILE = (32, 2, 64)
 
 
 def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swizzle: bool = False,
-                    tile=None,
+                    row_dequant: bool = False, col_dequant: bool = False, tile=None,
                     cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
                     packed: bool = False) -> RowColQuantized:
     """Fused MXFP8 quantizer: x [B, H, S, D] bf16/fp16/fp32 (any strides, CUDA) read once ->
     row-wise (blocks of 32 along D) and/or column-wise (blocks of 32 along S) E4M3 data with compact E8M0
-    scales, and on request the scales also in F8_128x4 order.
+    scales, and on request the scales also in F8_128x4 order and the exact bf16 dequantizations.
     Bit-identical to mxattn.quantize_mxfp8. tile: optional (BLOCK_S multiple of 32, num_warps[, max BLOCK_D])
     override.
     cu_seqlens (int32 [B+1] on x's device) makes x a variable-length batch (module docstring): padded
@@ -370,6 +380,8 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
     check_bhsd_tensor(x, "x", _IN_DTYPES, "cuda")
     if not (row or col):
         raise ValueError("quantize_rowcol: at least one of row, col must be True")
+    if (row_dequant and not row) or (col_dequant and not col):
+        raise ValueError("quantize_rowcol: row_dequant needs row=True and col_dequant needs col=True")
     varlen = cu_seqlens is not None
     if varlen:
         check_cu_seqlens(cu_seqlens, "cu_seqlens", x, packed)
@@ -396,6 +408,8 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         if (swizzle and row) else sr
     scz = torch.zeros((B, H, _cdiv(D, 128) * 128, scz_kp), dtype=torch.uint8, device=dev) \
         if (swizzle and col) else sc
+    rdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if row_dequant else None
+    cdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if col_dequant else None
     if x.numel() > 0:
         bs, warps, *bd_ = tile if tile is not None else QUANT_TILE
         if bs < 32 or bs % 32:
@@ -405,16 +419,19 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         qr_st = qr.stride() if row else (0, 0, 0, 0)
         qc_st = qc.stride() if col else (0, 0, 0, 0)
         launch(_quantize_rowcol_kernel, grid,
-               x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, srz, scz, cu_seqlens if varlen else sr, H, S, D, nr, nc, srz_kp, srz_slab,
+               x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, srz, scz, x if rdq is None else rdq,
+               x if cdq is None else cdq, cu_seqlens if varlen else sr, H, S, D, nr, nc, srz_kp, srz_slab,
                scz_kp, scz_slab,
-               BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle,
+               BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle, ROW_DQ=row_dequant, COL_DQ=col_dequant,
                VARLEN=varlen, PACKED=packed, num_warps=warps)
     e8 = torch.float8_e8m0fnu
     return RowColQuantized(
         MXFP8Tensor(qr, sr.view(e8), 3) if row else None,
         MXFP8Tensor(qc, sc.view(e8), 2, cu_seqlens if packed else None) if col else None,
         srz.view(e8) if (swizzle and row) else None,
-        scz.view(e8) if (swizzle and col) else None)
+        scz.view(e8) if (swizzle and col) else None,
+        rdq if row_dequant else None,
+        cdq if col_dequant else None)
 
 
 @triton.jit
