@@ -61,11 +61,11 @@ def _load_row_tile(ptr, sptr, rows, offs_d, offs_kb, s_r, s_sr, NR, D, R: tl.con
     rmask = rows < NR
     x = tl.load(ptr + rows[:, None] * s_r + offs_d[None, :], mask=rmask[:, None] & (offs_d < D)[None, :],
                 other=0.0)
-    if RAW:
-        return x
-    s = tl.load(sptr + rows[:, None] * s_sr + offs_kb[None, :], mask=rmask[:, None] & (offs_kb * 32 < D)[None, :],
-                other=127)
-    return dequant_rows(x, s, R, DP)
+    if not RAW:  # (no early return: Triton would still compile the FP8 branch for a bf16 tile)
+        s = tl.load(sptr + rows[:, None] * s_sr + offs_kb[None, :],
+                    mask=rmask[:, None] & (offs_kb * 32 < D)[None, :], other=127)
+        x = dequant_rows(x, s, R, DP)
+    return x
 
 
 @triton.jit
@@ -76,12 +76,12 @@ def _load_col_tile(ptr, sptr, r0, offs_r, offs_d, s_r, s_sr, NR, D, R: tl.conste
     rows = r0 + offs_r
     x = tl.load(ptr + rows[:, None] * s_r + offs_d[None, :], mask=(rows < NR)[:, None] & (offs_d < D)[None, :],
                 other=0.0)
-    if RAW:
-        return x
-    blk = r0 // 32 + tl.arange(0, R // 32)
-    s = tl.load(sptr + blk[:, None] * s_sr + offs_d[None, :], mask=(blk * 32 < NR)[:, None] & (offs_d < D)[None, :],
-                other=127)
-    return dequant_cols(x, s, R, DP)
+    if not RAW:
+        blk = r0 // 32 + tl.arange(0, R // 32)
+        s = tl.load(sptr + blk[:, None] * s_sr + offs_d[None, :],
+                    mask=(blk * 32 < NR)[:, None] & (offs_d < D)[None, :], other=127)
+        x = dequant_cols(x, s, R, DP)
+    return x
 
 
 @triton.jit
