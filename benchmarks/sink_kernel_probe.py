@@ -14,13 +14,13 @@ from mxattn.kernels.triton_quantize import quantize_rowcol
 
 B, H, S, D = 2, 16, 4096, 128
 q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-qq, kq, vq = quantize_rowcol(q), quantize_rowcol(k), quantize_rowcol(v)
+qq, kq, vq = quantize_rowcol(q), quantize_rowcol(k), quantize_rowcol(v, col_seq_major=True)
 o, st = torch.empty_like(q), torch.empty(B, H, S, 1, device="cuda")
 sink = torch.zeros(H, device="cuda")
 mk = dict(softmax_scale=1 / math.sqrt(D), offset=0, left_bound=None, right_bound=0, out=o, stats=st)
 for name, extra in (("vanilla", {}), ("sink", dict(sink=sink)), ("vanilla", {}), ("sink", dict(sink=sink))):
     fn = lambda extra=extra: tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale,  # noqa: E731
-                                              vq.col.data, vq.col.scale, **mk, **extra)
+                                              vq.col_seq_major, **mk, **extra)
     print(f"kernel {name}: graph {time_graph(fn, 5, 30):.3f} ms, eager {time_cuda(fn, 5, 30):.3f} ms", flush=True)
 for cache in _CACHES.values():
     for kernel, _ in cache.values():

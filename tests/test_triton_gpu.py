@@ -255,3 +255,21 @@ def test_on_chip_dequantization_is_exact_for_every_byte_and_scale():
     yp = torch.empty(n, dtype=torch.bfloat16, device="cuda")
     rnd[(1,)](pp, yp, N=n)
     assert torch.equal(yp[:p.numel()].float(), p.to(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nan_input_gives_nan_where_it_reaches(where):
+    """As the README promises (and `ref` does): a NaN in Q makes its row of O NaN; a NaN in K or V makes every
+    row that attends to it NaN (here all, no mask); rows it cannot reach stay finite."""
+    be = triton_backend()
+    q, k, v, _ = _make(1, 2, 2, 200, 200, 64, seed=4)
+    {"q": q, "k": k, "v": v}[where][0, 0, 37, 5] = float("nan")
+    params = AttentionParams(softmax_scale=0.125, mask=MaskSpec(), out_dtype=torch.bfloat16)
+    o, stats, _ = be.forward(q, k, v, params)
+    nan_rows = o[0, 0].isnan().any(-1)
+    if where == "q":
+        assert nan_rows[37] and nan_rows.sum() == 1 and o[0, 0, 37].isnan().all()
+        assert stats[0, 0, 37].isnan().all() and not stats[0, 0, 36].isnan().any()
+    else:
+        assert nan_rows.all()
+    assert not o[0, 1].isnan().any()  # the other head never sees it

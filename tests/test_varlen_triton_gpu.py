@@ -336,3 +336,55 @@ def test_public_api_thd_and_padded(attn_mask_type):
     for b, n in enumerate(lens):
         assert torch.equal(op[b, :n], o[starts[b]:starts[b] + n])
         assert torch.all(op[b, n:] == 0)
+
+
+def _seq_major_expected(col, starts):
+    """SeqMajorColumns expected from an MXFP8Tensor col [B, H, S, D] (axis 2): per sequence (batch row bt,
+    first row r0, length n, first block b0, end z) the data transposed to columns b0 * 32 .. + n, zeros from
+    there to column z."""
+    B, H, _, D = col.data.shape
+    n_blocks = col.scale.shape[2]
+    want = torch.full((B, H, D, n_blocks * 32), 0xAA, dtype=torch.uint8)  # 0xAA: never written
+    data = as_bytes(col.data).cpu()
+    for bt, r0, n, b0, z in starts:
+        want[bt, :, :, b0 * 32:b0 * 32 + n] = data[bt, :, r0:r0 + n].transpose(-1, -2)
+        want[bt, :, :, b0 * 32 + n:z] = 0
+    return want
+
+
+@pytest.mark.parametrize("kind", ["dense", "padded", "packed"])
+def test_quantizer_seq_major_columns_match_the_column_wise_tensor(kind):
+    """col_seq_major=True (the forward kernel's V layout) holds exactly the column-wise bytes, transposed, each
+    sequence from its first block's column, zeros to the end of its last block; the scales are col's."""
+    triton_backend()
+    from mxattn.kernels.triton_quantize import quantize_rowcol
+    g = torch.Generator(device="cuda").manual_seed(5)
+    if kind == "packed":
+        lens = [5, 64, 33, 100, 1]
+        cu = _cu(lens)
+        x = (torch.randn(1, 2, sum(lens), 96, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        kw = dict(cu_seqlens=cu, max_seqlen=max(lens), packed=True)
+        firsts = cu.tolist()
+        starts = [(0, firsts[i], n, firsts[i] // 32 + i, (firsts[i] // 32 + i) * 32 + (n + 31) // 32 * 32)
+                  for i, n in enumerate(lens)]
+    elif kind == "padded":
+        lens = [0, 31, 77]
+        cu = _cu(lens)
+        x = (torch.randn(3, 2, 77, 64, device="cuda", generator=g) * 3).to(torch.float16)
+        kw = dict(cu_seqlens=cu, max_seqlen=77)
+        starts = [(b, 0, n, 0, 96) for b, n in enumerate(lens)]
+    else:
+        x = (torch.randn(2, 3, 1000, 128, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        kw = {}
+        starts = [(b, 0, 1000, 0, 1024) for b in range(2)]
+    x[0, 0, 3, 5] = float("nan")  # a NaN block: in a short sequence (packed: length 5) its padding stays 0
+    got = quantize_rowcol(x, **kw, col_seq_major=True)
+    plain = quantize_rowcol(x, **kw)
+    assert got.col is None and got.col_seq_major is not None
+    sm = got.col_seq_major
+    assert sm.data.stride(3) == 1 and sm.data.shape[3] == 32 * sm.scale.shape[2]
+    assert torch.equal(as_bytes(sm.scale), as_bytes(plain.col.scale))
+    want = _seq_major_expected(plain.col, starts)
+    written = want != 0xAA
+    assert torch.equal(as_bytes(sm.data).cpu()[written], want[written])
+    assert torch.equal(as_bytes(got.row.data), as_bytes(plain.row.data))

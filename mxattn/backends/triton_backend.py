@@ -1,7 +1,8 @@
 """The "triton" AttentionBackend: cuDNN's MXFP8 attention numerics on GPUs without MXFP8 tensor cores.
 
-Forward: the fused Triton quantizer turns Q, K, V into row-wise and column-wise MXFP8 (one read each), the
-forward kernel runs on Q/K row-wise and V column-wise, and Q row+col, K row+col, V row are kept for backward.
+Forward: the fused Triton quantizer turns Q, K, V into row-wise and column-wise MXFP8 (one read each; V's
+column-wise copy seq-major, the forward kernel's layout), the forward kernel runs on Q/K row-wise and V
+column-wise, and Q row+col, K row+col, V row are kept for backward.
 Backward: dO is quantized row+col by the same kernel, then the delta pre-pass, the dK/dV kernel and the dQ
 kernel run (deterministic: no atomics, fixed summation order, also for GQA). See mxattn/kernels/.
 Variable lengths (`params.seq`, padded or packed): every kernel reads the per-sequence offsets and lengths
@@ -135,7 +136,7 @@ class TritonBackend(AttentionBackend):
         tq, tf, _ = _kernels()
         qq = tq.quantize_rowcol(_inner_unit(q), **_quant_args(params, "q"))
         kq = tq.quantize_rowcol(_inner_unit(k), **_quant_args(params, "kv"))
-        vq = tq.quantize_rowcol(_inner_unit(v), **_quant_args(params, "kv"))
+        vq = tq.quantize_rowcol(_inner_unit(v), col_seq_major=True, **_quant_args(params, "kv"))
         o = _like(q, params.out_dtype)
         stats = torch.empty((B, hq, sq, 1), dtype=torch.float32, device=q.device)
         sink = None if params.sink is None else params.sink.float().contiguous()
@@ -146,7 +147,7 @@ class TritonBackend(AttentionBackend):
             else:
                 stats.copy_(sink.view(1, -1, 1, 1).expand_as(stats))
         elif sq > 0 and B * hq > 0:
-            tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col.data, vq.col.scale,
+            tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col_seq_major,
                              softmax_scale=params.softmax_scale, out=o, stats=stats, sink=sink,
                              **_mask_args(params, sq, skv))
         saved = SavedForBackward(q_row=qq.row, q_col=qq.col, k_row=kq.row, k_col=kq.col, v_row=vq.row)

@@ -66,18 +66,20 @@ def kv_block_range(m0, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.con
 
 
 @triton.jit
-def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, n0, rows, offs_n, offs_d, offs_kb,
-                     stride_kn, stride_ksn, stride_vn, stride_vsn, len_kv, D, qk_scale, offset, LB, RB,
+def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, j, rows, offs_n, offs_d, offs_kb,
+                     stride_kn, stride_ksn, stride_vsn, len_kv, D, qk_scale, offset, LB, RB,
                      MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BN: tl.constexpr,
                      DP: tl.constexpr, EVEN_D: tl.constexpr):
-    """One step of the online softmax over KV rows [n0, n0 + BN): K row-wise and V column-wise FP8 tiles are
-    dequantized on chip; m_i is the running max in log2 units; the exponent is shifted by log2(P_SCALE), so
-    exp2 gives P * 256 directly and l_i sums P * 256. MASK: the block needs the band/length mask (else every element is kept)."""
+    """One step of the online softmax over KV block j, rows [n0, n0 + BN) with n0 = j * BN: K row-wise and V
+    column-wise (seq-major) FP8 tiles are dequantized on chip; m_i is the running max in log2 units; the
+    exponent is shifted by log2(P_SCALE), so exp2 gives P * 256 directly and l_i sums P * 256. MASK: the block
+    needs the band/length mask (else every element is kept)."""
+    n0 = j * BN  # from the block index, so the compiler knows n0's alignment (16-byte loads along V's rows)
     cols = n0 + offs_n
-    if MASK:
+    if MASK:  # (the D mask only where D < DP: a mask along D that is always true would cost the 16-byte loads)
         kv_rows = (cols < len_kv)[:, None]
-        k = tl.load(k_ptrs + n0 * stride_kn, mask=kv_rows & (offs_d < D)[None, :], other=0.0)
-        ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=kv_rows & (offs_kb * 32 < D)[None, :], other=127)
+        k = tl.load(k_ptrs + n0 * stride_kn, mask=kv_rows & ((offs_d < D) | EVEN_D)[None, :], other=0.0)
+        ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=kv_rows & ((offs_kb * 32 < D) | EVEN_D)[None, :], other=127)
     elif EVEN_D:
         k = tl.load(k_ptrs + n0 * stride_kn)
         ks = tl.load(ks_ptrs + n0 * stride_ksn)
@@ -100,14 +102,16 @@ def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, n0, row
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if MASK:
         vs_blk = n0 // 32 + tl.arange(0, BN // 32)
-        v = tl.load(v_ptrs + n0 * stride_vn, mask=(cols < len_kv)[:, None] & (offs_d < D)[None, :], other=0.0)
+        # V's rows are zero up to the end of the sequence's last block: a whole-block mask keeps 16-byte loads
+        v = tl.load(v_ptrs + n0, mask=(cols < tl.cdiv(len_kv, 32) * 32)[:, None] & ((offs_d < D) | EVEN_D)[None, :],
+                    other=0.0)
         vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn, mask=(vs_blk * 32 < len_kv)[:, None] & (offs_d < D)[None, :],
                      other=127)
     elif EVEN_D:
-        v = tl.load(v_ptrs + n0 * stride_vn)
+        v = tl.load(v_ptrs + n0)
         vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn)
     else:
-        v = tl.load(v_ptrs + n0 * stride_vn, mask=(offs_d < D)[None, :], other=0.0)
+        v = tl.load(v_ptrs + n0, mask=(offs_d < D)[None, :], other=0.0)
         vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn, mask=(offs_d < D)[None, :], other=127)
     acc = acc * alpha[:, None] + tl.dot(round_p_to_bf16(p), dequant_cols(v, vs, BN, DP))
     return acc, m_new, l_i
@@ -118,13 +122,14 @@ def _attn_fwd_kernel(
         Q, QS, K, KS, V, VS, O, LSE, CU_Q, CU_KV, SINK,
         sqb, sqh, sqs, sqsb, sqsh, sqss,
         skb, skh, sks, sksb, sksh, skss,
-        svb, svh, svs, svsb, svsh, svss,
+        svb, svh, svd, svsb, svsh, svss,
         sob, soh, sos, slb, slh, sls,
         HQ, GROUP, SQ, SKV, D, qk_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
         EVEN_D: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_SINK: tl.constexpr):
-    """Grid (query tiles, sequences * HQ). Q/K row-wise scales [B,H,S,DP/32-ish], V column-wise [B,H,S/32,D]
-    (segmented for a packed batch); every tensor has a unit stride along D. SQ, SKV: the tensors' row counts;
+    """Grid (query tiles, sequences * HQ). Q/K row-wise scales [B,H,S,DP/32-ish], V column-wise: data
+    seq-major [B,H,D,L] (`SeqMajorColumns`, strides svb, svh, svd, unit along L), scales [B,H,L/32,D]
+    (segmented for a packed batch); every other tensor has a unit stride along D. SQ, SKV: the tensors' row counts;
     len_q, len_kv: the sequence's. HAS_SINK: SINK holds fp32 [HQ] sink logits; the online softmax starts from
     them (max = sink, sum = 1)."""
     pid_m = tl.program_id(0)
@@ -154,14 +159,14 @@ def _attn_fwd_kernel(
 
     q_rows = (rows < len_q)[:, None]
     q = tl.load(Q + bt * sqb + hq * sqh + q0 * sqs + rows[:, None] * sqs + offs_d[None, :],
-                mask=q_rows & (offs_d < D)[None, :], other=0.0)
+                mask=q_rows & ((offs_d < D) | EVEN_D)[None, :], other=0.0)
     qs = tl.load(QS + bt * sqsb + hq * sqsh + q0 * sqss + rows[:, None] * sqss + offs_kb[None, :],
                  mask=q_rows & (offs_kb * 32 < D)[None, :], other=127)
     q = dequant_rows(q, qs, BM, DP)
 
     k_ptrs = K + bt * skb + hk * skh + kv0 * sks + offs_n[:, None] * sks + offs_d[None, :]
     ks_ptrs = KS + bt * sksb + hk * sksh + kv0 * skss + offs_n[:, None] * skss + offs_kb[None, :]
-    v_ptrs = V + bt * svb + hk * svh + kv0 * svs + offs_n[:, None] * svs + offs_d[None, :]
+    v_ptrs = V + bt * svb + hk * svh + kvb0 * 32 + offs_n[:, None] + offs_d[None, :] * svd
     vs_ptrs = VS + bt * svsb + hk * svsh + kvb0 * svss + tl.arange(0, BN // 32)[:, None] * svss + offs_d[None, :]
 
     # KV range touched by rows [m0, m0 + BM) and the sub-range where no element is masked
@@ -174,20 +179,18 @@ def _attn_fwd_kernel(
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DP], tl.float32)
-    for n0 in range(lo, mask_hi, BN):
-        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, n0, rows, offs_n,
-                                         offs_d, offs_kb, sks, skss, svs, svss, len_kv, D, qk_scale, offset,
-                                         LB, RB, True, HAS_LB, HAS_RB, BN, DP, EVEN_D)
-    for n0 in range(full_lo, full_hi, BN):
-        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, n0, rows, offs_n,
-                                         offs_d, offs_kb, sks, skss, svs, svss, len_kv, D, qk_scale, offset,
-                                         LB, RB, False, HAS_LB, HAS_RB, BN, DP, EVEN_D)
-    for n0 in range(tl.maximum(full_hi, mask_hi), hi, BN):
-        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, n0, rows, offs_n,
-                                         offs_d, offs_kb, sks, skss, svs, svss, len_kv, D, qk_scale, offset,
-                                         LB, RB, True, HAS_LB, HAS_RB, BN, DP, EVEN_D)
+    args = (q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs)
+    for j in range(lo // BN, tl.cdiv(mask_hi, BN)):
+        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, sks, skss, svss,
+                                         len_kv, D, qk_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BN, DP, EVEN_D)
+    for j in range(full_lo // BN, full_hi // BN):
+        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, sks, skss, svss,
+                                         len_kv, D, qk_scale, offset, LB, RB, False, HAS_LB, HAS_RB, BN, DP, EVEN_D)
+    for j in range(tl.cdiv(tl.maximum(full_hi, mask_hi), BN), tl.cdiv(hi, BN)):  # (start: a multiple of BN, or hi)
+        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, sks, skss, svss,
+                                         len_kv, D, qk_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BN, DP, EVEN_D)
 
-    has = l_i > 0.0
+    has = l_i != 0.0  # a NaN row (l_i NaN) stays NaN
     if VARLEN:
         has = has & (rows < len_q)  # padding rows of a padded tile saw zero queries, not no keys
     denom = tl.where(has, l_i, 1.0)  # both acc and l_i carry the factor P_SCALE
@@ -206,7 +209,7 @@ def _store_out(O, LSE, bt, hq, q0, offs_m, offs_d, sob, soh, sos, slb, slh, sls,
 
 
 #: (BLOCK_M, num_warps, num_stages) of the forward kernel by padded head dim (the KV block is BLOCK_N)
-FWD_CONFIGS = {32: (128, 8, 3), 64: (128, 8, 3), 128: (128, 8, 3), 256: (64, 8, 2)}
+FWD_CONFIGS = {32: (128, 8, 3), 64: (64, 4, 2), 128: (128, 8, 3), 256: (64, 8, 2)}
 
 
 def _fwd_config(dp: int):
@@ -214,24 +217,40 @@ def _fwd_config(dp: int):
     return FWD_CONFIGS[dp]
 
 
+def _check_seq_major_v(v, batch: int, heads: int, rows: int, d: int):
+    """(data, scale bytes) of V's column-wise copy `v` (a SeqMajorColumns) after checking its shapes against
+    K's [batch, heads, rows, d]; raises ValueError before the launch."""
+    data, scale = getattr(v, "data", None), getattr(v, "scale", None)
+    if not isinstance(data, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        raise ValueError("v must be V's column-wise copy as SeqMajorColumns (quantize_rowcol(v, col_seq_major=True)"
+                         f".col_seq_major), got {type(v).__name__}")
+    n_blocks = scale.shape[2] if scale.dim() == 4 else -1
+    if tuple(scale.shape) != (batch, heads, n_blocks, d) or n_blocks * 32 < rows or \
+            tuple(data.shape) != (batch, heads, d, n_blocks * 32):
+        raise ValueError(f"v.data must be [{batch}, {heads}, {d}, L] and v.scale [{batch}, {heads}, L / 32, {d}] "
+                         f"with L >= {rows}, got {tuple(data.shape)} and {tuple(scale.shape)}")
+    return data, scale.view(torch.uint8)
+
+
 def _unit_d(name: str, t: torch.Tensor) -> None:
     if t.shape[3] > 1 and t.stride(3) != 1:
         raise ValueError(f"{name} must have unit stride along its last axis, got strides {tuple(t.stride())}")
 
 
-def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, softmax_scale: float,
+def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, out: torch.Tensor, stats: torch.Tensor,
                   config=None, seq=None, bottom_right: bool = False, sink: Optional[torch.Tensor] = None) -> None:
     """Launch the forward kernel.
 
     q_data [B,Hq,Sq,D] e4m3, q_scale [B,Hq,Sq,ceil(D/32)] e8m0 (row-wise); k_data/k_scale likewise with Hkv
-    heads and Skv rows; v_data [B,Hkv,Skv,D] e4m3 with v_scale_col [B,Hkv,ceil(Skv/32),D] e8m0 (column-wise).
+    heads and Skv rows; v: V's column-wise copy as `SeqMajorColumns` (quantize_rowcol(v, col_seq_major=True):
+    data [B,Hkv,D,L] e4m3, scales [B,Hkv,L/32,D] e8m0).
     Writes out [B,Hq,Sq,D] (bf16/fp16) and stats [B,Hq,Sq,1] fp32 (natural log-sum-exp, -inf for empty rows).
     Every tensor needs a unit stride along its last axis. offset: diagonal offset (0 top_left, Skv-Sq
     bottom_right). config: optional (BLOCK_M, num_warps, num_stages) override (benchmark sweeps).
     seq: optional SeqInfo-like object (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
-    making the call variable-length (module docstring); a packed batch has B = 1 and v_scale_col segmented
-    ([1,Hkv,Skv//32 + n_seq,D]). The band mask then applies per sequence: bottom_right=True takes each
+    making the call variable-length (module docstring); a packed batch has B = 1 and V's scales segmented
+    ([1,Hkv,Skv//32 + n_seq,D]) as `SeqMajorColumns` describes. The band mask then applies per sequence: bottom_right=True takes each
     sequence's len_kv - len_q as its offset (offset must then be 0), else offset is used (0 = top_left).
     sink: optional fp32 [Hq] contiguous sink logits (attention sinks): they join every row's softmax
     denominator and the stats; a row with no key then gets O = 0 and stats = sink.
@@ -246,9 +265,10 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, soft
     dp = max(32, triton.next_power_of_2(D))
     bm, warps, stages = config if config is not None else _fwd_config(dp)
     u8 = torch.uint8
-    qs, ks, vs = q_scale.view(u8), k_scale.view(u8), v_scale_col.view(u8)
-    for name, t in (("q_data", q_data), ("k_data", k_data), ("v_data", v_data), ("out", out), ("q_scale", qs),
-                    ("k_scale", ks), ("v_scale_col", vs)):
+    v_data, vs = _check_seq_major_v(v, B, HKV, SKV, D)
+    qs, ks = q_scale.view(u8), k_scale.view(u8)
+    for name, t in (("q_data", q_data), ("k_data", k_data), ("v.data", v_data), ("out", out), ("q_scale", qs),
+                    ("k_scale", ks), ("v.scale", vs)):
         _unit_d(name, t)
     launch(
         _attn_fwd_kernel, (sa.q_tiles(SQ, bm), sa.programs(B, HQ)), q_data, qs, k_data, ks, v_data, vs, out, stats,

@@ -123,23 +123,20 @@ def e4m3_to_bf16_biased(x):
 
 @triton.jit
 def round_p_to_bf16(p):
-    """fp32 tile p in [0, 448] (or NaN) -> bf16 tile E4M3(p) (round to nearest even, the recipe's rounding of
-    P * 256), exactly: one E4M3 conversion per pair, the integer widening of `e4m3_to_bf16_biased` and one BF16
-    multiply by 2^120 (exact, also for E4M3 subnormals) instead of the E4M3 -> F16 -> BF16 conversions. A NaN
-    (E4M3 magnitude 0x7F, widened to 0x07F0) gets the exponent bits set first, so it stays NaN."""
+    """fp32 tile p in [0, 448] -> bf16 tile E4M3(p) (round to nearest even, the recipe's rounding of P * 256),
+    exactly, in four instructions per pair: the E4M3 conversion, E4M3 -> F16 (exact), a right shift by 3 that
+    turns each F16 pattern (sign 0, low three mantissa bits 0) into the BF16 pattern of p * 2^-112 (E4M3
+    subnormals are F16 normals, so they stay exact), and one BF16 multiply by 2^112. A NaN p gives an
+    unspecified value that may spill into the other lane of its pair: the callers' row sums of the unrounded
+    p carry a NaN row to NaN instead."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b16 h;
-        .reg .b32 w, t, m, c;
+        .reg .b32 w, t, c;
         cvt.rn.satfinite.e4m3x2.f32 h, $2, $1;
-        cvt.u32.u16 w, h;
-        prmt.b32 t, w, 0, 0x4140;
-        shl.b32 t, t, 4;
-        add.u32 m, t, 0x00100010;
-        and.b32 m, m, 0x08000800;
-        mul.lo.u32 m, m, 15;
-        or.b32 t, t, m;
-        mov.b32 c, 0x7B807B80;
+        cvt.rn.f16x2.e4m3x2 w, h;
+        shr.b32 t, w, 3;
+        mov.b32 c, 0x77807780;
         mul.rn.bf16x2 $0, t, c;
         }""",
         constraints="=r,r,r", args=[p], dtype=tl.bfloat16, is_pure=True, pack=2)
@@ -201,10 +198,13 @@ def _quantize_rowcol_kernel(
         SRZ, SCZ, RDQ, CDQ, CU,
         H, S, D, NR, NC, SRZ_KP, SRZ_SLAB, SCZ_KP, SCZ_SLAB,
         BS: tl.constexpr, BD: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SWZ: tl.constexpr,
-        ROW_DQ: tl.constexpr, COL_DQ: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr):
+        ROW_DQ: tl.constexpr, COL_DQ: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr,
+        COL_SEQ_MAJOR: tl.constexpr):
     """One [BS, BD] tile of x read once -> row-wise and/or column-wise E4M3 data and E8M0 scales, and on
     request their exact BF16 dequantizations (contiguous [B, H, S, D]; the backward's bf16 scratch).
-    Grid (row tiles, D tiles, sequences * H); offs_s are rows of the program's sequence (`seq_span`)."""
+    Grid (row tiles, D tiles, sequences * H); offs_s are rows of the program's sequence (`seq_span`).
+    COL_SEQ_MAJOR: the column-wise data goes to QC = [B, H, D, L] (strides sqc*: unit along L) with sequence row
+    n at column blk0 * 32 + n, zeros up to the end of its last block (`SeqMajorColumns`)."""
     pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_bh = tl.program_id(2)
@@ -247,8 +247,13 @@ def _quantize_rowcol_kernel(
         e = scale_exponent_from_bits(block_amax_bits(x3, 1))
         y = tl.where((e == 255)[:, None, :], float("nan"), x3 * inv_pow2_of_biased(e)[:, None, :])
         q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
-        tl.store(QC + bt * sqcb + h * sqch + start * sqcs + offs_s[:, None] * sqcs + offs_d[None, :] * sqcd, q,
-                 mask=mask)
+        if COL_SEQ_MAJOR:  # whole blocks, the rows past the sequence's end zeros (also in a NaN block)
+            q = tl.where((offs_s < length)[:, None], q, 0.0)
+            tl.store(QC + bt * sqcb + h * sqch + (blk0 * MX_BLOCK + offs_s)[:, None] * sqcs + offs_d[None, :] * sqcd,
+                     q, mask=(offs_s < tl.cdiv(n_out, MX_BLOCK) * MX_BLOCK)[:, None] & dmask)
+        else:
+            tl.store(QC + bt * sqcb + h * sqch + start * sqcs + offs_s[:, None] * sqcs + offs_d[None, :] * sqcd, q,
+                     mask=mask)
         if COL_DQ:
             tl.store(CDQ + slab * D + offs_s[:, None] * D + offs_d[None, :], dequant_cols(q, e.to(tl.uint8), BS, BD),
                      mask=mask)
@@ -282,6 +287,19 @@ class RowColQuantized(NamedTuple):
     col_swizzled: Optional[torch.Tensor]
     row_dequant: Optional[torch.Tensor] = None
     col_dequant: Optional[torch.Tensor] = None
+    col_seq_major: Optional["SeqMajorColumns"] = None
+
+
+class SeqMajorColumns(NamedTuple):
+    """Column-wise MXFP8 data laid out for the attention forward's P V product (the V operand): data
+    [B, H, D, L] e4m3, unit stride along L (so a thread's 16 consecutive rows share one scale), where row n of
+    sequence b sits at column ``blk0_b * 32 + n`` (blk0_b = 0 for a dense or padded batch, cu[b] // 32 + b for
+    a packed one: every sequence starts 32-aligned) and the rows after a sequence's end up to its last block's
+    end are zeros, also in a NaN block (so a kernel may load whole blocks: 0 * P = 0); L = 32 * scale.shape[2]. scale: the compact column-wise E8M0 scales [B, H, L / 32, D]
+    (segmented for a packed batch), as in the `col` MXFP8Tensor."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -363,7 +381,7 @@ QUANT_TILE = (32, 2, 64)
 def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swizzle: bool = False,
                     row_dequant: bool = False, col_dequant: bool = False, tile=None,
                     cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
-                    packed: bool = False) -> RowColQuantized:
+                    packed: bool = False, col_seq_major: bool = False) -> RowColQuantized:
     """Fused MXFP8 quantizer: x [B, H, S, D] bf16/fp16/fp32 (any strides, CUDA) read once ->
     row-wise (blocks of 32 along D) and/or column-wise (blocks of 32 along S) E4M3 data with compact E8M0
     scales, and on request the scales also in F8_128x4 order and the exact bf16 dequantizations.
@@ -373,7 +391,8 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
     (packed False; rows past each length are read as zeros, = quantize_mxfp8 of the zeroed tensor) or packed
     (x [1, H, T, D]; the column-wise copy is segmented, = quantize_mxfp8(x, axis=2, segments=cu_seqlens)).
     max_seqlen bounds the longest sequence of a packed batch (sizes the grid; default T). swizzle is not
-    available for a packed batch."""
+    available for a packed batch. col_seq_major: return the column-wise copy as `SeqMajorColumns` (the forward
+    kernel's V layout) in the col_seq_major field instead of an MXFP8Tensor in col (not with col_dequant)."""
     from ..checks import check_bhsd_tensor
     from ..formats import MXFP8Tensor
 
@@ -382,6 +401,8 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         raise ValueError("quantize_rowcol: at least one of row, col must be True")
     if (row_dequant and not row) or (col_dequant and not col):
         raise ValueError("quantize_rowcol: row_dequant needs row=True and col_dequant needs col=True")
+    if col_seq_major and (not col or col_dequant or swizzle):
+        raise ValueError("quantize_rowcol: col_seq_major needs col=True and excludes col_dequant and swizzle")
     varlen = cu_seqlens is not None
     if varlen:
         check_cu_seqlens(cu_seqlens, "cu_seqlens", x, packed)
@@ -397,7 +418,10 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
     # an existing tensor stands in for them instead of fresh allocations (host time per call matters here)
     qr = _data_like(x) if row else None
     sr = torch.empty((B, H, S, nr), dtype=torch.uint8, device=dev) if row else None
-    qc = _data_like(x) if col else qr
+    if col_seq_major:  # [B, H, D, L]: every element is written by the kernel (zeros after each sequence)
+        qc = torch.empty((B, H, D, nc * MX_BLOCK.value), dtype=torch.float8_e4m3fn, device=dev).transpose(2, 3)
+    else:
+        qc = _data_like(x) if col else qr
     # segmented scales: the rows between sequences belong to no block and hold byte 0
     sc = (torch.zeros if packed else torch.empty)((B, H, nc, D), dtype=torch.uint8, device=dev) if col else sr
     qr = qc if qr is None else qr
@@ -423,15 +447,16 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
                x if cdq is None else cdq, cu_seqlens if varlen else sr, H, S, D, nr, nc, srz_kp, srz_slab,
                scz_kp, scz_slab,
                BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle, ROW_DQ=row_dequant, COL_DQ=col_dequant,
-               VARLEN=varlen, PACKED=packed, num_warps=warps)
+               VARLEN=varlen, PACKED=packed, COL_SEQ_MAJOR=col_seq_major, num_warps=warps)
     e8 = torch.float8_e8m0fnu
     return RowColQuantized(
         MXFP8Tensor(qr, sr.view(e8), 3) if row else None,
-        MXFP8Tensor(qc, sc.view(e8), 2, cu_seqlens if packed else None) if col else None,
+        MXFP8Tensor(qc, sc.view(e8), 2, cu_seqlens if packed else None) if col and not col_seq_major else None,
         srz.view(e8) if (swizzle and row) else None,
         scz.view(e8) if (swizzle and col) else None,
         rdq if row_dequant else None,
-        cdq if col_dequant else None)
+        cdq if col_dequant else None,
+        SeqMajorColumns(qc.transpose(2, 3), sc.view(e8)) if col_seq_major else None)
 
 
 @triton.jit

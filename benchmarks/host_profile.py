@@ -1,0 +1,40 @@
+"""Where the host time of one public-API forward call goes (triton backend, B2 H16 S4096 D128 bshd causal,
+no grad): CPU thread time per call of each layer, from the public function down to one bare launch, so the
+differences show what each layer costs. Usage (CUDA machine): python benchmarks/host_profile.py"""
+
+import torch
+
+import mxattn
+from mxattn import ops
+from mxattn.backends.base import AttentionParams
+from mxattn.bench import host_time_us
+from mxattn.backends.triton_backend import TritonBackend
+from mxattn.kernels import triton_attention_fwd as tf
+from mxattn.kernels.triton_quantize import quantize_rowcol
+from mxattn.mask import MaskSpec
+
+
+dev = torch.device("cuda")
+q, k, v = (torch.randn(2, 4096, 16, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
+qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+be = TritonBackend()
+params = AttentionParams(softmax_scale=128 ** -0.5, mask=MaskSpec(causal=True), out_dtype=torch.bfloat16)
+qq, kq, vq = quantize_rowcol(qb), quantize_rowcol(kb), quantize_rowcol(vb, col_seq_major=True)
+o = torch.empty_like(qb)
+st = torch.empty(2, 16, 4096, 1, device=dev)
+rows = {
+    "mxfp8_attention (public API)": lambda: mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal",
+                                                                   backend="triton"),
+    "TritonBackend.forward": lambda: be.forward(qb, kb, vb, params),
+    "quantize_rowcol(q) row+col": lambda: quantize_rowcol(qb),
+    "quantize_rowcol(v, col_seq_major)": lambda: quantize_rowcol(vb, col_seq_major=True),
+    "attention_fwd (kernel launch)": lambda: tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data,
+                                                              kq.row.scale, vq.col_seq_major, out=o, stats=st,
+                                                              softmax_scale=0.088, offset=0, left_bound=None,
+                                                              right_bound=0),
+    "torch.empty_like(q)": lambda: torch.empty_like(qb),
+}
+with torch.no_grad():
+    for name, fn in rows.items():
+        print(f"{name:40s} {host_time_us(fn, 300, 10):8.1f} us", flush=True)
+    print("custom op registered:", hasattr(ops, "attention_fwd"))
