@@ -136,9 +136,9 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
                       out_dtype=kernel_dtype, softmax_type=softmax_type)
     name = choose_backend(backend, problem)
     out_format = "bshd" if packed else qkv_format
-    o = ops.attention_fwd(qb, kb, vb, float(softmax_scale), band.diagonal_alignment == "bottom_right",
+    o = ops.attention(qb, kb, vb, float(softmax_scale), band.diagonal_alignment == "bottom_right",
                           band.left_bound, band.right_bound, kernel_dtype, out_format, name,
-                          *_seq_args(seq), sink)[0]
+                          *_seq_args(seq), sink)
     o = o[0].transpose(0, 1) if packed else from_bhsd(o, qkv_format)
     return o if o.dtype == out_dtype else o.to(out_dtype)
 

@@ -180,12 +180,12 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16) -> Dict:
     res["triton_kept_bytes"] = kept_bytes(lambda x, y, z: mxfp8_attention(
         x, y, z, qkv_format="bhsd", attn_mask_type="causal" if causal else "no_mask", backend="triton"), q, k, v)
     from .kernels.triton_quantize import quantize_rowcol
-    qq, kq, vq = quantize_rowcol(q), quantize_rowcol(k), quantize_rowcol(v, col_seq_major=True)
+    qq, kv = quantize_rowcol(q), fwd_kernel_operands(k, v)
     ob, sb = torch.empty_like(q), torch.empty(B, hq, S, 1, device=dev)
     res["triton_fwd_kernel_ms"] = time_cuda(lambda: tf.attention_fwd(
-        qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col_seq_major, softmax_scale=scale,
+        qq.row.data, qq.row.scale, *kv, softmax_scale=scale,
         offset=0, left_bound=None, right_bound=0 if causal else None, out=ob, stats=sb), warmup, iters)
-    del qq, kq, vq, ob, sb
+    del qq, kv, ob, sb
 
     for kind in ("cudnn", "flash"):
         qg = q.detach().requires_grad_(True)
@@ -385,6 +385,19 @@ BWD_SWEEP = [((64, 128, 8, 2), (128, 64, 8, 2)), ((32, 128, 8, 1), (128, 32, 8, 
              ((64, 64, 4, 2), (64, 64, 4, 2)), ((32, 128, 8, 2), (128, 64, 8, 3))]
 
 
+def fwd_kernel_operands(k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> tuple:
+    """(k_data, k_scale, v) for the forward kernel from bf16 k, v [B, Hkv, S, D], on the data path the triton
+    backend takes for this problem (`fwd_streams_bf16`), or on the FP8 on-chip path when fp8."""
+    from .kernels import triton_attention_fwd as tf
+    from .kernels.triton_quantize import quantize_rowcol
+
+    if not fp8 and tf.fwd_streams_bf16(k.shape[0], k.shape[1], k.shape[2], k.shape[3]):
+        kq, vq = quantize_rowcol(k, col=False, row_dequant=True), quantize_rowcol(v, col_dequant=True)
+        return kq.row_dequant, None, vq.col_dequant
+    kq, vq = quantize_rowcol(k, col=False), quantize_rowcol(v, row=False, col_seq_major=True)
+    return kq.row.data, kq.row.scale, vq.col_seq_major
+
+
 def sweep(cfg, warmup: int, iters: int) -> List[Dict]:
     """Time the kernels under each block/warp/stage candidate for one config."""
     from .kernels import triton_attention_bwd as tb
@@ -395,8 +408,8 @@ def sweep(cfg, warmup: int, iters: int) -> List[Dict]:
     dev = torch.device("cuda")
     q, do = (torch.randn(B, hq, S, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(B, hkv, S, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    qq, dq_, kq = quantize_rowcol(q), quantize_rowcol(do), quantize_rowcol(k)
-    vq = quantize_rowcol(v, col_seq_major=True)
+    qq, dq_, kq, vq = quantize_rowcol(q), quantize_rowcol(do), quantize_rowcol(k), quantize_rowcol(v)
+    kv, kv_fp8 = fwd_kernel_operands(k, v), fwd_kernel_operands(k, v, fp8=True)
     o, st = torch.empty_like(q), torch.empty(B, hq, S, 1, device=dev)
     fl = 4.0 * B * hq * D * kept_pairs(S, S, causal)
     mk = dict(softmax_scale=1 / math.sqrt(D), offset=0, left_bound=None, right_bound=0 if causal else None)
@@ -411,12 +424,11 @@ def sweep(cfg, warmup: int, iters: int) -> List[Dict]:
             rows.append({"config": name, "kernel": kernel, "params": params,
                          "error": f"{type(exc).__name__}: {exc}"[:200]})
         print(rows[-1], flush=True)
-    for c in FWD_SWEEP:
-        rec("fwd", c, lambda: tf.attention_fwd(
-            qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col_seq_major, out=o, stats=st,
-            config=c, **mk), 1.0)
-    tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col_seq_major,
-                     out=o, stats=st, **mk)
+    for label, operands in (("fwd", kv), ("fwd_fp8_on_chip", kv_fp8)):
+        for c in FWD_SWEEP:
+            rec(label, c, lambda: tf.attention_fwd(qq.row.data, qq.row.scale, *operands, out=o, stats=st, config=c,
+                                                   **mk), 1.0)
+    tf.attention_fwd(qq.row.data, qq.row.scale, *kv, out=o, stats=st, **mk)
     g = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     for c in BWD_SWEEP:
         rec("bwd", c, lambda: tb.attention_bwd(

@@ -30,11 +30,11 @@ def _seq(cu_q, cu_kv, max_q, max_kv, packed) -> Optional[SeqInfo]:
 
 
 def _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink=None,
-            sink_requires_grad=False) -> AttentionParams:
+            sink_requires_grad=False, needs_backward=True) -> AttentionParams:
     mask = MaskSpec(diagonal_alignment="bottom_right" if bottom_right else "top_left",
                     left_bound=left_bound, right_bound=right_bound)
     return AttentionParams(softmax_scale=softmax_scale, mask=mask, out_dtype=out_dtype, seq=seq, sink=sink,
-                           sink_requires_grad=sink_requires_grad)
+                           sink_requires_grad=sink_requires_grad, needs_backward=needs_backward)
 
 
 def _fake_saved(x: Tensor, segments: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -55,11 +55,22 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_
                   max_seqlen_q: int, max_seqlen_kv: int, packed: bool, sink: Optional[Tensor]) -> FwdOut:
     """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D], sink None or fp32 [Hq] -> (o [B,Hq,Sq,D] dense in qkv_format order,
     stats [B,Hq,Sq,1] fp32, then data/scale of q_row, q_col, k_row, k_col, v_row)."""
+    return _fwd_impl(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
+                     cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink)
+
+
+def _fwd_impl(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
+              cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, needs_backward=True):
+    """The forward op's body (its arguments, then needs_backward). needs_backward=False returns O alone and
+    lets the backend skip what only a backward pass needs."""
     seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
-    params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink)
+    params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink,
+                     needs_backward=needs_backward)
     o, stats, saved = get_backend(backend).forward(q, k, v, params)
     if o.stride() != dense_strides_bhsd(tuple(o.shape), qkv_format):  # backends that ignore q's layout
         o = empty_bhsd(tuple(o.shape), qkv_format, out_dtype, o.device).copy_(o)
+    if not needs_backward:
+        return o
     return (o, stats.contiguous()) + saved.tensors()
 
 
@@ -86,6 +97,15 @@ def attention_bwd(do: Tensor, o: Tensor, stats: Tensor, q_row: Tensor, q_row_sca
                   sink_requires_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dO, O [B,Hq,Sq,D], stats [B,Hq,Sq,1] and the saved FP8 copies -> contiguous (dq, dk, dv) in out_dtype
     and dsink (fp32 [Hq] when sink_requires_grad, else an empty tensor)."""
+    return _bwd_impl(do, o, stats, q_row, q_row_scale, q_col, q_col_scale, k_row, k_row_scale, k_col, k_col_scale,
+                     v_row, v_row_scale, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, backend,
+                     cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, sink_requires_grad)
+
+
+def _bwd_impl(do, o, stats, q_row, q_row_scale, q_col, q_col_scale, k_row, k_row_scale, k_col, k_col_scale, v_row,
+              v_row_scale, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, backend, cu_seqlens_q,
+              cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, sink_requires_grad):
+    """The backward op's body."""
     seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
     params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink, sink_requires_grad)
     saved = SavedForBackward.from_tensors((q_row, q_row_scale, q_col, q_col_scale, k_row, k_row_scale,
@@ -131,11 +151,45 @@ def _backward(ctx, grad_o, *unused_grads):
     saved, cu = (rest[:-2], rest[-2:]) if ctx.has_seq else (rest, (None, None))
     softmax_scale, bottom_right, left_bound, right_bound, out_dtype, _fmt, backend = ctx.options
     sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[15]
-    dq, dk, dv, dsink = attention_bwd(grad_o, o, stats, *saved, softmax_scale, bottom_right, left_bound,
-                                      right_bound, out_dtype, backend, *cu, *ctx.max_lens_packed, sink,
-                                      sink_requires_grad)
+    bwd = attention_bwd if torch.compiler.is_compiling() else _bwd_impl  # (eager: no custom-op dispatch)
+    dq, dk, dv, dsink = bwd(grad_o, o, stats, *saved, softmax_scale, bottom_right, left_bound, right_bound,
+                            out_dtype, backend, *cu, *ctx.max_lens_packed, sink, sink_requires_grad)
     grads = tuple(g.to(dt) for g, dt in zip((dq, dk, dv), ctx.input_dtypes))
     return grads + (None,) * (_N_FWD_ARGS - 4) + (dsink if sink_requires_grad else None,)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The forward op's eager twin: the same body, context and backward without torch.library's dispatch
+    (which costs hundreds of microseconds of host time per call); torch.compile traces the custom op."""
+
+    @staticmethod
+    def forward(*inputs):
+        return _fwd_impl(*inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, grad_o, *unused_grads):
+        return _backward(ctx, grad_o, *unused_grads)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_right: bool, left_bound: Optional[int],
+              right_bound: Optional[int], out_dtype: torch.dtype, qkv_format: str, backend: str,
+              cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor], max_seqlen_q: int,
+              max_seqlen_kv: int, packed: bool, sink: Optional[Tensor]) -> Tensor:
+    """O [B,Hq,Sq,D] of the forward op (same arguments), differentiable: under torch.compile the custom op;
+    in eager mode its autograd.Function twin when a gradient is needed, else a forward that keeps nothing
+    for backward (the backend may then skip the column-wise copies)."""
+    args = (q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
+            cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink)
+    if torch.compiler.is_compiling():
+        return attention_fwd(*args)[0]
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink)):
+        return _EagerAttention.apply(*args)[0]
+    return _fwd_impl(*args, needs_backward=False)

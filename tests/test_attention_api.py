@@ -201,3 +201,31 @@ def test_backend_input_dtypes_are_checked(monkeypatch):
 def test_dense_strides_match_an_allocation_in_that_layout(fmt, shape):
     from mxattn.layouts import dense_strides_bhsd, empty_bhsd
     assert empty_bhsd(shape, fmt, torch.float32, "cpu").stride() == dense_strides_bhsd(shape, fmt)
+
+
+def test_eager_paths_agree_with_the_custom_op(monkeypatch):
+    """The eager call skips torch.library's dispatch: with a gradient it runs the ops' autograd.Function twin,
+    without one a forward that keeps nothing. Both give the custom op's numbers bit for bit (the op itself is
+    what torch.compile traces, checked in test_module_compile_memory.py)."""
+    from mxattn import ops
+    q, k, v, _ = _inputs(hq=4, hkv=2, sq=70, skv=90, d=64)
+    args = (q, k, v, 0.125, True, None, 0, torch.bfloat16, "bhsd", "reference", None, None, 0, 0, False, None)
+    o_op = ops.attention_fwd(*args)[0]
+    calls = []
+    real = ops._fwd_impl
+    monkeypatch.setattr(ops, "_fwd_impl", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    with torch.no_grad():
+        o_inf = mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", attn_mask_type="causal_bottom_right",
+                                       softmax_scale=0.125, backend="reference")
+    assert calls[-1] == {"needs_backward": False}
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    o_grad = mxattn.mxfp8_attention(qg, kg, vg, qkv_format="bhsd", attn_mask_type="causal_bottom_right",
+                                    softmax_scale=0.125, backend="reference")
+    assert calls[-1] == {} and o_grad.grad_fn is not None
+    assert torch.equal(o_inf, o_op) and torch.equal(o_grad.detach(), o_op)
+    do = torch.randn_like(o_grad)
+    grads = torch.autograd.grad(o_grad, (qg, kg, vg), do)
+    qo, ko, vo = (t.clone().requires_grad_() for t in (q, k, v))
+    o2 = ops.attention_fwd(qo, ko, vo, *args[3:])[0]
+    for a, b in zip(grads, torch.autograd.grad(o2, (qo, ko, vo), do)):
+        assert torch.equal(a, b)

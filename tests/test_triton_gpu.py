@@ -273,3 +273,56 @@ def test_nan_input_gives_nan_where_it_reaches(where):
     else:
         assert nan_rows.all()
     assert not o[0, 1].isnan().any()  # the other head never sees it
+
+
+def test_inference_forward_makes_only_the_forward_copies(monkeypatch):
+    """Without a gradient the triton backend quantizes Q and K row-wise only and V column-wise only (no copies
+    for a backward that will not run), with the same O as a call that keeps them."""
+    import mxattn
+    from mxattn.kernels import triton_quantize as tq
+    triton_backend()
+    q, k, v, _ = _make(2, 4, 2, 300, 300, 128, seed=9)
+    kinds = []
+    real = tq.quantize_rowcol
+    monkeypatch.setattr(tq, "quantize_rowcol", lambda x, **kw: kinds.append(
+        (kw.get("row", True), kw.get("col", True))) or real(x, **kw))
+    with torch.no_grad():
+        o_inf = mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", attn_mask_type="causal", backend="triton")
+    assert kinds == [(True, False), (True, False), (True, True)]  # (V: row=True as col_dequant needs it)
+    kinds.clear()
+    qg = q.clone().requires_grad_()
+    o_grad = mxattn.mxfp8_attention(qg, k, v, qkv_format="bhsd", attn_mask_type="causal", backend="triton")
+    assert kinds == [(True, True), (True, True), (True, True)]
+    assert torch.equal(o_inf, o_grad.detach())
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 128, 64), (2, 3, 333, 128), (1, 2, 160, 96)])
+def test_quantizer_bytes_do_not_depend_on_the_outputs_requested(shape):
+    """Every output of quantize_rowcol is the same whichever others are requested (the backend asks for
+    different sets in training and inference), and the bf16 copies equal the dequantized MXFP8 tensors."""
+    from mxattn.kernels.triton_quantize import quantize_rowcol
+    triton_backend()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = _special(torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * 3)
+    full = quantize_rowcol(x, row_dequant=True, col_dequant=True)
+    assert _same_nan(full.col_dequant, full.col.dequantize(torch.bfloat16))
+    assert _same_nan(full.row_dequant, full.row.dequantize(torch.bfloat16))
+    for kw in (dict(row=False), dict(col=False), dict(col=False, row_dequant=True), dict(col_dequant=True),
+               dict(row=False, col_seq_major=True), dict(col_seq_major=True)):
+        got = quantize_rowcol(x, **kw)
+        for name in ("row", "col"):
+            a, b = getattr(got, name), getattr(full, name)
+            if a is not None:
+                assert torch.equal(as_bytes(a.data), as_bytes(b.data)) and torch.equal(as_bytes(a.scale), as_bytes(b.scale)), (kw, name)
+        for name in ("row_dequant", "col_dequant"):
+            if getattr(got, name) is not None:
+                assert _same_nan(getattr(got, name), getattr(full, name)), (kw, name)
+        if got.col_seq_major is not None:
+            assert torch.equal(as_bytes(got.col_seq_major.data)[..., :shape[2]], as_bytes(full.col.data).transpose(2, 3))
+    with pytest.raises(ValueError, match="col_dequant needs row=True"):
+        quantize_rowcol(x, row=False, col_dequant=True)
+
+
+def _same_nan(a, b):
+    """Equal, NaN where the other is NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])

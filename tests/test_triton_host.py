@@ -160,3 +160,20 @@ def test_supports_variable_lengths(monkeypatch):
                           seqlen_q=300, seqlen_kv=129, head_dim=128, mask=MaskSpec(causal=True), varlen=varlen,
                           needs_backward=True)
         assert TritonBackend.supports(problem) == (True, "stub")
+
+
+def test_forward_data_path_is_chosen_by_the_problem():
+    """bf16 K/V scratch for head dims up to 128 while K + V in bf16 fit the budget; FP8 dequantized on chip for
+    larger head dims or scratch (the same numbers either way: test_varlen_triton_gpu.py::test_forward_paths_agree)."""
+    from mxattn.kernels.triton_attention_fwd import FWD_SCRATCH_BUDGET_BYTES, fwd_streams_bf16
+    assert fwd_streams_bf16(2, 16, 4096, 128) and fwd_streams_bf16(1, 8, 8192, 96) and fwd_streams_bf16(4, 16, 2048, 64)
+    assert not fwd_streams_bf16(1, 2, 256, 192) and not fwd_streams_bf16(1, 2, 256, 256)
+    rows = FWD_SCRATCH_BUDGET_BYTES // (4 * 128 * 8)  # K + V bf16 of 8 heads at D = 128: 4 bytes per row element
+    assert fwd_streams_bf16(1, 8, rows, 128) and not fwd_streams_bf16(1, 8, rows + 1, 128)
+
+
+def test_quantizer_refuses_col_dequant_without_row():
+    from mxattn.kernels.triton_quantize import quantize_rowcol
+    x = torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="col_dequant needs row=True"):
+        quantize_rowcol(x.cuda() if torch.cuda.is_available() else x, row=False, col_dequant=True)

@@ -35,6 +35,9 @@ class AttentionParams:
     sink: Optional[torch.Tensor] = None
     #: True when the caller needs the gradient of `sink` (softmax_type "learnable")
     sink_requires_grad: bool = False
+    #: False when no backward pass follows: a backend may then skip what only the backward needs (the
+    #: column-wise copies) and return None for the saved copies
+    needs_backward: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """The "triton" AttentionBackend: cuDNN's MXFP8 attention numerics on GPUs without MXFP8 tensor cores.
 
-Forward: the fused Triton quantizer turns Q, K, V into row-wise and column-wise MXFP8 (one read each; V's
-column-wise copy seq-major, the forward kernel's layout), the forward kernel runs on Q/K row-wise and V
-column-wise, and Q row+col, K row+col, V row are kept for backward.
+Forward: the fused Triton quantizer turns Q, K, V into row-wise and column-wise MXFP8 (one read each) and the
+forward kernel runs on Q/K row-wise and V column-wise. K and V reach it as their exact bf16 dequantizations
+written by the quantizer (scratch freed after the kernel; the faster path) or, for head dims above 128 and
+problems whose scratch would exceed its budget, as FP8 (V's column-wise copy seq-major) dequantized on chip
+(`fwd_streams_bf16` chooses). Q row+col, K row+col, V row are kept for backward (nothing without a backward).
 Backward: dO is quantized row+col by the same kernel, then the delta pre-pass, the dK/dV kernel and the dQ
 kernel run (deterministic: no atomics, fixed summation order, also for GQA). See mxattn/kernels/.
 Variable lengths (`params.seq`, padded or packed): every kernel reads the per-sequence offsets and lengths
@@ -117,7 +119,7 @@ class TritonBackend(AttentionBackend):
                 ) -> Tuple[torch.Tensor, torch.Tensor, SavedForBackward]:
         """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] bf16/fp16/fp32 CUDA (any strides; a packed batch as [1,H,T,D]
         views) -> (o [B,Hq,Sq,D] params.out_dtype, stats [B,Hq,Sq,1] fp32 log-sum-exp (-inf for rows that keep
-        nothing, and for padding rows), SavedForBackward)."""
+        nothing, and for padding rows), SavedForBackward, or None when not params.needs_backward)."""
         for t, n in ((q, "q"), (k, "k"), (v, "v")):
             check_bhsd_tensor(t, n, _QKV_DTYPES)
         B, hq, sq, d = q.shape
@@ -134,9 +136,12 @@ class TritonBackend(AttentionBackend):
         if not (q.device == k.device == v.device):
             raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
         tq, tf, _ = _kernels()
-        qq = tq.quantize_rowcol(_inner_unit(q), **_quant_args(params, "q"))
-        kq = tq.quantize_rowcol(_inner_unit(k), **_quant_args(params, "kv"))
-        vq = tq.quantize_rowcol(_inner_unit(v), col_seq_major=True, **_quant_args(params, "kv"))
+        bwd = params.needs_backward  # without a backward pass only the forward's copies are made
+        kv_bf16 = tf.fwd_streams_bf16(B, hkv, skv, d)  # the problem's data path: bf16 scratch or FP8 on chip
+        qq = tq.quantize_rowcol(_inner_unit(q), col=bwd, **_quant_args(params, "q"))
+        kq = tq.quantize_rowcol(_inner_unit(k), col=bwd, row_dequant=kv_bf16, **_quant_args(params, "kv"))
+        vq = tq.quantize_rowcol(_inner_unit(v), row=bwd or kv_bf16, col_seq_major=not kv_bf16, col_dequant=kv_bf16,
+                                **_quant_args(params, "kv"))
         o = _like(q, params.out_dtype)
         stats = torch.empty((B, hq, sq, 1), dtype=torch.float32, device=q.device)
         sink = None if params.sink is None else params.sink.float().contiguous()
@@ -147,10 +152,12 @@ class TritonBackend(AttentionBackend):
             else:
                 stats.copy_(sink.view(1, -1, 1, 1).expand_as(stats))
         elif sq > 0 and B * hq > 0:
-            tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col_seq_major,
+            k_args = (kq.row_dequant, None, vq.col_dequant) if kv_bf16 else \
+                (kq.row.data, kq.row.scale, vq.col_seq_major)
+            tf.attention_fwd(qq.row.data, qq.row.scale, *k_args,
                              softmax_scale=params.softmax_scale, out=o, stats=stats, sink=sink,
                              **_mask_args(params, sq, skv))
-        saved = SavedForBackward(q_row=qq.row, q_col=qq.col, k_row=kq.row, k_col=kq.col, v_row=vq.row)
+        saved = SavedForBackward(q_row=qq.row, q_col=qq.col, k_row=kq.row, k_col=kq.col, v_row=vq.row) if bwd else None
         return o, stats, saved
 
     # ------------------------------------------------------------------ backward

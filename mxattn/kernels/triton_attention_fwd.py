@@ -66,27 +66,37 @@ def kv_block_range(m0, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.con
 
 
 @triton.jit
+def _load_tile(ptrs, row_ok, col_ok, other, MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """A [R, C] tile of ptrs: under MASK the rows where row_ok [R] is false read as `other`, and columns where
+    col_ok [C] is false do unless EVEN_D (no column mask there: an always-true mask along the contiguous axis
+    would cost the 16-byte loads)."""
+    if MASK:
+        x = tl.load(ptrs, mask=row_ok[:, None] & (col_ok | EVEN_D)[None, :], other=other)
+    elif EVEN_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=col_ok[None, :], other=other)
+    return x
+
+
+@triton.jit
 def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, j, rows, offs_n, offs_d, offs_kb,
-                     stride_kn, stride_ksn, stride_vsn, len_kv, D, qk_scale, offset, LB, RB,
+                     stride_kn, stride_ksn, stride_vn, stride_vsn, len_kv, D, qk_scale, offset, LB, RB,
                      MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BN: tl.constexpr,
-                     DP: tl.constexpr, EVEN_D: tl.constexpr):
-    """One step of the online softmax over KV block j, rows [n0, n0 + BN) with n0 = j * BN: K row-wise and V
-    column-wise (seq-major) FP8 tiles are dequantized on chip; m_i is the running max in log2 units; the
-    exponent is shifted by log2(P_SCALE), so exp2 gives P * 256 directly and l_i sums P * 256. MASK: the block
-    needs the band/length mask (else every element is kept)."""
+                     DP: tl.constexpr, EVEN_D: tl.constexpr, KV_BF16: tl.constexpr):
+    """One step of the online softmax over KV block j, rows [n0, n0 + BN) with n0 = j * BN. K and V tiles are
+    either FP8 (K row-wise, V column-wise seq-major) dequantized on chip, or (KV_BF16) their exact bf16
+    dequantizations read as they are. m_i is the running max in log2 units; the exponent is shifted by
+    log2(P_SCALE), so exp2 gives P * 256 directly and l_i sums P * 256. MASK: the block needs the band/length
+    mask (else every element is kept)."""
     n0 = j * BN  # from the block index, so the compiler knows n0's alignment (16-byte loads along V's rows)
     cols = n0 + offs_n
-    if MASK:  # (the D mask only where D < DP: a mask along D that is always true would cost the 16-byte loads)
-        kv_rows = (cols < len_kv)[:, None]
-        k = tl.load(k_ptrs + n0 * stride_kn, mask=kv_rows & ((offs_d < D) | EVEN_D)[None, :], other=0.0)
-        ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=kv_rows & ((offs_kb * 32 < D) | EVEN_D)[None, :], other=127)
-    elif EVEN_D:
-        k = tl.load(k_ptrs + n0 * stride_kn)
-        ks = tl.load(ks_ptrs + n0 * stride_ksn)
-    else:
-        k = tl.load(k_ptrs + n0 * stride_kn, mask=(offs_d < D)[None, :], other=0.0)
-        ks = tl.load(ks_ptrs + n0 * stride_ksn, mask=(offs_kb * 32 < D)[None, :], other=127)
-    qk = tl.dot(q, tl.trans(dequant_rows(k, ks, BN, DP)))
+    d_ok = offs_d < D
+    kt = _load_tile(k_ptrs + n0 * stride_kn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D)
+    if not KV_BF16:
+        ks = _load_tile(ks_ptrs + n0 * stride_ksn, cols < len_kv, offs_kb * 32 < D, 127, MASK, EVEN_D)
+        kt = dequant_rows(kt, ks, BN, DP)
+    qk = tl.dot(q, tl.trans(kt))
     if MASK:
         keep = (cols < len_kv)[None, :]
         if HAS_RB:
@@ -100,20 +110,15 @@ def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, j, rows
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(qk * qk_scale - (m_use - LOG2_P_SCALE)[:, None])  # P * 256
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if MASK:
-        vs_blk = n0 // 32 + tl.arange(0, BN // 32)
-        # V's rows are zero up to the end of the sequence's last block: a whole-block mask keeps 16-byte loads
-        v = tl.load(v_ptrs + n0, mask=(cols < tl.cdiv(len_kv, 32) * 32)[:, None] & ((offs_d < D) | EVEN_D)[None, :],
-                    other=0.0)
-        vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn, mask=(vs_blk * 32 < len_kv)[:, None] & (offs_d < D)[None, :],
-                     other=127)
-    elif EVEN_D:
-        v = tl.load(v_ptrs + n0)
-        vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn)
+    if KV_BF16:
+        vt = _load_tile(v_ptrs + n0 * stride_vn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D)
     else:
-        v = tl.load(v_ptrs + n0, mask=(offs_d < D)[None, :], other=0.0)
-        vs = tl.load(vs_ptrs + (n0 // 32) * stride_vsn, mask=(offs_d < D)[None, :], other=127)
-    acc = acc * alpha[:, None] + tl.dot(round_p_to_bf16(p), dequant_cols(v, vs, BN, DP))
+        # V's rows are zero up to the end of the sequence's last block: a whole-block mask keeps 16-byte loads
+        vt = _load_tile(v_ptrs + n0 * stride_vn, cols < tl.cdiv(len_kv, 32) * 32, d_ok, 0.0, MASK, EVEN_D)
+        vs_blk = n0 // 32 + tl.arange(0, BN // 32)
+        vs = _load_tile(vs_ptrs + (n0 // 32) * stride_vsn, vs_blk * 32 < len_kv, d_ok, 127, MASK, EVEN_D)
+        vt = dequant_cols(vt, vs, BN, DP)
+    acc = acc * alpha[:, None] + tl.dot(round_p_to_bf16(p), vt)
     return acc, m_new, l_i
 
 
@@ -122,14 +127,16 @@ def _attn_fwd_kernel(
         Q, QS, K, KS, V, VS, O, LSE, CU_Q, CU_KV, SINK,
         sqb, sqh, sqs, sqsb, sqsh, sqss,
         skb, skh, sks, sksb, sksh, skss,
-        svb, svh, svd, svsb, svsh, svss,
+        svb, svh, svs, svd, svsb, svsh, svss,
         sob, soh, sos, slb, slh, sls,
         HQ, GROUP, SQ, SKV, D, qk_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
-        EVEN_D: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_SINK: tl.constexpr):
-    """Grid (query tiles, sequences * HQ). Q/K row-wise scales [B,H,S,DP/32-ish], V column-wise: data
-    seq-major [B,H,D,L] (`SeqMajorColumns`, strides svb, svh, svd, unit along L), scales [B,H,L/32,D]
-    (segmented for a packed batch); every other tensor has a unit stride along D. SQ, SKV: the tensors' row counts;
+        EVEN_D: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_SINK: tl.constexpr,
+        KV_BF16: tl.constexpr):
+    """Grid (query tiles, sequences * HQ). Q row-wise FP8 with scales [B,H,S,DP/32-ish]. K, V: FP8 (K
+    row-wise like Q; V column-wise, data seq-major [B,H,D,L] (`SeqMajorColumns`, strides svb, svh, svs = 1,
+    svd), scales [B,H,L/32,D], segmented for a packed batch), or (KV_BF16) the exact bf16 dequantizations
+    [B,H,S,D] of K row-wise and V column-wise (KS, VS unread). Every other tensor has a unit stride along D. SQ, SKV: the tensors' row counts;
     len_q, len_kv: the sequence's. HAS_SINK: SINK holds fp32 [HQ] sink logits; the online softmax starts from
     them (max = sink, sum = 1)."""
     pid_m = tl.program_id(0)
@@ -166,7 +173,11 @@ def _attn_fwd_kernel(
 
     k_ptrs = K + bt * skb + hk * skh + kv0 * sks + offs_n[:, None] * sks + offs_d[None, :]
     ks_ptrs = KS + bt * sksb + hk * sksh + kv0 * skss + offs_n[:, None] * skss + offs_kb[None, :]
-    v_ptrs = V + bt * svb + hk * svh + kvb0 * 32 + offs_n[:, None] + offs_d[None, :] * svd
+    if KV_BF16:  # bf16 [B,H,S,D] like K
+        v_row0 = kv0
+    else:  # seq-major FP8 (svs = 1): each sequence from its first block's column
+        v_row0 = kvb0 * 32
+    v_ptrs = V + bt * svb + hk * svh + v_row0 * svs + offs_n[:, None] * svs + offs_d[None, :] * svd
     vs_ptrs = VS + bt * svsb + hk * svsh + kvb0 * svss + tl.arange(0, BN // 32)[:, None] * svss + offs_d[None, :]
 
     # KV range touched by rows [m0, m0 + BM) and the sub-range where no element is masked
@@ -180,15 +191,16 @@ def _attn_fwd_kernel(
         l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DP], tl.float32)
     args = (q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs)
+    strides = (sks, skss, svs, svss, len_kv, D, qk_scale, offset, LB, RB)
     for j in range(lo // BN, tl.cdiv(mask_hi, BN)):
-        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, sks, skss, svss,
-                                         len_kv, D, qk_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BN, DP, EVEN_D)
+        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, *strides,
+                                         True, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16)
     for j in range(full_lo // BN, full_hi // BN):
-        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, sks, skss, svss,
-                                         len_kv, D, qk_scale, offset, LB, RB, False, HAS_LB, HAS_RB, BN, DP, EVEN_D)
+        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, *strides,
+                                         False, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16)
     for j in range(tl.cdiv(tl.maximum(full_hi, mask_hi), BN), tl.cdiv(hi, BN)):  # (start: a multiple of BN, or hi)
-        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, sks, skss, svss,
-                                         len_kv, D, qk_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BN, DP, EVEN_D)
+        acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, *strides,
+                                         True, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16)
 
     has = l_i != 0.0  # a NaN row (l_i NaN) stays NaN
     if VARLEN:
@@ -210,6 +222,23 @@ def _store_out(O, LSE, bt, hq, q0, offs_m, offs_d, sob, soh, sos, slb, slh, sls,
 
 #: (BLOCK_M, num_warps, num_stages) of the forward kernel by padded head dim (the KV block is BLOCK_N)
 FWD_CONFIGS = {32: (128, 8, 3), 64: (64, 4, 2), 128: (128, 8, 3), 256: (64, 8, 2)}
+
+
+#: (BLOCK_M, num_warps, num_stages) of the forward kernel on bf16 K/V (smem operands Triton pipelines; head
+#: dims up to 128: three stages of 128-row bf16 K and V tiles fill the shared memory)
+BF16_FWD_CONFIGS = {32: (128, 8, 3), 64: (128, 8, 3), 128: (128, 8, 3)}
+#: bytes of bf16 K + V scratch up to which the forward reads them in bf16 (the backward's bf16-scratch bound)
+FWD_SCRATCH_BUDGET_BYTES = 512 << 20
+
+
+def fwd_streams_bf16(batch: int, heads_kv: int, rows_kv: int, head_dim: int) -> bool:
+    """The problem's choice of forward data path: True when K and V should be dequantized to bf16 in HBM by
+    the quantizer (exact, one extra write of 4 bytes per K/V element pair, freed after the kernel) and read as
+    plain bf16 operands, which Triton pipelines into the tensor cores (about 1.6x faster than dequantizing FP8
+    on chip, H100 measurement in benchmarks/results); False (FP8 dequantized on chip, no scratch) for head
+    dims above 128 or when the scratch would exceed FWD_SCRATCH_BUDGET_BYTES. Same numbers either way."""
+    dp = max(32, triton.next_power_of_2(head_dim))
+    return dp <= max(BF16_FWD_CONFIGS) and 2 * 2 * batch * heads_kv * rows_kv * head_dim <= FWD_SCRATCH_BUDGET_BYTES
 
 
 def _fwd_config(dp: int):
@@ -242,9 +271,12 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
                   config=None, seq=None, bottom_right: bool = False, sink: Optional[torch.Tensor] = None) -> None:
     """Launch the forward kernel.
 
-    q_data [B,Hq,Sq,D] e4m3, q_scale [B,Hq,Sq,ceil(D/32)] e8m0 (row-wise); k_data/k_scale likewise with Hkv
-    heads and Skv rows; v: V's column-wise copy as `SeqMajorColumns` (quantize_rowcol(v, col_seq_major=True):
-    data [B,Hkv,D,L] e4m3, scales [B,Hkv,L/32,D] e8m0).
+    q_data [B,Hq,Sq,D] e4m3, q_scale [B,Hq,Sq,ceil(D/32)] e8m0 (row-wise). K and V in one of two forms:
+    FP8 (dequantized on chip): k_data/k_scale like q's with Hkv heads and Skv rows, and v V's column-wise copy
+    as `SeqMajorColumns` (quantize_rowcol(v, col_seq_major=True): data [B,Hkv,D,L] e4m3, scales
+    [B,Hkv,L/32,D] e8m0); or bf16 (k_scale None, see `fwd_streams_bf16`): k_data the exact bf16 dequantization
+    [B,Hkv,Skv,D] of K's row-wise copy and v that of V's column-wise copy (quantize_rowcol's row_dequant and
+    col_dequant), both with a unit stride along D.
     Writes out [B,Hq,Sq,D] (bf16/fp16) and stats [B,Hq,Sq,1] fp32 (natural log-sum-exp, -inf for empty rows).
     Every tensor needs a unit stride along its last axis. offset: diagonal offset (0 top_left, Skv-Sq
     bottom_right). config: optional (BLOCK_M, num_warps, num_stages) override (benchmark sweeps).
@@ -263,10 +295,23 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
     HKV, SKV = k_data.shape[1], k_data.shape[2]
     sa = check_seq(seq, q_data, k_data, stats, bottom_right, offset)
     dp = max(32, triton.next_power_of_2(D))
-    bm, warps, stages = config if config is not None else _fwd_config(dp)
     u8 = torch.uint8
-    v_data, vs = _check_seq_major_v(v, B, HKV, SKV, D)
-    qs, ks = q_scale.view(u8), k_scale.view(u8)
+    kv_bf16 = k_scale is None
+    if kv_bf16:
+        if dp > max(BF16_FWD_CONFIGS) or k_data.dtype != torch.bfloat16 or not isinstance(v, torch.Tensor) or \
+                v.dtype != torch.bfloat16 or v.shape != k_data.shape:
+            raise ValueError(f"with k_scale None, k_data and v must be bf16 tensors of one shape "
+                             f"[B, Hkv, Skv, D <= {max(BF16_FWD_CONFIGS)}], got {k_data.dtype} {tuple(k_data.shape)} "
+                             f"and {getattr(v, 'dtype', type(v).__name__)} {tuple(getattr(v, 'shape', ()))}")
+        v_data, vs, ks = v, q_scale.view(u8), q_scale.view(u8)  # (scales unread)
+        v_strides = v.stride()[:3] + (1,)
+        bm, warps, stages = config if config is not None else BF16_FWD_CONFIGS[dp]
+    else:
+        v_data, vs = _check_seq_major_v(v, B, HKV, SKV, D)
+        ks = k_scale.view(u8)
+        bm, warps, stages = config if config is not None else _fwd_config(dp)
+        v_strides = v_data.stride()[:2] + (1, v_data.stride(2))
+    qs = q_scale.view(u8)
     for name, t in (("q_data", q_data), ("k_data", k_data), ("v.data", v_data), ("out", out), ("q_scale", qs),
                     ("k_scale", ks), ("v.scale", vs)):
         _unit_d(name, t)
@@ -275,13 +320,13 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
         sa.cu_q, sa.cu_kv, stats if sink is None else sink,
         *q_data.stride()[:3], *qs.stride()[:3],
         *k_data.stride()[:3], *ks.stride()[:3],
-        *v_data.stride()[:3], *vs.stride()[:3],
+        *v_strides, *vs.stride()[:3],
         *out.stride()[:3], *stats.stride()[:3],
         HQ, HQ // HKV, SQ, SKV, D, float(softmax_scale) * LOG2E.value, int(offset),
         0 if left_bound is None else int(left_bound), 0 if right_bound is None else int(right_bound),
         HAS_LB=left_bound is not None, HAS_RB=right_bound is not None,
         BM=bm, BN=BLOCK_N, DP=dp, EVEN_D=dp == D, **sa.constexprs(bottom_right), HAS_SINK=sink is not None,
-        num_warps=warps, num_stages=stages)
+        KV_BF16=kv_bf16, num_warps=warps, num_stages=stages)
 
 
 class SeqArgs(NamedTuple):
@@ -332,4 +377,4 @@ def check_seq(seq, q: torch.Tensor, k: torch.Tensor, stand_in: torch.Tensor, bot
     return SeqArgs(seq.cu_seqlens_q, seq.cu_seqlens_kv, seq.max_seqlen_q, seq.max_seqlen_kv, True, packed)
 
 
-__all__ = ["attention_fwd", "check_seq", "SeqArgs", "kv_block_range", "seq_prologue", "BLOCK_N", "LOG2E"]
+__all__ = ["attention_fwd", "fwd_streams_bf16", "check_seq", "SeqArgs", "kv_block_range", "seq_prologue", "BLOCK_N", "LOG2E"]
