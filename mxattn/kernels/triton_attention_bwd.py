@@ -10,7 +10,7 @@ Three launches:
      for dQ = dS_r K_col.
 Every FP8 operand is dequantized exactly to BF16 in registers and multiplied with FP32 accumulation.
 
-Variable lengths (`seq`): as in the forward kernel, every kernel starts with `seq_prologue` (`seq_span` for
+Variable lengths (`seq`): as in the forward kernel, every kernel starts with `program_prologue` (`seq_span` for
 the delta pre-pass), works in rows relative to its sequence's start, and programs past their sequence's end
 exit at once (padded batch: after writing zero gradients on the padding rows of their tile).
 """
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
-from .triton_attention_fwd import check_seq, kv_block_range, seq_prologue
+from .triton_attention_fwd import check_seq, kv_block_range, program_prologue
 from .triton_quantize import LOG2E, P_DESCALE, P_SCALE, dequant_cols, dequant_rows, qdq_rows, seq_span
 
 
@@ -169,21 +169,13 @@ def _dkdv_kernel(
         VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
     """Grid (KV tiles, sequences * HKV). All FP8 tensors have a unit stride along D. SQ, SKV: the tensors'
     row counts; len_q, len_kv: the sequence's."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HKV).to(tl.int64)
-    hk = (pid_bh % HKV).to(tl.int64)
-    bt, q0, kv0, len_q, len_kv, qb0, _, offset = seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN,
-                                                              PACKED, BOTTOM_RIGHT)
-    n0 = pid_n * BN
+    hk, _, bt, q0, kv0, len_q, len_kv, qb0, _, offset, n_out = program_prologue(
+        CU_Q, CU_KV, HKV, 1, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, False)
+    n0 = tl.program_id(0) * BN
     cols = n0 + tl.arange(0, BN)
     offs_mb = tl.arange(0, BM)
     offs_d = tl.arange(0, DP)
     offs_kb = tl.arange(0, DP // 32)
-    if PACKED:
-        n_out = len_kv
-    else:
-        n_out = SKV
     if VARLEN:
         if n0 >= len_kv:  # no key row of this sequence in the tile
             if not PACKED:  # padding rows of a padded batch: zero gradients
@@ -277,22 +269,13 @@ def _dq_kernel(
         BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, PRE: tl.constexpr,
         VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
     """Grid (query tiles, sequences * HQ)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HQ).to(tl.int64)
-    hq = (pid_bh % HQ).to(tl.int64)
-    hk = hq // GROUP
-    bt, q0, kv0, len_q, len_kv, _, kvb0, offset = seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN,
-                                                               PACKED, BOTTOM_RIGHT)
-    m0 = pid_m * BM
+    hq, hk, bt, q0, kv0, len_q, len_kv, _, kvb0, offset, n_out = program_prologue(
+        CU_Q, CU_KV, HQ, GROUP, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, True)
+    m0 = tl.program_id(0) * BM
     offs_m = m0 + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
     offs_kb = tl.arange(0, DP // 32)
-    if PACKED:
-        n_out = len_q
-    else:
-        n_out = SQ
     if VARLEN:
         if m0 >= len_q:  # no query row of this sequence in the tile
             if not PACKED:  # padding rows of a padded batch: zero gradients

@@ -42,6 +42,30 @@ def seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN: tl.constexpr, PACKED: 
 
 
 @triton.jit
+def program_prologue(CU_Q, CU_KV, H, GROUP, SQ, SKV, offset, VARLEN: tl.constexpr, PACKED: tl.constexpr,
+                     BOTTOM_RIGHT: tl.constexpr, Q_SIDE: tl.constexpr):
+    """The prologue of the attention kernels, whose grid's axis 1 is sequences * H (H heads, GROUP of them per
+    KV head: the query heads, or the KV heads with GROUP 1) -> (h, hk, bt, q0, kv0, len_q, len_kv, qb0, kvb0,
+    offset, n_out): the program's head and its KV head, then `seq_prologue`'s values, and n_out, the rows of
+    its side (Q_SIDE: the query rows, else the KV rows) that it may write: the sequence's own in a packed
+    batch, all of the tensor's otherwise (a padded batch's padding rows get zeros)."""
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset = seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN,
+                                                                 PACKED, BOTTOM_RIGHT)
+    if Q_SIDE:
+        n_out = SQ
+        if PACKED:
+            n_out = len_q
+    else:
+        n_out = SKV
+        if PACKED:
+            n_out = len_kv
+    return h, h // GROUP, bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset, n_out
+
+
+@triton.jit
 def kv_block_range(m0, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr):
     """KV blocks touched by query rows [m0, m0 + BM) under the band mask -> (lo, mask_hi, full_lo, full_hi, hi):
@@ -139,24 +163,13 @@ def _attn_fwd_kernel(
     [B,H,S,D] of K row-wise and V column-wise (KS, VS unread). Every other tensor has a unit stride along D. SQ, SKV: the tensors' row counts;
     len_q, len_kv: the sequence's. HAS_SINK: SINK holds fp32 [HQ] sink logits; the online softmax starts from
     them (max = sink, sum = 1)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HQ).to(tl.int64)
-    hq = (pid_bh % HQ).to(tl.int64)
-    hk = hq // GROUP
-    bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset = seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN,
-                                                                 PACKED, BOTTOM_RIGHT)
-    m0 = pid_m * BM
+    hq, hk, bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset, n_out = program_prologue(
+        CU_Q, CU_KV, HQ, GROUP, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, True)
+    m0 = tl.program_id(0) * BM
     rows = m0 + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
     offs_kb = tl.arange(0, DP // 32)
-    # rows this program writes: its sequence's (packed), or all rows of the tile in the tensor (padding of a
-    # padded batch gets O = 0 and stats = -inf)
-    if PACKED:
-        n_out = len_q
-    else:
-        n_out = SQ
     if VARLEN:
         if m0 >= len_q:  # no query row of this sequence in the tile
             if not PACKED:
@@ -377,4 +390,5 @@ def check_seq(seq, q: torch.Tensor, k: torch.Tensor, stand_in: torch.Tensor, bot
     return SeqArgs(seq.cu_seqlens_q, seq.cu_seqlens_kv, seq.max_seqlen_q, seq.max_seqlen_kv, True, packed)
 
 
-__all__ = ["attention_fwd", "fwd_streams_bf16", "check_seq", "SeqArgs", "kv_block_range", "seq_prologue", "BLOCK_N", "LOG2E"]
+__all__ = ["attention_fwd", "fwd_streams_bf16", "check_seq", "SeqArgs", "kv_block_range", "program_prologue",
+           "seq_prologue", "BLOCK_N", "LOG2E"]
