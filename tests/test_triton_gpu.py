@@ -10,7 +10,7 @@ import torch
 from mxattn.backends.base import AttentionParams, SavedForBackward
 from mxattn.formats import quantize_mxfp8, swizzle_128x4
 from mxattn.mask import MaskSpec
-from triton_helpers import as_bytes, triton_backend
+from triton_helpers import as_bytes, same_values, triton_backend
 from ref import mxfp8_ref as ref
 
 pytestmark = pytest.mark.gpu
@@ -305,8 +305,8 @@ def test_quantizer_bytes_do_not_depend_on_the_outputs_requested(shape):
     g = torch.Generator(device="cuda").manual_seed(1)
     x = _special(torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * 3)
     full = quantize_rowcol(x, row_dequant=True, col_dequant=True)
-    assert _same_nan(full.col_dequant, full.col.dequantize(torch.bfloat16))
-    assert _same_nan(full.row_dequant, full.row.dequantize(torch.bfloat16))
+    assert same_values(full.col_dequant, full.col.dequantize(torch.bfloat16))
+    assert same_values(full.row_dequant, full.row.dequantize(torch.bfloat16))
     for kw in (dict(row=False), dict(col=False), dict(col=False, row_dequant=True), dict(col_dequant=True),
                dict(row=False, col_seq_major=True), dict(col_seq_major=True)):
         got = quantize_rowcol(x, **kw)
@@ -316,13 +316,8 @@ def test_quantizer_bytes_do_not_depend_on_the_outputs_requested(shape):
                 assert torch.equal(as_bytes(a.data), as_bytes(b.data)) and torch.equal(as_bytes(a.scale), as_bytes(b.scale)), (kw, name)
         for name in ("row_dequant", "col_dequant"):
             if getattr(got, name) is not None:
-                assert _same_nan(getattr(got, name), getattr(full, name)), (kw, name)
+                assert same_values(getattr(got, name), getattr(full, name)), (kw, name)
         if got.col_seq_major is not None:
             assert torch.equal(as_bytes(got.col_seq_major.data)[..., :shape[2]], as_bytes(full.col.data).transpose(2, 3))
     with pytest.raises(ValueError, match="col_dequant needs row=True"):
         quantize_rowcol(x, row=False, col_dequant=True)
-
-
-def _same_nan(a, b):
-    """Equal, NaN where the other is NaN."""
-    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])

@@ -15,7 +15,7 @@ import mxattn
 from mxattn.backends.base import AttentionParams
 from mxattn.formats import quantize_mxfp8
 from mxattn.mask import MaskSpec
-from triton_helpers import as_bytes, triton_backend
+from triton_helpers import as_bytes, same_values, triton_backend
 from mxattn.seqinfo import SeqInfo
 
 pytestmark = pytest.mark.gpu
@@ -39,11 +39,6 @@ MASKS = {
 }
 
 
-
-
-def _same(a, b):
-    """Equal values, NaN where the other has NaN (NaN bit patterns may differ)."""
-    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
 
 
 def _cu(lengths, device="cuda"):
@@ -189,8 +184,8 @@ def test_quantizer_packed_bit_identical(dtype, d):
     assert torch.equal(as_bytes(got.row.data), as_bytes(want_r.data)) and torch.equal(as_bytes(got.row.scale), as_bytes(want_r.scale))
     assert torch.equal(as_bytes(got.col.data), as_bytes(want_c.data)) and torch.equal(as_bytes(got.col.scale), as_bytes(want_c.scale))
     assert got.col.segments is cu and got.row.data.stride() == want_r.data.stride()
-    assert _same(dequantize_bf16(got.row), want_r.dequantize(torch.bfloat16))
-    assert _same(dequantize_bf16(got.col, max_seqlen=max(lens)), want_c.dequantize(torch.bfloat16))
+    assert same_values(dequantize_bf16(got.row), want_r.dequantize(torch.bfloat16))
+    assert same_values(dequantize_bf16(got.col, max_seqlen=max(lens)), want_c.dequantize(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -15,3 +15,8 @@ def triton_backend():
 
 def as_bytes(t):
     return t.view(torch.uint8)
+
+
+def same_values(a, b):
+    """Equal values, NaN where the other has NaN (NaN bit patterns may differ)."""
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
