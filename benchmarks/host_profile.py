@@ -1,6 +1,7 @@
 """Where the host time of one public-API forward call goes (triton backend, B2 H16 S4096 D128 bshd causal,
 no grad): CPU thread time per call of each layer, from the public function down to one bare launch, so the
-differences show what each layer costs. Usage (CUDA machine): python benchmarks/host_profile.py"""
+differences show what each layer costs; then the same for the backward (TritonBackend.backward and its parts).
+Usage (CUDA machine): python benchmarks/host_profile.py"""
 
 import torch
 
@@ -38,3 +39,23 @@ with torch.no_grad():
     for name, fn in rows.items():
         print(f"{name:40s} {host_time_us(fn, 300, 10):8.1f} us", flush=True)
     print("custom op registered:", hasattr(ops, "attention_fwd"))
+
+from mxattn.kernels import triton_attention_bwd as tb  # noqa: E402
+from mxattn.kernels.triton_quantize import dequantize_bf16  # noqa: E402
+
+o, st, saved = be.forward(qb, kb, vb, params)
+do = torch.randn_like(qb)
+bwd_rows = {
+    "TritonBackend.backward": lambda: be.backward(saved, o, st, do, params),
+    "attention_bwd (pre)": lambda: tb.attention_bwd(saved.q_row, saved.q_col, saved.k_row, saved.k_col,
+                                                    saved.v_row, None, None, o, do, st, dq=o, dk=o, dv=o,
+                                                    softmax_scale=0.088, offset=0, left_bound=None, right_bound=0,
+                                                    mode="pre"),
+    "quantize_rowcol(do[:, :12], dequants)": lambda: quantize_rowcol(do[:, :12], row_dequant=True,
+                                                                     col_dequant=True),
+    "dequantize_bf16(q_row heads 0-12)": lambda: dequantize_bf16(tb._heads(saved.q_row, 0, 12)),
+    "dequantize_bf16(q_col heads 0-12)": lambda: dequantize_bf16(tb._heads(saved.q_col, 0, 12)),
+    "torch.cuda.get_device_properties": lambda: torch.cuda.get_device_properties(o.device),
+}
+for name, fn in bwd_rows.items():
+    print(f"{name:40s} {host_time_us(fn, 100, 5):8.1f} us", flush=True)

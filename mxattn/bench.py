@@ -381,8 +381,12 @@ def host_time_us(fn, iters: int = 200, warmup: int = 5) -> float:
 
 
 FWD_SWEEP = [(128, 8, 2), (128, 8, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2)]
-BWD_SWEEP = [((64, 128, 8, 2), (128, 64, 8, 2)), ((32, 128, 8, 1), (128, 32, 8, 3)),
-             ((64, 64, 4, 2), (64, 64, 4, 2)), ((32, 128, 8, 2), (128, 64, 8, 3))]
+BWD_SWEEP = [((64, 128, 8, 2), (128, 64, 8, 2)), ((64, 128, 8, 1), (128, 64, 8, 3)),
+             ((64, 128, 8, 3), (128, 32, 8, 3)), ((32, 128, 8, 2), (64, 64, 4, 3)),
+             ((32, 128, 8, 2), (128, 32, 8, 3)), ((64, 128, 8, 3), (64, 64, 4, 3)),
+             ((32, 128, 8, 3), (128, 64, 8, 3)), ((32, 128, 4, 2), (128, 64, 8, 1))]
+#: kernel groups `sweep` can time
+SWEEP_KERNELS = ("fwd", "fwd_fp8_on_chip", "bwd_pre", "bwd_fp8", "quantize")
 
 
 def fwd_kernel_operands(k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> tuple:
@@ -398,8 +402,9 @@ def fwd_kernel_operands(k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> 
     return kq.row.data, kq.row.scale, vq.col_seq_major
 
 
-def sweep(cfg, warmup: int, iters: int) -> List[Dict]:
-    """Time the kernels under each block/warp/stage candidate for one config."""
+def sweep(cfg, warmup: int, iters: int, kernels=SWEEP_KERNELS) -> List[Dict]:
+    """Time the kernels (the groups named in `kernels`, see SWEEP_KERNELS) under each block/warp/stage
+    candidate for one config. The backward is timed in both data paths ("pre": bf16 scratch, "fp8")."""
     from .kernels import triton_attention_bwd as tb
     from .kernels import triton_attention_fwd as tf
     from .kernels.triton_quantize import quantize_rowcol
@@ -425,17 +430,18 @@ def sweep(cfg, warmup: int, iters: int) -> List[Dict]:
                          "error": f"{type(exc).__name__}: {exc}"[:200]})
         print(rows[-1], flush=True)
     for label, operands in (("fwd", kv), ("fwd_fp8_on_chip", kv_fp8)):
-        for c in FWD_SWEEP:
+        for c in (FWD_SWEEP if label in kernels else ()):
             rec(label, c, lambda: tf.attention_fwd(qq.row.data, qq.row.scale, *operands, out=o, stats=st, config=c,
                                                    **mk), 1.0)
     tf.attention_fwd(qq.row.data, qq.row.scale, *kv, out=o, stats=st, **mk)
     g = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    for c in BWD_SWEEP:
-        rec("bwd", c, lambda: tb.attention_bwd(
-            qq.row, qq.col, kq.row, kq.col, vq.row, dq_.row, dq_.col, o, do, st, dq=g[0], dk=g[1], dv=g[2],
-            config=c, **mk), 2.5)
+    for mode in ("pre", "fp8"):
+        for c in (BWD_SWEEP if f"bwd_{mode}" in kernels else ()):
+            rec(f"bwd_{mode}", c, lambda: tb.attention_bwd(
+                qq.row, qq.col, kq.row, kq.col, vq.row, dq_.row, dq_.col, o, do, st, dq=g[0], dk=g[1], dv=g[2],
+                config=c, mode=mode, **mk), 2.5)
     n = q.numel()
-    for tile in ((32, 4), (32, 4, 64), (32, 2, 64), (64, 4, 64), (32, 8)):
+    for tile in (((32, 4), (32, 4, 64), (32, 2, 64), (64, 4, 64), (32, 8)) if "quantize" in kernels else ()):
         ms = time_graph(lambda: quantize_rowcol(q, tile=tile), warmup, iters)
         rows.append({"config": name, "kernel": "quantize", "params": tile, "ms": ms,
                      "GBps": (4 * n + 2 * (n // 32)) / ms / 1e6})
@@ -575,9 +581,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--only-extras", action="store_true",
                     help="only the variable-length and attention-sink measurements (no dense configs, no quantizer)")
     ap.add_argument("--plot-from", default=None, help="render chart.png next to an existing results.json")
-    ap.add_argument("--sweep", action="store_true",
-                    help="only time the kernels' block/warp/stage candidates on the configs (tuning aid)")
+    ap.add_argument("--sweep", nargs="?", const=",".join(SWEEP_KERNELS), default=None, metavar="KERNELS",
+                    help="only time the kernels' block/warp/stage candidates on the configs (tuning aid); "
+                         f"optionally a comma list of {', '.join(SWEEP_KERNELS)}")
     args = ap.parse_args(argv)
+    kernels = () if args.sweep is None else tuple(k.strip() for k in args.sweep.split(",") if k.strip())
+    if args.sweep is not None and (not kernels or any(k not in SWEEP_KERNELS for k in kernels)):
+        ap.error(f"--sweep takes a comma list of {', '.join(SWEEP_KERNELS)}, got {args.sweep!r}")
     if args.plot_from:
         with open(args.plot_from) as f:
             results = json.load(f)
@@ -602,8 +612,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     gpu = torch.cuda.get_device_name()
     results = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "iters": args.iters,
                "warmup": args.warmup, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "configs": []}
-    if args.sweep:
-        rows = [row for cfg in (args.config or DEFAULT_CONFIGS) for row in sweep(cfg, args.warmup, args.iters)]
+    if args.sweep is not None:
+        rows = [row for cfg in (args.config or DEFAULT_CONFIGS)
+                for row in sweep(cfg, args.warmup, args.iters, kernels)]
         out_dir = args.out_dir or os.path.join("benchmarks", "results", gpu_dir_name(gpu))
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "sweep.json"), "w") as f:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
-from .triton_attention_fwd import check_seq, kv_block_range, program_prologue
+from .triton_attention_fwd import check_seq, kv_block_range, load_tile, program_prologue
 from .triton_quantize import LOG2E, P_DESCALE, P_SCALE, dequant_cols, dequant_rows, qdq_rows, seq_span
 
 
@@ -54,32 +54,26 @@ def _delta_kernel(O, DO, DELTA, CU, sob, soh, sos, sod, sdb, sdh, sds, sdd, HQ, 
 
 
 @triton.jit
-def _load_row_tile(ptr, sptr, rows, offs_d, offs_kb, s_r, s_sr, NR, D, R: tl.constexpr, DP: tl.constexpr,
-                   RAW: tl.constexpr = False):
-    """Row-wise MXFP8 tile: rows [R] of a [.., N, D] tensor with scales [.., N, D/32] -> bf16 [R, DP].
-    RAW: ptr already holds the bf16 dequantization; load it as is."""
-    rmask = rows < NR
-    x = tl.load(ptr + rows[:, None] * s_r + offs_d[None, :], mask=rmask[:, None] & (offs_d < D)[None, :],
-                other=0.0)
+def _row_tile(ptrs, s_ptrs, row_ok, d_ok, kb_ok, MASK: tl.constexpr, EVEN_D: tl.constexpr, R: tl.constexpr,
+              DP: tl.constexpr, RAW: tl.constexpr):
+    """Row-wise MXFP8 tile [R, DP] at ptrs (unit stride along D) with its scales at s_ptrs ([R, DP/32]) -> bf16,
+    rows where row_ok is false (under MASK) and columns past D (unless EVEN_D) as 0.
+    RAW: ptrs already hold the bf16 dequantization; load it as is (s_ptrs unread)."""
+    x = load_tile(ptrs, row_ok, d_ok, 0.0, MASK, EVEN_D)
     if not RAW:  # (no early return: Triton would still compile the FP8 branch for a bf16 tile)
-        s = tl.load(sptr + rows[:, None] * s_sr + offs_kb[None, :],
-                    mask=rmask[:, None] & (offs_kb * 32 < D)[None, :], other=127)
+        s = load_tile(s_ptrs, row_ok, kb_ok, 127, MASK, EVEN_D)
         x = dequant_rows(x, s, R, DP)
     return x
 
 
 @triton.jit
-def _load_col_tile(ptr, sptr, r0, offs_r, offs_d, s_r, s_sr, NR, D, R: tl.constexpr, DP: tl.constexpr,
-                   RAW: tl.constexpr = False):
-    """Column-wise MXFP8 tile: rows [r0, r0 + R) (r0 % 32 == 0) with scales [.., ceil(N/32), D] -> bf16.
-    RAW: ptr already holds the bf16 dequantization; load it as is."""
-    rows = r0 + offs_r
-    x = tl.load(ptr + rows[:, None] * s_r + offs_d[None, :], mask=(rows < NR)[:, None] & (offs_d < D)[None, :],
-                other=0.0)
+def _col_tile(ptrs, s_ptrs, row_ok, blk_ok, d_ok, MASK: tl.constexpr, EVEN_D: tl.constexpr, R: tl.constexpr,
+              DP: tl.constexpr, RAW: tl.constexpr):
+    """Column-wise MXFP8 tile [R, DP] (its first row a multiple of 32) with its scales at s_ptrs ([R/32, DP],
+    blk_ok the blocks that exist) -> bf16, as `_row_tile`."""
+    x = load_tile(ptrs, row_ok, d_ok, 0.0, MASK, EVEN_D)
     if not RAW:
-        blk = r0 // 32 + tl.arange(0, R // 32)
-        s = tl.load(sptr + blk[:, None] * s_sr + offs_d[None, :],
-                    mask=(blk * 32 < NR)[:, None] & (offs_d < D)[None, :], other=127)
+        s = load_tile(s_ptrs, blk_ok, d_ok, 127, MASK, EVEN_D)
         x = dequant_cols(x, s, R, DP)
     return x
 
@@ -93,34 +87,45 @@ def _store_rows(X, bt, h, r0, sxb, sxh, sxs, rows, offs_d, n_out, D, x):
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
+def _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, d_ok, offs_kb, kb_ok,
                 Qh, QSh, QCh, QCSh, DOh, DOSh, DOCh, DOCSh, LSEh, DELTAh,
                 sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls,
-                SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
-                MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, PRE: tl.constexpr):
+                len_q, len_kv, qk_scale, sm_scale, offset, LB, RB,
+                MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr):
+    """The query block of rows [m0, m0 + BM) of the dK/dV accumulation; each operand at its head's base pointer
+    (..h). MASK: the block needs the band/length mask. Unlike the dQ kernel's, the loads stay row-masked in
+    every block and the loops run over m0 itself (not a block index): both alternatives made the compiler keep
+    address tiles across the loop, which spills at this kernel's register pressure (the dK and dV accumulators
+    take half of the registers; offline sm_90 compile, see profile.md)."""
     rows = m0 + offs_mb
-    rmask = rows < SQ
-    q_dq = _load_row_tile(Qh, QSh, rows, offs_d, offs_kb, sqs, sqss, SQ, D, BM, DP, PRE)
+    rmask = rows < len_q
+    blks = m0 // 32 + tl.arange(0, BM // 32)
+    bmask = blks * 32 < len_q
+    q_dq = _row_tile(Qh + rows[:, None] * sqs + offs_d[None, :], QSh + rows[:, None] * sqss + offs_kb[None, :],
+                     rmask, d_ok, kb_ok, True, EVEN_D, BM, DP, PRE)
     lse = tl.load(LSEh + rows * sls, mask=rmask, other=float("inf")) * LOG2E
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     p_t = tl.math.exp2(tl.dot(k_dq, tl.trans(q_dq)) * qk_scale - lse[None, :])  # [BN, BM]
     if MASK:
-        keep = (cols < SKV)[:, None] & rmask[None, :]
+        keep = (cols < len_kv)[:, None] & rmask[None, :]
         if HAS_RB:
             keep = keep & (cols[:, None] <= rows[None, :] + offset + RB)
         if HAS_LB:
             keep = keep & (cols[:, None] > rows[None, :] + offset - LB)
         p_t = tl.where(keep, p_t, 0.0)
-    do_c = _load_col_tile(DOCh, DOCSh, m0, offs_mb, offs_d, sdocs, sdocss, SQ, D, BM, DP, PRE)
+    do_c = _col_tile(DOCh + rows[:, None] * sdocs + offs_d[None, :],
+                     DOCSh + blks[:, None] * sdocss + offs_d[None, :], rmask, bmask, d_ok, True, EVEN_D, BM, DP, PRE)
     pq_t = (p_t * P_SCALE).to(tl.float8e4nv).to(tl.bfloat16)
     dv += tl.dot(pq_t, do_c)
-    do_r = _load_row_tile(DOh, DOSh, rows, offs_d, offs_kb, sdos, sdoss, SQ, D, BM, DP, PRE)
+    do_r = _row_tile(DOh + rows[:, None] * sdos + offs_d[None, :],
+                     DOSh + rows[:, None] * sdoss + offs_kb[None, :], rmask, d_ok, kb_ok, True, EVEN_D, BM, DP, PRE)
     dp_t = tl.dot(v_dq, tl.trans(do_r))
     delta = tl.load(DELTAh + rows, mask=rmask, other=0.0)
     ds_t = p_t * (dp_t - delta[None, :]) * sm_scale
     ds_c = qdq_rows(ds_t, BN, BM)  # blocks of 32 along s_q
-    q_c = _load_col_tile(QCh, QCSh, m0, offs_mb, offs_d, sqcs, sqcss, SQ, D, BM, DP, PRE)
+    q_c = _col_tile(QCh + rows[:, None] * sqcs + offs_d[None, :],
+                    QCSh + blks[:, None] * sqcss + offs_d[None, :], rmask, bmask, d_ok, True, EVEN_D, BM, DP, PRE)
     dk += tl.dot(ds_c, q_c)
     return dk, dv
 
@@ -130,12 +135,12 @@ def q_block_range(n0, SQ, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.
                   BN: tl.constexpr):
     """Query blocks that see KV rows [n0, n0 + BN) under the band mask (the transpose of kv_block_range) ->
     (lo, mask_hi, full_lo, full_hi, hi): blocks [lo, mask_hi) and [max(full_hi, mask_hi), hi) need the mask,
-    [full_lo, full_hi) see all of the KV block."""
+    [full_lo, full_hi) lie inside the SQ rows and see all of the KV block."""
     zero = n0 * 0  # keeps every bound a run-time i32 (both branches of the `if`s below agree in type)
     lo = zero
     hi = zero + SQ
     full_lo = zero
-    full_hi = zero + ((SQ + BM - 1) // BM) * BM
+    full_hi = zero + (SQ // BM) * BM
     if HAS_RB:
         lo = (tl.maximum(n0 - offset - RB, 0) // BM) * BM
         full_lo = ((tl.maximum(n0 + BN - 1 - offset - RB, 0) + BM - 1) // BM) * BM
@@ -165,10 +170,11 @@ def _dkdv_kernel(
         sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
         HKV, GROUP, SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, PRE: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr,
         VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
-    """Grid (KV tiles, sequences * HKV). All FP8 tensors have a unit stride along D. SQ, SKV: the tensors'
-    row counts; len_q, len_kv: the sequence's."""
+    """Grid (KV tiles, sequences * HKV). All FP8 tensors have a unit stride along D. SQ, SKV: the tensors' row
+    counts; len_q, len_kv: the sequence's. K and V are FP8 (row-wise); the query-side operands are FP8 or
+    (PRE) their bf16 dequantizations."""
     hk, _, bt, q0, kv0, len_q, len_kv, qb0, _, offset, n_out = program_prologue(
         CU_Q, CU_KV, HKV, 1, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, False)
     n0 = tl.program_id(0) * BN
@@ -176,6 +182,8 @@ def _dkdv_kernel(
     offs_mb = tl.arange(0, BM)
     offs_d = tl.arange(0, DP)
     offs_kb = tl.arange(0, DP // 32)
+    d_ok = offs_d < D
+    kb_ok = offs_kb * 32 < D
     if VARLEN:
         if n0 >= len_kv:  # no key row of this sequence in the tile
             if not PACKED:  # padding rows of a padded batch: zero gradients
@@ -183,74 +191,71 @@ def _dkdv_kernel(
                 _store_rows(DK, bt, hk, kv0, sdkb, sdkh, sdks, cols, offs_d, n_out, D, zero)
                 _store_rows(DV, bt, hk, kv0, sdvb, sdvh, sdvs, cols, offs_d, n_out, D, zero)
             return
-    k_dq = _load_row_tile(K + bt * skb + hk * skh + kv0 * sks, KS + bt * sksb + hk * sksh + kv0 * skss, cols,
-                          offs_d, offs_kb, sks, skss, len_kv, D, BN, DP)
-    v_dq = _load_row_tile(V + bt * svb + hk * svh + kv0 * svs, VS + bt * svsb + hk * svsh + kv0 * svss, cols,
-                          offs_d, offs_kb, svs, svss, len_kv, D, BN, DP)
+    c_ok = cols < len_kv
+    k_dq = _row_tile(K + bt * skb + hk * skh + kv0 * sks + cols[:, None] * sks + offs_d[None, :],
+                     KS + bt * sksb + hk * sksh + kv0 * skss + cols[:, None] * skss + offs_kb[None, :],
+                     c_ok, d_ok, kb_ok, True, EVEN_D, BN, DP, False)
+    v_dq = _row_tile(V + bt * svb + hk * svh + kv0 * svs + cols[:, None] * svs + offs_d[None, :],
+                     VS + bt * svsb + hk * svsh + kv0 * svss + cols[:, None] * svss + offs_kb[None, :],
+                     c_ok, d_ok, kb_ok, True, EVEN_D, BN, DP, False)
 
     # query rows that see this KV block, and the query blocks that see all of it
     lo, mask_hi, full_lo, full_hi, hi = q_block_range(n0, len_q, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
 
+    tile = (cols, offs_mb, offs_d, d_ok, offs_kb, kb_ok)
+    strides = (sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls, len_q, len_kv, qk_scale, sm_scale,
+               offset, LB, RB)
     dk = tl.zeros([BN, DP], tl.float32)
     dv = tl.zeros([BN, DP], tl.float32)
     for g in range(0, GROUP):
         hq = hk * GROUP + g
-        Qh = Q + bt * sqb + hq * sqh + q0 * sqs
-        QSh = QS + bt * sqsb + hq * sqsh + q0 * sqss
-        QCh = QC + bt * sqcb + hq * sqch + q0 * sqcs
-        QCSh = QCS + bt * sqcsb + hq * sqcsh + qb0 * sqcss
-        DOh = DO + bt * sdob + hq * sdoh + q0 * sdos
-        DOSh = DOS + bt * sdosb + hq * sdosh + q0 * sdoss
-        DOCh = DOC + bt * sdocb + hq * sdoch + q0 * sdocs
-        DOCSh = DOCS + bt * sdocsb + hq * sdocsh + qb0 * sdocss
-        LSEh = LSE + bt * slb + hq * slh + q0 * sls
-        DELTAh = DELTA + bt * sdelb + hq * SQ + q0
+        heads = (Q + bt * sqb + hq * sqh + q0 * sqs, QS + bt * sqsb + hq * sqsh + q0 * sqss,
+                 QC + bt * sqcb + hq * sqch + q0 * sqcs, QCS + bt * sqcsb + hq * sqcsh + qb0 * sqcss,
+                 DO + bt * sdob + hq * sdoh + q0 * sdos, DOS + bt * sdosb + hq * sdosh + q0 * sdoss,
+                 DOC + bt * sdocb + hq * sdoch + q0 * sdocs, DOCS + bt * sdocsb + hq * sdocsh + qb0 * sdocss,
+                 LSE + bt * slb + hq * slh + q0 * sls, DELTA + bt * sdelb + hq * SQ + q0)
         for m0 in range(lo, mask_hi, BM):
-            dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
-                                 Qh, QSh, QCh, QCSh, DOh, DOSh, DOCh, DOCSh, LSEh, DELTAh,
-                                 sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls,
-                                 len_q, len_kv, D, qk_scale, sm_scale, offset, LB, RB,
-                                 True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
+            dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, *tile, *heads, *strides,
+                                 True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE)
         for m0 in range(full_lo, full_hi, BM):
-            dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
-                                 Qh, QSh, QCh, QCSh, DOh, DOSh, DOCh, DOCSh, LSEh, DELTAh,
-                                 sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls,
-                                 len_q, len_kv, D, qk_scale, sm_scale, offset, LB, RB,
-                                 False, HAS_LB, HAS_RB, BM, BN, DP, PRE)
+            dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, *tile, *heads, *strides,
+                                 False, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE)
         for m0 in range(tl.maximum(full_hi, mask_hi), hi, BM):
-            dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, offs_kb,
-                                 Qh, QSh, QCh, QCSh, DOh, DOSh, DOCh, DOCSh, LSEh, DELTAh,
-                                 sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls,
-                                 len_q, len_kv, D, qk_scale, sm_scale, offset, LB, RB,
-                                 True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
+            dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, *tile, *heads, *strides,
+                                 True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE)
     if VARLEN:  # rows past the sequence (padding) get exact zeros even where a NaN of its own rows reached them
-        dk = tl.where((cols < len_kv)[:, None], dk, 0.0)
-        dv = tl.where((cols < len_kv)[:, None], dv, 0.0)
+        dk = tl.where(c_ok[:, None], dk, 0.0)
+        dv = tl.where(c_ok[:, None], dv, 0.0)
     _store_rows(DK, bt, hk, kv0, sdkb, sdkh, sdks, cols, offs_d, n_out, D, dk)
     _store_rows(DV, bt, hk, kv0, sdvb, sdvh, sdvs, cols, offs_d, n_out, D, dv * P_DESCALE)
 
 
 @triton.jit
-def _dq_block(dq, q_dq, do_r, lse, delta, n0, offs_m, offs_n, offs_d, offs_kb,
-              Kh, KSh, KCh, KCSh, Vh, VSh, sks, skss, skcs, skcss, svs, svss,
-              SKV, D, qk_scale, sm_scale, offset, LB, RB,
-              MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, PRE: tl.constexpr):
+def _dq_block(dq, q_dq, do_r, lse, delta, j, offs_m, offs_n, d_ok, kb_ok,
+              k_ptrs, ks_ptrs, kc_ptrs, kcs_ptrs, v_ptrs, vs_ptrs, sks, skss, skcs, skcss, svs, svss,
+              len_kv, qk_scale, sm_scale, offset, LB, RB,
+              MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr):
+    """One KV block j (rows [n0, n0 + BN), n0 = j * BN) of the dQ accumulation; MASK as in `_dkdv_block`."""
+    n0 = j * BN
     cols = n0 + offs_n
-    k_dq = _load_row_tile(Kh, KSh, cols, offs_d, offs_kb, sks, skss, SKV, D, BN, DP, PRE)
+    c_ok = cols < len_kv
+    k_dq = _row_tile(k_ptrs + n0 * sks, ks_ptrs + n0 * skss, c_ok, d_ok, kb_ok, MASK, EVEN_D, BN, DP, PRE)
     p = tl.math.exp2(tl.dot(q_dq, tl.trans(k_dq)) * qk_scale - lse[:, None])
     if MASK:
-        keep = (cols < SKV)[None, :]
+        keep = c_ok[None, :]
         if HAS_RB:
             keep = keep & (cols[None, :] <= offs_m[:, None] + offset + RB)
         if HAS_LB:
             keep = keep & (cols[None, :] > offs_m[:, None] + offset - LB)
         p = tl.where(keep, p, 0.0)
-    v_dq = _load_row_tile(Vh, VSh, cols, offs_d, offs_kb, svs, svss, SKV, D, BN, DP, PRE)
+    v_dq = _row_tile(v_ptrs + n0 * svs, vs_ptrs + n0 * svss, c_ok, d_ok, kb_ok, MASK, EVEN_D, BN, DP, PRE)
     dp = tl.dot(do_r, tl.trans(v_dq))
     ds = p * (dp - delta[:, None]) * sm_scale
     ds_r = qdq_rows(ds, BM, BN)  # blocks of 32 along s_kv
-    k_c = _load_col_tile(KCh, KCSh, n0, offs_n, offs_d, skcs, skcss, SKV, D, BN, DP, PRE)
+    bmask = (n0 // 32 + tl.arange(0, BN // 32)) * 32 < len_kv
+    k_c = _col_tile(kc_ptrs + n0 * skcs, kcs_ptrs + (n0 // 32) * skcss, c_ok, bmask, d_ok, MASK, EVEN_D, BN, DP,
+                    PRE)
     dq += tl.dot(ds_r, k_c)
     return dq
 
@@ -266,7 +271,7 @@ def _dq_kernel(
         slb, slh, sls, sdelb, sdqb, sdqh, sdqs,
         HQ, GROUP, SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, PRE: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr,
         VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
     """Grid (query tiles, sequences * HQ)."""
     hq, hk, bt, q0, kv0, len_q, len_kv, _, kvb0, offset, n_out = program_prologue(
@@ -276,6 +281,8 @@ def _dq_kernel(
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
     offs_kb = tl.arange(0, DP // 32)
+    d_ok = offs_d < D
+    kb_ok = offs_kb * 32 < D
     if VARLEN:
         if m0 >= len_q:  # no query row of this sequence in the tile
             if not PACKED:  # padding rows of a padded batch: zero gradients
@@ -283,46 +290,55 @@ def _dq_kernel(
                             tl.zeros([BM, DP], tl.float32))
             return
     rmask = offs_m < len_q
-    q_dq = _load_row_tile(Q + bt * sqb + hq * sqh + q0 * sqs, QS + bt * sqsb + hq * sqsh + q0 * sqss, offs_m,
-                          offs_d, offs_kb, sqs, sqss, len_q, D, BM, DP, PRE)
-    do_r = _load_row_tile(DO + bt * sdob + hq * sdoh + q0 * sdos, DOS + bt * sdosb + hq * sdosh + q0 * sdoss,
-                          offs_m, offs_d, offs_kb, sdos, sdoss, len_q, D, BM, DP, PRE)
-    LSEb = LSE + bt * slb + hq * slh + q0 * sls
-    lse = tl.load(LSEb + offs_m * sls, mask=rmask, other=float("inf")) * LOG2E
+    q_dq = _row_tile(Q + bt * sqb + hq * sqh + q0 * sqs + offs_m[:, None] * sqs + offs_d[None, :],
+                     QS + bt * sqsb + hq * sqsh + q0 * sqss + offs_m[:, None] * sqss + offs_kb[None, :],
+                     rmask, d_ok, kb_ok, True, EVEN_D, BM, DP, PRE)
+    do_r = _row_tile(DO + bt * sdob + hq * sdoh + q0 * sdos + offs_m[:, None] * sdos + offs_d[None, :],
+                     DOS + bt * sdosb + hq * sdosh + q0 * sdoss + offs_m[:, None] * sdoss + offs_kb[None, :],
+                     rmask, d_ok, kb_ok, True, EVEN_D, BM, DP, PRE)
+    lse = tl.load(LSE + bt * slb + hq * slh + q0 * sls + offs_m * sls, mask=rmask, other=float("inf")) * LOG2E
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     delta = tl.load(DELTA + bt * sdelb + hq * SQ + q0 + offs_m, mask=rmask, other=0.0)
-    Kh = K + bt * skb + hk * skh + kv0 * sks
-    KSh = KS + bt * sksb + hk * sksh + kv0 * skss
-    KCh = KC + bt * skcb + hk * skch + kv0 * skcs
-    KCSh = KCS + bt * skcsb + hk * skcsh + kvb0 * skcss
-    Vh = V + bt * svb + hk * svh + kv0 * svs
-    VSh = VS + bt * svsb + hk * svsh + kv0 * svss
+    k_ptrs = K + bt * skb + hk * skh + kv0 * sks + offs_n[:, None] * sks + offs_d[None, :]
+    ks_ptrs = KS + bt * sksb + hk * sksh + kv0 * skss + offs_n[:, None] * skss + offs_kb[None, :]
+    kc_ptrs = KC + bt * skcb + hk * skch + kv0 * skcs + offs_n[:, None] * skcs + offs_d[None, :]
+    kcs_ptrs = (KCS + bt * skcsb + hk * skcsh + kvb0 * skcss + tl.arange(0, BN // 32)[:, None] * skcss
+                + offs_d[None, :])
+    v_ptrs = V + bt * svb + hk * svh + kv0 * svs + offs_n[:, None] * svs + offs_d[None, :]
+    vs_ptrs = VS + bt * svsb + hk * svsh + kv0 * svss + offs_n[:, None] * svss + offs_kb[None, :]
 
     lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
 
     dq = tl.zeros([BM, DP], tl.float32)
-    for n0 in range(lo, mask_hi, BN):
-        dq = _dq_block(dq, q_dq, do_r, lse, delta, n0, offs_m, offs_n, offs_d, offs_kb,
-                       Kh, KSh, KCh, KCSh, Vh, VSh, sks, skss, skcs, skcss, svs, svss,
-                       len_kv, D, qk_scale, sm_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
-    for n0 in range(full_lo, full_hi, BN):
-        dq = _dq_block(dq, q_dq, do_r, lse, delta, n0, offs_m, offs_n, offs_d, offs_kb,
-                       Kh, KSh, KCh, KCSh, Vh, VSh, sks, skss, skcs, skcss, svs, svss,
-                       len_kv, D, qk_scale, sm_scale, offset, LB, RB, False, HAS_LB, HAS_RB, BM, BN, DP, PRE)
-    for n0 in range(tl.maximum(full_hi, mask_hi), hi, BN):
-        dq = _dq_block(dq, q_dq, do_r, lse, delta, n0, offs_m, offs_n, offs_d, offs_kb,
-                       Kh, KSh, KCh, KCSh, Vh, VSh, sks, skss, skcs, skcss, svs, svss,
-                       len_kv, D, qk_scale, sm_scale, offset, LB, RB, True, HAS_LB, HAS_RB, BM, BN, DP, PRE)
+    args = (k_ptrs, ks_ptrs, kc_ptrs, kcs_ptrs, v_ptrs, vs_ptrs, sks, skss, skcs, skcss, svs, svss,
+            len_kv, qk_scale, sm_scale, offset, LB, RB)
+    for j in range(lo // BN, tl.cdiv(mask_hi, BN)):
+        dq = _dq_block(dq, q_dq, do_r, lse, delta, j, offs_m, offs_n, d_ok, kb_ok, *args,
+                       True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE)
+    for j in range(full_lo // BN, full_hi // BN):
+        dq = _dq_block(dq, q_dq, do_r, lse, delta, j, offs_m, offs_n, d_ok, kb_ok, *args,
+                       False, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE)
+    for j in range(tl.cdiv(tl.maximum(full_hi, mask_hi), BN), tl.cdiv(hi, BN)):
+        dq = _dq_block(dq, q_dq, do_r, lse, delta, j, offs_m, offs_n, d_ok, kb_ok, *args,
+                       True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE)
     if VARLEN:  # as in the dK/dV kernel
         dq = tl.where(rmask[:, None], dq, 0.0)
     _store_rows(DQ, bt, hq, q0, sdqb, sdqh, sdqs, offs_m, offs_d, n_out, D, dq)
 
 
-def _bwd_config(dp: int):
-    """((dkdv BM, BN, warps, stages), (dq BM, BN, warps, stages)) for padded head dim dp."""
-    if dp <= 128:
-        return (64, 128, 8, 2), (128, 64, 8, 2)
-    return (32, 64, 8, 1), (64, 32, 8, 1)
+#: ((dK/dV BM, BN, warps, stages), (dQ BM, BN, warps, stages)) by padded head dim, for the bf16-scratch ("pre")
+#: data path: the fastest of `python -m mxattn bench --sweep bwd_pre` on the H100 (sweep_bwd.md in
+#: benchmarks/results/nvidia-h100-80gb-hbm3/)
+BWD_CONFIGS = {32: ((32, 128, 8, 2), (128, 32, 8, 3)), 64: ((64, 128, 8, 3), (128, 32, 8, 3)),
+               128: ((32, 128, 8, 3), (128, 64, 8, 3)), 256: ((32, 64, 8, 1), (64, 32, 8, 1))}
+#: the same for the FP8-streaming ("fp8") data path (dequantization on chip: more registers, fewer stages)
+BWD_FP8_CONFIGS = {32: ((64, 128, 8, 2), (128, 64, 8, 2)), 64: ((64, 128, 8, 2), (128, 64, 8, 2)),
+                   128: ((64, 128, 8, 1), (128, 64, 8, 3)), 256: ((32, 64, 8, 1), (64, 32, 8, 1))}
+
+
+def _bwd_config(dp: int, mode: str):
+    """((dkdv BM, BN, warps, stages), (dq BM, BN, warps, stages)) for padded head dim dp and data path mode."""
+    return (BWD_CONFIGS if mode == "pre" else BWD_FP8_CONFIGS)[dp]
 
 
 def _st3(t):
@@ -425,7 +441,7 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
         for name, t in (("q_col", q_col), ("k_col", k_col), ("do_col", do_col)):
             if t is not None and getattr(t, "segments", None) is None:
                 raise ValueError(f"{name} of a packed batch must be segmented (MXFP8Tensor segments=cu_seqlens)")
-    (bm1, bn1, w1, st1), (bm2, bn2, w2, st2) = config if config is not None else _bwd_config(dp)
+    (bm1, bn1, w1, st1), (bm2, bn2, w2, st2) = config if config is not None else _bwd_config(dp, mode)
     if min(bm1, bn1, bm2, bn2) < 32 or any(x % 32 for x in (bm1, bn1, bm2, bn2)):
         raise ValueError(f"backward block sizes must be multiples of 32, got {config}")
     delta = torch.empty((B, HQ, SQ), dtype=torch.float32, device=o.device)
@@ -433,7 +449,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
            *do.stride(), HQ, SQ, D, BM=DELTA_BM, DP=dp, VARLEN=sa.varlen, PACKED=sa.packed, num_warps=4)
     lb = 0 if left_bound is None else int(left_bound)
     rb = 0 if right_bound is None else int(right_bound)
-    common = dict(HAS_LB=left_bound is not None, HAS_RB=right_bound is not None, DP=dp, **sa.constexprs(bottom_right))
+    common = dict(HAS_LB=left_bound is not None, HAS_RB=right_bound is not None, DP=dp, EVEN_D=dp == D,
+                  **sa.constexprs(bottom_right))
     args = (group, SQ, SKV, D, float(softmax_scale) * LOG2E.value, float(softmax_scale), int(offset), lb, rb)
     cfg1, cfg2 = (bm1, bn1, w1, st1), (bm2, bn2, w2, st2)
     if mode == "fp8":

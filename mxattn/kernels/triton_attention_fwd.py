@@ -90,7 +90,7 @@ def kv_block_range(m0, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.con
 
 
 @triton.jit
-def _load_tile(ptrs, row_ok, col_ok, other, MASK: tl.constexpr, EVEN_D: tl.constexpr):
+def load_tile(ptrs, row_ok, col_ok, other, MASK: tl.constexpr, EVEN_D: tl.constexpr):
     """A [R, C] tile of ptrs: under MASK the rows where row_ok [R] is false read as `other`, and columns where
     col_ok [C] is false do unless EVEN_D (no column mask there: an always-true mask along the contiguous axis
     would cost the 16-byte loads)."""
@@ -116,9 +116,9 @@ def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, j, rows
     n0 = j * BN  # from the block index, so the compiler knows n0's alignment (16-byte loads along V's rows)
     cols = n0 + offs_n
     d_ok = offs_d < D
-    kt = _load_tile(k_ptrs + n0 * stride_kn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D)
+    kt = load_tile(k_ptrs + n0 * stride_kn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D)
     if not KV_BF16:
-        ks = _load_tile(ks_ptrs + n0 * stride_ksn, cols < len_kv, offs_kb * 32 < D, 127, MASK, EVEN_D)
+        ks = load_tile(ks_ptrs + n0 * stride_ksn, cols < len_kv, offs_kb * 32 < D, 127, MASK, EVEN_D)
         kt = dequant_rows(kt, ks, BN, DP)
     qk = tl.dot(q, tl.trans(kt))
     if MASK:
@@ -135,12 +135,12 @@ def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, j, rows
     p = tl.math.exp2(qk * qk_scale - (m_use - LOG2_P_SCALE)[:, None])  # P * 256
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if KV_BF16:
-        vt = _load_tile(v_ptrs + n0 * stride_vn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D)
+        vt = load_tile(v_ptrs + n0 * stride_vn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D)
     else:
         # V's rows are zero up to the end of the sequence's last block: a whole-block mask keeps 16-byte loads
-        vt = _load_tile(v_ptrs + n0 * stride_vn, cols < tl.cdiv(len_kv, 32) * 32, d_ok, 0.0, MASK, EVEN_D)
+        vt = load_tile(v_ptrs + n0 * stride_vn, cols < tl.cdiv(len_kv, 32) * 32, d_ok, 0.0, MASK, EVEN_D)
         vs_blk = n0 // 32 + tl.arange(0, BN // 32)
-        vs = _load_tile(vs_ptrs + (n0 // 32) * stride_vsn, vs_blk * 32 < len_kv, d_ok, 127, MASK, EVEN_D)
+        vs = load_tile(vs_ptrs + (n0 // 32) * stride_vsn, vs_blk * 32 < len_kv, d_ok, 127, MASK, EVEN_D)
         vt = dequant_cols(vt, vs, BN, DP)
     acc = acc * alpha[:, None] + tl.dot(round_p_to_bf16(p), vt)
     return acc, m_new, l_i
@@ -390,5 +390,5 @@ def check_seq(seq, q: torch.Tensor, k: torch.Tensor, stand_in: torch.Tensor, bot
     return SeqArgs(seq.cu_seqlens_q, seq.cu_seqlens_kv, seq.max_seqlen_q, seq.max_seqlen_kv, True, packed)
 
 
-__all__ = ["attention_fwd", "fwd_streams_bf16", "check_seq", "SeqArgs", "kv_block_range", "program_prologue",
-           "seq_prologue", "BLOCK_N", "LOG2E"]
+__all__ = ["attention_fwd", "fwd_streams_bf16", "check_seq", "SeqArgs", "kv_block_range", "load_tile",
+           "program_prologue", "seq_prologue", "BLOCK_N", "LOG2E"]
