@@ -131,8 +131,7 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
                       seqlen_q=seq.max_seqlen_q if packed else qb.shape[2],
                       seqlen_kv=seq.max_seqlen_kv if packed else kb.shape[2], head_dim=head_dim, mask=band,
                       varlen=None if seq is None else ("packed" if packed else "padded"),
-                      needs_backward=torch.is_grad_enabled() and any(
-                          t is not None and t.requires_grad for t in (q, k, v, softmax_offset)),
+                      needs_backward=ops.needs_backward(q, k, v, softmax_offset),
                       out_dtype=kernel_dtype, softmax_type=softmax_type)
     name = choose_backend(backend, problem)
     out_format = "bshd" if packed else qkv_format

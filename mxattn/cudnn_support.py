@@ -68,14 +68,14 @@ def cudnn_support(device=None) -> Tuple[bool, str]:
     every missing requirement and how to get it. Never raises.
     """
     try:
-        problems = []
+        problems = []  # the hardware's first: no pip install helps without a Blackwell GPU
+        where = _device_facts(device, problems)
         version, backend = backend_facts()
         if version is None:
             problems.append(backend)
         elif version < MIN_BACKEND_VERSION:
             problems.append(f"{backend} is older than {MIN_BACKEND_TEXT}, the first cuDNN with MXFP8 attention; "
                             f"{_PIP_HINT}")
-        where = _device_facts(device, problems)
         if problems:
             found = "" if version is None or version < MIN_BACKEND_VERSION else f" (found {backend})"
             return False, "; ".join(problems) + found

@@ -161,7 +161,6 @@ def _backward(ctx, grad_o, *unused_grads):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-
 class _EagerAttention(torch.autograd.Function):
     """The forward op's eager twin: the same body, context and backward without torch.library's dispatch
     (which costs hundreds of microseconds of host time per call); torch.compile traces the custom op."""
@@ -179,6 +178,12 @@ class _EagerAttention(torch.autograd.Function):
         return _backward(ctx, grad_o, *unused_grads)
 
 
+def needs_backward(*tensors: Optional[Tensor]) -> bool:
+    """True when autograd will want gradients of a call on these tensors (grad mode on and one of them, None
+    allowed, requires grad): the one rule the backend choice and the eager path both use."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_right: bool, left_bound: Optional[int],
               right_bound: Optional[int], out_dtype: torch.dtype, qkv_format: str, backend: str,
               cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor], max_seqlen_q: int,
@@ -190,6 +195,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_righ
             cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink)
     if torch.compiler.is_compiling():
         return attention_fwd(*args)[0]
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink)):
+    if needs_backward(q, k, v, sink):
         return _EagerAttention.apply(*args)[0]
     return _fwd_impl(*args, needs_backward=False)

@@ -229,3 +229,13 @@ def test_eager_paths_agree_with_the_custom_op(monkeypatch):
     o2 = ops.attention_fwd(qo, ko, vo, *args[3:])[0]
     for a, b in zip(grads, torch.autograd.grad(o2, (qo, ko, vo), do)):
         assert torch.equal(a, b)
+
+
+def test_cudnn_refusal_names_the_hardware_before_the_library(monkeypatch):
+    """Without a Blackwell GPU no cuDNN upgrade helps: the reason leads with the hardware, then the library."""
+    import importlib
+    support = importlib.import_module("mxattn.cudnn_support")
+    monkeypatch.setattr(support, "backend_facts", lambda: (91900, "cuDNN 9.19.0 loaded from /x/libcudnn.so.9"))
+    ok, reason = support.cudnn_support("cpu")
+    assert not ok and reason.startswith("cpu is not a CUDA device")
+    assert reason.index("Blackwell") < reason.index("older than 9.21.0") < reason.index("pip install")

@@ -165,10 +165,10 @@ def test_supports_variable_lengths(monkeypatch):
 def test_forward_data_path_is_chosen_by_the_problem():
     """bf16 K/V scratch for head dims up to 128 while K + V in bf16 fit the budget; FP8 dequantized on chip for
     larger head dims or scratch (the same numbers either way: test_varlen_triton_gpu.py::test_forward_paths_agree)."""
-    from mxattn.kernels.triton_attention_fwd import FWD_SCRATCH_BUDGET_BYTES, fwd_streams_bf16
+    from mxattn.kernels.triton_attention_fwd import SCRATCH_BUDGET_BYTES, fwd_streams_bf16
     assert fwd_streams_bf16(2, 16, 4096, 128) and fwd_streams_bf16(1, 8, 8192, 96) and fwd_streams_bf16(4, 16, 2048, 64)
     assert not fwd_streams_bf16(1, 2, 256, 192) and not fwd_streams_bf16(1, 2, 256, 256)
-    rows = FWD_SCRATCH_BUDGET_BYTES // (4 * 128 * 8)  # K + V bf16 of 8 heads at D = 128: 4 bytes per row element
+    rows = SCRATCH_BUDGET_BYTES // (4 * 128 * 8)  # K + V bf16 of 8 heads at D = 128: 4 bytes per row element
     assert fwd_streams_bf16(1, 8, rows, 128) and not fwd_streams_bf16(1, 8, rows + 1, 128)
 
 

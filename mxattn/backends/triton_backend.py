@@ -140,6 +140,8 @@ class TritonBackend(AttentionBackend):
         kv_bf16 = tf.fwd_streams_bf16(B, hkv, skv, d)  # the problem's data path: bf16 scratch or FP8 on chip
         qq = tq.quantize_rowcol(_inner_unit(q), col=bwd, **_quant_args(params, "q"))
         kq = tq.quantize_rowcol(_inner_unit(k), col=bwd, row_dequant=kv_bf16, **_quant_args(params, "kv"))
+        # row=kv_bf16 without a backward too: the quantizer refuses col_dequant without row (a Triton 3.6 sm_90
+        # miscompile of that one combination), so V's row-wise copy is written and dropped there
         vq = tq.quantize_rowcol(_inner_unit(v), row=bwd or kv_bf16, col_seq_major=not kv_bf16, col_dequant=kv_bf16,
                                 **_quant_args(params, "kv"))
         o = _like(q, params.out_dtype)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
-from .triton_attention_fwd import check_seq, kv_block_range, load_tile, program_prologue
+from .triton_attention_fwd import SCRATCH_BUDGET_BYTES, check_seq, kv_block_range, load_tile, program_prologue
 from .triton_quantize import LOG2E, P_DESCALE, P_SCALE, dequant_cols, dequant_rows, qdq_rows, seq_span
 
 
@@ -384,16 +384,18 @@ def _heads(t, h0: int, h1: int):
                            segments=getattr(t, "segments", None))
 
 
-#: upper bound on the bf16 scratch (dequantized operands) one head chunk of the "pre" backward may hold
-PRE_BUDGET_BYTES = 128 << 20
+#: the bf16 scratch one head chunk of the "pre" backward aims at (chunks of more heads keep more programs in
+#: flight); one KV head's alone may reach SCRATCH_BUDGET_BYTES
+PRE_BUDGET_BYTES = SCRATCH_BUDGET_BYTES // 4
+
 
 def bwd_streams_bf16(B: int, HQ: int, HKV: int, SQ: int, SKV: int, D: int) -> bool:
     """The problem's choice of backward data path: True ("pre": per chunk of KV heads the streamed operands
-    are dequantized to bf16 scratch first, faster) unless one KV head's scratch alone exceeds 4 *
-    PRE_BUDGET_BYTES, where the kernels stream FP8 and dequantize on chip (no scratch; same numbers)."""
+    are dequantized to bf16 scratch first, faster) unless one KV head's scratch alone exceeds
+    SCRATCH_BUDGET_BYTES, where the kernels stream FP8 and dequantize on chip (no scratch; same numbers)."""
     group = max(1, HQ // max(1, HKV))
     per_head = max(B * group * SQ * D * 10, B * (group * SQ * 4 + SKV * 6) * D)
-    return per_head <= 4 * PRE_BUDGET_BYTES
+    return per_head <= SCRATCH_BUDGET_BYTES
 
 
 #: rows of the delta pre-pass's tiles
@@ -465,8 +467,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     # heads for about two waves of programs
     want = triton.cdiv(2 * sms, max(1, sa.kv_tiles(SKV, bn1) * sa.programs(B, 1)))
     hc = max(1, min(HKV, max(want, PRE_BUDGET_BYTES // max(1, per_head))))
-    if hc * per_head > 4 * PRE_BUDGET_BYTES:
-        hc = max(1, (4 * PRE_BUDGET_BYTES) // per_head)
+    if hc * per_head > SCRATCH_BUDGET_BYTES:
+        hc = max(1, SCRATCH_BUDGET_BYTES // per_head)
     quant_seq = dict(cu_seqlens=seq.cu_seqlens_q, max_seqlen=seq.max_seqlen_q, packed=sa.packed) if sa.varlen \
         else {}
     for h0 in range(0, HKV, hc):  # a loop over head chunks, not elements

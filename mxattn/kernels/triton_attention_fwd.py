@@ -155,12 +155,14 @@ def _attn_fwd_kernel(
         sob, soh, sos, slb, slh, sls,
         HQ, GROUP, SQ, SKV, D, qk_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
-        EVEN_D: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_SINK: tl.constexpr,
+        EVEN_D: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+        HAS_SINK: tl.constexpr,
         KV_BF16: tl.constexpr):
     """Grid (query tiles, sequences * HQ). Q row-wise FP8 with scales [B,H,S,DP/32-ish]. K, V: FP8 (K
     row-wise like Q; V column-wise, data seq-major [B,H,D,L] (`SeqMajorColumns`, strides svb, svh, svs = 1,
     svd), scales [B,H,L/32,D], segmented for a packed batch), or (KV_BF16) the exact bf16 dequantizations
-    [B,H,S,D] of K row-wise and V column-wise (KS, VS unread). Every other tensor has a unit stride along D. SQ, SKV: the tensors' row counts;
+    [B,H,S,D] of K row-wise and V column-wise (KS, VS unread). Every other tensor has a unit stride along D.
+    SQ, SKV: the tensors' row counts;
     len_q, len_kv: the sequence's. HAS_SINK: SINK holds fp32 [HQ] sink logits; the online softmax starts from
     them (max = sink, sum = 1)."""
     hq, hk, bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset, n_out = program_prologue(
@@ -240,8 +242,9 @@ FWD_CONFIGS = {32: (128, 8, 3), 64: (64, 4, 2), 128: (128, 8, 3), 256: (64, 8, 2
 #: (BLOCK_M, num_warps, num_stages) of the forward kernel on bf16 K/V (smem operands Triton pipelines; head
 #: dims up to 128: three stages of 128-row bf16 K and V tiles fill the shared memory)
 BF16_FWD_CONFIGS = {32: (128, 8, 3), 64: (128, 8, 3), 128: (128, 8, 3)}
-#: bytes of bf16 K + V scratch up to which the forward reads them in bf16 (the backward's bf16-scratch bound)
-FWD_SCRATCH_BUDGET_BYTES = 512 << 20
+#: bytes of bf16 scratch (exact dequantizations) one data path may hold at once: the forward's K + V copies, the
+#: backward's largest head chunk (`triton_attention_bwd.bwd_streams_bf16`); beyond it the kernels read FP8
+SCRATCH_BUDGET_BYTES = 512 << 20
 
 
 def fwd_streams_bf16(batch: int, heads_kv: int, rows_kv: int, head_dim: int) -> bool:
@@ -249,9 +252,9 @@ def fwd_streams_bf16(batch: int, heads_kv: int, rows_kv: int, head_dim: int) -> 
     the quantizer (exact, one extra write of 4 bytes per K/V element pair, freed after the kernel) and read as
     plain bf16 operands, which Triton pipelines into the tensor cores (about 1.6x faster than dequantizing FP8
     on chip, H100 measurement in benchmarks/results); False (FP8 dequantized on chip, no scratch) for head
-    dims above 128 or when the scratch would exceed FWD_SCRATCH_BUDGET_BYTES. Same numbers either way."""
+    dims above 128 or when the scratch would exceed SCRATCH_BUDGET_BYTES. Same numbers either way."""
     dp = max(32, triton.next_power_of_2(head_dim))
-    return dp <= max(BF16_FWD_CONFIGS) and 2 * 2 * batch * heads_kv * rows_kv * head_dim <= FWD_SCRATCH_BUDGET_BYTES
+    return dp <= max(BF16_FWD_CONFIGS) and 2 * 2 * batch * heads_kv * rows_kv * head_dim <= SCRATCH_BUDGET_BYTES
 
 
 def _fwd_config(dp: int):
@@ -295,8 +298,8 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
     bottom_right). config: optional (BLOCK_M, num_warps, num_stages) override (benchmark sweeps).
     seq: optional SeqInfo-like object (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
     making the call variable-length (module docstring); a packed batch has B = 1 and V's scales segmented
-    ([1,Hkv,Skv//32 + n_seq,D]) as `SeqMajorColumns` describes. The band mask then applies per sequence: bottom_right=True takes each
-    sequence's len_kv - len_q as its offset (offset must then be 0), else offset is used (0 = top_left).
+    ([1,Hkv,Skv//32 + n_seq,D]) as `SeqMajorColumns` describes. The band mask then applies per sequence:
+    bottom_right=True takes each sequence's len_kv - len_q as its offset (offset must then be 0), else offset is used (0 = top_left).
     sink: optional fp32 [Hq] contiguous sink logits (attention sinks): they join every row's softmax
     denominator and the stats; a row with no key then gets O = 0 and stats = sink.
     """
@@ -391,4 +394,4 @@ def check_seq(seq, q: torch.Tensor, k: torch.Tensor, stand_in: torch.Tensor, bot
 
 
 __all__ = ["attention_fwd", "fwd_streams_bf16", "check_seq", "SeqArgs", "kv_block_range", "load_tile",
-           "program_prologue", "seq_prologue", "BLOCK_N", "LOG2E"]
+           "program_prologue", "SCRATCH_BUDGET_BYTES", "seq_prologue", "BLOCK_N", "LOG2E"]
