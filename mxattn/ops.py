@@ -1,7 +1,7 @@
 """The `torch.library` custom ops (forward, backward) and their autograd wiring.
 
-`mxattn::attention_fwd` returns O, stats and the FP8 copies that backward needs; `mxattn::attention_bwd`
-turns them and dO into dQ, dK, dV. Both have fake (meta) implementations, so `torch.compile(fullgraph=True)`
+`mxattn::attention_fwd` returns O, stats and, flat, what the backend keeps for backward (its
+`saved_format`: the FP8 copies by default); `mxattn::attention_bwd` turns them and dO into dQ, dK, dV. Both have fake (meta) implementations, so `torch.compile(fullgraph=True)`
 traces models that use them without graph breaks. Tensors are [B, H, S, D] views (a packed batch as
 [1, H, T, D]); the mask arrives in canonical band form and the sequence lengths as the flat fields of a
 `SeqInfo` (cu_seqlens_q/kv, max_seqlen_q/kv, packed). The concrete backend is chosen by the caller
@@ -10,20 +10,15 @@ traces models that use them without graph breaks. Tensors are [B, H, S, D] views
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .backends import AttentionParams, SavedForBackward, get_backend
-from .formats import BLOCK_SIZE, segmented_scale_rows
+from .backends import AttentionParams, get_backend
 from .layouts import dense_strides_bhsd, empty_bhsd
 from .mask import MaskSpec
 from .seqinfo import SeqInfo
-
-_FP8 = torch.float8_e4m3fn
-_E8M0 = torch.float8_e8m0fnu
-
 
 def _seq(cu_q, cu_kv, max_q, max_kv, packed) -> Optional[SeqInfo]:
     return None if cu_q is None else SeqInfo(cu_q, cu_kv, max_q, max_kv, packed)
@@ -37,24 +32,13 @@ def _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq
                            sink_requires_grad=sink_requires_grad, needs_backward=needs_backward)
 
 
-def _fake_saved(x: Tensor, segments: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Row-wise data/scale then column-wise data/scale, shaped as the quantizer makes them."""
-    b, h, s, d = x.shape
-    col_rows = segmented_scale_rows(s, segments.shape[0] - 1) if segments is not None else -(-s // BLOCK_SIZE)
-    return (torch.empty_like(x, dtype=_FP8), x.new_empty((b, h, s, -(-d // BLOCK_SIZE)), dtype=_E8M0),
-            torch.empty_like(x, dtype=_FP8), x.new_empty((b, h, col_rows, d), dtype=_E8M0))
-
-
-FwdOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
-
-
 @torch.library.custom_op("mxattn::attention_fwd", mutates_args=())
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_right: bool,
                   left_bound: Optional[int], right_bound: Optional[int], out_dtype: torch.dtype,
                   qkv_format: str, backend: str, cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
-                  max_seqlen_q: int, max_seqlen_kv: int, packed: bool, sink: Optional[Tensor]) -> FwdOut:
-    """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D], sink None or fp32 [Hq] -> (o [B,Hq,Sq,D] dense in qkv_format order,
-    stats [B,Hq,Sq,1] fp32, then data/scale of q_row, q_col, k_row, k_col, v_row)."""
+                  max_seqlen_q: int, max_seqlen_kv: int, packed: bool, sink: Optional[Tensor]) -> List[Tensor]:
+    """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D], sink None or fp32 [Hq] -> [o [B,Hq,Sq,D] dense in qkv_format order,
+    stats [B,Hq,Sq,1] fp32, then the backend's saved tensors (`saved_format.tensors()`)]."""
     return _fwd_impl(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
                      cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink)
 
@@ -71,59 +55,51 @@ def _fwd_impl(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out
         o = empty_bhsd(tuple(o.shape), qkv_format, out_dtype, o.device).copy_(o)
     if not needs_backward:
         return o
-    return (o, stats.contiguous()) + saved.tensors()
+    return [o, stats.contiguous(), *saved.tensors()]
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format,
                         backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink):
     b, h, s, _ = q.shape
-    seg_q, seg_kv = (cu_seqlens_q, cu_seqlens_kv) if packed else (None, None)
+    seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
     o = empty_bhsd(tuple(q.shape), qkv_format, out_dtype, q.device)
     stats = q.new_empty((b, h, s, 1), dtype=torch.float32)
-    q_row, q_row_s, q_col, q_col_s = _fake_saved(q, seg_q)
-    k_row, k_row_s, k_col, k_col_s = _fake_saved(k, seg_kv)
-    v_row, v_row_s, _, _ = _fake_saved(v, seg_kv)
-    return o, stats, q_row, q_row_s, q_col, q_col_s, k_row, k_row_s, k_col, k_col_s, v_row, v_row_s
+    return [o, stats, *get_backend(backend).saved_format.fake_tensors(q, k, v, seq)]
 
 
 @torch.library.custom_op("mxattn::attention_bwd", mutates_args=())
-def attention_bwd(do: Tensor, o: Tensor, stats: Tensor, q_row: Tensor, q_row_scale: Tensor, q_col: Tensor,
-                  q_col_scale: Tensor, k_row: Tensor, k_row_scale: Tensor, k_col: Tensor, k_col_scale: Tensor,
-                  v_row: Tensor, v_row_scale: Tensor, softmax_scale: float, bottom_right: bool,
-                  left_bound: Optional[int], right_bound: Optional[int], out_dtype: torch.dtype,
-                  backend: str, cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
-                  max_seqlen_q: int, max_seqlen_kv: int, packed: bool, sink: Optional[Tensor],
-                  sink_requires_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dO, O [B,Hq,Sq,D], stats [B,Hq,Sq,1] and the saved FP8 copies -> contiguous (dq, dk, dv) in out_dtype
-    and dsink (fp32 [Hq] when sink_requires_grad, else an empty tensor)."""
-    return _bwd_impl(do, o, stats, q_row, q_row_scale, q_col, q_col_scale, k_row, k_row_scale, k_col, k_col_scale,
-                     v_row, v_row_scale, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, backend,
-                     cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, sink_requires_grad)
+def attention_bwd(do: Tensor, o: Tensor, stats: Tensor, saved: List[Tensor], kv_shape: List[int],
+                  softmax_scale: float, bottom_right: bool, left_bound: Optional[int], right_bound: Optional[int],
+                  out_dtype: torch.dtype, backend: str, cu_seqlens_q: Optional[Tensor],
+                  cu_seqlens_kv: Optional[Tensor], max_seqlen_q: int, max_seqlen_kv: int, packed: bool,
+                  sink: Optional[Tensor], sink_requires_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dO, O [B,Hq,Sq,D], stats [B,Hq,Sq,1], the backend's saved tensors (as the forward op returned them) and
+    K's shape [B,Hkv,Skv,D] -> contiguous (dq, dk, dv) in out_dtype and dsink (fp32 [Hq] when
+    sink_requires_grad, else an empty tensor)."""
+    return _bwd_impl(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_bound, right_bound, out_dtype,
+                     backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink,
+                     sink_requires_grad)
 
 
-def _bwd_impl(do, o, stats, q_row, q_row_scale, q_col, q_col_scale, k_row, k_row_scale, k_col, k_col_scale, v_row,
-              v_row_scale, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, backend, cu_seqlens_q,
-              cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, sink_requires_grad):
+def _bwd_impl(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_bound, right_bound, out_dtype,
+              backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, sink_requires_grad):
     """The backward op's body."""
     seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
     params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink, sink_requires_grad)
-    saved = SavedForBackward.from_tensors((q_row, q_row_scale, q_col, q_col_scale, k_row, k_row_scale,
-                                           k_col, k_col_scale, v_row, v_row_scale), seq)
-    dq, dk, dv, *dsink = get_backend(backend).backward(saved, o, stats, do, params)
+    be = get_backend(backend)
+    dq, dk, dv, *dsink = be.backward(be.saved_format.from_tensors(saved, seq), o, stats, do, params)
     dsink = dsink[0] if sink_requires_grad else stats.new_empty((0,), dtype=torch.float32)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsink
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(do, o, stats, q_row, q_row_scale, q_col, q_col_scale, k_row, k_row_scale, k_col,
-                        k_col_scale, v_row, v_row_scale, softmax_scale, bottom_right, left_bound, right_bound,
+def _attention_bwd_fake(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_bound, right_bound,
                         out_dtype, backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink,
                         sink_requires_grad):
-    dq = q_row.new_empty(q_row.shape, dtype=out_dtype)
-    dsink = stats.new_empty((q_row.shape[1] if sink_requires_grad else 0,), dtype=torch.float32)
-    return (dq, k_row.new_empty(k_row.shape, dtype=out_dtype), v_row.new_empty(v_row.shape, dtype=out_dtype),
-            dsink)
+    dq = do.new_empty(do.shape, dtype=out_dtype)
+    dsink = stats.new_empty((do.shape[1] if sink_requires_grad else 0,), dtype=torch.float32)
+    return dq, do.new_empty(kv_shape, dtype=out_dtype), do.new_empty(kv_shape, dtype=out_dtype), dsink
 
 
 _N_FWD_ARGS = 16
@@ -134,6 +110,7 @@ def _setup_context(ctx, inputs, output):
     ctx.options = inputs[3:10]  # softmax_scale .. backend
     ctx.max_lens_packed = inputs[12:15]
     ctx.input_dtypes = (q.dtype, k.dtype, v.dtype)
+    ctx.kv_shape = list(k.shape)
     o, stats, *saved = output
     cu_q, cu_kv, sink = inputs[10], inputs[11], inputs[15]
     ctx.has_seq, ctx.has_sink = cu_q is not None, sink is not None
@@ -143,7 +120,10 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the FP8 side outputs
 
 
-def _backward(ctx, grad_o, *unused_grads):
+def _backward(ctx, *grads):
+    """Gradients of the forward op's inputs from those of its outputs: the custom op passes them as one list
+    (its output is a list), the eager autograd.Function one by one; only O's is used."""
+    grad_o = grads[0][0] if isinstance(grads[0], (list, tuple)) else grads[0]
     if grad_o is None:
         return (None,) * _N_FWD_ARGS
     o, stats, *rest = ctx.saved_tensors
@@ -152,8 +132,8 @@ def _backward(ctx, grad_o, *unused_grads):
     softmax_scale, bottom_right, left_bound, right_bound, out_dtype, _fmt, backend = ctx.options
     sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[15]
     bwd = attention_bwd if torch.compiler.is_compiling() else _bwd_impl  # (eager: no custom-op dispatch)
-    dq, dk, dv, dsink = bwd(grad_o, o, stats, *saved, softmax_scale, bottom_right, left_bound, right_bound,
-                            out_dtype, backend, *cu, *ctx.max_lens_packed, sink, sink_requires_grad)
+    dq, dk, dv, dsink = bwd(grad_o, o, stats, list(saved), ctx.kv_shape, softmax_scale, bottom_right, left_bound,
+                            right_bound, out_dtype, backend, *cu, *ctx.max_lens_packed, sink, sink_requires_grad)
     grads = tuple(g.to(dt) for g, dt in zip((dq, dk, dv), ctx.input_dtypes))
     return grads + (None,) * (_N_FWD_ARGS - 4) + (dsink if sink_requires_grad else None,)
 
@@ -167,15 +147,15 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(*inputs):
-        return _fwd_impl(*inputs)
+        return tuple(_fwd_impl(*inputs))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         _setup_context(ctx, inputs, output)
 
     @staticmethod
-    def backward(ctx, grad_o, *unused_grads):
-        return _backward(ctx, grad_o, *unused_grads)
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads)
 
 
 def needs_backward(*tensors: Optional[Tensor]) -> bool:

@@ -128,6 +128,81 @@ def test_library_ops_pass_opcheck():
     torch.library.opcheck(ops.attention_fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 
+class _TransposedColumns:
+    """A saved format of a test backend's own: the column-wise FP8 copies kept transposed ([B, H, D, S], as a
+    kernel reading them seq-major would want) and one extra tensor, so the flat list differs from the default
+    in shapes and in length. Counts its uses."""
+
+    calls = {"from_tensors": 0, "fake_tensors": 0}
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def tensors(self):
+        flat = list(self.inner.tensors())
+        for i in (2, 6):  # q_col, k_col data
+            flat[i] = flat[i].transpose(2, 3).contiguous()
+        return tuple(flat) + (torch.full((1,), 7.0, device=flat[0].device),)
+
+    @classmethod
+    def from_tensors(cls, flat, seq=None):
+        from mxattn.backends.base import SavedForBackward
+        cls.calls["from_tensors"] += 1
+        flat = list(flat)
+        assert len(flat) == 11 and flat.pop().item() == 7.0
+        for i in (2, 6):
+            flat[i] = flat[i].transpose(2, 3)
+        return cls(SavedForBackward.from_tensors(flat, seq))
+
+    @classmethod
+    def fake_tensors(cls, q, k, v, seq=None):
+        from mxattn.backends.base import SavedForBackward
+        cls.calls["fake_tensors"] += 1
+        flat = list(SavedForBackward.fake_tensors(q, k, v, seq))
+        for i in (2, 6):
+            flat[i] = flat[i].transpose(2, 3).contiguous()
+        return tuple(flat) + (q.new_empty((1,), dtype=torch.float32),)
+
+
+def test_a_backend_defines_what_it_saves(monkeypatch):
+    """AttentionBackend.saved_format: a backend's own saved layout travels through autograd, the custom ops'
+    schemas (opcheck) and torch.compile(fullgraph) unchanged, and gives the default format's numbers."""
+    from mxattn import backends, ops
+    from mxattn.backends.reference import ReferenceBackend
+
+    class TransposingBackend(ReferenceBackend):
+        saved_format = _TransposedColumns
+
+        def forward(self, q, k, v, params):
+            o, stats, saved = super().forward(q, k, v, params)
+            return o, stats, None if saved is None else _TransposedColumns(saved)
+
+        def backward(self, saved, o, stats, do, params):
+            assert isinstance(saved, _TransposedColumns)
+            return super().backward(saved.inner, o, stats, do, params)
+
+    q, k, v = (t.requires_grad_(True) for t in _qkv("bshd"))
+    fn = lambda q, k, v: mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="reference")  # noqa: E731
+    out = fn(q, k, v)
+    expected = (out,) + torch.autograd.grad(out.float().sum(), (q, k, v))
+    monkeypatch.setitem(backends._INSTANCES, "reference", TransposingBackend())
+    torch._dynamo.reset()
+    for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        out = run(q, k, v)
+        got = (out,) + torch.autograd.grad(out.float().sum(), (q, k, v))
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert _TransposedColumns.calls["from_tensors"] >= 2 and _TransposedColumns.calls["fake_tensors"] >= 1
+    qb, kb, vb = (t.detach().permute(0, 2, 1, 3) for t in (q, k, v))
+    args = (qb, kb, vb, 0.125, False, None, 0, torch.bfloat16, "bshd", "reference", None, None, 0, 0, False, None)
+    torch.library.opcheck(ops.attention_fwd, args, test_utils=("test_schema", "test_faketensor"))
+    o, stats, *saved = ops.attention_fwd(*args)
+    bwd_args = (torch.ones_like(o), o, stats, saved, list(kb.shape), 0.125, False, None, 0, torch.bfloat16,
+                "reference", None, None, 0, 0, False, None, False)
+    # (test_schema compares the FP8 inputs with arithmetic the CPU lacks for float8: fake tensors only)
+    torch.library.opcheck(ops.attention_bwd, bwd_args, test_utils=("test_faketensor",))
+    torch._dynamo.reset()
+
+
 def _saved_bytes(fn):
     total = []
 

@@ -2,8 +2,9 @@
 
 Tensors cross this interface as [B, H, S, D] views (any strides); a packed (thd) batch arrives as a
 [1, H, T, D] view with its sequences described by `AttentionParams.seq` (`mxattn.seqinfo.SeqInfo`). A backend
-quantizes its own inputs, so it can use a fused quantizer, and hands back exactly what the backward pass
-needs (`SavedForBackward`). `supports(problem)` sees the whole call before any work is done, so `auto` can
+quantizes its own inputs, so it can use a fused quantizer, and hands back exactly what its backward pass
+needs, in a format of its own (`AttentionBackend.saved_format`; the default `SavedForBackward` holds the MXFP8
+copies every backend here keeps). `supports(problem)` sees the whole call before any work is done, so `auto` can
 pick a backend that will run it, forward and backward.
 """
 
@@ -15,7 +16,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..formats import MXFP8Tensor
+from ..formats import BLOCK_SIZE, MXFP8Tensor, segmented_scale_rows
 from ..mask import MaskSpec
 from ..seqinfo import SeqInfo
 
@@ -82,9 +83,16 @@ def sink_grad_from_delta(delta: torch.Tensor, stats: torch.Tensor, sink: torch.T
 
 @dataclass
 class SavedForBackward:
-    """FP8 copies kept from the forward pass (compact E8M0 scales), never the high-precision inputs.
+    """FP8 copies kept from the forward pass (compact E8M0 scales), never the high-precision inputs: the default
+    saved format (`AttentionBackend.saved_format`).
 
     q_row, k_row, v_row: blocks along D; q_col, k_col: blocks along S. Each data tensor is [B, H, S, D].
+
+    A saved format is any class with these three methods, which carry it through autograd and torch.compile
+    as a flat tuple of tensors: `tensors()`, `from_tensors(flat, seq)` (its inverse) and
+    `fake_tensors(q, k, v, seq)` (empty tensors shaped, typed and placed as `tensors()` would be for inputs
+    q, k, v, what the traced forward returns). A backend that keeps something else (pre-swizzled scales,
+    transposed copies) defines its own and names it in `saved_format`.
     """
 
     q_row: MXFP8Tensor
@@ -109,6 +117,26 @@ class SavedForBackward:
         parts = [MXFP8Tensor(flat[2 * i], flat[2 * i + 1], axis, segs[i]) for i, axis in enumerate(axes)]
         return cls(*parts)
 
+    @classmethod
+    def fake_tensors(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: Optional[SeqInfo] = None
+                     ) -> Tuple[torch.Tensor, ...]:
+        """Empty tensors as `tensors()` returns them for q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] (seq: a packed batch's
+        column-wise scales are segmented)."""
+        packed = seq is not None and seq.packed
+        q_row, q_row_s, q_col, q_col_s = _empty_row_col(q, seq.cu_seqlens_q if packed else None)
+        k_row, k_row_s, k_col, k_col_s = _empty_row_col(k, seq.cu_seqlens_kv if packed else None)
+        v_row, v_row_s, _, _ = _empty_row_col(v, None)
+        return q_row, q_row_s, q_col, q_col_s, k_row, k_row_s, k_col, k_col_s, v_row, v_row_s
+
+
+def _empty_row_col(x: torch.Tensor, segments: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """Row-wise data/scale then column-wise data/scale of x [B, H, S, D], shaped as the quantizers make them."""
+    b, h, s, d = x.shape
+    col_rows = segmented_scale_rows(s, segments.shape[0] - 1) if segments is not None else -(-s // BLOCK_SIZE)
+    fp8, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+    return (torch.empty_like(x, dtype=fp8), x.new_empty((b, h, s, -(-d // BLOCK_SIZE)), dtype=e8m0),
+            torch.empty_like(x, dtype=fp8), x.new_empty((b, h, col_rows, d), dtype=e8m0))
+
 
 class AttentionBackend(abc.ABC):
     """One way of running MXFP8 attention. Subclasses set `name` and `supported_head_dims`."""
@@ -118,6 +146,9 @@ class AttentionBackend(abc.ABC):
     supported_head_dims: Optional[Tuple[int, ...]] = None
     #: dtypes of q, k, v this backend takes
     input_dtypes: Tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+    #: the class of what forward() keeps for backward() (see SavedForBackward, the default, for the three methods
+    #: that carry it through autograd and torch.compile)
+    saved_format: type = SavedForBackward
 
     @classmethod
     @abc.abstractmethod
@@ -141,13 +172,13 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams
-                ) -> Tuple[torch.Tensor, torch.Tensor, SavedForBackward]:
+                ) -> Tuple[torch.Tensor, torch.Tensor, object]:
         """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] high precision -> (o [B,Hq,Sq,D] out_dtype, stats [B,Hq,Sq,1] fp32,
-        saved)."""
+        saved: a `saved_format` instance, or None when not params.needs_backward)."""
 
     @abc.abstractmethod
-    def backward(self, saved: SavedForBackward, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
+    def backward(self, saved, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
                  params: AttentionParams) -> Tuple[torch.Tensor, ...]:
-        """o, do [B,Hq,Sq,D] (bf16/fp16), stats [B,Hq,Sq,1] fp32 -> (dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D]) in
+        """saved (what forward returned, a `saved_format` instance), o, do [B,Hq,Sq,D] (bf16/fp16), stats [B,Hq,Sq,1] fp32 -> (dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D]) in
         params.out_dtype, followed by dsink [Hq] fp32 when params.sink_requires_grad (a backend without its own
         may use `sink_grad`)."""
