@@ -143,12 +143,20 @@ def _sdpa_runner(kind: str, q, k, v, causal: bool, gqa: bool):
     return (run, (kk, vv)), note
 
 
-def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16) -> Dict:
-    """Time one config; returns a dict of milliseconds, TFLOP/s, ratios and peak bytes."""
+#: rounds of the interleaved timings: each round times every implementation's forward, backward and
+#: forward+backward once, in turn, and the median over the rounds is reported, so a drift of the GPU's clocks or
+#: of a neighbour's load during a config hits the triton figures and their cuDNN baselines alike
+ROUNDS = 3
+
+
+def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16, rounds: int = ROUNDS) -> Dict:
+    """Time one config; returns a dict of milliseconds (medians over `rounds` interleaved rounds of CUDA-event
+    medians), TFLOP/s, ratios and peak bytes."""
     from .backends.base import AttentionParams
     from .attention import mxfp8_attention
     from .backends.triton_backend import TritonBackend
     from .kernels import triton_attention_fwd as tf
+    from .kernels.triton_quantize import quantize_rowcol
     from .mask import MaskSpec
 
     name, B, hq, hkv, S, D, causal = cfg
@@ -162,31 +170,31 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16) -> Dict:
     params = AttentionParams(softmax_scale=scale, mask=MaskSpec(causal=causal), out_dtype=dtype)
     fwd_flops = 4.0 * B * hq * D * kept_pairs(S, S, causal)
     res = {"config": name, "B": B, "Hq": hq, "Hkv": hkv, "S": S, "D": D, "causal": causal,
-           "fwd_flop": fwd_flops, "notes": []}
+           "fwd_flop": fwd_flops, "rounds": rounds, "notes": []}
 
     be = TritonBackend()
-    o, stats, saved = be.forward(q, k, v, params)
-    res["triton_fwd_ms"] = time_cuda(lambda: be.forward(q, k, v, params), warmup, iters)
-    res["triton_bwd_ms"] = time_cuda(lambda: be.backward(saved, o, stats, do, params), warmup, iters)
 
     def tri_fb():
         o2, st2, sv2 = be.forward(q, k, v, params)
         return be.backward(sv2, o2, st2, do, params)
-    res["triton_fwdbwd_ms"] = time_cuda(tri_fb, warmup, iters)
-    res["triton_fwdbwd_graph_ms"] = time_graph(tri_fb, warmup, iters)
-    res["triton_fwd_graph_ms"] = time_graph(lambda: be.forward(q, k, v, params), warmup, iters)
-    del o, stats, saved
     res["triton_fwdbwd_peak_bytes"] = peak_bytes(tri_fb)
     res["triton_kept_bytes"] = kept_bytes(lambda x, y, z: mxfp8_attention(
         x, y, z, qkv_format="bhsd", attn_mask_type="causal" if causal else "no_mask", backend="triton"), q, k, v)
-    from .kernels.triton_quantize import quantize_rowcol
+    res["triton_fwdbwd_graph_ms"] = time_graph(tri_fb, warmup, iters)
+    res["triton_fwd_graph_ms"] = time_graph(lambda: be.forward(q, k, v, params), warmup, iters)
+
+    o, stats, saved = be.forward(q, k, v, params)
     qq, kv = quantize_rowcol(q), fwd_kernel_operands(k, v)
     ob, sb = torch.empty_like(q), torch.empty(B, hq, S, 1, device=dev)
-    res["triton_fwd_kernel_ms"] = time_cuda(lambda: tf.attention_fwd(
-        qq.row.data, qq.row.scale, *kv, softmax_scale=scale,
-        offset=0, left_bound=None, right_bound=0 if causal else None, out=ob, stats=sb), warmup, iters)
-    del qq, kv, ob, sb
-
+    timed = {  # name -> callable, all timed once per round
+        "triton_fwd": lambda: be.forward(q, k, v, params),
+        "triton_fwd_kernel": lambda: tf.attention_fwd(
+            qq.row.data, qq.row.scale, *kv, softmax_scale=scale, offset=0, left_bound=None,
+            right_bound=0 if causal else None, out=ob, stats=sb),
+        "triton_bwd": lambda: be.backward(saved, o, stats, do, params),
+        "triton_fwdbwd": tri_fb,
+    }
+    keep = []  # the SDPA leaves and graphs the timed callables use
     for kind in ("cudnn", "flash"):
         qg = q.detach().requires_grad_(True)
         kg = k.detach().requires_grad_(True)
@@ -197,20 +205,31 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16) -> Dict:
         if got is None:
             continue
         run, (kk, vv) = got
-        with torch.no_grad():
-            res[f"sdpa_{kind}_fwd_ms"] = time_cuda(lambda: run(q), warmup, iters)
-        out = run(qg)
         leaves = (qg, kk, vv)
-        res[f"sdpa_{kind}_bwd_ms"] = time_cuda(
-            lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), warmup, iters)
-        del out
 
-        def fb(run=run, leaves=leaves):
+        def fb(run=run, leaves=leaves, qg=qg):  # (bound now: the loop rebinds the names)
             return torch.autograd.grad(run(qg), leaves, do)
-        res[f"sdpa_{kind}_fwdbwd_ms"] = time_cuda(fb, warmup, iters)
         res[f"sdpa_{kind}_fwdbwd_peak_bytes"] = peak_bytes(fb)
         res[f"sdpa_{kind}_kept_bytes"] = kept_bytes(lambda x, y, z, run=run: run(x), qg, kk, vv)
-        del qg, kg, vg, kk, vv, leaves, run, got
+        out = run(qg)
+        keep.append((out, leaves))
+
+        def fwd(run=run):
+            with torch.no_grad():
+                return run(q)
+        timed[f"sdpa_{kind}_fwd"] = fwd
+        timed[f"sdpa_{kind}_bwd"] = lambda out=out, leaves=leaves: torch.autograd.grad(out, leaves, do,
+                                                                                       retain_graph=True)
+        timed[f"sdpa_{kind}_fwdbwd"] = fb
+
+    samples = {key: [] for key in timed}
+    for _ in range(rounds):
+        for key, fn in timed.items():
+            samples[key].append(time_cuda(fn, warmup, iters))
+    for key, ms in samples.items():
+        res[f"{key}_ms"] = statistics.median(ms)
+        res[f"{key}_ms_rounds"] = ms
+    del o, stats, saved, qq, kv, ob, sb, keep, timed
 
     mult = {"fwd": 1.0, "fwd_kernel": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
     for key, m in mult.items():
@@ -457,9 +476,10 @@ def markdown(results: Dict) -> str:
     """Markdown tables for the results dict."""
     lines = [f"# MXFP8 attention (triton backend) vs torch SDPA BF16 on {results['gpu']}", "",
              f"torch {results['torch']}, triton {results['triton']}; CUDA-event medians of {results['iters']} runs "
-             f"after {results['warmup']} warm-up runs. TFLOP/s use 4*B*H*D*(kept pairs) for the forward, 2.5x "
-             "that for the backward and 3.5x for forward+backward. Triton fwd/bwd include quantization of "
-             "Q,K,V / dO; 'fwd kernel' excludes it. Ratios are SDPA time / triton time (higher is better).", "",
+             f"after {results['warmup']} warm-up runs, then the median over {results.get('rounds', 1)} interleaved "
+             "rounds (each round times every implementation in turn). TFLOP/s use 4*B*H*D*(kept pairs) for the "
+             "forward, 2.5x that for the backward and 3.5x for forward+backward. Triton fwd/bwd include "
+             "quantization of Q,K,V / dO; 'fwd kernel' excludes it. Ratios are SDPA time / triton time (higher is better).", "",
              "| config | impl | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
              "peak fwd+bwd MiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results["configs"]:
@@ -611,7 +631,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     gpu = torch.cuda.get_device_name()
     results = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "iters": args.iters,
-               "warmup": args.warmup, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "configs": []}
+               "warmup": args.warmup, "rounds": ROUNDS, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "configs": []}
     if args.sweep is not None:
         rows = [row for cfg in (args.config or DEFAULT_CONFIGS)
                 for row in sweep(cfg, args.warmup, args.iters, kernels)]
