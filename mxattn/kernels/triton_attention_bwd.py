@@ -236,7 +236,9 @@ def _dq_block(dq, q_dq, do_r, lse, delta, j, offs_m, offs_n, d_ok, kb_ok,
               len_kv, qk_scale, sm_scale, offset, LB, RB,
               MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr,
               BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr):
-    """One KV block j (rows [n0, n0 + BN), n0 = j * BN) of the dQ accumulation; MASK as in `_dkdv_block`."""
+    """One KV block j (rows [n0, n0 + BN), n0 = j * BN) of the dQ accumulation from the pointer tiles of KV block
+    0 (moved by a scalar per block). MASK: the block needs the band/length mask and masked loads; without it
+    every key row exists and the loads are unmasked (16-byte loads, no predicates)."""
     n0 = j * BN
     cols = n0 + offs_n
     c_ok = cols < len_kv
