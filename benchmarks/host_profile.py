@@ -45,12 +45,13 @@ from mxattn.kernels.triton_quantize import dequantize_bf16  # noqa: E402
 
 o, st, saved = be.forward(qb, kb, vb, params)
 do = torch.randn_like(qb)
+grads = (torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb))
 bwd_rows = {
     "TritonBackend.backward": lambda: be.backward(saved, o, st, do, params),
     "attention_bwd (pre)": lambda: tb.attention_bwd(saved.q_row, saved.q_col, saved.k_row, saved.k_col,
-                                                    saved.v_row, None, None, o, do, st, dq=o, dk=o, dv=o,
-                                                    softmax_scale=0.088, offset=0, left_bound=None, right_bound=0,
-                                                    mode="pre"),
+                                                    saved.v_row, None, None, o, do, st, dq=grads[0],
+                                                    dk=grads[1], dv=grads[2], softmax_scale=0.088, offset=0,
+                                                    left_bound=None, right_bound=0, mode="pre"),
     "quantize_rowcol(do[:, :12], dequants)": lambda: quantize_rowcol(do[:, :12], row_dequant=True,
                                                                      col_dequant=True),
     "dequantize_bf16(q_row heads 0-12)": lambda: dequantize_bf16(tb._heads(saved.q_row, 0, 12)),

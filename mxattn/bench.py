@@ -194,7 +194,6 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16, rounds: int
         "triton_bwd": lambda: be.backward(saved, o, stats, do, params),
         "triton_fwdbwd": tri_fb,
     }
-    keep = []  # the SDPA leaves and graphs the timed callables use
     for kind in ("cudnn", "flash"):
         qg = q.detach().requires_grad_(True)
         kg = k.detach().requires_grad_(True)
@@ -211,8 +210,7 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16, rounds: int
             return torch.autograd.grad(run(qg), leaves, do)
         res[f"sdpa_{kind}_fwdbwd_peak_bytes"] = peak_bytes(fb)
         res[f"sdpa_{kind}_kept_bytes"] = kept_bytes(lambda x, y, z, run=run: run(x), qg, kk, vv)
-        out = run(qg)
-        keep.append((out, leaves))
+        out = run(qg)  # its graph stays alive in the bwd callable's defaults
 
         def fwd(run=run):
             with torch.no_grad():
@@ -229,7 +227,7 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16, rounds: int
     for key, ms in samples.items():
         res[f"{key}_ms"] = statistics.median(ms)
         res[f"{key}_ms_rounds"] = ms
-    del o, stats, saved, qq, kv, ob, sb, keep, timed
+    del o, stats, saved, qq, kv, ob, sb, timed
 
     mult = {"fwd": 1.0, "fwd_kernel": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
     for key, m in mult.items():
@@ -479,7 +477,8 @@ def markdown(results: Dict) -> str:
              f"after {results['warmup']} warm-up runs, then the median over {results.get('rounds', 1)} interleaved "
              "rounds (each round times every implementation in turn). TFLOP/s use 4*B*H*D*(kept pairs) for the "
              "forward, 2.5x that for the backward and 3.5x for forward+backward. Triton fwd/bwd include "
-             "quantization of Q,K,V / dO; 'fwd kernel' excludes it. Ratios are SDPA time / triton time (higher is better).", "",
+             "quantization of Q,K,V / dO; 'fwd kernel' excludes it. Ratios are SDPA time / triton time "
+             "(higher is better).", "",
              "| config | impl | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
              "peak fwd+bwd MiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results["configs"]:
