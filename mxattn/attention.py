@@ -10,7 +10,7 @@ import torch
 from . import ops
 from .backends import Problem, choose_backend
 from .errors import MXFP8NotSupportedError
-from .layouts import check_format, from_bhsd, to_bhsd
+from .layouts import bhsd_shape, check_format, from_bhsd, to_bhsd
 from .mask import resolve_mask
 from .seqinfo import SeqInfo, make_seqinfo
 
@@ -47,9 +47,7 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_forma
         raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    view = _thd_to_bhsd if qkv_format == "thd" else (lambda x: to_bhsd(x, qkv_format))
-    (b, hq, sq, d), (bk, hk, sk, dk) = view(q).shape, view(k).shape
-    bv, hv, sv, dv = view(v).shape
+    (b, hq, sq, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = (bhsd_shape(x, qkv_format) for x in (q, k, v))
     where = ("(shapes read as [T, H, D] for qkv_format='thd')" if qkv_format == "thd"
              else f"(shapes read as [B, H, S, D] from qkv_format={qkv_format!r})")
     if not (b == bk == bv):

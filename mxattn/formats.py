@@ -198,6 +198,16 @@ class MXFP8Tensor:
                 f"{tuple(self.data.shape)} blocked along axis {self.axis}: expected {tuple(expected)}"
             )
 
+    @classmethod
+    def unchecked(cls, data: torch.Tensor, scale: torch.Tensor, axis: int,
+                  segments: Optional[torch.Tensor] = None) -> "MXFP8Tensor":
+        """The same object without `__post_init__`'s checks, for parts this package's quantizers just made
+        (axis non-negative, shapes and dtypes consistent by construction): the checks cost host time on every
+        attention call."""
+        t = cls.__new__(cls)
+        t.data, t.scale, t.axis, t.segments = data, scale, axis, segments
+        return t
+
     @property
     def shape(self) -> torch.Size:
         return self.data.shape

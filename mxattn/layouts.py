@@ -24,6 +24,15 @@ def to_bhsd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
     return x.permute(_TO_BHSD[qkv_format])
 
 
+def bhsd_shape(x: torch.Tensor, qkv_format: str) -> Tuple[int, ...]:
+    """The [B, H, S, D] shape of a tensor given in `qkv_format` ([T, H, D] for thd reads as [1, H, T, D]),
+    without making a view."""
+    shape = x.shape
+    if qkv_format == "thd":
+        return (1, shape[1], shape[0], shape[2])
+    return tuple([shape[i] for i in _TO_BHSD[qkv_format]])
+
+
 def from_bhsd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
     """View a [B, H, S, D] tensor in `qkv_format` order."""
     return x.permute(_FROM_BHSD[qkv_format])

@@ -83,14 +83,18 @@ def attention_bwd(do: Tensor, o: Tensor, stats: Tensor, saved: List[Tensor], kv_
 
 
 def _bwd_impl(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_bound, right_bound, out_dtype,
-              backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, sink_requires_grad):
-    """The backward op's body."""
+              backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, sink_requires_grad,
+              contiguous=True):
+    """The backward op's body (its arguments, then contiguous: False leaves dq, dk, dv in the layout the
+    backend wrote them, which the eager path hands to autograd without copies)."""
     seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
     params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink, sink_requires_grad)
     be = get_backend(backend)
     dq, dk, dv, *dsink = be.backward(be.saved_format.from_tensors(saved, seq), o, stats, do, params)
     dsink = dsink[0] if sink_requires_grad else stats.new_empty((0,), dtype=torch.float32)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsink
+    if contiguous:
+        dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return dq, dk, dv, dsink
 
 
 @attention_bwd.register_fake
@@ -105,24 +109,29 @@ def _attention_bwd_fake(do, o, stats, saved, kv_shape, softmax_scale, bottom_rig
 _N_FWD_ARGS = 16
 
 
-def _setup_context(ctx, inputs, output):
+def _save_context(ctx, inputs, o, stats, saved) -> None:
+    """Keep on ctx what `_backward` needs: O, stats, the backend's saved tensors, the lengths and the sink."""
     q, k, v = inputs[:3]
     ctx.options = inputs[3:10]  # softmax_scale .. backend
     ctx.max_lens_packed = inputs[12:15]
     ctx.input_dtypes = (q.dtype, k.dtype, v.dtype)
     ctx.kv_shape = list(k.shape)
-    o, stats, *saved = output
     cu_q, cu_kv, sink = inputs[10], inputs[11], inputs[15]
     ctx.has_seq, ctx.has_sink = cu_q is not None, sink is not None
     ctx.save_for_backward(o, stats, *saved, *((cu_q, cu_kv) if ctx.has_seq else ()),
                           *((sink,) if ctx.has_sink else ()))
-    ctx.mark_non_differentiable(stats, *saved)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the FP8 side outputs
+
+
+def _setup_context(ctx, inputs, output):
+    o, stats, *saved = output
+    _save_context(ctx, inputs, o, stats, saved)
+    ctx.mark_non_differentiable(stats, *saved)
 
 
 def _backward(ctx, *grads):
     """Gradients of the forward op's inputs from those of its outputs: the custom op passes them as one list
-    (its output is a list), the eager autograd.Function one by one; only O's is used."""
+    (its output is a list), the eager autograd.Function O's alone; only O's is used."""
     grad_o = grads[0][0] if isinstance(grads[0], (list, tuple)) else grads[0]
     if grad_o is None:
         return (None,) * _N_FWD_ARGS
@@ -131,9 +140,12 @@ def _backward(ctx, *grads):
     saved, cu = (rest[:-2], rest[-2:]) if ctx.has_seq else (rest, (None, None))
     softmax_scale, bottom_right, left_bound, right_bound, out_dtype, _fmt, backend = ctx.options
     sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[15]
-    bwd = attention_bwd if torch.compiler.is_compiling() else _bwd_impl  # (eager: no custom-op dispatch)
-    dq, dk, dv, dsink = bwd(grad_o, o, stats, list(saved), ctx.kv_shape, softmax_scale, bottom_right, left_bound,
-                            right_bound, out_dtype, backend, *cu, *ctx.max_lens_packed, sink, sink_requires_grad)
+    args = (grad_o, o, stats, list(saved), ctx.kv_shape, softmax_scale, bottom_right, left_bound, right_bound,
+            out_dtype, backend, *cu, *ctx.max_lens_packed, sink, sink_requires_grad)
+    if torch.compiler.is_compiling():
+        dq, dk, dv, dsink = attention_bwd(*args)
+    else:  # eager: no custom-op dispatch, and gradients in the layout of q, k, v (no contiguous copies)
+        dq, dk, dv, dsink = _bwd_impl(*args, contiguous=False)
     grads = tuple(g.to(dt) for g, dt in zip((dq, dk, dv), ctx.input_dtypes))
     return grads + (None,) * (_N_FWD_ARGS - 4) + (dsink if sink_requires_grad else None,)
 
@@ -142,20 +154,19 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The forward op's eager twin: the same body, context and backward without torch.library's dispatch
-    (which costs hundreds of microseconds of host time per call); torch.compile traces the custom op."""
+    """The forward op's eager twin: the same body and backward without torch.library's dispatch (hundreds of
+    microseconds of host time per call), returning O alone (stats and the saved copies stay on ctx, so
+    autograd wires one output instead of a dozen); torch.compile traces the custom op."""
 
     @staticmethod
-    def forward(*inputs):
-        return tuple(_fwd_impl(*inputs))
+    def forward(ctx, *inputs):
+        o, stats, *saved = _fwd_impl(*inputs)
+        _save_context(ctx, inputs, o, stats, saved)
+        return o
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _backward(ctx, *grads)
+    def backward(ctx, grad_o):
+        return _backward(ctx, grad_o)
 
 
 def needs_backward(*tensors: Optional[Tensor]) -> bool:
@@ -176,5 +187,5 @@ def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_righ
     if torch.compiler.is_compiling():
         return attention_fwd(*args)[0]
     if needs_backward(q, k, v, sink):
-        return _EagerAttention.apply(*args)[0]
+        return _EagerAttention.apply(*args)
     return _fwd_impl(*args, needs_backward=False)

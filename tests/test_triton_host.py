@@ -39,7 +39,7 @@ def test_quantizer_checks_lengths_before_any_kernel(monkeypatch):
     launched = []
     monkeypatch.setattr(tq, "launch", lambda *a, **k: launched.append(a))
     real = checks.check_bhsd_tensor
-    monkeypatch.setattr(checks, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))  # accept CPU x
+    monkeypatch.setattr(tq, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))  # accept CPU x
     x = torch.zeros(1, 2, 64, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="packed=True needs cu_seqlens"):
         tq.quantize_rowcol(x, packed=True)
@@ -64,7 +64,7 @@ def test_quantizer_varlen_shapes_without_a_kernel(monkeypatch):
     grids = []
     monkeypatch.setattr(tq, "launch", lambda fn, grid, *a, **k: grids.append((grid, k)))
     real = checks.check_bhsd_tensor
-    monkeypatch.setattr(checks, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))
+    monkeypatch.setattr(tq, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))
     lengths = [0, 1, 33, 300]
     cu = _cu(lengths)
     x = torch.zeros(sum(lengths), 3, 64).permute(1, 0, 2).unsqueeze(0)  # thd viewed as [1, H, T, D]

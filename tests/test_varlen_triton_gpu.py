@@ -424,3 +424,55 @@ def test_forward_paths_agree(case, monkeypatch):
     assert torch.equal(o_bf16.isnan(), o_fp8.isnan()) and torch.equal(st_bf16.isinf(), st_fp8.isinf())
     fin = st_bf16.isfinite()
     assert ((st_bf16 - st_fp8)[fin].abs() <= 1e-6).all()
+
+
+@pytest.mark.parametrize("kind,d", [("dense", 128), ("dense", 96), ("dense", 32), ("padded", 64), ("packed", 128),
+                                    ("packed", 256)])
+def test_backward_prep_equals_the_separate_kernels(kind, d):
+    """`bwd_prep` (one launch for a chunk of heads: delta, dO's two bf16 dequantizations, Q's two) writes what
+    separate passes write: the quantizer's dequantizations of dO and `dequantize_bf16` of Q's saved copies bit
+    for bit (NaN and inf blocks included), and delta = rowsum(O * dO) to fp32 rounding (zero on padding rows),
+    for a head range that does not start at 0 and leaves the other heads' delta alone."""
+    from mxattn.kernels import triton_attention_bwd as tb
+    from mxattn.kernels.triton_attention_fwd import check_seq
+    from mxattn.kernels.triton_quantize import dequantize_bf16, quantize_rowcol
+    triton_backend()
+    hq, h0, h1 = 6, 2, 5
+    if kind == "dense":
+        g = torch.Generator(device="cuda").manual_seed(3)
+        q, do, o = (torch.randn(2, 200, hq, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+                    for _ in range(3))
+        seq, quant_seq, bt = None, {}, None
+    else:
+        bt = Batch(kind, LENS_Q, LENS_KV, hq, 2, d, torch.bfloat16, seed=3)
+        q, do, seq = bt.q, bt.do, bt.seq
+        o = torch.randn_like(do)
+        quant_seq = dict(cu_seqlens=seq.cu_seqlens_q, max_seqlen=seq.max_seqlen_q, packed=seq.packed)
+    B, _, S, _ = q.shape
+    row = 40 if kind != "packed" else bt.cq[5] + 3  # a row inside a sequence
+    do[0, 3, row, 1] = float("nan")
+    do[0, 4, row + 1, :] *= 1e30
+    q[0, 2, row, 2] = float("inf")
+    qq = quantize_rowcol(q, **quant_seq)
+    sa = check_seq(seq, qq.row.data, qq.row.data, o)
+    delta = torch.full((B, hq, S), float("nan"), device="cuda")
+    got = tb.bwd_prep(o, do, qq.row, qq.col, delta, h0, h1, sa)
+    exp_do = quantize_rowcol(do[:, h0:h1], row_dequant=True, col_dequant=True, **quant_seq)
+    expected = (exp_do.row_dequant, exp_do.col_dequant, dequantize_bf16(tb._heads(qq.row, h0, h1)),
+                dequantize_bf16(tb._heads(qq.col, h0, h1), max_seqlen=sa.max_q))
+    exp_delta = (o.float() * do.float()).sum(-1)
+    delta_tol = 1e-5 * (o.float() * do.float()).abs().sum(-1) + 1e-6  # (the sums run in different orders)
+    if bt is not None and kind == "padded":
+        for b, n in enumerate(bt.lens_q):
+            exp_delta[b, :, n:] = 0
+            delta_tol[b, :, n:] = 0
+    pieces = [slice(None)] if bt is None or kind == "padded" else \
+        [slice(bt.cq[b], bt.cq[b + 1]) for b in range(len(bt.lens_q))]
+    for rows in pieces:
+        for name, a, e in zip(("dO row", "dO col", "Q row", "Q col"), got, expected):
+            assert same_values(a[:, :, rows], e[:, :, rows]), (kind, d, name)
+        dg, de = delta[:, h0:h1, rows], exp_delta[:, h0:h1, rows]
+        assert torch.equal(torch.isnan(dg), torch.isnan(de)), (kind, d)
+        err = (dg - de).nan_to_num(0.0).abs()
+        assert (err <= delta_tol[:, h0:h1, rows].nan_to_num(0.0)).all(), (kind, d, err.max().item())
+    assert torch.isnan(delta[:, :h0]).all() and torch.isnan(delta[:, h1:]).all()

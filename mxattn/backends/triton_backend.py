@@ -5,8 +5,9 @@ forward kernel runs on Q/K row-wise and V column-wise. K and V reach it as their
 written by the quantizer (scratch freed after the kernel; the faster path) or, for head dims above 128 and
 problems whose scratch would exceed its budget, as FP8 (V's column-wise copy seq-major) dequantized on chip
 (`fwd_streams_bf16` chooses). Q row+col, K row+col, V row are kept for backward (nothing without a backward).
-Backward: dO is quantized row+col by the same kernel, then the delta pre-pass, the dK/dV kernel and the dQ
-kernel run (deterministic: no atomics, fixed summation order, also for GQA). See mxattn/kernels/.
+Backward: one prep pass computes delta = rowsum(O * dO) and, on the bf16-scratch path, quantizes dO both ways
+and dequantizes it and Q's copies to bf16 scratch; then the dK/dV kernel and the dQ kernel run (deterministic:
+no atomics, fixed summation order, also for GQA). See mxattn/kernels/.
 Variable lengths (`params.seq`, padded or packed): every kernel reads the per-sequence offsets and lengths
 itself (grids sized by the longest sequence); results equal the reference backend's sequence-by-sequence run.
 
@@ -32,9 +33,16 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16)
 MIN_CAPABILITY = (8, 9)
 
 
+_KERNELS = None
+
+
 def _kernels():
-    from ..kernels import triton_attention_bwd, triton_attention_fwd, triton_quantize
-    return triton_quantize, triton_attention_fwd, triton_attention_bwd
+    """(triton_quantize, triton_attention_fwd, triton_attention_bwd), imported on first use."""
+    global _KERNELS
+    if _KERNELS is None:
+        from ..kernels import triton_attention_bwd, triton_attention_fwd, triton_quantize
+        _KERNELS = (triton_quantize, triton_attention_fwd, triton_attention_bwd)
+    return _KERNELS
 
 
 def _inner_unit(x: torch.Tensor) -> torch.Tensor:

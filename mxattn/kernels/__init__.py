@@ -3,6 +3,6 @@
 Modules (each imports triton; import them only where triton is installed):
   triton_quantize       fused row-wise + column-wise MXFP8 quantizer and the shared device helpers
   triton_attention_fwd  forward kernel (spec section 6)
-  triton_attention_bwd  delta pre-pass, dK/dV and dQ kernels (spec section 7)
+  triton_attention_bwd  prep pass (delta, bf16 scratch), dK/dV and dQ kernels (spec section 7)
 This package's __init__ imports nothing, so `import mxattn.kernels` works without triton or a GPU.
 """

@@ -1,17 +1,19 @@
 """Triton MXFP8 attention backward (spec section 7), deterministic, no atomics.
 
-Three launches:
-  1. delta pre-pass: delta = rowsum(O * dO) in FP32 from the bf16/fp16 tensors.
+Three launches (per chunk of heads in the bf16-scratch data path, mode "pre"):
+  1. prep pass (`bwd_prep`): delta = rowsum(O * dO) in FP32 from the bf16/fp16 tensors; in mode "pre" also dO
+     quantized to MXFP8 both ways and dO's and Q's copies dequantized exactly to bf16 scratch, in the same pass.
   2. dK/dV kernel: one program per 128-row KV block and KV head; it walks the query heads of its GQA group
      in fixed order and, for each, the query blocks in ascending order, accumulating dK and dV in FP32
      registers. dS is quantized on the fly along s_q (blocks of 32) for dK = dS_c^T Q_col; P is quantized to
      E4M3 with the fixed scale 256 for dV = Pq^T dO_col.
   3. dQ kernel: one program per query block; it recomputes S, P, dP and quantizes dS along s_kv (blocks of 32)
      for dQ = dS_r K_col.
-Every FP8 operand is dequantized exactly to BF16 in registers and multiplied with FP32 accumulation.
+Every FP8 operand is dequantized exactly to BF16 (in registers, or in mode "pre" by the prep pass and for K,
+V by `dequantize_bf16`) and multiplied with FP32 accumulation.
 
 Variable lengths (`seq`): as in the forward kernel, every kernel starts with `program_prologue` (`seq_span` for
-the delta pre-pass), works in rows relative to its sequence's start, and programs past their sequence's end
+the prep pass), works in rows relative to its sequence's start, and programs past their sequence's end
 exit at once (padded batch: after writing zero gradients on the padding rows of their tile).
 """
 
@@ -21,36 +23,68 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import launch
+from .triton_launch import cdiv, launch
 from .triton_attention_fwd import SCRATCH_BUDGET_BYTES, check_seq, kv_block_range, load_tile, program_prologue
-from .triton_quantize import LOG2E, P_DESCALE, P_SCALE, dequant_cols, dequant_rows, qdq_rows, seq_span
+from .triton_quantize import (LOG2E, MX_BLOCK, P_DESCALE, P_SCALE, dequant_cols, dequant_rows, dequantize_bf16,
+                              padded_head_dim, qdq_rows, quantize_cols, quantize_rows, seq_span)
 
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, CU, sob, soh, sos, sod, sdb, sdh, sds, sdd, HQ, SQ, D,
-                  BM: tl.constexpr, DP: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr):
-    """delta[bt, h, i] = sum_d O[bt,h,i,d] * dO[bt,h,i,d] in FP32 (delta contiguous [B, HQ, SQ]); 0 on the
-    padding rows of a padded batch (their dO is never read)."""
-    pid_m = tl.program_id(0)
+def _bwd_prep_kernel(O, DO, DELTA, QRD, QRS, QCD, QCS, DOR, DOC, QR, QC, CU,
+                     sob, soh, sos, sdb, sdh, sds, sqrb, sqrh, sqrs, srsb, srsh, srss, scsb, scsh, scss,
+                     sqcb, sqch, sqcs, HQ, H0, HC, SQ, D,
+                     DP: tl.constexpr, BD: tl.constexpr, SCRATCH: tl.constexpr, VARLEN: tl.constexpr,
+                     PACKED: tl.constexpr):
+    """What the "pre" backward's kernels stream for query heads H0 .. H0 + HC, in one pass over 32 rows of one
+    head: delta = rowsum(O * dO) fp32 into DELTA [B, HQ, SQ], and the exact bf16 dequantizations of dO's
+    row-wise and column-wise MXFP8 copies (dO quantized here, as `quantize_rowcol` does) and of Q's saved
+    copies (QRD/QRS row-wise, QCD/QCS column-wise: segmented scales for a packed batch) into the contiguous
+    [B, HC, SQ, D] scratch DOR, DOC, QR, QC. Rows past a padded sequence's length get delta 0 and zeros;
+    a packed batch's rows between sequences are not written. Every input has a unit stride along D; the
+    column-wise scales are [.., blocks, D]. Grid (32-row tiles, sequences * HC).
+    SCRATCH False: delta alone (the FP8-streaming backward; the Q and scratch pointers are not read).
+    delta sums BD-column slices in order (fp32)."""
+    pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // HQ).to(tl.int64)
-    h = (pid_bh % HQ).to(tl.int64)
-    bt, start, length, _ = seq_span(CU, b, SQ, VARLEN, PACKED)
+    b = (pid_bh // HC).to(tl.int64)
+    hl = (pid_bh % HC).to(tl.int64)  # head within the chunk (scratch)
+    h = hl + H0  # head of the full tensors
+    bt, start, length, blk0 = seq_span(CU, b, SQ, VARLEN, PACKED)
     if PACKED:
-        if pid_m * BM >= length:
+        if pid_s * MX_BLOCK >= length:
             return
         n_out = length
     else:
         n_out = SQ
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, DP)
-    mask = (offs_m < length)[:, None] & (offs_d < D)[None, :]
-    o = tl.load(O + bt * sob + h * soh + start * sos + offs_m[:, None] * sos + offs_d[None, :] * sod, mask=mask,
-                other=0.0)
-    do = tl.load(DO + bt * sdb + h * sdh + start * sds + offs_m[:, None] * sds + offs_d[None, :] * sdd,
-                 mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + (bt * HQ + h) * SQ + start + offs_m, delta, mask=offs_m < n_out)
+    offs_s = pid_s * MX_BLOCK + tl.arange(0, MX_BLOCK)
+    rows = start + offs_s
+    row_ok = (offs_s < length)[:, None]
+    delta = tl.zeros((MX_BLOCK,), dtype=tl.float32)
+    for d0 in range(0, DP, BD):  # D in slices of BD columns (whole MXFP8 blocks): fewer live registers
+        offs_d = d0 + tl.arange(0, BD)
+        d_ok = (offs_d < D)[None, :]
+        ld = row_ok & d_ok
+        st = (offs_s < n_out)[:, None] & d_ok
+        o = tl.load(O + bt * sob + h * soh + rows[:, None] * sos + offs_d[None, :], mask=ld, other=0.0)
+        do = tl.load(DO + bt * sdb + h * sdh + rows[:, None] * sds + offs_d[None, :], mask=ld,
+                     other=0.0).to(tl.float32)
+        delta += tl.sum(o.to(tl.float32) * do, axis=1)
+        if SCRATCH:
+            out = ((bt * HC + hl) * SQ + rows)[:, None] * D + offs_d[None, :]
+            q, e = quantize_rows(do, MX_BLOCK, BD)
+            tl.store(DOR + out, dequant_rows(q, e.to(tl.uint8), MX_BLOCK, BD), mask=st)
+            q, e = quantize_cols(do, MX_BLOCK, BD)
+            tl.store(DOC + out, dequant_cols(q, e.to(tl.uint8), MX_BLOCK, BD), mask=st)
+            x = tl.load(QRD + bt * sqrb + h * sqrh + rows[:, None] * sqrs + offs_d[None, :], mask=ld, other=0.0)
+            offs_k = d0 // MX_BLOCK + tl.arange(0, BD // MX_BLOCK)
+            sc = tl.load(QRS + bt * srsb + h * srsh + rows[:, None] * srss + offs_k[None, :],
+                         mask=row_ok & (offs_k * MX_BLOCK < D)[None, :], other=127)
+            tl.store(QR + out, dequant_rows(x, sc, MX_BLOCK, BD), mask=st)
+            x = tl.load(QCD + bt * sqcb + h * sqch + rows[:, None] * sqcs + offs_d[None, :], mask=ld, other=0.0)
+            sc = tl.load(QCS + bt * scsb + h * scsh + (blk0 + pid_s) * scss + offs_d[None, :], mask=d_ok,
+                         other=127)
+            tl.store(QC + out, dequant_cols(x, sc, MX_BLOCK, BD), mask=st)
+    tl.store(DELTA + (bt * HQ + h) * SQ + rows, delta, mask=offs_s < n_out)
 
 
 @triton.jit
@@ -391,32 +425,63 @@ def _heads(t, h0: int, h1: int):
 PRE_BUDGET_BYTES = SCRATCH_BUDGET_BYTES // 4
 
 
+def _pre_scratch_per_kv_head(B: int, group: int, SQ: int, SKV: int, D: int) -> int:
+    """Bytes of bf16 scratch one KV head needs in the "pre" backward: the dK/dV phase holds 4 q-side operands
+    (Q and dO, each row- and column-wise), the dQ phase Q and dO row-wise and K (both ways) and V row-wise."""
+    return max(B * group * SQ * D * 8, B * (group * SQ * 4 + SKV * 6) * D)
+
+
 def bwd_streams_bf16(B: int, HQ: int, HKV: int, SQ: int, SKV: int, D: int) -> bool:
     """The problem's choice of backward data path: True ("pre": per chunk of KV heads the streamed operands
     are dequantized to bf16 scratch first, faster) unless one KV head's scratch alone exceeds
     SCRATCH_BUDGET_BYTES, where the kernels stream FP8 and dequantize on chip (no scratch; same numbers)."""
-    group = max(1, HQ // max(1, HKV))
-    per_head = max(B * group * SQ * D * 10, B * (group * SQ * 4 + SKV * 6) * D)
-    return per_head <= SCRATCH_BUDGET_BYTES
+    return _pre_scratch_per_kv_head(B, max(1, HQ // max(1, HKV)), SQ, SKV, D) <= SCRATCH_BUDGET_BYTES
 
 
-#: rows of the delta pre-pass's tiles
-DELTA_BM = 64
+#: (BD, num_warps) of `_bwd_prep_kernel` by padded head dim (whole rows up to 128 columns: 0.072 ms against 0.087
+#: for 64-column slices at B2 H12 S4096 D128 on the H100, benchmarks/results/nvidia-h100-80gb-hbm3/experiments/prep_tiles.txt)
+PREP_TILES = {32: (32, 2), 64: (64, 4), 128: (128, 4), 256: (256, 8)}
+
+
+def bwd_prep(o, do, q_row, q_col, delta, h0: int, h1: int, sa, scratch: bool = True):
+    """The "pre" backward's operands for query heads h0 .. h1 in one launch of `_bwd_prep_kernel`: writes
+    delta[:, h0:h1] (fp32 [B, HQ, SQ]) and returns the bf16 [B, h1 - h0, SQ, D] scratch (dO row-wise, dO
+    column-wise, Q row-wise, Q column-wise), each the exact dequantization of that MXFP8 copy. o, do
+    [B, HQ, SQ, D] bf16/fp16 and q_row, q_col (MXFP8Tensor, segmented column scales for a packed batch) with
+    a unit stride along D; sa: `check_seq`'s SeqArgs. scratch False: delta alone (q_row, q_col may be None;
+    returns None)."""
+    B, HQ, SQ, D = o.shape
+    for name, t in (("o", o), ("do", do)):
+        if t.stride(3) != 1:
+            raise ValueError(f"{name} must have unit stride along D")
+    dp = padded_head_dim(D)
+    bd, warps = PREP_TILES[dp]
+    if scratch:
+        qrs, qcs = q_row.scale.view(torch.uint8), q_col.scale.view(torch.uint8)
+        q_in = (q_row.data, qrs, q_col.data, qcs)
+        out = [torch.empty((B, h1 - h0, SQ, D), dtype=torch.bfloat16, device=o.device) for _ in range(4)]
+        q_strides = (*q_row.data.stride()[:3], *qrs.stride()[:3], *qcs.stride()[:3], *q_col.data.stride()[:3])
+    else:  # (stand-ins the kernel never reads)
+        q_in, out, q_strides = (o,) * 4, [o] * 4, (0,) * 12
+    launch(_bwd_prep_kernel, (sa.q_tiles(SQ, MX_BLOCK.value), sa.programs(B, h1 - h0)), o, do, delta, *q_in, *out,
+           sa.cu_q, *o.stride()[:3], *do.stride()[:3], *q_strides, HQ, h0, h1 - h0, SQ, D, DP=dp, BD=bd,
+           SCRATCH=scratch, VARLEN=sa.varlen, PACKED=sa.packed, num_warps=warps)
+    return out if scratch else None
 
 
 def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stats, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   config=None, mode: str = "fp8", seq=None, bottom_right: bool = False) -> torch.Tensor:
-    """Launch delta pre-pass, dK/dV kernel and dQ kernel.
+    """Launch the prep pass, dK/dV kernel and dQ kernel (per chunk of heads in mode "pre").
 
     q_row, q_col: MXFP8Tensor [B,Hq,Sq,D] (row: scales [B,H,S,ceil(D/32)], col: scales [B,H,ceil(S/32),D]);
     k_row, k_col, v_row: MXFP8Tensor [B,Hkv,Skv,D]; do_row, do_col: MXFP8Tensor of dO (mode "fp8"; None
     allowed in mode "pre"); o, do [B,Hq,Sq,D] bf16/fp16; stats [B,Hq,Sq,1] fp32.
-    Writes dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D] (unit stride along D); returns the pre-pass's
+    Writes dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D] (unit stride along D); returns the prep pass's
     delta = rowsum(O * dO) fp32 [B,Hq,Sq] (what a sink's gradient needs).
     mode "fp8": the kernels read the FP8 operands and dequantize tiles in registers (least memory).
     mode "pre": per chunk of KV heads the streamed operands are first dequantized exactly to bf16 scratch
-    (dO quantized chunk-wise by the fused quantizer), then the kernels stream bf16 (same numbers, fewer ALU
+    (dO quantized chunk-wise, `bwd_prep`), then the kernels stream bf16 (same numbers, fewer ALU
     operations in the inner loops; at most about PRE_BUDGET_BYTES of scratch per chunk).
     config: optional ((BM, BN, warps, stages) of dK/dV, (BM, BN, warps, stages) of dQ) override (sweeps);
     every block size a multiple of 32 (dS is quantized in blocks of 32 inside a tile).
@@ -428,7 +493,7 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     B, HQ, SQ, D = q_row.data.shape
     HKV, SKV = k_row.data.shape[1], k_row.data.shape[2]
     group = HQ // HKV
-    dp = max(32, triton.next_power_of_2(D))
+    dp = padded_head_dim(D)
     for name, t in (("q_row", q_row), ("q_col", q_col), ("k_row", k_row), ("k_col", k_col), ("v_row", v_row),
                     ("do_row", do_row), ("do_col", do_col)):
         if t is None:
@@ -449,38 +514,29 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     if min(bm1, bn1, bm2, bn2) < 32 or any(x % 32 for x in (bm1, bn1, bm2, bn2)):
         raise ValueError(f"backward block sizes must be multiples of 32, got {config}")
     delta = torch.empty((B, HQ, SQ), dtype=torch.float32, device=o.device)
-    launch(_delta_kernel, (sa.q_tiles(SQ, DELTA_BM), sa.programs(B, HQ)), o, do, delta, sa.cu_q, *o.stride(),
-           *do.stride(), HQ, SQ, D, BM=DELTA_BM, DP=dp, VARLEN=sa.varlen, PACKED=sa.packed, num_warps=4)
     lb = 0 if left_bound is None else int(left_bound)
     rb = 0 if right_bound is None else int(right_bound)
     common = dict(HAS_LB=left_bound is not None, HAS_RB=right_bound is not None, DP=dp, EVEN_D=dp == D,
                   **sa.constexprs(bottom_right))
     args = (group, SQ, SKV, D, float(softmax_scale) * LOG2E.value, float(softmax_scale), int(offset), lb, rb)
     cfg1, cfg2 = (bm1, bn1, w1, st1), (bm2, bn2, w2, st2)
-    if mode == "fp8":
+    if mode == "fp8":  # delta alone first (the "pre" path gets it with its scratch)
+        bwd_prep(o, do, None, None, delta, 0, HQ, sa, scratch=False)
         _launch_dkdv(q_row, q_col, k_row, v_row, do_row, do_col, stats, delta, dk, dv, cfg1, False, args, common,
                      sa)
         _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, False, args, common, sa)
         return delta
-    from .triton_quantize import dequantize_bf16, quantize_rowcol
-    # scratch bytes per KV head: dK/dV phase holds 4 q-side bf16 operands (+ FP8 dO temporaries)
-    per_head = max(B * group * SQ * D * 10, B * (group * SQ * 4 + SKV * 6) * D)
+    per_head = _pre_scratch_per_kv_head(B, group, SQ, SKV, D)
     sms = torch.cuda.get_device_properties(o.device).multi_processor_count if o.is_cuda else 132
     # heads for about two waves of programs
-    want = triton.cdiv(2 * sms, max(1, sa.kv_tiles(SKV, bn1) * sa.programs(B, 1)))
+    want = cdiv(2 * sms, max(1, sa.kv_tiles(SKV, bn1) * sa.programs(B, 1)))
     hc = max(1, min(HKV, max(want, PRE_BUDGET_BYTES // max(1, per_head))))
     if hc * per_head > SCRATCH_BUDGET_BYTES:
         hc = max(1, SCRATCH_BUDGET_BYTES // per_head)
-    quant_seq = dict(cu_seqlens=seq.cu_seqlens_q, max_seqlen=seq.max_seqlen_q, packed=sa.packed) if sa.varlen \
-        else {}
     for h0 in range(0, HKV, hc):  # a loop over head chunks, not elements
         h1 = min(HKV, h0 + hc)
         q0, q1 = h0 * group, h1 * group
-        dq_ = quantize_rowcol(do[:, q0:q1], row_dequant=True, col_dequant=True, **quant_seq)
-        do_r, do_c = dq_.row_dequant, dq_.col_dequant
-        del dq_
-        q_r = dequantize_bf16(_heads(q_row, q0, q1))
-        q_c = dequantize_bf16(_heads(q_col, q0, q1), max_seqlen=sa.max_q)
+        do_r, do_c, q_r, q_c = bwd_prep(o, do, q_row, q_col, delta, q0, q1, sa)
         st, de = stats[:, q0:q1], delta[:, q0:q1]
         _launch_dkdv(q_r, q_c, _heads(k_row, h0, h1), _heads(v_row, h0, h1), do_r, do_c, st, de,
                      dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args, common, sa)

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
-from .triton_quantize import (LN2, LOG2_P_SCALE, LOG2E, P_SCALE, dequant_cols, dequant_rows, round_p_to_bf16,
-                              row_tiles, seq_programs, seq_span)
+from .triton_quantize import (LN2, LOG2_P_SCALE, LOG2E, P_SCALE, check_cu_seqlens, dequant_cols, dequant_rows,
+                              padded_head_dim, round_p_to_bf16, row_tiles, seq_programs, seq_span)
 
 BLOCK_N = 128  # KV block of the online softmax: fixed by the recipe, not a tuning knob
 
@@ -253,7 +253,7 @@ def fwd_streams_bf16(batch: int, heads_kv: int, rows_kv: int, head_dim: int) -> 
     plain bf16 operands, which Triton pipelines into the tensor cores (about 1.6x faster than dequantizing FP8
     on chip, H100 measurement in benchmarks/results); False (FP8 dequantized on chip, no scratch) for head
     dims above 128 or when the scratch would exceed SCRATCH_BUDGET_BYTES. Same numbers either way."""
-    dp = max(32, triton.next_power_of_2(head_dim))
+    dp = padded_head_dim(head_dim)
     return dp <= max(BF16_FWD_CONFIGS) and 2 * 2 * batch * heads_kv * rows_kv * head_dim <= SCRATCH_BUDGET_BYTES
 
 
@@ -310,7 +310,7 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
     B, HQ, SQ, D = q_data.shape
     HKV, SKV = k_data.shape[1], k_data.shape[2]
     sa = check_seq(seq, q_data, k_data, stats, bottom_right, offset)
-    dp = max(32, triton.next_power_of_2(D))
+    dp = padded_head_dim(D)
     u8 = torch.uint8
     kv_bf16 = k_scale is None
     if kv_bf16:
@@ -381,7 +381,6 @@ def check_seq(seq, q: torch.Tensor, k: torch.Tensor, stand_in: torch.Tensor, bot
             raise ValueError("bottom_right=True is for variable-length calls (seq); a dense call passes its "
                              "offset (Skv - Sq)")
         return SeqArgs(stand_in, stand_in, None, None, False, False)
-    from .triton_quantize import check_cu_seqlens
     packed = bool(seq.packed)
     check_cu_seqlens(seq.cu_seqlens_q, "seq.cu_seqlens_q", q, packed)
     check_cu_seqlens(seq.cu_seqlens_kv, "seq.cu_seqlens_kv", k, packed)

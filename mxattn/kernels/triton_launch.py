@@ -32,6 +32,17 @@ MAX_ENTRIES = 2048
 _CACHES: Dict[int, Dict[tuple, Tuple[object, tuple]]] = {}
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host ints (`triton.cdiv` is a constexpr function in Triton 3.6: several microseconds of
+    argument unwrapping per host call)."""
+    return -(-a // b)
+
+
+def pow2_ceil(n: int) -> int:
+    """The least power of two >= n (n >= 1), for host ints (as `triton.next_power_of_2`, without its cost)."""
+    return 1 << (n - 1).bit_length()
+
+
 def _args_key(args) -> tuple:
     """ints as themselves; tensors as (dtype, low 4 address bits); floats as (float,); anything else (bools)
     as (type, value), so no two kinds of argument share a key entry."""
@@ -76,4 +87,4 @@ def launch(fn, grid, *args, **kwargs) -> None:
                kernel.packed_metadata, None, None, None, *args, *tail)
 
 
-__all__ = ["launch", "FAST_PATH", "MAX_ENTRIES"]
+__all__ = ["launch", "cdiv", "pow2_ceil", "FAST_PATH", "MAX_ENTRIES"]

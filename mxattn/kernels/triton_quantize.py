@@ -22,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import launch
+from ..checks import check_bhsd_tensor
+from ..formats import MXFP8Tensor
+from .triton_launch import cdiv, launch, pow2_ceil
 
 # --------------------------------------------------------------------------- recipe constants (spec sections 6, 7)
 # tl.constexpr so that @triton.jit code can read them; host code uses `.value`.
@@ -175,6 +177,26 @@ def dequant_cols(x, s, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def quantize_rows(x, R: tl.constexpr, C: tl.constexpr):
+    """fp32 [R, C] -> (E4M3 [R, C], int32 E8M0 exponents [R, C // 32]), blocks of 32 along axis 1; a block
+    holding a NaN gets exponent 255 and NaN elements."""
+    x3 = tl.reshape(x, (R, C // 32, 32))
+    e = scale_exponent_from_bits(block_amax_bits(x3, 2))
+    y = tl.where((e == 255)[:, :, None], float("nan"), x3 * inv_pow2_of_biased(e)[:, :, None])
+    return tl.reshape(y.to(tl.float8e4nv), (R, C)), e
+
+
+@triton.jit
+def quantize_cols(x, R: tl.constexpr, C: tl.constexpr):
+    """fp32 [R, C] -> (E4M3 [R, C], int32 E8M0 exponents [R // 32, C]), blocks of 32 along axis 0 (as
+    quantize_rows)."""
+    x3 = tl.reshape(x, (R // 32, 32, C))
+    e = scale_exponent_from_bits(block_amax_bits(x3, 1))
+    y = tl.where((e == 255)[:, None, :], float("nan"), x3 * inv_pow2_of_biased(e)[:, None, :])
+    return tl.reshape(y.to(tl.float8e4nv), (R, C)), e
+
+
+@triton.jit
 def qdq_rows(x, R: tl.constexpr, C: tl.constexpr):
     """fp32 [R, C] -> MXFP8 (E4M3, blocks of 32 along axis 1) and back, as bf16 [R, C]."""
     x3 = tl.reshape(x, (R, C // 32, 32))
@@ -227,10 +249,7 @@ def _quantize_rowcol_kernel(
     x = tl.load(X + bt * sxb + h * sxh + start * sxs + offs_s[:, None] * sxs + offs_d[None, :] * sxd,
                 mask=(offs_s < length)[:, None] & dmask, other=0.0).to(tl.float32)
     if ROW:
-        x3 = tl.reshape(x, (BS, BD // 32, 32))
-        e = scale_exponent_from_bits(block_amax_bits(x3, 2))
-        y = tl.where((e == 255)[:, :, None], float("nan"), x3 * inv_pow2_of_biased(e)[:, :, None])
-        q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
+        q, e = quantize_rows(x, BS, BD)
         tl.store(QR + bt * sqrb + h * sqrh + start * sqrs + offs_s[:, None] * sqrs + offs_d[None, :] * sqrd, q,
                  mask=mask)
         if ROW_DQ:
@@ -243,10 +262,7 @@ def _quantize_rowcol_kernel(
             off = _swizzle_offset(offs_s[:, None], offs_k[None, :], SRZ_KP)
             tl.store(SRZ + pid_bh.to(tl.int64) * SRZ_SLAB + off, e.to(tl.uint8), mask=smask)
     if COL:
-        x3 = tl.reshape(x, (BS // 32, 32, BD))
-        e = scale_exponent_from_bits(block_amax_bits(x3, 1))
-        y = tl.where((e == 255)[:, None, :], float("nan"), x3 * inv_pow2_of_biased(e)[:, None, :])
-        q = tl.reshape(y.to(tl.float8e4nv), (BS, BD))
+        q, e = quantize_cols(x, BS, BD)
         if COL_SEQ_MAJOR:  # whole blocks, the rows past the sequence's end zeros (also in a NaN block)
             q = tl.where((offs_s < length)[:, None], q, 0.0)
             tl.store(QC + bt * sqcb + h * sqch + (blk0 * MX_BLOCK + offs_s)[:, None] * sqcs + offs_d[None, :] * sqcd,
@@ -302,8 +318,9 @@ class SeqMajorColumns(NamedTuple):
     scale: torch.Tensor
 
 
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
+def padded_head_dim(d: int) -> int:
+    """The head dim the kernels' tiles span: the least power of two >= d, at least one MXFP8 block (32)."""
+    return max(MX_BLOCK.value, pow2_ceil(d))
 
 
 #: CUDA's limit on the y and z extents of a grid (the attention and quantizer grids put sequences * heads there)
@@ -328,7 +345,7 @@ def row_tiles(n_rows: int, block: int, max_seqlen: Optional[int] = None, packed:
     n_rows (the padding rows of a padded batch get their zeros from the kernels)."""
     if packed and max_seqlen is not None:
         n_rows = min(n_rows, max_seqlen)
-    return _cdiv(n_rows, block)
+    return cdiv(n_rows, block)
 
 
 def check_cu_seqlens(cu_seqlens, name: str, x: torch.Tensor, packed: bool) -> None:
@@ -352,25 +369,13 @@ def col_scale_rows(n_rows: int, cu_seqlens: Optional[torch.Tensor] = None, packe
     """Rows of a column-wise scale tensor: ceil(S / 32), or T // 32 + B for a packed batch (segments)."""
     if packed:
         return n_rows // MX_BLOCK.value + cu_seqlens.numel() - 1
-    return _cdiv(n_rows, MX_BLOCK.value)
+    return cdiv(n_rows, MX_BLOCK.value)
 
 
 def _data_like(x: torch.Tensor) -> torch.Tensor:
-    """FP8 tensor with x's strides when x is dense, else contiguous (the MXFP8Tensor data convention)."""
-    if x.is_contiguous() or _is_dense(x):
-        return torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=torch.preserve_format)
-    return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-
-
-def _is_dense(x: torch.Tensor) -> bool:
-    """True when x's elements exactly fill a storage block of numel elements (any dimension order)."""
-    order = sorted(range(x.dim()), key=lambda i: x.stride(i))
-    expected = 1
-    for i in order:
-        if x.shape[i] != 1 and x.stride(i) != expected:
-            return False
-        expected *= x.shape[i]
-    return True
+    """FP8 tensor with x's strides when x is non-overlapping and dense, else contiguous (the MXFP8Tensor data
+    convention; torch's preserve_format rule, for x with a unit stride along D as the callers pass it)."""
+    return torch.empty_like(x, dtype=torch.float8_e4m3fn)
 
 
 #: (BLOCK_S, num_warps, max BLOCK_D) of the quantizer (fastest of a sweep on an H200). Small tiles keep registers low
@@ -393,9 +398,6 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
     max_seqlen bounds the longest sequence of a packed batch (sizes the grid; default T). swizzle is not
     available for a packed batch. col_seq_major: return the column-wise copy as `SeqMajorColumns` (the forward
     kernel's V layout) in the col_seq_major field instead of an MXFP8Tensor in col (not with col_dequant)."""
-    from ..checks import check_bhsd_tensor
-    from ..formats import MXFP8Tensor
-
     if not (row or col):
         raise ValueError("quantize_rowcol: at least one of row, col must be True")
     if (row_dequant and not row) or (col_dequant and not col):
@@ -416,7 +418,7 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         raise ValueError("quantize_rowcol: packed=True needs cu_seqlens")
     packed = varlen and bool(packed)
     B, H, S, D = x.shape
-    nr, nc = _cdiv(D, 32), col_scale_rows(S, cu_seqlens, packed)
+    nr, nc = cdiv(D, 32), col_scale_rows(S, cu_seqlens, packed)
     dev = x.device
     # pointers of outputs not asked for are never dereferenced (their stores sit under false constexprs), so
     # an existing tensor stands in for them instead of fresh allocations (host time per call matters here)
@@ -430,11 +432,11 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
     sc = (torch.zeros if packed else torch.empty)((B, H, nc, D), dtype=torch.uint8, device=dev) if col else sr
     qr = qc if qr is None else qr
     sr = sc if sr is None else sr
-    srz_kp, scz_kp = _cdiv(nr, 4) * 4, _cdiv(nc, 4) * 4
-    srz_slab, scz_slab = _cdiv(S, 128) * 128 * srz_kp, _cdiv(D, 128) * 128 * scz_kp
-    srz = torch.zeros((B, H, _cdiv(S, 128) * 128, srz_kp), dtype=torch.uint8, device=dev) \
+    srz_kp, scz_kp = cdiv(nr, 4) * 4, cdiv(nc, 4) * 4
+    srz_slab, scz_slab = cdiv(S, 128) * 128 * srz_kp, cdiv(D, 128) * 128 * scz_kp
+    srz = torch.zeros((B, H, cdiv(S, 128) * 128, srz_kp), dtype=torch.uint8, device=dev) \
         if (swizzle and row) else sr
-    scz = torch.zeros((B, H, _cdiv(D, 128) * 128, scz_kp), dtype=torch.uint8, device=dev) \
+    scz = torch.zeros((B, H, cdiv(D, 128) * 128, scz_kp), dtype=torch.uint8, device=dev) \
         if (swizzle and col) else sc
     rdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if row_dequant else None
     cdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if col_dequant else None
@@ -442,8 +444,8 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         bs, warps, *bd_ = tile if tile is not None else QUANT_TILE
         if bs < 32 or bs % 32:
             raise ValueError(f"tile BLOCK_S must be a positive multiple of 32, got {bs}")
-        bd = min(bd_[0] if bd_ else 128, max(32, triton.next_power_of_2(D)))
-        grid = (row_tiles(S, bs, max_seqlen, packed), _cdiv(D, bd), seq_programs(B, H, cu_seqlens, packed))
+        bd = min(bd_[0] if bd_ else 128, padded_head_dim(D))
+        grid = (row_tiles(S, bs, max_seqlen, packed), cdiv(D, bd), seq_programs(B, H, cu_seqlens, packed))
         qr_st = qr.stride() if row else (0, 0, 0, 0)
         qc_st = qc.stride() if col else (0, 0, 0, 0)
         launch(_quantize_rowcol_kernel, grid,
@@ -454,8 +456,9 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
                VARLEN=varlen, PACKED=packed, COL_SEQ_MAJOR=col_seq_major, num_warps=warps)
     e8 = torch.float8_e8m0fnu
     return RowColQuantized(
-        MXFP8Tensor(qr, sr.view(e8), 3) if row else None,
-        MXFP8Tensor(qc, sc.view(e8), 2, cu_seqlens if packed else None) if col and not col_seq_major else None,
+        MXFP8Tensor.unchecked(qr, sr.view(e8), 3) if row else None,
+        MXFP8Tensor.unchecked(qc, sc.view(e8), 2, cu_seqlens if packed else None)
+        if col and not col_seq_major else None,
         srz.view(e8) if (swizzle and row) else None,
         scz.view(e8) if (swizzle and col) else None,
         rdq if row_dequant else None,
@@ -513,8 +516,8 @@ def dequantize_bf16(t, out: Optional[torch.Tensor] = None, max_seqlen: Optional[
     if t.data.numel() == 0:
         return y
     sc = t.scale.view(torch.uint8)
-    bd = min(128, max(32, triton.next_power_of_2(D)))
-    grid = (row_tiles(S, 32, max_seqlen, packed), _cdiv(D, bd), seq_programs(B, H, segments, packed))
+    bd = min(128, padded_head_dim(D))
+    grid = (row_tiles(S, 32, max_seqlen, packed), cdiv(D, bd), seq_programs(B, H, segments, packed))
     launch(_dequant_kernel, grid, t.data, *t.data.stride()[:3], sc, *sc.stride()[:3], y,
            segments if packed else sc, H, S, D, AXIS_ROW=t.axis == 3, BS=32, BD=bd, PACKED=packed, num_warps=4)
     return y
