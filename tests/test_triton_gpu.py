@@ -283,9 +283,8 @@ def test_inference_forward_makes_only_the_forward_copies(monkeypatch):
     triton_backend()
     q, k, v, _ = _make(2, 4, 2, 300, 300, 128, seed=9)
     kinds = []
-    real = tq.quantize_rowcol
-    monkeypatch.setattr(tq, "quantize_rowcol", lambda x, **kw: kinds.append(
-        (kw.get("row", True), kw.get("col", True))) or real(x, **kw))
+    real = tq._prepare
+    monkeypatch.setattr(tq, "_prepare", lambda x, **kw: kinds.append((kw["row"], kw["col"])) or real(x, **kw))
     with torch.no_grad():
         o_inf = mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", attn_mask_type="causal", backend="triton")
     assert kinds == [(True, False), (True, False), (True, True)]  # (V: row=True as col_dequant needs it)
@@ -321,3 +320,54 @@ def test_quantizer_bytes_do_not_depend_on_the_outputs_requested(shape):
             assert torch.equal(as_bytes(got.col_seq_major.data)[..., :shape[2]], as_bytes(full.col.data).transpose(2, 3))
     with pytest.raises(ValueError, match="col_dequant needs row=True"):
         quantize_rowcol(x, row=False, col_dequant=True)
+
+
+@pytest.mark.parametrize("kind", ["dense_gqa_cross", "padded", "packed", "empty_kv"])
+def test_quantize_qkv_equals_three_calls(kind):
+    """The forward's one-launch quantization of Q, K and V writes the bytes and bf16 copies of three
+    `quantize_rowcol` calls with the same options (tensors of different lengths and head counts, variable
+    lengths, the seq-major V copy, an empty K/V)."""
+    from mxattn.kernels.triton_quantize import quantize_qkv, quantize_rowcol
+    from mxattn.seqinfo import SeqInfo
+    triton_backend()
+    g = torch.Generator(device="cuda").manual_seed(4)
+    qa, kva = {}, {}
+    if kind == "packed":
+        cu_q = torch.tensor([0, 5, 70, 200], dtype=torch.int32, device="cuda")
+        cu_kv = torch.tensor([0, 33, 33, 100], dtype=torch.int32, device="cuda")
+        q = torch.randn(200, 4, 64, device="cuda", generator=g).permute(1, 0, 2).unsqueeze(0)
+        k, v = (torch.randn(100, 2, 64, device="cuda", generator=g).permute(1, 0, 2).unsqueeze(0) for _ in range(2))
+        qa = dict(cu_seqlens=cu_q, max_seqlen=130, packed=True)
+        kva = dict(cu_seqlens=cu_kv, max_seqlen=67, packed=True)
+    else:
+        skv = 0 if kind == "empty_kv" else 333
+        q = _special(torch.randn(2, 4, 200, 128, device="cuda", dtype=torch.bfloat16, generator=g))
+        k, v = (torch.randn(2, 2, skv, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        if kind == "padded":
+            qa = dict(cu_seqlens=torch.tensor([0, 150, 350], dtype=torch.int32, device="cuda"))
+            kva = dict(cu_seqlens=torch.tensor([0, 333, 400], dtype=torch.int32, device="cuda"))
+    for v_opts in (dict(row=True, col_dequant=True), dict(row=False, col_seq_major=True)):
+        opts = (dict(qa), dict(kva, row_dequant=True), dict(kva, **v_opts))
+        got = quantize_qkv(q, k, v, *opts)
+        for x, o, res in zip((q, k, v), opts, got):
+            exp = quantize_rowcol(x, **o)
+            for name in ("row", "col"):
+                a, b = getattr(res, name), getattr(exp, name)
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert torch.equal(as_bytes(a.data), as_bytes(b.data)), (kind, name)
+                    assert torch.equal(as_bytes(a.scale), as_bytes(b.scale)), (kind, name)
+            for name in ("row_dequant", "col_dequant"):
+                a, b = getattr(res, name), getattr(exp, name)
+                assert (a is None) == (b is None) and (a is None or same_values(a, b)), (kind, name)
+            if exp.col_seq_major is not None:
+                cols = slice(None)
+                if kind == "packed":  # only the columns of sequences' blocks are written
+                    cu = o["cu_seqlens"].tolist()
+                    cols = [(c // 32 + b) * 32 + j for b, (c, n) in enumerate(zip(cu, cu[1:]))
+                            for j in range(-(-(n - c) // 32) * 32)]
+                assert torch.equal(as_bytes(res.col_seq_major.data)[..., cols],
+                                   as_bytes(exp.col_seq_major.data)[..., cols])
+                assert torch.equal(as_bytes(res.col_seq_major.scale), as_bytes(exp.col_seq_major.scale))
+    with pytest.raises(ValueError, match="share tile"):
+        quantize_qkv(q, k, v, dict(qa, tile=(64, 4)), kva, kva)

@@ -83,6 +83,36 @@ def test_quantizer_varlen_shapes_without_a_kernel(monkeypatch):
     assert grid == (10, 1, 12) and kw["VARLEN"] and not kw["PACKED"]
 
 
+def test_quantize_qkv_is_one_launch_unless_the_grid_overflows(monkeypatch):
+    """The forward's Q, K, V quantization: one launch over the three tensors' programs (grid rows of the
+    longest), three launches when their sequences * heads exceed a grid axis; refusals before any launch."""
+    from mxattn import checks
+    from mxattn.kernels import triton_quantize as tq
+
+    launched = []
+    monkeypatch.setattr(tq, "launch", lambda fn, grid, *a, **k: launched.append((fn, grid, len(a), k)))
+    real = checks.check_bhsd_tensor
+    monkeypatch.setattr(tq, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))
+    q, k, v = torch.zeros(2, 4, 64, 32), torch.zeros(2, 2, 160, 32), torch.zeros(2, 2, 160, 32)
+    qq, kq, vq = tq.quantize_qkv(q, k, v, {}, dict(row_dequant=True), dict(col_seq_major=True))
+    (fn, grid, n_args, kw), = launched
+    assert fn is tq._quantize_qkv_kernel and grid == (5, 1, 8 + 4 + 4) and n_args == 3 * tq.TILE_ARGS_NO_SWIZZLE + 2
+    assert (kw["ROW_DQ1"], kw["CSM2"], kw["CSM0"], kw["COL_DQ2"]) == (True, True, False, False)
+    assert kq.row_dequant.shape == (2, 2, 160, 32) and vq.col_seq_major.data.shape == (2, 2, 32, 160)
+    assert qq.row.data.shape == (2, 4, 64, 32) and qq.col.scale.shape == (2, 4, 2, 32)
+    launched.clear()
+    monkeypatch.setattr(tq, "MAX_GRID_YZ", 15)
+    tq.quantize_qkv(q, k, v, {}, {}, {})
+    one = tq._quantize_rowcol_kernel
+    assert [(fn, grid) for fn, grid, _, _ in launched] == [(one, (2, 1, 8)), (one, (5, 1, 4)), (one, (5, 1, 4))]
+    launched.clear()
+    with pytest.raises(ValueError, match="share tile"):
+        tq.quantize_qkv(q, k, v, dict(swizzle=True), {}, {})
+    with pytest.raises(ValueError, match="share tile"):
+        tq.quantize_qkv(q, k, v, {}, dict(tile=(64, 4)), {})
+    assert not launched
+
+
 def test_grid_helpers():
     from mxattn.kernels.triton_quantize import MAX_GRID_YZ, col_scale_rows, row_tiles, seq_programs
     # packed: tiles for the longest sequence only (4096 + 128 + 128 costs about its tokens)

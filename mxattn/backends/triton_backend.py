@@ -1,10 +1,11 @@
 """The "triton" AttentionBackend: cuDNN's MXFP8 attention numerics on GPUs without MXFP8 tensor cores.
 
-Forward: the fused Triton quantizer turns Q, K, V into row-wise and column-wise MXFP8 (one read each) and the
-forward kernel runs on Q/K row-wise and V column-wise. K and V reach it as their exact bf16 dequantizations
-written by the quantizer (scratch freed after the kernel; the faster path) or, for head dims above 128 and
-problems whose scratch would exceed its budget, as FP8 (V's column-wise copy seq-major) dequantized on chip
-(`fwd_streams_bf16` chooses). Q row+col, K row+col, V row are kept for backward (nothing without a backward).
+Forward: the fused Triton quantizer turns Q, K, V into row-wise and column-wise MXFP8 (one read each, one
+launch for the three) and the forward kernel runs on Q/K row-wise and V column-wise. K and V reach it as their
+exact bf16 dequantizations written by the quantizer (scratch freed after the kernel; the faster path) or, for
+head dims above 128 and problems whose scratch would exceed its budget, as FP8 (V's column-wise copy
+seq-major) dequantized on chip (`fwd_streams_bf16` chooses). Q row+col, K row+col, V row are kept for backward
+(nothing without a backward).
 Backward: one prep pass computes delta = rowsum(O * dO) and, on the bf16-scratch path, quantizes dO both ways
 and dequantizes it and Q's copies to bf16 scratch; then the dK/dV kernel and the dQ kernel run (deterministic:
 no atomics, fixed summation order, also for GQA). See mxattn/kernels/.
@@ -146,12 +147,14 @@ class TritonBackend(AttentionBackend):
         tq, tf, _ = _kernels()
         bwd = params.needs_backward  # without a backward pass only the forward's copies are made
         kv_bf16 = tf.fwd_streams_bf16(B, hkv, skv, d)  # the problem's data path: bf16 scratch or FP8 on chip
-        qq = tq.quantize_rowcol(_inner_unit(q), col=bwd, **_quant_args(params, "q"))
-        kq = tq.quantize_rowcol(_inner_unit(k), col=bwd, row_dequant=kv_bf16, **_quant_args(params, "kv"))
-        # row=kv_bf16 without a backward too: the quantizer refuses col_dequant without row (a Triton 3.6 sm_90
-        # miscompile of that one combination), so V's row-wise copy is written and dropped there
-        vq = tq.quantize_rowcol(_inner_unit(v), row=bwd or kv_bf16, col_seq_major=not kv_bf16, col_dequant=kv_bf16,
-                                **_quant_args(params, "kv"))
+        kv_args = _quant_args(params, "kv")
+        # one launch for the three; V's row=kv_bf16 without a backward too: the quantizer refuses col_dequant
+        # without row (a Triton 3.6 sm_90 miscompile of that one combination), so V's row-wise copy is written
+        # and dropped there
+        qq, kq, vq = tq.quantize_qkv(
+            _inner_unit(q), _inner_unit(k), _inner_unit(v), dict(col=bwd, **_quant_args(params, "q")),
+            dict(col=bwd, row_dequant=kv_bf16, **kv_args),
+            dict(row=bwd or kv_bf16, col_seq_major=not kv_bf16, col_dequant=kv_bf16, **kv_args))
         o = _like(q, params.out_dtype)
         stats = torch.empty((B, hq, sq, 1), dtype=torch.float32, device=q.device)
         sink = None if params.sink is None else params.sink.float().contiguous()

@@ -438,8 +438,9 @@ def bwd_streams_bf16(B: int, HQ: int, HKV: int, SQ: int, SKV: int, D: int) -> bo
     return _pre_scratch_per_kv_head(B, max(1, HQ // max(1, HKV)), SQ, SKV, D) <= SCRATCH_BUDGET_BYTES
 
 
-#: (BD, num_warps) of `_bwd_prep_kernel` by padded head dim (whole rows up to 128 columns: 0.072 ms against 0.087
-#: for 64-column slices at B2 H12 S4096 D128 on the H100, benchmarks/results/nvidia-h100-80gb-hbm3/experiments/prep_tiles.txt)
+#: (BD, num_warps) of `_bwd_prep_kernel` by padded head dim: whole rows up to 128 columns (0.072 ms against
+#: 0.087 for 64-column slices at B2 H12 S4096 D128 on the H100;
+#: benchmarks/results/nvidia-h100-80gb-hbm3/experiments/prep_tiles.txt)
 PREP_TILES = {32: (32, 2), 64: (64, 4), 128: (128, 4), 256: (256, 8)}
 
 

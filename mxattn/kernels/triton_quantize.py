@@ -16,7 +16,7 @@ start, the column scales being [1, H, T // 32 + B, D] with sequence b's blocks f
 (`mxattn.formats.segment_block_start`; unused rows hold byte 0).
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -212,35 +212,38 @@ def _swizzle_offset(m, k, KP):
     return ((m // 128) * (KP // 4) + k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
 
 
+#: the run-time arguments of `_quantize_tile`, per quantized tensor, in order (the last six only for swizzle)
+TILE_ARGS = 31
+#: ... of which the fused Q/K/V launch passes the first ones (no swizzled scales there)
+TILE_ARGS_NO_SWIZZLE = 25
+
+
 @triton.jit
-def _quantize_rowcol_kernel(
+def _quantize_tile(
+        pid_s, pid_d, pid_bh,
         X, sxb, sxh, sxs, sxd,
         QR, sqrb, sqrh, sqrs, sqrd, SR,
         QC, sqcb, sqch, sqcs, sqcd, SC,
-        SRZ, SCZ, RDQ, CDQ, CU,
-        H, S, D, NR, NC, SRZ_KP, SRZ_SLAB, SCZ_KP, SCZ_SLAB,
+        RDQ, CDQ, CU, H, S, D, NR, NC,
+        SRZ, SCZ, SRZ_KP, SRZ_SLAB, SCZ_KP, SCZ_SLAB,
         BS: tl.constexpr, BD: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SWZ: tl.constexpr,
         ROW_DQ: tl.constexpr, COL_DQ: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr,
         COL_SEQ_MAJOR: tl.constexpr):
-    """One [BS, BD] tile of x read once -> row-wise and/or column-wise E4M3 data and E8M0 scales, and on
-    request their exact BF16 dequantizations (contiguous [B, H, S, D]; the backward's bf16 scratch).
-    Grid (row tiles, D tiles, sequences * H); offs_s are rows of the program's sequence (`seq_span`).
+    """Tile (pid_s, pid_d) of sequence * head pid_bh: a [BS, BD] tile of x read once -> row-wise and/or
+    column-wise E4M3 data and E8M0 scales, and on request their exact BF16 dequantizations (contiguous
+    [B, H, S, D]; the backward's bf16 scratch). offs_s are rows of the program's sequence (`seq_span`).
     COL_SEQ_MAJOR: the column-wise data goes to QC = [B, H, D, L] (strides sqc*: unit along L) with sequence row
     n at column blk0 * 32 + n, zeros up to the end of its last block (`SeqMajorColumns`)."""
-    pid_s = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    pid_bh = tl.program_id(2)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     bt, start, length, blk0 = seq_span(CU, b, S, VARLEN, PACKED)
-    if PACKED:
-        if pid_s * BS >= length:  # past the end of this sequence: nothing to do
-            return
     # rows written: a packed program owns its sequence's rows only; a padded one writes zeros on padding
     if PACKED:
         n_out = length
     else:
         n_out = S
+    if pid_s * BS >= n_out:  # past the rows to write (a grid sized for a longer tensor, or sequence)
+        return
     slab = (bt * H + h) * S + start  # first row of (bt, h) in the contiguous [B, H, S, *] outputs
     offs_s = pid_s * BS + tl.arange(0, BS)
     offs_d = pid_d * BD + tl.arange(0, BD)
@@ -283,6 +286,53 @@ def _quantize_rowcol_kernel(
         if SWZ:
             off = _swizzle_offset(offs_d[None, :], offs_j[:, None], SCZ_KP)
             tl.store(SCZ + pid_bh.to(tl.int64) * SCZ_SLAB + off, e.to(tl.uint8), mask=smask)
+
+
+@triton.jit
+def _quantize_rowcol_kernel(
+        X, sxb, sxh, sxs, sxd, QR, sqrb, sqrh, sqrs, sqrd, SR, QC, sqcb, sqch, sqcs, sqcd, SC,
+        RDQ, CDQ, CU, H, S, D, NR, NC, SRZ, SCZ, SRZ_KP, SRZ_SLAB, SCZ_KP, SCZ_SLAB,
+        BS: tl.constexpr, BD: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SWZ: tl.constexpr,
+        ROW_DQ: tl.constexpr, COL_DQ: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr,
+        COL_SEQ_MAJOR: tl.constexpr):
+    """`_quantize_tile` for one tensor. Grid (row tiles, D tiles, sequences * H)."""
+    _quantize_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                   X, sxb, sxh, sxs, sxd, QR, sqrb, sqrh, sqrs, sqrd, SR, QC, sqcb, sqch, sqcs, sqcd, SC,
+                   RDQ, CDQ, CU, H, S, D, NR, NC, SRZ, SCZ, SRZ_KP, SRZ_SLAB, SCZ_KP, SCZ_SLAB,
+                   BS, BD, ROW, COL, SWZ, ROW_DQ, COL_DQ, VARLEN, PACKED, COL_SEQ_MAJOR)
+
+
+@triton.jit
+def _quantize_qkv_kernel(
+        X0, s0xb, s0xh, s0xs, s0xd, QR0, s0rb, s0rh, s0rs, s0rd, SR0, QC0, s0cb, s0ch, s0cs, s0cd, SC0,
+        RDQ0, CDQ0, CU0, H0, S0, D0, NR0, NC0,
+        X1, s1xb, s1xh, s1xs, s1xd, QR1, s1rb, s1rh, s1rs, s1rd, SR1, QC1, s1cb, s1ch, s1cs, s1cd, SC1,
+        RDQ1, CDQ1, CU1, H1, S1, D1, NR1, NC1,
+        X2, s2xb, s2xh, s2xs, s2xd, QR2, s2rb, s2rh, s2rs, s2rd, SR2, QC2, s2cb, s2ch, s2cs, s2cd, SC2,
+        RDQ2, CDQ2, CU2, H2, S2, D2, NR2, NC2,
+        N0, N1,
+        BS: tl.constexpr, BD: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr,
+        ROW0: tl.constexpr, COL0: tl.constexpr, ROW_DQ0: tl.constexpr, COL_DQ0: tl.constexpr, CSM0: tl.constexpr,
+        ROW1: tl.constexpr, COL1: tl.constexpr, ROW_DQ1: tl.constexpr, COL_DQ1: tl.constexpr, CSM1: tl.constexpr,
+        ROW2: tl.constexpr, COL2: tl.constexpr, ROW_DQ2: tl.constexpr, COL_DQ2: tl.constexpr, CSM2: tl.constexpr):
+    """`_quantize_tile` for three tensors (the forward's Q, K, V) in one launch, each with its own outputs
+    (ROWi, COLi, ROW_DQi, COL_DQi, CSMi = COL_SEQ_MAJOR) and no swizzled scales. Grid (row tiles of the
+    longest, D tiles, N0 + N1 + N2 = the three tensors' sequences * heads, in that order)."""
+    pid_s = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    pid_z = tl.program_id(2)
+    if pid_z < N0:
+        _quantize_tile(pid_s, pid_d, pid_z, X0, s0xb, s0xh, s0xs, s0xd, QR0, s0rb, s0rh, s0rs, s0rd, SR0,
+                       QC0, s0cb, s0ch, s0cs, s0cd, SC0, RDQ0, CDQ0, CU0, H0, S0, D0, NR0, NC0, SR0, SR0, 0, 0, 0, 0,
+                       BS, BD, ROW0, COL0, False, ROW_DQ0, COL_DQ0, VARLEN, PACKED, CSM0)
+    elif pid_z < N0 + N1:
+        _quantize_tile(pid_s, pid_d, pid_z - N0, X1, s1xb, s1xh, s1xs, s1xd, QR1, s1rb, s1rh, s1rs, s1rd, SR1,
+                       QC1, s1cb, s1ch, s1cs, s1cd, SC1, RDQ1, CDQ1, CU1, H1, S1, D1, NR1, NC1, SR1, SR1, 0, 0, 0, 0,
+                       BS, BD, ROW1, COL1, False, ROW_DQ1, COL_DQ1, VARLEN, PACKED, CSM1)
+    else:
+        _quantize_tile(pid_s, pid_d, pid_z - N0 - N1, X2, s2xb, s2xh, s2xs, s2xd, QR2, s2rb, s2rh, s2rs, s2rd,
+                       SR2, QC2, s2cb, s2ch, s2cs, s2cd, SC2, RDQ2, CDQ2, CU2, H2, S2, D2, NR2, NC2, SR2, SR2, 0, 0,
+                       0, 0, BS, BD, ROW2, COL2, False, ROW_DQ2, COL_DQ2, VARLEN, PACKED, CSM2)
 
 
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -398,6 +448,39 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
     max_seqlen bounds the longest sequence of a packed batch (sizes the grid; default T). swizzle is not
     available for a packed batch. col_seq_major: return the column-wise copy as `SeqMajorColumns` (the forward
     kernel's V layout) in the col_seq_major field instead of an MXFP8Tensor in col (not with col_dequant)."""
+    call = _prepare(x, row=row, col=col, swizzle=swizzle, row_dequant=row_dequant, col_dequant=col_dequant,
+                    tile=tile, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, packed=packed,
+                    col_seq_major=col_seq_major)
+    if x.numel() > 0:
+        _launch_one(call)
+    return call.result
+
+
+def _launch_one(c: "_QuantizeCall") -> None:
+    launch(_quantize_rowcol_kernel, c.grid, *c.args, **c.flags, BS=c.bs, BD=c.bd, VARLEN=c.varlen, PACKED=c.packed,
+           num_warps=c.warps)
+
+
+class _QuantizeCall(NamedTuple):
+    """One tensor's launch of `_quantize_tile`, prepared: its TILE_ARGS run-time arguments, grid, per-tensor
+    constexprs (ROW, COL, SWZ, ROW_DQ, COL_DQ, COL_SEQ_MAJOR), tile (bs, bd, warps), the variable-length flags
+    and what the caller gets back once it ran."""
+
+    args: tuple
+    grid: tuple
+    flags: dict
+    bs: int
+    bd: int
+    warps: int
+    varlen: bool
+    packed: bool
+    result: RowColQuantized
+
+
+def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequant: bool, col_dequant: bool, tile,
+             cu_seqlens: Optional[torch.Tensor], max_seqlen: Optional[int], packed: bool,
+             col_seq_major: bool) -> _QuantizeCall:
+    """`quantize_rowcol`'s checks and output allocations (its arguments), without the launch."""
     if not (row or col):
         raise ValueError("quantize_rowcol: at least one of row, col must be True")
     if (row_dequant and not row) or (col_dequant and not col):
@@ -440,22 +523,18 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         if (swizzle and col) else sc
     rdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if row_dequant else None
     cdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if col_dequant else None
-    if x.numel() > 0:
-        bs, warps, *bd_ = tile if tile is not None else QUANT_TILE
-        if bs < 32 or bs % 32:
-            raise ValueError(f"tile BLOCK_S must be a positive multiple of 32, got {bs}")
-        bd = min(bd_[0] if bd_ else 128, padded_head_dim(D))
-        grid = (row_tiles(S, bs, max_seqlen, packed), cdiv(D, bd), seq_programs(B, H, cu_seqlens, packed))
-        qr_st = qr.stride() if row else (0, 0, 0, 0)
-        qc_st = qc.stride() if col else (0, 0, 0, 0)
-        launch(_quantize_rowcol_kernel, grid,
-               x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, srz, scz, x if rdq is None else rdq,
-               x if cdq is None else cdq, cu_seqlens if varlen else sr, H, S, D, nr, nc, srz_kp, srz_slab,
-               scz_kp, scz_slab,
-               BS=bs, BD=bd, ROW=row, COL=col, SWZ=swizzle, ROW_DQ=row_dequant, COL_DQ=col_dequant,
-               VARLEN=varlen, PACKED=packed, COL_SEQ_MAJOR=col_seq_major, num_warps=warps)
+    bs, warps, *bd_ = tile if tile is not None else QUANT_TILE
+    if bs < 32 or bs % 32:
+        raise ValueError(f"tile BLOCK_S must be a positive multiple of 32, got {bs}")
+    bd = min(bd_[0] if bd_ else 128, padded_head_dim(D))
+    grid = (row_tiles(S, bs, max_seqlen, packed), cdiv(D, bd), seq_programs(B, H, cu_seqlens, packed))
+    qr_st = qr.stride() if row else (0, 0, 0, 0)
+    qc_st = qc.stride() if col else (0, 0, 0, 0)
+    args = (x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, x if rdq is None else rdq, x if cdq is None else cdq,
+            cu_seqlens if varlen else sr, H, S, D, nr, nc, srz, scz, srz_kp, srz_slab, scz_kp, scz_slab)
+    flags = dict(ROW=row, COL=col, SWZ=swizzle, ROW_DQ=row_dequant, COL_DQ=col_dequant, COL_SEQ_MAJOR=col_seq_major)
     e8 = torch.float8_e8m0fnu
-    return RowColQuantized(
+    result = RowColQuantized(
         MXFP8Tensor.unchecked(qr, sr.view(e8), 3) if row else None,
         MXFP8Tensor.unchecked(qc, sc.view(e8), 2, cu_seqlens if packed else None)
         if col and not col_seq_major else None,
@@ -464,6 +543,41 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
         rdq if row_dequant else None,
         cdq if col_dequant else None,
         SeqMajorColumns(qc.transpose(2, 3), sc.view(e8)) if col_seq_major else None)
+    return _QuantizeCall(args, grid, flags, bs, bd, warps, varlen, packed, result)
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_kw: dict, k_kw: dict, v_kw: dict
+                 ) -> Tuple[RowColQuantized, RowColQuantized, RowColQuantized]:
+    """`quantize_rowcol(q, **q_kw)`, `(k, **k_kw)` and `(v, **v_kw)` in one launch (the forward's three
+    quantizations; the same bytes as three calls). q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D]; the keyword sets
+    must agree on the tile and on whether the batch is packed or padded, and exclude swizzle."""
+    c0, c1, c2 = calls = [_prepare(x, **{**_QUANT_DEFAULTS, **kw}) for x, kw in ((q, q_kw), (k, k_kw), (v, v_kw))]
+    common = (c0.bs, c0.bd, c0.warps, c0.varlen, c0.packed)
+    if c0.flags["SWZ"] or c1.flags["SWZ"] or c2.flags["SWZ"] or \
+            (c1.bs, c1.bd, c1.warps, c1.varlen, c1.packed) != common or \
+            (c2.bs, c2.bd, c2.warps, c2.varlen, c2.packed) != common:
+        raise ValueError("quantize_qkv: the three calls must share tile and lengths kind, without swizzle")
+    rows, programs = max(c0.grid[0], c1.grid[0], c2.grid[0]), c0.grid[2] + c1.grid[2] + c2.grid[2]
+    if programs > MAX_GRID_YZ:  # more sequences * heads than one grid axis holds: a launch per tensor
+        for c, x in zip(calls, (q, k, v)):
+            if x.numel() > 0:
+                _launch_one(c)
+    elif rows and c0.grid[1]:
+        flags = {}
+        for names, c in zip(_QKV_FLAG_NAMES, calls):
+            f = c.flags
+            flags.update(zip(names, (f["ROW"], f["COL"], f["ROW_DQ"], f["COL_DQ"], f["COL_SEQ_MAJOR"])))
+        n = TILE_ARGS_NO_SWIZZLE
+        launch(_quantize_qkv_kernel, (rows, c0.grid[1], programs),
+               *c0.args[:n], *c1.args[:n], *c2.args[:n], c0.grid[2], c1.grid[2], BS=c0.bs, BD=c0.bd,
+               VARLEN=c0.varlen, PACKED=c0.packed, **flags, num_warps=c0.warps)
+    return c0.result, c1.result, c2.result
+
+
+#: the per-tensor constexpr names of `_quantize_qkv_kernel`
+_QKV_FLAG_NAMES = tuple(tuple(f"{name}{i}" for name in ("ROW", "COL", "ROW_DQ", "COL_DQ", "CSM")) for i in range(3))
+_QUANT_DEFAULTS = dict(row=True, col=True, swizzle=False, row_dequant=False, col_dequant=False, tile=None,
+                       cu_seqlens=None, max_seqlen=None, packed=False, col_seq_major=False)
 
 
 @triton.jit
