@@ -11,7 +11,7 @@ from mxattn.backends.base import AttentionParams
 from mxattn.bench import host_time_us
 from mxattn.backends.triton_backend import TritonBackend
 from mxattn.kernels import triton_attention_fwd as tf
-from mxattn.kernels.triton_quantize import quantize_rowcol
+from mxattn.kernels.triton_quantize import quantize_qkv, quantize_rowcol
 from mxattn.mask import MaskSpec
 
 
@@ -28,7 +28,8 @@ rows = {
                                                                    backend="triton"),
     "TritonBackend.forward": lambda: be.forward(qb, kb, vb, params),
     "quantize_rowcol(q) row+col": lambda: quantize_rowcol(qb),
-    "quantize_rowcol(v, col_seq_major)": lambda: quantize_rowcol(vb, col_seq_major=True),
+    "quantize_qkv (as the forward)": lambda: quantize_qkv(qb, kb, vb, {}, dict(row_dequant=True),
+                                                          dict(col_dequant=True)),
     "attention_fwd (kernel launch)": lambda: tf.attention_fwd(qq.row.data, qq.row.scale, kq.row.data,
                                                               kq.row.scale, vq.col_seq_major, out=o, stats=st,
                                                               softmax_scale=0.088, offset=0, left_bound=None,
@@ -41,10 +42,12 @@ with torch.no_grad():
     print("custom op registered:", hasattr(ops, "attention_fwd"))
 
 from mxattn.kernels import triton_attention_bwd as tb  # noqa: E402
+from mxattn.kernels.triton_attention_fwd import check_seq  # noqa: E402
 from mxattn.kernels.triton_quantize import dequantize_bf16  # noqa: E402
 
 o, st, saved = be.forward(qb, kb, vb, params)
 do = torch.randn_like(qb)
+delta = torch.empty(2, 16, 4096, device=dev)
 grads = (torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb))
 bwd_rows = {
     "TritonBackend.backward": lambda: be.backward(saved, o, st, do, params),
@@ -52,10 +55,9 @@ bwd_rows = {
                                                     saved.v_row, None, None, o, do, st, dq=grads[0],
                                                     dk=grads[1], dv=grads[2], softmax_scale=0.088, offset=0,
                                                     left_bound=None, right_bound=0, mode="pre"),
-    "quantize_rowcol(do[:, :12], dequants)": lambda: quantize_rowcol(do[:, :12], row_dequant=True,
-                                                                     col_dequant=True),
-    "dequantize_bf16(q_row heads 0-12)": lambda: dequantize_bf16(tb._heads(saved.q_row, 0, 12)),
-    "dequantize_bf16(q_col heads 0-12)": lambda: dequantize_bf16(tb._heads(saved.q_col, 0, 12)),
+    "bwd_prep (heads 0-12)": lambda: tb.bwd_prep(o, do, saved.q_row, saved.q_col, delta, 0, 12,
+                                                 check_seq(None, saved.q_row.data, saved.k_row.data, st)),
+    "dequantize_bf16(k_row heads 0-12)": lambda: dequantize_bf16(tb._heads(saved.k_row, 0, 12)),
     "torch.cuda.get_device_properties": lambda: torch.cuda.get_device_properties(o.device),
 }
 for name, fn in bwd_rows.items():
