@@ -73,6 +73,9 @@ def test_bench_helpers_and_markdown(tmp_path):
            "sdpa_cudnn_fwdbwd_peak_bytes": 2**21, "notes": ["n1"]}
     md = bench.markdown({"gpu": "X", "torch": "t", "triton": "tr", "iters": 20, "warmup": 5, "configs": [cfg]})
     assert "| c | triton MXFP8 | 2.000 (kernel 1.500)" in md and "0.50" in md and "n1" in md
+    md = bench.markdown({"gpu": "X", "torch": "t", "triton": "tr", "iters": 20, "warmup": 5, "configs": [cfg],
+                         "host": {"bshd_s4096_fwd_host_us": 301.2, "sdpa_cudnn_bf16_bshd_s4096_fwd_host_us": 41.0}})
+    assert "idle launch queue, median; target <= 40 us): bshd_s4096 301 us, sdpa_cudnn_bf16_bshd_s4096 41 us." in md
     p = tmp_path / "results.json"
     p.write_text(json.dumps({"gpu": "X", "configs": [cfg]}))
     rc = bench.main(["--plot-from", str(p)])
