@@ -114,9 +114,9 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     sink = _sink(softmax_type, softmax_offset, qb.shape[1], q.device)
     head_dim = q.shape[-1]
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not (isinstance(softmax_scale, (int, float))
-                                               and math.isfinite(softmax_scale) and softmax_scale > 0):
+        softmax_scale = 1.0 / math.sqrt(head_dim)  # (symbolic under torch.compile with a dynamic head dim)
+    elif isinstance(softmax_scale, bool) or not (isinstance(softmax_scale, (int, float))
+                                                 and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
     if out_dtype is None:
         out_dtype = q.dtype

@@ -129,10 +129,11 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(stats, *saved)
 
 
-def _backward(ctx, *grads):
-    """Gradients of the forward op's inputs from those of its outputs: the custom op passes them as one list
-    (its output is a list), the eager autograd.Function O's alone; only O's is used."""
-    grad_o = grads[0][0] if isinstance(grads[0], (list, tuple)) else grads[0]
+def _backward(ctx, grad_o, eager: bool = False):
+    """Gradients of the forward op's inputs from O's gradient (None: nothing to do). The custom op's autograd
+    (eager False: the path torch.compile traces) calls the backward custom op, whose fake implementation
+    tracing needs; the eager autograd.Function (eager True) calls its body directly (no custom-op dispatch, and
+    gradients in the layout of q, k, v: no contiguous copies)."""
     if grad_o is None:
         return (None,) * _N_FWD_ARGS
     o, stats, *rest = ctx.saved_tensors
@@ -142,15 +143,17 @@ def _backward(ctx, *grads):
     sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[15]
     args = (grad_o, o, stats, list(saved), ctx.kv_shape, softmax_scale, bottom_right, left_bound, right_bound,
             out_dtype, backend, *cu, *ctx.max_lens_packed, sink, sink_requires_grad)
-    if torch.compiler.is_compiling():
-        dq, dk, dv, dsink = attention_bwd(*args)
-    else:  # eager: no custom-op dispatch, and gradients in the layout of q, k, v (no contiguous copies)
-        dq, dk, dv, dsink = _bwd_impl(*args, contiguous=False)
+    dq, dk, dv, dsink = _bwd_impl(*args, contiguous=False) if eager else attention_bwd(*args)
     grads = tuple(g.to(dt) for g, dt in zip((dq, dk, dv), ctx.input_dtypes))
     return grads + (None,) * (_N_FWD_ARGS - 4) + (dsink if sink_requires_grad else None,)
 
 
-attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+def _op_backward(ctx, grads):
+    """The custom op's autograd formula: its output is a list, of which only O's gradient is used."""
+    return _backward(ctx, grads[0])
+
+
+attention_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -166,7 +169,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_o):
-        return _backward(ctx, grad_o)
+        return _backward(ctx, grad_o, eager=True)
 
 
 def needs_backward(*tensors: Optional[Tensor]) -> bool:

@@ -374,6 +374,12 @@ def problem(softmax_type="learnable", varlen=None, needs_backward=True, mask=Mas
 
 def test_known_refusals_of_sinks(monkeypatch):
     assert cb.known_refusal(problem(varlen="packed")) is None  # cuDNN 9.28 here
+    # a size rule (bottom-right band with a right bound needs s_q <= s_kv): unknown sizes (the choice under
+    # torch.compile) leave it to the call
+    band = MaskSpec(causal=True, diagonal_alignment="bottom_right")
+    big_q = dataclasses.replace(problem("vanilla", mask=band), seqlen_q=1024)
+    assert "s_q > s_kv" in cb.known_refusal(big_q)
+    assert cb.known_refusal(dataclasses.replace(big_q, batch=None, seqlen_q=None, seqlen_kv=None)) is None
     assert "softmax_type 'softmax1'" in cb.known_refusal(problem("softmax1"))
     monkeypatch.setattr(cb.cudnn, "backend_version", lambda: 92500)
     reason = cb.known_refusal(problem(varlen="packed"))

@@ -107,6 +107,26 @@ def test_torch_compile_fullgraph_forward_and_backward():
     assert torch.equal(model.qkv.weight.grad, eager_grad)
 
 
+def test_torch_compile_dynamic_batch_and_sequence_lengths():
+    """A compiled call fed new batch sizes and sequence lengths (torch.compile turns the sizes symbolic after the
+    second shape) traces without graph breaks and gives the eager results, forward and backward; the backend
+    choice is made without the symbolic sizes."""
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="reference")
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for b, s in ((2, 64), (1, 96), (3, 40)):
+        q, k, v = (t.requires_grad_() for t in _qkv("bshd", b=b, s=s, seed=s))
+        out = compiled(q, k, v)
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+        expected = f(q, k, v)
+        assert torch.equal(out, expected), (b, s)
+        for g, e in zip(grads, torch.autograd.grad(expected.float().sum(), (q, k, v))):
+            assert torch.equal(g, e), (b, s)
+
+
 def test_torch_compile_inductor_fullgraph():
     torch._dynamo.reset()
     fn = torch.compile(lambda q, k, v: mxattn.mxfp8_attention(q, k, v, backend="reference") * 2, fullgraph=True)

@@ -70,11 +70,17 @@ def _warn_once(problem: Problem, chosen: str, reasons) -> None:
 
 
 def choose_backend(name: str, problem: Problem) -> str:
-    """`pick_backend` for a Problem; a constant under torch.compile (the choice runs once at trace time)."""
+    """`pick_backend` for a Problem; a constant under torch.compile (the choice runs once at trace time). Under
+    torch.compile the batch size and sequence lengths may be symbolic (dynamic shapes), so the choice is made
+    without them there: a size-dependent refusal (cuDNN's, for a few band masks) then raises at the call instead
+    of falling back. Head counts and head dim must be static (they are unless one compiled function sees
+    several)."""
     p = problem
-    return _choose_constant(name, str(p.device), p.dtype, p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv,
-                            p.head_dim, p.mask.diagonal_alignment, p.mask.left_bound, p.mask.right_bound,
-                            p.varlen, p.needs_backward, p.out_dtype)
+    compiling = torch.compiler.is_compiling()
+    return _choose_constant(name, str(p.device), p.dtype, None if compiling else p.batch, p.heads_q, p.heads_kv,
+                            None if compiling else p.seqlen_q, None if compiling else p.seqlen_kv, p.head_dim,
+                            p.mask.diagonal_alignment, p.mask.left_bound, p.mask.right_bound, p.varlen,
+                            p.needs_backward, p.out_dtype)
 
 
 @torch.compiler.assume_constant_result

@@ -46,7 +46,8 @@ class Problem:
     """What a backend must know to say whether it can run a call (no tensors, hashable).
 
     seqlen_q/kv are the padded lengths (dense/padded) or the longest sequence (packed); varlen is None,
-    "padded" or "packed"."""
+    "padded" or "packed". batch, seqlen_q and seqlen_kv are None when unknown (the choice under torch.compile,
+    whose sizes may be symbolic): a backend then checks what it can and leaves the rest to the call."""
 
     device: torch.device
     dtype: torch.dtype

@@ -582,6 +582,8 @@ def known_refusal(problem: Problem) -> Optional[str]:
         return (f"cuDNN {cudnn.backend_version()} cannot run the packed (thd) backward with an attention sink "
                 f"(softmax_type {softmax_type!r}): it needs cuDNN >= 9.26.0")
     s_q, s_kv = problem.seqlen_q, problem.seqlen_kv
+    if s_q is None or s_kv is None:  # sizes unknown (the choice under torch.compile): the call checks them
+        return None
     if problem.varlen == "packed":
         s_q, s_kv = packed_capacity(s_q), packed_capacity(s_kv)
     if m.left_bound is not None and problem.varlen is None and s_q > s_kv:
@@ -700,6 +702,9 @@ class CudnnBackend(AttentionBackend):
         refusal = known_refusal(problem)
         if refusal:
             return False, refusal
+        if None in (problem.batch, problem.seqlen_q, problem.seqlen_kv):
+            return True, ("sizes unknown when choosing (torch.compile): cuDNN plans the graphs at the call and "
+                          "refuses unsupported shapes there")
         with _SUPPORT_LOCK:
             answer = _SUPPORT.get(problem)
         if answer is None:
