@@ -207,3 +207,30 @@ def test_quantizer_refuses_col_dequant_without_row():
     x = torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="col_dequant needs row=True"):
         quantize_rowcol(x.cuda() if torch.cuda.is_available() else x, row=False, col_dequant=True)
+
+
+def test_launches_per_call_without_a_gpu(monkeypatch, request):
+    """The triton backend's host path issues two launches per forward (Q/K/V quantization, attention) and, per
+    chunk of heads, four per backward (query-side prep, dK/dV, key-side prep, dQ): run on CPU tensors with the
+    launches recorded instead of made (host-side structure only; the GPU tests check the numbers)."""
+    import mxattn
+    from mxattn import checks
+    from mxattn.backends import triton_backend as backend_module
+    from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf, triton_quantize as tq
+
+    real = checks.check_bhsd_tensor
+    for module in (checks, backend_module, tq):
+        monkeypatch.setattr(module, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))
+    monkeypatch.setattr(backend_module.TritonBackend, "availability", classmethod(lambda cls, d: (True, "stub")))
+    from mxattn.backends import pick_backend
+    request.addfinalizer(pick_backend.cache_clear)  # (the stubbed answer must not outlive the test)
+    launched = []
+    for module in (tq, tf, tb):
+        monkeypatch.setattr(module, "launch", lambda fn, grid, *a, **k: launched.append(fn.__name__.strip("_")))
+    q, k, v = (torch.randn(1, 96, 4, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    o = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton")
+    assert launched == ["quantize_qkv_kernel", "attn_fwd_kernel"]
+    launched.clear()
+    o.backward(torch.ones_like(o))
+    assert launched == ["bwd_prep_kernel", "dkdv_kernel", "bwd_prep_kernel", "dq_kernel"]
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape

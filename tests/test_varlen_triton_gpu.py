@@ -432,7 +432,8 @@ def test_backward_prep_equals_the_separate_kernels(kind, d):
     """`bwd_prep` (one launch for a chunk of heads: delta, dO's two bf16 dequantizations, Q's two) writes what
     separate passes write: the quantizer's dequantizations of dO and `dequantize_bf16` of Q's saved copies bit
     for bit (NaN and inf blocks included), and delta = rowsum(O * dO) to fp32 rounding (zero on padding rows),
-    for a head range that does not start at 0 and leaves the other heads' delta alone."""
+    for a head range that does not start at 0 and leaves the other heads' delta alone; `kv_prep` likewise
+    writes `dequantize_bf16` of K's two copies and V's row-wise one."""
     from mxattn.kernels import triton_attention_bwd as tb
     from mxattn.kernels.triton_attention_fwd import check_seq
     from mxattn.kernels.triton_quantize import dequantize_bf16, quantize_rowcol
@@ -476,3 +477,25 @@ def test_backward_prep_equals_the_separate_kernels(kind, d):
         err = (dg - de).nan_to_num(0.0).abs()
         assert (err <= delta_tol[:, h0:h1, rows].nan_to_num(0.0)).all(), (kind, d, err.max().item())
     assert torch.isnan(delta[:, :h0]).all() and torch.isnan(delta[:, h1:]).all()
+    # the key side (`kv_prep`): K both ways and V row-wise, KV heads 1 .. 2
+    if bt is None:
+        g = torch.Generator(device="cuda").manual_seed(5)
+        k, v = (torch.randn(2, 150, 3, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+                for _ in range(2))
+        kv_seq, kv_pieces = {}, [slice(None)]
+    else:
+        k, v = bt.k, bt.v
+        kv_seq = dict(cu_seqlens=seq.cu_seqlens_kv, max_seqlen=seq.max_seqlen_kv, packed=seq.packed)
+        kv_pieces = [slice(None)] if kind == "padded" else \
+            [slice(bt.ckv[b], bt.ckv[b + 1]) for b in range(len(bt.lens_kv))]
+    k[0, 1, 7, 3] = float("nan")
+    kq, vq = quantize_rowcol(k, **kv_seq), quantize_rowcol(v, col=False, **kv_seq)
+    sa = check_seq(seq, qq.row.data, kq.row.data, o)
+    h1 = 3 if bt is None else 2
+    got = tb.kv_prep(kq.row, kq.col, vq.row, 1, h1, sa)
+    expected = (dequantize_bf16(tb._heads(kq.row, 1, h1)),
+                dequantize_bf16(tb._heads(kq.col, 1, h1), max_seqlen=sa.max_kv),
+                dequantize_bf16(tb._heads(vq.row, 1, h1)))
+    for rows in kv_pieces:
+        for name, a, e in zip(("K row", "K col", "V row"), got, expected):
+            assert same_values(a[:, :, rows], e[:, :, rows]), (kind, d, name)

@@ -1,16 +1,17 @@
 """Triton MXFP8 attention backward (spec section 7), deterministic, no atomics.
 
-Three launches (per chunk of heads in the bf16-scratch data path, mode "pre"):
+Three launches, four per chunk of heads in the bf16-scratch data path (mode "pre"):
   1. prep pass (`bwd_prep`): delta = rowsum(O * dO) in FP32 from the bf16/fp16 tensors; in mode "pre" also dO
-     quantized to MXFP8 both ways and dO's and Q's copies dequantized exactly to bf16 scratch, in the same pass.
+     quantized to MXFP8 both ways and dO's and Q's copies dequantized exactly to bf16 scratch, in the same pass
+     (and, before the dQ kernel, K's and V's copies in a second pass, `kv_prep`).
   2. dK/dV kernel: one program per 128-row KV block and KV head; it walks the query heads of its GQA group
      in fixed order and, for each, the query blocks in ascending order, accumulating dK and dV in FP32
      registers. dS is quantized on the fly along s_q (blocks of 32) for dK = dS_c^T Q_col; P is quantized to
      E4M3 with the fixed scale 256 for dV = Pq^T dO_col.
   3. dQ kernel: one program per query block; it recomputes S, P, dP and quantizes dS along s_kv (blocks of 32)
      for dQ = dS_r K_col.
-Every FP8 operand is dequantized exactly to BF16 (in registers, or in mode "pre" by the prep pass and for K,
-V by `dequantize_bf16`) and multiplied with FP32 accumulation.
+Every FP8 operand is dequantized exactly to BF16 (in registers, or in mode "pre" by the prep passes) and
+multiplied with FP32 accumulation.
 
 Variable lengths (`seq`): as in the forward kernel, every kernel starts with `program_prologue` (`seq_span` for
 the prep pass), works in rows relative to its sequence's start, and programs past their sequence's end
@@ -25,37 +26,65 @@ import triton.language as tl
 
 from .triton_launch import cdiv, launch
 from .triton_attention_fwd import SCRATCH_BUDGET_BYTES, check_seq, kv_block_range, load_tile, program_prologue
-from .triton_quantize import (LOG2E, MX_BLOCK, P_DESCALE, P_SCALE, dequant_cols, dequant_rows, dequantize_bf16,
+from .triton_quantize import (LOG2E, MX_BLOCK, P_DESCALE, P_SCALE, dequant_cols, dequant_rows,
                               padded_head_dim, qdq_rows, quantize_cols, quantize_rows, seq_span)
 
 
 @triton.jit
-def _bwd_prep_kernel(O, DO, DELTA, QRD, QRS, QCD, QCS, DOR, DOC, QR, QC, CU,
-                     sob, soh, sos, sdb, sdh, sds, sqrb, sqrh, sqrs, srsb, srsh, srss, scsb, scsh, scss,
-                     sqcb, sqch, sqcs, HQ, H0, HC, SQ, D,
-                     DP: tl.constexpr, BD: tl.constexpr, SCRATCH: tl.constexpr, VARLEN: tl.constexpr,
+def _row_copy(XD, XS, sxb, sxh, sxs, ssb, ssh, sss, bt, h, rows, row_ok, d0, D, BD: tl.constexpr):
+    """Columns d0 .. d0 + BD of a row-wise MXFP8 tensor's rows (data XD, scales XS [.., rows, D / 32]) -> bf16
+    [32, BD], rows where row_ok is false and columns past D as 0."""
+    offs_d = d0 + tl.arange(0, BD)
+    x = tl.load(XD + bt * sxb + h * sxh + rows[:, None] * sxs + offs_d[None, :], mask=row_ok & (offs_d < D)[None, :],
+                other=0.0)
+    offs_k = d0 // MX_BLOCK + tl.arange(0, BD // MX_BLOCK)
+    sc = tl.load(XS + bt * ssb + h * ssh + rows[:, None] * sss + offs_k[None, :],
+                 mask=row_ok & (offs_k * MX_BLOCK < D)[None, :], other=127)
+    return dequant_rows(x, sc, MX_BLOCK, BD)
+
+
+@triton.jit
+def _col_copy(XD, XS, sxb, sxh, sxs, ssb, ssh, sss, bt, h, rows, row_ok, blk, d0, D, BD: tl.constexpr):
+    """The same for one column-wise block (scales XS [.., blocks, D], block row blk) of 32 rows."""
+    offs_d = d0 + tl.arange(0, BD)
+    d_ok = (offs_d < D)[None, :]
+    x = tl.load(XD + bt * sxb + h * sxh + rows[:, None] * sxs + offs_d[None, :], mask=row_ok & d_ok, other=0.0)
+    sc = tl.load(XS + bt * ssb + h * ssh + blk * sss + offs_d[None, :], mask=d_ok, other=127)
+    return dequant_cols(x, sc, MX_BLOCK, BD)
+
+
+#: what `_bwd_prep_kernel` does (its KIND)
+PREP_DELTA, PREP_Q, PREP_KV = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def _bwd_prep_kernel(A, B, DELTA, RD, RS, CD, CS, OUT_A, OUT_B, OUT_R, OUT_C, CU,
+                     sab, sah, sas, sbb, sbh, sbs, srdb, srdh, srds, srsb, srsh, srss, scsb, scsh, scss,
+                     scdb, scdh, scds, HQ, H0, HC, S, D,
+                     DP: tl.constexpr, BD: tl.constexpr, KIND: tl.constexpr, VARLEN: tl.constexpr,
                      PACKED: tl.constexpr):
-    """What the "pre" backward's kernels stream for query heads H0 .. H0 + HC, in one pass over 32 rows of one
-    head: delta = rowsum(O * dO) fp32 into DELTA [B, HQ, SQ], and the exact bf16 dequantizations of dO's
-    row-wise and column-wise MXFP8 copies (dO quantized here, as `quantize_rowcol` does) and of Q's saved
-    copies (QRD/QRS row-wise, QCD/QCS column-wise: segmented scales for a packed batch) into the contiguous
-    [B, HC, SQ, D] scratch DOR, DOC, QR, QC. Rows past a padded sequence's length get delta 0 and zeros;
-    a packed batch's rows between sequences are not written. Every input has a unit stride along D; the
-    column-wise scales are [.., blocks, D]. Grid (32-row tiles, sequences * HC).
-    SCRATCH False: delta alone (the FP8-streaming backward; the Q and scratch pointers are not read).
-    delta sums BD-column slices in order (fp32)."""
+    """The "pre" backward's operands for heads H0 .. H0 + HC, in one pass over 32 rows of one head (grid
+    (32-row tiles, sequences * HC)); every input has a unit stride along D, scratch outputs are contiguous
+    [B, HC, S, D] bf16, column-wise scales [.., blocks, D] (segmented for a packed batch).
+    KIND PREP_Q (query side): A = O, B = dO: delta = rowsum(O * dO) fp32 into DELTA [B, HQ, S]; dO quantized
+    both ways (as `quantize_rowcol` does) and dequantized into OUT_A (row-wise), OUT_B (column-wise); Q's saved
+    copies (RD/RS row-wise, CD/CS column-wise) dequantized into OUT_R, OUT_C.
+    KIND PREP_KV (key side): A/B = V's row-wise data and scales -> OUT_A; K's copies (RD/RS, CD/CS) -> OUT_R,
+    OUT_C. KIND PREP_DELTA: delta alone (the FP8-streaming backward).
+    Rows past a padded sequence's length get delta 0 and zeros; a packed batch's rows between sequences are
+    not written. delta sums BD-column slices in order (fp32)."""
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HC).to(tl.int64)
     hl = (pid_bh % HC).to(tl.int64)  # head within the chunk (scratch)
     h = hl + H0  # head of the full tensors
-    bt, start, length, blk0 = seq_span(CU, b, SQ, VARLEN, PACKED)
+    bt, start, length, blk0 = seq_span(CU, b, S, VARLEN, PACKED)
     if PACKED:
         if pid_s * MX_BLOCK >= length:
             return
         n_out = length
     else:
-        n_out = SQ
+        n_out = S
     offs_s = pid_s * MX_BLOCK + tl.arange(0, MX_BLOCK)
     rows = start + offs_s
     row_ok = (offs_s < length)[:, None]
@@ -63,28 +92,29 @@ def _bwd_prep_kernel(O, DO, DELTA, QRD, QRS, QCD, QCS, DOR, DOC, QR, QC, CU,
     for d0 in range(0, DP, BD):  # D in slices of BD columns (whole MXFP8 blocks): fewer live registers
         offs_d = d0 + tl.arange(0, BD)
         d_ok = (offs_d < D)[None, :]
-        ld = row_ok & d_ok
         st = (offs_s < n_out)[:, None] & d_ok
-        o = tl.load(O + bt * sob + h * soh + rows[:, None] * sos + offs_d[None, :], mask=ld, other=0.0)
-        do = tl.load(DO + bt * sdb + h * sdh + rows[:, None] * sds + offs_d[None, :], mask=ld,
-                     other=0.0).to(tl.float32)
-        delta += tl.sum(o.to(tl.float32) * do, axis=1)
-        if SCRATCH:
-            out = ((bt * HC + hl) * SQ + rows)[:, None] * D + offs_d[None, :]
-            q, e = quantize_rows(do, MX_BLOCK, BD)
-            tl.store(DOR + out, dequant_rows(q, e.to(tl.uint8), MX_BLOCK, BD), mask=st)
-            q, e = quantize_cols(do, MX_BLOCK, BD)
-            tl.store(DOC + out, dequant_cols(q, e.to(tl.uint8), MX_BLOCK, BD), mask=st)
-            x = tl.load(QRD + bt * sqrb + h * sqrh + rows[:, None] * sqrs + offs_d[None, :], mask=ld, other=0.0)
-            offs_k = d0 // MX_BLOCK + tl.arange(0, BD // MX_BLOCK)
-            sc = tl.load(QRS + bt * srsb + h * srsh + rows[:, None] * srss + offs_k[None, :],
-                         mask=row_ok & (offs_k * MX_BLOCK < D)[None, :], other=127)
-            tl.store(QR + out, dequant_rows(x, sc, MX_BLOCK, BD), mask=st)
-            x = tl.load(QCD + bt * sqcb + h * sqch + rows[:, None] * sqcs + offs_d[None, :], mask=ld, other=0.0)
-            sc = tl.load(QCS + bt * scsb + h * scsh + (blk0 + pid_s) * scss + offs_d[None, :], mask=d_ok,
-                         other=127)
-            tl.store(QC + out, dequant_cols(x, sc, MX_BLOCK, BD), mask=st)
-    tl.store(DELTA + (bt * HQ + h) * SQ + rows, delta, mask=offs_s < n_out)
+        out = ((bt * HC + hl) * S + rows)[:, None] * D + offs_d[None, :]
+        if KIND == PREP_KV:
+            tl.store(OUT_A + out, _row_copy(A, B, sab, sah, sas, sbb, sbh, sbs, bt, h, rows, row_ok, d0, D, BD),
+                     mask=st)
+        else:
+            ld = row_ok & d_ok
+            o = tl.load(A + bt * sab + h * sah + rows[:, None] * sas + offs_d[None, :], mask=ld, other=0.0)
+            do = tl.load(B + bt * sbb + h * sbh + rows[:, None] * sbs + offs_d[None, :], mask=ld,
+                         other=0.0).to(tl.float32)
+            delta += tl.sum(o.to(tl.float32) * do, axis=1)
+            if KIND == PREP_Q:
+                q, e = quantize_rows(do, MX_BLOCK, BD)
+                tl.store(OUT_A + out, dequant_rows(q, e.to(tl.uint8), MX_BLOCK, BD), mask=st)
+                q, e = quantize_cols(do, MX_BLOCK, BD)
+                tl.store(OUT_B + out, dequant_cols(q, e.to(tl.uint8), MX_BLOCK, BD), mask=st)
+        if KIND != PREP_DELTA:
+            tl.store(OUT_R + out, _row_copy(RD, RS, srdb, srdh, srds, srsb, srsh, srss, bt, h, rows, row_ok, d0, D,
+                                            BD), mask=st)
+            tl.store(OUT_C + out, _col_copy(CD, CS, scdb, scdh, scds, scsb, scsh, scss, bt, h, rows, row_ok,
+                                            blk0 + pid_s, d0, D, BD), mask=st)
+    if KIND != PREP_KV:
+        tl.store(DELTA + (bt * HQ + h) * S + rows, delta, mask=offs_s < n_out)
 
 
 @triton.jit
@@ -444,30 +474,54 @@ def bwd_streams_bf16(B: int, HQ: int, HKV: int, SQ: int, SKV: int, D: int) -> bo
 PREP_TILES = {32: (32, 2), 64: (64, 4), 128: (128, 4), 256: (256, 8)}
 
 
+def _prep(kind: int, a, b_, delta, row, col, h0: int, h1: int, rows: int, n_tiles: int, sa, n_out: int):
+    """One launch of `_bwd_prep_kernel` for heads h0 .. h1 of [B, H, rows, D] inputs -> its n_out bf16 scratch
+    tensors [B, h1 - h0, rows, D] (OUT_A, OUT_B, OUT_R, OUT_C order, the first n_out of them)."""
+    B, D = a.shape[0], row.data.shape[3] if row is not None else a.shape[3]
+    dp = padded_head_dim(D)
+    bd, warps = PREP_TILES[dp]
+    out = [torch.empty((B, h1 - h0, rows, D), dtype=torch.bfloat16, device=a.device) for _ in range(n_out)]
+    if row is not None:
+        rs, cs = row.scale.view(torch.uint8), col.scale.view(torch.uint8)
+        copies = (row.data, rs, col.data, cs)
+        strides = (*row.data.stride()[:3], *rs.stride()[:3], *cs.stride()[:3], *col.data.stride()[:3])
+    else:  # (stand-ins the kernel never reads)
+        copies, strides = (a,) * 4, (0,) * 12
+    if kind == PREP_KV.value:  # OUT_A, then OUT_R, OUT_C
+        outs = [out[0], a, out[1], out[2]]
+    else:
+        outs = out + [a] * (4 - n_out)
+    cu = sa.cu_kv if kind == PREP_KV.value else sa.cu_q
+    launch(_bwd_prep_kernel, (n_tiles, sa.programs(B, h1 - h0)), a, b_, delta, *copies, *outs, cu,
+           *a.stride()[:3], *b_.stride()[:3], *strides, delta.shape[1], h0, h1 - h0, rows, D, DP=dp, BD=bd,
+           KIND=kind, VARLEN=sa.varlen, PACKED=sa.packed, num_warps=warps)
+    return out
+
+
 def bwd_prep(o, do, q_row, q_col, delta, h0: int, h1: int, sa, scratch: bool = True):
-    """The "pre" backward's operands for query heads h0 .. h1 in one launch of `_bwd_prep_kernel`: writes
-    delta[:, h0:h1] (fp32 [B, HQ, SQ]) and returns the bf16 [B, h1 - h0, SQ, D] scratch (dO row-wise, dO
-    column-wise, Q row-wise, Q column-wise), each the exact dequantization of that MXFP8 copy. o, do
-    [B, HQ, SQ, D] bf16/fp16 and q_row, q_col (MXFP8Tensor, segmented column scales for a packed batch) with
-    a unit stride along D; sa: `check_seq`'s SeqArgs. scratch False: delta alone (q_row, q_col may be None;
-    returns None)."""
-    B, HQ, SQ, D = o.shape
+    """The "pre" backward's query-side operands for query heads h0 .. h1 in one launch: writes delta[:, h0:h1]
+    (fp32 [B, HQ, SQ]) and returns the bf16 [B, h1 - h0, SQ, D] scratch (dO row-wise, dO column-wise, Q
+    row-wise, Q column-wise), each the exact dequantization of that MXFP8 copy. o, do [B, HQ, SQ, D] bf16/fp16
+    and q_row, q_col (MXFP8Tensor, segmented column scales for a packed batch) with a unit stride along D; sa:
+    `check_seq`'s SeqArgs. scratch False: delta alone (q_row, q_col may be None; returns None)."""
+    SQ = o.shape[2]
     for name, t in (("o", o), ("do", do)):
         if t.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride along D")
-    dp = padded_head_dim(D)
-    bd, warps = PREP_TILES[dp]
-    if scratch:
-        qrs, qcs = q_row.scale.view(torch.uint8), q_col.scale.view(torch.uint8)
-        q_in = (q_row.data, qrs, q_col.data, qcs)
-        out = [torch.empty((B, h1 - h0, SQ, D), dtype=torch.bfloat16, device=o.device) for _ in range(4)]
-        q_strides = (*q_row.data.stride()[:3], *qrs.stride()[:3], *qcs.stride()[:3], *q_col.data.stride()[:3])
-    else:  # (stand-ins the kernel never reads)
-        q_in, out, q_strides = (o,) * 4, [o] * 4, (0,) * 12
-    launch(_bwd_prep_kernel, (sa.q_tiles(SQ, MX_BLOCK.value), sa.programs(B, h1 - h0)), o, do, delta, *q_in, *out,
-           sa.cu_q, *o.stride()[:3], *do.stride()[:3], *q_strides, HQ, h0, h1 - h0, SQ, D, DP=dp, BD=bd,
-           SCRATCH=scratch, VARLEN=sa.varlen, PACKED=sa.packed, num_warps=warps)
+    out = _prep((PREP_Q if scratch else PREP_DELTA).value, o, do, delta, q_row if scratch else None, q_col, h0, h1, SQ,
+                sa.q_tiles(SQ, MX_BLOCK.value), sa, 4 if scratch else 0)
     return out if scratch else None
+
+
+def kv_prep(k_row, k_col, v_row, h0: int, h1: int, sa):
+    """The key-side operands of the "pre" backward's dQ kernel for KV heads h0 .. h1 in one launch: the bf16
+    [B, h1 - h0, SKV, D] dequantizations of K row-wise, K column-wise and V row-wise (MXFP8Tensors with a unit
+    stride along D; K's column-wise scales segmented for a packed batch)."""
+    SKV = k_row.data.shape[2]
+    vs = v_row.scale.view(torch.uint8)
+    v_r, k_r, k_c = _prep(PREP_KV.value, v_row.data, vs, vs, k_row, k_col, h0, h1, SKV,
+                          sa.kv_tiles(SKV, MX_BLOCK.value), sa, 3)
+    return k_r, k_c, v_r
 
 
 def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stats, *, softmax_scale: float,
@@ -542,9 +596,7 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
         _launch_dkdv(q_r, q_c, _heads(k_row, h0, h1), _heads(v_row, h0, h1), do_r, do_c, st, de,
                      dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args, common, sa)
         del q_c, do_c
-        k_r = dequantize_bf16(_heads(k_row, h0, h1))
-        k_c = dequantize_bf16(_heads(k_col, h0, h1), max_seqlen=sa.max_kv)
-        v_r = dequantize_bf16(_heads(v_row, h0, h1))
+        k_r, k_c, v_r = kv_prep(k_row, k_col, v_row, h0, h1, sa)
         _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common, sa)
         del q_r, do_r, k_r, k_c, v_r
     return delta

@@ -1,0 +1,72 @@
+"""The triton backend's host path timed on a CPU, without a GPU: every Triton launch is stubbed out (counted),
+the CUDA device checks are relaxed, and the public API's forward, backward and forward+backward are timed on
+small CPU tensors (median wall time per call). The host's Python cost is what it measures, so changes to the
+glue around the kernels can be compared on any machine; the GPU machine's host runs the same Python about 3x
+slower. Usage: python benchmarks/cpu_host_harness.py [--profile]"""
+import statistics
+import sys
+import time
+
+import torch
+
+import mxattn
+from mxattn import checks
+from mxattn.backends import triton_backend as backend_module
+from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf, triton_quantize as tq
+
+_real_check = checks.check_bhsd_tensor
+
+
+def _check_any_device(x, name, dtypes, device_type=None):
+    return _real_check(x, name, dtypes, None)
+
+
+def install_stubs(counter):
+    """Relax the CUDA checks and replace the launches by a counter (this process only)."""
+    for module in (checks, backend_module, tq):
+        module.check_bhsd_tensor = _check_any_device
+    backend_module.TritonBackend.availability = classmethod(lambda cls, device: (True, "stubbed"))
+
+    def launch(fn, grid, *args, **kwargs):
+        counter[fn.__name__] = counter.get(fn.__name__, 0) + 1
+
+    for module in (tq, tf, tb):
+        module.launch = launch
+
+
+def per_call_us(fn, n=300):
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main():
+    launches = {}
+    install_stubs(launches)
+    q, k, v = (torch.randn(1, 128, 2, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+    def call():
+        return mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton")
+
+    with torch.no_grad():
+        print(f"forward, no grad   {per_call_us(call):7.0f} us")
+    print(f"forward with grad  {per_call_us(call):7.0f} us")
+    o = call()
+    do = torch.randn_like(o)
+    print(f"backward           {per_call_us(lambda: o.backward(do, retain_graph=True)):7.0f} us")
+    print(f"forward+backward   {per_call_us(lambda: call().backward(do)):7.0f} us")
+    launches.clear()
+    call().backward(do)
+    print("launches per forward+backward:", launches)
+    if "--profile" in sys.argv:
+        import cProfile
+        cProfile.runctx("for _ in range(300): call().backward(do)", globals(), locals(), sort="tottime")
+
+
+if __name__ == "__main__":
+    main()
