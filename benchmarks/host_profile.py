@@ -43,7 +43,6 @@ with torch.no_grad():
 
 from mxattn.kernels import triton_attention_bwd as tb  # noqa: E402
 from mxattn.kernels.triton_attention_fwd import check_seq  # noqa: E402
-from mxattn.kernels.triton_quantize import dequantize_bf16  # noqa: E402
 
 o, st, saved = be.forward(qb, kb, vb, params)
 do = torch.randn_like(qb)
@@ -57,7 +56,8 @@ bwd_rows = {
                                                     left_bound=None, right_bound=0, mode="pre"),
     "bwd_prep (heads 0-12)": lambda: tb.bwd_prep(o, do, saved.q_row, saved.q_col, delta, 0, 12,
                                                  check_seq(None, saved.q_row.data, saved.k_row.data, st)),
-    "dequantize_bf16(k_row heads 0-12)": lambda: dequantize_bf16(tb._heads(saved.k_row, 0, 12)),
+    "kv_prep (KV heads 0-12)": lambda: tb.kv_prep(saved.k_row, saved.k_col, saved.v_row, 0, 12,
+                                                  check_seq(None, saved.q_row.data, saved.k_row.data, st)),
     "torch.cuda.get_device_properties": lambda: torch.cuda.get_device_properties(o.device),
 }
 for name, fn in bwd_rows.items():

@@ -1,11 +1,11 @@
 """The `torch.library` custom ops (forward, backward) and their autograd wiring.
 
-`mxattn::attention_fwd` returns O, stats and, flat, what the backend keeps for backward (its
-`saved_format`: the FP8 copies by default); `mxattn::attention_bwd` turns them and dO into dQ, dK, dV. Both have fake (meta) implementations, so `torch.compile(fullgraph=True)`
-traces models that use them without graph breaks. Tensors are [B, H, S, D] views (a packed batch as
-[1, H, T, D]); the mask arrives in canonical band form and the sequence lengths as the flat fields of a
-`SeqInfo` (cu_seqlens_q/kv, max_seqlen_q/kv, packed). The concrete backend is chosen by the caller
-(`mxattn.attention`) and passed by name.
+`mxattn::attention_fwd` returns O, stats and, flat, what the backend keeps for backward (its `saved_format`: the
+FP8 copies by default); `mxattn::attention_bwd` turns them and dO into dQ, dK, dV. Both have fake (meta)
+implementations, so `torch.compile(fullgraph=True)` traces models that use them without graph breaks. Tensors are
+[B, H, S, D] views (a packed batch as [1, H, T, D]); the mask arrives in canonical band form and the sequence
+lengths as the flat fields of a `SeqInfo` (cu_seqlens_q/kv, max_seqlen_q/kv, packed). The concrete backend is
+chosen by the caller (`mxattn.attention`) and passed by name.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from .backends import AttentionParams, get_backend
 from .layouts import dense_strides_bhsd, empty_bhsd
 from .mask import MaskSpec
 from .seqinfo import SeqInfo
+
 
 def _seq(cu_q, cu_kv, max_q, max_kv, packed) -> Optional[SeqInfo]:
     return None if cu_q is None else SeqInfo(cu_q, cu_kv, max_q, max_kv, packed)

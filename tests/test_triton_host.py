@@ -129,16 +129,6 @@ def test_grid_helpers():
     assert col_scale_rows(100, _cu([1, 99]), packed=True) == 100 // 32 + 2
 
 
-def test_dequantize_segmented_needs_a_packed_tensor():
-    from mxattn.formats import MXFP8Tensor
-    from mxattn.kernels.triton_quantize import dequantize_bf16
-    cu = _cu([40, 40])
-    t = MXFP8Tensor(torch.zeros(2, 1, 40, 32, dtype=torch.float8_e4m3fn),
-                    torch.zeros(2, 1, 40 // 32 + 2, 32, dtype=torch.float8_e8m0fnu), 2, cu)
-    with pytest.raises(ValueError, match=r"\[1, H, T, D\]"):
-        dequantize_bf16(t)
-
-
 # --------------------------------------------------------------------------- attention entry points
 
 

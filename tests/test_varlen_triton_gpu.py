@@ -170,7 +170,9 @@ def _check_against_reference(bt: Batch, mask, out_dtype):
 @pytest.mark.parametrize("d", [64, 96, 128])
 def test_quantizer_packed_bit_identical(dtype, d):
     triton_backend()
-    from mxattn.kernels.triton_quantize import dequantize_bf16, quantize_rowcol
+    from mxattn.kernels import triton_attention_bwd as tb
+    from mxattn.kernels.triton_attention_fwd import check_seq
+    from mxattn.kernels.triton_quantize import quantize_rowcol
     lens = LENS_Q + [64, 2]
     cu = _cu(lens)
     g = torch.Generator(device="cuda").manual_seed(d)
@@ -184,8 +186,11 @@ def test_quantizer_packed_bit_identical(dtype, d):
     assert torch.equal(as_bytes(got.row.data), as_bytes(want_r.data)) and torch.equal(as_bytes(got.row.scale), as_bytes(want_r.scale))
     assert torch.equal(as_bytes(got.col.data), as_bytes(want_c.data)) and torch.equal(as_bytes(got.col.scale), as_bytes(want_c.scale))
     assert got.col.segments is cu and got.row.data.stride() == want_r.data.stride()
-    assert same_values(dequantize_bf16(got.row), want_r.dequantize(torch.bfloat16))
-    assert same_values(dequantize_bf16(got.col, max_seqlen=max(lens)), want_c.dequantize(torch.bfloat16))
+    # the backward's on-chip dequantization of these copies (its key-side prep pass) equals torch's
+    sa = check_seq(SeqInfo(cu, cu, max(lens), max(lens), True), got.row.data, got.row.data, got.row.data)
+    k_r, k_c, _ = tb.kv_prep(got.row, got.col, got.row, 0, 3, sa)
+    assert same_values(k_r, want_r.dequantize(torch.bfloat16))
+    assert same_values(k_c, want_c.dequantize(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -430,15 +435,20 @@ def test_forward_paths_agree(case, monkeypatch):
                                     ("packed", 256)])
 def test_backward_prep_equals_the_separate_kernels(kind, d):
     """`bwd_prep` (one launch for a chunk of heads: delta, dO's two bf16 dequantizations, Q's two) writes what
-    separate passes write: the quantizer's dequantizations of dO and `dequantize_bf16` of Q's saved copies bit
-    for bit (NaN and inf blocks included), and delta = rowsum(O * dO) to fp32 rounding (zero on padding rows),
+    separate passes write: the quantizer's dequantizations of dO and torch's dequantization of Q's saved copies
+    bit for bit (NaN and inf blocks included), and delta = rowsum(O * dO) to fp32 rounding (zero on padding rows),
     for a head range that does not start at 0 and leaves the other heads' delta alone; `kv_prep` likewise
-    writes `dequantize_bf16` of K's two copies and V's row-wise one."""
+    writes torch's dequantization of K's two copies and V's row-wise one."""
     from mxattn.kernels import triton_attention_bwd as tb
     from mxattn.kernels.triton_attention_fwd import check_seq
-    from mxattn.kernels.triton_quantize import dequantize_bf16, quantize_rowcol
+    from mxattn.formats import MXFP8Tensor
+    from mxattn.kernels.triton_quantize import quantize_rowcol
     triton_backend()
     hq, h0, h1 = 6, 2, 5
+
+    def dequantized(t, a, b):  # heads a .. b of an MXFP8Tensor, dequantized by torch (the oracle)
+        return MXFP8Tensor(t.data[:, a:b], t.scale[:, a:b], t.axis, t.segments).dequantize(torch.bfloat16)
+
     if kind == "dense":
         g = torch.Generator(device="cuda").manual_seed(3)
         q, do, o = (torch.randn(2, 200, hq, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
@@ -459,8 +469,7 @@ def test_backward_prep_equals_the_separate_kernels(kind, d):
     delta = torch.full((B, hq, S), float("nan"), device="cuda")
     got = tb.bwd_prep(o, do, qq.row, qq.col, delta, h0, h1, sa)
     exp_do = quantize_rowcol(do[:, h0:h1], row_dequant=True, col_dequant=True, **quant_seq)
-    expected = (exp_do.row_dequant, exp_do.col_dequant, dequantize_bf16(tb._heads(qq.row, h0, h1)),
-                dequantize_bf16(tb._heads(qq.col, h0, h1), max_seqlen=sa.max_q))
+    expected = (exp_do.row_dequant, exp_do.col_dequant, dequantized(qq.row, h0, h1), dequantized(qq.col, h0, h1))
     exp_delta = (o.float() * do.float()).sum(-1)
     delta_tol = 1e-5 * (o.float() * do.float()).abs().sum(-1) + 1e-6  # (the sums run in different orders)
     if bt is not None and kind == "padded":
@@ -493,9 +502,7 @@ def test_backward_prep_equals_the_separate_kernels(kind, d):
     sa = check_seq(seq, qq.row.data, kq.row.data, o)
     h1 = 3 if bt is None else 2
     got = tb.kv_prep(kq.row, kq.col, vq.row, 1, h1, sa)
-    expected = (dequantize_bf16(tb._heads(kq.row, 1, h1)),
-                dequantize_bf16(tb._heads(kq.col, 1, h1), max_seqlen=sa.max_kv),
-                dequantize_bf16(tb._heads(vq.row, 1, h1)))
+    expected = (dequantized(kq.row, 1, h1), dequantized(kq.col, 1, h1), dequantized(vq.row, 1, h1))
     for rows in kv_pieces:
         for name, a, e in zip(("K row", "K col", "V row"), got, expected):
             assert same_values(a[:, :, rows], e[:, :, rows]), (kind, d, name)

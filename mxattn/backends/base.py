@@ -180,6 +180,6 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def backward(self, saved, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
                  params: AttentionParams) -> Tuple[torch.Tensor, ...]:
-        """saved (what forward returned, a `saved_format` instance), o, do [B,Hq,Sq,D] (bf16/fp16), stats [B,Hq,Sq,1] fp32 -> (dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D]) in
-        params.out_dtype, followed by dsink [Hq] fp32 when params.sink_requires_grad (a backend without its own
-        may use `sink_grad`)."""
+        """saved (what forward returned, a `saved_format` instance), o, do [B,Hq,Sq,D] (bf16/fp16), stats
+        [B,Hq,Sq,1] fp32 -> (dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D]) in params.out_dtype, followed by dsink [Hq]
+        fp32 when params.sink_requires_grad (a backend without its own may use `sink_grad`)."""

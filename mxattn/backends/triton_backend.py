@@ -191,8 +191,8 @@ class TritonBackend(AttentionBackend):
     def _grads(self, saved: SavedForBackward, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
                params: AttentionParams) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(dq, dk, dv, delta fp32 [B,Hq,Sq] or None when there was nothing to compute)."""
-        if not isinstance(saved, SavedForBackward):
-            raise TypeError(f"saved must be a SavedForBackward, got {type(saved).__name__}")
+        if not isinstance(saved, self.saved_format):
+            raise TypeError(f"saved must be a {self.saved_format.__name__}, got {type(saved).__name__}")
         check_bhsd_tensor(o, "o", _IN_DTYPES, "cuda")
         check_bhsd_tensor(do, "do", _IN_DTYPES, "cuda")
         B, hq, sq, d = saved.q_row.data.shape

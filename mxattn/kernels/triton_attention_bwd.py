@@ -30,29 +30,6 @@ from .triton_quantize import (LOG2E, MX_BLOCK, P_DESCALE, P_SCALE, dequant_cols,
                               padded_head_dim, qdq_rows, quantize_cols, quantize_rows, seq_span)
 
 
-@triton.jit
-def _row_copy(XD, XS, sxb, sxh, sxs, ssb, ssh, sss, bt, h, rows, row_ok, d0, D, BD: tl.constexpr):
-    """Columns d0 .. d0 + BD of a row-wise MXFP8 tensor's rows (data XD, scales XS [.., rows, D / 32]) -> bf16
-    [32, BD], rows where row_ok is false and columns past D as 0."""
-    offs_d = d0 + tl.arange(0, BD)
-    x = tl.load(XD + bt * sxb + h * sxh + rows[:, None] * sxs + offs_d[None, :], mask=row_ok & (offs_d < D)[None, :],
-                other=0.0)
-    offs_k = d0 // MX_BLOCK + tl.arange(0, BD // MX_BLOCK)
-    sc = tl.load(XS + bt * ssb + h * ssh + rows[:, None] * sss + offs_k[None, :],
-                 mask=row_ok & (offs_k * MX_BLOCK < D)[None, :], other=127)
-    return dequant_rows(x, sc, MX_BLOCK, BD)
-
-
-@triton.jit
-def _col_copy(XD, XS, sxb, sxh, sxs, ssb, ssh, sss, bt, h, rows, row_ok, blk, d0, D, BD: tl.constexpr):
-    """The same for one column-wise block (scales XS [.., blocks, D], block row blk) of 32 rows."""
-    offs_d = d0 + tl.arange(0, BD)
-    d_ok = (offs_d < D)[None, :]
-    x = tl.load(XD + bt * sxb + h * sxh + rows[:, None] * sxs + offs_d[None, :], mask=row_ok & d_ok, other=0.0)
-    sc = tl.load(XS + bt * ssb + h * ssh + blk * sss + offs_d[None, :], mask=d_ok, other=127)
-    return dequant_cols(x, sc, MX_BLOCK, BD)
-
-
 #: what `_bwd_prep_kernel` does (its KIND)
 PREP_DELTA, PREP_Q, PREP_KV = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
@@ -87,21 +64,25 @@ def _bwd_prep_kernel(A, B, DELTA, RD, RS, CD, CS, OUT_A, OUT_B, OUT_R, OUT_C, CU
         n_out = S
     offs_s = pid_s * MX_BLOCK + tl.arange(0, MX_BLOCK)
     rows = start + offs_s
-    row_ok = (offs_s < length)[:, None]
+    row_ok = offs_s < length
     delta = tl.zeros((MX_BLOCK,), dtype=tl.float32)
+    blk_ok = pid_s * MX_BLOCK + tl.arange(0, 1) < length  # this tile's one column-wise block
     for d0 in range(0, DP, BD):  # D in slices of BD columns (whole MXFP8 blocks): fewer live registers
         offs_d = d0 + tl.arange(0, BD)
-        d_ok = (offs_d < D)[None, :]
-        st = (offs_s < n_out)[:, None] & d_ok
+        offs_k = d0 // MX_BLOCK + tl.arange(0, BD // MX_BLOCK)
+        c_ok, kb_ok = offs_d < D, offs_k * MX_BLOCK < D
+        st = (offs_s < n_out)[:, None] & c_ok[None, :]
         out = ((bt * HC + hl) * S + rows)[:, None] * D + offs_d[None, :]
         if KIND == PREP_KV:
-            tl.store(OUT_A + out, _row_copy(A, B, sab, sah, sas, sbb, sbh, sbs, bt, h, rows, row_ok, d0, D, BD),
-                     mask=st)
+            v_r = _row_tile(A + bt * sab + h * sah + rows[:, None] * sas + offs_d[None, :],
+                            B + bt * sbb + h * sbh + rows[:, None] * sbs + offs_k[None, :],
+                            row_ok, c_ok, kb_ok, True, False, MX_BLOCK, BD, False)
+            tl.store(OUT_A + out, v_r, mask=st)
         else:
-            ld = row_ok & d_ok
-            o = tl.load(A + bt * sab + h * sah + rows[:, None] * sas + offs_d[None, :], mask=ld, other=0.0)
-            do = tl.load(B + bt * sbb + h * sbh + rows[:, None] * sbs + offs_d[None, :], mask=ld,
-                         other=0.0).to(tl.float32)
+            o = load_tile(A + bt * sab + h * sah + rows[:, None] * sas + offs_d[None, :], row_ok, c_ok, 0.0, True,
+                          False)
+            do = load_tile(B + bt * sbb + h * sbh + rows[:, None] * sbs + offs_d[None, :], row_ok, c_ok, 0.0, True,
+                           False).to(tl.float32)
             delta += tl.sum(o.to(tl.float32) * do, axis=1)
             if KIND == PREP_Q:
                 q, e = quantize_rows(do, MX_BLOCK, BD)
@@ -109,10 +90,14 @@ def _bwd_prep_kernel(A, B, DELTA, RD, RS, CD, CS, OUT_A, OUT_B, OUT_R, OUT_C, CU
                 q, e = quantize_cols(do, MX_BLOCK, BD)
                 tl.store(OUT_B + out, dequant_cols(q, e.to(tl.uint8), MX_BLOCK, BD), mask=st)
         if KIND != PREP_DELTA:
-            tl.store(OUT_R + out, _row_copy(RD, RS, srdb, srdh, srds, srsb, srsh, srss, bt, h, rows, row_ok, d0, D,
-                                            BD), mask=st)
-            tl.store(OUT_C + out, _col_copy(CD, CS, scdb, scdh, scds, scsb, scsh, scss, bt, h, rows, row_ok,
-                                            blk0 + pid_s, d0, D, BD), mask=st)
+            x_r = _row_tile(RD + bt * srdb + h * srdh + rows[:, None] * srds + offs_d[None, :],
+                            RS + bt * srsb + h * srsh + rows[:, None] * srss + offs_k[None, :],
+                            row_ok, c_ok, kb_ok, True, False, MX_BLOCK, BD, False)
+            tl.store(OUT_R + out, x_r, mask=st)
+            x_c = _col_tile(CD + bt * scdb + h * scdh + rows[:, None] * scds + offs_d[None, :],
+                            CS + bt * scsb + h * scsh + (blk0 + pid_s) * scss + offs_d[None, :],
+                            row_ok, blk_ok, c_ok, True, False, MX_BLOCK, BD, False)
+            tl.store(OUT_C + out, x_c, mask=st)
     if KIND != PREP_KV:
         tl.store(DELTA + (bt * HQ + h) * S + rows, delta, mask=offs_s < n_out)
 

@@ -212,9 +212,8 @@ def _swizzle_offset(m, k, KP):
     return ((m // 128) * (KP // 4) + k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
 
 
-#: the run-time arguments of `_quantize_tile`, per quantized tensor, in order (the last six only for swizzle)
-TILE_ARGS = 31
-#: ... of which the fused Q/K/V launch passes the first ones (no swizzled scales there)
+#: how many of `_quantize_tile`'s run-time arguments the fused Q/K/V launch passes per tensor: all but the six
+#: of the swizzled scales, which it does not write
 TILE_ARGS_NO_SWIZZLE = 25
 
 
@@ -462,7 +461,7 @@ def _launch_one(c: "_QuantizeCall") -> None:
 
 
 class _QuantizeCall(NamedTuple):
-    """One tensor's launch of `_quantize_tile`, prepared: its TILE_ARGS run-time arguments, grid, per-tensor
+    """One tensor's launch of `_quantize_tile`, prepared: its run-time arguments (in order), grid, per-tensor
     constexprs (ROW, COL, SWZ, ROW_DQ, COL_DQ, COL_SEQ_MAJOR), tile (bs, bd, warps), the variable-length flags
     and what the caller gets back once it ran."""
 
@@ -576,62 +575,6 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_kw: dict, 
 
 #: the per-tensor constexpr names of `_quantize_qkv_kernel`
 _QKV_FLAG_NAMES = tuple(tuple(f"{name}{i}" for name in ("ROW", "COL", "ROW_DQ", "COL_DQ", "CSM")) for i in range(3))
+
 _QUANT_DEFAULTS = dict(row=True, col=True, swizzle=False, row_dequant=False, col_dequant=False, tile=None,
                        cu_seqlens=None, max_seqlen=None, packed=False, col_seq_major=False)
-
-
-@triton.jit
-def _dequant_kernel(X, sxb, sxh, sxs, S_, ssb, ssh, sss, Y, CU, H, S, D,
-                    AXIS_ROW: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PACKED: tl.constexpr):
-    """MXFP8 tile (row-wise: scales [.., S, D/32]; column-wise: scales [.., S/32, D], or segmented ones of a
-    packed batch, PACKED) -> bf16 Y [B*H, S, D]. Grid (row tiles, D tiles, sequences * H) as the quantizer's."""
-    pid_s = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    bt, start, length, blk0 = seq_span(CU, b, S, PACKED, PACKED)
-    if PACKED:
-        if pid_s * BS >= length:
-            return
-    offs_s = pid_s * BS + tl.arange(0, BS)
-    offs_d = pid_d * BD + tl.arange(0, BD)
-    mask = (offs_s < length)[:, None] & (offs_d < D)[None, :]
-    x = tl.load(X + bt * sxb + h * sxh + start * sxs + offs_s[:, None] * sxs + offs_d[None, :], mask=mask,
-                other=0.0)
-    if AXIS_ROW:
-        offs_k = pid_d * (BD // 32) + tl.arange(0, BD // 32)
-        sc = tl.load(S_ + bt * ssb + h * ssh + start * sss + offs_s[:, None] * sss + offs_k[None, :],
-                     mask=(offs_s < length)[:, None] & (offs_k * 32 < D)[None, :], other=127)
-        y = dequant_rows(x, sc, BS, BD)
-    else:
-        offs_j = pid_s * (BS // 32) + tl.arange(0, BS // 32)
-        sc = tl.load(S_ + bt * ssb + h * ssh + blk0 * sss + offs_j[:, None] * sss + offs_d[None, :],
-                     mask=(offs_j * 32 < length)[:, None] & (offs_d < D)[None, :], other=127)
-        y = dequant_cols(x, sc, BS, BD)
-    tl.store(Y + ((bt * H + h) * S + start) * D + offs_s[:, None] * D + offs_d[None, :], y, mask=mask)
-
-
-def dequantize_bf16(t, out: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None) -> torch.Tensor:
-    """MXFP8Tensor [B, H, S, D] (axis 3 row-wise or axis 2 column-wise, unit stride along D) -> contiguous
-    bf16 [B, H, S, D], the exact dequantization the attention kernels use (bf16 products by powers of two).
-    A column-wise tensor with segments (packed batch, [1, H, T, D]) is read segment by segment; max_seqlen
-    (its longest segment, default T) sizes the grid. out: optional contiguous bf16 buffer to write into."""
-    B, H, S, D = t.data.shape
-    if t.axis not in (2, 3):
-        raise ValueError(f"t.axis must be 2 or 3 for a [B, H, S, D] tensor, got {t.axis}")
-    if t.data.stride(3) != 1:
-        raise ValueError("t.data must have unit stride along D")
-    segments = getattr(t, "segments", None) if t.axis == 2 else None
-    packed = segments is not None
-    if packed and B != 1:
-        raise ValueError(f"a segmented (packed) tensor is [1, H, T, D], got batch size {B}")
-    y = out if out is not None else torch.empty((B, H, S, D), dtype=torch.bfloat16, device=t.data.device)
-    if t.data.numel() == 0:
-        return y
-    sc = t.scale.view(torch.uint8)
-    bd = min(128, padded_head_dim(D))
-    grid = (row_tiles(S, 32, max_seqlen, packed), cdiv(D, bd), seq_programs(B, H, segments, packed))
-    launch(_dequant_kernel, grid, t.data, *t.data.stride()[:3], sc, *sc.stride()[:3], y,
-           segments if packed else sc, H, S, D, AXIS_ROW=t.axis == 3, BS=32, BD=bd, PACKED=packed, num_warps=4)
-    return y
