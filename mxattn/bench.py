@@ -11,6 +11,7 @@ chart.png when matplotlib is importable; `--plot-from results.json` renders it e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -180,14 +181,18 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16, rounds: int
     res["triton_fwdbwd_peak_bytes"] = peak_bytes(tri_fb)
     res["triton_kept_bytes"] = kept_bytes(lambda x, y, z: mxfp8_attention(
         x, y, z, qkv_format="bhsd", attn_mask_type="causal" if causal else "no_mask", backend="triton"), q, k, v)
+    # the forward is timed as SDPA's is, without a backward to come (no_grad: O alone, no copies kept; the
+    # training-mode forward of both, which keeps what backward needs, is timed as fwd_train)
+    infer = dataclasses.replace(params, needs_backward=False)
     res["triton_fwdbwd_graph_ms"] = time_graph(tri_fb, warmup, iters)
-    res["triton_fwd_graph_ms"] = time_graph(lambda: be.forward(q, k, v, params), warmup, iters)
+    res["triton_fwd_graph_ms"] = time_graph(lambda: be.forward(q, k, v, infer), warmup, iters)
 
     o, stats, saved = be.forward(q, k, v, params)
     qq, kv = quantize_rowcol(q), fwd_kernel_operands(k, v)
     ob, sb = torch.empty_like(q), torch.empty(B, hq, S, 1, device=dev)
     timed = {  # name -> callable, all timed once per round
-        "triton_fwd": lambda: be.forward(q, k, v, params),
+        "triton_fwd": lambda: be.forward(q, k, v, infer),
+        "triton_fwd_train": lambda: be.forward(q, k, v, params),
         "triton_fwd_kernel": lambda: tf.attention_fwd(
             qq.row.data, qq.row.scale, *kv, softmax_scale=scale, offset=0, left_bound=None,
             right_bound=0 if causal else None, out=ob, stats=sb),
@@ -216,6 +221,7 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16, rounds: int
             with torch.no_grad():
                 return run(q)
         timed[f"sdpa_{kind}_fwd"] = fwd
+        timed[f"sdpa_{kind}_fwd_train"] = lambda run=run, qg=qg: run(qg)
         timed[f"sdpa_{kind}_bwd"] = lambda out=out, leaves=leaves: torch.autograd.grad(out, leaves, do,
                                                                                        retain_graph=True)
         timed[f"sdpa_{kind}_fwdbwd"] = fb
@@ -235,7 +241,7 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16, rounds: int
             ms = res.get(f"{impl}_{key}_ms")
             if ms is not None:
                 res[f"{impl}_{key}_tflops"] = m * fwd_flops / (ms * 1e-3) / 1e12
-    for key in ("fwd", "bwd", "fwdbwd"):
+    for key in ("fwd", "fwd_train", "bwd", "fwdbwd"):
         for ref in ("cudnn", "flash"):
             r = res.get(f"sdpa_{ref}_{key}_ms")
             if r:
@@ -483,7 +489,9 @@ def markdown(results: Dict) -> str:
              f"torch {results['torch']}, triton {results['triton']}; CUDA-event medians of {results['iters']} runs "
              f"after {results['warmup']} warm-up runs, then the median over {results.get('rounds', 1)} interleaved "
              "rounds (each round times every implementation in turn). TFLOP/s use 4*B*H*D*(kept pairs) for the "
-             "forward, 2.5x that for the backward and 3.5x for forward+backward. Triton fwd/bwd include "
+             "forward, 2.5x that for the backward and 3.5x for forward+backward. 'fwd' is the forward without a "
+             "backward to come, for both (inputs not requiring grad: O alone); the training-mode forward, which "
+             "also keeps what the backward needs, is listed below the tables. Triton fwd/bwd include "
              "quantization of Q,K,V / dO; 'fwd kernel' excludes it. Ratios are SDPA time / triton time "
              "(higher is better).", "",
              "| config | impl | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
@@ -512,6 +520,12 @@ def markdown(results: Dict) -> str:
                      f"{_fmt(r.get('ratio_fwdbwd_vs_cudnn'), 2)} | "
                      f"{_fmt(None if not (pk_t and pk_c) else pk_t / pk_c, 2)} | "
                      f"{_fmt(None if not (kt and kc) else kt / kc, 2)} |")
+    if any("triton_fwd_train_ms" in r for r in results["configs"]):
+        lines += ["", "Training-mode forward (inputs requiring grad; triton also writes the column-wise copies "
+                  "the backward reads), ms: " + "; ".join(
+                      f"{r['config']}: triton {_fmt(r.get('triton_fwd_train_ms'), 3)} vs cuDNN "
+                      f"{_fmt(r.get('sdpa_cudnn_fwd_train_ms'), 3)} ({_fmt(r.get('ratio_fwd_train_vs_cudnn'), 2)}x)"
+                      for r in results["configs"])]
     lines += ["", "Triton GPU time without host overhead (CUDA-graph replay), ms: " + "; ".join(
         f"{r['config']}: fwd {_fmt(r.get('triton_fwd_graph_ms'), 3)}, fwd+bwd {_fmt(r.get('triton_fwdbwd_graph_ms'), 3)}"
         f" (vs cuDNN fwd+bwd {_fmt(r.get('sdpa_cudnn_fwdbwd_ms'), 3)})" for r in results["configs"])]

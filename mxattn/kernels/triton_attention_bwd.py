@@ -224,9 +224,9 @@ def _dkdv_kernel(
     """Grid (KV tiles, sequences * HKV). All FP8 tensors have a unit stride along D. SQ, SKV: the tensors' row
     counts; len_q, len_kv: the sequence's. K and V are FP8 (row-wise); the query-side operands are FP8 or
     (PRE) their bf16 dequantizations."""
-    hk, _, bt, q0, kv0, len_q, len_kv, qb0, _, offset, n_out = program_prologue(
-        CU_Q, CU_KV, HKV, 1, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, False)
-    n0 = tl.program_id(0) * BN
+    tile, hk, _, bt, q0, kv0, len_q, len_kv, qb0, _, offset, n_out = program_prologue(
+        CU_Q, CU_KV, HKV, 1, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, False, HAS_RB)
+    n0 = tile * BN
     cols = n0 + tl.arange(0, BN)
     offs_mb = tl.arange(0, BM)
     offs_d = tl.arange(0, DP)
@@ -325,9 +325,9 @@ def _dq_kernel(
         BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr,
         VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
     """Grid (query tiles, sequences * HQ)."""
-    hq, hk, bt, q0, kv0, len_q, len_kv, _, kvb0, offset, n_out = program_prologue(
-        CU_Q, CU_KV, HQ, GROUP, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, True)
-    m0 = tl.program_id(0) * BM
+    tile, hq, hk, bt, q0, kv0, len_q, len_kv, _, kvb0, offset, n_out = program_prologue(
+        CU_Q, CU_KV, HQ, GROUP, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, True, HAS_RB)
+    m0 = tile * BM
     offs_m = m0 + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
@@ -573,8 +573,11 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     hc = max(1, min(HKV, max(want, PRE_BUDGET_BYTES // max(1, per_head))))
     if hc * per_head > SCRATCH_BUDGET_BYTES:
         hc = max(1, SCRATCH_BUDGET_BYTES // per_head)
-    for h0 in range(0, HKV, hc):  # a loop over head chunks, not elements
-        h1 = min(HKV, h0 + hc)
+    # as many chunks as chunks of hc heads need, balanced (sizes differ by at most one head): no small last
+    # chunk whose launches run a fraction of a wave, and the largest chunk's scratch (the peak) is smaller
+    n_chunks = cdiv(HKV, hc)
+    bounds = [HKV * i // n_chunks for i in range(n_chunks + 1)]
+    for h0, h1 in zip(bounds[:-1], bounds[1:]):  # a loop over head chunks, not elements
         q0, q1 = h0 * group, h1 * group
         do_r, do_c, q_r, q_c = bwd_prep(o, do, q_row, q_col, delta, q0, q1, sa)
         st, de = stats[:, q0:q1], delta[:, q0:q1]

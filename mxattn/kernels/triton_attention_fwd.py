@@ -43,13 +43,26 @@ def seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN: tl.constexpr, PACKED: 
 
 @triton.jit
 def program_prologue(CU_Q, CU_KV, H, GROUP, SQ, SKV, offset, VARLEN: tl.constexpr, PACKED: tl.constexpr,
-                     BOTTOM_RIGHT: tl.constexpr, Q_SIDE: tl.constexpr):
-    """The prologue of the attention kernels, whose grid's axis 1 is sequences * H (H heads, GROUP of them per
-    KV head: the query heads, or the KV heads with GROUP 1) -> (h, hk, bt, q0, kv0, len_q, len_kv, qb0, kvb0,
-    offset, n_out): the program's head and its KV head, then `seq_prologue`'s values, and n_out, the rows of
-    its side (Q_SIDE: the query rows, else the KV rows) that it may write: the sequence's own in a packed
-    batch, all of the tensor's otherwise (a padded batch's padding rows get zeros)."""
+                     BOTTOM_RIGHT: tl.constexpr, Q_SIDE: tl.constexpr, BY_TILE: tl.constexpr):
+    """The prologue of the attention kernels, whose grid is (tiles of rows, sequences * H) (H heads, GROUP of
+    them per KV head: the query heads, or the KV heads with GROUP 1) -> (tile, h, hk, bt, q0, kv0, len_q,
+    len_kv, qb0, kvb0, offset, n_out): the program's tile and head and its KV head, then `seq_prologue`'s
+    values, and n_out, the rows of its side (Q_SIDE: the query rows, else the KV rows) that it may write: the
+    sequence's own in a packed batch, all of the tensor's otherwise (a padded batch's padding rows get zeros).
+    BY_TILE (a causal-style band, whose tiles' work differs by up to the sequence's length in blocks): the
+    programs are numbered tile-major, heaviest tiles first (the last query tiles, the first KV tiles). CUDA
+    starts programs in linear order (axis 0 fastest), so every sequence and head starts its costly tiles before
+    any cheap one, and the cheap ones fill the tail instead of one costly tile running alone at the end."""
+    tile = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    if BY_TILE:
+        n_tiles = tl.num_programs(0)
+        n_bh = tl.num_programs(1)
+        linear = pid_bh * n_tiles + tile
+        tile = linear // n_bh
+        pid_bh = linear % n_bh
+        if Q_SIDE:
+            tile = n_tiles - 1 - tile
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset = seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN,
@@ -62,7 +75,7 @@ def program_prologue(CU_Q, CU_KV, H, GROUP, SQ, SKV, offset, VARLEN: tl.constexp
         n_out = SKV
         if PACKED:
             n_out = len_kv
-    return h, h // GROUP, bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset, n_out
+    return tile, h, h // GROUP, bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset, n_out
 
 
 @triton.jit
@@ -165,9 +178,9 @@ def _attn_fwd_kernel(
     SQ, SKV: the tensors' row counts;
     len_q, len_kv: the sequence's. HAS_SINK: SINK holds fp32 [HQ] sink logits; the online softmax starts from
     them (max = sink, sum = 1)."""
-    hq, hk, bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset, n_out = program_prologue(
-        CU_Q, CU_KV, HQ, GROUP, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, True)
-    m0 = tl.program_id(0) * BM
+    tile, hq, hk, bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset, n_out = program_prologue(
+        CU_Q, CU_KV, HQ, GROUP, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, True, HAS_RB)
+    m0 = tile * BM
     rows = m0 + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, DP)
