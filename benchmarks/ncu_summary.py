@@ -38,10 +38,10 @@ def summarise(path: str) -> str:
                 continue
             v, unit = _num(r[col[metric]]), units[col[metric]]
             if metric == "gpu__time_duration.sum":
-                v = v / {"nsecond": 1e6, "usecond": 1e3, "msecond": 1.0}.get(unit, 1.0)
+                v = v / {"nsecond": 1e6, "ns": 1e6, "usecond": 1e3, "us": 1e3}.get(unit, 1.0)
                 cells.append(f"{v:.3f}")
             elif metric == "launch__shared_mem_per_block_dynamic":
-                v = v / {"byte": 1024, "Kbyte": 1.0, "Mbyte": 1 / 1024}.get(unit, 1.0)
+                v = v / {"byte": 1024, "byte/block": 1024, "Mbyte": 1 / 1024, "Mbyte/block": 1 / 1024}.get(unit, 1.0)
                 cells.append(f"{v:.0f}")
             else:
                 cells.append(fmt.format(v))

@@ -253,8 +253,10 @@ FWD_CONFIGS = {32: (128, 8, 3), 64: (64, 4, 2), 128: (128, 8, 3), 256: (64, 8, 2
 
 
 #: (BLOCK_M, num_warps, num_stages) of the forward kernel on bf16 K/V (smem operands Triton pipelines; head
-#: dims up to 128: three stages of 128-row bf16 K and V tiles fill the shared memory)
-BF16_FWD_CONFIGS = {32: (128, 8, 3), 64: (128, 8, 3), 128: (128, 8, 3)}
+#: dims up to 128: three stages of 128-row bf16 K and V tiles fill the shared memory). The fastest of a probe
+#: on the H100 (benchmarks/results/nvidia-h100-80gb-hbm3/experiments/fwd_configs_bf16.txt): at D64 and D32 one
+#: warp group per program (two programs per SM) beats 8 warps by 15-25%, dense and causal
+BF16_FWD_CONFIGS = {32: (128, 4, 3), 64: (64, 4, 3), 128: (128, 8, 3)}
 #: bytes of bf16 scratch (exact dequantizations) one data path may hold at once: the forward's K + V copies, the
 #: backward's largest head chunk (`triton_attention_bwd.bwd_streams_bf16`); beyond it the kernels read FP8
 SCRATCH_BUDGET_BYTES = 512 << 20
