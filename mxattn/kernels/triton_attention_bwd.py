@@ -379,8 +379,9 @@ def _dq_kernel(
 
 #: ((dK/dV BM, BN, warps, stages), (dQ BM, BN, warps, stages)) by padded head dim, for the bf16-scratch ("pre")
 #: data path: the fastest of `python -m mxattn bench --sweep bwd_pre` on the H100 (sweep_bwd.md in
-#: benchmarks/results/nvidia-h100-80gb-hbm3/)
-BWD_CONFIGS = {32: ((32, 128, 8, 2), (128, 32, 8, 3)), 64: ((64, 128, 8, 3), (128, 32, 8, 3)),
+#: benchmarks/results/nvidia-h100-80gb-hbm3/); at D64 and D32 a later probe found one 4-warp group per dK/dV
+#: program (two per SM) 9-11% faster (experiments/bwd_configs_d64_d32.txt there)
+BWD_CONFIGS = {32: ((32, 128, 4, 3), (64, 64, 4, 3)), 64: ((32, 128, 4, 3), (128, 32, 8, 3)),
                128: ((32, 128, 8, 3), (128, 64, 8, 3)), 256: ((32, 64, 8, 1), (64, 32, 8, 1))}
 #: the same for the FP8-streaming ("fp8") data path (dequantization on chip: more registers, fewer stages)
 BWD_FP8_CONFIGS = {32: ((64, 128, 8, 2), (128, 64, 8, 2)), 64: ((64, 128, 8, 2), (128, 64, 8, 2)),
