@@ -206,6 +206,34 @@ def test_backward_paths_agree(monkeypatch):
         assert diff <= 2 * _bf16_ulp(a.float().abs().max()).item(), diff
 
 
+def test_backward_head_chunks_do_not_change_results(monkeypatch):
+    """The "pre" backward's chunks of KV heads (balanced, when the scratch of all heads passes the budget)
+    partition the work only: gradients bit-identical to one chunk, for 2 + 2 + 3 and 1-head chunks (GQA 2:1,
+    causal, S not a multiple of the tiles)."""
+    from mxattn.kernels import triton_attention_bwd as tb
+    be = triton_backend()
+    B, hq, hkv, S, D = 2, 14, 7, 300, 64
+    params = AttentionParams(softmax_scale=0.125, mask=MaskSpec(causal=True))
+    q, k, v, do = _make(B, hq, hkv, S, S, D, seed=11)
+    o, st, sv = be.forward(q, k, v, params)
+    one_chunk = be.backward(sv, o, st, do, params)
+    per_head = tb._pre_scratch_per_kv_head(B, hq // hkv, S, S, D)
+    real_launch = tb.launch
+    for heads_per_chunk, chunks in ((3, 3), (1, 7)):
+        dkdv = []
+
+        def spy(fn, grid, *a, **kw):
+            if fn.__name__ == "_dkdv_kernel":
+                dkdv.append(grid[1] // B)
+            real_launch(fn, grid, *a, **kw)
+        monkeypatch.setattr(tb, "launch", spy)
+        monkeypatch.setattr(tb, "SCRATCH_BUDGET_BYTES", heads_per_chunk * per_head)
+        chunked = be.backward(sv, o, st, do, params)
+        assert len(dkdv) == chunks and sum(dkdv) == hkv and max(dkdv) - min(dkdv) <= 1
+        for a, b in zip(one_chunk, chunked):
+            assert torch.equal(a, b)
+
+
 def test_on_chip_dequantization_is_exact_for_every_byte_and_scale():
     """The kernels' integer E4M3 -> BF16 widening times the E8M0 factors equals E4M3 * 2^(e - 127) computed in
     FP64 for all 256 bytes and every scale whose products are representable in BF16 (spec section 8), and

@@ -199,28 +199,55 @@ def test_quantizer_refuses_col_dequant_without_row():
         quantize_rowcol(x.cuda() if torch.cuda.is_available() else x, row=False, col_dequant=True)
 
 
-def test_launches_per_call_without_a_gpu(monkeypatch, request):
-    """The triton backend's host path issues two launches per forward (Q/K/V quantization, attention) and, per
-    chunk of heads, four per backward (query-side prep, dK/dV, key-side prep, dQ): run on CPU tensors with the
-    launches recorded instead of made (host-side structure only; the GPU tests check the numbers)."""
-    import mxattn
+def _record_launches(monkeypatch, request) -> list:
+    """Run the triton backend's host path on CPU tensors: the CUDA checks relaxed and every launch recorded as
+    (kernel name, grid) instead of made. Returns the list the launches are appended to."""
     from mxattn import checks
-    from mxattn.backends import triton_backend as backend_module
+    from mxattn.backends import pick_backend, triton_backend as backend_module
     from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf, triton_quantize as tq
 
     real = checks.check_bhsd_tensor
     for module in (checks, backend_module, tq):
         monkeypatch.setattr(module, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))
     monkeypatch.setattr(backend_module.TritonBackend, "availability", classmethod(lambda cls, d: (True, "stub")))
-    from mxattn.backends import pick_backend
     request.addfinalizer(pick_backend.cache_clear)  # (the stubbed answer must not outlive the test)
     launched = []
     for module in (tq, tf, tb):
-        monkeypatch.setattr(module, "launch", lambda fn, grid, *a, **k: launched.append(fn.__name__.strip("_")))
+        monkeypatch.setattr(module, "launch", lambda fn, grid, *a, **k: launched.append((fn.__name__.strip("_"),
+                                                                                          grid)))
+    return launched
+
+
+def test_launches_per_call_without_a_gpu(monkeypatch, request):
+    """The triton backend's host path issues two launches per forward (Q/K/V quantization, attention) and, per
+    chunk of heads, four per backward (query-side prep, dK/dV, key-side prep, dQ): run on CPU tensors with the
+    launches recorded instead of made (host-side structure only; the GPU tests check the numbers)."""
+    import mxattn
+    launched = _record_launches(monkeypatch, request)
     q, k, v = (torch.randn(1, 96, 4, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     o = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton")
-    assert launched == ["quantize_qkv_kernel", "attn_fwd_kernel"]
+    assert [name for name, _ in launched] == ["quantize_qkv_kernel", "attn_fwd_kernel"]
     launched.clear()
     o.backward(torch.ones_like(o))
-    assert launched == ["bwd_prep_kernel", "dkdv_kernel", "bwd_prep_kernel", "dq_kernel"]
+    assert [name for name, _ in launched] == ["bwd_prep_kernel", "dkdv_kernel", "bwd_prep_kernel", "dq_kernel"]
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
+def test_backward_head_chunks_are_balanced_without_a_gpu(monkeypatch, request):
+    """When the bf16 scratch of all heads exceeds the budget, the backward splits the KV heads into the fewest
+    chunks that fit, with sizes within one head of each other (7 heads at 3 per chunk: 2 + 2 + 3, not
+    3 + 3 + 1, whose last launches would run a fraction of a wave), covering every head once."""
+    import mxattn
+    from mxattn.kernels import triton_attention_bwd as tb
+    launched = _record_launches(monkeypatch, request)
+    B, S, H, D = 1, 96, 7, 64
+    per_head = tb._pre_scratch_per_kv_head(B, 1, S, S, D)
+    monkeypatch.setattr(tb, "SCRATCH_BUDGET_BYTES", 3 * per_head)
+    q, k, v = (torch.randn(B, S, H, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    o = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton")
+    launched.clear()
+    o.backward(torch.ones_like(o))
+    heads = [grid[1] // B for name, grid in launched if name == "dkdv_kernel"]
+    assert sorted(heads) == [2, 2, 3]
+    assert [name for name, _ in launched] == ["bwd_prep_kernel", "dkdv_kernel", "bwd_prep_kernel",
+                                               "dq_kernel"] * 3
