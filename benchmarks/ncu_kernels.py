@@ -1,10 +1,8 @@
 """The triton backend's kernels for Nsight Compute: one training step's launches (quantize Q/K/V, forward, backward
 prep, dK/dV, dQ) and the FP8-on-chip forward, inside a profiler range, after warm-up calls outside it.
 
-Usage (on the GPU machine):
-  ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
-      --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
-      python benchmarks/ncu_kernels.py [--causal] [B H S D]
+Run under Nsight Compute by benchmarks/ncu_kernels.sh (which gives ncu --profile-from-start off, so only the
+range is profiled): python benchmarks/ncu_kernels.py [--causal] [B H S D].
 Without ncu it runs the same calls (a smoke test)."""
 import argparse
 import math
