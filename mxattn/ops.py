@@ -40,8 +40,27 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_
                   max_seqlen_q: int, max_seqlen_kv: int, packed: bool, sink: Optional[Tensor]) -> List[Tensor]:
     """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D], sink None or fp32 [Hq] -> [o [B,Hq,Sq,D] dense in qkv_format order,
     stats [B,Hq,Sq,1] fp32, then the backend's saved tensors (`saved_format.tensors()`)]."""
-    return _fwd_impl(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
-                     cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink)
+    o, stats, *saved = _fwd_impl(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype,
+                                 qkv_format, backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                 packed, sink)
+    seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
+    return [o, stats, *_as_faked(saved, get_backend(backend).saved_format, q, k, v, seq)]
+
+
+def _as_faked(saved, saved_format, q: Tensor, k: Tensor, v: Tensor, seq: Optional[SeqInfo]) -> List[Tensor]:
+    """The saved tensors in the layouts the fake kernel promises (`saved_format.fake_tensors`, which follows
+    `torch.empty_like` of q, k, v): a compiled graph asserts them. Backends may lay their copies out otherwise
+    for input views that are not dense (k, v from `unbind`); those few are copied, the rest pass through."""
+    metas = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") for x in (q, k, v)]
+    out = []
+    for t, e in zip(saved, saved_format.fake_tensors(*metas, seq)):
+        if t.shape != e.shape or t.dtype != e.dtype:
+            raise RuntimeError(f"backend saved a tensor {tuple(t.shape)} {t.dtype} where its saved_format's "
+                               f"fake_tensors promise {tuple(e.shape)} {e.dtype}")
+        if t.stride() != e.stride():
+            t = torch.empty_strided(e.shape, e.stride(), dtype=t.dtype, device=t.device).copy_(t)
+        out.append(t)
+    return out
 
 
 def _fwd_impl(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,

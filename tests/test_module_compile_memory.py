@@ -254,3 +254,73 @@ def test_saved_activations_bound_against_bf16_sdpa(hq, hkv, bound):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.dtype) or t, lambda t: t):
         mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="reference")
     assert kept.count(torch.bfloat16) == 1
+
+
+def _readme_block_source() -> str:
+    """The README's `Block` example, as written (the python block that defines it), minus `.cuda()`."""
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+    source = next(b for b in blocks if "class Block" in b)
+    return source.replace(".cuda()", "")
+
+
+def test_readme_block_compiles_fullgraph_with_inductor():
+    """The README's compiled Block (K, V from `.unbind(2)`: views with gaps) under inductor's stride checks,
+    forward and backward, against the eager Block."""
+    torch._dynamo.reset()
+    namespace = {}
+    exec(compile(_readme_block_source(), "README.md", "exec"), namespace)
+    torch.manual_seed(0)
+    compiled = namespace["model"]
+    eager = compiled._orig_mod
+    x = torch.randn(2, 64, 1024, dtype=torch.bfloat16, requires_grad=True)
+    out = compiled(x)
+    out.float().square().mean().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    expected = eager(x)
+    expected.float().square().mean().backward()
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert out.shape == expected.shape == (2, 64, 1024)
+    assert rel(out, expected) < 2e-2 and rel(grad, x.grad) < 5e-2
+
+
+def _op_case(case):
+    """(q, k, v, qkv_format, seq args) as `mxfp8_attention` hands them to the forward op, for one layout case."""
+    gen = torch.Generator().manual_seed(1)
+    b, s, hq, hkv, d = 2, 40, 4, 2, 32
+    if case == "unbind_views":          # k, v from unbind(2) of a fused [B, S, 2, H, D] projection
+        q = torch.randn(b, s, hq, d, generator=gen).bfloat16().permute(0, 2, 1, 3)
+        k, v = (t.permute(0, 2, 1, 3) for t in torch.randn(b, s, 2, hkv, d, generator=gen).bfloat16().unbind(2))
+        return q, k, v, "bshd", (None, None, 0, 0, False)
+    if case == "transposed_views":      # bshd tensors handed over as q.transpose(1, 2) (HF's layout)
+        q, k, v = (torch.randn(b, h, s, d, generator=gen).bfloat16().transpose(1, 2).permute(0, 2, 1, 3)
+                   for h in (hq, hkv, hkv))
+        return q, k, v, "bshd", (None, None, 0, 0, False)
+    if case in ("sbhd", "bhsd"):
+        q, k, v = (from_bhsd(torch.randn(b, h, s, d, generator=gen), case).contiguous().bfloat16()
+                   for h in (hq, hkv, hkv))
+        from mxattn.layouts import to_bhsd
+        return (*(to_bhsd(t, case) for t in (q, k, v)), case, (None, None, 0, 0, False))
+    cu = torch.tensor([0, 13, 13, 40] if case == "thd" else [0, 13, 40], dtype=torch.int32)
+    if case == "thd":                   # [T, H, D] viewed as [1, H, T, D]
+        q, k, v = (torch.randn(s, h, d, generator=gen).bfloat16().permute(1, 0, 2).unsqueeze(0)
+                   for h in (hq, hkv, hkv))
+        return q, k, v, "bshd", (cu, cu, 27, 27, True)
+    q, k, v = (torch.randn(b, s, h, d, generator=gen).bfloat16().permute(0, 2, 1, 3) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, 13, 53], dtype=torch.int32)   # padded: lengths 13 and 40
+    return q, k, v, "bshd", (cu, cu, 40, 40, False)
+
+
+@pytest.mark.parametrize("case", ["unbind_views", "transposed_views", "sbhd", "bhsd", "thd", "padded_gqa"])
+def test_forward_op_fake_matches_real_for_every_layout(case):
+    """opcheck of the forward op (schema, autograd registration, fake kernel's shapes and strides) on the
+    layouts and strides the eager path accepts."""
+    from mxattn import ops
+    q, k, v, fmt, seq = _op_case(case)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    args = (q, k, v, 0.125, False, None, 0, torch.bfloat16, fmt, "reference", *seq, None)
+    torch.library.opcheck(ops.attention_fwd, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

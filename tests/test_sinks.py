@@ -1,6 +1,7 @@
 """Attention sinks (TE's softmax_type) on the CPU: ref against FP64 autograd of plain attention with a sink
 column, the public API and module (reference backend), variable lengths, and argument errors."""
 
+import dataclasses
 import math
 import warnings
 
@@ -145,3 +146,50 @@ def test_sink_argument_errors(kw, exc, match):
         mxattn.mxfp8_attention(q, k, v, backend="reference", **kw)
     with pytest.raises(ValueError, match="softmax_type"):
         mxattn.DotProductAttention(4, 32, softmax_type="softer")
+
+
+def test_auto_choice_sees_the_softmax_type(monkeypatch):
+    """backend='auto' is chosen from the whole Problem: the softmax type reaches every backend's support check
+    (eager and under torch.compile), and the choice cache tells sink calls from vanilla ones."""
+    from mxattn import backends
+    from mxattn.backends.reference import ReferenceBackend
+    seen = []
+    real = ReferenceBackend.supports.__func__
+
+    def recording(cls, problem):
+        seen.append(problem.softmax_type)
+        return real(cls, problem)
+
+    monkeypatch.setattr(ReferenceBackend, "supports", classmethod(recording))
+    q = torch.randn(1, 64, 2, 32).bfloat16()
+    offset = torch.zeros(2)
+    for softmax_type, kwargs in (("vanilla", {}), ("learnable", dict(softmax_offset=offset)),
+                                 ("off-by-one", {})):
+        mxattn.mxfp8_attention(q, q, q, softmax_type=softmax_type, **kwargs)
+    assert seen == ["vanilla", "learnable", "off-by-one"]
+    torch._dynamo.reset()
+    seen.clear()
+    torch.compile(lambda q: mxattn.mxfp8_attention(q, q, q, softmax_type="off-by-one"), fullgraph=True,
+                  backend="aot_eager")(q)
+    assert seen == ["off-by-one"]
+    p = backends.Problem(torch.device("cpu"), torch.bfloat16, 2, 4, 2, 64, 64, 32, mxattn.MaskSpec(causal=True),
+                         "packed", True, torch.bfloat16, "learnable")
+    assert backends.Problem.decode(p.encode()) == p
+
+
+def test_auto_routes_a_packed_sink_backward_away_from_an_old_cudnn(monkeypatch):
+    """cuDNN below 9.26 refuses the packed backward with a sink: `auto` sees the sink and takes the next backend
+    (here reference, on the CPU), naming cuDNN's reason; a vanilla call of the same shape is not refused."""
+    pytest.importorskip("cudnn")
+    from mxattn import backends
+    from mxattn.backends import cudnn_backend as cb
+    monkeypatch.setattr(cb.CudnnBackend, "availability", classmethod(lambda cls, device: (True, "pretend SM 10.0")))
+    monkeypatch.setattr(cb.cudnn, "backend_version", lambda: 92500)
+    p = backends.Problem(torch.device("cpu"), torch.bfloat16, 3, 4, 4, 128, 128, 64, mxattn.MaskSpec(causal=True),
+                         "packed", True, torch.bfloat16, "learnable")
+    ok, reason = backends.supports("cudnn", p)
+    assert not ok and "sink" in reason and "9.26" in reason
+    monkeypatch.setattr(backends, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="9.26"):
+        assert backends.choose_backend("auto", p) == "reference"
+    assert cb.known_refusal(dataclasses.replace(p, softmax_type="vanilla")) is None

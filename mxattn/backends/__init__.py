@@ -12,7 +12,6 @@ from typing import Dict, Tuple, Type
 import torch
 
 from ..errors import MXFP8NotSupportedError
-from ..mask import MaskSpec
 from .base import AttentionBackend, AttentionParams, Problem, SavedForBackward
 
 BACKEND_NAMES = ("cudnn", "triton", "reference")
@@ -74,21 +73,13 @@ def choose_backend(name: str, problem: Problem) -> str:
     torch.compile the batch size and sequence lengths may be symbolic (dynamic shapes), so the choice is made
     without them there: a size-dependent refusal (cuDNN's, for a few band masks) then raises at the call instead
     of falling back. Head counts and head dim must be static (they are unless one compiled function sees
-    several)."""
-    p = problem
-    compiling = torch.compiler.is_compiling()
-    return _choose_constant(name, str(p.device), p.dtype, None if compiling else p.batch, p.heads_q, p.heads_kv,
-                            None if compiling else p.seqlen_q, None if compiling else p.seqlen_kv, p.head_dim,
-                            p.mask.diagonal_alignment, p.mask.left_bound, p.mask.right_bound, p.varlen,
-                            p.needs_backward, p.out_dtype)
+    several). Every other field of the Problem (softmax type included) reaches the choice."""
+    return _choose_constant(name, problem.encode(without_sizes=torch.compiler.is_compiling()))
 
 
 @torch.compiler.assume_constant_result
-def _choose_constant(name, device, dtype, batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim, alignment,
-                     left_bound, right_bound, varlen, needs_backward, out_dtype) -> str:
-    mask = MaskSpec(diagonal_alignment=alignment, left_bound=left_bound, right_bound=right_bound)
-    return pick_backend(name, Problem(torch.device(device), dtype, batch, heads_q, heads_kv, seqlen_q, seqlen_kv,
-                                      head_dim, mask, varlen, needs_backward, out_dtype))
+def _choose_constant(name: str, problem_key: tuple) -> str:
+    return pick_backend(name, Problem.decode(problem_key))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -11,7 +11,7 @@ pick a backend that will run it, forward and backward.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
 import torch
@@ -63,6 +63,39 @@ class Problem:
     out_dtype: torch.dtype = torch.bfloat16
     #: "vanilla", "off-by-one" or "learnable" (TE's softmax_type)
     softmax_type: str = "vanilla"
+
+    def encode(self, without_sizes: bool = False) -> tuple:
+        """Every field, in declaration order, as a flat tuple of Python constants (the device as its string,
+        the mask as its three band fields): what `torch.compiler.assume_constant_result` can take. A field
+        added to Problem is carried without touching the encoder. without_sizes: batch and sequence lengths
+        as None (they may be symbolic under torch.compile)."""
+        out = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "device":
+                out.append(str(value))
+            elif f.name == "mask":
+                out += [value.diagonal_alignment, value.left_bound, value.right_bound]
+            else:
+                out.append(None if without_sizes and f.name in _SIZE_FIELDS else value)
+        return tuple(out)
+
+    @classmethod
+    def decode(cls, key: tuple) -> "Problem":
+        """The inverse of `encode`."""
+        values, i = {}, 0
+        for f in fields(cls):
+            if f.name == "mask":
+                values["mask"] = MaskSpec(diagonal_alignment=key[i], left_bound=key[i + 1], right_bound=key[i + 2])
+                i += 3
+            else:
+                values[f.name] = torch.device(key[i]) if f.name == "device" else key[i]
+                i += 1
+        return cls(**values)
+
+
+#: the Problem fields that may be symbolic under torch.compile
+_SIZE_FIELDS = ("batch", "seqlen_q", "seqlen_kv")
 
 
 def sink_grad(o: torch.Tensor, do: torch.Tensor, stats: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
