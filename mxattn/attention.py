@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -96,6 +96,12 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     NaN in an input gives NaN in the outputs that depend on it (the MXFP8 block holding it has a NaN scale);
     NaN in padding rows reaches no output.
     """
+    if cu_seqlens_q is None and cu_seqlens_kv is None and not torch.compiler.is_compiling():
+        key = _signature(q, k, v, qkv_format, attn_mask_type, window_size, softmax_scale, backend, out_dtype,
+                         max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return _run_dense(plan, q, k, v, _sink_of(plan, softmax_offset))
     validate_inputs(q, k, v, qkv_format)
     band, padding_type = resolve_mask(attn_mask_type, window_size)
     packed = qkv_format == "thd"
@@ -132,12 +138,87 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
                       needs_backward=ops.needs_backward(q, k, v, softmax_offset),
                       out_dtype=kernel_dtype, softmax_type=softmax_type)
     name = choose_backend(backend, problem)
+    if seq is None and not torch.compiler.is_compiling():
+        plan = _DensePlan(qkv_format, float(softmax_scale), band.diagonal_alignment == "bottom_right",
+                          band.left_bound, band.right_bound, kernel_dtype, out_dtype, name, softmax_type)
+        _remember(key, plan)
+        return _run_dense(plan, q, k, v, sink)
     out_format = "bshd" if packed else qkv_format
     o = ops.attention(qb, kb, vb, float(softmax_scale), band.diagonal_alignment == "bottom_right",
-                          band.left_bound, band.right_bound, kernel_dtype, out_format, name,
-                          *_seq_args(seq), sink)
+                      band.left_bound, band.right_bound, kernel_dtype, out_format, name, *_seq_args(seq), sink)
     o = o[0].transpose(0, 1) if packed else from_bhsd(o, qkv_format)
     return o if o.dtype == out_dtype else o.to(out_dtype)
+
+
+# --------------------------------------------------------------------------- per-signature plans (eager, dense)
+
+class _DensePlan(NamedTuple):
+    """What a dense eager call needs once its signature was validated and its backend chosen."""
+
+    qkv_format: str
+    softmax_scale: float
+    bottom_right: bool
+    left_bound: Optional[int]
+    right_bound: Optional[int]
+    kernel_dtype: torch.dtype
+    out_dtype: torch.dtype
+    backend: str
+    softmax_type: str
+
+
+#: plans of dense eager calls by signature (`_signature`); bounded, cleared when full. Reads and writes of a
+#: dict are atomic in CPython, and a plan is immutable, so threads share it without a lock
+_PLANS: dict = {}
+_MAX_PLANS = 512
+
+
+def _tensor_key(x):
+    return (x.__class__, x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+
+
+def _signature(q, k, v, qkv_format, attn_mask_type, window_size, softmax_scale, backend, out_dtype,
+               max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset) -> Optional[tuple]:
+    """Everything the checks and the backend choice of a dense call read (types, shapes, strides, dtypes,
+    devices, grad mode, the options), or None when an argument is not what a plan can key (the full path
+    then runs and raises the clear error)."""
+    try:
+        offset = None if softmax_offset is None else _tensor_key(softmax_offset)
+        window = None if window_size is None else tuple(window_size)
+        return (_tensor_key(q), _tensor_key(k), _tensor_key(v), qkv_format, attn_mask_type, window,
+                softmax_scale, softmax_scale.__class__, backend, out_dtype, max_seqlen_q, max_seqlen_kv,
+                softmax_type, offset, torch.is_grad_enabled())
+    except (AttributeError, TypeError):
+        return None
+
+
+def _remember(key, plan: _DensePlan) -> None:
+    if key is None:
+        return
+    try:
+        hash(key)
+    except TypeError:
+        return
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+
+
+def _sink_of(plan: _DensePlan, softmax_offset):
+    """The sink of a planned call: the (already checked) offset, None for vanilla and off-by-one (whose zeros
+    `_run_dense` makes on q's device)."""
+    return softmax_offset if plan.softmax_type == "learnable" else None
+
+
+def _run_dense(plan: _DensePlan, q, k, v, sink):
+    """The forward op of a planned dense call; O in q's layout and plan.out_dtype."""
+    fmt = plan.qkv_format
+    if plan.softmax_type == "off-by-one":
+        sink = torch.zeros(bhsd_shape(q, fmt)[1], dtype=torch.float32, device=q.device)
+    o = ops.attention(to_bhsd(q, fmt), to_bhsd(k, fmt), to_bhsd(v, fmt), plan.softmax_scale, plan.bottom_right,
+                      plan.left_bound, plan.right_bound, plan.kernel_dtype, fmt, plan.backend, None, None, 0, 0,
+                      False, sink)
+    o = from_bhsd(o, fmt)
+    return o if o.dtype == plan.out_dtype else o.to(plan.out_dtype)
 
 
 def _sink(softmax_type: str, softmax_offset, heads: int, device: torch.device) -> Optional[torch.Tensor]:

@@ -239,3 +239,47 @@ def test_cudnn_refusal_names_the_hardware_before_the_library(monkeypatch):
     ok, reason = support.cudnn_support("cpu")
     assert not ok and reason.startswith("cpu is not a CUDA device")
     assert reason.index("Blackwell") < reason.index("older than 9.21.0") < reason.index("pip install")
+
+
+def test_repeated_dense_calls_reuse_a_plan_and_still_check_new_signatures(monkeypatch):
+    """A dense eager call's checks and backend choice run once per signature (shapes, strides, dtypes, devices,
+    options, grad mode): the repeated call skips them and gives the same bytes; any change of signature runs
+    the checks again, so bad input still raises its clear error."""
+    from mxattn import attention as attention_module
+    monkeypatch.setattr(attention_module, "_PLANS", {})
+    checks = []
+    real_validate = attention_module.validate_inputs
+    monkeypatch.setattr(attention_module, "validate_inputs", lambda *a: (checks.append(a[3]), real_validate(*a)))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 64, 4, 32, generator=gen).bfloat16() for _ in range(3))
+    first = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="reference")
+    again = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="reference")
+    assert torch.equal(first, again) and len(checks) == 1
+    # a new option, layout, grad mode or softmax type is a new signature: checked once, then planned
+    mxattn.mxfp8_attention(q, k, v, attn_mask_type="no_mask", backend="reference")
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))                         # the same data as bhsd views
+    assert torch.equal(mxattn.mxfp8_attention(qt, kt, vt, qkv_format="bhsd", attn_mask_type="causal",
+                                              backend="reference").transpose(1, 2), first)
+    sink = mxattn.mxfp8_attention(q, k, v, softmax_type="off-by-one", backend="reference")
+    assert torch.equal(mxattn.mxfp8_attention(q, k, v, softmax_type="off-by-one", backend="reference"), sink)
+    assert len(checks) == 3 + 1
+    # an input that differs from a planned one only in what the checks read raises the checks' error
+    with pytest.raises(TypeError, match="share one dtype"):
+        mxattn.mxfp8_attention(q, k.half(), v, attn_mask_type="causal", backend="reference")
+    with pytest.raises(ValueError, match="head_dim mismatch"):
+        mxattn.mxfp8_attention(q, k[..., :16], v, attn_mask_type="causal", backend="reference")
+    with pytest.raises(ValueError, match="softmax_scale"):
+        mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="reference", softmax_scale=-1.0)
+    # learnable sink: its tensor's dtype and shape are part of the signature
+    offset = torch.zeros(4)
+    mxattn.mxfp8_attention(q, k, v, softmax_type="learnable", softmax_offset=offset, backend="reference")
+    with pytest.raises(TypeError, match="float32"):
+        mxattn.mxfp8_attention(q, k, v, softmax_type="learnable", softmax_offset=offset.double(),
+                               backend="reference")
+    # gradients through a planned call equal the first call's
+    grads = []
+    for _ in range(2):
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        mxattn.mxfp8_attention(qg, kg, vg, attn_mask_type="causal", backend="reference").float().sum().backward()
+        grads.append([t.grad for t in (qg, kg, vg)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -74,7 +74,9 @@ def choose_backend(name: str, problem: Problem) -> str:
     without them there: a size-dependent refusal (cuDNN's, for a few band masks) then raises at the call instead
     of falling back. Head counts and head dim must be static (they are unless one compiled function sees
     several). Every other field of the Problem (softmax type included) reaches the choice."""
-    return _choose_constant(name, problem.encode(without_sizes=torch.compiler.is_compiling()))
+    if not torch.compiler.is_compiling():
+        return pick_backend(name, problem)
+    return _choose_constant(name, problem.encode(without_sizes=True))
 
 
 @torch.compiler.assume_constant_result
