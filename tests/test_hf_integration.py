@@ -431,3 +431,80 @@ def test_sample_runs():
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "rel-RMS" in res.stdout and "top-1" in res.stdout
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+def _attention_call(mask, q_len, kv_len, causal=True, window=None, seed=0):
+    """(function, args): the registered attention function on random q, k, v and an HF-built mask."""
+    g = torch.Generator().manual_seed(seed)
+    b = mask.shape[0]
+    q = torch.randn(b, 4, q_len, 32, generator=g).bfloat16()
+    k, v = (torch.randn(b, 2, kv_len, 32, generator=g).bfloat16() for _ in range(2))
+    module = torch.nn.Module()
+    module.is_causal = causal
+    fn = mx_hf.make_attention_function("reference")
+    return (lambda q, k, v, mask: fn(module, q, k, v, mask, scaling=0.2, sliding_window=window)[0]), (q, k, v, mask)
+
+
+@pytest.mark.parametrize("case", [
+    # (lengths, q_len, kv_len, window, causal, q_offset)
+    ((9, 5, 9), 9, 9, None, True, 0),          # right-padded causal batch (training)
+    ((9, 9), 9, 9, 4, True, 0),                # sliding window, unpadded
+    ((9, 5, 2), 9, 9, None, False, 0),         # encoder with padding
+    ((12, 12), 1, 12, None, True, 11),         # decode step
+    ((12, 12), 4, 12, 3, True, 8),             # chunked prefill with a window
+])
+def test_compiled_attention_function_fullgraph_matches_eager(case):
+    """The attention function traced with fullgraph=True (no graph break) on HF's own masks gives the eager
+    function's bytes; the mask is translated on the device."""
+    lengths, q_len, kv_len, window, causal, q_offset = case
+    mask = _hf_mask(lengths, q_len, kv_len, window, causal, q_offset)
+    fn, args = _attention_call(mask, q_len, kv_len, causal, window)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(*args), fn(*args))
+    additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    assert torch.equal(compiled(*args[:3], additive), fn(*args))
+
+
+def test_compiled_attention_function_still_refuses_what_it_cannot_express():
+    """Under torch.compile the expressibility check runs on the device and stops the call with its reason."""
+    mask = _hf_mask((9, 9), 9, 9).clone()
+    mask[1, :, :, :3] = False                                           # left padding
+    fn, args = _attention_call(mask, 9, 9)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="mxattn: this attention mask"):
+        compiled(*args)
+    bias = torch.where(_hf_mask((9, 9), 9, 9), 0.0, -1e9)
+    bias[0, 0, 5, 0] = -3.0                                             # an additive bias, not a mask
+    with pytest.raises(RuntimeError, match="mxattn: this attention mask"):
+        compiled(*args[:3], bias)
+
+
+def test_compiled_model_has_no_graph_breaks_and_no_recompiles():
+    """A transformers model with the registered attention, compiled: one graph (padded causal batch), training
+    steps with new data and the same shapes reuse it, and its logits equal the eager model's on real tokens."""
+    model = build(llama, attn=NAME)
+    ids, am = batch()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(input_ids=ids, attention_mask=am)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    eager = model(input_ids=ids, attention_mask=am).logits
+    valid = am.bool()
+    assert rel_rms(compiled(input_ids=ids, attention_mask=am).logits[valid], eager[valid]) < 1e-5
+    model.train()
+
+    def step(seed):
+        ids, am = batch(seed=seed)
+        compiled(input_ids=ids, attention_mask=am, labels=ids.masked_fill(am == 0, -100)).loss.backward()
+
+    step(1)                                                 # training mode and labels: compiled once more
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        step(2)
+        step(3)
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())

@@ -41,6 +41,7 @@ import torch
 
 from ..attention import mxfp8_attention
 from ..backends import BACKEND_NAMES
+from ..mask import resolve_mask
 
 #: additive mask entries at or below this value are read as "masked" (HF uses finfo(dtype).min; old code -10000)
 MASKED_AT_OR_BELOW = -1e4
@@ -68,10 +69,14 @@ class MaskPlan:
     cu_seqlens_q: Optional[torch.Tensor] = None
     cu_seqlens_kv: Optional[torch.Tensor] = None
     kv_len: Optional[int] = None
+    #: bounds of the lengths (given under torch.compile, where they cannot be read off cu_seqlens)
+    max_seqlen_q: Optional[int] = None
+    max_seqlen_kv: Optional[int] = None
 
     def kwargs(self) -> dict:
         return dict(attn_mask_type=self.attn_mask_type, window_size=self.window_size,
-                    cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_kv=self.cu_seqlens_kv)
+                    cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_kv=self.cu_seqlens_kv,
+                    max_seqlen_q=self.max_seqlen_q, max_seqlen_kv=self.max_seqlen_kv)
 
 
 # --------------------------------------------------------------------------- mask translation
@@ -92,8 +97,8 @@ def _plan_without_mask(q_len: int, kv_len: int, is_causal: bool, sliding_window:
     return MaskPlan("causal", window, kv_len=q_len if kv_len > q_len else None)
 
 
-def _keep_mask(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
-    """HF 4-D mask -> bool keep [Bm, Sq, Skv] (Bm = 1 or batch), after shape, head and value checks."""
+def _checked_mask(attention_mask, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """The checks of an HF mask that read no values: type, 4-D shape against the call, dtype."""
     if not isinstance(attention_mask, torch.Tensor) or type(attention_mask).__name__ == "BlockMask":
         raise UnsupportedMaskError(f"attention_mask of type {type(attention_mask).__name__} is not supported; mxattn "
                                    "reads 4-D boolean or additive tensor masks (register() sets that up)")
@@ -106,9 +111,18 @@ def _keep_mask(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int
     if bm not in (1, batch) or sq != q_len or skv != kv_len:
         raise UnsupportedMaskError(f"attention mask shape {tuple(attention_mask.shape)} does not match "
                                    f"[batch={batch} (or 1), heads, q_len={q_len}, kv_len={kv_len}]")
+    if attention_mask.dtype != torch.bool and not attention_mask.is_floating_point():
+        raise UnsupportedMaskError(f"attention mask dtype {attention_mask.dtype} is neither bool nor floating point")
+    return attention_mask
+
+
+def _keep_mask(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """HF 4-D mask -> bool keep [Bm, Sq, Skv] (Bm = 1 or batch), after shape, head and value checks."""
+    attention_mask = _checked_mask(attention_mask, batch, q_len, kv_len)
+    hm = attention_mask.shape[1]
     if attention_mask.dtype == torch.bool:
         keep = attention_mask
-    elif attention_mask.is_floating_point():
+    else:
         keep = attention_mask == 0
         other = ~(keep | (attention_mask <= MASKED_AT_OR_BELOW))
         if bool(other.any()):
@@ -117,8 +131,6 @@ def _keep_mask(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int
                 f"the additive attention mask holds values other than 0 and masked (<= {MASKED_AT_OR_BELOW:g}), "
                 f"e.g. {value!r}: an additive bias (ALiBi, relative positions, ...) cannot be expressed by "
                 "mxattn's masks")
-    else:
-        raise UnsupportedMaskError(f"attention mask dtype {attention_mask.dtype} is neither bool nor floating point")
     if hm > 1:
         if not torch.equal(keep, keep[:, :1].expand_as(keep)):
             raise UnsupportedMaskError("the attention mask differs between heads; mxattn applies one mask to all heads")
@@ -237,6 +249,56 @@ def plan_attention_mask(attention_mask: Optional[torch.Tensor], *, batch: int, q
     return MaskPlan(word, window)
 
 
+def plan_attention_mask_traced(attention_mask: Optional[torch.Tensor], *, batch: int, q_len: int, kv_len: int,
+                               is_causal: bool = True, sliding_window: Optional[int] = None) -> MaskPlan:
+    """`plan_attention_mask` in a form torch.compile traces without graph breaks (no value read on the host).
+
+    The band comes from the module's flags, as transformers' own mask builders make it: causal when is_causal,
+    a left window of sliding_window keys, top-left when q_len == kv_len (training, prefill) and bottom-right
+    otherwise (decode and chunked-prefill steps of a KV cache); the key lengths are read off the mask on the
+    device. Every call is then a padded call (lengths equal to kv_len where nothing is padded). The same check
+    as the eager translation stays, on the device: the mask rebuilt from the band and the lengths must equal
+    HF's mask, else `torch._assert_async` stops the run with the reason (a RuntimeError on the CPU, a device-side
+    assert on CUDA). What the eager path would refuse is refused here too."""
+    if attention_mask is None:
+        return _plan_without_mask(q_len, kv_len, is_causal, sliding_window)
+    mask = _checked_mask(attention_mask, batch, q_len, kv_len)
+    device = mask.device
+    if mask.dtype == torch.bool:
+        keep_h = mask
+        bad = torch.zeros((), dtype=torch.bool, device=device)
+    else:
+        keep_h = mask == 0
+        bad = (~(keep_h | (mask <= MASKED_AT_OR_BELOW))).any()
+    keep = keep_h[:, :1].expand(-1, keep_h.shape[1], -1, -1)
+    bad = bad | (keep_h != keep).any()
+    keep = keep[:, 0].expand(batch, q_len, kv_len)                                        # [B, Sq, Skv]
+    j = torch.arange(kv_len, device=device)
+    kv_lengths = torch.where(keep, j + 1, 0).amax(dim=(1, 2))                             # [B]
+    window = None
+    if is_causal and sliding_window is not None and 0 < sliding_window < kv_len:
+        window = (int(sliding_window) - 1, 0)
+    word = "no_mask" if not is_causal else "causal" if q_len == kv_len else "causal_bottom_right"
+    band = resolve_mask(word, window).band
+    i = torch.arange(q_len, device=device).view(1, q_len, 1)
+    off = (kv_lengths - q_len).view(batch, 1, 1) if band.bottom_right else 0
+    expected = j.view(1, 1, kv_len) < kv_lengths.view(batch, 1, 1)
+    if band.right_bound is not None:
+        expected = expected & (j <= i + off + band.right_bound)
+    if band.left_bound is not None:
+        expected = expected & (j > i + off - band.left_bound)
+    bad = bad | (expected != keep).any()
+    torch._assert_async(~bad, "mxattn: this attention mask is not the module's band (causal / sliding window, "
+                        "top-left for q_len == kv_len, bottom-right otherwise) over per-sequence key lengths "
+                        "(right padding), or holds values other than 0 and masked; run the model eagerly for "
+                        "the detailed reason")
+    cu_kv = torch.cat([torch.zeros(1, dtype=torch.int32, device=device),
+                       torch.cumsum(kv_lengths, dim=0).to(torch.int32)])
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len
+    return MaskPlan("padding_" + word if word != "no_mask" else "padding", window, cu_q, cu_kv,
+                    max_seqlen_q=q_len, max_seqlen_kv=kv_len)
+
+
 class _PlanCache:
     """The plans of the last few masks: a model hands the same mask tensor to every layer."""
 
@@ -316,9 +378,14 @@ def make_attention_function(backend: str = "auto"):
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         batch, _, q_len, head_dim = query.shape
         kv_len = key.shape[2]
-        plan = _PLANS.get(attention_mask, (batch, q_len, kv_len, causal, sliding_window),
-                          lambda: plan_attention_mask(attention_mask, batch=batch, q_len=q_len, kv_len=kv_len,
-                                                      is_causal=causal, sliding_window=sliding_window))
+        if torch.compiler.is_compiling():
+            plan = plan_attention_mask_traced(attention_mask, batch=batch, q_len=q_len, kv_len=kv_len,
+                                              is_causal=causal, sliding_window=sliding_window)
+        else:
+            plan = _PLANS.get(attention_mask, (batch, q_len, kv_len, causal, sliding_window),
+                              lambda: plan_attention_mask(attention_mask, batch=batch, q_len=q_len,
+                                                          kv_len=kv_len, is_causal=causal,
+                                                          sliding_window=sliding_window))
         if plan.kv_len is not None:
             key, value = key[:, :, :plan.kv_len], value[:, :, :plan.kv_len]
         if key.dtype != query.dtype or value.dtype != query.dtype:     # e.g. fp32 layer norms under PEFT
