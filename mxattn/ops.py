@@ -164,7 +164,7 @@ def _backward(ctx, grad_o, eager: bool = False):
     args = (grad_o, o, stats, list(saved), ctx.kv_shape, softmax_scale, bottom_right, left_bound, right_bound,
             out_dtype, backend, *cu, *ctx.max_lens_packed, sink, sink_requires_grad)
     dq, dk, dv, dsink = _bwd_impl(*args, contiguous=False) if eager else attention_bwd(*args)
-    grads = tuple(g.to(dt) for g, dt in zip((dq, dk, dv), ctx.input_dtypes))
+    grads = tuple(g if g.dtype == dt else g.to(dt) for g, dt in zip((dq, dk, dv), ctx.input_dtypes))
     return grads + (None,) * (_N_FWD_ARGS - 4) + (dsink if sink_requires_grad else None,)
 
 

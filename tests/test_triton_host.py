@@ -251,3 +251,19 @@ def test_backward_head_chunks_are_balanced_without_a_gpu(monkeypatch, request):
     assert sorted(heads) == [2, 2, 3]
     assert [name for name, _ in launched] == ["bwd_prep_kernel", "dkdv_kernel", "bwd_prep_kernel",
                                                "dq_kernel"] * 3
+
+
+def test_triton_availability_reads_the_gpu_once(monkeypatch):
+    """The triton backend's availability on a CUDA device is read once per device index (a decode loop chooses a
+    backend for every new KV length; the GPU's capability does not change in a process)."""
+    pytest.importorskip("triton")
+    from mxattn.backends import triton_backend as tb
+    reads = []
+    monkeypatch.setattr(tb, "_CUDA_AVAILABILITY", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (reads.append(i), (8, 0))[1])
+    first = tb.TritonBackend.availability(torch.device("cuda"))
+    second = tb.TritonBackend.availability(torch.device("cuda:0"))
+    assert first == second and not first[0] and "8.0" in first[1] and reads == [0]

@@ -35,6 +35,8 @@ MIN_CAPABILITY = (8, 9)
 
 
 _KERNELS = None
+#: availability of each CUDA device index (read once: decode steps choose a backend per new KV length)
+_CUDA_AVAILABILITY = {}
 
 
 def _kernels():
@@ -99,6 +101,14 @@ class TritonBackend(AttentionBackend):
         if not torch.cuda.is_available():
             return False, "CUDA is not available (no NVIDIA driver or GPU visible to torch)"
         index = device.index if device.index is not None else torch.cuda.current_device()
+        known = _CUDA_AVAILABILITY.get(index)
+        if known is None:  # a GPU's capability and the kernels' import do not change within a process
+            known = _CUDA_AVAILABILITY[index] = cls._cuda_availability(index)
+        return known
+
+    @classmethod
+    def _cuda_availability(cls, index: int) -> Tuple[bool, str]:
+        """`availability` of CUDA device `index` (torch sees CUDA), read off the device once."""
         if index >= torch.cuda.device_count():
             return False, f"CUDA device {index} does not exist ({torch.cuda.device_count()} visible)"
         cap = torch.cuda.get_device_capability(index)

@@ -270,8 +270,9 @@ def plan_attention_mask_traced(attention_mask: Optional[torch.Tensor], *, batch:
     else:
         keep_h = mask == 0
         bad = (~(keep_h | (mask <= MASKED_AT_OR_BELOW))).any()
+    # comparisons of masks as int8: inductor's value-range analysis (torch 2.11) fails on != of two bool tensors
     keep = keep_h[:, :1].expand(-1, keep_h.shape[1], -1, -1)
-    bad = bad | (keep_h != keep).any()
+    bad = bad | (keep_h.to(torch.int8) != keep.to(torch.int8)).any()
     keep = keep[:, 0].expand(batch, q_len, kv_len)                                        # [B, Sq, Skv]
     j = torch.arange(kv_len, device=device)
     kv_lengths = torch.where(keep, j + 1, 0).amax(dim=(1, 2))                             # [B]
@@ -287,7 +288,7 @@ def plan_attention_mask_traced(attention_mask: Optional[torch.Tensor], *, batch:
         expected = expected & (j <= i + off + band.right_bound)
     if band.left_bound is not None:
         expected = expected & (j > i + off - band.left_bound)
-    bad = bad | (expected != keep).any()
+    bad = bad | (expected.to(torch.int8) != keep.to(torch.int8)).any()
     torch._assert_async(~bad, "mxattn: this attention mask is not the module's band (causal / sliding window, "
                         "top-left for q_len == kv_len, bottom-right otherwise) over per-sequence key lengths "
                         "(right padding), or holds values other than 0 and masked; run the model eagerly for "

@@ -1,0 +1,293 @@
+"""Whole-model benchmark: transformers models built from configs (random weights), torch SDPA against mxattn's
+MXFP8 attention through the project's own HF registration, same seed, same run.
+
+Measured per model (ratios mxfp8 / sdpa in the same run):
+  * training step time (bf16 autocast, AdamW), eager and under torch.compile(model);
+  * inference: prefill of --prompt tokens + --new-tokens greedy decode steps with transformers' KV cache,
+    batch 1 and 8: tokens/s of the decode phase (and the prefill time);
+and, for the op itself, a tiny call (B1 S128 H8 D64, bshd, bf16): wall time per call in a loop (forward
+without grad, forward+backward) and the host (CPU thread) time of one public-API forward at B2 H16 S4096 D128.
+
+Usage (CUDA machine with transformers): python benchmarks/models_bench.py [--quick] [--backend triton]
+Writes benchmarks/results/<gpu>/models.json and models.md (or --out-dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mxattn  # noqa: E402
+import mxattn.integrations.transformers as mx_hf  # noqa: E402
+from mxattn.bench import gpu_dir_name  # noqa: E402
+
+NAME = "mxfp8"
+
+
+def gpt2_config(quick: bool):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=8192, n_positions=2048, n_embd=512, n_layer=4, n_head=8, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    return "gpt2_l4_e512_h8", cfg, GPT2LMHeadModel, dict(batch=16, seq=512)
+
+
+def llama_config(quick: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4 if quick else 8,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
+    return "llama_gqa_h1024_l%d_16q4kv" % cfg.num_hidden_layers, cfg, LlamaForCausalLM, dict(batch=8, seq=1024)
+
+
+DEVICE = "cuda"
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def build(factory, attn: str, quick: bool, seed: int = 0):
+    name, cfg, cls, shape = factory(quick)
+    if DEVICE != "cuda":                    # smoke run of the script: small shapes
+        shape = dict(batch=2, seq=64)
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = cls(cfg).to(DEVICE)
+    return name, model, shape, cfg.vocab_size
+
+
+def cuda_time(fn, warmup: int, iters: int) -> float:
+    """Median ms of fn() over iters timed runs (each synchronised) after warmup."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def train_step_ms(factory, attn: str, compiled: bool, quick: bool) -> dict:
+    name, model, shape, vocab = build(factory, attn, quick)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
+    run = torch.compile(model) if compiled else model
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    ids = torch.randint(0, vocab, (shape["batch"], shape["seq"]), device=DEVICE, generator=g)
+    losses = []
+
+    def step():
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = run(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    t0 = time.perf_counter()
+    step()
+    sync()
+    first_s = time.perf_counter() - t0
+    ms = cuda_time(step, warmup=3, iters=8 if quick else 20)
+    out = dict(model=name, attn=attn, compiled=compiled, step_ms=ms, first_step_s=first_s,
+               batch=shape["batch"], seq=shape["seq"], final_loss=float(losses[-1]))
+    del model, opt, run
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return out
+
+
+@torch.no_grad()
+def generate_tokens_per_s(factory, attn: str, batch: int, prompt: int, new_tokens: int, quick: bool) -> dict:
+    name, model, _, vocab = build(factory, attn, quick)
+    model = model.to(torch.bfloat16).eval()
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, prompt), device=DEVICE, generator=g)
+    am = torch.ones_like(ids)
+    kw = dict(attention_mask=am, do_sample=False, pad_token_id=0, eos_token_id=None)
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)           # warm-up (kernels, caches)
+    sync()
+    t0 = time.perf_counter()
+    model(input_ids=ids, attention_mask=am)
+    sync()
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    runs = []
+    for _ in range(2 if quick else 3):
+        sync()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        sync()
+        runs.append(time.perf_counter() - t0)
+    total_s = statistics.median(runs)
+    decode_s = max(total_s - prefill_ms / 1e3, 1e-9)
+    result = dict(model=name, attn=attn, batch=batch, prompt=prompt, new_tokens=new_tokens, prefill_ms=prefill_ms,
+                  generate_s=total_s, decode_tokens_per_s=batch * (new_tokens - 1) / decode_s,
+                  tokens=out[:, prompt:].tolist())
+    del model
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def tiny_call_figures(backend: str) -> dict:
+    """Wall time per call of a tiny attention call (host-bound) and host time of a large forward."""
+    import torch.nn.functional as F
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    q, k, v = (torch.randn(1, 128, 8, 64, device=DEVICE, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def per_call_us(fn, n=300):
+        for _ in range(30):
+            fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)  # noqa: E731
+    mx = lambda a, b, c: mxattn.mxfp8_attention(a, b, c, qkv_format="bhsd", attn_mask_type="causal",  # noqa: E731
+                                                backend=backend)
+    out = {}
+    with torch.no_grad():
+        out["tiny_fwd_us"] = {"sdpa": per_call_us(lambda: sdpa(qt, kt, vt)), "mxfp8": per_call_us(lambda: mx(qt, kt, vt))}
+    qg, kg, vg = (t.detach().requires_grad_() for t in (qt, kt, vt))
+    do = torch.randn_like(qt)
+    out["tiny_fwd_bwd_us"] = {name: per_call_us(lambda f=f: f(qg, kg, vg).backward(do))
+                              for name, f in (("sdpa", sdpa), ("mxfp8", mx))}
+    # host (CPU thread) time of one public-API forward at B2 H16 S4096 D128 (no grad), kernels in flight
+    big = [torch.randn(2, 4096, 16, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3)]
+    bigt = [t.transpose(1, 2) for t in big]
+
+    def host_us(fn, n=30):
+        for _ in range(5):
+            fn()
+        sync()
+        times = []
+        for _ in range(n):
+            t0 = time.thread_time()
+            fn()
+            times.append((time.thread_time() - t0) * 1e6)
+            sync()
+        return statistics.median(times)
+
+    with torch.no_grad():
+        out["host_fwd_b2_h16_s4096_us"] = {
+            "sdpa": host_us(lambda: F.scaled_dot_product_attention(*bigt)),
+            "mxfp8": host_us(lambda: mxattn.mxfp8_attention(*big, backend=backend))}
+    for entry in out.values():
+        entry["ratio"] = entry["mxfp8"] / entry["sdpa"]
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# Whole-model benchmark ({res['device']})", "",
+             f"torch {res['torch']}, transformers {res['transformers']}, mxattn backend `{res['backend']}`; "
+             "random-weight models built from configs, same seed; ratio = mxfp8 / sdpa (time) or mxfp8 / sdpa "
+             "(tokens/s), measured in the same run by `python benchmarks/models_bench.py`.", "",
+             "## Training step (bf16 autocast, fused AdamW), median ms", "",
+             "| model | B x S | mode | sdpa ms | mxfp8 ms | ratio (target <= 1.15) | final loss sdpa / mxfp8 |",
+             "|---|---|---|---|---|---|---|"]
+    for row in res["train"]:
+        lines.append(f"| {row['model']} | {row['batch']} x {row['seq']} | {row['mode']} | {row['sdpa_ms']:.2f} | "
+                     f"{row['mxfp8_ms']:.2f} | {row['ratio']:.2f} | {row['loss_sdpa']:.4f} / {row['loss_mxfp8']:.4f} |")
+    lines += ["", "## Inference: prefill + greedy decode with the KV cache (bf16 weights)", "",
+              "| model | batch | prompt + new | prefill ms sdpa / mxfp8 | decode tok/s sdpa | decode tok/s mxfp8 | "
+              "ratio (target >= 0.9) | greedy tokens equal |", "|---|---|---|---|---|---|---|---|"]
+    for row in res["generate"]:
+        lines.append(f"| {row['model']} | {row['batch']} | {row['prompt']} + {row['new_tokens']} | "
+                     f"{row['prefill_ms_sdpa']:.1f} / {row['prefill_ms_mxfp8']:.1f} | {row['tok_s_sdpa']:.0f} | "
+                     f"{row['tok_s_mxfp8']:.0f} | {row['ratio']:.2f} | {row['same_tokens']:.0%} |")
+    lines += ["", "## One attention call", "", "| measurement | sdpa us | mxfp8 us | ratio (target <= 1.5) |",
+              "|---|---|---|---|"]
+    for key, entry in res["calls"].items():
+        lines.append(f"| {key} | {entry['sdpa']:.1f} | {entry['mxfp8']:.1f} | {entry['ratio']:.2f} |")
+    if res.get("errors"):
+        lines += ["", "## Errors", ""] + [f"- {e}" for e in res["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", default="triton", help="mxattn backend of the HF registration (default triton)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps and a 4-layer Llama (a smoke run)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile training steps")
+    ap.add_argument("--prompt", type=int, default=512, help="prefill tokens (default 512)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="greedy decode steps (default 128)")
+    ap.add_argument("--models", default="gpt2,llama", help="comma-separated subset of gpt2,llama")
+    ap.add_argument("--out-dir", default=None, help="default benchmarks/results/<gpu-name>/")
+    ap.add_argument("--device", default="cuda", help="cuda (the figures), or cpu for a smoke run of the script")
+    args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("models_bench needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    import transformers
+    warnings.filterwarnings("ignore")
+    mx_hf.register(NAME, backend=args.backend)
+    factories = {"gpt2": gpt2_config, "llama": llama_config}
+    chosen = [factories[m] for m in args.models.split(",")]
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    res = dict(device=device, torch=torch.__version__, transformers=transformers.__version__,
+               backend=args.backend, train=[], generate=[], calls={})
+    res["calls"] = tiny_call_figures(args.backend) if DEVICE == "cuda" else {}
+    print(json.dumps(res["calls"], indent=1), flush=True)
+    for factory in chosen:
+        for compiled in ((False,) if args.no_compile else (False, True)):
+            try:
+                r = {a: train_step_ms(factory, a, compiled, args.quick) for a in ("sdpa", NAME)}
+            except Exception as exc:  # a failure is a result too: recorded, and the other rows still run
+                res.setdefault("errors", []).append(f"train {factory.__name__} compiled={compiled}: "
+                                                    f"{type(exc).__name__}: {str(exc)[:800]}")
+                print(res["errors"][-1], flush=True)
+                torch._dynamo.reset()
+                continue
+            row = dict(model=r["sdpa"]["model"], batch=r["sdpa"]["batch"], seq=r["sdpa"]["seq"],
+                       mode="compiled" if compiled else "eager", sdpa_ms=r["sdpa"]["step_ms"],
+                       mxfp8_ms=r[NAME]["step_ms"], ratio=r[NAME]["step_ms"] / r["sdpa"]["step_ms"],
+                       first_step_s_sdpa=r["sdpa"]["first_step_s"], first_step_s_mxfp8=r[NAME]["first_step_s"],
+                       loss_sdpa=r["sdpa"]["final_loss"], loss_mxfp8=r[NAME]["final_loss"])
+            res["train"].append(row)
+            print(row, flush=True)
+        for batch in (1, 8):
+            r = {a: generate_tokens_per_s(factory, a, batch, args.prompt, args.new_tokens, args.quick)
+                 for a in ("sdpa", NAME)}
+            same = sum(x == y for a, b in zip(r["sdpa"]["tokens"], r[NAME]["tokens"]) for x, y in zip(a, b))
+            row = dict(model=r["sdpa"]["model"], batch=batch, prompt=args.prompt, new_tokens=args.new_tokens,
+                       prefill_ms_sdpa=r["sdpa"]["prefill_ms"], prefill_ms_mxfp8=r[NAME]["prefill_ms"],
+                       tok_s_sdpa=r["sdpa"]["decode_tokens_per_s"], tok_s_mxfp8=r[NAME]["decode_tokens_per_s"],
+                       ratio=r[NAME]["decode_tokens_per_s"] / r["sdpa"]["decode_tokens_per_s"],
+                       same_tokens=same / (batch * args.new_tokens))
+            res["generate"].append(row)
+            print(row, flush=True)
+    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                           gpu_dir_name(device))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "models.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(out_dir, "models.md"), "w") as f:
+        f.write(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
