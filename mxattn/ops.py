@@ -50,17 +50,30 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_
 def _as_faked(saved, saved_format, q: Tensor, k: Tensor, v: Tensor, seq: Optional[SeqInfo]) -> List[Tensor]:
     """The saved tensors in the layouts the fake kernel promises (`saved_format.fake_tensors`, which follows
     `torch.empty_like` of q, k, v): a compiled graph asserts them. Backends may lay their copies out otherwise
-    for input views that are not dense (k, v from `unbind`); those few are copied, the rest pass through."""
-    metas = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") for x in (q, k, v)]
+    for input views that are not dense (k, v from `unbind`); those few are copied, the rest pass through. The
+    promised layouts are computed once per signature (on the meta device)."""
+    key = (saved_format, *(x.shape for x in (q, k, v)), *(x.stride() for x in (q, k, v)), q.dtype,
+           None if seq is None else (seq.packed, seq.cu_seqlens_q.shape, seq.cu_seqlens_kv.shape))
+    expected = _FAKED_LAYOUTS.get(key)
+    if expected is None:
+        metas = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") for x in (q, k, v)]
+        expected = tuple((e.shape, e.stride(), e.dtype) for e in saved_format.fake_tensors(*metas, seq))
+        if len(_FAKED_LAYOUTS) >= 1024:
+            _FAKED_LAYOUTS.clear()
+        _FAKED_LAYOUTS[key] = expected
     out = []
-    for t, e in zip(saved, saved_format.fake_tensors(*metas, seq)):
-        if t.shape != e.shape or t.dtype != e.dtype:
+    for t, (shape, stride, dtype) in zip(saved, expected):
+        if t.shape != shape or t.dtype != dtype:
             raise RuntimeError(f"backend saved a tensor {tuple(t.shape)} {t.dtype} where its saved_format's "
-                               f"fake_tensors promise {tuple(e.shape)} {e.dtype}")
-        if t.stride() != e.stride():
-            t = torch.empty_strided(e.shape, e.stride(), dtype=t.dtype, device=t.device).copy_(t)
+                               f"fake_tensors promise {tuple(shape)} {dtype}")
+        if t.stride() != stride:
+            t = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
         out.append(t)
     return out
+
+
+#: the saved tensors' promised (shape, stride, dtype) by call signature (`_as_faked`)
+_FAKED_LAYOUTS: dict = {}
 
 
 def _fwd_impl(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
