@@ -60,8 +60,6 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_forma
         raise ValueError(f"k and v must have the same number of heads, got k {hk}, v {hv} {where}")
     if hq % hk:
         raise ValueError(f"query heads ({hq}) must be divisible by key/value heads ({hk}) {where}")
-    if (sq == 0 or sk == 0 or b == 0) and qkv_format != "thd":
-        raise ValueError(f"empty input: q has S={sq}, k/v have S={sk}, batch {b} {where}")
     if d == 0 or hq == 0:
         raise ValueError(f"empty input: head_dim {d}, heads {hq} {where}")
 
@@ -84,8 +82,10 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     "causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right"; window_size=(left,
     right) as in TE (-1 = unbounded). softmax_scale defaults to 1/sqrt(D).
     cu_seqlens_q, cu_seqlens_kv: int32 [B+1] cumulative sequence lengths on q's device (TE's names): required
-    for thd and the padding mask types; with bshd/sbhd/bhsd they are the valid lengths of the padded
-    sequences (rows past a length give O = 0 and zero gradients). cu_seqlens_kv defaults to cu_seqlens_q.
+    for thd and the padding mask types, and only used with those (ValueError otherwise); with bshd/sbhd/bhsd
+    they are the valid lengths of the padded sequences (rows past a length give O = 0 and zero gradients).
+    cu_seqlens_kv defaults to cu_seqlens_q. Empty inputs (B = 0, S_q = 0 or S_kv = 0) return what torch SDPA
+    returns (an empty O, or zeros when there is no key) with zero gradients.
     max_seqlen_q/kv: the longest sequences (computed from cu_seqlens when None, needed under torch.compile).
     Masks apply per sequence (bottom-right uses each sequence's own lengths). A query row with no key gives
     O = 0 and stats -inf.
@@ -94,7 +94,9 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     gradient is summed over batch and query rows). The sink is not quantized and adds nothing to O.
     backend: "auto" (the first of cudnn, triton, reference that supports the call), or one of them by name.
     NaN in an input gives NaN in the outputs that depend on it (the MXFP8 block holding it has a NaN scale);
-    NaN in padding rows reaches no output.
+    NaN in padding rows reaches no output. Infinities propagate as in torch SDPA: an infinity in Q or K gives
+    an infinite logit and NaN in the query rows where it is the softmax's maximum (+inf - +inf); an infinity in
+    V gives infinite O elements where its weight is non-zero.
     """
     if cu_seqlens_q is None and cu_seqlens_kv is None and not torch.compiler.is_compiling():
         key = _signature(q, k, v, qkv_format, attn_mask_type, window_size, softmax_scale, backend, out_dtype,
@@ -104,6 +106,10 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
             return _run_dense(plan, q, k, v, _sink_of(plan, softmax_offset))
     validate_inputs(q, k, v, qkv_format)
     band, padding_type = resolve_mask(attn_mask_type, window_size)
+    if not padding_type and (cu_seqlens_q is not None or cu_seqlens_kv is not None) and qkv_format != "thd":
+        raise ValueError(f"cu_seqlens_q/cu_seqlens_kv are sequence lengths of a padded batch: use a padding "
+                         f"attn_mask_type ('padding', 'padding_causal', 'padding_causal_bottom_right') with them, "
+                         f"got attn_mask_type={attn_mask_type!r}")
     packed = qkv_format == "thd"
     if packed:
         qb, kb, vb = _thd_to_bhsd(q), _thd_to_bhsd(k), _thd_to_bhsd(v)
@@ -128,6 +134,8 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
         out_dtype = q.dtype
     if out_dtype not in OUTPUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    if qkv_format != "thd" and 0 in (qb.shape[0], qb.shape[2], kb.shape[2]):
+        return _empty_attention(q, k, v, out_dtype, softmax_offset)
     kernel_dtype = out_dtype if out_dtype in KERNEL_OUT_DTYPES else (
         q.dtype if q.dtype in KERNEL_OUT_DTYPES else torch.bfloat16)
     problem = Problem(device=q.device, dtype=q.dtype, batch=seq.batch if seq is not None else qb.shape[0],
@@ -219,6 +227,26 @@ def _run_dense(plan: _DensePlan, q, k, v, sink):
                       False, sink)
     o = from_bhsd(o, fmt)
     return o if o.dtype == plan.out_dtype else o.to(plan.out_dtype)
+
+
+class _NoKeys(torch.autograd.Function):
+    """O = 0 of a call with nothing to attend (no batch, no query or no key), with zero gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offset, out_dtype):
+        ctx.shapes = [(t.shape, t.dtype) if t is not None else None for t in (q, k, v, offset)]
+        return q.new_zeros(q.shape, dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        grads = [None if s is None else grad_o.new_zeros(s[0], dtype=s[1]) for s in ctx.shapes]
+        return (*grads, None)
+
+
+def _empty_attention(q, k, v, out_dtype, softmax_offset):
+    """torch SDPA's answer to an empty call: an empty O for B = 0 or S_q = 0, zeros for S_kv = 0 (no key:
+    nothing to average, as a query row with no key gets everywhere in mxattn); no kernel runs."""
+    return _NoKeys.apply(q, k, v, softmax_offset, out_dtype)
 
 
 def _sink(softmax_type: str, softmax_offset, heads: int, device: torch.device) -> Optional[torch.Tensor]:

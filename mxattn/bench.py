@@ -611,9 +611,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of `python -m mxattn bench`; returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m mxattn bench", description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20, help="timed runs per measurement (median; >= 20)")
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=5, help="untimed runs before each measurement (default 5)")
     ap.add_argument("--config", action="append", type=_parse_config,
-                    help="name:B:Hq:Hkv:S:D:causal(0/1); repeatable; default: the four issue configs")
+                    help="name:B:Hq:Hkv:S:D:causal(0/1); repeatable; default: B2 H16 S4096 D128 dense and "
+                         "causal, B4 H16 S2048 D64, B1 H32/8 S8192 D128 causal")
     ap.add_argument("--out-dir", default=None, help="default benchmarks/results/<gpu-name>/")
     ap.add_argument("--no-quantizer", action="store_true", help="skip the quantizer-vs-copy measurement")
     ap.add_argument("--no-varlen", action="store_true", help="skip the variable-length (thd) measurement")

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from .attention import mxfp8_attention
 from .backends import Problem, pick_backend
+from .errors import MXFP8NotSupportedError
 from .mask import MaskSpec
 from .metrics import rel_rms
 
@@ -88,20 +89,47 @@ def run(batch=1, heads=8, kv_heads=None, seq=1024, head_dim=128, causal=False, b
                 shape=f"B{batch} H{heads}/{kv_heads} S{seq} D{head_dim} {'causal' if causal else 'no mask'}")
 
 
+def _device_error(device: str):
+    """None when torch can use `device`, else the one-line reason."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        return f"--device {device!r} is not a device ({exc})"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+        return f"--device {device}: {why}; run without --device (the CPU and the reference backend) or on a GPU"
+    if dev.type not in ("cpu", "cuda"):
+        return f"--device {device}: the demo runs on cpu or cuda"
+    return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mxattn demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=None)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--backend", default="auto", choices=("auto", "cudnn", "triton", "reference"))
+    parser.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    parser.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="key/value heads, dividing --heads (default: --heads; fewer is GQA)")
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length of q and k/v (default 1024)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    parser.add_argument("--causal", action="store_true", help="causal mask (default: no mask)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "cudnn", "triton", "reference"),
+                        help="mxattn backend (default auto: the best this machine has)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     args = parser.parse_args(argv)
-    result = run(args.batch, args.heads, args.kv_heads, args.seq, args.head_dim, args.causal, args.backend,
-                 args.device)
+    for name in ("batch", "heads", "seq", "head_dim"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.device is not None and _device_error(args.device):
+        parser.exit(2, f"python -m mxattn demo: error: {_device_error(args.device)}\n")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"mxattn demo: running B{args.batch} H{args.heads} S{args.seq} D{args.head_dim} on {device} "
+          "(MXFP8 forward + backward, then FP64 and BF16 references)...", flush=True)
+    try:
+        result = run(args.batch, args.heads, args.kv_heads, args.seq, args.head_dim, args.causal, args.backend,
+                     device)
+    except (MXFP8NotSupportedError, ValueError, TypeError) as exc:
+        parser.exit(2, f"python -m mxattn demo: error: {exc}\n")
     print(f"mxattn demo: MXFP8 attention, {result['shape']}, bf16 inputs, device {result['device']}")
     print(f"{result['reason']}; `python -m mxattn info` gives every backend's reasons")
     print(f"time: forward {result['fwd_s'] * 1e3:.1f} ms, backward {result['bwd_s'] * 1e3:.1f} ms")

@@ -123,3 +123,19 @@ def test_fp32_inputs_on_gpu_route_and_come_back_fp32():
     for name, a, b in zip(("O", "dQ", "dK", "dV"), gpu, cpu):
         assert a.dtype == torch.float32, name
         assert rel_rms(a, b) < 1e-2, name
+
+
+def test_triton_infinities_match_the_reference_backend():
+    """The triton backend propagates infinities as the reference backend does (and torch SDPA: see
+    tests/test_attention_api.py::test_infinities_as_documented): the same NaN rows for +inf in K, the same
+    infinite elements for +inf in V."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 256, 2, 64, generator=g).bfloat16() for _ in range(3))
+    k_inf, v_inf = k.clone(), v.clone()
+    k_inf[0, 5, 0, 3] = float("inf")
+    v_inf[0, 9, 1, 7] = float("inf")
+    for kk, vv in ((k_inf, v), (k, v_inf)):
+        ref = mxattn.mxfp8_attention(q, kk, vv, backend="reference")
+        tri = mxattn.mxfp8_attention(q.cuda(), kk.cuda(), vv.cuda(), backend="triton").cpu()
+        assert torch.equal(tri.isnan(), ref.isnan()) and torch.equal(tri.isinf(), ref.isinf())
+        assert ref.isnan().any() or ref.isinf().any()

@@ -143,8 +143,7 @@ BAD_INPUTS = [
     (lambda q, k, v: (q, k, v.double()), TypeError, "v has dtype torch.float64"),
     (lambda q, k, v: (q, k, v.half()), TypeError, "share one dtype"),
     (lambda q, k, v: (q, k.to("meta"), v), ValueError, "one device"),
-    (lambda q, k, v: (q[:, :, :0], k, v), ValueError, "empty"),
-    (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]), ValueError, "empty"),
+    (lambda q, k, v: (q[..., :0], k[..., :0], v[..., :0]), ValueError, "empty input: head_dim 0"),
     (lambda q, k, v: (q[0], k, v), ValueError, "q must be 4-D"),
     (lambda q, k, v: (q, k.numpy(), v), TypeError, "k must be a torch.Tensor"),
 ]
@@ -283,3 +282,50 @@ def test_repeated_dense_calls_reuse_a_plan_and_still_check_new_signatures(monkey
         mxattn.mxfp8_attention(qg, kg, vg, attn_mask_type="causal", backend="reference").float().sum().backward()
         grads.append([t.grad for t in (qg, kg, vg)])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
+@pytest.mark.parametrize("empty", ["batch", "queries", "keys"])
+def test_empty_inputs_behave_like_torch_sdpa(fmt, empty, monkeypatch):
+    """B = 0, S_q = 0, S_kv = 0: the shape torch SDPA returns (zeros when there is no key), differentiable with
+    zero gradients, and no kernel runs."""
+    import torch.nn.functional as F
+    from mxattn.backends import reference
+    monkeypatch.setattr(reference.ReferenceBackend, "forward", lambda *a: pytest.fail("kernel ran"))
+    b, sq, skv = {"batch": (0, 8, 8), "queries": (2, 0, 8), "keys": (2, 8, 0)}[empty]
+    q = from_bhsd(torch.randn(b, 4, sq, 32), fmt).requires_grad_()
+    k, v = (from_bhsd(torch.randn(b, 2, skv, 32), fmt).requires_grad_() for _ in range(2))
+    o = mxattn.mxfp8_attention(q, k, v, qkv_format=fmt, attn_mask_type="causal", backend="reference")
+    to = lambda t: t.permute(*{"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}[fmt])  # noqa
+    kk, vv = (to(t).repeat_interleave(2, dim=1) for t in (k, v))
+    expected = F.scaled_dot_product_attention(to(q), kk, vv)
+    assert o.shape == q.shape and o.dtype == q.dtype and torch.equal(to(o), expected)
+    o.sum().backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape and not t.grad.any() for t in (q, k, v))
+
+
+def test_cu_seqlens_need_a_padding_mask_type():
+    q = torch.randn(2, 16, 2, 32)
+    cu = torch.tensor([0, 10, 26], dtype=torch.int32)
+    with pytest.raises(ValueError, match="padding attn_mask_type"):
+        mxattn.mxfp8_attention(q, q, q, attn_mask_type="causal", cu_seqlens_q=cu, backend="reference")
+
+
+def test_infinities_as_documented():
+    """Infinities propagate as in torch SDPA (mxfp8_attention's docstring): +inf in one K element makes NaN
+    exactly the rows SDPA makes NaN (q . k = +inf meets the softmax's max subtraction); +inf in one V element
+    makes infinite exactly the elements of O that SDPA makes infinite."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 64, generator=g) for _ in range(3))
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)  # noqa
+    k_inf = k.clone()
+    k_inf[0, 5, 0, 3] = float("inf")
+    o, s = mxattn.mxfp8_attention(q, k_inf, v, backend="reference"), sdpa(q, k_inf, v)
+    nan_rows = o.isnan().any(-1)
+    assert nan_rows.any() and torch.equal(nan_rows, s.isnan().any(-1))
+    assert not nan_rows[:, :, 1].any()                                  # the other head is untouched
+    v_inf = v.clone()
+    v_inf[0, 5, 0, 3] = float("inf")
+    o, s = mxattn.mxfp8_attention(q, k, v_inf, backend="reference"), sdpa(q, k, v_inf)
+    assert o.isinf().any() and torch.equal(o.isinf(), s.isinf()) and not o.isnan().any()

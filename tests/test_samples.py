@@ -62,3 +62,51 @@ def test_varlen_sample():
     assert "no NaN in the output: True, real rows equal the packed output: True" in out
     err = float(out.rsplit(":", 1)[1])
     assert 0 < err < 0.1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--backend", "triton", "--seq", "64"], "backend 'triton' cannot run this call on cpu"),
+    (["--heads", "8", "--kv-heads", "3", "--seq", "64"], "divisible by key/value heads"),
+    (["--device", "tpu9"], "--device"),
+    (["--seq", "0"], "--seq must be >= 1"),
+])
+def test_demo_errors_are_one_line(argv, message, capsys):
+    """Bad demo options end with one `error:` line and exit status 2, not a traceback."""
+    from mxattn import demo
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and "Traceback" not in "\n".join(err)
+    assert "error:" in err[-1] and message in err[-1]
+
+
+def test_demo_on_cuda_without_cuda_is_one_line(capsys, monkeypatch):
+    import torch
+    from mxattn import demo
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        demo.main(["--device", "cuda"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device cuda" in err[0]
+
+
+def test_every_cli_option_has_help():
+    """`demo --help` and `bench --help` explain every option."""
+    import argparse
+    from mxattn import bench, demo
+    for module in (demo, bench):
+        seen = []
+        real = argparse.ArgumentParser.parse_args
+
+        def capture(self, args=None, namespace=None):
+            seen.append(self)
+            raise SystemExit(0)
+
+        argparse.ArgumentParser.parse_args = capture
+        try:
+            with pytest.raises(SystemExit):
+                module.main([])
+        finally:
+            argparse.ArgumentParser.parse_args = real
+        actions = [a for a in seen[0]._actions if a.option_strings and a.dest != "help"]
+        assert actions and all(a.help for a in actions), [a.dest for a in actions if not a.help]

@@ -241,8 +241,9 @@ def test_demo_names_backend_in_one_line(capsys):
     from mxattn import demo
     assert demo.main(["--seq", "64", "--heads", "2", "--head-dim", "32"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].startswith("cpu: reference backend (no CUDA device)") and len(lines[1]) < 120
-    assert "python -m mxattn info" in lines[1]
+    assert lines[0].startswith("mxattn demo: running") and lines[0].endswith("...")   # before the work starts
+    assert lines[2].startswith("cpu: reference backend (no CUDA device)") and len(lines[2]) < 120
+    assert "python -m mxattn info" in lines[2]
 
 
 def test_backend_choice_is_cached_per_problem(monkeypatch):
