@@ -267,3 +267,23 @@ def test_triton_availability_reads_the_gpu_once(monkeypatch):
     first = tb.TritonBackend.availability(torch.device("cuda"))
     second = tb.TritonBackend.availability(torch.device("cuda:0"))
     assert first == second and not first[0] and "8.0" in first[1] and reads == [0]
+
+
+def test_launch_cache_keys_ints_by_tritons_own_specialization():
+    """Two int arguments share a launch-cache key entry exactly when Triton's own specializer
+    (`native_specialize_impl`, what its dispatcher keys compiled kernels on) puts them in one class: a new
+    sequence length reuses the compiled kernel when, and only when, Triton's dispatcher would."""
+    pytest.importorskip("triton")
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from mxattn.kernels.triton_launch import _args_key
+    values = [0, 1, 2, 3, 15, 16, 17, 31, 32, 33, 48, 127, 128, 4095, 4096, 65536 + 8, -1, -16, -17,
+              2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1, -2**31 - 16, 2**40 + 3,
+              2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 16]
+    triton_class = {a: native_specialize_impl(BaseBackend, a, False, True, True) for a in values}
+    ours = {a: _args_key((a,)) for a in values}
+    for a in values:
+        for b in values:
+            assert (ours[a] == ours[b]) == (triton_class[a] == triton_class[b]), (a, b)
+    # bools, floats and tensors keep their own entries
+    assert len({_args_key((x,)) for x in (True, False, 1, 0.5)}) == 4

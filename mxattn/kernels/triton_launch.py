@@ -8,11 +8,12 @@ the forward "including quantization" and the forward kernel alone.
 
 `launch(fn, grid, *args, **kwargs)` behaves like `fn[grid](*args, **kwargs)`. The first call for a given
 argument key goes through Triton's dispatcher (compiling if needed); later calls with the same key call the
-compiled kernel's launcher directly. The key holds the exact value and type of every int/bool argument, the
-dtype and low address bits of every tensor, the type of float arguments, every keyword (constexprs and
-options such as num_warps) and the current device: everything Triton specializes on is fixed by it, so the
-compiled kernel reused is the one Triton's dispatcher would pick. Launch hooks (profilers) take the ordinary
-path.
+compiled kernel's launcher directly. The key holds what Triton specializes an int on (== 1, multiple of 16,
+its integer type) and the exact value of every bool, the dtype and low address bits of every tensor, the
+type of float arguments, every keyword (constexprs and options such as num_warps) and the current device:
+everything Triton specializes on is fixed by it, so the compiled kernel reused is the one Triton's
+dispatcher would pick, also for new sizes (decode steps, new sequence lengths). Launch hooks (profilers) take
+the ordinary path.
 """
 
 from typing import Dict, Tuple
@@ -43,11 +44,25 @@ def pow2_ceil(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+_I32, _I64 = 1 << 31, 1 << 63
+
+
+def _int_class(a: int):
+    """What Triton 3.6 specializes an int argument on (`native_specialize_impl`): 1 is a constant; otherwise
+    its type (i32, i64, u64 by range) and whether it is a multiple of 16. Ints of one class share a compiled
+    kernel (the values are run-time arguments), so a new sequence length reuses the kernel of the last one."""
+    if a == 1:
+        return "one"
+    if -_I64 <= a < _I64:
+        return (-_I32 <= a < _I32, not a % 16)
+    return ("u64", not a % 16)
+
+
 def _args_key(args) -> tuple:
-    """ints as themselves; tensors as (dtype, low 4 address bits); floats as (float,); anything else (bools)
-    as (type, value), so no two kinds of argument share a key entry."""
+    """ints by Triton's specialization class (`_int_class`); tensors as (dtype, low 4 address bits); floats
+    as (float,); anything else (bools) as (type, value), so no two kinds of argument share a key entry."""
     T = torch.Tensor
-    return tuple([a if a.__class__ is int else (a.dtype, a.data_ptr() & 15) if isinstance(a, T)
+    return tuple([_int_class(a) if a.__class__ is int else (a.dtype, a.data_ptr() & 15) if isinstance(a, T)
                   else (float,) if a.__class__ is float else (a.__class__, a) for a in args])
 
 
