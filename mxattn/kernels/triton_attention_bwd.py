@@ -18,6 +18,7 @@ the prep pass), works in rows relative to its sequence's start, and programs pas
 exit at once (padded batch: after writing zero gradients on the padding rows of their tile).
 """
 
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -510,6 +511,12 @@ def kv_prep(k_row, k_col, v_row, h0: int, h1: int, sa):
     return k_r, k_c, v_r
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (read once per device: a property query per call costs host time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stats, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   config=None, mode: str = "fp8", seq=None, bottom_right: bool = False) -> torch.Tensor:
@@ -568,7 +575,7 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
         _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, False, args, common, sa)
         return delta
     per_head = _pre_scratch_per_kv_head(B, group, SQ, SKV, D)
-    sms = torch.cuda.get_device_properties(o.device).multi_processor_count if o.is_cuda else 132
+    sms = _sm_count(o.device) if o.is_cuda else 132
     # heads for about two waves of programs
     want = cdiv(2 * sms, max(1, sa.kv_tiles(SKV, bn1) * sa.programs(B, 1)))
     hc = max(1, min(HKV, max(want, PRE_BUDGET_BYTES // max(1, per_head))))
