@@ -284,12 +284,77 @@ def test_from_pretrained_with_registered_name(tmp_path):
 # --------------------------------------------------------------------------- refused masks and features
 
 
-def test_left_padding_raises_with_right_padding_hint():
+def _left_padded_mask(pads, q_len, kv_len, q_offset=0, window=None):
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    keep = torch.arange(kv_len).unsqueeze(0) >= torch.tensor(pads).unsqueeze(1)
+    fn = sliding_window_causal_mask_function(window) if window else causal_mask_function
+    return sdpa_mask(batch_size=len(pads), q_length=q_len, kv_length=kv_len, q_offset=q_offset, mask_function=fn,
+                     attention_mask=keep, allow_is_causal_skip=False, local_size=window)
+
+
+@pytest.mark.parametrize("q_len,kv_len,window", [(10, 10, None), (10, 10, 4), (1, 13, None), (3, 13, None)])
+def test_left_padding_equals_each_sequence_alone_bit_for_bit(q_len, kv_len, window):
+    """Left padding (prefill, a decode step, a chunk of 3 tokens; sliding window): each sequence's output and
+    gradients equal its own unpadded mxattn call bit for bit (MXFP8 blocks start at its first real token);
+    query rows without keys (padding) give 0 and no gradient."""
+    pads = (0, 3, 6)
+    mask = _left_padded_mask(pads, q_len, kv_len, q_offset=kv_len - q_len, window=window)
+    fn, (q, k, v, _) = _attention_call(mask, q_len, kv_len, window=window)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, mask)
+    g = torch.Generator().manual_seed(5)
+    do = torch.randn(out.shape, generator=g).bfloat16()
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    for b, pad in enumerate(pads):
+        q_pad = max(0, pad - (kv_len - q_len))                           # query rows that are padding
+        qb, kb, vb = (t[b:b + 1].detach().requires_grad_() for t in (q[:, :, q_pad:], k[:, :, pad:], v[:, :, pad:]))
+        alone = mxattn.mxfp8_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
+                                       attn_mask_type="causal_bottom_right", softmax_scale=0.2, backend="reference",
+                                       window_size=None if window is None else (window - 1, 0))
+        assert torch.equal(out[b, q_pad:], alone[0]), b
+        assert not out[b, :q_pad].any()
+        g_alone = torch.autograd.grad(alone, (qb, kb, vb), do[b:b + 1, q_pad:])
+        assert torch.equal(grads[0][b, :, q_pad:], g_alone[0][0]) and not grads[0][b, :, :q_pad].any()
+        assert torch.equal(grads[1][b, :, pad:], g_alone[1][0]) and not grads[1][b, :, :pad].any()
+        assert torch.equal(grads[2][b, :, pad:], g_alone[2][0])
+
+
+def test_generate_with_left_padding_matches_each_prompt_alone():
+    """Batched greedy generation with left padding (HF's recommended side): each prompt's new tokens equal
+    those it gets generated alone, and its first-step logits match to float rounding."""
     model = build(llama, attn=NAME)
-    ids, am = batch(lengths=(12, 8))
-    am = am.flip(1)
-    with pytest.raises(mx_hf.UnsupportedMaskError, match="left padding.*padding_side = 'right'"):
-        model(input_ids=ids, attention_mask=am)
+    lengths = (11, 6, 8)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in lengths]
+    s = max(lengths)
+    ids = torch.stack([torch.cat([torch.zeros(s - len(p), dtype=torch.long), p]) for p in prompts])
+    am = torch.stack([torch.cat([torch.zeros(s - len(p), dtype=torch.long), torch.ones(len(p), dtype=torch.long)])
+                      for p in prompts])
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        batched = model.generate(ids, attention_mask=am, **kw)[:, s:]
+        for b, p in enumerate(prompts):
+            alone = model.generate(p.unsqueeze(0), attention_mask=torch.ones(1, len(p), dtype=torch.long), **kw)
+            assert torch.equal(batched[b], alone[0, len(p):]), b
+        logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0)).logits
+        for b, p in enumerate(prompts):
+            alone = model(input_ids=p.unsqueeze(0)).logits[0]
+            assert rel_rms(logits[b, s - len(p):], alone) < 1e-5, b
+
+
+def test_left_padded_encoder_matches_right_padded():
+    """A bidirectional encoder (BERT) with left padding gives each sequence's right-padded result."""
+    model = build(bert, attn=NAME)
+    ids, am = batch(lengths=(12, 7, 9))
+    right = model(input_ids=ids, attention_mask=am).last_hidden_state
+    lengths = am.sum(1)
+    shift = lambda t: torch.stack([torch.roll(t[b], int(t.shape[1] - n)) for b, n in enumerate(lengths)])  # noqa
+    # BERT's absolute positions move with the padding, so compare against the right-padded run with the same
+    # position ids as the left-padded one
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    left = model(input_ids=shift(ids), attention_mask=shift(am), position_ids=shift(pos)).last_hidden_state
+    for b, n in enumerate(lengths):
+        assert rel_rms(left[b, ids.shape[1] - n:], right[b, :n]) < 1e-5, b
 
 
 def test_right_padded_decode_step_raises():
@@ -396,10 +461,10 @@ def test_plan_reproduces_hf_masks(case):
 
 
 def test_plan_refuses_what_it_cannot_express():
-    left = _hf_mask((9, 9), 9, 9).clone()
-    left[1, :, :, :3] = False                                           # left padding of 3 in row 1
-    with pytest.raises(mx_hf.UnsupportedMaskError, match="left padding"):
-        mx_hf.plan_attention_mask(left, batch=2, q_len=9, kv_len=9)
+    hole = _hf_mask((9, 9), 9, 9).clone()
+    hole[1, :, :, 3] = False                                            # a hole in row 1's keys
+    with pytest.raises(mx_hf.UnsupportedMaskError, match="not one contiguous range.*pad on the left"):
+        mx_hf.plan_attention_mask(hole, batch=2, q_len=9, kv_len=9)
     strict = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril(-1)         # strictly causal: not a band mxattn has
     strict[..., 0, 0] = True
     with pytest.raises(mx_hf.UnsupportedMaskError):

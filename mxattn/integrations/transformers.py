@@ -19,9 +19,12 @@ lengths (right padding), so each HF mask is translated into TE mask words + ``cu
 * a 4-D boolean or additive (0 / large negative) mask: each query row must keep one contiguous range of keys; the
   key lengths are where the kept keys end, the band (causal, left/right window) is read off the rows, top-left
   alignment when q and k have the same length (prefill, encoders), bottom-right when the queries are the last
-  tokens of a longer KV cache (decode). The band and lengths are rebuilt per row and compared with HF's mask;
-  anything they do not reproduce exactly (left padding, packed sequences with a block-diagonal mask, image-token
-  overlays, per-head masks, ALiBi-like additive biases) raises `UnsupportedMaskError` saying what it found.
+  tokens of a longer KV cache (decode). The band and lengths are rebuilt per row and compared with HF's mask.
+  Where each sequence's keys start at an offset of their own (left padding: prompts and the decode steps after
+  them), each sequence's key and query ranges are gathered into a packed (thd) call and O scattered back, so a
+  sequence is computed exactly as if it were alone. Anything these do not reproduce exactly (a decode step after
+  right padding, packed sequences with a block-diagonal mask, image-token overlays, per-head masks, ALiBi-like
+  additive biases) raises `UnsupportedMaskError` saying what it found.
 
 Query rows of right-padding tokens are computed as HF computes them (they attend the valid keys); they are not
 zeroed, so outputs agree with eager/SDPA on every row that has a key.
@@ -48,8 +51,10 @@ MASKED_AT_OR_BELOW = -1e4
 #: names transformers treats specially (substring checks in `get_correct_attn_implementation` and friends)
 _RESERVED_SUBSTRINGS = ("sdpa", "flash", "flex", "eager", "paged", "/", ":", "|")
 
-_RIGHT_PADDING_HINT = ("mxattn expresses padding as per-sequence lengths of right-padded sequences; pad on the "
-                       "right (tokenizer.padding_side = 'right'), or run this batch with attn_implementation='sdpa'")
+_PADDING_HINT = ("mxattn expresses a mask as one range of keys and one range of queries per sequence (left or right "
+                 "padding, the decode steps after a left-padded prompt) with a causal or sliding-window band inside; "
+                 "a decode step after a right-padded prompt leaves a hole in the keys: pad on the left for "
+                 "generation (tokenizer.padding_side = 'left'), or run this batch with attn_implementation='sdpa'")
 
 
 class UnsupportedMaskError(ValueError):
@@ -72,11 +77,25 @@ class MaskPlan:
     #: bounds of the lengths (given under torch.compile, where they cannot be read off cu_seqlens)
     max_seqlen_q: Optional[int] = None
     max_seqlen_kv: Optional[int] = None
+    #: a packed call (`RowGather`) when each sequence's keys start at an offset of their own (left padding)
+    gather: Optional["RowGather"] = None
 
     def kwargs(self) -> dict:
         return dict(attn_mask_type=self.attn_mask_type, window_size=self.window_size,
                     cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_kv=self.cu_seqlens_kv,
                     max_seqlen_q=self.max_seqlen_q, max_seqlen_kv=self.max_seqlen_kv)
+
+
+@dataclass(frozen=True, eq=False)
+class RowGather:
+    """Where each sequence's rows sit in the padded batch: q_rows (int64 [T_q]) index the flattened
+    [B * q_len] query rows that have a key, kv_rows (int64 [T_kv]) the flattened [B * kv_len] key rows of
+    each sequence's range, in sequence order. The call runs packed (thd) on those rows, so every sequence is
+    computed as if it were alone (its MXFP8 blocks along S start at its first kept key); the other query rows
+    get O = 0 (they keep no key)."""
+
+    q_rows: torch.Tensor
+    kv_rows: torch.Tensor
 
 
 # --------------------------------------------------------------------------- mask translation
@@ -153,8 +172,8 @@ def _row_intervals(keep: torch.Tensor):
         shown = kept if len(kept) <= 12 else kept[:6] + ["..."] + kept[-6:]
         raise UnsupportedMaskError(
             f"attention mask row (batch {b}, query {i}) keeps keys {shown}, which is not one contiguous range "
-            "(packed sequences, an image-token or block overlay, or padding in the middle of a sequence?); mxattn "
-            f"masks are a causal/sliding-window band plus right padding. {_RIGHT_PADDING_HINT}")
+            "(packed sequences, an image-token or block overlay, or padding in the middle of a sequence?). "
+            f"{_PADDING_HINT}")
     return lo, hi, nonempty
 
 
@@ -199,18 +218,9 @@ def _try_alignment(lo, hi, nonempty, kv_lengths, q_len: int, kv_len: int, bottom
     return word, window
 
 
-def _explain_failure(lo, nonempty, kv_lengths, q_len: int, kv_len: int) -> str:
-    starts = torch.where(nonempty, lo, torch.full_like(lo, kv_len)).amin(dim=1)       # first key any row keeps
-    rows_kept = nonempty.any(dim=1)
-    left_padded = (rows_kept & (starts > 0)).nonzero().flatten().tolist()
-    full_start = (rows_kept & (starts == 0)).any().item()
-    if left_padded and full_start:
-        b = left_padded[0]
-        return (f"batch row {b} masks its first {int(starts[b])} keys for every query while other rows do not: this "
-                f"looks like left padding. {_RIGHT_PADDING_HINT}")
-    return ("the mask is not a causal or sliding-window band (top-left for q_len == kv_len, bottom-right for decode "
-            f"steps) over right-padded keys (q_len={q_len}, kv_len={kv_len}, key lengths "
-            f"{kv_lengths.tolist()}). {_RIGHT_PADDING_HINT}")
+def _explain_failure(q_len: int, kv_len: int) -> str:
+    return ("the mask is not a causal or sliding-window band over one range of keys and queries per sequence "
+            f"(q_len={q_len}, kv_len={kv_len}). {_PADDING_HINT}")
 
 
 def plan_attention_mask(attention_mask: Optional[torch.Tensor], *, batch: int, q_len: int, kv_len: int,
@@ -236,8 +246,11 @@ def plan_attention_mask(attention_mask: Optional[torch.Tensor], *, batch: int, q
         if found is not None:
             break
     if found is None:
+        plan = _plan_row_ranges(keep, lo, hi, nonempty, batch, q_len, kv_len)
+        if plan is not None:
+            return plan
         raise UnsupportedMaskError("cannot express this attention mask with mxattn: "
-                                   + _explain_failure(lo, nonempty, kv_lengths, q_len, kv_len))
+                                   + _explain_failure(q_len, kv_len))
     word, window = found
     if bool((kv_lengths < kv_len).any()):
         device = attention_mask.device
@@ -247,6 +260,59 @@ def plan_attention_mask(attention_mask: Optional[torch.Tensor], *, batch: int, q
         word = "padding" if word == "no_mask" else "padding_" + word
         return MaskPlan(word, window, cu_q, cu_kv)
     return MaskPlan(word, window)
+
+
+def _plan_row_ranges(keep, lo, hi, nonempty, batch: int, q_len: int, kv_len: int) -> Optional[MaskPlan]:
+    """Each sequence's own key range [ks, ke) and query rows [qs, qe) (those with a key), as a packed call:
+    left padding (prompts and the decode steps after them) and any mix of left and right padding. Inside its
+    ranges a sequence must be a causal or sliding-window band aligned bottom-right (which is top-left when the
+    query and key ranges have one length, as in a prefill) or no band. None when that does not reproduce the
+    mask exactly."""
+    device = keep.device
+    big = torch.full_like(lo, kv_len)
+    ks = torch.where(nonempty, lo, big).amin(dim=1).clamp(max=kv_len)                      # [B]
+    ke = torch.where(nonempty, hi + 1, torch.zeros_like(hi)).amax(dim=1)
+    rows = torch.arange(q_len, device=device).unsqueeze(0)
+    qs = torch.where(nonempty, rows, torch.full_like(rows, q_len)).amin(dim=1)
+    qe = torch.where(nonempty, rows + 1, torch.zeros_like(rows)).amax(dim=1)
+    len_q, len_kv = (qe - qs).clamp(min=0), (ke - ks).clamp(min=0)
+    if not torch.equal(nonempty.sum(dim=1), len_q):        # query rows with keys are not one range
+        return None
+    off = (len_kv - len_q).unsqueeze(1)                     # bottom-right, in each sequence's own coordinates
+    i = rows - qs.unsqueeze(1)
+    lo_s, hi_s = lo - ks.unsqueeze(1), hi - ks.unsqueeze(1)
+    last = (len_kv - 1).unsqueeze(1)
+    never = torch.full_like(hi, -(1 << 40))
+    r_max, l_max, r_bites, l_bites = (int(x) for x in torch.stack([
+        torch.where(nonempty, hi_s - i - off, never).max(), torch.where(nonempty, i + off - lo_s, never).max(),
+        (nonempty & (hi_s < last)).any().long(), (nonempty & (lo_s > 0)).any().long()]).tolist())
+    right = r_max if r_bites or r_max == 0 else None
+    left = l_max if l_bites else None
+    if (right is not None and right != 0) or (left is not None and left < 0):
+        return None                                         # only causal bands align bottom-right in mxattn
+    if right is None and left is not None:
+        return None
+    # rebuild every (row, key) from the ranges and the band, and compare with HF's mask
+    j = torch.arange(kv_len, device=device).view(1, 1, kv_len) - ks.view(-1, 1, 1)
+    ii = i.unsqueeze(2)
+    expected = (j >= 0) & (j < len_kv.view(-1, 1, 1)) & (ii >= 0) & (ii < len_q.view(-1, 1, 1))
+    if right is not None:
+        expected &= j <= ii + off.unsqueeze(2)
+    if left is not None:
+        expected &= j >= ii + off.unsqueeze(2) - left      # TE's window: `left` keys before the diagonal
+    if not torch.equal(expected, keep.expand(batch, q_len, kv_len)):
+        return None
+    cu_q, cu_kv = (torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(n, 0)])
+                   for n in (len_q, len_kv))
+    seq_of = lambda cu, n: torch.repeat_interleave(torch.arange(batch, device=device), n)  # noqa: E731
+    b_q, b_kv = seq_of(cu_q, len_q), seq_of(cu_kv, len_kv)
+    q_rows = b_q * q_len + qs[b_q] + (torch.arange(int(cu_q[-1]), device=device) - cu_q[b_q])
+    kv_rows = b_kv * kv_len + ks[b_kv] + (torch.arange(int(cu_kv[-1]), device=device) - cu_kv[b_kv])
+    word = "padding" if right is None else "padding_causal_bottom_right"
+    window = None if left is None else (left, 0)
+    max_q, max_kv = (int(x) for x in torch.stack([len_q.max(), len_kv.max()]).tolist())
+    return MaskPlan(word, window, cu_q.to(torch.int32), cu_kv.to(torch.int32), max_seqlen_q=max_q,
+                    max_seqlen_kv=max_kv, gather=RowGather(q_rows, kv_rows))
 
 
 def plan_attention_mask_traced(attention_mask: Optional[torch.Tensor], *, batch: int, q_len: int, kv_len: int,
@@ -394,14 +460,31 @@ def make_attention_function(backend: str = "auto"):
         v_dim = value.shape[-1]
         if v_dim < head_dim:           # MLA-like models: pad V's head dim (zeros never change V's MXFP8 scales)
             value = torch.nn.functional.pad(value, (0, head_dim - v_dim))
-        out = mxfp8_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                              qkv_format="bshd", softmax_scale=scaling, backend=backend, **plan.kwargs())
+        if plan.gather is not None:
+            out = _packed_call(plan, query, key, value, scaling, backend)
+        else:
+            out = mxfp8_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                  qkv_format="bshd", softmax_scale=scaling, backend=backend, **plan.kwargs())
         if v_dim < head_dim:
             out = out[..., :v_dim]
         return out.contiguous(), None
 
     mxfp8_attention_forward.mxattn_backend = backend
     return mxfp8_attention_forward
+
+
+def _packed_call(plan: MaskPlan, query, key, value, scaling, backend) -> torch.Tensor:
+    """The call of a `RowGather` plan: each sequence's rows gathered into a packed (thd) batch, O scattered
+    back; query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] -> [B, Sq, Hq, D] (zeros on rows without a key).
+    Differentiable (index_select / index_copy)."""
+    b, hq, sq, d = query.shape
+    flat = lambda x: x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])  # noqa: E731  [B*S, H, D]
+    g = plan.gather
+    q = flat(query).index_select(0, g.q_rows)
+    k, v = (flat(t).index_select(0, g.kv_rows) for t in (key, value))
+    o = mxfp8_attention(q, k, v, qkv_format="thd", softmax_scale=scaling, backend=backend, **plan.kwargs())
+    out = o.new_zeros((b * sq, hq, o.shape[-1])).index_copy(0, g.q_rows, o)
+    return out.view(b, sq, hq, o.shape[-1])
 
 
 def register(name: str = "mxfp8", backend: str = "auto") -> str:
