@@ -471,10 +471,13 @@ def test_plan_refuses_what_it_cannot_express():
         mx_hf.plan_attention_mask(strict, batch=1, q_len=6, kv_len=6)
     with pytest.raises(mx_hf.UnsupportedMaskError, match="4-D"):
         mx_hf.plan_attention_mask(torch.ones(2, 9, dtype=torch.bool), batch=2, q_len=9, kv_len=9)
-    # packed sequences (block-diagonal causal)
+    # packed sequences (block-diagonal causal) whose second document sees one key of the first
     packed = torch.zeros(1, 1, 8, 8, dtype=torch.bool)
     packed[..., :5, :5] = torch.ones(5, 5, dtype=torch.bool).tril()
     packed[..., 5:, 5:] = torch.ones(3, 3, dtype=torch.bool).tril()
+    plan = mx_hf.plan_attention_mask(packed, batch=1, q_len=8, kv_len=8)     # expressible: two documents
+    assert plan.cu_seqlens_q.tolist() == plan.cu_seqlens_kv.tolist() == [0, 5, 8]
+    packed[..., 6, 4] = True
     with pytest.raises(mx_hf.UnsupportedMaskError):
         mx_hf.plan_attention_mask(packed, batch=1, q_len=8, kv_len=8)
 
@@ -573,3 +576,101 @@ def test_compiled_model_has_no_graph_breaks_and_no_recompiles():
         step(2)
         step(3)
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- padding-free batches, sinks
+
+
+def test_padding_free_batch_equals_each_document_alone():
+    """DataCollatorWithFlattening's batch (one row, position ids restarting per document, cu_seq_lens_q/k and
+    max_length_q/k kwargs): no document attends to another; each document's logits match its own run."""
+    model = build(llama, attn=NAME)
+    g = torch.Generator().manual_seed(11)
+    docs = [torch.randint(3, VOCAB, (n,), generator=g) for n in (9, 5, 13)]
+    ids = torch.cat(docs).unsqueeze(0)
+    pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
+    cu = torch.tensor([0, 9, 14, 27], dtype=torch.int32)
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=13,
+                       max_length_k=13).logits[0]
+        for d, start in zip(docs, cu[:-1].tolist()):
+            alone = model(input_ids=d.unsqueeze(0)).logits[0]
+            assert rel_rms(logits[start:start + len(d)], alone) < 1e-5
+    with pytest.raises(mx_hf.UnsupportedMaskError, match="one row"):
+        fn = mx_hf.make_attention_function("reference")
+        q = torch.randn(2, 4, 8, 32)
+        fn(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 8], dtype=torch.int32))
+
+
+def test_packed_documents_from_position_ids_train_as_separate_documents():
+    """transformers' padding-free batch without the flash kwargs (position ids restarting per document, no
+    cache: training) builds a block-diagonal causal mask; each document is computed alone (logits and the
+    embedding gradients of one document are not touched by the others)."""
+    model = build(llama, attn=NAME)
+    g = torch.Generator().manual_seed(11)
+    docs = [torch.randint(3, VOCAB, (n,), generator=g) for n in (9, 5, 13)]
+    ids = torch.cat(docs).unsqueeze(0)
+    pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
+    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+    start = 0
+    for d in docs:
+        alone = model(input_ids=d.unsqueeze(0), use_cache=False).logits[0]
+        assert rel_rms(logits[start:start + len(d)], alone) < 1e-5
+        start += len(d)
+    # a block-diagonal mask with a sliding window inside each document, attention level, bit for bit
+    doc_id = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])
+    qi, kj = torch.arange(27).unsqueeze(1), torch.arange(27).unsqueeze(0)
+    mask = ((doc_id.unsqueeze(1) == doc_id.unsqueeze(0)) & (kj <= qi) & (kj > qi - 4)).view(1, 1, 27, 27)
+    fn, (q, k, v, _) = _attention_call(mask, 27, 27, window=4)
+    out = fn(q, k, v, mask)
+    start = 0
+    for d in docs:
+        n = len(d)
+        alone = mxattn.mxfp8_attention(*(t[:, :, start:start + n].transpose(1, 2) for t in (q, k, v)),
+                                       attn_mask_type="causal", window_size=(3, 0), softmax_scale=0.2,
+                                       backend="reference")
+        assert torch.equal(out[:, start:start + n], alone)
+        start += n
+
+
+def gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                       num_experts_per_tok=2, sliding_window=8, max_position_embeddings=64,
+                       layer_types=["sliding_attention", "full_attention"])
+    return cfg, GptOssForCausalLM
+
+
+def test_gpt_oss_sinks_run_as_learnable_sinks():
+    """gpt-oss hands its per-head sink logits as s_aux: each attention call equals mxattn's learnable-sink call
+    bit for bit, the model stays close to eager attention, and the sinks get gradients."""
+    torch.manual_seed(0)
+    cfg, cls = gpt_oss()
+    cfg._attn_implementation = "eager"
+    eager_model = cls(cfg).eval()
+    with torch.no_grad():
+        for layer in eager_model.model.layers:
+            layer.self_attn.sinks.normal_()
+    model = cls(cfg).eval()
+    model.load_state_dict(eager_model.state_dict())
+    model.set_attn_implementation(NAME)
+    ids, am = batch(lengths=(12, 12))
+    with torch.no_grad():
+        expected = eager_model(input_ids=ids).logits
+        got = model(input_ids=ids).logits
+    assert rel_rms(got, expected) < 5e-2
+    fn = mx_hf.make_attention_function("reference")
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(2, 4, 12, 32, generator=g), torch.randn(2, 2, 12, 32, generator=g), \
+        torch.randn(2, 2, 12, 32, generator=g)
+    sinks = torch.randn(4, generator=g, dtype=torch.bfloat16).requires_grad_()
+    module = torch.nn.Module()
+    module.is_causal = True
+    out = fn(module, q, k, v, None, scaling=0.2, s_aux=sinks)[0]
+    direct = mxattn.mxfp8_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=0.2,
+                                    attn_mask_type="causal", softmax_type="learnable",
+                                    softmax_offset=sinks.detach().float(), backend="reference")
+    assert torch.equal(out, direct)
+    out.float().square().sum().backward()
+    assert sinks.grad is not None and torch.isfinite(sinks.grad).all() and sinks.grad.abs().sum() > 0

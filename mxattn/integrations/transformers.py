@@ -29,8 +29,12 @@ lengths (right padding), so each HF mask is translated into TE mask words + ``cu
 Query rows of right-padding tokens are computed as HF computes them (they attend the valid keys); they are not
 zeroed, so outputs agree with eager/SDPA on every row that has a key.
 
-Not supported (raise ``NotImplementedError``): attention dropout in training, logit soft-capping, attention sinks
-(``s_aux``), additive position bias (T5-like), paged KV caches (continuous batching).
+Attention sinks (``s_aux``, gpt-oss) run as mxattn's learnable sink (`softmax_type="learnable"`). Padding-free
+batches (``DataCollatorWithFlattening``: one row of packed sequences with the ``cu_seq_lens_q/k`` and
+``max_length_q/k`` kwargs, as transformers hands flash attention) run as one packed (thd) call.
+
+Not supported (raise ``NotImplementedError``): attention dropout in training, logit soft-capping, additive position
+bias (T5-like), paged KV caches (continuous batching).
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class MaskPlan:
     max_seqlen_kv: Optional[int] = None
     #: a packed call (`RowGather`) when each sequence's keys start at an offset of their own (left padding)
     gather: Optional["RowGather"] = None
+    #: the batch is one row of packed sequences already (padding-free training): a thd call on that row
+    packed: bool = False
 
     def kwargs(self) -> dict:
         return dict(attn_mask_type=self.attn_mask_type, window_size=self.window_size,
@@ -263,56 +269,80 @@ def plan_attention_mask(attention_mask: Optional[torch.Tensor], *, batch: int, q
 
 
 def _plan_row_ranges(keep, lo, hi, nonempty, batch: int, q_len: int, kv_len: int) -> Optional[MaskPlan]:
-    """Each sequence's own key range [ks, ke) and query rows [qs, qe) (those with a key), as a packed call:
-    left padding (prompts and the decode steps after them) and any mix of left and right padding. Inside its
-    ranges a sequence must be a causal or sliding-window band aligned bottom-right (which is top-left when the
-    query and key ranges have one length, as in a prefill) or no band. None when that does not reproduce the
-    mask exactly."""
+    """Sequences of their own inside the batch rows, as a packed call: a sequence is a run of consecutive query
+    rows whose key ranges overlap (a row whose keys do not overlap the previous row's starts a new one), with
+    its query rows [qs, qe) and key range [ks, ke). That covers left padding (prompts and the decode steps
+    after them), any mix of left and right padding, and packed documents with a block-diagonal mask
+    (transformers' padding-free batches with restarting position ids). Inside its ranges a sequence must be a
+    causal or sliding-window band aligned bottom-right (top-left when its query and key ranges have one length,
+    as in a prefill) or no band. None when that does not reproduce the mask exactly."""
     device = keep.device
-    big = torch.full_like(lo, kv_len)
-    ks = torch.where(nonempty, lo, big).amin(dim=1).clamp(max=kv_len)                      # [B]
-    ke = torch.where(nonempty, hi + 1, torch.zeros_like(hi)).amax(dim=1)
-    rows = torch.arange(q_len, device=device).unsqueeze(0)
-    qs = torch.where(nonempty, rows, torch.full_like(rows, q_len)).amin(dim=1)
-    qe = torch.where(nonempty, rows + 1, torch.zeros_like(rows)).amax(dim=1)
-    len_q, len_kv = (qe - qs).clamp(min=0), (ke - ks).clamp(min=0)
-    if not torch.equal(nonempty.sum(dim=1), len_q):        # query rows with keys are not one range
+    keep = keep.expand(batch, q_len, kv_len)
+    # sequence starts: the first row with keys of a batch row, or a row whose keys start after the last kept
+    # key of the previous row with keys
+    rows = torch.arange(q_len, device=device).expand(batch, q_len)
+    prev = torch.cummax(torch.where(nonempty, rows, torch.full_like(rows, -1)), dim=1).values
+    prev_row = torch.cat([torch.full_like(prev[:, :1], -1), prev[:, :-1]], dim=1)         # last row with keys
+    prev_hi = torch.gather(hi, 1, prev_row.clamp(min=0))
+    starts = nonempty & ((prev_row < 0) | (lo > prev_hi))
+    seg_of_row = torch.cumsum(starts.flatten().long(), 0).view(batch, q_len) - 1          # [B, Sq], global id
+    n_seg = int(starts.sum())
+    if n_seg == 0:
         return None
-    off = (len_kv - len_q).unsqueeze(1)                     # bottom-right, in each sequence's own coordinates
-    i = rows - qs.unsqueeze(1)
-    lo_s, hi_s = lo - ks.unsqueeze(1), hi - ks.unsqueeze(1)
-    last = (len_kv - 1).unsqueeze(1)
+    seg = torch.where(nonempty, seg_of_row, torch.full_like(seg_of_row, n_seg))          # n_seg: no sequence
+    flat_seg = seg.flatten()
+    big = torch.iinfo(torch.int64).max
+
+    def reduce(values, how, fill):
+        out = torch.full((n_seg + 1,), fill, dtype=torch.int64, device=device)
+        return out.scatter_reduce(0, flat_seg, values.flatten(), reduce=how, include_self=True)[:n_seg]
+
+    ks, ke = reduce(lo, "amin", big), reduce(hi + 1, "amax", -1)
+    qs, qe = reduce(rows, "amin", big), reduce(rows + 1, "amax", -1)
+    len_q, len_kv = qe - qs, ke - ks
+    counts = torch.bincount(flat_seg, minlength=n_seg + 1)[:n_seg]
+    if not torch.equal(counts, len_q):                       # a sequence's query rows are not one range
+        return None
+    seg_b = torch.arange(batch, device=device).repeat_interleave(q_len)[
+        torch.nonzero(starts.flatten()).flatten()]
+    # per row: its sequence's ranges (rows without keys get empty ones)
+    pad = lambda t, v: torch.cat([t, t.new_full((1,), v)])  # noqa: E731
+    ks_r, qs_r = pad(ks, 0)[seg], pad(qs, 0)[seg]
+    lq_r, lkv_r = pad(len_q, 0)[seg], pad(len_kv, 0)[seg]
+    off = lkv_r - lq_r                                      # bottom-right, in each sequence's own coordinates
+    i = rows - qs_r
+    lo_s, hi_s = lo - ks_r, hi - ks_r
     never = torch.full_like(hi, -(1 << 40))
     r_max, l_max, r_bites, l_bites = (int(x) for x in torch.stack([
         torch.where(nonempty, hi_s - i - off, never).max(), torch.where(nonempty, i + off - lo_s, never).max(),
-        (nonempty & (hi_s < last)).any().long(), (nonempty & (lo_s > 0)).any().long()]).tolist())
+        (nonempty & (hi_s < lkv_r - 1)).any().long(), (nonempty & (lo_s > 0)).any().long()]).tolist())
     right = r_max if r_bites or r_max == 0 else None
     left = l_max if l_bites else None
-    if (right is not None and right != 0) or (left is not None and left < 0):
+    if (right is not None and right != 0) or (left is not None and left < 0) or (right is None and left is not None):
         return None                                         # only causal bands align bottom-right in mxattn
-    if right is None and left is not None:
-        return None
-    # rebuild every (row, key) from the ranges and the band, and compare with HF's mask
-    j = torch.arange(kv_len, device=device).view(1, 1, kv_len) - ks.view(-1, 1, 1)
-    ii = i.unsqueeze(2)
-    expected = (j >= 0) & (j < len_kv.view(-1, 1, 1)) & (ii >= 0) & (ii < len_q.view(-1, 1, 1))
+    # rebuild every (row, key) from the sequences and the band, and compare with HF's mask
+    j = torch.arange(kv_len, device=device).view(1, 1, kv_len) - ks_r.unsqueeze(2)
+    ii, o3 = i.unsqueeze(2), off.unsqueeze(2)
+    expected = nonempty.unsqueeze(2) & (j >= 0) & (j < lkv_r.unsqueeze(2))
     if right is not None:
-        expected &= j <= ii + off.unsqueeze(2)
+        expected &= j <= ii + o3
     if left is not None:
-        expected &= j >= ii + off.unsqueeze(2) - left      # TE's window: `left` keys before the diagonal
-    if not torch.equal(expected, keep.expand(batch, q_len, kv_len)):
+        expected &= j >= ii + o3 - left                     # TE's window: `left` keys before the diagonal
+    if not torch.equal(expected, keep):
         return None
     cu_q, cu_kv = (torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(n, 0)])
                    for n in (len_q, len_kv))
-    seq_of = lambda cu, n: torch.repeat_interleave(torch.arange(batch, device=device), n)  # noqa: E731
-    b_q, b_kv = seq_of(cu_q, len_q), seq_of(cu_kv, len_kv)
-    q_rows = b_q * q_len + qs[b_q] + (torch.arange(int(cu_q[-1]), device=device) - cu_q[b_q])
-    kv_rows = b_kv * kv_len + ks[b_kv] + (torch.arange(int(cu_kv[-1]), device=device) - cu_kv[b_kv])
+
+    def gathered(cu, n, start, width):
+        owner = torch.repeat_interleave(torch.arange(n_seg, device=device), n)
+        return seg_b[owner] * width + start[owner] + (torch.arange(int(cu[-1]), device=device) - cu[owner])
+
     word = "padding" if right is None else "padding_causal_bottom_right"
     window = None if left is None else (left, 0)
     max_q, max_kv = (int(x) for x in torch.stack([len_q.max(), len_kv.max()]).tolist())
     return MaskPlan(word, window, cu_q.to(torch.int32), cu_kv.to(torch.int32), max_seqlen_q=max_q,
-                    max_seqlen_kv=max_kv, gather=RowGather(q_rows, kv_rows))
+                    max_seqlen_kv=max_kv,
+                    gather=RowGather(gathered(cu_q, len_q, qs, q_len), gathered(cu_kv, len_kv, ks, kv_len)))
 
 
 def plan_attention_mask_traced(attention_mask: Optional[torch.Tensor], *, batch: int, q_len: int, kv_len: int,
@@ -425,8 +455,6 @@ def make_attention_function(backend: str = "auto"):
                 "config's attention dropout (attention_dropout / attention_probs_dropout_prob) to 0.0")
         if softcap is not None:
             raise NotImplementedError(f"mxattn MXFP8 attention has no logit soft-capping (softcap={softcap})")
-        if s_aux is not None:
-            raise NotImplementedError("mxattn MXFP8 attention has no attention sinks (s_aux)")
         if position_bias is not None:
             raise NotImplementedError("mxattn MXFP8 attention cannot add a position bias to the logits")
         if cache is not None:
@@ -445,7 +473,11 @@ def make_attention_function(backend: str = "auto"):
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         batch, _, q_len, head_dim = query.shape
         kv_len = key.shape[2]
-        if torch.compiler.is_compiling():
+        # attention sinks (gpt-oss's s_aux: one logit per query head) are mxattn's learnable sink
+        extra = {} if s_aux is None else dict(softmax_type="learnable", softmax_offset=s_aux.float())
+        if kwargs.get("cu_seq_lens_q") is not None:
+            plan = _plan_flattened(kwargs, batch, causal, sliding_window)
+        elif torch.compiler.is_compiling():
             plan = plan_attention_mask_traced(attention_mask, batch=batch, q_len=q_len, kv_len=kv_len,
                                               is_causal=causal, sliding_window=sliding_window)
         else:
@@ -461,10 +493,15 @@ def make_attention_function(backend: str = "auto"):
         if v_dim < head_dim:           # MLA-like models: pad V's head dim (zeros never change V's MXFP8 scales)
             value = torch.nn.functional.pad(value, (0, head_dim - v_dim))
         if plan.gather is not None:
-            out = _packed_call(plan, query, key, value, scaling, backend)
+            out = _packed_call(plan, query, key, value, scaling, backend, extra)
+        elif plan.packed:          # padding-free batch: [1, H, T, D] with the sequences in cu_seqlens
+            out = mxfp8_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                  qkv_format="thd", softmax_scale=scaling, backend=backend, **plan.kwargs(),
+                                  **extra).unsqueeze(0)
         else:
             out = mxfp8_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                  qkv_format="bshd", softmax_scale=scaling, backend=backend, **plan.kwargs())
+                                  qkv_format="bshd", softmax_scale=scaling, backend=backend, **plan.kwargs(),
+                                  **extra)
         if v_dim < head_dim:
             out = out[..., :v_dim]
         return out.contiguous(), None
@@ -473,7 +510,26 @@ def make_attention_function(backend: str = "auto"):
     return mxfp8_attention_forward
 
 
-def _packed_call(plan: MaskPlan, query, key, value, scaling, backend) -> torch.Tensor:
+def _plan_flattened(kwargs: dict, batch: int, causal: bool, sliding_window: Optional[int]) -> MaskPlan:
+    """A padding-free batch (transformers' DataCollatorWithFlattening): one row of concatenated sequences whose
+    boundaries arrive as the cu_seq_lens_q / cu_seq_lens_k kwargs (and max_length_q / max_length_k), as for
+    flash attention; each sequence attends only to itself (causal per sequence for a causal module)."""
+    if batch != 1:
+        raise UnsupportedMaskError(f"cu_seq_lens_q describes a padding-free batch, which is one row of packed "
+                                   f"sequences; got batch {batch}")
+    cu_q = kwargs["cu_seq_lens_q"]
+    cu_k = kwargs.get("cu_seq_lens_k")
+    cu_k = cu_q if cu_k is None else cu_k
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    window = None
+    if causal and sliding_window is not None and sliding_window > 0:
+        window = (int(sliding_window) - 1, 0)
+    return MaskPlan("padding_causal" if causal else "padding", window, cu_q.to(torch.int32), cu_k.to(torch.int32),
+                    max_seqlen_q=None if max_q is None else int(max_q),
+                    max_seqlen_kv=None if max_k is None else int(max_k), packed=True)
+
+
+def _packed_call(plan: MaskPlan, query, key, value, scaling, backend, extra: dict) -> torch.Tensor:
     """The call of a `RowGather` plan: each sequence's rows gathered into a packed (thd) batch, O scattered
     back; query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] -> [B, Sq, Hq, D] (zeros on rows without a key).
     Differentiable (index_select / index_copy)."""
@@ -482,7 +538,8 @@ def _packed_call(plan: MaskPlan, query, key, value, scaling, backend) -> torch.T
     g = plan.gather
     q = flat(query).index_select(0, g.q_rows)
     k, v = (flat(t).index_select(0, g.kv_rows) for t in (key, value))
-    o = mxfp8_attention(q, k, v, qkv_format="thd", softmax_scale=scaling, backend=backend, **plan.kwargs())
+    o = mxfp8_attention(q, k, v, qkv_format="thd", softmax_scale=scaling, backend=backend, **plan.kwargs(),
+                        **extra)
     out = o.new_zeros((b * sq, hq, o.shape[-1])).index_copy(0, g.q_rows, o)
     return out.view(b, sq, hq, o.shape[-1])
 
