@@ -357,16 +357,37 @@ def test_left_padded_encoder_matches_right_padded():
         assert rel_rms(left[b, ids.shape[1] - n:], right[b, :n]) < 1e-5, b
 
 
-def test_right_padded_decode_step_raises():
-    """After a right-padded prefill the new token sits behind the padding: a hole in the keys."""
+def test_right_padded_decode_steps_equal_each_sequence_alone():
+    """After a right-padded prefill the new tokens sit behind the padding gap (transformers' cache layout): each
+    sequence's keys are its prompt and its new tokens, gathered into one packed sequence, so a decode step
+    gives each sequence its own logits. (`generate` itself reads the next token of a right-padded row off a
+    padding position, transformers' known limit for decoders whatever the attention; pad on the left there.)"""
     model = build(llama, attn=NAME)
-    ids, am = batch(lengths=(10, 7))
-    cache = DynamicCache(config=model.config)
+    lengths = (10, 7, 4)
+    ids, am = batch(lengths=lengths)
+    nxt = torch.tensor([[5], [6], [7]])
     with torch.no_grad():
+        cache = DynamicCache(config=model.config)
         model(input_ids=ids, attention_mask=am, past_key_values=cache, use_cache=True)
-        step = torch.cat([am, torch.ones(2, 1, dtype=am.dtype)], dim=1)
-        with pytest.raises(mx_hf.UnsupportedMaskError, match="not one contiguous range"):
-            model(input_ids=ids[:, :1], attention_mask=step, past_key_values=cache, use_cache=True)
+        step = model(input_ids=nxt, attention_mask=torch.cat([am, torch.ones_like(nxt)], dim=1),
+                     position_ids=torch.tensor(lengths).unsqueeze(1), past_key_values=cache, use_cache=True).logits
+        for b, n in enumerate(lengths):
+            alone = model(input_ids=torch.cat([ids[b, :n], nxt[b]]).unsqueeze(0)).logits[0, -1]
+            assert rel_rms(step[b, -1], alone) < 1e-5, b
+    # the attention call of such a step, bit for bit against each sequence's own call
+    s, t = 10, 3                                              # padded prompt length, tokens generated so far
+    keep = torch.zeros(3, 1, 1, s + t, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        keep[b, ..., :n] = True
+        keep[b, ..., s:] = True
+    fn, (q, k, v, _) = _attention_call(keep, 1, s + t)
+    out = fn(q, k, v, keep)
+    for b, n in enumerate(lengths):
+        cols = torch.cat([torch.arange(n), torch.arange(s, s + t)])
+        alone = mxattn.mxfp8_attention(q[b:b + 1].transpose(1, 2), k[b:b + 1, :, cols].transpose(1, 2),
+                                       v[b:b + 1, :, cols].transpose(1, 2), attn_mask_type="causal_bottom_right",
+                                       softmax_scale=0.2, backend="reference")
+        assert torch.equal(out[b:b + 1], alone), b
 
 
 def test_arbitrary_masks_raise():
@@ -463,7 +484,7 @@ def test_plan_reproduces_hf_masks(case):
 def test_plan_refuses_what_it_cannot_express():
     hole = _hf_mask((9, 9), 9, 9).clone()
     hole[1, :, :, 3] = False                                            # a hole in row 1's keys
-    with pytest.raises(mx_hf.UnsupportedMaskError, match="not one contiguous range.*pad on the left"):
+    with pytest.raises(mx_hf.UnsupportedMaskError, match="not one contiguous range.*causal or sliding-window band"):
         mx_hf.plan_attention_mask(hole, batch=2, q_len=9, kv_len=9)
     strict = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril(-1)         # strictly causal: not a band mxattn has
     strict[..., 0, 0] = True

@@ -20,11 +20,12 @@ lengths (right padding), so each HF mask is translated into TE mask words + ``cu
   key lengths are where the kept keys end, the band (causal, left/right window) is read off the rows, top-left
   alignment when q and k have the same length (prefill, encoders), bottom-right when the queries are the last
   tokens of a longer KV cache (decode). The band and lengths are rebuilt per row and compared with HF's mask.
-  Where each sequence's keys start at an offset of their own (left padding: prompts and the decode steps after
-  them), each sequence's key and query ranges are gathered into a packed (thd) call and O scattered back, so a
-  sequence is computed exactly as if it were alone. Anything these do not reproduce exactly (a decode step after
-  right padding, packed sequences with a block-diagonal mask, image-token overlays, per-head masks, ALiBi-like
-  additive biases) raises `UnsupportedMaskError` saying what it found.
+  Otherwise the rows are split into sequences (runs of query rows that share keys with the previous row) whose
+  keys are what their rows keep, in order: left padding, the decode steps after right-padded prompts (prompt
+  plus the tokens after the padding gap), and packed documents (block-diagonal masks of padding-free batches).
+  Each sequence's rows are gathered into a packed (thd) call and O scattered back, so a sequence is computed
+  exactly as if it were alone. Anything these do not reproduce exactly (image-token overlays, per-head masks,
+  ALiBi-like additive biases) raises `UnsupportedMaskError` saying what it found.
 
 Query rows of right-padding tokens are computed as HF computes them (they attend the valid keys); they are not
 zeroed, so outputs agree with eager/SDPA on every row that has a key.
@@ -55,10 +56,9 @@ MASKED_AT_OR_BELOW = -1e4
 #: names transformers treats specially (substring checks in `get_correct_attn_implementation` and friends)
 _RESERVED_SUBSTRINGS = ("sdpa", "flash", "flex", "eager", "paged", "/", ":", "|")
 
-_PADDING_HINT = ("mxattn expresses a mask as one range of keys and one range of queries per sequence (left or right "
-                 "padding, the decode steps after a left-padded prompt) with a causal or sliding-window band inside; "
-                 "a decode step after a right-padded prompt leaves a hole in the keys: pad on the left for "
-                 "generation (tokenizer.padding_side = 'left'), or run this batch with attn_implementation='sdpa'")
+_PADDING_HINT = ("mxattn expresses a mask as sequences (runs of query rows over the keys they keep: left or right "
+                 "padding, decode steps, packed documents) with a causal or sliding-window band inside each; run "
+                 "this batch with attn_implementation='sdpa' if it needs more")
 
 
 class UnsupportedMaskError(ValueError):
@@ -163,24 +163,25 @@ def _keep_mask(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int
 
 
 def _row_intervals(keep: torch.Tensor):
-    """keep [Bm, Sq, Skv] -> (lo, hi, nonempty) [Bm, Sq]: the kept key range of each query row. Raises when a
-    row keeps keys that are not one contiguous range."""
+    """keep [Bm, Sq, Skv] -> (lo, hi, nonempty, holes) [Bm, Sq]: the first and last kept key of each query row,
+    whether it keeps any, and whether its kept keys are not one contiguous range."""
     skv = keep.shape[-1]
     as_int = keep.to(torch.uint8)
     count = keep.sum(dim=-1)
     lo = as_int.argmax(dim=-1)                             # first kept key (argmax returns the first maximum)
     hi = (skv - 1) - as_int.flip(-1).argmax(dim=-1)        # last kept key
     nonempty = count > 0
-    holes = nonempty & (hi - lo + 1 != count)
-    if bool(holes.any()):
-        b, i = (int(x) for x in holes.nonzero()[0])
-        kept = keep[b, i].nonzero().flatten().tolist()
-        shown = kept if len(kept) <= 12 else kept[:6] + ["..."] + kept[-6:]
-        raise UnsupportedMaskError(
-            f"attention mask row (batch {b}, query {i}) keeps keys {shown}, which is not one contiguous range "
-            "(packed sequences, an image-token or block overlay, or padding in the middle of a sequence?). "
-            f"{_PADDING_HINT}")
-    return lo, hi, nonempty
+    return lo, hi, nonempty, nonempty & (hi - lo + 1 != count)
+
+
+def _holes_error(keep: torch.Tensor, holes: torch.Tensor) -> UnsupportedMaskError:
+    b, i = (int(x) for x in holes.nonzero()[0])
+    kept = keep[min(b, keep.shape[0] - 1), i].nonzero().flatten().tolist()
+    shown = kept if len(kept) <= 12 else kept[:6] + ["..."] + kept[-6:]
+    return UnsupportedMaskError(
+        f"attention mask row (batch {b}, query {i}) keeps keys {shown}, which is not one contiguous range, and "
+        "its sequence's rows do not make one causal or sliding-window band over the keys they keep (an "
+        f"image-token or block overlay?). {_PADDING_HINT}")
 
 
 def _try_alignment(lo, hi, nonempty, kv_lengths, q_len: int, kv_len: int, bottom_right: bool):
@@ -241,20 +242,23 @@ def plan_attention_mask(attention_mask: Optional[torch.Tensor], *, batch: int, q
     if attention_mask is None:
         return _plan_without_mask(q_len, kv_len, is_causal, sliding_window)
     keep = _keep_mask(attention_mask, batch, q_len, kv_len)
-    lo, hi, nonempty = _row_intervals(keep)
+    lo, hi, nonempty, holes = _row_intervals(keep)
     if lo.shape[0] != batch:
-        lo, hi, nonempty = (x.expand(batch, -1) for x in (lo, hi, nonempty))
+        lo, hi, nonempty, holes = (x.expand(batch, -1) for x in (lo, hi, nonempty, holes))
     kv_lengths = torch.where(nonempty, hi + 1, torch.zeros_like(hi)).amax(dim=1)         # [B] int64
     order = (False, True) if q_len == kv_len else (True, False)                           # top-left first?
     found = None
-    for bottom_right in order:
+    any_holes = bool(holes.any())
+    for bottom_right in () if any_holes else order:
         found = _try_alignment(lo, hi, nonempty, kv_lengths, q_len, kv_len, bottom_right)
         if found is not None:
             break
     if found is None:
-        plan = _plan_row_ranges(keep, lo, hi, nonempty, batch, q_len, kv_len)
+        plan = _plan_sequences(keep, nonempty, batch, q_len, kv_len)
         if plan is not None:
             return plan
+        if any_holes:
+            raise _holes_error(keep, holes)
         raise UnsupportedMaskError("cannot express this attention mask with mxattn: "
                                    + _explain_failure(q_len, kv_len))
     word, window = found
@@ -268,81 +272,82 @@ def plan_attention_mask(attention_mask: Optional[torch.Tensor], *, batch: int, q
     return MaskPlan(word, window)
 
 
-def _plan_row_ranges(keep, lo, hi, nonempty, batch: int, q_len: int, kv_len: int) -> Optional[MaskPlan]:
-    """Sequences of their own inside the batch rows, as a packed call: a sequence is a run of consecutive query
-    rows whose key ranges overlap (a row whose keys do not overlap the previous row's starts a new one), with
-    its query rows [qs, qe) and key range [ks, ke). That covers left padding (prompts and the decode steps
-    after them), any mix of left and right padding, and packed documents with a block-diagonal mask
-    (transformers' padding-free batches with restarting position ids). Inside its ranges a sequence must be a
-    causal or sliding-window band aligned bottom-right (top-left when its query and key ranges have one length,
-    as in a prefill) or no band. None when that does not reproduce the mask exactly."""
+def _plan_sequences(keep, nonempty, batch: int, q_len: int, kv_len: int) -> Optional[MaskPlan]:
+    """Sequences of their own inside the batch rows, as a packed call over each sequence's keys.
+
+    A sequence is a run of consecutive query rows (those with keys) each sharing a key with the previous one;
+    its keys are the union of what its rows keep, taken in order (so a decode step after a right-padded
+    prompt, which keeps the prompt and the tokens generated after the padding gap, sees them as one
+    sequence, as it would alone). Inside a sequence the rows must make a causal or sliding-window band
+    aligned bottom-right over those keys (top-left when the query and key counts agree, as in a prefill), or
+    no band. That covers left padding, right padding with its decode steps, and packed documents with a
+    block-diagonal mask (padding-free batches with restarting position ids). None when it does not reproduce
+    the mask exactly."""
     device = keep.device
     keep = keep.expand(batch, q_len, kv_len)
-    # sequence starts: the first row with keys of a batch row, or a row whose keys start after the last kept
-    # key of the previous row with keys
     rows = torch.arange(q_len, device=device).expand(batch, q_len)
-    prev = torch.cummax(torch.where(nonempty, rows, torch.full_like(rows, -1)), dim=1).values
-    prev_row = torch.cat([torch.full_like(prev[:, :1], -1), prev[:, :-1]], dim=1)         # last row with keys
-    prev_hi = torch.gather(hi, 1, prev_row.clamp(min=0))
-    starts = nonempty & ((prev_row < 0) | (lo > prev_hi))
-    seg_of_row = torch.cumsum(starts.flatten().long(), 0).view(batch, q_len) - 1          # [B, Sq], global id
+    last_with_keys = torch.cummax(torch.where(nonempty, rows, torch.full_like(rows, -1)), dim=1).values
+    prev_row = torch.cat([torch.full_like(rows[:, :1], -1), last_with_keys[:, :-1]], dim=1)
+    prev_keep = torch.gather(keep, 1, prev_row.clamp(min=0).unsqueeze(2).expand(-1, -1, kv_len))
+    starts = nonempty & ((prev_row < 0) | ~(keep & prev_keep).any(dim=2))
     n_seg = int(starts.sum())
     if n_seg == 0:
         return None
-    seg = torch.where(nonempty, seg_of_row, torch.full_like(seg_of_row, n_seg))          # n_seg: no sequence
+    seg = torch.where(nonempty, torch.cumsum(starts.flatten().long(), 0).view(batch, q_len) - 1,
+                      torch.full_like(rows, n_seg))                                        # n_seg: no sequence
     flat_seg = seg.flatten()
-    big = torch.iinfo(torch.int64).max
-
-    def reduce(values, how, fill):
-        out = torch.full((n_seg + 1,), fill, dtype=torch.int64, device=device)
-        return out.scatter_reduce(0, flat_seg, values.flatten(), reduce=how, include_self=True)[:n_seg]
-
-    ks, ke = reduce(lo, "amin", big), reduce(hi + 1, "amax", -1)
-    qs, qe = reduce(rows, "amin", big), reduce(rows + 1, "amax", -1)
-    len_q, len_kv = qe - qs, ke - ks
-    counts = torch.bincount(flat_seg, minlength=n_seg + 1)[:n_seg]
-    if not torch.equal(counts, len_q):                       # a sequence's query rows are not one range
+    # each sequence's keys (union of its rows) and their positions in the sequence (compact coordinates)
+    cols = torch.zeros(n_seg + 1, kv_len, dtype=torch.int64, device=device).scatter_reduce_(
+        0, flat_seg.unsqueeze(1).expand(-1, kv_len), keep.reshape(-1, kv_len).long(), "amax")[:n_seg].bool()
+    compact = torch.cumsum(cols.long(), dim=1) - 1                                         # [n_seg, Skv]
+    len_kv = cols.sum(dim=1)
+    qs = torch.full((n_seg + 1,), q_len, dtype=torch.int64, device=device).scatter_reduce(
+        0, flat_seg, rows.flatten(), "amin")[:n_seg]
+    len_q = torch.bincount(flat_seg, minlength=n_seg + 1)[:n_seg]
+    seg_b = torch.arange(batch, device=device).repeat_interleave(q_len)[torch.nonzero(starts.flatten()).flatten()]
+    rows_end = torch.zeros(n_seg + 1, dtype=torch.int64, device=device).scatter_reduce(
+        0, flat_seg, rows.flatten() + 1, "amax")[:n_seg]
+    if not torch.equal(rows_end - qs, len_q):                # a sequence's query rows are not one range
         return None
-    seg_b = torch.arange(batch, device=device).repeat_interleave(q_len)[
-        torch.nonzero(starts.flatten()).flatten()]
-    # per row: its sequence's ranges (rows without keys get empty ones)
-    pad = lambda t, v: torch.cat([t, t.new_full((1,), v)])  # noqa: E731
-    ks_r, qs_r = pad(ks, 0)[seg], pad(qs, 0)[seg]
-    lq_r, lkv_r = pad(len_q, 0)[seg], pad(len_kv, 0)[seg]
-    off = lkv_r - lq_r                                      # bottom-right, in each sequence's own coordinates
-    i = rows - qs_r
-    lo_s, hi_s = lo - ks_r, hi - ks_r
-    never = torch.full_like(hi, -(1 << 40))
+    # per row, in its sequence's coordinates: kept keys [lo_c, hi_c], query index i, bottom-right offset
+    segc = seg.clamp(max=n_seg - 1)
+    comp_r = compact[segc]                                                                 # [B, Sq, Skv]
+    count = keep.sum(dim=2)
+    big = torch.full_like(comp_r, kv_len)
+    lo_c = torch.where(keep, comp_r, big).amin(dim=2)
+    hi_c = torch.where(keep, comp_r, -1).amax(dim=2)
+    if bool((nonempty & (hi_c - lo_c + 1 != count)).any()):
+        return None                                          # a row skips keys its sequence keeps
+    i = rows - qs[segc]
+    off = len_kv[segc] - len_q[segc]
+    never = torch.full_like(lo_c, -(1 << 40))
     r_max, l_max, r_bites, l_bites = (int(x) for x in torch.stack([
-        torch.where(nonempty, hi_s - i - off, never).max(), torch.where(nonempty, i + off - lo_s, never).max(),
-        (nonempty & (hi_s < lkv_r - 1)).any().long(), (nonempty & (lo_s > 0)).any().long()]).tolist())
+        torch.where(nonempty, hi_c - i - off, never).max(), torch.where(nonempty, i + off - lo_c, never).max(),
+        (nonempty & (hi_c < len_kv[segc] - 1)).any().long(), (nonempty & (lo_c > 0)).any().long()]).tolist())
     right = r_max if r_bites or r_max == 0 else None
     left = l_max if l_bites else None
     if (right is not None and right != 0) or (left is not None and left < 0) or (right is None and left is not None):
-        return None                                         # only causal bands align bottom-right in mxattn
+        return None                                          # only causal bands align bottom-right in mxattn
     # rebuild every (row, key) from the sequences and the band, and compare with HF's mask
-    j = torch.arange(kv_len, device=device).view(1, 1, kv_len) - ks_r.unsqueeze(2)
     ii, o3 = i.unsqueeze(2), off.unsqueeze(2)
-    expected = nonempty.unsqueeze(2) & (j >= 0) & (j < lkv_r.unsqueeze(2))
+    expected = nonempty.unsqueeze(2) & cols[segc]
     if right is not None:
-        expected &= j <= ii + o3
+        expected &= comp_r <= ii + o3
     if left is not None:
-        expected &= j >= ii + o3 - left                     # TE's window: `left` keys before the diagonal
+        expected &= comp_r >= ii + o3 - left                 # TE's window: `left` keys before the diagonal
     if not torch.equal(expected, keep):
         return None
     cu_q, cu_kv = (torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(n, 0)])
                    for n in (len_q, len_kv))
-
-    def gathered(cu, n, start, width):
-        owner = torch.repeat_interleave(torch.arange(n_seg, device=device), n)
-        return seg_b[owner] * width + start[owner] + (torch.arange(int(cu[-1]), device=device) - cu[owner])
-
+    owner_q = torch.repeat_interleave(torch.arange(n_seg, device=device), len_q)
+    q_rows = seg_b[owner_q] * q_len + qs[owner_q] + (torch.arange(int(cu_q[-1]), device=device) - cu_q[owner_q])
+    key_seg, key_col = torch.nonzero(cols, as_tuple=True)                                  # in sequence order
+    kv_rows = seg_b[key_seg] * kv_len + key_col
     word = "padding" if right is None else "padding_causal_bottom_right"
     window = None if left is None else (left, 0)
     max_q, max_kv = (int(x) for x in torch.stack([len_q.max(), len_kv.max()]).tolist())
     return MaskPlan(word, window, cu_q.to(torch.int32), cu_kv.to(torch.int32), max_seqlen_q=max_q,
-                    max_seqlen_kv=max_kv,
-                    gather=RowGather(gathered(cu_q, len_q, qs, q_len), gathered(cu_kv, len_kv, ks, kv_len)))
+                    max_seqlen_kv=max_kv, gather=RowGather(q_rows, kv_rows))
 
 
 def plan_attention_mask_traced(attention_mask: Optional[torch.Tensor], *, batch: int, q_len: int, kv_len: int,
