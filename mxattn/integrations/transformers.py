@@ -299,7 +299,7 @@ def _plan_sequences(keep, nonempty, batch: int, q_len: int, kv_len: int) -> Opti
     # each sequence's keys (union of its rows) and their positions in the sequence (compact coordinates)
     cols = torch.zeros(n_seg + 1, kv_len, dtype=torch.int64, device=device).scatter_reduce_(
         0, flat_seg.unsqueeze(1).expand(-1, kv_len), keep.reshape(-1, kv_len).long(), "amax")[:n_seg].bool()
-    compact = torch.cumsum(cols.long(), dim=1) - 1                                         # [n_seg, Skv]
+    compact = (torch.cumsum(cols, dim=1, dtype=torch.int32) - 1)                          # [n_seg, Skv]
     len_kv = cols.sum(dim=1)
     qs = torch.full((n_seg + 1,), q_len, dtype=torch.int64, device=device).scatter_reduce(
         0, flat_seg, rows.flatten(), "amin")[:n_seg]
@@ -314,8 +314,8 @@ def _plan_sequences(keep, nonempty, batch: int, q_len: int, kv_len: int) -> Opti
     comp_r = compact[segc]                                                                 # [B, Sq, Skv]
     count = keep.sum(dim=2)
     big = torch.full_like(comp_r, kv_len)
-    lo_c = torch.where(keep, comp_r, big).amin(dim=2)
-    hi_c = torch.where(keep, comp_r, -1).amax(dim=2)
+    lo_c = torch.where(keep, comp_r, big).amin(dim=2).long()
+    hi_c = torch.where(keep, comp_r, -1).amax(dim=2).long()
     if bool((nonempty & (hi_c - lo_c + 1 != count)).any()):
         return None                                          # a row skips keys its sequence keeps
     i = rows - qs[segc]
