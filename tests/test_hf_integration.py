@@ -342,6 +342,22 @@ def test_generate_with_left_padding_matches_each_prompt_alone():
             assert rel_rms(logits[b, s - len(p):], alone) < 1e-5, b
 
 
+def test_generate_with_left_padding_and_a_static_cache():
+    """The static cache (keys past the written positions masked) with left padding: each prompt's tokens equal
+    its own generation with the same cache kind."""
+    model = build(llama, attn=NAME)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in (9, 5)]
+    s = 9
+    ids = torch.stack([torch.cat([torch.zeros(s - len(p), dtype=torch.long), p]) for p in prompts])
+    am = (ids != 0).long()
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        batched = model.generate(ids, attention_mask=am, **kw)[:, s:]
+        for b, p in enumerate(prompts):
+            assert torch.equal(batched[b], model.generate(p.unsqueeze(0), **kw)[0, len(p):]), b
+
+
 def test_left_padded_encoder_matches_right_padded():
     """A bidirectional encoder (BERT) with left padding gives each sequence's right-padded result."""
     model = build(bert, attn=NAME)
@@ -643,14 +659,19 @@ def test_packed_documents_from_position_ids_train_as_separate_documents():
     qi, kj = torch.arange(27).unsqueeze(1), torch.arange(27).unsqueeze(0)
     mask = ((doc_id.unsqueeze(1) == doc_id.unsqueeze(0)) & (kj <= qi) & (kj > qi - 4)).view(1, 1, 27, 27)
     fn, (q, k, v, _) = _attention_call(mask, 27, 27, window=4)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = fn(q, k, v, mask)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(6)).bfloat16()
+    grads = torch.autograd.grad(out, (q, k, v), do)
     start = 0
     for d in docs:
         n = len(d)
-        alone = mxattn.mxfp8_attention(*(t[:, :, start:start + n].transpose(1, 2) for t in (q, k, v)),
-                                       attn_mask_type="causal", window_size=(3, 0), softmax_scale=0.2,
-                                       backend="reference")
+        parts = [t[:, :, start:start + n].detach().requires_grad_() for t in (q, k, v)]
+        alone = mxattn.mxfp8_attention(*(t.transpose(1, 2) for t in parts), attn_mask_type="causal",
+                                       window_size=(3, 0), softmax_scale=0.2, backend="reference")
         assert torch.equal(out[:, start:start + n], alone)
+        for g_all, g_alone in zip(grads, torch.autograd.grad(alone, parts, do[:, start:start + n])):
+            assert torch.equal(g_all[:, :, start:start + n], g_alone)
         start += n
 
 
@@ -681,6 +702,11 @@ def test_gpt_oss_sinks_run_as_learnable_sinks():
         expected = eager_model(input_ids=ids).logits
         got = model(input_ids=ids).logits
     assert rel_rms(got, expected) < 5e-2
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    for layer in model.model.layers:                  # sliding-window and full layers
+        grad = layer.self_attn.sinks.grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
     fn = mx_hf.make_attention_function("reference")
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(2, 4, 12, 32, generator=g), torch.randn(2, 2, 12, 32, generator=g), \
