@@ -8,7 +8,7 @@ Measured per model (ratios mxfp8 / sdpa in the same run):
 and, for the op itself, a tiny call (B1 S128 H8 D64, bshd, bf16): wall time per call in a loop (forward
 without grad, forward+backward) and the host (CPU thread) time of one public-API forward at B2 H16 S4096 D128.
 
-Usage (CUDA machine with transformers): python benchmarks/models_bench.py [--quick] [--backend triton]
+Usage (CUDA machine with transformers): python benchmarks/models_bench.py [--quick] [--backend triton] [--hf-extras]
 Writes benchmarks/results/<gpu>/models.json and models.md (or --out-dir).
 """
 
@@ -145,6 +145,68 @@ def generate_tokens_per_s(factory, attn: str, batch: int, prompt: int, new_token
     return result
 
 
+def _documents(vocab: int, lengths, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).to(DEVICE) for n in lengths]
+
+
+@torch.no_grad()
+def left_padded_generate(factory, attn: str, lengths, new_tokens: int, quick: bool) -> dict:
+    """Batched greedy generation of prompts of different lengths, left-padded (HF's side for decoders)."""
+    name, model, _, vocab = build(factory, attn, quick)
+    model = model.to(torch.bfloat16).eval()
+    prompts = _documents(vocab, lengths, seed=3)
+    s = max(lengths)
+    ids = torch.stack([torch.cat([p.new_zeros(s - len(p)), p]) for p in prompts])
+    am = (torch.arange(s, device=DEVICE).unsqueeze(0) >= (s - torch.tensor(lengths, device=DEVICE)).unsqueeze(1))
+    kw = dict(attention_mask=am.long(), do_sample=False, pad_token_id=0, eos_token_id=None)
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+    runs = []
+    for _ in range(2):
+        sync()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        sync()
+        runs.append(time.perf_counter() - t0)
+    del model
+    gc.collect()
+    return dict(model=name, attn=attn, tokens_per_s=len(lengths) * new_tokens / statistics.median(runs))
+
+
+def padding_free_training(factory, attn: str, lengths, quick: bool) -> dict:
+    """Training tokens/s on the same documents, padded (one row each, right padding) and padding-free (one row of
+    concatenated documents with restarting position ids and the cu_seq_lens kwargs, as
+    DataCollatorWithFlattening makes it)."""
+    name, model, _, vocab = build(factory, attn, quick)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
+    docs = _documents(vocab, lengths, seed=4)
+    s, n_tok = max(lengths), sum(lengths)
+    padded = torch.stack([torch.cat([d, d.new_zeros(s - len(d))]) for d in docs])
+    am = (torch.arange(s, device=DEVICE).unsqueeze(0) < torch.tensor(lengths, device=DEVICE).unsqueeze(1)).long()
+    labels = padded.masked_fill(am == 0, -100)
+    flat = torch.cat(docs).unsqueeze(0)
+    pos = torch.cat([torch.arange(len(d), device=DEVICE) for d in docs]).unsqueeze(0)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    flat_labels = torch.cat([torch.cat([d[:1].new_full((1,), -100), d[1:]]) for d in docs]).unsqueeze(0)
+    out = {}
+    for kind, batch in (("padded", dict(input_ids=padded, attention_mask=am, labels=labels)),
+                        ("padding_free", dict(input_ids=flat, position_ids=pos, labels=flat_labels,
+                                              cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=s,
+                                              max_length_k=s))):
+        def step():
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                loss = model(**batch, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        out[kind] = n_tok / (cuda_time(step, warmup=2, iters=4 if quick else 10) / 1e3)
+    del model, opt
+    gc.collect()
+    return dict(model=name, attn=attn, **out)
+
+
 def tiny_call_figures(backend: str) -> dict:
     """Wall time per call of a tiny attention call (host-bound) and host time of a large forward."""
     import torch.nn.functional as F
@@ -219,6 +281,17 @@ def markdown(res: dict) -> str:
               "|---|---|---|---|"]
     for key, entry in res["calls"].items():
         lines.append(f"| {key} | {entry['sdpa']:.1f} | {entry['mxfp8']:.1f} | {entry['ratio']:.2f} |")
+    if res.get("left_padded_generate"):
+        g = res["left_padded_generate"]
+        lines += ["", "## Batched generation with left padding (bf16 weights)", "",
+                  f"{g['model']}, prompts {g['prompts']}, {g['new_tokens']} new tokens: sdpa "
+                  f"{g['tok_s_sdpa']:.0f} tok/s, mxfp8 {g['tok_s_mxfp8']:.0f} tok/s, ratio {g['ratio']:.2f} "
+                  "(target >= 0.9)"]
+    if res.get("padding_free"):
+        lines += ["", "## Padding-free vs padded training, same documents (training tokens/s)", "",
+                  "| attention | padded | padding-free | padding-free / padded (target >= 1) |", "|---|---|---|---|"]
+        lines += [f"| {r['attn']} | {r['padded']:.0f} | {r['padding_free']:.0f} | {r['ratio_free_to_padded']:.2f} |"
+                  for r in res["padding_free"]]
     if res.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e}" for e in res["errors"]]
     return "\n".join(lines) + "\n"
@@ -233,6 +306,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128, help="greedy decode steps (default 128)")
     ap.add_argument("--models", default="gpt2,llama", help="comma-separated subset of gpt2,llama")
     ap.add_argument("--out-dir", default=None, help="default benchmarks/results/<gpu-name>/")
+    ap.add_argument("--hf-extras", action="store_true",
+                    help="also left-padded batch-8 generation (prompts 256-1024) and padding-free vs padded "
+                         "training tokens/s of the same documents (Llama)")
     ap.add_argument("--device", default="cuda", help="cuda (the figures), or cpu for a smoke run of the script")
     args = ap.parse_args(argv)
     global DEVICE
@@ -277,6 +353,22 @@ def main(argv=None) -> int:
                        ratio=r[NAME]["decode_tokens_per_s"] / r["sdpa"]["decode_tokens_per_s"],
                        same_tokens=same / (batch * args.new_tokens))
             res["generate"].append(row)
+            print(row, flush=True)
+    if args.hf_extras:
+        g = torch.Generator().manual_seed(5)
+        gen_lengths = torch.randint(256, 1025, (8,), generator=g).tolist() if DEVICE == "cuda" else [9, 16, 5]
+        doc_lengths = torch.randint(128, 1025, (16,), generator=g).tolist() if DEVICE == "cuda" else [9, 16, 5]
+        factory = llama_config
+        r = {a: left_padded_generate(factory, a, gen_lengths, args.new_tokens, args.quick) for a in ("sdpa", NAME)}
+        res["left_padded_generate"] = dict(model=r["sdpa"]["model"], prompts=gen_lengths,
+                                           new_tokens=args.new_tokens, tok_s_sdpa=r["sdpa"]["tokens_per_s"],
+                                           tok_s_mxfp8=r[NAME]["tokens_per_s"],
+                                           ratio=r[NAME]["tokens_per_s"] / r["sdpa"]["tokens_per_s"])
+        print(res["left_padded_generate"], flush=True)
+        res["padding_free"] = [padding_free_training(factory, a, doc_lengths, args.quick) for a in ("sdpa", NAME)]
+        for row in res["padding_free"]:
+            row["documents"] = doc_lengths
+            row["ratio_free_to_padded"] = row["padding_free"] / row["padded"]
             print(row, flush=True)
     out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                            gpu_dir_name(device))
