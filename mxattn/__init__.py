@@ -11,6 +11,7 @@ from .backends import BACKEND_NAMES, availability as backend_availability
 from .cudnn_support import cudnn_support
 from .errors import MXFP8NotSupportedError
 from .formats import MXFP8Tensor, quantize_mxfp8, swizzle_128x4, unswizzle_128x4
+from .kvcache import MXFP8KVCache, mxfp8_attention_with_kvcache
 from .mask import MaskSpec
 from .module import DotProductAttention
 from .seqinfo import SeqInfo, cu_seqlens_from_padding_mask
@@ -21,6 +22,7 @@ __all__ = [
     "BACKEND_NAMES",
     "DotProductAttention",
     "MXFP8NotSupportedError",
+    "MXFP8KVCache",
     "MXFP8Tensor",
     "MaskSpec",
     "SeqInfo",
@@ -28,6 +30,7 @@ __all__ = [
     "cu_seqlens_from_padding_mask",
     "cudnn_support",
     "mxfp8_attention",
+    "mxfp8_attention_with_kvcache",
     "quantize_mxfp8",
     "swizzle_128x4",
     "unswizzle_128x4",

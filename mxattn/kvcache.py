@@ -1,0 +1,272 @@
+"""A paged KV cache in MXFP8 and the decode/append attention call that reads it (serving).
+
+Storage (per page of `page_size` tokens, a multiple of 32, for all KV heads):
+
+* K row-wise: E4M3 bytes [H, page_size, D] and one E8M0 scale per 32 values along D [H, page_size, ceil(D/32)].
+  A token's bytes never change once written.
+* V column-wise, as the recipe quantizes V: E4M3 bytes [H, page_size, D] and one E8M0 scale per 32 tokens
+  [H, page_size / 32, D]. Blocks run along the sequence from its first token, so a block is quantized once it
+  holds 32 tokens ("sealed"); until then the sequence's open block stays in the cache's high-precision dtype
+  (one [H, 32, D] tail per sequence) and is quantized at each call from what it holds.
+
+Semantics: after a sequence holds L tokens, attention of its n newest queries equals
+``mxfp8_attention(q, K[:L], V[:L], attn_mask_type="causal_bottom_right", ...)`` over the same tokens, bit for bit on
+the reference backend (K's bytes are the row-wise quantization of each token, V's full blocks are the same 32
+tokens quantized the same way, and V's open block is quantized from the same rows). Bytes: about 0.53x of a
+bf16 cache at D=128 (1 + 1/32 bytes per value for K and V) plus the open blocks.
+
+Backends: `reference` (any device). The triton split-KV decode kernel and cuDNN's paged graphs are not built yet:
+asking for them raises `MXFP8NotSupportedError`.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .attention import _sink
+from .backends import AttentionParams, get_backend
+from .errors import MXFP8NotSupportedError
+from .formats import BLOCK_SIZE, MXFP8Tensor, quantize_mxfp8
+from .mask import resolve_mask
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class MXFP8KVCache:
+    """Paged MXFP8 storage of the keys and values of up to `max_sequences` sequences.
+
+    num_pages pages of page_size tokens (a multiple of 32) for kv_heads heads of head_dim; dtype: the dtype of
+    the K/V the model writes (the open V block is kept in it). Sequences live in slots (`new_sequence`,
+    `release`); `append` writes tokens; `page_table` (int32 [max_sequences, max_pages_per_sequence], -1 unused)
+    and `seq_lens` (int32 [max_sequences]) describe the layout on the device."""
+
+    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, *, max_sequences: int,
+                 dtype: torch.dtype = torch.bfloat16, device="cpu"):
+        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
+                            ("head_dim", head_dim), ("max_sequences", max_sequences)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if page_size % BLOCK_SIZE:
+            raise ValueError(f"page_size must be a multiple of {BLOCK_SIZE} (V's MXFP8 blocks run along the "
+                             f"sequence and must not straddle pages), got {page_size}")
+        if dtype not in _DTYPES:
+            raise TypeError(f"dtype must be one of {_DTYPES}, got {dtype}")
+        self.page_size, self.kv_heads, self.head_dim, self.dtype = page_size, kv_heads, head_dim, dtype
+        self.device = torch.device(device)
+        h, p, d, nb = kv_heads, page_size, head_dim, -(-head_dim // BLOCK_SIZE)
+        fp8, e8 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+        self.k_data = torch.zeros((num_pages, h, p, d), dtype=fp8, device=self.device)
+        self.k_scale = torch.zeros((num_pages, h, p, nb), dtype=e8, device=self.device)
+        self.v_data = torch.zeros((num_pages, h, p, d), dtype=fp8, device=self.device)
+        self.v_scale = torch.zeros((num_pages, h, p // BLOCK_SIZE, d), dtype=e8, device=self.device)
+        self.v_tail = torch.zeros((max_sequences, h, BLOCK_SIZE, d), dtype=dtype, device=self.device)
+        self.page_table = torch.full((max_sequences, num_pages), -1, dtype=torch.int32, device=self.device)
+        self.seq_lens = torch.zeros(max_sequences, dtype=torch.int32, device=self.device)
+        self._pages: List[Optional[List[int]]] = [None] * max_sequences     # host copy of the table
+        self._lens = [0] * max_sequences
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    # ------------------------------------------------------------------ slots and pages
+
+    def new_sequence(self) -> int:
+        """A free slot for a new, empty sequence."""
+        for slot, pages in enumerate(self._pages):
+            if pages is None:
+                self._pages[slot], self._lens[slot] = [], 0
+                self.seq_lens[slot] = 0
+                return slot
+        raise RuntimeError(f"all {len(self._pages)} sequence slots are in use; release one first")
+
+    def release(self, slot: int) -> None:
+        """Free a sequence's pages and slot for reuse."""
+        pages = self._checked_slot(slot)
+        self._free.extend(reversed(pages))
+        self._pages[slot], self._lens[slot] = None, 0
+        self.page_table[slot] = -1
+        self.seq_lens[slot] = 0
+
+    def length(self, slot: int) -> int:
+        """Tokens held by the sequence in `slot`."""
+        self._checked_slot(slot)
+        return self._lens[slot]
+
+    def _checked_slot(self, slot) -> List[int]:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < len(self._pages):
+            raise ValueError(f"slot must be an int in [0, {len(self._pages)}), got {slot!r}")
+        if self._pages[slot] is None:
+            raise ValueError(f"slot {slot} holds no sequence (new_sequence() first)")
+        return self._pages[slot]
+
+    def _reserve(self, slot: int, total: int) -> None:
+        pages = self._pages[slot]
+        need = -(-total // self.page_size) - len(pages)
+        if need > len(self._free):
+            raise RuntimeError(f"the cache is out of pages: sequence {slot} needs {need} more, "
+                               f"{len(self._free)} are free (num_pages={self.k_data.shape[0]})")
+        for _ in range(need):
+            page = self._free.pop()
+            self.page_table[slot, len(pages)] = page
+            pages.append(page)
+
+    def _spans(self, slot: int, start: int, n: int):
+        """(page, offset in page, offset in the written rows, count) pieces of tokens start .. start + n."""
+        pages, done = self._pages[slot], 0
+        while done < n:
+            pos = start + done
+            off = pos % self.page_size
+            count = min(n - done, self.page_size - off)
+            yield pages[pos // self.page_size], off, done, count
+            done += count
+
+    # ------------------------------------------------------------------ writing
+
+    def append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write n new tokens of one sequence: k, v [n, kv_heads, head_dim] in the cache's dtype and device."""
+        self._checked_slot(slot)
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (self.kv_heads,
+                                                                                          self.head_dim):
+                raise ValueError(f"{name} must be [n, {self.kv_heads}, {self.head_dim}], got "
+                                 f"{tuple(getattr(x, 'shape', ()))}")
+            if x.dtype != self.dtype or x.device != self.device:
+                raise TypeError(f"{name} must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"k and v must hold the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
+        n, start = k.shape[0], self._lens[slot]
+        if n == 0:
+            return
+        self._reserve(slot, start + n)
+        kq = quantize_mxfp8(k.transpose(0, 1), axis=-1)                       # [H, n, D], blocks along D
+        for page, off, i, count in self._spans(slot, start, n):
+            self.k_data[page, :, off:off + count] = kq.data[:, i:i + count]
+            self.k_scale[page, :, off:off + count] = kq.scale[:, i:i + count]
+        # V: the open block's rows and the new ones; every full block of 32 is sealed into its page
+        open_rows = start % BLOCK_SIZE
+        rows = torch.cat([self.v_tail[slot, :, :open_rows], v.transpose(0, 1)], dim=1)   # [H, r, D]
+        block0 = start - open_rows
+        full = rows.shape[1] // BLOCK_SIZE * BLOCK_SIZE
+        if full:
+            vq = quantize_mxfp8(rows[:, :full], axis=-2)                       # blocks along S
+            for page, off, i, count in self._spans(slot, block0, full):
+                self.v_data[page, :, off:off + count] = vq.data[:, i:i + count]
+                self.v_scale[page, :, off // BLOCK_SIZE:(off + count) // BLOCK_SIZE] = \
+                    vq.scale[:, i // BLOCK_SIZE:(i + count) // BLOCK_SIZE]
+        rest = rows.shape[1] - full
+        self.v_tail[slot, :, :rest] = rows[:, full:]
+        self._lens[slot] = start + n
+        self.seq_lens[slot] = start + n
+
+    # ------------------------------------------------------------------ reading
+
+    def keys(self, slot: int) -> MXFP8Tensor:
+        """The sequence's K, row-wise MXFP8 [1, kv_heads, L, head_dim]."""
+        self._checked_slot(slot)
+        length = self._lens[slot]
+        data, scale = self._gather(slot, length, self.k_data, self.k_scale, 1)
+        return MXFP8Tensor.unchecked(data.unsqueeze(0), scale.unsqueeze(0), 3)
+
+    def values(self, slot: int) -> MXFP8Tensor:
+        """The sequence's V, column-wise MXFP8 [1, kv_heads, L, head_dim]: its sealed blocks, and the open block
+        quantized from the rows it holds."""
+        self._checked_slot(slot)
+        length = self._lens[slot]
+        sealed = length - length % BLOCK_SIZE
+        data, scale = self._gather(slot, sealed, self.v_data, self.v_scale, BLOCK_SIZE)
+        if length > sealed:
+            tail = quantize_mxfp8(self.v_tail[slot, :, :length - sealed], axis=-2)
+            data, scale = torch.cat([data, tail.data], dim=1), torch.cat([scale, tail.scale], dim=1)
+        return MXFP8Tensor.unchecked(data.unsqueeze(0), scale.unsqueeze(0), 2)
+
+    def _gather(self, slot: int, n: int, data: torch.Tensor, scale: torch.Tensor, per_scale: int):
+        """Tokens 0 .. n of a sequence from paged storage: (data [H, n, D], scale [H, n / per_scale, *])."""
+        parts_d, parts_s = [], []
+        for page, off, _, count in self._spans(slot, 0, n):
+            parts_d.append(data[page, :, off:off + count])
+            parts_s.append(scale[page, :, off // per_scale:(off + count) // per_scale])
+        if not parts_d:
+            return data[0, :, :0], scale[0, :, :0]
+        return torch.cat(parts_d, dim=1), torch.cat(parts_s, dim=1)
+
+    def nbytes(self) -> int:
+        """Bytes of the cache's storage (pages, open blocks, tables)."""
+        return sum(t.numel() * t.element_size() for t in (self.k_data, self.k_scale, self.v_data, self.v_scale,
+                                                          self.v_tail, self.page_table, self.seq_lens))
+
+    def bf16_nbytes(self) -> int:
+        """Bytes a bf16 cache of the same pages would take (K and V)."""
+        return 2 * self.k_data.numel() * 2
+
+
+@torch.no_grad()
+def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Sequence[int], *,
+                                 cu_seqlens_q: torch.Tensor, k_new: Optional[torch.Tensor] = None,
+                                 v_new: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+                                 window_size: Optional[Tuple[int, int]] = None, softmax_type: str = "vanilla",
+                                 softmax_offset: Optional[torch.Tensor] = None,
+                                 out_dtype: Optional[torch.dtype] = None, backend: str = "auto") -> torch.Tensor:
+    """Append, then attend: the newest queries of a batch of cached sequences (decode, chunked prefill,
+    speculative tokens), no padding of the batch.
+
+    q: [T, Hq, D] (thd), the new tokens' queries of every sequence in `slots` order; cu_seqlens_q: int32 [B+1]
+    on q's device splitting T by sequence (B = len(slots)). k_new, v_new: None or [T, Hkv, D] (the cache's dtype
+    and device), written to each sequence before attending. Each sequence's queries attend its cached tokens
+    with a causal mask aligned bottom-right (the last query sees every key), optionally a sliding window
+    (TE's window_size=(left, 0)) and attention sinks (softmax_type / softmax_offset as in `mxfp8_attention`).
+    Returns O [T, Hq, D] in out_dtype (default q's). Inference only (no autograd). Backend: reference."""
+    if backend not in ("auto", "reference", "triton", "cudnn"):
+        raise ValueError(f"backend must be one of ('auto', 'cudnn', 'triton', 'reference'), got {backend!r}")
+    if backend in ("triton", "cudnn"):
+        raise MXFP8NotSupportedError(f"backend {backend!r} has no paged MXFP8 KV-cache kernel yet; the cache runs "
+                                     "on backend='reference'")
+    if not isinstance(cache, MXFP8KVCache):
+        raise TypeError(f"cache must be an MXFP8KVCache, got {type(cache).__name__}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != cache.head_dim:
+        raise ValueError(f"q must be [T, Hq, {cache.head_dim}], got {tuple(getattr(q, 'shape', ()))}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q must be bf16, fp16 or fp32, got {q.dtype}")
+    hq = q.shape[1]
+    if hq % cache.kv_heads:
+        raise ValueError(f"query heads ({hq}) must be divisible by the cache's kv_heads ({cache.kv_heads})")
+    slots = list(slots)
+    if (not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dtype != torch.int32
+            or cu_seqlens_q.shape != (len(slots) + 1,)):
+        raise ValueError(f"cu_seqlens_q must be an int32 tensor of len(slots) + 1 = {len(slots) + 1} offsets")
+    cu = cu_seqlens_q.tolist()
+    if cu[0] != 0 or cu[-1] != q.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens_q must rise from 0 to T={q.shape[0]}, got {cu}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    if k_new is not None and (k_new.dim() != 3 or k_new.shape[0] != q.shape[0]):
+        raise ValueError(f"k_new must be [T={q.shape[0]}, {cache.kv_heads}, {cache.head_dim}], got "
+                         f"{tuple(k_new.shape)}")
+    for slot in slots:
+        cache._checked_slot(slot)
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"slots must be distinct, got {slots}")
+    band = resolve_mask("causal_bottom_right", window_size).band
+    sink = _sink(softmax_type, softmax_offset, hq, q.device)
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+    kernel_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    params = AttentionParams(softmax_scale=float(softmax_scale) if softmax_scale is not None
+                             else cache.head_dim ** -0.5, mask=band, out_dtype=kernel_dtype, sink=sink,
+                             needs_backward=False)
+    if k_new is not None:
+        for slot, a, b in zip(slots, cu, cu[1:]):
+            cache.append(slot, k_new[a:b], v_new[a:b])
+    be = get_backend("reference")
+    out = torch.zeros(q.shape, dtype=out_dtype, device=q.device)
+    for slot, a, b in zip(slots, cu, cu[1:]):
+        if b == a:
+            continue
+        if cache.length(slot) < b - a:
+            raise ValueError(f"sequence in slot {slot} holds {cache.length(slot)} tokens, fewer than its "
+                             f"{b - a} queries")
+        q_row = quantize_mxfp8(q[a:b].transpose(0, 1).unsqueeze(0), axis=-1)
+        o, _ = be.forward_quantized(q_row, cache.keys(slot), cache.values(slot), params)
+        out[a:b] = o[0].transpose(0, 1).to(out_dtype)
+    return out
+
+
+__all__ = ["MXFP8KVCache", "mxfp8_attention_with_kvcache"]

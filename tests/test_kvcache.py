@@ -1,0 +1,101 @@
+"""mxattn.MXFP8KVCache and mxfp8_attention_with_kvcache (reference backend, CPU): every step equals
+mxfp8_attention over the sequence's tokens so far, bit for bit; pages, slots, errors, bytes."""
+
+import warnings
+
+import pytest
+import torch
+
+import mxattn
+
+warnings.filterwarnings("ignore", message="mxattn: backend='auto'")
+
+
+def _tokens(n, h, d, seed, dtype=torch.bfloat16):
+    return torch.randn(n, h, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _expected(q, k, v, **kw):
+    """mxfp8_attention of q [n, Hq, D] (the last n tokens) over k, v [L, Hkv, D], causal bottom-right."""
+    return mxattn.mxfp8_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                  attn_mask_type="causal_bottom_right", backend="reference", **kw)[0]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(window_size=(20, 0)), dict(softmax_type="off-by-one"),
+                                dict(softmax_type="learnable", softmax_offset=torch.tensor([0.5, -1.0, 2.0, 0.0])),
+                                dict(softmax_scale=0.3, out_dtype=torch.float32)])
+def test_prefill_then_decode_equals_attention_over_the_prefix_bit_for_bit(kw):
+    """Two sequences of different lengths in one call: a chunked prefill (45 tokens: a sealed V block, an open
+    one and a page boundary at 32), then decode steps one token at a time across the next block and page
+    boundaries (GQA 4:2), then a 3-token speculative chunk."""
+    hq, hkv, d = 4, 2, 64
+    cache = mxattn.MXFP8KVCache(num_pages=16, page_size=32, kv_heads=hkv, head_dim=d, max_sequences=4)
+    slots = [cache.new_sequence(), cache.new_sequence()]
+    total = {s: (_tokens(120, hkv, d, 10 + s), _tokens(120, hkv, d, 20 + s)) for s in slots}
+    queries = {s: _tokens(120, hq, d, 30 + s) for s in slots}
+    steps = [(45, 7)] + [(1, 1)] * 40 + [(3, 3)]
+    held = {s: 0 for s in slots}
+    for n0, n1 in steps:
+        counts = dict(zip(slots, (n0, n1)))
+        cu = torch.tensor([0, n0, n0 + n1], dtype=torch.int32)
+        q = torch.cat([queries[s][held[s]:held[s] + counts[s]] for s in slots])
+        k_new = torch.cat([total[s][0][held[s]:held[s] + counts[s]] for s in slots])
+        v_new = torch.cat([total[s][1][held[s]:held[s] + counts[s]] for s in slots])
+        out = mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, k_new=k_new, v_new=v_new, **kw)
+        for i, s in enumerate(slots):
+            held[s] += counts[s]
+            a, b = cu[i].item(), cu[i + 1].item()
+            expected = _expected(q[a:b], total[s][0][:held[s]], total[s][1][:held[s]], **kw)
+            assert torch.equal(out[a:b], expected), (s, held[s])
+    assert cache.seq_lens[slots].tolist() == [held[s] for s in slots]
+
+
+def test_pages_are_released_and_reused():
+    cache = mxattn.MXFP8KVCache(num_pages=3, page_size=32, kv_heads=1, head_dim=32, max_sequences=2)
+    a = cache.new_sequence()
+    cache.append(a, _tokens(70, 1, 32, 1), _tokens(70, 1, 32, 2))          # 3 pages
+    b = cache.new_sequence()
+    with pytest.raises(RuntimeError, match="out of pages"):
+        cache.append(b, _tokens(1, 1, 32, 3), _tokens(1, 1, 32, 4))
+    assert cache.page_table[a].tolist()[:3] == [0, 1, 2] and cache.seq_lens[a].item() == 70
+    cache.release(a)
+    k, v = _tokens(40, 1, 32, 5), _tokens(40, 1, 32, 6)
+    cache.append(b, k, v)
+    q = _tokens(1, 1, 32, 7)
+    out = mxattn.mxfp8_attention_with_kvcache(q, cache, [b], cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32))
+    assert torch.equal(out, _expected(q, k, v))
+    with pytest.raises(RuntimeError, match="slots are in use"):
+        cache.new_sequence(), cache.new_sequence()
+
+
+def test_bytes_against_a_bf16_cache():
+    cache = mxattn.MXFP8KVCache(num_pages=64, page_size=64, kv_heads=8, head_dim=128, max_sequences=8)
+    ratio = cache.nbytes() / cache.bf16_nbytes()
+    assert 0.5 < ratio < 0.56, ratio
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda c, s: c.append(s, _tokens(2, 2, 64, 0), _tokens(2, 2, 64, 0)), ValueError, r"k must be \[n, 1, 32\]"),
+    (lambda c, s: c.append(s, _tokens(2, 1, 32, 0, torch.float32), _tokens(2, 1, 32, 0)), TypeError, "dtype|bfloat16"),
+    (lambda c, s: c.append(7, _tokens(2, 1, 32, 0), _tokens(2, 1, 32, 0)), ValueError, "slot"),
+    (lambda c, s: mxattn.mxfp8_attention_with_kvcache(_tokens(2, 2, 16, 0), c, [s],
+                                                      cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32)),
+     ValueError, r"q must be \[T, Hq, 32\]"),
+    (lambda c, s: mxattn.mxfp8_attention_with_kvcache(_tokens(2, 2, 32, 0), c, [s],
+                                                      cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32)),
+     ValueError, "rise from 0 to T=2"),
+    (lambda c, s: mxattn.mxfp8_attention_with_kvcache(_tokens(2, 2, 32, 0), c, [s], backend="triton",
+                                                      cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32)),
+     mxattn.MXFP8NotSupportedError, "no paged MXFP8 KV-cache kernel"),
+    (lambda c, s: mxattn.mxfp8_attention_with_kvcache(_tokens(5, 2, 32, 0), c, [s],
+                                                      cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32)),
+     ValueError, "fewer than its 5 queries"),
+])
+def test_bad_input_raises_a_clear_error(call, exc, match):
+    cache = mxattn.MXFP8KVCache(num_pages=2, page_size=32, kv_heads=1, head_dim=32, max_sequences=1)
+    slot = cache.new_sequence()
+    cache.append(slot, _tokens(3, 1, 32, 1), _tokens(3, 1, 32, 2))
+    with pytest.raises(exc, match=match):
+        call(cache, slot)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mxattn.MXFP8KVCache(num_pages=2, page_size=48, kv_heads=1, head_dim=32, max_sequences=1)
