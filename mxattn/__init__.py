@@ -3,7 +3,8 @@
 Q, K, V (and dO in backward) are FP8 E4M3 with one E8M0 power-of-two scale per 32 values, following the
 cuDNN / Transformer Engine MXFP8 recipe. Backends: `cudnn` (Blackwell), `triton` (other CUDA GPUs, exact
 emulation), `reference` (pure PyTorch, any device). Variable lengths (padded and packed `thd` batches) and
-attention sinks follow Transformer Engine's arguments; `mxattn.integrations.transformers` plugs into Hugging Face.
+attention sinks follow Transformer Engine's arguments; `mxattn.integrations.transformers` plugs into Hugging Face;
+`MXFP8KVCache` with `mxfp8_attention_with_kvcache` serves decode steps from a paged MXFP8 cache.
 """
 
 from .attention import mxfp8_attention
