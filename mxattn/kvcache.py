@@ -15,7 +15,7 @@ the reference backend (K's bytes are the row-wise quantization of each token, V'
 tokens quantized the same way, and V's open block is quantized from the same rows). Bytes: about 0.53x of a
 bf16 cache at D=128 (1 + 1/32 bytes per value for K and V) plus the open blocks.
 
-Backends: `reference` (any device). The triton split-KV decode kernel and cuDNN's paged graphs are not built yet:
+Backends: `reference` (any device: `ref.mxfp8_ref` on the stored bytes). The triton split-KV decode kernel and cuDNN's paged graphs are not built yet:
 asking for them raises `MXFP8NotSupportedError`.
 """
 
@@ -25,8 +25,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ref import mxfp8_ref
+
 from .attention import _sink
-from .backends import AttentionParams, get_backend
 from .errors import MXFP8NotSupportedError
 from .formats import BLOCK_SIZE, MXFP8Tensor, quantize_mxfp8
 from .mask import resolve_mask
@@ -246,16 +247,17 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     if len(set(slots)) != len(slots):
         raise ValueError(f"slots must be distinct, got {slots}")
     band = resolve_mask("causal_bottom_right", window_size).band
-    sink = _sink(softmax_type, softmax_offset, hq, q.device)
     out_dtype = q.dtype if out_dtype is None else out_dtype
+    sink = _sink(softmax_type, softmax_offset, hq, q.device)
     kernel_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    params = AttentionParams(softmax_scale=float(softmax_scale) if softmax_scale is not None
-                             else cache.head_dim ** -0.5, mask=band, out_dtype=kernel_dtype, sink=sink,
-                             needs_backward=False)
+    scale = cache.head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    if out_dtype not in _DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
     if k_new is not None:
         for slot, a, b in zip(slots, cu, cu[1:]):
             cache.append(slot, k_new[a:b], v_new[a:b])
-    be = get_backend("reference")
     out = torch.zeros(q.shape, dtype=out_dtype, device=q.device)
     for slot, a, b in zip(slots, cu, cu[1:]):
         if b == a:
@@ -264,7 +266,11 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
             raise ValueError(f"sequence in slot {slot} holds {cache.length(slot)} tokens, fewer than its "
                              f"{b - a} queries")
         q_row = quantize_mxfp8(q[a:b].transpose(0, 1).unsqueeze(0), axis=-1)
-        o, _ = be.forward_quantized(q_row, cache.keys(slot), cache.values(slot), params)
+        k_row, v_col = cache.keys(slot), cache.values(slot)
+        o, _ = mxfp8_ref.sdpa_fwd_quantized(q_row.data, q_row.scale, k_row.data, k_row.scale, v_col.data,
+                                            v_col.scale, attn_scale=scale, diagonal_alignment="bottom_right",
+                                            window=(band.left_bound, band.right_bound), out_dtype=kernel_dtype,
+                                            sink=sink)
         out[a:b] = o[0].transpose(0, 1).to(out_dtype)
     return out
 

@@ -97,7 +97,8 @@ class ReferenceBackend(AttentionBackend):
         v_row, v_col = _quantize(v, seq, "kv")
         saved = SavedForBackward(q_row=q_row, q_col=q_col, k_row=k_row, k_col=k_col, v_row=v_row)
         if seq is None:
-            o, stats = self.forward_quantized(q_row, k_row, v_col, params)
+            o, stats = mxfp8_ref.sdpa_fwd_quantized(q_row.data, q_row.scale, k_row.data, k_row.scale,
+                                                    v_col.data, v_col.scale, **_ref_mask_kwargs(params))
             return o, stats, saved
         B, H, S, D = q.shape
         o = torch.zeros((B, H, S, v.shape[3]), dtype=params.out_dtype, device=q.device)
@@ -115,14 +116,6 @@ class ReferenceBackend(AttentionBackend):
 
         _per_sequence(seq, one, only_sink if params.sink is not None else None)
         return o, stats, saved
-
-    def forward_quantized(self, q_row: MXFP8Tensor, k_row: MXFP8Tensor, v_col: MXFP8Tensor,
-                          params: AttentionParams) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The forward on inputs already in MXFP8 (a dense batch): q_row [B,Hq,Sq,D] and k_row [B,Hkv,Skv,D]
-        with blocks along D, v_col [B,Hkv,Skv,D] with blocks along S -> (o [B,Hq,Sq,D] params.out_dtype,
-        stats [B,Hq,Sq,1] fp32). What a KV cache, whose K and V were quantized when they were written, calls."""
-        return mxfp8_ref.sdpa_fwd_quantized(q_row.data, q_row.scale, k_row.data, k_row.scale, v_col.data,
-                                            v_col.scale, **_ref_mask_kwargs(params))
 
     def backward(self, saved: SavedForBackward, o, stats, do, params: AttentionParams):
         seq = params.seq
