@@ -110,3 +110,15 @@ def test_every_cli_option_has_help():
             argparse.ArgumentParser.parse_args = real
         actions = [a for a in seen[0]._actions if a.option_strings and a.dest != "help"]
         assert actions and all(a.help for a in actions), [a.dest for a in actions if not a.help]
+
+
+def test_kvcache_sample():
+    out = _run("samples/kvcache_decode.py")
+    assert "bit for bit: True" in out and "(0.5" in out
+
+
+@pytest.mark.slow
+def test_hf_generate_sample():
+    pytest.importorskip("transformers")
+    out = _run("samples/hf_generate.py", "--backend", "reference", "--new-tokens", "6")
+    assert "3 of 3 prompts got the same tokens batched (left-padded) as alone" in out
