@@ -15,6 +15,7 @@ Writes benchmarks/results/<gpu>/models.json and models.md (or --out-dir).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -66,20 +67,44 @@ def build(factory, attn: str, quick: bool, seed: int = 0):
     return name, model, shape, cfg.vocab_size
 
 
-def cuda_time(fn, warmup: int, iters: int) -> float:
-    """Median ms of fn() over iters timed runs (each synchronised) after warmup."""
+def median_time(fn, warmup: int, iters: int, clock=time.perf_counter, sync_timed: bool = True,
+                unit: float = 1e3) -> float:
+    """Median of clock() around fn() over iters runs after warmup, times unit (ms by default). sync_timed: the
+    device synchronisation is inside the timed span (wall time of the work); else after it (host time)."""
     for _ in range(warmup):
         fn()
     sync()
     times = []
     for _ in range(iters):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
+        if sync_timed:
+            sync()
+        times.append((clock() - t0) * unit)
+        if not sync_timed:
+            sync()
     return statistics.median(times)
 
 
+def releases_memory(fn):
+    """fn, then free what it held (its model, optimizer, compiled graphs) before the next measurement."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.collect()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    return wrapper
+
+
+def cuda_time(fn, warmup: int, iters: int) -> float:
+    """Median ms of fn() over iters timed runs (each synchronised) after warmup."""
+    return median_time(fn, warmup, iters)
+
+
+@releases_memory
 def train_step_ms(factory, attn: str, compiled: bool, quick: bool) -> dict:
     name, model, shape, vocab = build(factory, attn, quick)
     model.train()
@@ -104,14 +129,11 @@ def train_step_ms(factory, attn: str, compiled: bool, quick: bool) -> dict:
     ms = cuda_time(step, warmup=3, iters=8 if quick else 20)
     out = dict(model=name, attn=attn, compiled=compiled, step_ms=ms, first_step_s=first_s,
                batch=shape["batch"], seq=shape["seq"], final_loss=float(losses[-1]))
-    del model, opt, run
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
     torch._dynamo.reset()
     return out
 
 
+@releases_memory
 @torch.no_grad()
 def generate_tokens_per_s(factory, attn: str, batch: int, prompt: int, new_tokens: int, quick: bool) -> dict:
     name, model, _, vocab = build(factory, attn, quick)
@@ -138,10 +160,6 @@ def generate_tokens_per_s(factory, attn: str, batch: int, prompt: int, new_token
     result = dict(model=name, attn=attn, batch=batch, prompt=prompt, new_tokens=new_tokens, prefill_ms=prefill_ms,
                   generate_s=total_s, decode_tokens_per_s=batch * (new_tokens - 1) / decode_s,
                   tokens=out[:, prompt:].tolist())
-    del model
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
     return result
 
 
@@ -150,6 +168,7 @@ def _documents(vocab: int, lengths, seed: int):
     return [torch.randint(3, vocab, (n,), generator=g).to(DEVICE) for n in lengths]
 
 
+@releases_memory
 @torch.no_grad()
 def left_padded_generate(factory, attn: str, lengths, new_tokens: int, quick: bool) -> dict:
     """Batched greedy generation of prompts of different lengths, left-padded (HF's side for decoders)."""
@@ -168,11 +187,10 @@ def left_padded_generate(factory, attn: str, lengths, new_tokens: int, quick: bo
         model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
         sync()
         runs.append(time.perf_counter() - t0)
-    del model
-    gc.collect()
     return dict(model=name, attn=attn, tokens_per_s=len(lengths) * new_tokens / statistics.median(runs))
 
 
+@releases_memory
 def padding_free_training(factory, attn: str, lengths, quick: bool) -> dict:
     """Training tokens/s on the same documents, padded (one row each, right padding) and padding-free (one row of
     concatenated documents with restarting position ids and the cu_seq_lens kwargs, as
@@ -202,8 +220,6 @@ def padding_free_training(factory, attn: str, lengths, quick: bool) -> dict:
             opt.zero_grad(set_to_none=True)
 
         out[kind] = n_tok / (cuda_time(step, warmup=2, iters=4 if quick else 10) / 1e3)
-    del model, opt
-    gc.collect()
     return dict(model=name, attn=attn, **out)
 
 
@@ -239,16 +255,7 @@ def tiny_call_figures(backend: str) -> dict:
     bigt = [t.transpose(1, 2) for t in big]
 
     def host_us(fn, n=30):
-        for _ in range(5):
-            fn()
-        sync()
-        times = []
-        for _ in range(n):
-            t0 = time.thread_time()
-            fn()
-            times.append((time.thread_time() - t0) * 1e6)
-            sync()
-        return statistics.median(times)
+        return median_time(fn, 5, n, clock=time.thread_time, sync_timed=False, unit=1e6)
 
     with torch.no_grad():
         out["host_fwd_b2_h16_s4096_us"] = {
