@@ -22,6 +22,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .tensor_cache import TensorValueCache
+
 
 @dataclass(frozen=True, eq=False)
 class SeqInfo:
@@ -99,6 +101,10 @@ def _check_max(name: str, given, actual: Optional[int]) -> int:
     return given
 
 
+#: longest sequences of the last few checked (cu_seqlens_q, cu_seqlens_kv) pairs
+_CHECKED = TensorValueCache()
+
+
 def make_seqinfo(*, packed: bool, batch: Optional[int], rows_q: int, rows_kv: int, device: torch.device,
                  cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv) -> SeqInfo:
     """Validate TE-style length arguments and build a SeqInfo (raises TypeError/ValueError naming the argument).
@@ -121,10 +127,16 @@ def make_seqinfo(*, packed: bool, batch: Optional[int], rows_q: int, rows_kv: in
         raise ValueError(f"cu_seqlens_q has {b + 1} entries but q has batch size {batch} (expected {batch + 1})")
     actual_q = actual_kv = None
     if not torch.compiler.is_compiling():
-        cu_q, cu_kv = torch.stack([cu_seqlens_q, cu_seqlens_kv]).cpu().tolist()
-        actual_q = _check_values("cu_seqlens_q", cu_q, rows_q if packed else None, None if packed else rows_q, "q")
-        actual_kv = _check_values("cu_seqlens_kv", cu_kv, rows_kv if packed else None,
-                                  None if packed else rows_kv, "k/v")
+        def check():
+            cu_q, cu_kv = torch.stack([cu_seqlens_q, cu_seqlens_kv]).cpu().tolist()
+            return (_check_values("cu_seqlens_q", cu_q, rows_q if packed else None, None if packed else rows_q,
+                                  "q"),
+                    _check_values("cu_seqlens_kv", cu_kv, rows_kv if packed else None, None if packed else rows_kv,
+                                  "k/v"))
+
+        # one host read per lengths tensor: every layer of a model gets the same cu_seqlens (a failed check
+        # raises and caches nothing)
+        actual_q, actual_kv = _CHECKED.get((cu_seqlens_q, cu_seqlens_kv), (packed, rows_q, rows_kv), check)
     elif max_seqlen_q is None or max_seqlen_kv is None:
         raise ValueError("under torch.compile pass max_seqlen_q and max_seqlen_kv (they size the kernel grids)")
     max_q = _check_max("max_seqlen_q", max_seqlen_q, actual_q)

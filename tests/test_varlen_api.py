@@ -259,3 +259,24 @@ def test_backend_choice_is_cached_per_problem(monkeypatch):
         mxattn.mxfp8_attention(q, q, q, backend="reference")
     mxattn.mxfp8_attention(q, q, q, backend="reference", attn_mask_type="causal")
     assert len(calls) == 2
+
+
+def test_lengths_are_read_once_per_tensor_and_rechecked_when_changed(monkeypatch):
+    """Every layer of a model passes the same cu_seqlens: their values are read on the host (a device sync on a
+    GPU) once; an in-place change or a new tensor is checked again, so bad values still raise."""
+    from mxattn import seqinfo
+    reads = []
+    real = seqinfo._check_values
+    monkeypatch.setattr(seqinfo, "_check_values", lambda *a: (reads.append(a[0]), real(*a))[1])
+    q = torch.randn(2, 16, 2, 32)
+    cu = torch.tensor([0, 10, 26], dtype=torch.int32)
+    kw = dict(attn_mask_type="padding_causal", cu_seqlens_q=cu, backend="reference")
+    first = mxattn.mxfp8_attention(q, q, q, **kw)
+    for _ in range(3):
+        assert torch.equal(mxattn.mxfp8_attention(q, q, q, **kw), first)
+    assert reads == ["cu_seqlens_q", "cu_seqlens_kv"]
+    cu[2] = 40                                                  # in place: past the padded length
+    with pytest.raises(ValueError, match="exceeds the padded length"):
+        mxattn.mxfp8_attention(q, q, q, **kw)
+    with pytest.raises(ValueError, match="must start at 0"):
+        mxattn.mxfp8_attention(q, q, q, **dict(kw, cu_seqlens_q=torch.tensor([1, 10, 26], dtype=torch.int32)))

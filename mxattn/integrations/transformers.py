@@ -40,8 +40,6 @@ bias (T5-like), paged KV caches (continuous batching).
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -50,6 +48,7 @@ import torch
 from ..attention import mxfp8_attention
 from ..backends import BACKEND_NAMES
 from ..mask import resolve_mask
+from ..tensor_cache import TensorValueCache
 
 #: additive mask entries at or below this value are read as "masked" (HF uses finfo(dtype).min; old code -10000)
 MASKED_AT_OR_BELOW = -1e4
@@ -401,33 +400,8 @@ def plan_attention_mask_traced(attention_mask: Optional[torch.Tensor], *, batch:
                     max_seqlen_q=q_len, max_seqlen_kv=kv_len)
 
 
-class _PlanCache:
-    """The plans of the last few masks: a model hands the same mask tensor to every layer."""
-
-    def __init__(self, size: int = 8):
-        self.size = size
-        self.entries: "OrderedDict[tuple, tuple]" = OrderedDict()
-
-    def get(self, mask, key, build):
-        if mask is None:
-            return build()
-        try:
-            version = mask._version
-        except RuntimeError:                       # inference tensors have no version counter
-            return build()
-        full_key = (id(mask), version) + key
-        hit = self.entries.get(full_key)
-        if hit is not None and hit[0]() is mask:
-            self.entries.move_to_end(full_key)
-            return hit[1]
-        plan = build()
-        self.entries[full_key] = (weakref.ref(mask), plan)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
-        return plan
-
-
-_PLANS = _PlanCache()
+#: the plans of the last few masks: a model hands the same mask tensor to every layer
+_PLANS = TensorValueCache()
 
 
 # --------------------------------------------------------------------------- the attention function
@@ -486,7 +460,7 @@ def make_attention_function(backend: str = "auto"):
             plan = plan_attention_mask_traced(attention_mask, batch=batch, q_len=q_len, kv_len=kv_len,
                                               is_causal=causal, sliding_window=sliding_window)
         else:
-            plan = _PLANS.get(attention_mask, (batch, q_len, kv_len, causal, sliding_window),
+            plan = _PLANS.get((attention_mask,), (batch, q_len, kv_len, causal, sliding_window),
                               lambda: plan_attention_mask(attention_mask, batch=batch, q_len=q_len,
                                                           kv_len=kv_len, is_causal=causal,
                                                           sliding_window=sliding_window))
