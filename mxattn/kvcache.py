@@ -35,6 +35,17 @@ from .mask import resolve_mask
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def seal_value_blocks(open_rows: torch.Tensor, new_rows: torch.Tensor
+                      ) -> Tuple[Optional[MXFP8Tensor], torch.Tensor]:
+    """V's blocks along the sequence as tokens arrive: open_rows (the rows of the block not yet full) and
+    new_rows, [..., n, D] along dim -2, -> (the full blocks they complete, quantized column-wise, or None;
+    the rows left open)."""
+    rows = torch.cat([open_rows, new_rows], dim=-2)
+    full = rows.shape[-2] // BLOCK_SIZE * BLOCK_SIZE
+    sealed = quantize_mxfp8(rows[..., :full, :], axis=-2) if full else None
+    return sealed, rows[..., full:, :]
+
+
 class MXFP8KVCache:
     """Paged MXFP8 storage of the keys and values of up to `max_sequences` sequences.
 
@@ -145,17 +156,13 @@ class MXFP8KVCache:
             self.k_scale[page, :, off:off + count] = kq.scale[:, i:i + count]
         # V: the open block's rows and the new ones; every full block of 32 is sealed into its page
         open_rows = start % BLOCK_SIZE
-        rows = torch.cat([self.v_tail[slot, :, :open_rows], v.transpose(0, 1)], dim=1)   # [H, r, D]
-        block0 = start - open_rows
-        full = rows.shape[1] // BLOCK_SIZE * BLOCK_SIZE
-        if full:
-            vq = quantize_mxfp8(rows[:, :full], axis=-2)                       # blocks along S
-            for page, off, i, count in self._spans(slot, block0, full):
+        vq, rest = seal_value_blocks(self.v_tail[slot, :, :open_rows], v.transpose(0, 1))  # [H, *, D]
+        if vq is not None:
+            for page, off, i, count in self._spans(slot, start - open_rows, vq.data.shape[1]):
                 self.v_data[page, :, off:off + count] = vq.data[:, i:i + count]
                 self.v_scale[page, :, off // BLOCK_SIZE:(off + count) // BLOCK_SIZE] = \
                     vq.scale[:, i // BLOCK_SIZE:(i + count) // BLOCK_SIZE]
-        rest = rows.shape[1] - full
-        self.v_tail[slot, :, :rest] = rows[:, full:]
+        self.v_tail[slot, :, :rest.shape[1]] = rest.clone()
         self._lens[slot] = start + n
         self.seq_lens[slot] = start + n
 
