@@ -733,19 +733,18 @@ def test_mxfp8_cache_changes_nothing_for_mxfp8_attention_and_halves_the_bytes():
     from mxattn.integrations.hf_cache import MXFP8Cache
     model = build(llama, attn=NAME).bfloat16()
     ids, _ = batch(lengths=(40, 40), seed=9)
+    caches = {"dynamic": DynamicCache(config=model.config), "mxfp8": MXFP8Cache()}
     logits = {}
-    for kind, cache in (("dynamic", DynamicCache(config=model.config)), ("mxfp8", MXFP8Cache())):
+    for kind, cache in caches.items():
         with torch.no_grad():
             out = [model(input_ids=ids[:, :33], past_key_values=cache, use_cache=True).logits]
             out.append(model(input_ids=ids[:, 33:36], past_key_values=cache, use_cache=True).logits)
             for t in range(36, 40):
                 out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
         logits[kind] = torch.cat(out, dim=1)
-        if kind == "mxfp8":
-            bf16_bytes = sum(2 * layer.keys.numel() * 2 for layer in dyn.layers)
-            assert 0.5 < cache.nbytes() / bf16_bytes < 0.62
-        dyn = cache
     assert torch.equal(logits["mxfp8"], logits["dynamic"])
+    bf16_bytes = sum(2 * layer.keys.numel() * 2 for layer in caches["dynamic"].layers)
+    assert 0.5 < caches["mxfp8"].nbytes() / bf16_bytes < 0.62
     kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         assert torch.equal(model.generate(ids[:, :20], past_key_values=MXFP8Cache(), **kw),
