@@ -101,7 +101,7 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     if cu_seqlens_q is None and cu_seqlens_kv is None and not torch.compiler.is_compiling():
         key = _signature(q, k, v, qkv_format, attn_mask_type, window_size, softmax_scale, backend, out_dtype,
                          max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset)
-        plan = _PLANS.get(key)
+        plan = None if key is None else _PLANS.get(key)
         if plan is not None:
             return _run_dense(plan, q, k, v, _sink_of(plan, softmax_offset))
     validate_inputs(q, k, v, qkv_format)
@@ -192,19 +192,17 @@ def _signature(q, k, v, qkv_format, attn_mask_type, window_size, softmax_scale, 
     try:
         offset = None if softmax_offset is None else _tensor_key(softmax_offset)
         window = None if window_size is None else tuple(window_size)
-        return (_tensor_key(q), _tensor_key(k), _tensor_key(v), qkv_format, attn_mask_type, window,
-                softmax_scale, softmax_scale.__class__, backend, out_dtype, max_seqlen_q, max_seqlen_kv,
-                softmax_type, offset, torch.is_grad_enabled())
+        key = (_tensor_key(q), _tensor_key(k), _tensor_key(v), qkv_format, attn_mask_type, window,
+               softmax_scale, softmax_scale.__class__, backend, out_dtype, max_seqlen_q, max_seqlen_kv,
+               softmax_type, offset, torch.is_grad_enabled())
+        hash(key)
+        return key
     except (AttributeError, TypeError):
         return None
 
 
 def _remember(key, plan: _DensePlan) -> None:
     if key is None:
-        return
-    try:
-        hash(key)
-    except TypeError:
         return
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()

@@ -329,3 +329,11 @@ def test_infinities_as_documented():
     v_inf[0, 5, 0, 3] = float("inf")
     o, s = mxattn.mxfp8_attention(q, k, v_inf, backend="reference"), sdpa(q, k, v_inf)
     assert o.isinf().any() and torch.equal(o.isinf(), s.isinf()) and not o.isnan().any()
+
+
+@pytest.mark.parametrize("kwargs,exc", [(dict(softmax_scale={"a": 1}), ValueError),
+                                        (dict(window_size=[[1], 0]), ValueError)])
+def test_unhashable_options_get_the_checks_error(kwargs, exc):
+    q = torch.randn(1, 32, 2, 32)
+    with pytest.raises(exc):
+        mxattn.mxfp8_attention(q, q, q, backend="reference", **kwargs)
