@@ -281,7 +281,9 @@ def _plan_sequences(keep, nonempty, batch: int, q_len: int, kv_len: int) -> Opti
     aligned bottom-right over those keys (top-left when the query and key counts agree, as in a prefill), or
     no band. That covers left padding, right padding with its decode steps, and packed documents with a
     block-diagonal mask (padding-free batches with restarting position ids). None when it does not reproduce
-    the mask exactly."""
+    the mask exactly. A sliding window hides a sequence's older keys exactly as padding would, so in a padded
+    decode step its keys (and V's MXFP8 blocks) start at the window's first key, as they do in transformers'
+    sliding-window caches, which keep only the window."""
     device = keep.device
     keep = keep.expand(batch, q_len, kv_len)
     rows = torch.arange(q_len, device=device).expand(batch, q_len)
