@@ -16,6 +16,7 @@ dispatcher would pick, also for new sizes (decode steps, new sequence lengths). 
 the ordinary path.
 """
 
+import threading
 from typing import Dict, Tuple
 
 import torch
@@ -74,32 +75,77 @@ def _hooked(hook) -> bool:
 def launch(fn, grid, *args, **kwargs) -> None:
     """fn[grid](*args, **kwargs) for a triton.jit kernel fn whose constexpr parameters all follow its run-time
     parameters and are passed (with options such as num_warps) as keywords; args are tensors, ints, bools
-    and floats. grid: tuple of 1 to 3 ints."""
+    and floats. grid: tuple of 1 to 3 ints. While a recording (`mxattn.kernels.launch_plan`) is active on this thread, the launch is
+    also reported to it (with the compiled kernel, or None when Triton's own dispatcher ran it)."""
+    recording = getattr(_LOCAL, "recording", None)
     rt = knobs.runtime
     if not FAST_PATH or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
         fn[grid](*args, **kwargs)
+        if recording is not None:
+            recording.on_launch(None, grid, args)
         return
-    device = torch.cuda.current_device()
+    device = current_device()
     key = (device, _args_key(args),
            tuple([(k, v.__class__, v) for k, v in kwargs.items()]))
     cache = _CACHES.setdefault(id(fn), {})
     hit = cache.get(key)
     if hit is None:
-        kernel = fn[grid](*args, **kwargs)
-        if hasattr(kernel, "result"):
-            kernel = kernel.result()
+        kernel = first_launch(fn, grid, args, kwargs)
         names = fn.arg_names[len(args):]
-        if kernel is None or any(n not in kwargs for n in names):
-            return
-        if len(cache) >= MAX_ENTRIES:
-            cache.clear()
-        cache[key] = (kernel, tuple(kwargs[n] for n in names))
+        if kernel is not None and all(n in kwargs for n in names):
+            if len(cache) >= MAX_ENTRIES:
+                cache.clear()
+            cache[key] = (kernel, tuple(kwargs[n] for n in names))
+        if recording is not None:
+            recording.on_launch(cache.get(key), grid, args)
         return
-    kernel, tail = hit
+    run_compiled(hit, grid, current_stream(device), args)
+    if recording is not None:
+        recording.on_launch(hit, grid, args)
+
+
+def first_launch(fn, grid, args, kwargs):
+    """fn[grid](*args, **kwargs) through Triton's dispatcher (compiling on first use) -> the compiled kernel,
+    or None when the dispatcher did not return one."""
+    kernel = fn[grid](*args, **kwargs)
+    if hasattr(kernel, "result"):
+        kernel = kernel.result()
+    return kernel
+
+
+def run_compiled(entry, grid, stream, args) -> None:
+    """Launch a compiled kernel: entry (kernel, constexpr tail) as `launch` caches it, grid of 1 to 3 ints,
+    the CUDA stream handle, the run-time arguments (tensors or their device addresses as ints)."""
+    kernel, tail = entry
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    kernel.run(grid[0], g1, g2, driver.active.get_current_stream(device), kernel.function,
-               kernel.packed_metadata, None, None, None, *args, *tail)
+    kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
 
 
-__all__ = ["launch", "cdiv", "pow2_ceil", "FAST_PATH", "MAX_ENTRIES"]
+def current_device() -> int:
+    """torch's current CUDA device index (launches go to its current stream)."""
+    return torch.cuda.current_device()
+
+
+def current_stream(device: int):
+    """The handle of torch's current CUDA stream on device index `device` (what Triton launches on)."""
+    return driver.active.get_current_stream(device)
+
+
+def fast_path_usable() -> bool:
+    """True when compiled kernels may be launched directly (Triton 3.6, no launch hooks installed)."""
+    rt = knobs.runtime
+    return FAST_PATH and not _hooked(rt.launch_enter_hook) and not _hooked(rt.launch_exit_hook)
+
+
+#: per-thread state: the active `LaunchRecording` (mxattn.kernels.launch_plan), if any
+_LOCAL = threading.local()
+
+
+def set_recording(recording) -> None:
+    """Make `recording` (an object with on_launch(entry, grid, args), or None) receive this thread's launches."""
+    _LOCAL.recording = recording
+
+
+__all__ = ["launch", "run_compiled", "current_stream", "fast_path_usable", "set_recording", "cdiv", "pow2_ceil",
+           "FAST_PATH", "MAX_ENTRIES"]

@@ -1,0 +1,363 @@
+"""Record once, replay per call: a host path made only of allocations, views and Triton launches.
+
+The triton backend's forward and backward spend most of their host time in Python that depends only on the
+call's signature (shapes, strides, dtypes, options): checks, tile and grid choices, stride lists, output
+allocations, Triton's argument handling. `record(body, roots)` runs such a body once, observing every aten
+operation (a `TorchDispatchMode`) and every `triton_launch.launch`, and returns a `LaunchPlan` when the body did
+nothing but allocate, take views and launch compiled kernels. `LaunchPlan.replay(roots)` then does the same work
+for new tensors of the same signature: it allocates the outputs, carves the scratch from one workspace (offsets
+planned from the recorded lifetimes, so the peak is no higher than the recorded run's), and launches each
+compiled kernel with the recorded arguments, pointers re-based onto the new tensors' addresses.
+
+What the recording refuses (the caller then keeps the ordinary path for that signature): any aten operation that
+computes (a copy, a fill, arithmetic), a launch through Triton's own dispatcher (launch hooks, another Triton
+version), a kernel argument in memory that is neither a root nor allocated by the body, an output that is not
+allocated by the body. Host values the body read from tensor contents would be baked in, so callers record
+only calls whose host path reads none (dense calls; variable-length calls read their lengths).
+
+The caller's key must hold everything the body's Python reads besides tensor contents and addresses, plus each
+root's address modulo 16 (Triton specializes pointers on 16-byte alignment; replayed scratch keeps the recorded
+alignment because workspace offsets are multiples of 256).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+_LAUNCHER = None
+
+
+def _launcher():
+    """mxattn.kernels.triton_launch, imported on first use (this module imports without triton)."""
+    global _LAUNCHER
+    if _LAUNCHER is None:
+        _LAUNCHER = importlib.import_module(".triton_launch", __package__)
+    return _LAUNCHER
+
+_aten = torch.ops.aten
+#: the allocation ops a body may use (uninitialised memory: replays allocate the same)
+_ALLOCATIONS = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
+                _aten.new_empty.default, _aten.new_empty_strided.default}
+#: workspace offsets are multiples of this (keeps every recorded pointer's alignment class)
+_ALIGN = 256
+
+
+class RecordingRefused(Exception):
+    """The recorded body did something a replay cannot repeat (the message says what)."""
+
+
+class _Allocation:
+    __slots__ = ("start", "nbytes", "event", "last_use")
+
+    def __init__(self, start: int, nbytes: int, event: int):
+        self.start, self.nbytes, self.event, self.last_use = start, nbytes, event, event
+
+
+class _Recorder(TorchDispatchMode):
+    """Observes a body's aten ops (allocations kept by their storage's address) and launches (tensor arguments
+    resolved through their storage to (root or allocation, byte offset) at launch time, while the addresses
+    mean what they meant)."""
+
+    def __init__(self, roots: Sequence[Optional[torch.Tensor]]):
+        super().__init__()
+        self.roots = [None if r is None else _root_ranges(r) for r in roots]
+        self.roots_by_storage: dict = {}
+        for i, r in enumerate(self.roots):
+            if r is not None:
+                self.roots_by_storage.setdefault(r[2], []).append(i)
+        self.allocations: List[_Allocation] = []
+        self.allocation_at: dict = {}  # storage address -> the latest allocation there (addresses are reused)
+        self.launches: list = []
+        self.events = 0
+        self.refusal: Optional[str] = None
+
+    def refuse(self, why: str) -> None:
+        if self.refusal is None:
+            self.refusal = why
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _ALLOCATIONS:
+            storage = out.untyped_storage()
+            self.allocation_at[storage.data_ptr()] = len(self.allocations)
+            self.allocations.append(_Allocation(storage.data_ptr(), storage.nbytes(), self.events))
+            self.events += 1
+        elif not func.is_view:
+            self.refuse(f"the body ran {func}, which is neither an allocation, a view nor a Triton launch")
+        return out
+
+    def resolve(self, t: torch.Tensor) -> Tuple[str, int, int]:
+        """('root', index, offset from its data_ptr) or ('alloc', index, offset from its start) of tensor t.
+        Among roots sharing t's storage (q, k, v unbound from one tensor), the one starting at t wins, then
+        one whose elements hold t's first byte."""
+        ptr, storage = t.data_ptr(), t.untyped_storage().data_ptr()
+        candidates = self.roots_by_storage.get(storage)
+        if candidates:
+            best = next((i for i in candidates if self.roots[i][0] == ptr), None)
+            if best is None:
+                best = next((i for i in candidates if self.roots[i][0] <= ptr < self.roots[i][1]), candidates[0])
+            return "root", best, ptr - self.roots[best][0]
+        j = self.allocation_at.get(storage)
+        if j is None:
+            raise RecordingRefused(f"a launch argument at 0x{ptr:x} lies in memory the body did not allocate "
+                                   "and no root holds")
+        return "alloc", j, ptr - self.allocations[j].start
+
+    def on_launch(self, entry, grid, args) -> None:
+        if entry is None:
+            self.refuse("a launch went through Triton's dispatcher (launch hooks or an unsupported Triton)")
+            return
+        template, slots = list(args), []
+        try:
+            for pos, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    kind, index, offset = self.resolve(a)
+                    if kind == "alloc":
+                        self.allocations[index].last_use = self.events
+                    slots.append((pos, kind, index, offset))
+                    template[pos] = None
+        except RecordingRefused as exc:
+            self.refuse(str(exc))
+            return
+        self.launches.append((entry, tuple(grid), template, slots, self.events))
+        self.events += 1
+
+
+def _root_ranges(t: torch.Tensor) -> tuple:
+    """(data_ptr, end of its elements, storage start, storage end) of a root tensor."""
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+    storage = t.untyped_storage()
+    start = t.data_ptr()
+    return start, start + extent * t.element_size(), storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def _covers_allocation(t: torch.Tensor, a: _Allocation) -> bool:
+    """True when t (shape, strides) spans exactly allocation a from its first byte, as `torch.empty_strided`
+    with t's shape and strides would allocate it."""
+    if t.data_ptr() != a.start or t.numel() == 0:
+        return False
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return extent * t.element_size() == a.nbytes
+
+
+def _plan_workspace(allocations: List[_Allocation], scratch: List[int]) -> Tuple[dict, int]:
+    """Byte offsets of the scratch allocations inside one workspace (first fit among the blocks whose
+    lifetimes overlap), and its size."""
+    placed, offsets, size = [], {}, 0
+    for j in scratch:
+        a = allocations[j]
+        need = -(-max(a.nbytes, 1) // _ALIGN) * _ALIGN
+        busy = sorted((off, off + n) for off, n, first, last in placed
+                      if not (last < a.event or a.last_use < first))
+        offset = 0
+        for lo, hi in busy:
+            if offset + need <= lo:
+                break
+            offset = max(offset, hi)
+        placed.append((offset, need, a.event, a.last_use))
+        offsets[j] = offset
+        size = max(size, offset + need)
+    return offsets, size
+
+
+class LaunchPlan:
+    """A recorded body, replayable for new roots of the same signature (module docstring)."""
+
+    def __init__(self, device: torch.device, launches, outputs, out_allocs, workspace_bytes: int):
+        self.device = device
+        self.index = device.index if device.index is not None else 0
+        self._launches = launches
+        self._outputs = outputs
+        self._out_allocs = out_allocs
+        self._workspace_bytes = workspace_bytes
+
+    @property
+    def launch_count(self) -> int:
+        return len(self._launches)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self._workspace_bytes
+
+    def replay(self, roots: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        """The body's outputs for new roots (same signature as recorded), its launches issued on the current
+        stream. None when launches cannot be issued directly now (launch hooks installed): the caller then
+        runs the body itself."""
+        launcher = _launcher()
+        if not launcher.fast_path_usable():
+            return None
+        dev = self.device
+        bases = [None if r is None else r.data_ptr() for r in roots]
+        alloc_base, raws = {}, {}
+        outputs: List[Optional[torch.Tensor]] = []
+        for kind, spec in self._outputs:
+            if kind == "whole":  # the output is its allocation
+                j, shape, stride, dtype = spec
+                t = torch.empty_strided(shape, stride, dtype=dtype, device=dev)
+                alloc_base[j] = t.data_ptr()
+            elif kind == "view":  # one of several views of an allocation
+                j, offset, shape, stride, dtype = spec
+                raw = raws.get(j)
+                if raw is None:
+                    raw = raws[j] = torch.empty(self._out_allocs[j], dtype=torch.uint8, device=dev)
+                    alloc_base[j] = raw.data_ptr()
+                t = torch.empty(0, dtype=dtype, device=dev).set_(raw.untyped_storage(), offset, shape, stride)
+            else:
+                t = None
+            outputs.append(t)
+        workspace = None
+        if self._workspace_bytes:
+            workspace = torch.empty(self._workspace_bytes, dtype=torch.uint8, device=dev)
+            ws = workspace.data_ptr()
+        stream = launcher.current_stream(self.index)
+        run = launcher.run_compiled
+        for entry, grid, template, slots in self._launches:
+            args = template.copy()
+            for pos, kind, index, offset in slots:
+                if kind == "root":
+                    args[pos] = bases[index] + offset
+                elif kind == "out":
+                    args[pos] = alloc_base[index] + offset
+                else:  # scratch: index is its workspace offset
+                    args[pos] = ws + index + offset
+            run(entry, grid, stream, args)
+        del workspace  # the caching allocator keeps it from other streams' reuse until the launches ran
+        return outputs
+
+
+def record(body, roots: Sequence[Optional[torch.Tensor]]):
+    """Run body() (returning a flat list of tensors or None) once while recording -> (its outputs, LaunchPlan
+    or None, reason). The outputs are body()'s own, computed normally; the plan is None (with the reason)
+    when the body did something a replay cannot repeat."""
+    recorder = _Recorder(roots)
+    launcher = _launcher()
+    launcher.set_recording(recorder)
+    try:
+        with recorder:
+            outputs = body()
+    finally:
+        launcher.set_recording(None)
+    if recorder.refusal is not None:
+        return outputs, None, recorder.refusal
+    try:
+        plan = _build(recorder, outputs, roots)
+    except RecordingRefused as exc:
+        return outputs, None, str(exc)
+    return outputs, plan, "recorded"
+
+
+def _build(rec: _Recorder, outputs, roots) -> LaunchPlan:
+    """The LaunchPlan of a finished recording and the body's outputs."""
+    device = next((r.device for r in roots if r is not None), None)
+    if device is None:
+        raise RecordingRefused("no root tensor")
+    if not rec.launches:
+        raise RecordingRefused("the body launched no kernel through triton_launch.launch")
+    out_specs, out_allocs = [], {}
+    whole = {}
+    for t in outputs:
+        if t is None:
+            out_specs.append(("none", None))
+            continue
+        kind, j, offset = rec.resolve(t)
+        if kind != "alloc":
+            raise RecordingRefused("an output is (a view of) a root, not memory the body allocated")
+        a = rec.allocations[j]
+        if j not in whole and j not in out_allocs and _covers_allocation(t, a):
+            whole[j] = True
+            out_specs.append(("whole", (j, tuple(t.shape), tuple(t.stride()), t.dtype)))
+        else:
+            if j in whole:
+                raise RecordingRefused("two outputs share one allocation that one of them spans")
+            if offset % t.element_size():
+                raise RecordingRefused("an output starts inside an element of its dtype")
+            out_allocs[j] = a.nbytes
+            out_specs.append(("view", (j, offset // t.element_size(), tuple(t.shape), tuple(t.stride()), t.dtype)))
+    out_set = set(whole) | set(out_allocs)
+    used = sorted({index for *_, slots, _e in rec.launches for _p, kind, index, _o in slots if kind == "alloc"})
+    scratch = [j for j in used if j not in out_set]
+    offsets, ws_bytes = _plan_workspace(rec.allocations, scratch)
+    launches = []
+    for entry, grid, template, slots, _event in rec.launches:
+        new_slots = []
+        for pos, kind, index, offset in slots:
+            if kind == "alloc" and index in out_set:
+                new_slots.append((pos, "out", index, offset))
+            elif kind == "alloc":
+                new_slots.append((pos, "scratch", offsets[index], offset))
+            else:
+                new_slots.append((pos, kind, index, offset))
+        launches.append((entry, grid, template, tuple(new_slots)))
+    return LaunchPlan(device, launches, out_specs, out_allocs, ws_bytes)
+
+
+def root_key(t: Optional[torch.Tensor]):
+    """What a plan key holds of one root: None, or (shape, strides, dtype, device, address mod 16)."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
+class PlanCache:
+    """Plans by key, recorded on a key's second call and replayed from its third (a signature seen once, such
+    as one decode step's KV length in a single layer, costs no recording). Keys are (family, sizes): a family
+    (e.g. one layer's dtypes and options at ever new sequence lengths) whose recordings are rarely replayed
+    (fewer than `min_replays` replays per recording after `min_replays` recordings) stops recording, since a
+    recording costs a few ordinary calls. Refusals are remembered. Bounded (cleared when full). Reads and
+    writes of a dict are atomic in CPython and plans are immutable, so threads share it (the statistics
+    may lose a count under contention, nothing else)."""
+
+    _REFUSED = object()
+    _SEEN = object()
+
+    def __init__(self, max_entries: int = 256, min_replays: int = 4):
+        self._plans: dict = {}
+        self._families: dict = {}  # family -> [recordings, replays]
+        self.max_entries = max_entries
+        self.min_replays = min_replays
+        self.last_reason: Optional[str] = None
+
+    def run(self, key, body, roots):
+        """body()'s outputs for these roots: replayed when the key has a plan, else body() run (and recorded
+        on the key's second call). A key of None runs body() alone."""
+        if key is None:
+            return body()
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self.max_entries:
+                self._plans.clear()
+                self._families.clear()
+            self._plans[key] = self._SEEN
+            return body()
+        if plan is self._REFUSED:
+            return body()
+        stats = self._families.setdefault(key[0], [0, 0])
+        if plan is self._SEEN:
+            if stats[0] >= self.min_replays and stats[1] < self.min_replays * stats[0]:
+                return body()  # a volatile family: recordings would cost more than their replays save
+            outputs, plan, self.last_reason = record(body, roots)
+            self._plans[key] = self._REFUSED if plan is None else plan
+            stats[0] += 1
+            return outputs
+        outputs = plan.replay(roots)
+        if outputs is None:  # launch hooks installed: Triton's own path
+            return body()
+        stats[1] += 1
+        return outputs
+
+    def plan(self, key) -> Optional[LaunchPlan]:
+        """The plan stored for key (None if none, refused or seen once)."""
+        p = self._plans.get(key)
+        return p if isinstance(p, LaunchPlan) else None
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self._families.clear()
+
+
+__all__ = ["LaunchPlan", "PlanCache", "record", "root_key", "RecordingRefused"]

@@ -1,0 +1,285 @@
+"""Launch plans (mxattn.kernels.launch_plan) on the CPU: a body's allocations, views and Triton launches are
+recorded once and replayed for new tensors with every pointer re-based; anything else is refused. Triton's
+dispatcher and the compiled kernels' launcher are replaced by recorders (no GPU); the GPU tests compare the
+triton backend's replayed results with its ordinary path bit for bit."""
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
+
+
+class _Kernel:
+    """A compiled kernel's stand-in: run() records (name, grid, run-time args as addresses or values)."""
+
+    function = packed_metadata = None
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def run(self, g0, g1, g2, stream, function, metadata, h0, h1, h2, *args):
+        self.log.append((self.name, (g0, g1, g2), [a.data_ptr() if isinstance(a, torch.Tensor) else a
+                                                   for a in args]))
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    """triton_launch with its dispatcher and launcher stubbed; returns (launch log, kernel factory)."""
+    from mxattn.kernels import triton_launch
+    log, kernels = [], {}
+
+    def first_launch(fn, grid, args, kwargs):
+        kernel = kernels.setdefault(fn.__name__, _Kernel(fn.__name__, log))
+        tail = [kwargs[n] for n in fn.arg_names[len(args):]]
+        kernel.run(*(tuple(grid) + (1,) * (3 - len(grid))), None, None, None, None, None, None, *args, *tail)
+        return kernel
+
+    monkeypatch.setattr(triton_launch, "FAST_PATH", True)
+    monkeypatch.setattr(triton_launch, "first_launch", first_launch)
+    monkeypatch.setattr(triton_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(triton_launch, "current_stream", lambda device: 0)
+    monkeypatch.setattr(triton_launch, "_CACHES", {})
+    return log
+
+
+def _fn(name, n_args):
+    """A jit function's stand-in as `launch` reads it (name, parameter names: n_args run-time, then BLOCK)."""
+    return SimpleNamespace(__name__=name, arg_names=[f"a{i}" for i in range(n_args)] + ["BLOCK"])
+
+
+def _body(x, y):
+    """Outputs (whole allocations, one transposed), scratch with overlapping and disjoint lifetimes, views."""
+    from mxattn.kernels.triton_launch import launch
+    out = torch.empty_like(x)
+    stats = torch.empty((3, 5), dtype=torch.float32).t()
+    a = torch.empty(1000, dtype=torch.uint8)
+    launch(_fn("k0", 4), (4,), x, a, x.numel(), 0.5, BLOCK=32)
+    b = torch.empty(300, dtype=torch.bfloat16)
+    launch(_fn("k1", 3), (2, 3), a[10:], b, True, BLOCK=16)
+    del a
+    c = torch.empty(2000, dtype=torch.uint8)
+    launch(_fn("k2", 5), (1,), b, c, out[1:], y[:, 2], stats, BLOCK=64)
+    return [out, stats, None]
+
+
+def test_replay_rebases_every_pointer(launcher):
+    from mxattn.kernels.launch_plan import record
+    x, y = torch.randn(4, 8), torch.randn(6, 6, dtype=torch.float64)
+    outputs, plan, reason = record(lambda: _body(x, y), (x, y))
+    assert reason == "recorded" and plan.launch_count == 3
+    recorded = list(launcher)
+    launcher.clear()
+    x2, y2 = torch.randn(4, 8), torch.randn(6, 6, dtype=torch.float64)
+    out2, stats2, none = plan.replay((x2, y2))
+    assert none is None and out2.shape == x.shape and stats2.shape == (5, 3) and stats2.stride() == (1, 5)
+    assert [(n, g) for n, g, _ in launcher] == [(n, g) for n, g, _ in recorded]
+    (_, _, a0), (_, _, a1), (_, _, a2) = launcher
+    # roots and outputs at the recorded offsets of the new tensors; non-pointer arguments unchanged
+    assert a0[0] == x2.data_ptr() and a0[2:] == [x.numel(), 0.5, 32]  # (the constexpr tail last)
+    assert a1[2] is True
+    assert a2[2] == out2.data_ptr() + out2.stride(0) * 4 and a2[3] == y2.data_ptr() + 2 * 8
+    assert a2[4] == stats2.data_ptr()
+    # scratch: a's view at +10, b and c live together and do not overlap, a and b overlapped in lifetime
+    a_ptr, b_ptr, c_ptr = a0[1], a1[1], a2[1]
+    assert a1[0] == a_ptr + 10
+    assert b_ptr == a2[0]
+    assert abs(b_ptr - a_ptr) >= 1000 and (c_ptr >= b_ptr + 600 or c_ptr + 2000 <= b_ptr)
+    assert plan.workspace_bytes <= 1024 + 768 + 2048  # no more than the three together, 256-aligned
+    assert all(p % 256 == a_ptr % 256 for p in (b_ptr, c_ptr))
+
+
+def test_scratch_reuses_memory_of_finished_lifetimes(launcher):
+    """A scratch buffer allocated after another's last use shares its bytes (peak as in the recorded run)."""
+    from mxattn.kernels.launch_plan import record
+    from mxattn.kernels.triton_launch import launch
+    x = torch.randn(64)
+
+    def body():
+        a = torch.empty(4096, dtype=torch.uint8)
+        launch(_fn("k", 2), (1,), x, a, BLOCK=1)
+        b = torch.empty(4096, dtype=torch.uint8)
+        launch(_fn("k", 2), (1,), x, b, BLOCK=1)
+        out = torch.empty(4)
+        launch(_fn("k", 2), (1,), x, out, BLOCK=1)
+        return [out]
+
+    _, plan, reason = record(body, (x,))
+    assert reason == "recorded" and plan.workspace_bytes == 4096
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("copy", "aten.clone"), ("foreign", "did not allocate"), ("no_launch", "launched no kernel"),
+    ("output_is_root", "an output is"), ("fill", "aten.zero_")])
+def test_recording_refuses_what_a_replay_cannot_repeat(launcher, case, expected):
+    from mxattn.kernels.launch_plan import record
+    from mxattn.kernels.triton_launch import launch
+    x, foreign = torch.randn(8), torch.randn(8)
+
+    def body():
+        out = torch.empty(8)
+        if case == "copy":
+            launch(_fn("k", 2), (1,), x.clone(), out, BLOCK=1)
+        elif case == "foreign":
+            launch(_fn("k", 2), (1,), foreign, out, BLOCK=1)
+        elif case == "output_is_root":
+            launch(_fn("k", 2), (1,), x, out, BLOCK=1)
+            return [x[2:]]
+        elif case == "fill":
+            out.zero_()
+            launch(_fn("k", 2), (1,), x, out, BLOCK=1)
+        return [out]
+
+    outputs, plan, reason = record(body, (x,))
+    assert plan is None and expected in reason and outputs[0] is not None
+
+
+def test_launch_through_tritons_dispatcher_is_refused(launcher, monkeypatch):
+    """With a launch hook installed (a profiler), launches take Triton's own path and nothing is recorded;
+    a plan recorded earlier is not replayed while the hook is there."""
+    from mxattn.kernels import launch_plan, triton_launch
+    x = torch.randn(8)
+    calls = []
+
+    class Jit:  # what Triton's dispatcher is called through: fn[grid](*args, **kwargs)
+        __name__, arg_names = "k", ["a0", "a1", "BLOCK"]
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append(a)
+
+    fn = Jit()
+
+    def body():
+        out = torch.empty(8)
+        triton_launch.launch(fn, (1,), x, out, BLOCK=1)
+        return [out]
+
+    _, plan, _ = launch_plan.record(body, (x,))
+    assert plan is not None
+    monkeypatch.setattr(triton_launch, "fast_path_usable", lambda: False)
+    assert plan.replay((x,)) is None
+    monkeypatch.setattr(triton_launch, "FAST_PATH", False)
+    _, plan, reason = launch_plan.record(body, (x,))
+    assert plan is None and "dispatcher" in reason and len(calls) == 1
+
+
+def test_plan_cache_records_on_the_second_call_and_remembers_refusals(launcher):
+    from mxattn.kernels.launch_plan import PlanCache
+    from mxattn.kernels.triton_launch import launch
+    cache, runs = PlanCache(max_entries=3), []
+    x = torch.randn(8)
+
+    def body(copy=False):
+        runs.append(copy)
+        out = torch.empty(8)
+        launch(_fn("k", 2), (1,), x.clone() if copy else x, out, BLOCK=1)
+        return [out]
+
+    for _ in range(4):
+        cache.run(("f", "a"), body, (x,))
+    assert runs == [False, False] and cache.plan(("f", "a")) is not None  # ran, recorded, replayed twice
+    for _ in range(3):
+        cache.run(("f", "b"), lambda: body(True), (x,))
+    assert runs[2:] == [True] * 3 and cache.plan(("f", "b")) is None  # refused at the second call
+    cache.run(("f", "c"), body, (x,))
+    cache.run(("f", "d"), body, (x,))  # a fourth key clears the bounded cache first
+    assert cache.plan(("f", "a")) is None
+    cache.run(None, body, (x,))
+    assert runs[-1] is False and len(runs) == 8
+
+
+def test_plan_cache_stops_recording_a_family_whose_plans_are_not_replayed(launcher):
+    """Decode steps of a few layers: every KV length is called twice (two layers) and never again; after
+    `min_replays` recordings without replays the family records no more (each recording costs a few calls)."""
+    from mxattn.kernels.launch_plan import PlanCache
+    from mxattn.kernels.triton_launch import launch
+    cache, recorded = PlanCache(min_replays=2), []
+    x = torch.randn(8)
+
+    def body():
+        out = torch.empty(8)
+        launch(_fn("k", 2), (1,), x, out, BLOCK=1)
+        return [out]
+
+    for step in range(6):
+        for _layer in range(2):
+            cache.run(("decode", step), body, (x,))
+        recorded.append(cache.plan(("decode", step)) is not None)
+    assert recorded == [True, True, False, False, False, False]
+    for _ in range(8):  # another family (training shapes) still records and replays
+        cache.run(("train", 0), body, (x,))
+    assert cache.plan(("train", 0)) is not None
+
+
+def _stub_backend(monkeypatch, request):
+    """The triton backend on CPU tensors: CUDA checks relaxed, a fresh plan cache."""
+    from mxattn import checks
+    from mxattn.backends import pick_backend, triton_backend as backend_module
+    from mxattn.kernels import triton_quantize as tq
+    from mxattn.kernels.launch_plan import PlanCache
+    real = checks.check_bhsd_tensor
+    for module in (checks, backend_module, tq):
+        monkeypatch.setattr(module, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))
+    monkeypatch.setattr(backend_module.TritonBackend, "availability", classmethod(lambda cls, d: (True, "stub")))
+    monkeypatch.setattr(backend_module, "_PLANS", PlanCache())
+    request.addfinalizer(pick_backend.cache_clear)
+    return backend_module
+
+
+@pytest.mark.parametrize("layout", ["bshd", "unbind", "sbhd"])
+def test_triton_backend_replays_its_ordinary_launches(launcher, monkeypatch, request, layout):
+    """A second call of one signature replays the first call's launches: the same kernels, grids and
+    non-pointer arguments, every input pointer at the same offset of the new inputs, O written where the
+    returned O lies; the backward likewise (forward with grad, GQA, causal, window)."""
+    import mxattn
+    backend_module = _stub_backend(monkeypatch, request)
+
+    def inputs():
+        if layout == "unbind":
+            qkv = torch.randn(2, 96, 3, 4, 64, dtype=torch.bfloat16)
+            q, k, v = (t.requires_grad_() for t in (qkv[:, :, 0], qkv[:, :, 1, :2], qkv[:, :, 2, :2]))
+            return q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()
+        shape = (96, 2) if layout == "sbhd" else (2, 96)
+        return [torch.randn(*shape, h, 64, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2)]
+
+    fmt = "sbhd" if layout == "sbhd" else "bshd"
+    runs = []
+    for _ in range(3):
+        q, k, v = inputs()
+        launcher.clear()
+        o = mxattn.mxfp8_attention(q, k, v, qkv_format=fmt, attn_mask_type="causal", window_size=(40, 0),
+                                   backend="triton")
+        fwd = list(launcher)
+        launcher.clear()
+        o.backward(torch.ones_like(o))
+        runs.append((q, k, v, o, fwd, list(launcher)))
+    assert backend_module._PLANS.last_reason == "recorded"
+    (q1, k1, v1, o1, fwd1, bwd1), _, (q2, k2, v2, o2, fwd2, bwd2) = runs  # ordinary, recorded, replayed
+    assert [n for n, _, _ in fwd2] == ["_quantize_qkv_kernel", "_attn_fwd_kernel"]
+    assert [n for n, _, _ in bwd2] == ["_bwd_prep_kernel", "_dkdv_kernel", "_bwd_prep_kernel", "_dq_kernel"]
+    for (n1, g1, a1), (n2, g2, a2) in zip(fwd1 + bwd1, fwd2 + bwd2):
+        assert (n1, g1, len(a1)) == (n2, g2, len(a2))
+        for x1, x2 in zip(a1, a2):
+            if isinstance(x1, float) or isinstance(x1, bool) or abs(x1) < 1 << 32:
+                assert x1 == x2
+            else:  # an address: inputs map to the same offsets of the new inputs
+                for t1, t2 in ((q1, q2), (k1, k2), (v1, v2)):
+                    off = x1 - t1.data_ptr()
+                    if 0 <= off < t1.numel() * 2:
+                        assert x2 == t2.data_ptr() + off
+    out_arg = 6 + 3 * 4  # the forward kernel's `out` (after q, q scale, k, k scale, v, v scale)
+    assert fwd2[1][2][6] == o2.data_ptr() and fwd1[1][2][6] == o1.data_ptr() and out_arg
+
+
+def test_triton_backend_refuses_plans_for_variable_lengths(launcher, monkeypatch, request):
+    """A padded batch's host path reads its lengths: it is never recorded (the key is None)."""
+    import mxattn
+    backend_module = _stub_backend(monkeypatch, request)
+    q, k, v = (torch.randn(2, 64, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, 40, 104], dtype=torch.int32)
+    for _ in range(2):
+        mxattn.mxfp8_attention(q, k, v, attn_mask_type="padding", cu_seqlens_q=cu, backend="triton",
+                               max_seqlen_q=64, max_seqlen_kv=64)
+    assert backend_module._PLANS.last_reason is None
