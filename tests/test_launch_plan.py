@@ -21,7 +21,7 @@ class _Kernel:
         self.name, self.log = name, log
 
     def run(self, g0, g1, g2, stream, function, metadata, h0, h1, h2, *args):
-        self.log.append((self.name, (g0, g1, g2), [a.data_ptr() if isinstance(a, torch.Tensor) else a
+        self.log.append((self.name, (g0, g1, g2), [("ptr", a.data_ptr()) if isinstance(a, torch.Tensor) else a
                                                    for a in args]))
 
 
@@ -89,6 +89,28 @@ def test_replay_rebases_every_pointer(launcher):
     assert abs(b_ptr - a_ptr) >= 1000 and (c_ptr >= b_ptr + 600 or c_ptr + 2000 <= b_ptr)
     assert plan.workspace_bytes <= 1024 + 768 + 2048  # no more than the three together, 256-aligned
     assert all(p % 256 == a_ptr % 256 for p in (b_ptr, c_ptr))
+
+
+def test_zero_filled_scratch_is_zeroed_where_it_was_allocated(launcher):
+    """A zero-filled scratch buffer sharing bytes with an earlier one is zeroed after that one's last launch."""
+    from mxattn.kernels.launch_plan import record
+    from mxattn.kernels.triton_launch import launch
+    x = torch.randn(64)
+
+    def body():
+        a = torch.empty(4096, dtype=torch.uint8)
+        launch(_fn("k", 2), (1,), x, a, BLOCK=1)
+        del a
+        b = torch.zeros(4096, dtype=torch.uint8)
+        out = torch.zeros(16)
+        launch(_fn("k", 3), (1,), x, b, out, BLOCK=1)
+        return [out]
+
+    _, plan, reason = record(body, (x,))
+    assert reason == "recorded" and plan.workspace_bytes == 4096 and plan.launch_count == 2
+    assert [entry is None for entry, *_ in plan._launches] == [False, True, False]
+    out, = plan.replay((x,))
+    assert torch.equal(out, torch.zeros(16))
 
 
 def test_scratch_reuses_memory_of_finished_lifetimes(launcher):
@@ -262,24 +284,48 @@ def test_triton_backend_replays_its_ordinary_launches(launcher, monkeypatch, req
     for (n1, g1, a1), (n2, g2, a2) in zip(fwd1 + bwd1, fwd2 + bwd2):
         assert (n1, g1, len(a1)) == (n2, g2, len(a2))
         for x1, x2 in zip(a1, a2):
-            if isinstance(x1, float) or isinstance(x1, bool) or abs(x1) < 1 << 32:
+            if not isinstance(x1, tuple):
                 assert x1 == x2
-            else:  # an address: inputs map to the same offsets of the new inputs
-                for t1, t2 in ((q1, q2), (k1, k2), (v1, v2)):
-                    off = x1 - t1.data_ptr()
-                    if 0 <= off < t1.numel() * 2:
-                        assert x2 == t2.data_ptr() + off
-    out_arg = 6 + 3 * 4  # the forward kernel's `out` (after q, q scale, k, k scale, v, v scale)
-    assert fwd2[1][2][6] == o2.data_ptr() and fwd1[1][2][6] == o1.data_ptr() and out_arg
+                continue
+            x1, x2 = x1[1], x2[1] if isinstance(x2, tuple) else x2  # (replays pass addresses as ints)
+            for t1, t2 in ((q1, q2), (k1, k2), (v1, v2)):  # inputs map to the same offsets of the new inputs
+                off = x1 - t1.data_ptr()
+                if 0 <= off < t1.numel() * 2:
+                    assert x2 == t2.data_ptr() + off
+    # the forward kernel's `out` (after q, q scale, k, k scale, v, v scale) is the O returned
+    assert fwd2[1][2][6] == o2.data_ptr() and fwd1[1][2][6] == ("ptr", o1.data_ptr())
 
 
-def test_triton_backend_refuses_plans_for_variable_lengths(launcher, monkeypatch, request):
-    """A padded batch's host path reads its lengths: it is never recorded (the key is None)."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_triton_backend_replays_variable_length_calls(launcher, monkeypatch, request, packed):
+    """Padded and packed batches are planned too: their lengths are roots (re-based like q, k, v), the
+    longest sequences part of the key; a packed batch's zero-filled segmented scales are zeroed per replay."""
     import mxattn
     backend_module = _stub_backend(monkeypatch, request)
-    q, k, v = (torch.randn(2, 64, 2, 64, dtype=torch.bfloat16) for _ in range(3))
-    cu = torch.tensor([0, 40, 104], dtype=torch.int32)
-    for _ in range(2):
-        mxattn.mxfp8_attention(q, k, v, attn_mask_type="padding", cu_seqlens_q=cu, backend="triton",
-                               max_seqlen_q=64, max_seqlen_kv=64)
-    assert backend_module._PLANS.last_reason is None
+    logs = []
+    for _ in range(3):
+        if packed:
+            q, k, v = (torch.randn(104, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+        else:
+            q, k, v = (torch.randn(2, 64, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+        cu = torch.tensor([0, 40, 104], dtype=torch.int32)
+        launcher.clear()
+        mxattn.mxfp8_attention(q, k, v, qkv_format="thd" if packed else "bshd", attn_mask_type="padding_causal",
+                               cu_seqlens_q=cu, backend="triton", max_seqlen_q=64, max_seqlen_kv=64)
+        logs.append((cu, list(launcher)))
+    assert backend_module._PLANS.last_reason == "recorded"
+    (cu1, first), _, (cu3, third) = logs
+    assert [n for n, _, _ in first] == [n for n, _, _ in third] == ["_quantize_qkv_kernel", "_attn_fwd_kernel"]
+    attn1, attn3 = first[1][2], third[1][2]
+    cu_arg = 8  # q, q scale, k, k scale, v, v scale, out, stats, then cu_seqlens_q
+    assert attn1[cu_arg] == ("ptr", cu1.data_ptr()) and attn3[cu_arg] == cu3.data_ptr()
+
+
+def test_aliasing_of_roots_is_part_of_the_key():
+    from mxattn.kernels.launch_plan import alias_key
+    qkv = torch.randn(2, 8, 3, 4)
+    q, k, v = qkv.unbind(2)
+    a, b = torch.randn(2, 8, 4), torch.randn(2, 8, 4)
+    assert alias_key((q, k, v, None)) == (None, (0, 16), (0, 32), None)
+    assert alias_key((a, b, b)) == (None, None, (1, 0))
+    assert alias_key((a, b, a.clone())) == (None, None, None)

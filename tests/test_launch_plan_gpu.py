@@ -19,6 +19,8 @@ CASES = {
     "decode_step": dict(shape=(2, 1, 8, 2, 128), kv_len=333, mask="causal_bottom_right"),
     "d256_fp8_on_chip": dict(shape=(1, 128, 2, 2, 256), mask="causal"),
     "misaligned_q": dict(shape=(1, 96, 2, 2, 64), layout="misaligned"),
+    "padded_causal": dict(shape=(2, 200, 4, 2, 64), mask="padding_causal", lengths=[150, 200]),
+    "packed_thd": dict(shape=(1, 200, 4, 2, 64), layout="thd", mask="padding_causal", lengths=[70, 130]),
 }
 
 
@@ -33,6 +35,9 @@ def _inputs(case, seed):
         return torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
 
     layout = case.get("layout", "bshd")
+    if layout == "thd":
+        q, k, v = (rnd(s, h, d).requires_grad_() for h in (hq, hkv, hkv))
+        return q, k, v, [q, k, v], None, rnd(s, hq, d)
     if layout == "unbind":  # views of one qkv tensor, its gradient compared
         base = rnd(b, s, 3, hq, d).requires_grad_()
         q, k, v = base.unbind(2)
@@ -56,7 +61,14 @@ def _inputs(case, seed):
 def _run(case, seed, grad=True):
     """[O] without grad, else [O, the leaves' gradients]."""
     q, k, v, leaves, sink, do = _inputs(case, seed)
-    kwargs = dict(qkv_format="sbhd" if case.get("layout") == "sbhd" else "bshd",
+    lengths = case.get("lengths")
+    if lengths is not None:
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        seq = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    else:
+        seq = {}
+    layout = case.get("layout")
+    kwargs = dict(qkv_format=layout if layout in ("sbhd", "thd") else "bshd", **seq,
                   attn_mask_type=case.get("mask", "no_mask"), window_size=case.get("window"), backend="triton",
                   softmax_type=case.get("softmax", "vanilla"), softmax_offset=sink)
     if not grad:

@@ -23,7 +23,7 @@ import torch
 
 from ..checks import check_bhsd_tensor
 from ..errors import MXFP8NotSupportedError
-from ..kernels.launch_plan import PlanCache, root_key
+from ..kernels.launch_plan import PlanCache, alias_key, root_key
 from .base import AttentionBackend, AttentionParams, SavedForBackward, sink_grad_from_delta
 
 #: q, k, v go only through the quantizer, which reads fp32 too
@@ -80,32 +80,36 @@ def _quant_args(params: AttentionParams, which: str) -> dict:
     return dict(cu_seqlens=seq.cu_seqlens_kv, max_seqlen=seq.max_seqlen_kv, packed=seq.packed)
 
 
-#: launch plans of dense calls by signature (`launch_plan`: checks, choices and allocations done once, the
+#: launch plans by call signature (`launch_plan`: checks, choices and allocations done once, the
 #: compiled kernels launched directly with the new tensors' addresses)
 _PLANS = PlanCache()
 
 
 def _forward_key(roots, params: AttentionParams):
-    """The plan key (family, sizes) of a forward call, or None when not planned (variable lengths, whose
-    grids read them)."""
-    if params.seq is None:
-        return _key("fwd", roots, params, params.needs_backward)
-    return None
+    """The plan key (family, sizes) of a forward call on roots (q, k, v, sink, cu_seqlens_q, cu_seqlens_kv)."""
+    return _key("fwd", roots, params, params.needs_backward)
 
 
 def _backward_key(roots, params: AttentionParams):
-    """The plan key of a backward call's kernels (dq, dk, dv, delta), or None when not planned."""
-    if params.seq is None:
-        return _key("bwd", roots, params)
-    return None
+    """The plan key of a backward call's kernels (dq, dk, dv, delta)."""
+    return _key("bwd", roots, params)
 
 
 def _key(kind: str, roots, params: AttentionParams, *extra):
-    """(family: what every call of a layer shares, sizes: the roots' shapes and strides)."""
+    """(family: what every call of a layer shares, sizes: the roots' shapes and strides, how they share
+    storage, the longest sequences). Variable-length calls are keyed like dense ones: their host path reads
+    the lengths' shapes and the longest sequences, never the lengths themselves (their tensors are roots)."""
     keys = [root_key(r) for r in roots]
+    seq = params.seq
     family = (kind, params.softmax_scale, params.mask, params.out_dtype, *extra,
-              *[None if k is None else k[2:] for k in keys])
-    return family, tuple(None if k is None else k[:2] for k in keys)
+              None if seq is None else seq.packed, *[None if k is None else k[2:] for k in keys])
+    sizes = tuple(None if k is None else k[:2] for k in keys)
+    return family, (sizes, alias_key(roots), None if seq is None else (seq.max_seqlen_q, seq.max_seqlen_kv))
+
+
+def _seq_roots(params: AttentionParams) -> tuple:
+    seq = params.seq
+    return (None, None) if seq is None else (seq.cu_seqlens_q, seq.cu_seqlens_kv)
 
 
 class TritonBackend(AttentionBackend):
@@ -168,11 +172,11 @@ class TritonBackend(AttentionBackend):
         """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] bf16/fp16/fp32 CUDA (any strides; a packed batch as [1,H,T,D]
         views) -> (o [B,Hq,Sq,D] params.out_dtype, stats [B,Hq,Sq,1] fp32 log-sum-exp (-inf for rows that keep
         nothing, and for padding rows), SavedForBackward, or None when not params.needs_backward).
-        A dense call replays the launches recorded for its signature (`_PLANS`)."""
-        roots = (q, k, v, params.sink)
+        A call replays the launches recorded for its signature (`_PLANS`, `mxattn.kernels.launch_plan`)."""
+        roots = (q, k, v, params.sink, *_seq_roots(params))
         o, stats, *saved = _PLANS.run(_forward_key(roots, params),
                                       lambda: self._forward_flat(q, k, v, params), roots)
-        return o, stats, SavedForBackward.from_tensors(saved) if saved else None
+        return o, stats, SavedForBackward.from_tensors(saved, params.seq) if saved else None
 
     def _forward_flat(self, q, k, v, params: AttentionParams) -> list:
         """`_forward` as a flat list: [o, stats, *saved.tensors()]."""
@@ -234,7 +238,8 @@ class TritonBackend(AttentionBackend):
         dk, dv [B,Hkv,Skv,D]) in params.out_dtype, then dsink [Hq] fp32 when params.sink_requires_grad (the
         kernels need nothing else for a sink: it lives in the stats). Deterministic (params.deterministic is
         always honoured)."""
-        roots = (*saved.tensors(), o, stats, do) if isinstance(saved, self.saved_format) else None
+        roots = (*saved.tensors(), o, stats, do, *_seq_roots(params)) if isinstance(saved, self.saved_format) \
+            else None
         key = _backward_key(roots, params) if roots is not None else None
         *grads, delta = _PLANS.run(key, lambda: self._grads(saved, o, stats, do, params), roots)
         if params.sink_requires_grad:

@@ -4,19 +4,21 @@ The triton backend's forward and backward spend most of their host time in Pytho
 call's signature (shapes, strides, dtypes, options): checks, tile and grid choices, stride lists, output
 allocations, Triton's argument handling. `record(body, roots)` runs such a body once, observing every aten
 operation (a `TorchDispatchMode`) and every `triton_launch.launch`, and returns a `LaunchPlan` when the body did
-nothing but allocate, take views and launch compiled kernels. `LaunchPlan.replay(roots)` then does the same work
-for new tensors of the same signature: it allocates the outputs, carves the scratch from one workspace (offsets
-planned from the recorded lifetimes, so the peak is no higher than the recorded run's), and launches each
-compiled kernel with the recorded arguments, pointers re-based onto the new tensors' addresses.
+nothing but allocate (empty or zero-filled memory), take views and launch compiled kernels.
+`LaunchPlan.replay(roots)` then does the same work for new tensors of the same signature: it allocates the
+outputs, carves the scratch from one workspace (offsets planned from the recorded lifetimes, so the peak is no
+higher than the recorded run's; zero fills at their recorded place in the sequence), and launches each compiled
+kernel with the recorded arguments, pointers re-based onto the new tensors' addresses.
 
 What the recording refuses (the caller then keeps the ordinary path for that signature): any aten operation that
-computes (a copy, a fill, arithmetic), a launch through Triton's own dispatcher (launch hooks, another Triton
-version), a kernel argument in memory that is neither a root nor allocated by the body, an output that is not
-allocated by the body. Host values the body read from tensor contents would be baked in, so callers record
-only calls whose host path reads none (dense calls; variable-length calls read their lengths).
+computes (a copy, a fill of existing memory, arithmetic), a launch through Triton's own dispatcher (launch hooks,
+another Triton version), a kernel argument in memory that is neither a root nor allocated by the body, an output
+that is not allocated by the body. Host values the body read from tensor contents would be baked in, so callers
+record only bodies whose host path reads none (the triton backend reads shapes and the longest sequences, never
+the sequence lengths themselves).
 
-The caller's key must hold everything the body's Python reads besides tensor contents and addresses, plus each
-root's address modulo 16 (Triton specializes pointers on 16-byte alignment; replayed scratch keeps the recorded
+The caller's key must hold everything the body's Python reads besides tensor contents and addresses, how the
+roots share storage (`alias_key`), plus each root's address modulo 16 (Triton specializes pointers on 16-byte alignment; replayed scratch keeps the recorded
 alignment because workspace offsets are multiples of 256).
 """
 
@@ -40,9 +42,11 @@ def _launcher():
     return _LAUNCHER
 
 _aten = torch.ops.aten
-#: the allocation ops a body may use (uninitialised memory: replays allocate the same)
+#: the allocation ops a body may use: uninitialised memory (replays allocate the same) ...
 _ALLOCATIONS = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
                 _aten.new_empty.default, _aten.new_empty_strided.default}
+#: ... and zero-filled memory (replays zero the same bytes at the same point of the sequence)
+_ZERO_ALLOCATIONS = {_aten.zeros.default, _aten.zeros_like.default, _aten.new_zeros.default}
 #: workspace offsets are multiples of this (keeps every recorded pointer's alignment class)
 _ALIGN = 256
 
@@ -52,10 +56,10 @@ class RecordingRefused(Exception):
 
 
 class _Allocation:
-    __slots__ = ("start", "nbytes", "event", "last_use")
+    __slots__ = ("start", "nbytes", "event", "last_use", "zero")
 
-    def __init__(self, start: int, nbytes: int, event: int):
-        self.start, self.nbytes, self.event, self.last_use = start, nbytes, event, event
+    def __init__(self, start: int, nbytes: int, event: int, zero: bool):
+        self.start, self.nbytes, self.event, self.last_use, self.zero = start, nbytes, event, event, zero
 
 
 class _Recorder(TorchDispatchMode):
@@ -82,10 +86,11 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in _ALLOCATIONS:
+        if func in _ALLOCATIONS or func in _ZERO_ALLOCATIONS:
             storage = out.untyped_storage()
             self.allocation_at[storage.data_ptr()] = len(self.allocations)
-            self.allocations.append(_Allocation(storage.data_ptr(), storage.nbytes(), self.events))
+            self.allocations.append(_Allocation(storage.data_ptr(), storage.nbytes(), self.events,
+                                                func in _ZERO_ALLOCATIONS))
             self.events += 1
         elif not func.is_view:
             self.refuse(f"the body ran {func}, which is neither an allocation, a view nor a Triton launch")
@@ -178,7 +183,7 @@ class LaunchPlan:
 
     @property
     def launch_count(self) -> int:
-        return len(self._launches)
+        return sum(entry is not None for entry, *_ in self._launches)
 
     @property
     def workspace_bytes(self) -> int:
@@ -197,14 +202,17 @@ class LaunchPlan:
         outputs: List[Optional[torch.Tensor]] = []
         for kind, spec in self._outputs:
             if kind == "whole":  # the output is its allocation
-                j, shape, stride, dtype = spec
+                j, shape, stride, dtype, zero = spec
                 t = torch.empty_strided(shape, stride, dtype=dtype, device=dev)
+                if zero:
+                    t.zero_()
                 alloc_base[j] = t.data_ptr()
             elif kind == "view":  # one of several views of an allocation
                 j, offset, shape, stride, dtype = spec
                 raw = raws.get(j)
                 if raw is None:
-                    raw = raws[j] = torch.empty(self._out_allocs[j], dtype=torch.uint8, device=dev)
+                    nbytes, zero = self._out_allocs[j]
+                    raw = raws[j] = (torch.zeros if zero else torch.empty)(nbytes, dtype=torch.uint8, device=dev)
                     alloc_base[j] = raw.data_ptr()
                 t = torch.empty(0, dtype=dtype, device=dev).set_(raw.untyped_storage(), offset, shape, stride)
             else:
@@ -217,6 +225,9 @@ class LaunchPlan:
         stream = launcher.current_stream(self.index)
         run = launcher.run_compiled
         for entry, grid, template, slots in self._launches:
+            if entry is None:  # a zero-filled scratch allocation: (offset, nbytes) in grid
+                workspace[grid[0]:grid[0] + grid[1]].zero_()
+                continue
             args = template.copy()
             for pos, kind, index, offset in slots:
                 if kind == "root":
@@ -270,20 +281,23 @@ def _build(rec: _Recorder, outputs, roots) -> LaunchPlan:
         a = rec.allocations[j]
         if j not in whole and j not in out_allocs and _covers_allocation(t, a):
             whole[j] = True
-            out_specs.append(("whole", (j, tuple(t.shape), tuple(t.stride()), t.dtype)))
+            out_specs.append(("whole", (j, tuple(t.shape), tuple(t.stride()), t.dtype, a.zero)))
         else:
             if j in whole:
                 raise RecordingRefused("two outputs share one allocation that one of them spans")
             if offset % t.element_size():
                 raise RecordingRefused("an output starts inside an element of its dtype")
-            out_allocs[j] = a.nbytes
+            out_allocs[j] = (a.nbytes, a.zero)
             out_specs.append(("view", (j, offset // t.element_size(), tuple(t.shape), tuple(t.stride()), t.dtype)))
     out_set = set(whole) | set(out_allocs)
     used = sorted({index for *_, slots, _e in rec.launches for _p, kind, index, _o in slots if kind == "alloc"})
     scratch = [j for j in used if j not in out_set]
     offsets, ws_bytes = _plan_workspace(rec.allocations, scratch)
+    steps = [(a.event, None, (offsets[j], a.nbytes), None, ()) for j, a in enumerate(rec.allocations)
+             if a.zero and j in offsets]  # zero fills of scratch, at their allocation's place in the sequence
     launches = []
-    for entry, grid, template, slots, _event in rec.launches:
+    for event, entry, grid, template, slots in sorted(steps + [(e, en, g, t, sl) for en, g, t, sl, e in rec.launches],
+                                                      key=lambda step: step[0]):
         new_slots = []
         for pos, kind, index, offset in slots:
             if kind == "alloc" and index in out_set:
@@ -301,6 +315,21 @@ def root_key(t: Optional[torch.Tensor]):
     if t is None:
         return None
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
+def alias_key(roots: Sequence[Optional[torch.Tensor]]) -> tuple:
+    """How roots share storage: per root, (index of the first earlier root in its storage, byte distance) or
+    None. A plan recorded with q, k, v unbound from one tensor (or one tensor passed twice) must not replay
+    for separate tensors, nor the reverse."""
+    seen, out = {}, []
+    for i, r in enumerate(roots):
+        if r is None:
+            out.append(None)
+            continue
+        storage = r.untyped_storage().data_ptr()
+        first = seen.setdefault(storage, (i, r.data_ptr()))
+        out.append(None if first[0] == i else (first[0], r.data_ptr() - first[1]))
+    return tuple(out)
 
 
 class PlanCache:
@@ -360,4 +389,4 @@ class PlanCache:
         self._families.clear()
 
 
-__all__ = ["LaunchPlan", "PlanCache", "record", "root_key", "RecordingRefused"]
+__all__ = ["LaunchPlan", "PlanCache", "record", "root_key", "alias_key", "RecordingRefused"]

@@ -1,0 +1,55 @@
+"""Where a compiled training step's time goes: transformers' GPT-2 (the models_bench.py config) under
+torch.compile with SDPA and with mxattn's attention; per step the wall time, the GPU kernel time (sum over
+kernels, torch.profiler) and the top operators by GPU time and by host time. Usage (CUDA machine):
+python benchmarks/compiled_step_profile.py [--eager]"""
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models_bench as mb  # noqa: E402
+
+
+def main():
+    compiled = "--eager" not in sys.argv
+    mb.mx_hf.register(mb.NAME, backend="triton")
+    for attn in ("sdpa", mb.NAME):
+        name, model, shape, vocab = mb.build(mb.gpt2_config, attn, False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        run = torch.compile(model) if compiled else model
+        ids = torch.randint(0, vocab, (shape["batch"], shape["seq"]), device="cuda")
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = run(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(8):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 10 * 1e3
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        gpu = sum(e.self_device_time_total for e in events) / 5 / 1e3
+        print(f"\n=== {attn} {'compiled' if compiled else 'eager'}: wall {wall:.2f} ms/step, GPU kernels "
+              f"{gpu:.2f} ms/step")
+        print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+        print(events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+        del model, opt, run
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
