@@ -1,8 +1,11 @@
 """Where a compiled training step's time goes: transformers' GPT-2 (the models_bench.py config) under
 torch.compile with SDPA and with mxattn's attention; per step the wall time, the GPU kernel time (sum over
-kernels, torch.profiler) and the top operators by GPU time and by host time. Usage (CUDA machine):
-python benchmarks/compiled_step_profile.py [--eager]"""
+kernels, torch.profiler) and the top operators by GPU time and by host time; --cprofile: instead, cProfile (host
+time by Python function) of mxattn's compiled steps. Usage (CUDA machine):
+python benchmarks/compiled_step_profile.py [--eager] [--cprofile]"""
+import cProfile
 import os
+import pstats
 import sys
 import time
 
@@ -13,25 +16,46 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models_bench as mb  # noqa: E402
 
 
+def training_step(attn: str, compiled: bool):
+    """A training step function of the GPT-2 with attention `attn` (compiled or eager)."""
+    name, model, shape, vocab = mb.build(mb.gpt2_config, attn, False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    run = torch.compile(model) if compiled else model
+    ids = torch.randint(0, vocab, (shape["batch"], shape["seq"]), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(8):
+        step()
+    torch.cuda.synchronize()
+    return step
+
+
+def host_profile(step) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats("mxattn|_library|custom_ops", 40)
+
+
 def main():
     compiled = "--eager" not in sys.argv
     mb.mx_hf.register(mb.NAME, backend="triton")
+    if "--cprofile" in sys.argv:
+        host_profile(training_step(mb.NAME, compiled))
+        return
     for attn in ("sdpa", mb.NAME):
-        name, model, shape, vocab = mb.build(mb.gpt2_config, attn, False)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        run = torch.compile(model) if compiled else model
-        ids = torch.randint(0, vocab, (shape["batch"], shape["seq"]), device="cuda")
-
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = run(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        for _ in range(8):
-            step()
-        torch.cuda.synchronize()
+        step = training_step(attn, compiled)
         t0 = time.perf_counter()
         for _ in range(10):
             step()
@@ -47,7 +71,7 @@ def main():
               f"{gpu:.2f} ms/step")
         print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
         print(events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
-        del model, opt, run
+        del step
         torch.cuda.empty_cache()
 
 
