@@ -114,6 +114,15 @@ def test_default_recipe_fields_hash_and_frozen():
         r.p_quant = "none"
 
 
+def test_all_variants_lists_the_default_and_each_single_field_change():
+    from mxattn.recipe import CHOICES, all_variants
+    variants = all_variants()
+    assert variants[0] == Recipe() and len(set(variants)) == len(variants)
+    assert len(variants) == 1 + sum(len(v) - 1 for v in CHOICES.values())
+    assert all(r.differences().count("=") == 1 for r in variants[1:])
+    assert {r for n, r in VARIANTS.items() if n not in ("bf16_pv", "mixed")} == set(variants)
+
+
 @pytest.mark.parametrize("kwargs,exc,words", [
     (dict(p_quant="fixed16"), ValueError, "Recipe.p_quant must be one of"),
     (dict(v_operand="fp16"), ValueError, "Recipe.v_operand"),
