@@ -136,7 +136,7 @@ def _bwd_impl(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_b
     params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink, sink_requires_grad,
                      recipe=recipe)
     be = get_backend(backend)
-    saved_format = _saved_format(backend, recipe)
+    saved_format = be.saved_format_for(params.recipe)
     dq, dk, dv, *dsink = be.backward(saved_format.from_tensors(saved, seq), o, stats, do, params)
     dsink = dsink[0] if sink_requires_grad else stats.new_empty((0,), dtype=torch.float32)
     if contiguous:
