@@ -101,7 +101,7 @@ def _key(kind: str, roots, params: AttentionParams, *extra):
     the lengths' shapes and the longest sequences, never the lengths themselves (their tensors are roots)."""
     keys = [root_key(r) for r in roots]
     seq = params.seq
-    family = (kind, params.softmax_scale, params.mask, params.out_dtype, *extra,
+    family = (kind, params.softmax_scale, params.mask, params.out_dtype, params.recipe, *extra,
               None if seq is None else seq.packed, *[None if k is None else k[2:] for k in keys])
     sizes = tuple(None if k is None else k[:2] for k in keys)
     return family, (sizes, alias_key(roots), None if seq is None else (seq.max_seqlen_q, seq.max_seqlen_kv))
