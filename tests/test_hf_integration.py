@@ -261,7 +261,8 @@ def test_sliding_window_decode_and_generate():
         logits[attn] = torch.cat(out, dim=1)
     chunk = calls[2]                                       # first layer, 3-token chunk
     assert chunk["q"].shape[2] == 3 and chunk["k"].shape[2] > 3
-    plan = mx_hf.plan_attention_mask(chunk["mask"], batch=2, q_len=3, kv_len=chunk["k"].shape[2])
+    plan = mx_hf.plan_attention_mask(chunk["mask"], batch=2, q_len=3, kv_len=chunk["k"].shape[2],
+                                     sliding_window=chunk["sliding_window"])
     assert (plan.attn_mask_type, plan.window_size) == ("causal_bottom_right", (7, 0))
     assert rel_rms(logits[CAPTURE], logits["eager"]) < 0.1
     with torch.no_grad():
@@ -292,14 +293,20 @@ def _left_padded_mask(pads, q_len, kv_len, q_offset=0, window=None):
                      attention_mask=keep, allow_is_causal_skip=False, local_size=window)
 
 
-@pytest.mark.parametrize("q_len,kv_len,window", [(10, 10, None), (10, 10, 4), (1, 13, None), (3, 13, None)])
-def test_left_padding_equals_each_sequence_alone_bit_for_bit(q_len, kv_len, window):
+@pytest.mark.parametrize("pads,q_len,kv_len,window", [
+    ((0, 3, 6), 10, 10, None), ((0, 3, 6), 10, 10, 4), ((0, 3, 6), 1, 13, None), ((0, 3, 6), 3, 13, None),
+    ((3, 3), 1, 13, None),              # the same pad everywhere: padding, not a window over the padded keys
+    ((5, 5), 1, 13, 10),                # ... nor a window wider than the module's
+])
+def test_left_padding_equals_each_sequence_alone_bit_for_bit(pads, q_len, kv_len, window):
     """Left padding (prefill, a decode step, a chunk of 3 tokens; sliding window): each sequence's output and
-    gradients equal its own unpadded mxattn call bit for bit (MXFP8 blocks start at its first real token);
-    query rows without keys (padding) give 0 and no gradient."""
-    pads = (0, 3, 6)
+    gradients equal its own unpadded mxattn call bit for bit (MXFP8 blocks start at its first real token: the
+    padding keys hold values 2^16 times larger, which would flush the real ones to subnormals in a shared
+    block); query rows without keys (padding) give 0 and no gradient."""
     mask = _left_padded_mask(pads, q_len, kv_len, q_offset=kv_len - q_len, window=window)
     fn, (q, k, v, _) = _attention_call(mask, q_len, kv_len, window=window)
+    loud = (torch.arange(kv_len).unsqueeze(0) < torch.tensor(pads).unsqueeze(1)).view(len(pads), 1, kv_len, 1)
+    k, v = (torch.where(loud, t * 2.0 ** 16, t) for t in (k, v))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = fn(q, k, v, mask)
     g = torch.Generator().manual_seed(5)
@@ -481,7 +488,8 @@ def _hf_mask(lengths, q_len, kv_len, window=None, causal=True, q_offset=0):
 def test_plan_reproduces_hf_masks(case):
     lengths, q_len, kv_len, window, causal, q_offset, word, win = case
     mask = _hf_mask(lengths, q_len, kv_len, window, causal, q_offset)
-    plan = mx_hf.plan_attention_mask(mask, batch=len(lengths), q_len=q_len, kv_len=kv_len)
+    flags = dict(is_causal=causal, sliding_window=window)               # the module's, as the models pass them
+    plan = mx_hf.plan_attention_mask(mask, batch=len(lengths), q_len=q_len, kv_len=kv_len, **flags)
     assert (plan.attn_mask_type, plan.window_size) == (word, win)
     # rebuild the band from mxattn's MaskSpec + lengths and compare with HF's mask (independent of the plan code)
     band, padding = mxattn.mask.resolve_mask(plan.attn_mask_type, plan.window_size)
@@ -493,7 +501,7 @@ def test_plan_reproduces_hf_masks(case):
         assert torch.equal(keep, mask[b, 0]), (case, b)
     # an additive version of the same mask gives the same plan
     additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
-    plan2 = mx_hf.plan_attention_mask(additive, batch=len(lengths), q_len=q_len, kv_len=kv_len)
+    plan2 = mx_hf.plan_attention_mask(additive, batch=len(lengths), q_len=q_len, kv_len=kv_len, **flags)
     assert (plan2.attn_mask_type, plan2.window_size) == (word, win)
 
 

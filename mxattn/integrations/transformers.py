@@ -19,7 +19,9 @@ lengths (right padding), so each HF mask is translated into TE mask words + ``cu
 * a 4-D boolean or additive (0 / large negative) mask: each query row must keep one contiguous range of keys; the
   key lengths are where the kept keys end, the band (causal, left/right window) is read off the rows, top-left
   alignment when q and k have the same length (prefill, encoders), bottom-right when the queries are the last
-  tokens of a longer KV cache (decode). The band and lengths are rebuilt per row and compared with HF's mask.
+  tokens of a longer KV cache (decode); a causal module's left cut counts as a window only when it is the
+  module's own sliding window (otherwise it is padding, below). The band and lengths are rebuilt per row and
+  compared with HF's mask.
   Otherwise the rows are split into sequences (runs of query rows that share keys with the previous row) whose
   keys are what their rows keep, in order: left padding, the decode steps after right-padded prompts (prompt
   plus the tokens after the padding gap), and packed documents (block-diagonal masks of padding-free batches).
@@ -224,6 +226,16 @@ def _try_alignment(lo, hi, nonempty, kv_lengths, q_len: int, kv_len: int, bottom
     return word, window
 
 
+def _window_is_modules(window: Optional[Tuple[int, int]], is_causal: bool, sliding_window: Optional[int]) -> bool:
+    """Whether a band's left window (TE's window_size, read off a mask) is the module's own: always for a
+    non-causal module; for a causal one only none, or exactly sliding_window keys (left = sliding_window - 1).
+    A wider cut is left padding; read as a window, the sequence would keep the padding in its MXFP8 blocks."""
+    left = None if window is None or window[0] == -1 else window[0]
+    if left is None or not is_causal:
+        return True
+    return sliding_window is not None and left == int(sliding_window) - 1
+
+
 def _explain_failure(q_len: int, kv_len: int) -> str:
     return ("the mask is not a causal or sliding-window band over one range of keys and queries per sequence "
             f"(q_len={q_len}, kv_len={kv_len}). {_PADDING_HINT}")
@@ -234,9 +246,12 @@ def plan_attention_mask(attention_mask: Optional[torch.Tensor], *, batch: int, q
     """Translate the mask a transformers model hands its attention function into `mxfp8_attention` arguments.
 
     attention_mask: None, or 4-D [B or 1, 1 or H, q_len, kv_len] boolean (True = attend) or additive (0 / <=
-    -1e4). is_causal, sliding_window: the module's flags, used only when the mask is None (then the result is
-    what torch SDPA does with ``attn_mask=None``). The derived band and key lengths are rebuilt row by row and
-    compared with the mask; `UnsupportedMaskError` says what could not be expressed.
+    -1e4). is_causal, sliding_window: the module's flags. When the mask is None the result is what torch SDPA
+    does with ``attn_mask=None``. With a mask, a causal module's rows cut on the left by anything but its own
+    window (sliding_window keys) are read as padding, not as a wider window: each sequence then starts at its
+    first kept key (its MXFP8 blocks too), as if it were alone (a left-padded decode step). The derived band
+    and key lengths are rebuilt row by row and compared with the mask; `UnsupportedMaskError` says what could
+    not be expressed.
     """
     if attention_mask is None:
         return _plan_without_mask(q_len, kv_len, is_causal, sliding_window)
@@ -250,8 +265,9 @@ def plan_attention_mask(attention_mask: Optional[torch.Tensor], *, batch: int, q
     any_holes = bool(holes.any())
     for bottom_right in () if any_holes else order:
         found = _try_alignment(lo, hi, nonempty, kv_lengths, q_len, kv_len, bottom_right)
-        if found is not None:
+        if found is not None and _window_is_modules(found[1], is_causal, sliding_window):
             break
+        found = None
     if found is None:
         plan = _plan_sequences(keep, nonempty, batch, q_len, kv_len)
         if plan is not None:
