@@ -527,6 +527,24 @@ def test_plan_refuses_what_it_cannot_express():
         mx_hf.plan_attention_mask(packed, batch=1, q_len=8, kv_len=8)
 
 
+@pytest.mark.slow
+def test_models_bench_hf_rows_smoke_run(tmp_path):
+    """benchmarks/models_bench.py --hf-extras-only on the CPU (tiny Llama, reference backend): the issue's
+    rows (left-padded batched generation vs SDPA, padding-free vs padded training) are measured and written."""
+    import json
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "benchmarks/models_bench.py", "--device", "cpu", "--backend", "reference",
+                          "--hf-extras-only", "--new-tokens", "3", "--out-dir", str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads((tmp_path / "models.json").read_text())
+    gen = out["left_padded_generate"]
+    assert len(set(gen["prompts"])) > 1 and gen["tok_s_sdpa"] > 0 and gen["tok_s_mxfp8"] > 0
+    assert [r["attn"] for r in out["padding_free"]] == ["sdpa", NAME]
+    assert all(r["padded"] > 0 and r["padding_free"] > 0 for r in out["padding_free"])
+    assert "Batched generation with left padding" in (tmp_path / "models.md").read_text()
+
+
 def test_register_validates_and_import_stays_optional():
     with pytest.raises(ValueError, match="name"):
         mx_hf.register("my_sdpa")
