@@ -8,8 +8,13 @@ Measured per model (ratios mxfp8 / sdpa in the same run):
 and, for the op itself, a tiny call (B1 S128 H8 D64, bshd, bf16): wall time per call in a loop (forward
 without grad, forward+backward) and the host (CPU thread) time of one public-API forward at B2 H16 S4096 D128.
 
+With --hf-extras (or only those with --hf-extras-only), issue 20's rows on a Llama: batched greedy generation
+of 8 left-padded prompts of 256-1024 tokens, --new-tokens new ones, tokens/s against SDPA's; and training
+tokens/s of the same documents padded (right padding) and padding-free (cu_seq_lens kwargs), for each attention.
+
 Usage (CUDA machine with transformers): python benchmarks/models_bench.py [--quick] [--backend triton] [--hf-extras]
-Writes benchmarks/results/<gpu>/models.json and models.md (or --out-dir).
+Writes benchmarks/results/<gpu>/models.json and models.md (or --out-dir). Smoke run of the script on a CPU (tiny
+models and lengths, no figures): --device cpu --backend reference [--hf-extras-only] --out-dir DIR.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ NAME = "mxfp8"
 
 def gpt2_config(quick: bool):
     from transformers import GPT2Config, GPT2LMHeadModel
+    if DEVICE != "cuda":                    # smoke run of the script: a tiny model
+        cfg = GPT2Config(vocab_size=512, n_positions=256, n_embd=128, n_layer=2, n_head=4, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0)
+        return "gpt2_tiny", cfg, GPT2LMHeadModel, dict(batch=16, seq=512)
     cfg = GPT2Config(vocab_size=8192, n_positions=2048, n_embd=512, n_layer=4, n_head=8, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0)
     return "gpt2_l4_e512_h8", cfg, GPT2LMHeadModel, dict(batch=16, seq=512)
@@ -44,6 +53,10 @@ def gpt2_config(quick: bool):
 
 def llama_config(quick: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
+    if DEVICE != "cuda":                    # smoke run of the script: a tiny model
+        cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        return "llama_tiny", cfg, LlamaForCausalLM, dict(batch=8, seq=1024)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4 if quick else 8,
                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
     return "llama_gqa_h1024_l%d_16q4kv" % cfg.num_hidden_layers, cfg, LlamaForCausalLM, dict(batch=8, seq=1024)
@@ -184,10 +197,11 @@ def left_padded_generate(factory, attn: str, lengths, new_tokens: int, quick: bo
     for _ in range(2):
         sync()
         t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
         sync()
         runs.append(time.perf_counter() - t0)
-    return dict(model=name, attn=attn, tokens_per_s=len(lengths) * new_tokens / statistics.median(runs))
+    return dict(model=name, attn=attn, tokens_per_s=len(lengths) * new_tokens / statistics.median(runs),
+                tokens=out[:, s:].tolist())
 
 
 @releases_memory
@@ -291,9 +305,9 @@ def markdown(res: dict) -> str:
     if res.get("left_padded_generate"):
         g = res["left_padded_generate"]
         lines += ["", "## Batched generation with left padding (bf16 weights)", "",
-                  f"{g['model']}, prompts {g['prompts']}, {g['new_tokens']} new tokens: sdpa "
-                  f"{g['tok_s_sdpa']:.0f} tok/s, mxfp8 {g['tok_s_mxfp8']:.0f} tok/s, ratio {g['ratio']:.2f} "
-                  "(target >= 0.9)"]
+                  f"{g['model']}, batch {len(g['prompts'])}, prompts {g['prompts']}, {g['new_tokens']} new tokens "
+                  f"(prefill included): sdpa {g['tok_s_sdpa']:.0f} tok/s, mxfp8 {g['tok_s_mxfp8']:.0f} tok/s, ratio "
+                  f"{g['ratio']:.2f} (target >= 0.9); greedy tokens equal to sdpa's: {g['same_tokens']:.0%}"]
     if res.get("padding_free"):
         lines += ["", "## Padding-free vs padded training, same documents (training tokens/s)", "",
                   "| attention | padded | padding-free | padding-free / padded (target >= 1) |", "|---|---|---|---|"]
@@ -316,7 +330,10 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-extras", action="store_true",
                     help="also left-padded batch-8 generation (prompts 256-1024) and padding-free vs padded "
                          "training tokens/s of the same documents (Llama)")
-    ap.add_argument("--device", default="cuda", help="cuda (the figures), or cpu for a smoke run of the script")
+    ap.add_argument("--hf-extras-only", action="store_true",
+                    help="only the --hf-extras rows (no training, generation or call rows)")
+    ap.add_argument("--device", default="cuda",
+                    help="cuda (the figures), or cpu for a smoke run of the script (tiny models and shapes)")
     args = ap.parse_args(argv)
     global DEVICE
     DEVICE = args.device
@@ -327,11 +344,11 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     mx_hf.register(NAME, backend=args.backend)
     factories = {"gpt2": gpt2_config, "llama": llama_config}
-    chosen = [factories[m] for m in args.models.split(",")]
+    chosen = [] if args.hf_extras_only else [factories[m] for m in args.models.split(",")]
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     res = dict(device=device, torch=torch.__version__, transformers=transformers.__version__,
                backend=args.backend, train=[], generate=[], calls={})
-    res["calls"] = tiny_call_figures(args.backend) if DEVICE == "cuda" else {}
+    res["calls"] = tiny_call_figures(args.backend) if DEVICE == "cuda" and not args.hf_extras_only else {}
     print(json.dumps(res["calls"], indent=1), flush=True)
     for factory in chosen:
         for compiled in ((False,) if args.no_compile else (False, True)):
@@ -361,16 +378,18 @@ def main(argv=None) -> int:
                        same_tokens=same / (batch * args.new_tokens))
             res["generate"].append(row)
             print(row, flush=True)
-    if args.hf_extras:
+    if args.hf_extras or args.hf_extras_only:
         g = torch.Generator().manual_seed(5)
         gen_lengths = torch.randint(256, 1025, (8,), generator=g).tolist() if DEVICE == "cuda" else [9, 16, 5]
         doc_lengths = torch.randint(128, 1025, (16,), generator=g).tolist() if DEVICE == "cuda" else [9, 16, 5]
         factory = llama_config
         r = {a: left_padded_generate(factory, a, gen_lengths, args.new_tokens, args.quick) for a in ("sdpa", NAME)}
+        same = sum(x == y for a, b in zip(r["sdpa"]["tokens"], r[NAME]["tokens"]) for x, y in zip(a, b))
         res["left_padded_generate"] = dict(model=r["sdpa"]["model"], prompts=gen_lengths,
                                            new_tokens=args.new_tokens, tok_s_sdpa=r["sdpa"]["tokens_per_s"],
                                            tok_s_mxfp8=r[NAME]["tokens_per_s"],
-                                           ratio=r[NAME]["tokens_per_s"] / r["sdpa"]["tokens_per_s"])
+                                           ratio=r[NAME]["tokens_per_s"] / r["sdpa"]["tokens_per_s"],
+                                           same_tokens=same / (len(gen_lengths) * args.new_tokens))
         print(res["left_padded_generate"], flush=True)
         res["padding_free"] = [padding_free_training(factory, a, doc_lengths, args.quick) for a in ("sdpa", NAME)]
         for row in res["padding_free"]:
