@@ -1,5 +1,5 @@
 """The Hugging Face integration on a CUDA GPU with the triton backend: left padding, decode steps after right
-padding and padding-free batches run as packed calls (padded calls on gathered rows under torch.compile); each
+padding and padding-free batches run as packed calls; each
 sequence equals its own call, and batched greedy generation gives each prompt its own tokens."""
 
 import pytest
