@@ -126,6 +126,72 @@ def test_batched_left_padded_generate_gives_each_prompt_its_own_tokens_on_triton
     assert compared >= 0.75 * n * len(prompts), compared
 
 
+def test_compiled_left_padded_generate_equals_eager_on_triton():
+    """transformers' compiled generation (static cache) on left-padded prompts: with CompileConfig(fullgraph=True)
+    (any graph break raises) on aot_eager the tokens and logits equal eager generation's bit for bit; with the
+    default configuration (inductor, CUDA graphs) they agree up to ties (`_compare_greedy`)."""
+    from transformers import CompileConfig
+    model = _llama(torch.float32)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 97, (n,), generator=g).cuda() for n in (33, 12, 20)]
+    ids, am = _left_padded(prompts)
+    kw = dict(cache_implementation="static")
+    with torch.no_grad():
+        eager = _greedy(model, ids, am, 8, disable_compile=True, **kw)
+        torch._dynamo.reset()
+        traced = _greedy(model, ids, am, 8, compile_config=CompileConfig(fullgraph=True, backend="aot_eager",
+                                                                         mode=None), **kw)
+        assert torch.equal(traced[0], eager[0]) and torch.equal(traced[1], eager[1])
+        torch._dynamo.reset()
+        default = _greedy(model, ids, am, 8, compile_config=CompileConfig(fullgraph=True), **kw)
+    assert hasattr(model, "_compiled_call")
+    compared = sum(_compare_greedy((default[0][b], default[1][b]), (eager[0][b], eager[1][b]), f"prompt {b}")
+                   for b in range(len(prompts)))
+    assert compared >= 0.75 * 8 * len(prompts), compared
+
+
+@pytest.mark.parametrize("case", ["left_prefill", "left_decode", "left_static_decode", "right_decode"])
+def test_compiled_attention_per_sequence_on_triton(case):
+    """The attention function traced with fullgraph=True (device-side mask translation, rows gathered with
+    static shapes, one padded triton call): output and gradients equal the eager function's (packed calls) bit
+    for bit, and each sequence equals its own call."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+    pads, q_len, kv_len, q_offset = {"left_prefill": ((0, 9, 33), 70, 70, 0), "left_decode": ((0, 9, 33), 1, 70, 69),
+                                     "left_static_decode": ((0, 9, 33), 1, 96, 69),
+                                     "right_decode": ((0, 0, 0), 1, 70, 69)}[case]
+    j = torch.arange(kv_len).unsqueeze(0)
+    keys = j >= torch.tensor(pads).unsqueeze(1)
+    if case == "right_decode":                          # prompts of 60, 41, 13 tokens padded to 60, 10 new ones
+        keys = (j < torch.tensor([60, 41, 13]).unsqueeze(1)) | (j >= 60)
+    mask = sdpa_mask(batch_size=3, q_length=q_len, kv_length=kv_len, q_offset=q_offset,
+                     mask_function=causal_mask_function, attention_mask=keys, allow_is_causal_skip=False).cuda()
+    fn = mx_hf.make_attention_function("triton")
+    module = torch.nn.Module()
+    module.is_causal = True
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 8, q_len, 64, generator=g).cuda().bfloat16()
+    k, v = (torch.randn(3, 2, kv_len, 64, generator=g).cuda().bfloat16() for _ in range(2))
+    do = torch.randn(3, q_len, 8, 64, generator=g).cuda().bfloat16()
+    call = lambda q, k, v: fn(module, q, k, v, mask, scaling=0.125)[0]  # noqa: E731
+
+    def run(f):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = f(*leaves)
+        return (out,) + torch.autograd.grad(out, leaves, do)
+
+    torch._dynamo.reset()
+    eager, traced = run(call), run(torch.compile(call, fullgraph=True, backend="aot_eager"))
+    for a, b in zip(traced, eager):
+        assert torch.equal(a, b), case
+    for b in range(3):
+        rows = mask[b, 0].any(dim=1).nonzero().flatten()
+        cols = mask[b, 0].any(dim=0).nonzero().flatten()
+        alone = mxattn.mxfp8_attention(q[b:b + 1, :, rows].transpose(1, 2), k[b:b + 1, :, cols].transpose(1, 2),
+                                       v[b:b + 1, :, cols].transpose(1, 2), attn_mask_type="causal_bottom_right",
+                                       softmax_scale=0.125, backend="triton")
+        assert torch.equal(traced[0][b, rows], alone[0]), (case, b)
+
+
 def test_padding_free_training_each_document_as_its_own_call_on_triton():
     """A padding-free batch (one row, cu_seq_lens_q/k and max_length_q/k as DataCollatorWithFlattening(
     return_flash_attn_kwargs=True) passes them): the attention call's output and dQ, dK, dV of every document
