@@ -29,6 +29,12 @@ lengths (right padding), so each HF mask is translated into TE mask words + ``cu
   exactly as if it were alone. Anything these do not reproduce exactly (image-token overlays, per-head masks,
   ALiBi-like additive biases) raises `UnsupportedMaskError` saying what it found.
 
+Under torch.compile the translation runs on the device (`plan_attention_mask_traced`): one sequence per batch
+row, gathered to the front of its row with static shapes (`RowCompaction`) for one padded call, the same bytes
+as the eager translation; left padding, decode steps after either padding and static caches trace without
+graph breaks, and what needs several sequences in a row (packed documents without the ``cu_seq_lens`` kwargs)
+stops at a device-side assert.
+
 Query rows of right-padding tokens are computed as HF computes them (they attend the valid keys); they are not
 zeroed, so outputs agree with eager/SDPA on every row that has a key.
 
@@ -86,6 +92,8 @@ class MaskPlan:
     gather: Optional["RowGather"] = None
     #: the batch is one row of packed sequences already (padding-free training): a thd call on that row
     packed: bool = False
+    #: a padded call on each row's sequence gathered to the front of its row (`RowCompaction`; torch.compile)
+    rows: Optional["RowCompaction"] = None
 
     def kwargs(self) -> dict:
         return dict(attn_mask_type=self.attn_mask_type, window_size=self.window_size,
@@ -103,6 +111,20 @@ class RowGather:
 
     q_rows: torch.Tensor
     kv_rows: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class RowCompaction:
+    """One sequence per batch row at the front of its row, in static shapes (the torch.compile form of
+    `RowGather`): q_index int64 [B, Sq] is the padded query row read by each compact row (the sequence's rows
+    first, in order), q_back int64 [B, Sq] each padded query row's compact row (rows of no sequence land past
+    the sequence's end, where the padded call leaves O = 0), kv_index int64 [B, Skv] the padded key row of
+    each compact key. The call is one padded (bshd + cu_seqlens) call on the gathered rows, so every sequence
+    is computed as if it were alone, its MXFP8 blocks along S starting at its first key."""
+
+    q_index: torch.Tensor
+    q_back: torch.Tensor
+    kv_index: torch.Tensor
 
 
 # --------------------------------------------------------------------------- mask translation
@@ -367,55 +389,120 @@ def _plan_sequences(keep, nonempty, batch: int, q_len: int, kv_len: int) -> Opti
                     max_seqlen_kv=max_kv, gather=RowGather(q_rows, kv_rows))
 
 
-def plan_attention_mask_traced(attention_mask: Optional[torch.Tensor], *, batch: int, q_len: int, kv_len: int,
-                               is_causal: bool = True, sliding_window: Optional[int] = None) -> MaskPlan:
-    """`plan_attention_mask` in a form torch.compile traces without graph breaks (no value read on the host).
-
-    The band comes from the module's flags, as transformers' own mask builders make it: causal when is_causal,
-    a left window of sliding_window keys, top-left when q_len == kv_len (training, prefill) and bottom-right
-    otherwise (decode and chunked-prefill steps of a KV cache); the key lengths are read off the mask on the
-    device. Every call is then a padded call (lengths equal to kv_len where nothing is padded). The same check
-    as the eager translation stays, on the device: the mask rebuilt from the band and the lengths must equal
-    HF's mask, else `torch._assert_async` stops the run with the reason (a RuntimeError on the CPU, a device-side
-    assert on CUDA). What the eager path would refuse is refused here too."""
-    if attention_mask is None:
-        return _plan_without_mask(q_len, kv_len, is_causal, sliding_window)
+def _traced_keep(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int):
+    """`_keep_mask` without host reads: (keep bool [B, Sq, Skv], bad 0-d bool). bad: the additive mask holds
+    values other than 0 and masked, or the heads' masks differ."""
     mask = _checked_mask(attention_mask, batch, q_len, kv_len)
-    device = mask.device
     if mask.dtype == torch.bool:
         keep_h = mask
-        bad = torch.zeros((), dtype=torch.bool, device=device)
+        bad = torch.zeros((), dtype=torch.bool, device=mask.device)
     else:
         keep_h = mask == 0
         bad = (~(keep_h | (mask <= MASKED_AT_OR_BELOW))).any()
-    # comparisons of masks as int8: inductor's value-range analysis (torch 2.11) fails on != of two bool tensors
     keep = keep_h[:, :1].expand(-1, keep_h.shape[1], -1, -1)
-    bad = bad | (keep_h.to(torch.int8) != keep.to(torch.int8)).any()
-    keep = keep[:, 0].expand(batch, q_len, kv_len)                                        # [B, Sq, Skv]
-    j = torch.arange(kv_len, device=device)
-    kv_lengths = torch.where(keep, j + 1, 0).amax(dim=(1, 2))                             # [B]
+    bad = bad | _differs(keep_h, keep)
+    return keep[:, 0].expand(batch, q_len, kv_len), bad
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """0-d bool: some element of the boolean tensors a and b differs (compared as int8: inductor's value-range
+    analysis (torch 2.11) fails on != of two bool tensors)."""
+    return (a.to(torch.int8) != b.to(torch.int8)).any()
+
+
+def _module_band(q_len: int, kv_len: int, is_causal: bool, sliding_window: Optional[int]):
+    """(TE word without padding, window_size) of the module's band, as transformers' mask builders make it:
+    causal when is_causal, a left window of sliding_window keys, top-left when q_len == kv_len (training,
+    prefill) and bottom-right otherwise (decode and chunked-prefill steps of a KV cache)."""
     window = None
     if is_causal and sliding_window is not None and 0 < sliding_window < kv_len:
         window = (int(sliding_window) - 1, 0)
     word = "no_mask" if not is_causal else "causal" if q_len == kv_len else "causal_bottom_right"
-    band = resolve_mask(word, window).band
-    i = torch.arange(q_len, device=device).view(1, q_len, 1)
-    off = (kv_lengths - q_len).view(batch, 1, 1) if band.bottom_right else 0
-    expected = j.view(1, 1, kv_len) < kv_lengths.view(batch, 1, 1)
+    return word, window
+
+
+def _compaction(selected: torch.Tensor):
+    """selected bool [B, S] -> (index, back, count), static shapes, no host read.
+
+    back int64 [B, S]: a permutation of each row that puts the selected positions first, in order, then the
+    others, in order (back[b, j] is where position j goes); index int64 [B, S]: its inverse (index[b, c] is the
+    position that goes to c); count int64 [B]: the selected positions of each row."""
+    n = selected.shape[1]
+    j = torch.arange(n, device=selected.device).expand_as(selected)
+    before = torch.cumsum(selected, dim=1)                                  # selected positions <= j
+    count = selected.sum(dim=1)
+    back = torch.where(selected, before - 1, count.unsqueeze(1) + j - before)
+    index = torch.zeros_like(back).scatter(1, back, j)
+    return index, back, count
+
+
+def _band_rebuild(band, q_sel, q_pos, n_q, kv_sel, kv_pos, n_kv) -> torch.Tensor:
+    """The mask [B, Sq, Skv] (bool) of a padded call: query row i of batch b is compact row q_pos[b, i] of a
+    sequence of n_q[b] rows when q_sel[b, i], key j is compact key kv_pos[b, j] of n_kv[b] when kv_sel[b, j];
+    `band` (a `MaskSpec`) applies in those compact coordinates, bottom-right with each sequence's lengths."""
+    i, j = q_pos.unsqueeze(2), kv_pos.unsqueeze(1)
+    off = (n_kv - n_q).view(-1, 1, 1) if band.bottom_right else 0
+    keep = q_sel.unsqueeze(2) & kv_sel.unsqueeze(1)
     if band.right_bound is not None:
-        expected = expected & (j <= i + off + band.right_bound)
+        keep = keep & (j <= i + off + band.right_bound)
     if band.left_bound is not None:
-        expected = expected & (j > i + off - band.left_bound)
-    bad = bad | (expected.to(torch.int8) != keep.to(torch.int8)).any()
-    torch._assert_async(~bad, "mxattn: this attention mask is not the module's band (causal / sliding window, "
-                        "top-left for q_len == kv_len, bottom-right otherwise) over per-sequence key lengths "
-                        "(right padding), or holds values other than 0 and masked; run the model eagerly for "
-                        "the detailed reason")
-    cu_kv = torch.cat([torch.zeros(1, dtype=torch.int32, device=device),
-                       torch.cumsum(kv_lengths, dim=0).to(torch.int32)])
-    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len
+        keep = keep & (j > i + off - band.left_bound)
+    return keep
+
+
+_TRACED_REFUSAL = ("mxattn (torch.compile): this attention mask is not the module's band (causal / sliding window, "
+                   "top-left for q_len == kv_len, bottom-right otherwise) over one sequence per batch row (the "
+                   "keys its rows keep: left or right padding, decode steps, static caches). Several packed "
+                   "documents in one row (pass cu_seq_lens_q/k instead: DataCollatorWithFlattening("
+                   "return_flash_attn_kwargs=True)), right-padded prompts prefilled into a static cache (pad on "
+                   "the left) and mask overlays cannot be traced; run the model eagerly for the detailed reason")
+
+
+def plan_attention_mask_traced(attention_mask: Optional[torch.Tensor], *, batch: int, q_len: int, kv_len: int,
+                               is_causal: bool = True, sliding_window: Optional[int] = None) -> MaskPlan:
+    """`plan_attention_mask` in a form torch.compile traces without graph breaks (no value read on the host).
+
+    The band comes from the module's flags (`_module_band`). Every call is one padded call with one sequence
+    per batch row, gathered to the front of its row (`RowCompaction`, static shapes), exactly as the eager
+    translation reads the mask:
+
+    * when HF's mask is that band over each row's first L_b keys (right padding, unpadded batches, decode
+      steps, static caches), the sequence is all query rows and those keys (what `plan_attention_mask` plans
+      without gathering);
+    * otherwise it is the query rows that keep a key and the keys they keep, in order (left padding, decode
+      steps after right-padded prompts): MXFP8 blocks start at each sequence's first kept key, as in the eager
+      translation's packed sequences, so both give the same bytes.
+
+    The mask rebuilt from that plan must equal HF's, else `torch._assert_async` stops the run with the reason
+    (a RuntimeError on the CPU, a device-side assert on CUDA): what the eager path refuses is refused here
+    too, and so are several sequences in one batch row (packed documents), which the eager path runs."""
+    if attention_mask is None:
+        return _plan_without_mask(q_len, kv_len, is_causal, sliding_window)
+    keep, bad = _traced_keep(attention_mask, batch, q_len, kv_len)
+    torch._assert_async(~bad, "mxattn (torch.compile): the attention mask holds values other than 0 and masked "
+                        "(an additive bias?) or differs between heads; mxattn cannot express it")
+    word, window = _module_band(q_len, kv_len, is_causal, sliding_window)
+    band = resolve_mask(word, window).band
+    device = keep.device
+    rows_keep = keep.any(dim=2)                                                          # [B, Sq]
+    keys_kept = keep.any(dim=1)                                                          # [B, Skv]
+    i = torch.arange(q_len, device=device).expand(batch, q_len)
+    j = torch.arange(kv_len, device=device).expand(batch, kv_len)
+    lengths = torch.where(keys_kept, j + 1, 0).amax(dim=1)                              # [B]
+    prefix = j < lengths.unsqueeze(1)
+    all_rows = torch.ones_like(rows_keep)
+    as_band = ~_differs(_band_rebuild(band, all_rows, i, torch.full_like(lengths, q_len), prefix, j, lengths),
+                        keep)
+    q_sel = torch.where(as_band, all_rows, rows_keep)
+    kv_sel = torch.where(as_band, prefix, keys_kept)
+    q_index, q_back, n_q = _compaction(q_sel)
+    kv_index, kv_back, n_kv = _compaction(kv_sel)
+    torch._assert_async(~_differs(_band_rebuild(band, q_sel, q_back, n_q, kv_sel, kv_back, n_kv), keep),
+                        _TRACED_REFUSAL)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    cu_q, cu_kv = (torch.cat([zero, torch.cumsum(n, dim=0).to(torch.int32)]) for n in (n_q, n_kv))
     return MaskPlan("padding_" + word if word != "no_mask" else "padding", window, cu_q, cu_kv,
-                    max_seqlen_q=q_len, max_seqlen_kv=kv_len)
+                    max_seqlen_q=q_len, max_seqlen_kv=kv_len, rows=RowCompaction(q_index, q_back, kv_index))
 
 
 #: the plans of the last few masks: a model hands the same mask tensor to every layer
@@ -473,7 +560,7 @@ def make_attention_function(backend: str = "auto"):
         # attention sinks (gpt-oss's s_aux: one logit per query head) are mxattn's learnable sink
         extra = {} if s_aux is None else dict(softmax_type="learnable", softmax_offset=s_aux.float())
         if kwargs.get("cu_seq_lens_q") is not None:
-            plan = _plan_flattened(kwargs, batch, causal, sliding_window)
+            plan = _plan_flattened(kwargs, batch, q_len, kv_len, causal, sliding_window)
         elif torch.compiler.is_compiling():
             plan = plan_attention_mask_traced(attention_mask, batch=batch, q_len=q_len, kv_len=kv_len,
                                               is_causal=causal, sliding_window=sliding_window)
@@ -491,6 +578,8 @@ def make_attention_function(backend: str = "auto"):
             value = torch.nn.functional.pad(value, (0, head_dim - v_dim))
         if plan.gather is not None:
             out = _packed_call(plan, query, key, value, scaling, backend, extra)
+        elif plan.rows is not None:
+            out = _compacted_call(plan, query, key, value, scaling, backend, extra)
         elif plan.packed:          # padding-free batch: [1, H, T, D] with the sequences in cu_seqlens
             out = mxfp8_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                                   qkv_format="thd", softmax_scale=scaling, backend=backend, **plan.kwargs(),
@@ -507,10 +596,13 @@ def make_attention_function(backend: str = "auto"):
     return mxfp8_attention_forward
 
 
-def _plan_flattened(kwargs: dict, batch: int, causal: bool, sliding_window: Optional[int]) -> MaskPlan:
+def _plan_flattened(kwargs: dict, batch: int, q_len: int, kv_len: int, causal: bool,
+                    sliding_window: Optional[int]) -> MaskPlan:
     """A padding-free batch (transformers' DataCollatorWithFlattening): one row of concatenated sequences whose
     boundaries arrive as the cu_seq_lens_q / cu_seq_lens_k kwargs (and max_length_q / max_length_k), as for
-    flash attention; each sequence attends only to itself (causal per sequence for a causal module)."""
+    flash attention; each sequence attends only to itself (causal per sequence for a causal module). q_len,
+    kv_len: the row's tokens, the bound of the longest sequence under torch.compile when max_length_q/k are
+    not given (eagerly they are read off the cu_seq_lens)."""
     if batch != 1:
         raise UnsupportedMaskError(f"cu_seq_lens_q describes a padding-free batch, which is one row of packed "
                                    f"sequences; got batch {batch}")
@@ -518,6 +610,8 @@ def _plan_flattened(kwargs: dict, batch: int, causal: bool, sliding_window: Opti
     cu_k = kwargs.get("cu_seq_lens_k")
     cu_k = cu_q if cu_k is None else cu_k
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if torch.compiler.is_compiling():
+        max_q, max_k = (bound if given is None else given for given, bound in ((max_q, q_len), (max_k, kv_len)))
     window = None
     if causal and sliding_window is not None and sliding_window > 0:
         window = (int(sliding_window) - 1, 0)
@@ -539,6 +633,21 @@ def _packed_call(plan: MaskPlan, query, key, value, scaling, backend, extra: dic
                         **extra)
     out = o.new_zeros((b * sq, hq, o.shape[-1])).index_copy(0, g.q_rows, o)
     return out.view(b, sq, hq, o.shape[-1])
+
+
+def _compacted_call(plan: MaskPlan, query, key, value, scaling, backend, extra: dict) -> torch.Tensor:
+    """The call of a `RowCompaction` plan: each row's sequence gathered to the front of its row, one padded
+    call, O gathered back; query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] -> [B, Sq, Hq, D] (zeros on rows
+    without a key). Static shapes (torch.compile); differentiable (gather)."""
+    rows = plan.rows
+
+    def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:      # [B, H, S, D] -> bshd rows `index`
+        x = x.transpose(1, 2)
+        return torch.gather(x, 1, index.view(*index.shape, 1, 1).expand(-1, -1, x.shape[2], x.shape[3]))
+
+    o = mxfp8_attention(take(query, rows.q_index), take(key, rows.kv_index), take(value, rows.kv_index),
+                        qkv_format="bshd", softmax_scale=scaling, backend=backend, **plan.kwargs(), **extra)
+    return torch.gather(o, 1, rows.q_back.view(*rows.q_back.shape, 1, 1).expand(-1, -1, o.shape[2], o.shape[3]))
 
 
 def register(name: str = "mxfp8", backend: str = "auto") -> str:
