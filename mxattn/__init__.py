@@ -4,7 +4,8 @@ Q, K, V (and dO in backward) are FP8 E4M3 with one E8M0 power-of-two scale per 3
 cuDNN / Transformer Engine MXFP8 recipe. Backends: `cudnn` (Blackwell), `triton` (other CUDA GPUs, exact
 emulation), `reference` (pure PyTorch, any device). Variable lengths (padded and packed `thd` batches) and
 attention sinks follow Transformer Engine's arguments; `mxattn.integrations.transformers` plugs into Hugging Face;
-`MXFP8KVCache` with `mxfp8_attention_with_kvcache` serves decode steps from a paged MXFP8 cache.
+`MXFP8KVCache` with `mxfp8_attention_with_kvcache` serves decode steps from a paged MXFP8 cache. `Recipe` selects
+numerics variants (P, V and dS rounding, scale rounding, per-tensor FP8) for studies; `reference` runs them all.
 """
 
 from .attention import mxfp8_attention
@@ -15,6 +16,7 @@ from .formats import MXFP8Tensor, quantize_mxfp8, swizzle_128x4, unswizzle_128x4
 from .kvcache import MXFP8KVCache, mxfp8_attention_with_kvcache
 from .mask import MaskSpec
 from .module import DotProductAttention
+from .recipe import Recipe
 from .seqinfo import SeqInfo, cu_seqlens_from_padding_mask
 
 __version__ = "0.1.0"
@@ -26,6 +28,7 @@ __all__ = [
     "MXFP8KVCache",
     "MXFP8Tensor",
     "MaskSpec",
+    "Recipe",
     "SeqInfo",
     "backend_availability",
     "cu_seqlens_from_padding_mask",

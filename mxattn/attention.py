@@ -12,6 +12,7 @@ from .backends import Problem, choose_backend
 from .errors import MXFP8NotSupportedError
 from .layouts import bhsd_shape, check_format, from_bhsd, to_bhsd
 from .mask import resolve_mask
+from .recipe import Recipe, check_recipe_varlen, resolve_recipe
 from .seqinfo import SeqInfo, make_seqinfo
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -70,7 +71,7 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
                     out_dtype: Optional[torch.dtype] = None, cu_seqlens_q: Optional[torch.Tensor] = None,
                     cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
                     max_seqlen_kv: Optional[int] = None, softmax_type: str = "vanilla",
-                    softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    softmax_offset: Optional[torch.Tensor] = None, recipe: Optional[Recipe] = None) -> torch.Tensor:
     """Scaled-dot-product attention with Q, K, V (and dO in backward) in MXFP8, differentiable.
 
     q: [B, Sq, Hq, D] (bshd), [Sq, B, Hq, D] (sbhd), [B, Hq, Sq, D] (bhsd) or [T_q, Hq, D] (thd, packed
@@ -93,6 +94,9 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     "learnable" adds the per-head sink logit softmax_offset (fp32 [Hq] on q's device, differentiable: its
     gradient is summed over batch and query rows). The sink is not quantized and adds nothing to O.
     backend: "auto" (the first of cudnn, triton, reference that supports the call), or one of them by name.
+    recipe: None (the default, cuDNN's recipe) or an `mxattn.Recipe` variant (P, V and dS rounding, scale
+    rounding, per-tensor FP8); cudnn and triton run only the default, reference runs every recipe, "auto" picks
+    a backend that runs the one asked for. scaling="per_tensor" takes dense batches only (ValueError).
     NaN in an input gives NaN in the outputs that depend on it (the MXFP8 block holding it has a NaN scale);
     NaN in padding rows reaches no output. Infinities propagate as in torch SDPA: an infinity in Q or K gives
     an infinite logit and NaN in the query rows where it is the softmax's maximum (+inf - +inf); an infinity in
@@ -100,11 +104,12 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     """
     if cu_seqlens_q is None and cu_seqlens_kv is None and not torch.compiler.is_compiling():
         key = _signature(q, k, v, qkv_format, attn_mask_type, window_size, softmax_scale, backend, out_dtype,
-                         max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset)
+                         max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset, recipe)
         plan = None if key is None else _PLANS.get(key)
         if plan is not None:
             return _run_dense(plan, q, k, v, _sink_of(plan, softmax_offset))
     validate_inputs(q, k, v, qkv_format)
+    recipe = resolve_recipe(recipe)
     band, padding_type = resolve_mask(attn_mask_type, window_size)
     if not padding_type and (cu_seqlens_q is not None or cu_seqlens_kv is not None) and qkv_format != "thd":
         raise ValueError(f"cu_seqlens_q/cu_seqlens_kv are sequence lengths of a padded batch: use a padding "
@@ -123,6 +128,7 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
         seq = make_seqinfo(packed=packed, batch=None if packed else qb.shape[0], rows_q=qb.shape[2],
                            rows_kv=kb.shape[2], device=q.device, cu_seqlens_q=cu_seqlens_q,
                            cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+        check_recipe_varlen(recipe, "packed" if packed else "padded")
     sink = _sink(softmax_type, softmax_offset, qb.shape[1], q.device)
     head_dim = q.shape[-1]
     if softmax_scale is None:
@@ -144,16 +150,18 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
                       seqlen_kv=seq.max_seqlen_kv if packed else kb.shape[2], head_dim=head_dim, mask=band,
                       varlen=None if seq is None else ("packed" if packed else "padded"),
                       needs_backward=ops.needs_backward(q, k, v, softmax_offset),
-                      out_dtype=kernel_dtype, softmax_type=softmax_type)
+                      out_dtype=kernel_dtype, softmax_type=softmax_type, recipe=recipe)
     name = choose_backend(backend, problem)
     if seq is None and not torch.compiler.is_compiling():
         plan = _DensePlan(qkv_format, float(softmax_scale), band.diagonal_alignment == "bottom_right",
-                          band.left_bound, band.right_bound, kernel_dtype, out_dtype, name, softmax_type)
+                          band.left_bound, band.right_bound, kernel_dtype, out_dtype, name, softmax_type,
+                          recipe.encode())
         _remember(key, plan)
         return _run_dense(plan, q, k, v, sink)
     out_format = "bshd" if packed else qkv_format
     o = ops.attention(qb, kb, vb, float(softmax_scale), band.diagonal_alignment == "bottom_right",
-                      band.left_bound, band.right_bound, kernel_dtype, out_format, name, *_seq_args(seq), sink)
+                      band.left_bound, band.right_bound, kernel_dtype, out_format, name, *_seq_args(seq), sink,
+                      recipe.encode())
     o = o[0].transpose(0, 1) if packed else from_bhsd(o, qkv_format)
     return o if o.dtype == out_dtype else o.to(out_dtype)
 
@@ -172,6 +180,8 @@ class _DensePlan(NamedTuple):
     out_dtype: torch.dtype
     backend: str
     softmax_type: str
+    #: the recipe as `Recipe.encode` gives it
+    recipe: str
 
 
 #: plans of dense eager calls by signature (`_signature`); bounded, cleared when full. Reads and writes of a
@@ -185,7 +195,7 @@ def _tensor_key(x):
 
 
 def _signature(q, k, v, qkv_format, attn_mask_type, window_size, softmax_scale, backend, out_dtype,
-               max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset) -> Optional[tuple]:
+               max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset, recipe=None) -> Optional[tuple]:
     """Everything the checks and the backend choice of a dense call read (types, shapes, strides, dtypes,
     devices, grad mode, the options), or None when an argument is not what a plan can key (the full path
     then runs and raises the clear error)."""
@@ -194,7 +204,7 @@ def _signature(q, k, v, qkv_format, attn_mask_type, window_size, softmax_scale, 
         window = None if window_size is None else tuple(window_size)
         key = (_tensor_key(q), _tensor_key(k), _tensor_key(v), qkv_format, attn_mask_type, window,
                softmax_scale, softmax_scale.__class__, backend, out_dtype, max_seqlen_q, max_seqlen_kv,
-               softmax_type, offset, torch.is_grad_enabled())
+               softmax_type, offset, recipe, torch.is_grad_enabled())
         hash(key)
         return key
     except (AttributeError, TypeError):
@@ -222,7 +232,7 @@ def _run_dense(plan: _DensePlan, q, k, v, sink):
         sink = torch.zeros(bhsd_shape(q, fmt)[1], dtype=torch.float32, device=q.device)
     o = ops.attention(to_bhsd(q, fmt), to_bhsd(k, fmt), to_bhsd(v, fmt), plan.softmax_scale, plan.bottom_right,
                       plan.left_bound, plan.right_bound, plan.kernel_dtype, fmt, plan.backend, None, None, 0, 0,
-                      False, sink)
+                      False, sink, plan.recipe)
     o = from_bhsd(o, fmt)
     return o if o.dtype == plan.out_dtype else o.to(plan.out_dtype)
 

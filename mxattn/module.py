@@ -10,6 +10,7 @@ from torch import nn
 from .attention import SOFTMAX_TYPES, mxfp8_attention
 from .layouts import check_format
 from .mask import resolve_mask
+from .recipe import Recipe, resolve_recipe
 from .seqinfo import cu_seqlens_from_padding_mask
 
 
@@ -22,12 +23,13 @@ class DotProductAttention(nn.Module):
     [b, h, s, d] for bhsd, in the inputs' dtype. forward takes TE's per-call arguments: qkv_format,
     attn_mask_type, window_size, cu_seqlens_q/kv, max_seqlen_q/kv, and attention_mask (bool, True = masked
     out, [b, 1, 1, s_kv] or [b, s_kv], right padding; turned into cu_seqlens).
+    recipe: None (the default recipe) or an `mxattn.Recipe` variant used by every call (checked here).
     """
 
     def __init__(self, num_attention_heads: int, kv_channels: int, num_gqa_groups: Optional[int] = None,
                  attention_dropout: float = 0.0, qkv_format: str = "bshd", attn_mask_type: str = "causal",
                  window_size: Optional[Tuple[int, int]] = None, softmax_scale: Optional[float] = None,
-                 backend: str = "auto", softmax_type: str = "vanilla"):
+                 backend: str = "auto", softmax_type: str = "vanilla", recipe: Optional[Recipe] = None):
         super().__init__()
         if attention_dropout != 0.0:
             raise NotImplementedError(f"attention_dropout={attention_dropout}: mxattn has no dropout in the "
@@ -50,6 +52,7 @@ class DotProductAttention(nn.Module):
         self.window_size = None if window_size is None else tuple(window_size)
         self.softmax_scale = softmax_scale
         self.backend = backend
+        self.recipe = resolve_recipe(recipe)
         if softmax_type not in SOFTMAX_TYPES:
             raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
         self.softmax_type = softmax_type
@@ -88,7 +91,8 @@ class DotProductAttention(nn.Module):
                               window_size=window_size, softmax_scale=self.softmax_scale, backend=self.backend,
                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                               max_seqlen_kv=max_seqlen_kv, softmax_type=self.softmax_type,
-                              softmax_offset=None if self.softmax_offset is None else self.softmax_offset.float())
+                              softmax_offset=None if self.softmax_offset is None else self.softmax_offset.float(),
+                              recipe=self.recipe)
         if qkv_format == "bhsd":
             return out
         return out.reshape(*out.shape[:-2], -1)
@@ -116,4 +120,5 @@ class DotProductAttention(nn.Module):
         return (f"num_attention_heads={self.num_attention_heads}, kv_channels={self.kv_channels}, "
                 f"num_gqa_groups={self.num_gqa_groups}, qkv_format={self.qkv_format!r}, "
                 f"attn_mask_type={self.attn_mask_type!r}, window_size={self.window_size}, "
-                f"backend={self.backend!r}, softmax_type={self.softmax_type!r}")
+                f"backend={self.backend!r}, softmax_type={self.softmax_type!r}"
+                + ("" if self.recipe.is_default else f", recipe={self.recipe}"))

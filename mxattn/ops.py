@@ -4,8 +4,9 @@
 FP8 copies by default); `mxattn::attention_bwd` turns them and dO into dQ, dK, dV. Both have fake (meta)
 implementations, so `torch.compile(fullgraph=True)` traces models that use them without graph breaks. Tensors are
 [B, H, S, D] views (a packed batch as [1, H, T, D]); the mask arrives in canonical band form and the sequence
-lengths as the flat fields of a `SeqInfo` (cu_seqlens_q/kv, max_seqlen_q/kv, packed). The concrete backend is
-chosen by the caller (`mxattn.attention`) and passed by name.
+lengths as the flat fields of a `SeqInfo` (cu_seqlens_q/kv, max_seqlen_q/kv, packed) and the numerics as the
+`Recipe.encode` string (last argument, the default recipe when left out). The concrete backend is chosen by the
+caller (`mxattn.attention`) and passed by name.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor
 from .backends import AttentionParams, get_backend
 from .layouts import dense_strides_bhsd, empty_bhsd
 from .mask import MaskSpec
+from .recipe import DEFAULT_RECIPE_KEY, Recipe
 from .seqinfo import SeqInfo
 
 
@@ -26,25 +28,32 @@ def _seq(cu_q, cu_kv, max_q, max_kv, packed) -> Optional[SeqInfo]:
 
 
 def _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink=None,
-            sink_requires_grad=False, needs_backward=True) -> AttentionParams:
+            sink_requires_grad=False, needs_backward=True, recipe: str = DEFAULT_RECIPE_KEY) -> AttentionParams:
     mask = MaskSpec(diagonal_alignment="bottom_right" if bottom_right else "top_left",
                     left_bound=left_bound, right_bound=right_bound)
     return AttentionParams(softmax_scale=softmax_scale, mask=mask, out_dtype=out_dtype, seq=seq, sink=sink,
-                           sink_requires_grad=sink_requires_grad, needs_backward=needs_backward)
+                           sink_requires_grad=sink_requires_grad, needs_backward=needs_backward,
+                           recipe=Recipe.decode(recipe))
+
+
+def _saved_format(backend: str, recipe: str) -> type:
+    """The saved format of backend `backend` for the encoded recipe."""
+    return get_backend(backend).saved_format_for(Recipe.decode(recipe))
 
 
 @torch.library.custom_op("mxattn::attention_fwd", mutates_args=())
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_right: bool,
                   left_bound: Optional[int], right_bound: Optional[int], out_dtype: torch.dtype,
                   qkv_format: str, backend: str, cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
-                  max_seqlen_q: int, max_seqlen_kv: int, packed: bool, sink: Optional[Tensor]) -> List[Tensor]:
+                  max_seqlen_q: int, max_seqlen_kv: int, packed: bool, sink: Optional[Tensor],
+                  recipe: str = DEFAULT_RECIPE_KEY) -> List[Tensor]:
     """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D], sink None or fp32 [Hq] -> [o [B,Hq,Sq,D] dense in qkv_format order,
-    stats [B,Hq,Sq,1] fp32, then the backend's saved tensors (`saved_format.tensors()`)]."""
+    stats [B,Hq,Sq,1] fp32, then the backend's saved tensors (`saved_format_for(recipe).tensors()`)]."""
     o, stats, *saved = _fwd_impl(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype,
                                  qkv_format, backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                                 packed, sink)
+                                 packed, sink, recipe)
     seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
-    return [o, stats, *_as_faked(saved, get_backend(backend).saved_format, q, k, v, seq)]
+    return [o, stats, *_as_faked(saved, _saved_format(backend, recipe), q, k, v, seq)]
 
 
 def _as_faked(saved, saved_format, q: Tensor, k: Tensor, v: Tensor, seq: Optional[SeqInfo]) -> List[Tensor]:
@@ -77,12 +86,13 @@ _FAKED_LAYOUTS: dict = {}
 
 
 def _fwd_impl(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
-              cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, needs_backward=True):
+              cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, recipe=DEFAULT_RECIPE_KEY,
+              needs_backward=True):
     """The forward op's body (its arguments, then needs_backward). needs_backward=False returns O alone and
     lets the backend skip what only a backward pass needs."""
     seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
     params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink,
-                     needs_backward=needs_backward)
+                     needs_backward=needs_backward, recipe=recipe)
     o, stats, saved = get_backend(backend).forward(q, k, v, params)
     if o.stride() != dense_strides_bhsd(tuple(o.shape), qkv_format):  # backends that ignore q's layout
         o = empty_bhsd(tuple(o.shape), qkv_format, out_dtype, o.device).copy_(o)
@@ -93,12 +103,13 @@ def _fwd_impl(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format,
-                        backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink):
+                        backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink,
+                        recipe=DEFAULT_RECIPE_KEY):
     b, h, s, _ = q.shape
     seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
     o = empty_bhsd(tuple(q.shape), qkv_format, out_dtype, q.device)
     stats = q.new_empty((b, h, s, 1), dtype=torch.float32)
-    return [o, stats, *get_backend(backend).saved_format.fake_tensors(q, k, v, seq)]
+    return [o, stats, *_saved_format(backend, recipe).fake_tensors(q, k, v, seq)]
 
 
 @torch.library.custom_op("mxattn::attention_bwd", mutates_args=())
@@ -106,24 +117,27 @@ def attention_bwd(do: Tensor, o: Tensor, stats: Tensor, saved: List[Tensor], kv_
                   softmax_scale: float, bottom_right: bool, left_bound: Optional[int], right_bound: Optional[int],
                   out_dtype: torch.dtype, backend: str, cu_seqlens_q: Optional[Tensor],
                   cu_seqlens_kv: Optional[Tensor], max_seqlen_q: int, max_seqlen_kv: int, packed: bool,
-                  sink: Optional[Tensor], sink_requires_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                  sink: Optional[Tensor], sink_requires_grad: bool,
+                  recipe: str = DEFAULT_RECIPE_KEY) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dO, O [B,Hq,Sq,D], stats [B,Hq,Sq,1], the backend's saved tensors (as the forward op returned them) and
     K's shape [B,Hkv,Skv,D] -> contiguous (dq, dk, dv) in out_dtype and dsink (fp32 [Hq] when
     sink_requires_grad, else an empty tensor)."""
     return _bwd_impl(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_bound, right_bound, out_dtype,
                      backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink,
-                     sink_requires_grad)
+                     sink_requires_grad, recipe)
 
 
 def _bwd_impl(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_bound, right_bound, out_dtype,
               backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, sink_requires_grad,
-              contiguous=True):
+              recipe=DEFAULT_RECIPE_KEY, contiguous=True):
     """The backward op's body (its arguments, then contiguous: False leaves dq, dk, dv in the layout the
     backend wrote them, which the eager path hands to autograd without copies)."""
     seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
-    params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink, sink_requires_grad)
+    params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink, sink_requires_grad,
+                     recipe=recipe)
     be = get_backend(backend)
-    dq, dk, dv, *dsink = be.backward(be.saved_format.from_tensors(saved, seq), o, stats, do, params)
+    saved_format = be.saved_format_for(params.recipe)
+    dq, dk, dv, *dsink = be.backward(saved_format.from_tensors(saved, seq), o, stats, do, params)
     dsink = dsink[0] if sink_requires_grad else stats.new_empty((0,), dtype=torch.float32)
     if contiguous:
         dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
@@ -133,13 +147,14 @@ def _bwd_impl(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_b
 @attention_bwd.register_fake
 def _attention_bwd_fake(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_bound, right_bound,
                         out_dtype, backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink,
-                        sink_requires_grad):
+                        sink_requires_grad, recipe=DEFAULT_RECIPE_KEY):
     dq = do.new_empty(do.shape, dtype=out_dtype)
     dsink = stats.new_empty((do.shape[1] if sink_requires_grad else 0,), dtype=torch.float32)
     return dq, do.new_empty(kv_shape, dtype=out_dtype), do.new_empty(kv_shape, dtype=out_dtype), dsink
 
 
-_N_FWD_ARGS = 16
+#: positions of the sink and of the recipe among the forward op's arguments
+_SINK_ARG, _RECIPE_ARG = 15, 16
 
 
 def _save_context(ctx, inputs, o, stats, saved) -> None:
@@ -149,7 +164,8 @@ def _save_context(ctx, inputs, o, stats, saved) -> None:
     ctx.max_lens_packed = inputs[12:15]
     ctx.input_dtypes = (q.dtype, k.dtype, v.dtype)
     ctx.kv_shape = list(k.shape)
-    cu_q, cu_kv, sink = inputs[10], inputs[11], inputs[15]
+    cu_q, cu_kv, sink = inputs[10], inputs[11], inputs[_SINK_ARG]
+    ctx.recipe = inputs[_RECIPE_ARG]
     ctx.has_seq, ctx.has_sink = cu_q is not None, sink is not None
     ctx.save_for_backward(o, stats, *saved, *((cu_q, cu_kv) if ctx.has_seq else ()),
                           *((sink,) if ctx.has_sink else ()))
@@ -167,18 +183,23 @@ def _backward(ctx, grad_o, eager: bool = False):
     (eager False: the path torch.compile traces) calls the backward custom op, whose fake implementation
     tracing needs; the eager autograd.Function (eager True) calls its body directly (no custom-op dispatch, and
     gradients in the layout of q, k, v: no contiguous copies)."""
+    # one gradient (or None) per argument received: the dispatcher drops trailing arguments equal to their
+    # defaults (the default recipe) before the custom op's autograd sees them
+    n_args = len(ctx.needs_input_grad)
     if grad_o is None:
-        return (None,) * _N_FWD_ARGS
+        return (None,) * n_args
     o, stats, *rest = ctx.saved_tensors
     sink = rest.pop() if ctx.has_sink else None
     saved, cu = (rest[:-2], rest[-2:]) if ctx.has_seq else (rest, (None, None))
     softmax_scale, bottom_right, left_bound, right_bound, out_dtype, _fmt, backend = ctx.options
-    sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[15]
+    sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[_SINK_ARG]
     args = (grad_o, o, stats, list(saved), ctx.kv_shape, softmax_scale, bottom_right, left_bound, right_bound,
-            out_dtype, backend, *cu, *ctx.max_lens_packed, sink, sink_requires_grad)
+            out_dtype, backend, *cu, *ctx.max_lens_packed, sink, sink_requires_grad, ctx.recipe)
     dq, dk, dv, dsink = _bwd_impl(*args, contiguous=False) if eager else attention_bwd(*args)
-    grads = tuple(g if g.dtype == dt else g.to(dt) for g, dt in zip((dq, dk, dv), ctx.input_dtypes))
-    return grads + (None,) * (_N_FWD_ARGS - 4) + (dsink if sink_requires_grad else None,)
+    grads = [g if g.dtype == dt else g.to(dt) for g, dt in zip((dq, dk, dv), ctx.input_dtypes)]
+    grads += [None] * (n_args - 3)
+    grads[_SINK_ARG] = dsink if sink_requires_grad else None
+    return tuple(grads)
 
 
 def _op_backward(ctx, grads):
@@ -214,12 +235,12 @@ def needs_backward(*tensors: Optional[Tensor]) -> bool:
 def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_right: bool, left_bound: Optional[int],
               right_bound: Optional[int], out_dtype: torch.dtype, qkv_format: str, backend: str,
               cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor], max_seqlen_q: int,
-              max_seqlen_kv: int, packed: bool, sink: Optional[Tensor]) -> Tensor:
+              max_seqlen_kv: int, packed: bool, sink: Optional[Tensor], recipe: str = DEFAULT_RECIPE_KEY) -> Tensor:
     """O [B,Hq,Sq,D] of the forward op (same arguments), differentiable: under torch.compile the custom op;
     in eager mode its autograd.Function twin when a gradient is needed, else a forward that keeps nothing
     for backward (the backend may then skip the column-wise copies)."""
     args = (q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
-            cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink)
+            cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, recipe)
     if torch.compiler.is_compiling():
         return attention_fwd(*args)[0]
     if needs_backward(q, k, v, sink):

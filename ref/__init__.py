@@ -7,6 +7,7 @@ from .mxfp8_ref import (
     dequantize,
     keep_mask,
     quantize,
+    quantize_per_tensor,
     sdpa_bwd,
     sdpa_bwd_quantized,
     sdpa_bwd_varlen,
@@ -17,6 +18,7 @@ from .mxfp8_ref import (
 
 __all__ = [
     "quantize",
+    "quantize_per_tensor",
     "dequantize",
     "keep_mask",
     "sdpa_fwd",

@@ -101,6 +101,32 @@ rescaling, P then reaches up to 2^t). cuDNN frontend's own reference
 ``test/python/sdpa/mxfp8_ref.py`` and the frontend 1.32 OSS MXFP8 prefill
 kernels use t = 4 together with p_scale = 16 in the forward (the backward
 keeps 256); pass ``p_scale=16.0, rescale_threshold=4.0`` to emulate that.
+
+Recipe variants (spec section 13; the defaults are the recipe above). Keyword
+options of ``sdpa_fwd`` / ``sdpa_bwd`` (and their varlen forms):
+  p_format="e4m3" (P = E4M3(P * p_scale) / p_scale) | "bf16" (P rounded to
+      bfloat16, p_scale unused), in the forward's P V and the backward's P^T dO;
+  v_format="fp8" (V quantized like Q and K) | "bf16" (V rounded to bfloat16 and
+      never quantized: the forward's P V and the backward's dO V^T use it);
+  ds_format="fp8" (dS quantized along s_kv for dQ and along s_q for dK) |
+      "bf16" (dS rounded to bfloat16 for both), backward only;
+  scale_rounding="ceil" (section 2) | "floor" (the OCP rule: e = biased FP32
+      exponent field of amax minus 8, clamped to [0, 254], NaN -> 255; the
+      elements are then x * 2^(127 - e) saturated as above), for every MXFP8
+      scale (Q, K, V, dO, dS);
+  scaling="mxfp8" (blocks of 32) | "per_tensor": one FP32 scale for a whole
+      tensor (Transformer Engine's current scaling): amax = max |x| in FP32,
+      scale = 448 / amax in FP32 (1 when amax is 0 or +inf, the largest FP32
+      number when the quotient overflows, NaN when amax is NaN), elements
+      E4M3(saturate(x * scale)), value = element * scale_inv with scale_inv =
+      1 / scale in FP32 (``quantize_per_tensor``). Q, K, V, dO and dS (over the
+      whole [B, Hq, Sq, Skv] tensor, found in a first pass) are quantized so;
+      it cannot be combined with scale_rounding="floor" and has no varlen form.
+The ``*_quantized`` functions take what the quantizers return: (data, E8M0
+scale) pairs, (data, FP32 scale_inv of one element) pairs from
+``quantize_per_tensor``, and for V a bfloat16 tensor with scale None (the
+bf16-V variant); their ``scaling`` / ``scale_rounding`` options then only
+concern dS.
 """
 
 from __future__ import annotations
@@ -161,6 +187,31 @@ def _check_device(t: torch.Tensor, name: str, device: torch.device, like: str) -
 def _check_rescale_threshold(rescale_threshold) -> None:
     if rescale_threshold is not None and not (isinstance(rescale_threshold, (int, float)) and rescale_threshold >= 0):
         raise ValueError(f"rescale_threshold: expected None or a number >= 0, got {rescale_threshold!r}")
+
+
+_CHOICES = {
+    "p_format": ("e4m3", "bf16"),
+    "v_format": ("fp8", "bf16"),
+    "ds_format": ("fp8", "bf16"),
+    "scale_rounding": ("ceil", "floor"),
+    "scaling": ("mxfp8", "per_tensor"),
+}
+
+
+def _check_choice(value, name: str) -> str:
+    """One of the recipe options (module docstring); raises naming the option."""
+    allowed = _CHOICES[name]
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
+    return value
+
+
+def _check_scaling(scaling, scale_rounding) -> None:
+    _check_choice(scaling, "scaling")
+    _check_choice(scale_rounding, "scale_rounding")
+    if scaling == "per_tensor" and scale_rounding != "ceil":
+        raise ValueError(f"scale_rounding: {scale_rounding!r} rounds MXFP8 block scales; scaling='per_tensor' "
+                         "has FP32 scales (use 'ceil')")
 
 
 def _check_shapes(q, k, v, names=("q", "k", "v")) -> Tuple[int, int, int, int, int, int, int]:
@@ -231,23 +282,34 @@ def _scale_exponent(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(descale), 255, e).to(torch.int32)
 
 
-def _quantize_blocks(x32: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _scale_exponent_floor(amax: torch.Tensor) -> torch.Tensor:
+    """OCP ("floor") E8M0 biased exponent (int32) of FP32 ``amax``: its exponent field minus 8 (E4M3's largest
+    power of two is 2^8), clamped to [0, 254]; NaN gives 255 (+inf has field 255, so 247)."""
+    a = amax.to(torch.float32)
+    e = (((a.view(torch.int32) >> 23) & 0xFF) - 8).clamp(0, 254)
+    return torch.where(torch.isnan(a), 255, e).to(torch.int32)
+
+
+def _quantize_blocks(x32: torch.Tensor, scale_rounding: str = "ceil") -> Tuple[torch.Tensor, torch.Tensor]:
     """x32 fp32 [..., n] with n % 32 == 0 -> (fp8 e4m3 data [..., n], int32 exponents [..., n/32])."""
     blocks = x32.unflatten(-1, (-1, BLOCK_SIZE))
-    e = _scale_exponent(blocks.abs().amax(dim=-1))
+    amax = blocks.abs().amax(dim=-1)
+    e = _scale_exponent(amax) if scale_rounding == "ceil" else _scale_exponent_floor(amax)
     rcp = torch.where(e == 255, float("nan"), _exp2_f32(127 - e))
     y = (blocks * rcp.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
     return y.to(torch.float8_e4m3fn).flatten(-2), e
 
 
-def quantize(x: torch.Tensor, axis: int = -1) -> Tuple[torch.Tensor, torch.Tensor]:
-    """MXFP8 (E4M3 elements, E8M0 round-up scales) quantization along ``axis``.
+def quantize(x: torch.Tensor, axis: int = -1, *, scale_rounding: str = "ceil") -> Tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 (E4M3 elements, E8M0 scales) quantization along ``axis``.
 
     x: float16/bfloat16/float32/float64 tensor of any shape (cast to FP32 first).
+    scale_rounding: "ceil" (round-up, spec section 2) or "floor" (OCP, module docstring).
     Returns (data, scale): data torch.float8_e4m3fn with x's shape (contiguous);
     scale torch.float8_e8m0fnu with x's shape except ceil(n/32) at ``axis``
     (contiguous). A length n that is not a multiple of 32 pads the last block with zeros.
     """
+    _check_choice(scale_rounding, "scale_rounding")
     _check_float_tensor(x, "x")
     if x.dim() == 0:
         raise ValueError("x: expected at least a 1-D tensor, got a scalar")
@@ -259,7 +321,7 @@ def quantize(x: torch.Tensor, axis: int = -1) -> Tuple[torch.Tensor, torch.Tenso
     pad = (-n) % BLOCK_SIZE
     if pad:
         xl = F.pad(xl, (0, pad))
-    data, e = _quantize_blocks(xl)
+    data, e = _quantize_blocks(xl, scale_rounding)
     data = data[..., :n].movedim(-1, ax).contiguous()
     scale = e.to(torch.uint8).view(torch.float8_e8m0fnu).movedim(-1, ax).contiguous()
     return data, scale
@@ -289,14 +351,58 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, axis: int = -1) -> torch
     return data.to(torch.float32) * s
 
 
-def _qdq(x: torch.Tensor, axis: int) -> torch.Tensor:
+def _qdq(x: torch.Tensor, axis: int, scale_rounding: str = "ceil") -> torch.Tensor:
     """Quantize-dequantize round trip in FP32 (used for dS)."""
-    return dequantize(*quantize(x, axis), axis)
+    return dequantize(*quantize(x, axis, scale_rounding=scale_rounding), axis)
 
 
 def _quant_p(p: torch.Tensor, p_scale: float) -> torch.Tensor:
     """Fixed-scale E4M3 rounding of probabilities: E4M3(P * p_scale) / p_scale, saturating."""
     return (p * p_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).to(p.dtype) / p_scale
+
+
+def _round_p(p: torch.Tensor, p_format: str, p_scale: float) -> torch.Tensor:
+    """P as the P V / P^T dO products take it: fixed-scale E4M3 ("e4m3") or rounded to bfloat16 ("bf16")."""
+    if p_format == "bf16":
+        return p.to(torch.bfloat16).to(p.dtype)
+    return _quant_p(p, p_scale)
+
+
+# --------------------------------------------------------------------------- per-tensor FP8 (the baseline)
+
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
+    """FP32 0-d scale 448 / amax of an FP32 0-d amax (1 for amax 0 or +inf, FP32 max on overflow, NaN stays)."""
+    scale = torch.tensor(E4M3_MAX, dtype=torch.float32, device=amax.device) / amax
+    scale = torch.where(torch.isinf(scale), _FP32_MAX, scale)
+    return torch.where((amax == 0) | torch.isinf(amax), 1.0, scale)
+
+
+def _per_tensor_from_amax(x32: torch.Tensor, amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 data of FP32 x32, FP32 0-d scale_inv) with the scale of ``amax``."""
+    scale = _per_tensor_scale(amax)
+    data = (x32 * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return data, torch.ones((), dtype=torch.float32, device=x32.device) / scale
+
+
+def quantize_per_tensor(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8 (Transformer Engine's current scaling, module docstring) of x (any shape, cast to FP32).
+
+    Returns (data torch.float8_e4m3fn with x's shape (contiguous), scale_inv float32 0-d): the value of an
+    element is float(data) * scale_inv (an FP32 product)."""
+    _check_float_tensor(x, "x")
+    if x.numel() == 0:
+        raise ValueError("x: expected a non-empty tensor")
+    x32 = x.to(torch.float32).contiguous()
+    return _per_tensor_from_amax(x32, x32.abs().amax())
+
+
+def _qdq_per_tensor(x32: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Per-tensor quantize-dequantize of FP32 x32 with the scale of ``amax`` (dS over all its chunks)."""
+    data, scale_inv = _per_tensor_from_amax(x32, amax)
+    return data.to(torch.float32) * scale_inv
 
 
 # --------------------------------------------------------------------------- device-independent math
@@ -401,9 +507,10 @@ def _group_chunks(B: int, Hkv: int, G: int, per_head_elems: int):
             yield j, h0, min(h0 + gc, (j + 1) * G)
 
 
-def _fwd_core(qd, kd, vd, *, scale, mask, quant_p, p_scale, rescale_threshold, out_dtype, cdt, sink=None):
+def _fwd_core(qd, kd, vd, *, scale, mask, quant_p, p_scale, rescale_threshold, out_dtype, cdt, sink=None,
+              p_format="e4m3"):
     """Blocked online-softmax forward on dequantized q [B,Hq,Sq,D], k/v [B,Hkv,Skv,*] in dtype cdt; sink None
-    or [Hq] (the softmax starts from it: max = sink, sum = 1)."""
+    or [Hq] (the softmax starts from it: max = sink, sum = 1). quant_p: P rounded as p_format says."""
     B, Hq, Sq, _ = qd.shape
     Hkv, Skv, Dv = kd.shape[1], kd.shape[2], vd.shape[3]
     G = Hq // Hkv
@@ -436,7 +543,7 @@ def _fwd_core(qd, kd, vd, *, scale, mask, quant_p, p_scale, rescale_threshold, o
             alpha = _exp(m - m_safe)
             p = _exp(s - m_safe)
             l = l * alpha + _sum(p, -1, keepdim=True)
-            pq = _quant_p(p, p_scale) if quant_p else p
+            pq = _round_p(p, p_format, p_scale) if quant_p else p
             acc = acc * alpha + _mm(pq, v[:, :, c0:c1])
             m = m_new
         o = torch.where(l == 0, 0.0, acc / l)  # fully masked rows give 0; NaN rows stay NaN
@@ -445,23 +552,25 @@ def _fwd_core(qd, kd, vd, *, scale, mask, quant_p, p_scale, rescale_threshold, o
     return o_out, stats
 
 
-def _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, *, scale, mask, quant, p_scale, out_dtype, cdt,
-              sink=None):
-    """Backward on dequantized operands (dtype cdt); returns (dq, dk, dv) in out_dtype, and dsink [Hq]
-    (float32, float64 in the float64 case) after them when sink [Hq] is given."""
-    B, Hq, Sq, D = qr.shape
-    Hkv, Skv, Dv = kr.shape[1], kr.shape[2], vr.shape[3]
-    G = Hq // Hkv
-    dev = qr.device  # every tensor made here lives on the inputs' device
-    delta = _sum(o.to(cdt) * do.to(cdt), -1, keepdim=True)
-    dq = torch.empty(B, Hq, Sq, D, dtype=cdt, device=dev)
-    dk = torch.zeros(B, Hkv, Skv, D, dtype=cdt, device=dev)
-    dv = torch.zeros(B, Hkv, Skv, Dv, dtype=cdt, device=dev)
-    dsink = None if sink is None else torch.zeros(Hq, dtype=cdt, device=dev)
+class _DsRounding(NamedTuple):
+    """How the backward rounds dS: ds_format "fp8" quantizes it with ``scaling`` / ``scale_rounding``."""
+    ds_format: str = "fp8"
+    scaling: str = "mxfp8"
+    scale_rounding: str = "ceil"
+
+
+def _bwd_chunks(qr, kr, vr, dor, stats, delta, *, scale, mask, cdt, sink):
+    """The backward's dS, chunk by chunk: yields (j, h0, h1, r0, r1, p, lse, ds) for KV head j, its query heads
+    h0:h1 and query rows r0:r1 (r0 a multiple of 32, so s_q blocks of dS stay intact): p the normalized FP32
+    softmax with masked entries 0, lse its log-sum-exp [.., rows, 1] (sink included), ds = P (dP - delta)
+    * scale with dP = dO V^T."""
+    B, Hq, Sq, _ = qr.shape
+    Hkv, Skv = kr.shape[1], kr.shape[2]
+    dev = qr.device
     rows = Sq if B * Sq * Skv <= CHUNK_ELEMS else max(BLOCK_SIZE, CHUNK_ELEMS // (B * Skv) // BLOCK_SIZE * BLOCK_SIZE)
-    for j, h0, h1 in _group_chunks(B, Hkv, G, rows * Skv):
-        kr_j, kc_j, vr_j = kr[:, j:j + 1], kc[:, j:j + 1], vr[:, j:j + 1]
-        for r0 in range(0, Sq, rows):  # r0 is a multiple of 32: s_q blocks of dS stay intact
+    for j, h0, h1 in _group_chunks(B, Hkv, Hq // Hkv, rows * Skv):
+        kr_j, vr_j = kr[:, j:j + 1], vr[:, j:j + 1]
+        for r0 in range(0, Sq, rows):
             r1 = min(r0 + rows, Sq)
             s_raw = _mm(qr[:, h0:h1, r0:r1], kr_j.transpose(-1, -2))
             keep = _keep(mask, r0, r1, 0, Skv, dev)
@@ -483,19 +592,51 @@ def _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, *, scale, mask, quant,
                     den = den + _exp(sink_j - mx_safe)
                 p = torch.where(den == 0, 0.0, e / den)
                 lse = mx_safe + _log(den)
-            if sink_j is not None:  # the sink's probability per row, times delta
-                p_sink = _exp(sink_j - lse)
-                dsink[h0:h1] -= _sum(_sum(p_sink * delta[:, h0:h1, r0:r1], 3), 2).sum(dim=0)
             if keep is not None:
                 p = torch.where(keep, p, 0.0)
-            pq = _quant_p(p, p_scale) if quant else p
             dp = _mm(dor[:, h0:h1, r0:r1], vr_j.transpose(-1, -2))
             ds = p * (dp - delta[:, h0:h1, r0:r1]) * scale
-            ds_r = _qdq(ds, -1) if quant else ds  # blocks along s_kv, for dQ
-            ds_c = _qdq(ds, -2) if quant else ds  # blocks along s_q, for dK
-            dq[:, h0:h1, r0:r1] = _mm(ds_r, kc_j)
-            dk[:, j] += _sum(_mm(ds_c.transpose(-1, -2), qc[:, h0:h1, r0:r1]), 1)
-            dv[:, j] += _sum(_mm(pq.transpose(-1, -2), doc[:, h0:h1, r0:r1]), 1)
+            yield j, h0, h1, r0, r1, p, lse, ds
+
+
+def _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, *, scale, mask, quant, p_scale, out_dtype, cdt,
+              sink=None, p_format="e4m3", ds_rounding=_DsRounding()):
+    """Backward on dequantized operands (dtype cdt); returns (dq, dk, dv) in out_dtype, and dsink [Hq]
+    (float32, float64 in the float64 case) after them when sink [Hq] is given. quant: P and dS rounded as
+    p_format and ds_rounding say (else not at all)."""
+    B, Hq, Sq, D = qr.shape
+    Hkv, Skv, Dv = kr.shape[1], kr.shape[2], vr.shape[3]
+    dev = qr.device  # every tensor made here lives on the inputs' device
+    delta = _sum(o.to(cdt) * do.to(cdt), -1, keepdim=True)
+    dq = torch.empty(B, Hq, Sq, D, dtype=cdt, device=dev)
+    dk = torch.zeros(B, Hkv, Skv, D, dtype=cdt, device=dev)
+    dv = torch.zeros(B, Hkv, Skv, Dv, dtype=cdt, device=dev)
+    dsink = None if sink is None else torch.zeros(Hq, dtype=cdt, device=dev)
+    chunks = lambda: _bwd_chunks(qr, kr, vr, dor, stats, delta, scale=scale, mask=mask, cdt=cdt,  # noqa: E731
+                                 sink=sink)
+    ds_amax = None  # per-tensor dS: its amax over the whole [B, Hq, Sq, Skv] tensor, in a first pass
+    if quant and ds_rounding.ds_format == "fp8" and ds_rounding.scaling == "per_tensor":
+        ds_amax = torch.zeros((), dtype=torch.float32, device=dev)
+        for *_, ds in chunks():
+            ds_amax = torch.maximum(ds_amax, ds.to(torch.float32).abs().amax())
+    for j, h0, h1, r0, r1, p, lse, ds in chunks():
+        if sink is not None:  # the sink's probability per row, times delta
+            p_sink = _exp(sink[h0:h1].to(cdt).view(1, -1, 1, 1) - lse)
+            dsink[h0:h1] -= _sum(_sum(p_sink * delta[:, h0:h1, r0:r1], 3), 2).sum(dim=0)
+        pq = _round_p(p, p_format, p_scale) if quant else p
+        if not quant:
+            ds_r = ds_c = ds
+        elif ds_rounding.ds_format == "bf16":
+            ds_r = ds_c = ds.to(torch.bfloat16).to(ds.dtype)
+        elif ds_amax is not None:
+            ds_r = ds_c = _qdq_per_tensor(ds, ds_amax)
+        else:
+            ds_r = _qdq(ds, -1, ds_rounding.scale_rounding)  # blocks along s_kv, for dQ
+            ds_c = _qdq(ds, -2, ds_rounding.scale_rounding)  # blocks along s_q, for dK
+        kc_j = kc[:, j:j + 1]
+        dq[:, h0:h1, r0:r1] = _mm(ds_r, kc_j)
+        dk[:, j] += _sum(_mm(ds_c.transpose(-1, -2), qc[:, h0:h1, r0:r1]), 1)
+        dv[:, j] += _sum(_mm(pq.transpose(-1, -2), doc[:, h0:h1, r0:r1]), 1)
     grads = (dq.to(out_dtype), dk.to(out_dtype), dv.to(out_dtype))
     if dsink is None:
         return grads
@@ -505,33 +646,56 @@ def _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, *, scale, mask, quant,
 # --------------------------------------------------------------------------- public API
 
 
-def _check_pair(pair, name: str, shape, axis: int, device: torch.device) -> torch.Tensor:
-    """Validate a (data, scale) pair of shape ``shape`` on ``device`` quantized along ``axis``.
-
-    Returns its FP32 dequantization."""
+def _check_pair(pair, name: str, shape, axis: int, device: torch.device, bf16_ok: bool = False) -> torch.Tensor:
+    """Validate a (data, scale) pair of shape ``shape`` on ``device``: MXFP8 (E8M0 scale along ``axis``) or
+    per-tensor (a float32 scale_inv of one element). With bf16_ok, a (bfloat16 tensor, None) pair is also
+    taken (the bf16-V variant). Returns its FP32 value."""
     if not isinstance(pair, (tuple, list)) or len(pair) != 2:
         raise TypeError(f"{name}: expected a (data, scale) pair, got {type(pair).__name__}")
     data, sc = pair
+    if bf16_ok and isinstance(data, torch.Tensor) and data.dtype == torch.bfloat16:
+        if sc is not None:
+            raise ValueError(f"{name}: a bfloat16 operand (the bf16-V variant) takes scale None, got a "
+                             f"{type(sc).__name__}")
+        if tuple(data.shape) != tuple(shape):
+            raise ValueError(f"{name} data: expected shape {tuple(shape)}, got {tuple(data.shape)}")
+        _check_device(data, f"{name} data", device, "the query operand")
+        return data.to(torch.float32)
     if not isinstance(data, torch.Tensor) or data.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"{name} data: expected a float8_e4m3fn tensor, got {getattr(data, 'dtype', type(data))}")
+        want = "a float8_e4m3fn (or, here, bfloat16)" if bf16_ok else "a float8_e4m3fn"
+        raise TypeError(f"{name} data: expected {want} tensor, got {getattr(data, 'dtype', type(data))}")
     if tuple(data.shape) != tuple(shape):
         raise ValueError(f"{name} data: expected shape {tuple(shape)}, got {tuple(data.shape)}")
     _check_device(data, f"{name} data", device, "the query operand")
     if isinstance(sc, torch.Tensor):
         _check_device(sc, f"{name} scale", device, "the query operand")
+        if sc.dtype == torch.float32:  # per-tensor scale_inv
+            if sc.numel() != 1:
+                raise ValueError(f"{name} scale: a float32 (per-tensor) scale_inv has one element, got shape "
+                                 f"{tuple(sc.shape)}")
+            return data.to(torch.float32) * sc.reshape(())
     try:
         return dequantize(data, sc, axis)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{name}: {exc}") from None
 
 
+def _quantize_operand(x: torch.Tensor, axis: int, scaling: str, scale_rounding: str):
+    """(data, scale) of x as ``scaling`` says: MXFP8 along ``axis`` or per-tensor (axis unused)."""
+    if scaling == "per_tensor":
+        return quantize_per_tensor(x)
+    return quantize(x, axis, scale_rounding=scale_rounding)
+
+
 def sdpa_fwd_quantized(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *, attn_scale=None, causal=False,
                        diagonal_alignment="top_left", window=(None, None), out_dtype=torch.bfloat16,
-                       p_scale=256.0, rescale_threshold=None, sink=None):
+                       p_scale=256.0, rescale_threshold=None, sink=None, p_format="e4m3"):
     """MXFP8 forward from pre-quantized operands (sink: None or the [Hq] sink logits, module docstring).
 
     q_data [B,Hq,Sq,D], k_data [B,Hkv,Skv,D] float8_e4m3fn with row-wise scales [B,H,S,ceil(D/32)];
-    v_data [B,Hkv,Skv,Dv] with column-wise scale [B,Hkv,ceil(Skv/32),Dv] (float8_e8m0fnu).
+    v_data [B,Hkv,Skv,Dv] with column-wise scale [B,Hkv,ceil(Skv/32),Dv] (float8_e8m0fnu). Recipe variants
+    (module docstring): per-tensor operands come with a float32 scale_inv of one element instead; V may be a
+    bfloat16 tensor with v_scale_col None (the bf16-V variant); p_format "e4m3" or "bf16".
     Returns (o [B,Hq,Sq,Dv] out_dtype, stats [B,Hq,Sq,1] float32 = max + log(sum exp)).
     """
     for t, n in ((q_data, "q_data"), (k_data, "k_data"), (v_data, "v_data")):
@@ -540,22 +704,25 @@ def sdpa_fwd_quantized(q_data, q_scale, k_data, k_scale, v_data, v_scale_col, *,
     B, Hq, Hkv, Sq, Skv, D, Dv = _check_shapes(q_data, k_data, v_data, ("q_data", "k_data", "v_data"))
     _check_out_dtype(out_dtype)
     _check_rescale_threshold(rescale_threshold)
+    _check_choice(p_format, "p_format")
     mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
     dev = q_data.device
     qd = _check_pair((q_data, q_scale), "q", q_data.shape, -1, dev)
     kd = _check_pair((k_data, k_scale), "k", k_data.shape, -1, dev)
-    vd = _check_pair((v_data, v_scale_col), "v", v_data.shape, -2, dev)
+    vd = _check_pair((v_data, v_scale_col), "v", v_data.shape, -2, dev, bf16_ok=True)
     return _fwd_core(qd, kd, vd, scale=_attn_scale(attn_scale, D), mask=mask, quant_p=True,
                      p_scale=_check_p_scale(p_scale), rescale_threshold=rescale_threshold,
-                     out_dtype=out_dtype, cdt=torch.float32, sink=_check_sink(sink, Hq, dev))
+                     out_dtype=out_dtype, cdt=torch.float32, sink=_check_sink(sink, Hq, dev), p_format=p_format)
 
 
 def sdpa_fwd(q, k, v, *, attn_scale=None, causal=False, diagonal_alignment="top_left", window=(None, None),
-             out_dtype=torch.bfloat16, p_scale=256.0, quantize_inputs=True, rescale_threshold=None, sink=None):
+             out_dtype=torch.bfloat16, p_scale=256.0, quantize_inputs=True, rescale_threshold=None, sink=None,
+             p_format="e4m3", v_format="fp8", scaling="mxfp8", scale_rounding="ceil"):
     """Reference forward from high-precision q [B,Hq,Sq,D], k [B,Hkv,Skv,D], v [B,Hkv,Skv,Dv] (sink: None
     or the [Hq] sink logits).
 
-    quantize_inputs=True: Q, K row-wise and V column-wise MXFP8, then ``sdpa_fwd_quantized``.
+    quantize_inputs=True: Q, K row-wise and V column-wise MXFP8, then ``sdpa_fwd_quantized``; the recipe
+    options p_format, v_format, scaling, scale_rounding (module docstring) change what is quantized and how.
     quantize_inputs=False: no quantization at all (float64 math if all inputs are float64).
     Returns (o [B,Hq,Sq,Dv] out_dtype, stats [B,Hq,Sq,1] float32, float64 in the float64 identity case).
     """
@@ -563,12 +730,17 @@ def sdpa_fwd(q, k, v, *, attn_scale=None, causal=False, diagonal_alignment="top_
         _check_float_tensor(t, n, 4)
     B, Hq, Hkv, Sq, Skv, D, Dv = _check_shapes(q, k, v)
     _check_sink(sink, Hq, q.device)
+    _check_choice(p_format, "p_format")
+    _check_choice(v_format, "v_format")
+    _check_scaling(scaling, scale_rounding)
     if quantize_inputs:
         _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)  # validate before quantizing
-        return sdpa_fwd_quantized(*quantize(q, -1), *quantize(k, -1), *quantize(v, -2), attn_scale=attn_scale,
+        vq = (v.to(torch.bfloat16), None) if v_format == "bf16" else _quantize_operand(v, -2, scaling, scale_rounding)
+        return sdpa_fwd_quantized(*_quantize_operand(q, -1, scaling, scale_rounding),
+                                  *_quantize_operand(k, -1, scaling, scale_rounding), *vq, attn_scale=attn_scale,
                                   causal=causal, diagonal_alignment=diagonal_alignment, window=window,
                                   out_dtype=out_dtype, p_scale=p_scale, rescale_threshold=rescale_threshold,
-                                  sink=sink)
+                                  sink=sink, p_format=p_format)
     _check_out_dtype(out_dtype)
     _check_rescale_threshold(rescale_threshold)
     mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
@@ -593,13 +765,17 @@ def _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv, device, like):
 
 def sdpa_bwd_quantized(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats=None, *, attn_scale=None,
                        causal=False, diagonal_alignment="top_left", window=(None, None),
-                       out_dtype=torch.bfloat16, p_scale=256.0, sink=None):
+                       out_dtype=torch.bfloat16, p_scale=256.0, sink=None, p_format="e4m3", ds_format="fp8",
+                       scaling="mxfp8", scale_rounding="ceil"):
     """MXFP8 backward from pre-quantized operands (each a (data float8_e4m3fn, scale float8_e8m0fnu) pair).
     With sink [Hq] (the forward's sink logits) a fourth result dsink [Hq] float32 follows.
 
     q_row/k_row/v_row/do_row: scales along D [B,H,S,ceil(D/32)]; q_col/k_col/do_col: scales along S
     [B,H,ceil(S/32),D]. o, do: high-precision [B,Hq,Sq,Dv] (for delta). stats [B,Hq,Sq,1] or None
     (then P is recomputed). Returns (dq [B,Hq,Sq,D], dk [B,Hkv,Skv,D], dv [B,Hkv,Skv,Dv]) in out_dtype.
+    Recipe variants (module docstring): per-tensor pairs carry a float32 scale_inv of one element; v_row may
+    be (bfloat16 tensor, None) (the bf16-V variant); p_format "e4m3" | "bf16"; ds_format "fp8" | "bf16", and
+    scaling / scale_rounding say how an "fp8" dS is quantized.
     """
     for pair, n in ((q_row, "q_row"), (k_row, "k_row"), (v_row, "v_row")):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not isinstance(pair[0], torch.Tensor):
@@ -608,25 +784,32 @@ def sdpa_bwd_quantized(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col,
     dev = q_row[0].device
     _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv, dev, "q_row")
     _check_out_dtype(out_dtype)
+    _check_choice(p_format, "p_format")
+    _check_choice(ds_format, "ds_format")
+    _check_scaling(scaling, scale_rounding)
     mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
     qr = _check_pair(q_row, "q_row", (B, Hq, Sq, D), -1, dev)
     qc = _check_pair(q_col, "q_col", (B, Hq, Sq, D), -2, dev)
     kr = _check_pair(k_row, "k_row", (B, Hkv, Skv, D), -1, dev)
     kc = _check_pair(k_col, "k_col", (B, Hkv, Skv, D), -2, dev)
-    vr = _check_pair(v_row, "v_row", (B, Hkv, Skv, Dv), -1, dev)
+    vr = _check_pair(v_row, "v_row", (B, Hkv, Skv, Dv), -1, dev, bf16_ok=True)
     dor = _check_pair(do_row, "do_row", (B, Hq, Sq, Dv), -1, dev)
     doc = _check_pair(do_col, "do_col", (B, Hq, Sq, Dv), -2, dev)
     return _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, scale=_attn_scale(attn_scale, D), mask=mask,
                      quant=True, p_scale=_check_p_scale(p_scale), out_dtype=out_dtype, cdt=torch.float32,
-                     sink=_check_sink(sink, Hq, dev))
+                     sink=_check_sink(sink, Hq, dev), p_format=p_format,
+                     ds_rounding=_DsRounding(ds_format, scaling, scale_rounding))
 
 
 def sdpa_bwd(q, k, v, o, do, stats=None, *, attn_scale=None, causal=False, diagonal_alignment="top_left",
-             window=(None, None), out_dtype=torch.bfloat16, p_scale=256.0, quantize_inputs=True, sink=None):
+             window=(None, None), out_dtype=torch.bfloat16, p_scale=256.0, quantize_inputs=True, sink=None,
+             p_format="e4m3", v_format="fp8", ds_format="fp8", scaling="mxfp8", scale_rounding="ceil"):
     """Reference backward from high-precision q, k, v, o, do (shapes as in ``sdpa_fwd``); with sink [Hq] a
     fourth result dsink [Hq] follows.
 
-    quantize_inputs=True: Q, K row+column, V row, dO row+column MXFP8, then ``sdpa_bwd_quantized``.
+    quantize_inputs=True: Q, K row+column, V row, dO row+column MXFP8, then ``sdpa_bwd_quantized``; the
+    recipe options p_format, v_format, ds_format, scaling, scale_rounding (module docstring) change what is
+    quantized and how.
     quantize_inputs=False: no quantization at all (float64 math if q, k, v, o, do are all float64).
     stats [B,Hq,Sq,1] or None (recomputed). Returns (dq, dk, dv) in out_dtype; dk, dv have Hkv heads.
     """
@@ -635,13 +818,18 @@ def sdpa_bwd(q, k, v, o, do, stats=None, *, attn_scale=None, causal=False, diago
     B, Hq, Hkv, Sq, Skv, D, Dv = _check_shapes(q, k, v)
     _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv, q.device, "q")
     _check_out_dtype(out_dtype)
+    _check_choice(v_format, "v_format")
+    _check_scaling(scaling, scale_rounding)
     mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
     _check_sink(sink, Hq, q.device)
     opts = dict(attn_scale=attn_scale, causal=causal, diagonal_alignment=diagonal_alignment, window=window,
                 out_dtype=out_dtype, p_scale=p_scale, sink=sink)
     if quantize_inputs:
-        return sdpa_bwd_quantized(quantize(q, -1), quantize(q, -2), quantize(k, -1), quantize(k, -2),
-                                  quantize(v, -1), o, do, quantize(do, -1), quantize(do, -2), stats, **opts)
+        quant = lambda x, axis: _quantize_operand(x, axis, scaling, scale_rounding)  # noqa: E731
+        v_row = (v.to(torch.bfloat16), None) if v_format == "bf16" else quant(v, -1)
+        return sdpa_bwd_quantized(quant(q, -1), quant(q, -2), quant(k, -1), quant(k, -2), v_row, o, do,
+                                  quant(do, -1), quant(do, -2), stats, p_format=p_format, ds_format=ds_format,
+                                  scaling=scaling, scale_rounding=scale_rounding, **opts)
     cdt = torch.float64 if all(t.dtype == torch.float64 for t in (q, k, v, o, do)) else torch.float32
     qd, kd, vd, dod = q.to(cdt), k.to(cdt), v.to(cdt), do.to(cdt)
     return _bwd_core(qd, kd, vd, qd, kd, dod, dod, o, do, stats, scale=_attn_scale(attn_scale, D), mask=mask,
@@ -763,19 +951,29 @@ def _varlen_sequences(layout: str, cu_seqlens_q, cu_seqlens_kv, q4, k4) -> list:
     return [_Seq(b, 0, cq[b + 1] - cq[b], 0, ck[b + 1] - ck[b]) for b in range(batch)]
 
 
-def _check_common_options(attn_scale, causal, diagonal_alignment, window, out_dtype, p_scale) -> None:
-    """Validate the options up front: a batch of empty sequences never reaches the dense checks."""
+def _check_common_options(attn_scale, causal, diagonal_alignment, window, out_dtype, p_scale, recipe) -> None:
+    """Validate the options up front: a batch of empty sequences never reaches the dense checks. recipe: the
+    variant options (p_format, v_format, ds_format, scaling, scale_rounding) given."""
     _resolve_mask(causal, diagonal_alignment, window, 1, 1)
     _check_out_dtype(out_dtype)
     _check_p_scale(p_scale)
     _attn_scale(attn_scale, 1)
+    for name, value in recipe.items():
+        if name not in ("scaling", "scale_rounding"):
+            _check_choice(value, name)
+    _check_scaling(recipe["scaling"], recipe["scale_rounding"])
+    if recipe["scaling"] == "per_tensor":
+        raise ValueError("scaling: 'per_tensor' has no variable-length form (one scale per tensor would couple "
+                         "the sequences); use the dense functions")
 
 
 def sdpa_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, *, layout="thd", attn_scale=None, causal=False,
                     diagonal_alignment="top_left", window=(None, None), out_dtype=torch.bfloat16, p_scale=256.0,
-                    quantize_inputs=True, rescale_threshold=None, sink=None):
+                    quantize_inputs=True, rescale_threshold=None, sink=None, p_format="e4m3", v_format="fp8",
+                    scaling="mxfp8", scale_rounding="ceil"):
     """Variable-length forward: ``sdpa_fwd`` on each sequence alone (see the section comment above).
     sink: None or the [Hq] sink logits; a sequence with queries but no keys then gets stats = sink.
+    p_format, v_format, scaling, scale_rounding: the recipe variants of ``sdpa_fwd`` (scaling "mxfp8" only).
 
     layout "thd": q [T_q, Hq, D], k [T_kv, Hkv, D], v [T_kv, Hkv, Dv]; returns (o [T_q, Hq, Dv], stats [T_q, Hq]).
     layout "bhsd_padded": q [B, Hq, Sq_max, D], k/v [B, Hkv, Skv_max, *]; returns (o [B, Hq, Sq_max, Dv],
@@ -786,7 +984,8 @@ def sdpa_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, *, layout="thd", attn_
     """
     q4, k4, v4, _ = _varlen_operands(layout, q, k, v)
     seqs = _varlen_sequences(layout, cu_seqlens_q, cu_seqlens_kv, q4, k4)
-    _check_common_options(attn_scale, causal, diagonal_alignment, window, out_dtype, p_scale)
+    recipe = dict(p_format=p_format, v_format=v_format, scaling=scaling, scale_rounding=scale_rounding)
+    _check_common_options(attn_scale, causal, diagonal_alignment, window, out_dtype, p_scale, recipe)
     _check_rescale_threshold(rescale_threshold)
     all64 = all(t.dtype == torch.float64 for t in (q, k, v))
     stats_dtype = torch.float64 if not quantize_inputs and all64 else torch.float32
@@ -796,7 +995,7 @@ def sdpa_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, *, layout="thd", attn_
     o4, stats4 = _bhsd(o, layout), _bhsd(stats, layout)
     opts = dict(attn_scale=attn_scale, causal=causal, diagonal_alignment=diagonal_alignment, window=window,
                 out_dtype=out_dtype, p_scale=p_scale, quantize_inputs=quantize_inputs,
-                rescale_threshold=rescale_threshold, sink=_check_sink(sink, q4.shape[1], q.device))
+                rescale_threshold=rescale_threshold, sink=_check_sink(sink, q4.shape[1], q.device), **recipe)
     for seq in seqs:
         if seq.len_q > 0 and seq.len_kv == 0 and sink is not None:  # only the sink in the softmax
             _rows(stats4, seq, "q").copy_(sink.view(1, -1, 1, 1).expand_as(_rows(stats4, seq, "q")))
@@ -811,9 +1010,11 @@ def sdpa_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, *, layout="thd", attn_
 
 def sdpa_bwd_varlen(q, k, v, o, do, stats, cu_seqlens_q, cu_seqlens_kv, *, layout="thd", attn_scale=None,
                     causal=False, diagonal_alignment="top_left", window=(None, None), out_dtype=torch.bfloat16,
-                    p_scale=256.0, quantize_inputs=True, sink=None):
+                    p_scale=256.0, quantize_inputs=True, sink=None, p_format="e4m3", v_format="fp8",
+                    ds_format="fp8", scaling="mxfp8", scale_rounding="ceil"):
     """Variable-length backward: ``sdpa_bwd`` on each sequence alone (see the section comment above).
     With sink [Hq] a fourth result dsink [Hq] (summed over the sequences) follows.
+    p_format, v_format, ds_format, scaling, scale_rounding: the recipe variants of ``sdpa_bwd`` ("mxfp8" only).
 
     q, k, v, cu_seqlens_*, layout as in ``sdpa_fwd_varlen``; o, do shaped like q with v's head dim;
     stats as returned by ``sdpa_fwd_varlen`` (thd [T_q, Hq], padded [B, Hq, Sq_max, 1]) or None (recomputed).
@@ -834,13 +1035,15 @@ def sdpa_bwd_varlen(q, k, v, o, do, stats, cu_seqlens_q, cu_seqlens_kv, *, layou
             raise ValueError(f"stats: expected shape {want_stats}, got {tuple(stats.shape)}")
         _check_device(stats, "stats", q.device, "q")
     seqs = _varlen_sequences(layout, cu_seqlens_q, cu_seqlens_kv, q4, k4)
-    _check_common_options(attn_scale, causal, diagonal_alignment, window, out_dtype, p_scale)
+    recipe = dict(p_format=p_format, v_format=v_format, ds_format=ds_format, scaling=scaling,
+                  scale_rounding=scale_rounding)
+    _check_common_options(attn_scale, causal, diagonal_alignment, window, out_dtype, p_scale, recipe)
     dq, dk, dv = (torch.zeros(t.shape, dtype=out_dtype, device=q.device) for t in (q, k, v))
     o4, do4, dq4, dk4, dv4 = (_bhsd(t, layout) for t in (o, do, dq, dk, dv))
     stats4 = None if stats is None else _bhsd(stats, layout)
     opts = dict(attn_scale=attn_scale, causal=causal, diagonal_alignment=diagonal_alignment, window=window,
                 out_dtype=out_dtype, p_scale=p_scale, quantize_inputs=quantize_inputs,
-                sink=_check_sink(sink, q4.shape[1], q.device))
+                sink=_check_sink(sink, q4.shape[1], q.device), **recipe)
     dsink = None if sink is None else torch.zeros(sink.shape, dtype=sink.dtype, device=q.device)
     for seq in seqs:
         if seq.len_q == 0 or seq.len_kv == 0:

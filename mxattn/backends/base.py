@@ -18,6 +18,7 @@ import torch
 
 from ..formats import BLOCK_SIZE, MXFP8Tensor, segmented_scale_rows
 from ..mask import MaskSpec
+from ..recipe import DEFAULT_RECIPE, Recipe
 from ..seqinfo import SeqInfo
 
 
@@ -39,6 +40,8 @@ class AttentionParams:
     #: False when no backward pass follows: a backend may then skip what only the backward needs (the
     #: column-wise copies) and return None for the saved copies
     needs_backward: bool = True
+    #: the numerics (`mxattn.Recipe`); a backend runs only those its `supports_recipe` accepts
+    recipe: Recipe = DEFAULT_RECIPE
 
 
 @dataclass(frozen=True)
@@ -63,17 +66,22 @@ class Problem:
     out_dtype: torch.dtype = torch.bfloat16
     #: "vanilla", "off-by-one" or "learnable" (TE's softmax_type)
     softmax_type: str = "vanilla"
+    #: the numerics asked for (`mxattn.Recipe`)
+    recipe: Recipe = DEFAULT_RECIPE
 
     def encode(self, without_sizes: bool = False) -> tuple:
         """Every field, in declaration order, as a flat tuple of Python constants (the device as its string,
-        the mask as its three band fields): what `torch.compiler.assume_constant_result` can take. A field
-        added to Problem is carried without touching the encoder. without_sizes: batch and sequence lengths
-        as None (they may be symbolic under torch.compile)."""
+        the mask as its three band fields, the recipe as its `Recipe.encode` string): what
+        `torch.compiler.assume_constant_result` can take. A field added to Problem is carried without touching
+        the encoder. without_sizes: batch and sequence lengths as None (they may be symbolic under
+        torch.compile)."""
         out = []
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "device":
                 out.append(str(value))
+            elif f.name == "recipe":
+                out.append(value.encode())
             elif f.name == "mask":
                 out += [value.diagonal_alignment, value.left_bound, value.right_bound]
             else:
@@ -89,7 +97,8 @@ class Problem:
                 values["mask"] = MaskSpec(diagonal_alignment=key[i], left_bound=key[i + 1], right_bound=key[i + 2])
                 i += 3
             else:
-                values[f.name] = torch.device(key[i]) if f.name == "device" else key[i]
+                decoders = {"device": torch.device, "recipe": Recipe.decode}
+                values[f.name] = decoders[f.name](key[i]) if f.name in decoders else key[i]
                 i += 1
         return cls(**values)
 
@@ -190,10 +199,29 @@ class AttentionBackend(abc.ABC):
         """(usable on `device`, human-readable reason). Never raises."""
 
     @classmethod
+    def supports_recipe(cls, recipe: Recipe) -> Tuple[bool, str]:
+        """(runs `recipe`, reason). The base class runs the default recipe only; backends that run variants
+        (or that refuse with a reason of their own) override it."""
+        if recipe.is_default:
+            return True, "the default recipe"
+        return False, (f"runs only the default recipe, and this call asks for {recipe.differences()} (the "
+                       "reference backend runs every recipe)")
+
+    @classmethod
+    def saved_format_for(cls, recipe: Recipe) -> type:
+        """The saved format of a call with `recipe` (`saved_format` unless a backend keeps something else for
+        some recipes)."""
+        return cls.saved_format
+
+    @classmethod
     def supports(cls, problem: Problem) -> Tuple[bool, str]:
         """(can run this whole call, forward and, if problem.needs_backward, backward; reason). Never raises.
 
-        The base class checks the device, the input dtype and the head dim; backends add their own limits."""
+        The base class checks the recipe (`supports_recipe`), the device, the input dtype and the head dim;
+        backends add their own limits."""
+        ok, reason = cls.supports_recipe(problem.recipe)
+        if not ok:
+            return False, reason
         ok, reason = cls.availability(problem.device)
         if not ok:
             return False, reason

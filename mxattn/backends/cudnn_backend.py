@@ -43,6 +43,7 @@ from ..errors import MXFP8NotSupportedError
 from ..formats import MXFP8Tensor, quantize_mxfp8
 from ..formats import _is_non_overlapping_and_dense as _is_dense
 from ..mask import MaskSpec
+from ..recipe import Recipe
 from ..seqinfo import SeqInfo
 from .base import AttentionBackend, AttentionParams, Problem, SavedForBackward
 
@@ -691,6 +692,15 @@ class CudnnBackend(AttentionBackend):
     @classmethod
     def availability(cls, device: torch.device) -> Tuple[bool, str]:
         return cudnn_support(device)
+
+    @classmethod
+    def supports_recipe(cls, recipe: Recipe) -> Tuple[bool, str]:
+        """cuDNN's MXFP8 SDPA graphs have one recipe, the default; every variant is refused with the reason."""
+        if recipe.is_default:
+            return True, "cuDNN's MXFP8 SDPA recipe"
+        return False, (f"cuDNN's MXFP8 SDPA graphs implement only the default recipe (P with the fixed scale 256, "
+                       f"MXFP8 V and dS, round-up E8M0 block scales); this call asks for {recipe.differences()}: "
+                       "use backend='reference', or 'auto' to route it to a backend that runs it")
 
     @classmethod
     def supports(cls, problem):

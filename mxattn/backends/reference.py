@@ -4,6 +4,10 @@ Inputs are quantized with `mxattn.quantize_mxfp8` (bit-identical to ref's own qu
 bytes go through ref's `sdpa_fwd_quantized` / `sdpa_bwd_quantized`, so results equal `ref` exactly. A padded
 or packed batch (`params.seq`) runs sequence by sequence on views of the quantized tensors: padding rows are
 read as zeros, column-wise blocks of a packed batch restart at each sequence (`formats` segments).
+
+Every `Recipe` runs here (`recipe_operands` quantizes the operands as the recipe says and names ref's options
+for it). The default recipe keeps the MXFP8 copies for backward (`SavedForBackward`); any other keeps the
+inputs (`SavedInputs`) and quantizes them again in the backward.
 """
 
 from __future__ import annotations
@@ -14,28 +18,18 @@ import torch
 
 from ref import mxfp8_ref
 
-from ..formats import BLOCK_SIZE, MXFP8Tensor, quantize_mxfp8
+from ..formats import BLOCK_SIZE, MXFP8Tensor
+from ..recipe import Recipe, check_recipe_varlen
 from ..seqinfo import SeqInfo
 from .base import AttentionBackend, AttentionParams, SavedForBackward
+from .recipe_operands import (Operand, SavedInputs, pair, quantize_rowcol, ref_backward_options,
+                              ref_forward_options, v_operands)
 
 
 def _ref_mask_kwargs(params: AttentionParams) -> dict:
     mask = params.mask
     return dict(attn_scale=params.softmax_scale, diagonal_alignment=mask.diagonal_alignment,
                 window=(mask.left_bound, mask.right_bound), out_dtype=params.out_dtype, sink=params.sink)
-
-
-def _zero_padding(x: torch.Tensor, seq: Optional[SeqInfo], which: str) -> torch.Tensor:
-    """x with the padding rows of a padded batch set to 0 (NaN there must not reach a scale)."""
-    if seq is None or seq.packed:
-        return x
-    return torch.where(seq.valid_rows(which, x.shape[2]), x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def _quantize(x: torch.Tensor, seq: Optional[SeqInfo], which: str) -> Tuple[MXFP8Tensor, MXFP8Tensor]:
-    """(row-wise, column-wise) MXFP8 copies of x [B,H,S,D]; column blocks restart at each packed sequence."""
-    x = _zero_padding(x, seq, which)
-    return quantize_mxfp8(x, axis=-1), quantize_mxfp8(x, axis=-2, segments=seq.segments(which) if seq else None)
 
 
 class _Sequences:
@@ -58,8 +52,11 @@ class _Sequences:
             return t[:, :, self.cu[which][b]:self.cu[which][b + 1]]
         return t[b:b + 1, :, :self.length(which, b)]
 
-    def mx(self, x: MXFP8Tensor, which: str, b: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(data, scale) of sequence b of an MXFP8 copy (row- or column-wise)."""
+    def mx(self, x: Operand, which: str, b: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(data, scale) of sequence b of an MXFP8 copy (row- or column-wise), or (rows, None) of a bfloat16
+        operand (the bf16-V variant). Per-tensor operands have no sequences (`check_recipe_varlen`)."""
+        if not isinstance(x, MXFP8Tensor):
+            return self.rows(x, which, b), None
         if x.axis == 3:
             return self.rows(x.data, which, b), self.rows(x.scale, which, b)
         if self.seq.packed:
@@ -82,7 +79,8 @@ def _per_sequence(seq: SeqInfo, body: Callable[[_Sequences, int], None],
 
 
 class ReferenceBackend(AttentionBackend):
-    """Pure PyTorch emulation of the cuDNN MXFP8 recipe; slow, exact, runs anywhere."""
+    """Pure PyTorch emulation of the cuDNN MXFP8 recipe and of every `Recipe` variant; slow, exact, runs
+    anywhere."""
 
     name = "reference"
     supported_head_dims = None
@@ -91,14 +89,27 @@ class ReferenceBackend(AttentionBackend):
     def availability(cls, device: torch.device) -> Tuple[bool, str]:
         return True, "pure PyTorch; runs on any device"
 
+    @classmethod
+    def supports_recipe(cls, recipe: Recipe) -> Tuple[bool, str]:
+        return True, "every recipe"
+
+    @classmethod
+    def saved_format_for(cls, recipe: Recipe) -> type:
+        return cls.saved_format if recipe.is_default else SavedInputs
+
     def forward(self, q, k, v, params: AttentionParams):
-        seq = params.seq
-        (q_row, q_col), (k_row, k_col) = _quantize(q, seq, "q"), _quantize(k, seq, "kv")
-        v_row, v_col = _quantize(v, seq, "kv")
-        saved = SavedForBackward(q_row=q_row, q_col=q_col, k_row=k_row, k_col=k_col, v_row=v_row)
+        seq, recipe = params.seq, params.recipe
+        check_recipe_varlen(recipe, None if seq is None else ("packed" if seq.packed else "padded"), "params.recipe")
+        q_row, q_col = quantize_rowcol(q, seq, "q", recipe)
+        k_row, k_col = quantize_rowcol(k, seq, "kv", recipe)
+        v_row, v_col = v_operands(v, seq, recipe)
+        if recipe.is_default:
+            saved = SavedForBackward(q_row=q_row, q_col=q_col, k_row=k_row, k_col=k_col, v_row=v_row)
+        else:
+            saved = SavedInputs.of(q, k, v, seq) if params.needs_backward else None
+        opts = dict(_ref_mask_kwargs(params), **ref_forward_options(recipe))
         if seq is None:
-            o, stats = mxfp8_ref.sdpa_fwd_quantized(q_row.data, q_row.scale, k_row.data, k_row.scale,
-                                                    v_col.data, v_col.scale, **_ref_mask_kwargs(params))
+            o, stats = mxfp8_ref.sdpa_fwd_quantized(*pair(q_row), *pair(k_row), *pair(v_col), **opts)
             return o, stats, saved
         B, H, S, D = q.shape
         o = torch.zeros((B, H, S, v.shape[3]), dtype=params.out_dtype, device=q.device)
@@ -106,7 +117,7 @@ class ReferenceBackend(AttentionBackend):
 
         def one(seqs: _Sequences, b: int) -> None:
             o_b, stats_b = mxfp8_ref.sdpa_fwd_quantized(*seqs.mx(q_row, "q", b), *seqs.mx(k_row, "kv", b),
-                                                        *seqs.mx(v_col, "kv", b), **_ref_mask_kwargs(params))
+                                                        *seqs.mx(v_col, "kv", b), **opts)
             seqs.rows(o, "q", b).copy_(o_b)
             seqs.rows(stats, "q", b).copy_(stats_b)
 
@@ -117,28 +128,33 @@ class ReferenceBackend(AttentionBackend):
         _per_sequence(seq, one, only_sink if params.sink is not None else None)
         return o, stats, saved
 
-    def backward(self, saved: SavedForBackward, o, stats, do, params: AttentionParams):
-        seq = params.seq
-        do_row, do_col = _quantize(do, seq, "q")
-        pair = lambda t: (t.data, t.scale)  # noqa: E731
+    def backward(self, saved, o, stats, do, params: AttentionParams):
+        seq, recipe = params.seq, params.recipe
+        if recipe.is_default:
+            parts = (saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row)
+        else:
+            v_row, _ = v_operands(saved.v, seq, recipe)
+            parts = (*quantize_rowcol(saved.q, seq, "q", recipe), *quantize_rowcol(saved.k, seq, "kv", recipe), v_row)
+        q_row, q_col, k_row, k_col, v_row = parts
+        do_row, do_col = quantize_rowcol(do, seq, "q", recipe)
+        opts = dict(_ref_mask_kwargs(params), **ref_backward_options(recipe))
         if seq is None:
             grads = mxfp8_ref.sdpa_bwd_quantized(
-                q_row=pair(saved.q_row), q_col=pair(saved.q_col), k_row=pair(saved.k_row),
-                k_col=pair(saved.k_col), v_row=pair(saved.v_row), o=o, do=do,
-                do_row=pair(do_row), do_col=pair(do_col), stats=stats, **_ref_mask_kwargs(params))
+                q_row=pair(q_row), q_col=pair(q_col), k_row=pair(k_row), k_col=pair(k_col), v_row=pair(v_row),
+                o=o, do=do, do_row=pair(do_row), do_col=pair(do_col), stats=stats, **opts)
             return grads if params.sink_requires_grad else grads[:3]
-        dq = torch.zeros(saved.q_row.shape, dtype=params.out_dtype, device=do.device)
-        dk = torch.zeros(saved.k_row.shape, dtype=params.out_dtype, device=do.device)
-        dv = torch.zeros(saved.v_row.shape, dtype=params.out_dtype, device=do.device)
+        dq = torch.zeros(q_row.shape, dtype=params.out_dtype, device=do.device)
+        dk = torch.zeros(k_row.shape, dtype=params.out_dtype, device=do.device)
+        dv = torch.zeros(v_row.shape, dtype=params.out_dtype, device=do.device)
         dsink = None if params.sink is None else torch.zeros_like(params.sink, dtype=torch.float32)
 
         def one(seqs: _Sequences, b: int) -> None:
             grads = mxfp8_ref.sdpa_bwd_quantized(
-                q_row=seqs.mx(saved.q_row, "q", b), q_col=seqs.mx(saved.q_col, "q", b),
-                k_row=seqs.mx(saved.k_row, "kv", b), k_col=seqs.mx(saved.k_col, "kv", b),
-                v_row=seqs.mx(saved.v_row, "kv", b), o=seqs.rows(o, "q", b), do=seqs.rows(do, "q", b),
+                q_row=seqs.mx(q_row, "q", b), q_col=seqs.mx(q_col, "q", b),
+                k_row=seqs.mx(k_row, "kv", b), k_col=seqs.mx(k_col, "kv", b),
+                v_row=seqs.mx(v_row, "kv", b), o=seqs.rows(o, "q", b), do=seqs.rows(do, "q", b),
                 do_row=seqs.mx(do_row, "q", b), do_col=seqs.mx(do_col, "q", b), stats=seqs.rows(stats, "q", b),
-                **_ref_mask_kwargs(params))
+                **opts)
             for out, g, which in zip((dq, dk, dv), grads, ("q", "kv", "kv")):
                 seqs.rows(out, which, b).copy_(g)
             if dsink is not None:

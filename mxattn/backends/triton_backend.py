@@ -101,7 +101,7 @@ def _key(kind: str, roots, params: AttentionParams, *extra):
     the lengths' shapes and the longest sequences, never the lengths themselves (their tensors are roots)."""
     keys = [root_key(r) for r in roots]
     seq = params.seq
-    family = (kind, params.softmax_scale, params.mask, params.out_dtype, *extra,
+    family = (kind, params.softmax_scale, params.mask, params.out_dtype, params.recipe, *extra,
               None if seq is None else seq.packed, *[None if k is None else k[2:] for k in keys])
     sizes = tuple(None if k is None else k[:2] for k in keys)
     return family, (sizes, alias_key(roots), None if seq is None else (seq.max_seqlen_q, seq.max_seqlen_kv))
@@ -118,6 +118,16 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supported_head_dims = (32, 64, 96, 128, 192, 256)
     input_dtypes = _QKV_DTYPES
+    @classmethod
+    def supports_recipe(cls, recipe) -> Tuple[bool, str]:
+        """The kernels implement the default recipe only (variants were not built as constexpr specialisations:
+        Triton's CPU interpreter cannot run the kernels' inline PTX nor round E4M3 to nearest even, so they could
+        not be tested here); every variant is refused with the reason."""
+        if recipe.is_default:
+            return True, "the default recipe"
+        return False, (f"the Triton kernels implement only the default recipe; this call asks for "
+                       f"{recipe.differences()}: use backend='reference', or 'auto' to route it there")
+
     @classmethod
     def availability(cls, device: torch.device) -> Tuple[bool, str]:
         """(ok, reason). Needs a CUDA device of compute capability >= 8.9 and an importable triton."""

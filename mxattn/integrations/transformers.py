@@ -56,6 +56,7 @@ import torch
 from ..attention import mxfp8_attention
 from ..backends import BACKEND_NAMES
 from ..mask import resolve_mask
+from ..recipe import Recipe, resolve_recipe
 from ..tensor_cache import TensorValueCache
 
 #: additive mask entries at or below this value are read as "masked" (HF uses finfo(dtype).min; old code -10000)
@@ -521,10 +522,12 @@ def _masks_registered(module) -> Optional[str]:
     return None if name in ALL_MASK_ATTENTION_FUNCTIONS else name
 
 
-def make_attention_function(backend: str = "auto"):
-    """An attention function with transformers' calling convention that runs `mxattn.mxfp8_attention`."""
+def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = None):
+    """An attention function with transformers' calling convention that runs `mxattn.mxfp8_attention` with
+    `backend` and `recipe` (None: the default recipe; an `mxattn.Recipe` variant, checked here)."""
     if backend not in ("auto",) + BACKEND_NAMES:
         raise ValueError(f"backend must be one of {('auto',) + BACKEND_NAMES}, got {backend!r}")
+    recipe = resolve_recipe(recipe)
 
     def mxfp8_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                 value: torch.Tensor, attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
@@ -558,7 +561,8 @@ def make_attention_function(backend: str = "auto"):
         batch, _, q_len, head_dim = query.shape
         kv_len = key.shape[2]
         # attention sinks (gpt-oss's s_aux: one logit per query head) are mxattn's learnable sink
-        extra = {} if s_aux is None else dict(softmax_type="learnable", softmax_offset=s_aux.float())
+        extra = dict(recipe=recipe) if s_aux is None else dict(softmax_type="learnable",
+                                                                softmax_offset=s_aux.float(), recipe=recipe)
         if kwargs.get("cu_seq_lens_q") is not None:
             plan = _plan_flattened(kwargs, batch, q_len, kv_len, causal, sliding_window)
         elif torch.compiler.is_compiling():
@@ -593,6 +597,7 @@ def make_attention_function(backend: str = "auto"):
         return out.contiguous(), None
 
     mxfp8_attention_forward.mxattn_backend = backend
+    mxfp8_attention_forward.mxattn_recipe = recipe
     return mxfp8_attention_forward
 
 
@@ -650,12 +655,14 @@ def _compacted_call(plan: MaskPlan, query, key, value, scaling, backend, extra: 
     return torch.gather(o, 1, rows.q_back.view(*rows.q_back.shape, 1, 1).expand(-1, -1, o.shape[2], o.shape[3]))
 
 
-def register(name: str = "mxfp8", backend: str = "auto") -> str:
+def register(name: str = "mxfp8", backend: str = "auto", recipe: Optional[Recipe] = None) -> str:
     """Register MXFP8 attention with transformers under `name`; returns `name`.
 
     Afterwards ``from_pretrained(..., attn_implementation=name)``, ``config._attn_implementation = name`` before
     building a model, or ``model.set_attn_implementation(name)`` select it. backend: mxattn's backend ("auto",
-    "cudnn", "triton", "reference"). Registering again replaces the function (e.g. to change the backend).
+    "cudnn", "triton", "reference"); recipe: None (the default recipe) or an `mxattn.Recipe` variant (which
+    "auto" routes to a backend that runs it). Registering again replaces the function (e.g. to change the
+    backend or the recipe; several names may be registered with different recipes).
     """
     if not isinstance(name, str) or not name or any(s in name for s in _RESERVED_SUBSTRINGS):
         raise ValueError(f"name must be a non-empty string without {_RESERVED_SUBSTRINGS} (transformers gives "
@@ -666,7 +673,7 @@ def register(name: str = "mxfp8", backend: str = "auto") -> str:
     except ImportError as exc:
         raise ImportError("mxattn.integrations.transformers needs transformers >= 5.0: pip install "
                           "'mxattn[hf]'") from exc
-    function = make_attention_function(backend)
+    function = make_attention_function(backend, recipe)
     AttentionInterface.register(name, function)
     # transformers' boolean SDPA masks (None where SDPA would use is_causal / no mask): what we translate above
     AttentionMaskInterface.register(name, sdpa_mask)
