@@ -12,7 +12,7 @@ from .backends import Problem, choose_backend
 from .errors import MXFP8NotSupportedError
 from .layouts import bhsd_shape, check_format, from_bhsd, to_bhsd
 from .mask import resolve_mask
-from .recipe import Recipe, check_recipe_varlen, resolve_recipe
+from .recipe import Recipe, check_recipe_varlen, recipe_key
 from .seqinfo import SeqInfo, make_seqinfo
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -109,7 +109,7 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
         if plan is not None:
             return _run_dense(plan, q, k, v, _sink_of(plan, softmax_offset))
     validate_inputs(q, k, v, qkv_format)
-    recipe = resolve_recipe(recipe)
+    recipe = recipe_key(recipe)
     band, padding_type = resolve_mask(attn_mask_type, window_size)
     if not padding_type and (cu_seqlens_q is not None or cu_seqlens_kv is not None) and qkv_format != "thd":
         raise ValueError(f"cu_seqlens_q/cu_seqlens_kv are sequence lengths of a padded batch: use a padding "
@@ -155,13 +155,13 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     if seq is None and not torch.compiler.is_compiling():
         plan = _DensePlan(qkv_format, float(softmax_scale), band.diagonal_alignment == "bottom_right",
                           band.left_bound, band.right_bound, kernel_dtype, out_dtype, name, softmax_type,
-                          recipe.encode())
+                          recipe)
         _remember(key, plan)
         return _run_dense(plan, q, k, v, sink)
     out_format = "bshd" if packed else qkv_format
     o = ops.attention(qb, kb, vb, float(softmax_scale), band.diagonal_alignment == "bottom_right",
                       band.left_bound, band.right_bound, kernel_dtype, out_format, name, *_seq_args(seq), sink,
-                      recipe.encode())
+                      recipe)
     o = o[0].transpose(0, 1) if packed else from_bhsd(o, qkv_format)
     return o if o.dtype == out_dtype else o.to(out_dtype)
 

@@ -52,7 +52,7 @@ class DotProductAttention(nn.Module):
         self.window_size = None if window_size is None else tuple(window_size)
         self.softmax_scale = softmax_scale
         self.backend = backend
-        self.recipe = resolve_recipe(recipe)
+        self.recipe = recipe
         if softmax_type not in SOFTMAX_TYPES:
             raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
         self.softmax_type = softmax_type
@@ -92,7 +92,7 @@ class DotProductAttention(nn.Module):
                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                               max_seqlen_kv=max_seqlen_kv, softmax_type=self.softmax_type,
                               softmax_offset=None if self.softmax_offset is None else self.softmax_offset.float(),
-                              recipe=self.recipe)
+                              recipe=self._call_recipe)
         if qkv_format == "bhsd":
             return out
         return out.reshape(*out.shape[:-2], -1)
@@ -115,6 +115,17 @@ class DotProductAttention(nn.Module):
                                  f"{x.shape[seq_axis]}, got {tuple(m.shape)}")
             cus.append(cu_seqlens_from_padding_mask(~m2, f"attention_mask ({name})"))
         return cus[0], cus[1]
+
+    @property
+    def recipe(self) -> Recipe:
+        """The `mxattn.Recipe` every call uses (assignable: None or a Recipe, checked)."""
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Optional[Recipe]) -> None:
+        self._recipe = resolve_recipe(recipe)
+        # what each call passes: None for the default, so a compiled forward touches no Recipe object
+        self._call_recipe = None if self._recipe.is_default else self._recipe
 
     def extra_repr(self) -> str:
         return (f"num_attention_heads={self.num_attention_heads}, kv_channels={self.kv_channels}, "

@@ -124,10 +124,19 @@ def resolve_recipe(recipe: Optional[Recipe], arg: str = "recipe") -> Recipe:
     return recipe
 
 
-def check_recipe_varlen(recipe: Recipe, varlen: Optional[str], arg: str = "recipe") -> None:
-    """Raise a ValueError naming `arg` when `recipe` has no meaning for a padded or packed batch (varlen
-    "padded" / "packed"; None for a dense one)."""
-    if varlen is not None and recipe.scaling == "per_tensor":
+def recipe_key(recipe: Optional[Recipe], arg: str = "recipe") -> str:
+    """The `Recipe.encode` string of `recipe` (None -> the default's), a TypeError naming `arg` for anything
+    else. With None no Recipe object is touched, so the default path traces under torch.compile as a constant
+    string (dynamo versions differ in which objects they can wrap)."""
+    if recipe is None:
+        return DEFAULT_RECIPE_KEY
+    return resolve_recipe(recipe, arg).encode()
+
+
+def check_recipe_varlen(key: str, varlen: Optional[str], arg: str = "recipe") -> None:
+    """Raise a ValueError naming `arg` when the recipe encoded as `key` has no meaning for a padded or packed
+    batch (varlen "padded" / "packed"; None for a dense one)."""
+    if varlen is not None and key != DEFAULT_RECIPE_KEY and Recipe.decode(key).scaling == "per_tensor":
         raise ValueError(f"{arg}: scaling='per_tensor' is a dense-batch baseline; a {varlen} batch would share "
                          "one scale across its sequences (use a dense batch, or scaling='mxfp8')")
 
@@ -142,4 +151,4 @@ def all_variants() -> Tuple[Recipe, ...]:
 
 
 __all__ = ["CHOICES", "DEFAULT_RECIPE", "DEFAULT_RECIPE_KEY", "Recipe", "all_variants", "check_recipe_varlen",
-           "resolve_recipe"]
+           "recipe_key", "resolve_recipe"]

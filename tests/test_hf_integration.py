@@ -692,6 +692,13 @@ def test_compiled_attention_function_still_refuses_what_it_cannot_express():
         compiled(*args)
 
 
+def test_traced_refusal_messages_fit_cuda_device_asserts():
+    """CUDA refuses device-side assert messages of 255 characters or more ("Message length must be smaller than
+    255"), which on a GPU would replace the refusal with that error."""
+    for message in (mx_hf._TRACED_REFUSAL, mx_hf._TRACED_BIAS):
+        assert message.startswith("mxattn (torch.compile): ") and len(message) < 255, len(message)
+
+
 def test_compiled_model_has_no_graph_breaks_and_no_recompiles():
     """A transformers model with the registered attention, compiled: one graph (padded causal batch), training
     steps with new data and the same shapes reuse it, and its logits equal the eager model's on real tokens."""

@@ -154,11 +154,11 @@ def test_decode_refuses_malformed_keys():
 
 def test_problem_encode_decode_carries_the_recipe():
     p = Problem(device=torch.device("cpu"), dtype=torch.bfloat16, batch=2, heads_q=4, heads_kv=2, seqlen_q=64,
-                seqlen_kv=64, head_dim=64, mask=MaskSpec(causal=True), recipe=VARIANTS["mixed"])
+                seqlen_kv=64, head_dim=64, mask=MaskSpec(causal=True), recipe=VARIANTS["mixed"].encode())
     key = p.encode(without_sizes=True)
     assert all(isinstance(x, (str, int, bool, type(None), torch.dtype)) for x in key)
     back = Problem.decode(key)
-    assert back.recipe == VARIANTS["mixed"] and back.batch is None
+    assert Recipe.decode(back.recipe) == VARIANTS["mixed"] and back.batch is None
     assert Problem.decode(p.encode()) == p
 
 
@@ -448,7 +448,7 @@ def test_auto_routes_each_recipe_to_a_backend_that_runs_it(monkeypatch):
     for name, recipe in VARIANTS.items():
         if name == "default":
             continue
-        p = dataclasses.replace(problem, recipe=recipe)
+        p = dataclasses.replace(problem, recipe=recipe.encode())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             backends._WARNED.clear()

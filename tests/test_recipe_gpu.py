@@ -48,7 +48,7 @@ def test_auto_on_cuda_routes_variants_to_the_reference_backend():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for recipe in RECIPES[1:]:
-            assert pick_backend("auto", dataclasses.replace(problem, recipe=recipe)) == "reference", recipe
+            assert pick_backend("auto", dataclasses.replace(problem, recipe=recipe.encode())) == "reference", recipe
     if fast == "reference":
         pytest.skip("neither cudnn nor triton runs on this GPU")
     g = torch.Generator().manual_seed(1)

@@ -18,7 +18,7 @@ import torch
 
 from ..formats import BLOCK_SIZE, MXFP8Tensor, segmented_scale_rows
 from ..mask import MaskSpec
-from ..recipe import DEFAULT_RECIPE, Recipe
+from ..recipe import DEFAULT_RECIPE, DEFAULT_RECIPE_KEY, Recipe
 from ..seqinfo import SeqInfo
 
 
@@ -66,12 +66,12 @@ class Problem:
     out_dtype: torch.dtype = torch.bfloat16
     #: "vanilla", "off-by-one" or "learnable" (TE's softmax_type)
     softmax_type: str = "vanilla"
-    #: the numerics asked for (`mxattn.Recipe`)
-    recipe: Recipe = DEFAULT_RECIPE
+    #: the numerics asked for, as `Recipe.encode` gives it (a string: Problem is built in traced code)
+    recipe: str = DEFAULT_RECIPE_KEY
 
     def encode(self, without_sizes: bool = False) -> tuple:
         """Every field, in declaration order, as a flat tuple of Python constants (the device as its string,
-        the mask as its three band fields, the recipe as its `Recipe.encode` string): what
+        the mask as its three band fields): what
         `torch.compiler.assume_constant_result` can take. A field added to Problem is carried without touching
         the encoder. without_sizes: batch and sequence lengths as None (they may be symbolic under
         torch.compile)."""
@@ -80,8 +80,6 @@ class Problem:
             value = getattr(self, f.name)
             if f.name == "device":
                 out.append(str(value))
-            elif f.name == "recipe":
-                out.append(value.encode())
             elif f.name == "mask":
                 out += [value.diagonal_alignment, value.left_bound, value.right_bound]
             else:
@@ -97,8 +95,7 @@ class Problem:
                 values["mask"] = MaskSpec(diagonal_alignment=key[i], left_bound=key[i + 1], right_bound=key[i + 2])
                 i += 3
             else:
-                decoders = {"device": torch.device, "recipe": Recipe.decode}
-                values[f.name] = decoders[f.name](key[i]) if f.name in decoders else key[i]
+                values[f.name] = torch.device(key[i]) if f.name == "device" else key[i]
                 i += 1
         return cls(**values)
 
@@ -219,7 +216,7 @@ class AttentionBackend(abc.ABC):
 
         The base class checks the recipe (`supports_recipe`), the device, the input dtype and the head dim;
         backends add their own limits."""
-        ok, reason = cls.supports_recipe(problem.recipe)
+        ok, reason = cls.supports_recipe(Recipe.decode(problem.recipe))
         if not ok:
             return False, reason
         ok, reason = cls.availability(problem.device)

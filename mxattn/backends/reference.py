@@ -99,7 +99,8 @@ class ReferenceBackend(AttentionBackend):
 
     def forward(self, q, k, v, params: AttentionParams):
         seq, recipe = params.seq, params.recipe
-        check_recipe_varlen(recipe, None if seq is None else ("packed" if seq.packed else "padded"), "params.recipe")
+        check_recipe_varlen(recipe.encode(), None if seq is None else ("packed" if seq.packed else "padded"),
+                            "params.recipe")
         q_row, q_col = quantize_rowcol(q, seq, "q", recipe)
         k_row, k_col = quantize_rowcol(k, seq, "kv", recipe)
         v_row, v_col = v_operands(v, seq, recipe)

@@ -451,12 +451,13 @@ def _band_rebuild(band, q_sel, q_pos, n_q, kv_sel, kv_pos, n_kv) -> torch.Tensor
     return keep
 
 
-_TRACED_REFUSAL = ("mxattn (torch.compile): this attention mask is not the module's band (causal / sliding window, "
-                   "top-left for q_len == kv_len, bottom-right otherwise) over one sequence per batch row (the "
-                   "keys its rows keep: left or right padding, decode steps, static caches). Several packed "
-                   "documents in one row (pass cu_seq_lens_q/k instead: DataCollatorWithFlattening("
-                   "return_flash_attn_kwargs=True)), right-padded prompts prefilled into a static cache (pad on "
-                   "the left) and mask overlays cannot be traced; run the model eagerly for the detailed reason")
+#: the device-side assert messages of `plan_attention_mask_traced` (CUDA takes fewer than 255 characters; the
+#: cases behind them are in its docstring and the README's mask table)
+_TRACED_REFUSAL = ("mxattn (torch.compile): this attention mask is not the module's band over one sequence per "
+                   "batch row (packed rows need cu_seq_lens_q/k; no static-cache right-padded prefill, no "
+                   "overlays); run eagerly for the reason")
+_TRACED_BIAS = ("mxattn (torch.compile): the attention mask holds values other than 0 and masked (a bias?) or "
+                "differs between heads; mxattn cannot express it")
 
 
 def plan_attention_mask_traced(attention_mask: Optional[torch.Tensor], *, batch: int, q_len: int, kv_len: int,
@@ -476,12 +477,14 @@ def plan_attention_mask_traced(attention_mask: Optional[torch.Tensor], *, batch:
 
     The mask rebuilt from that plan must equal HF's, else `torch._assert_async` stops the run with the reason
     (a RuntimeError on the CPU, a device-side assert on CUDA): what the eager path refuses is refused here
-    too, and so are several sequences in one batch row (packed documents), which the eager path runs."""
+    too, and so are several sequences in one batch row (packed documents, which the eager path runs: pass
+    cu_seq_lens_q/k instead, e.g. DataCollatorWithFlattening(return_flash_attn_kwargs=True)), right-padded
+    prompts prefilled into a static cache (pad on the left) and mask overlays. The messages stay under CUDA's
+    255-character limit on device-side assert messages."""
     if attention_mask is None:
         return _plan_without_mask(q_len, kv_len, is_causal, sliding_window)
     keep, bad = _traced_keep(attention_mask, batch, q_len, kv_len)
-    torch._assert_async(~bad, "mxattn (torch.compile): the attention mask holds values other than 0 and masked "
-                        "(an additive bias?) or differs between heads; mxattn cannot express it")
+    torch._assert_async(~bad, _TRACED_BIAS)
     word, window = _module_band(q_len, kv_len, is_causal, sliding_window)
     band = resolve_mask(word, window).band
     device = keep.device
@@ -528,6 +531,8 @@ def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = No
     if backend not in ("auto",) + BACKEND_NAMES:
         raise ValueError(f"backend must be one of {('auto',) + BACKEND_NAMES}, got {backend!r}")
     recipe = resolve_recipe(recipe)
+    # what each call passes: None for the default, so a compiled model touches no Recipe object
+    call_recipe = None if recipe.is_default else recipe
 
     def mxfp8_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                 value: torch.Tensor, attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
@@ -561,8 +566,8 @@ def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = No
         batch, _, q_len, head_dim = query.shape
         kv_len = key.shape[2]
         # attention sinks (gpt-oss's s_aux: one logit per query head) are mxattn's learnable sink
-        extra = dict(recipe=recipe) if s_aux is None else dict(softmax_type="learnable",
-                                                                softmax_offset=s_aux.float(), recipe=recipe)
+        extra = dict(recipe=call_recipe) if s_aux is None else dict(
+            softmax_type="learnable", softmax_offset=s_aux.float(), recipe=call_recipe)
         if kwargs.get("cu_seq_lens_q") is not None:
             plan = _plan_flattened(kwargs, batch, q_len, kv_len, causal, sliding_window)
         elif torch.compiler.is_compiling():
