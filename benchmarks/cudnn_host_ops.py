@@ -20,6 +20,7 @@ import cpu_host_harness  # noqa: E402
 
 import mxattn  # noqa: E402
 from mxattn.backends import cudnn_backend as cb  # noqa: E402
+from mxattn.kernels import triton_quantize as tq  # noqa: E402
 
 ALLOCATIONS = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
                "aten.zeros.default", "aten.new_empty.default"}
@@ -44,20 +45,20 @@ class CountOps(TorchDispatchMode):
 
 
 def stub_cudnn():
-    """cudnn backend on CPU tensors: supported, no handle, and graphs neither built nor executed."""
+    """cudnn backend on CPU tensors: supported, no handle, graph configs and variant packs built as on a GPU,
+    the graphs neither planned nor executed."""
+    plans = {}
+
+    def planned(key, kind, device, make_config):
+        if key not in plans:
+            plans[key] = cb.PlannedGraph(kind, make_config(), None, 0)
+        return plans[key]
+
     cb.CudnnBackend.availability = classmethod(lambda cls, device: (True, "stubbed"))
     cb.CudnnBackend.supports = classmethod(lambda cls, problem: (True, "stubbed"))
     cb._supported_state = lambda device: None
-
-    def fake_forward(q_row, k_row, v_col, *, attn_scale, mask, out_dtype, seq=None, sink=None):
-        b, h, s, d = q_row.data.shape
-        return (torch.empty((b, h, s, d), dtype=out_dtype), torch.empty((b, h, s, 1)), None)
-
-    def fake_backward(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats, **kw):
-        return (torch.empty_like(o), torch.empty(k_row.data.shape, dtype=o.dtype),
-                torch.empty(v_row.data.shape, dtype=o.dtype))
-
-    cb.cudnn_forward, cb.cudnn_backward = fake_forward, fake_backward
+    cb.planned = planned
+    cb.execute = lambda plan, pack, device: None
 
 
 def count(backend: str, q, k, v) -> int:
@@ -78,14 +79,28 @@ def main():
     cpu_host_harness.install_stubs(launches)
     stub_cudnn()
     q, k, v = (torch.randn(1, 128, 8, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    ops_triton = count("triton", q, k, v)
-    launches.clear()
-    count("triton", q, k, v)
-    triton_launches = sum(launches.values()) // 2  # count() runs two forward+backward calls
-    ops_cudnn = count("cudnn", q, k, v)
-    print("one forward+backward of B1 S128 H8 D64 causal, bf16 (kernels and graph execution stubbed, CPU tensors)")
-    print(f"triton: {triton_launches} Triton launches + {ops_triton} aten launches")
-    print(f"cudnn:  2 graph executions + {ops_cudnn} aten launches (its MXFP8 quantization runs as torch ops)")
+    print("one forward+backward of B1 S128 H8 D64 causal, bf16 (Triton kernels and cuDNN graph execution "
+          "stubbed, CPU tensors; host time = median wall time per call on this CPU)")
+    rows = []
+    for label, backend, fused in (("triton", "triton", None), ("cudnn, torch-op quantizer", "cudnn", False),
+                                  ("cudnn, fused Triton quantizer", "cudnn", True)):
+        # on a GPU the cudnn backend quantizes with the fused Triton kernel (CUDA tensors, Triton importable)
+        cb._quantizer_for = (lambda x: tq.quantize_rowcol) if fused else (lambda x: None)
+        ops = count(backend, q, k, v)
+        launches.clear()
+        count(backend, q, k, v)
+        kernels = sum(launches.values()) // 2  # count() runs two forward+backward calls
+
+        def fwd_bwd():
+            mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend=backend).backward(torch.ones_like(q))
+
+        us = cpu_host_harness.per_call_us(fwd_bwd, n=100)
+        rows.append((label, kernels, ops, us))
+    graphs = {"triton": "", "cudnn": " + 2 graph executions"}
+    for label, kernels, ops, us in rows:
+        extra = graphs["cudnn" if label.startswith("cudnn") else "triton"]
+        print(f"{label:32s} {kernels:3d} Triton launches{extra} + {ops:4d} aten launches, host {us:7.0f} us")
+    print(f"host time ratio cudnn (fused quantizer) / triton: {rows[2][3] / rows[0][3]:.2f}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ Scale-factor layout (E8M0, `F8_128x4` reordering), as the cuDNN MXFP8 graph cons
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -644,17 +645,28 @@ def row_scale_buffer(scale: torch.Tensor) -> torch.Tensor:
 
 def col_scale_buffer(scale: torch.Tensor) -> torch.Tensor:
     """Column-wise compact scale [B, H, ceil(S/32), D] (e8m0) -> F8_128x4 buffer declared [B, H, S32p, Dp] with
-    strides `col_scale_stride` (e8m0).
-
-    Bytes: each slab's scale rows zero-padded to S32p, the whole [B*H*S32p, D] matrix transposed to
-    M=D x K=B*H*S32p and swizzled (D tile outermost; module docstring)."""
+    strides `col_scale_stride` (e8m0): `col_scale_tensor` of `col_scale_bytes`."""
     b, h, s32, d = scale.shape
-    dims = col_scale_dims(b, h, s32 * BLOCK, d)
-    s32p = dims[2]
+    return col_scale_tensor(col_scale_bytes(scale), b, h, s32 * BLOCK, d)
+
+
+def col_scale_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Column-wise compact scale [B, H, ceil(S/32), D] (e8m0) -> the bytes cuDNN reads, contiguous [Dp, B*H*S32p]
+    (e8m0): each slab's scale rows zero-padded to S32p, the whole [B*H*S32p, D] matrix transposed to
+    M=D x K=B*H*S32p and swizzled (D tile outermost; module docstring). The fused Triton quantizer
+    (`mxattn.kernels.triton_quantize.quantize_rowcol(swizzle=True)`) writes the same bytes."""
+    b, h, s32, d = scale.shape
+    s32p = col_scale_dims(b, h, s32 * BLOCK, d)[2]
     raw = scale.view(torch.uint8)
     if s32p != s32:
         raw = torch.nn.functional.pad(raw, (0, 0, 0, s32p - s32))
-    buf = swizzle_128x4(raw.reshape(b * h * s32p, d).t())  # [Dp, B*H*S32p], contiguous
+    return swizzle_128x4(raw.reshape(b * h * s32p, d).t()).view(SCALE_DTYPE)
+
+
+def col_scale_tensor(buf: torch.Tensor, b: int, h: int, s: int, d: int) -> torch.Tensor:
+    """The graph's column-wise scale tensor (dims `col_scale_dims(b, h, s, d)`, strides `col_scale_stride`) over
+    `col_scale_bytes`-ordered bytes `buf` (contiguous, e8m0 or uint8)."""
+    dims = col_scale_dims(b, h, s, d)
     return buf.view(SCALE_DTYPE).as_strided(dims, col_scale_stride(dims))
 
 
@@ -769,8 +781,14 @@ def _slot_matches(cfg: GraphConfig, name: str, tensor: torch.Tensor, spec) -> bo
     return tuple(tensor.shape) == tuple(shape) and tensor.stride() == tuple(stride)
 
 
+@functools.lru_cache(maxsize=256)
+def _slot_names(uids, slots: Tuple[int, ...]) -> Dict[int, str]:
+    """uid -> lower-case slot name of the graph slots `slots` (uids of enum `uids`); cached: it runs per call."""
+    return {uid: uids(uid).name.lower() for uid in slots}
+
+
 def _pack(cfg: GraphConfig, specs, named: Dict[str, torch.Tensor], uids, check: bool) -> Dict[int, torch.Tensor]:
-    names = {uid: uids(uid).name.lower() for uid in specs}
+    names = _slot_names(uids, tuple(specs))
     missing = [n for n in names.values() if named.get(n) is None]
     if missing:
         raise ValueError(f"this graph ({cfg.describe()}) needs {', '.join(missing)}")
@@ -835,7 +853,11 @@ def sink_operand(sink: Optional[torch.Tensor], h_q: int, device: torch.device) -
 
 
 def operand(x: MXFP8Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 data, F8_128x4 scale buffer) of an MXFP8Tensor quantized along D (axis 3) or S (axis 2)."""
+    """(FP8 data, F8_128x4 scale buffer) of an MXFP8Tensor quantized along D (axis 3) or S (axis 2) (the buffer
+    the quantizer made, `x.scale_f8_128x4`, when it made one)."""
+    made = getattr(x, "scale_f8_128x4", None)
+    if made is not None:
+        return x.data, (made if x.axis == 3 else col_scale_tensor(made, *x.data.shape))
     if x.axis == 3:
         return x.data, row_scale_buffer(x.scale)
     if x.axis == 2:

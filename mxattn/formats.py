@@ -170,12 +170,16 @@ class MXFP8Tensor:
     segments: None, or int32 [B+1] cumulative segment offsets along ``axis`` (packed variable-length
            batches): blocks restart at every segment start and scale has ``n // 32 + B`` rows along ``axis``
            (module docstring).
+    scale_f8_128x4: None, or the same scales already in the F8_128x4 byte order the cuDNN graph reads, as
+           `mxattn.cudnn_graphs` makes it from ``scale`` (``row_scale_buffer`` for blocks along D,
+           ``col_scale_bytes`` along S); the fused Triton quantizer writes both.
     """
 
     data: torch.Tensor
     scale: torch.Tensor
     axis: int
     segments: Optional[torch.Tensor] = None
+    scale_f8_128x4: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if not isinstance(self.data, torch.Tensor) or self.data.dtype not in _FP8_FORMATS:
@@ -200,12 +204,13 @@ class MXFP8Tensor:
 
     @classmethod
     def unchecked(cls, data: torch.Tensor, scale: torch.Tensor, axis: int,
-                  segments: Optional[torch.Tensor] = None) -> "MXFP8Tensor":
+                  segments: Optional[torch.Tensor] = None,
+                  scale_f8_128x4: Optional[torch.Tensor] = None) -> "MXFP8Tensor":
         """The same object without `__post_init__`'s checks, for parts this package's quantizers just made
         (axis non-negative, shapes and dtypes consistent by construction): the checks cost host time on every
         attention call."""
         t = cls.__new__(cls)
-        t.data, t.scale, t.axis, t.segments = data, scale, axis, segments
+        t.data, t.scale, t.axis, t.segments, t.scale_f8_128x4 = data, scale, axis, segments, scale_f8_128x4
         return t
 
     @property

@@ -33,3 +33,24 @@ def pretend_blackwell(monkeypatch):
     cb.clear_support_cache()
     yield calls
     cb.clear_support_cache()
+
+
+@pytest.fixture
+def captured_packs(monkeypatch):
+    """CudnnBackend runs its whole host path (quantization, configs, buffers, variant packs) on any device with
+    the graph neither planned nor executed: yields the list of (kind, cfg, variant pack) that would have reached
+    cuDNN, in call order (the outputs stay as allocated)."""
+    packs = []
+    plans = {}
+
+    def planned(key, kind, device, make_config):
+        if key not in plans:
+            plans[key] = cb.PlannedGraph(kind, make_config(), None, 0)
+        return plans[key]
+
+    monkeypatch.setattr(cb.CudnnBackend, "availability", classmethod(lambda cls, device: (True, "pretend SM 10.0")))
+    monkeypatch.setattr(cb.CudnnBackend, "supports", classmethod(lambda cls, problem: (True, "pretend")))
+    monkeypatch.setattr(cb, "_supported_state", lambda device: None)
+    monkeypatch.setattr(cb, "planned", planned)
+    monkeypatch.setattr(cb, "execute", lambda plan, pack, device: packs.append((plan.kind, plan.cfg, dict(pack))))
+    yield packs

@@ -121,7 +121,23 @@ def test_quantizer_bit_identical(layout, shape, dtype):
     assert torch.equal(as_bytes(got.col.data), as_bytes(want_c.data))
     assert torch.equal(as_bytes(got.col.scale), as_bytes(want_c.scale))
     assert torch.equal(as_bytes(got.row_swizzled), as_bytes(swizzle_128x4(want_r.scale)))
-    assert torch.equal(as_bytes(got.col_swizzled), as_bytes(swizzle_128x4(want_c.scale.transpose(-1, -2).contiguous())))
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 4, 1000, 128), torch.bfloat16), ((1, 3, 177, 96), torch.float16),
+                                         ((3, 2, 256, 256), torch.bfloat16), ((2, 5, 130, 64), torch.float32)])
+def test_quantizer_writes_the_cudnn_graph_scale_bytes(shape, dtype):
+    """swizzle=True: the row and column scales in the byte order of the cuDNN graph's F8_128x4 tensors
+    (`cudnn_graphs.operand` of the compact scales), the column ones over all (b, h) slabs at once."""
+    cg = pytest.importorskip("mxattn.cudnn_graphs")
+    triton_backend()
+    from mxattn.kernels.triton_quantize import quantize_rowcol
+    B, H, S, D = shape
+    x, _, _, _ = _make(B, H, H, S, S, D, dtype, "bshd", seed=4)
+    x = _special(x * 4)
+    got = quantize_rowcol(x, swizzle=True)
+    want_r, want_c = quantize_mxfp8(x, axis=3), quantize_mxfp8(x, axis=2)
+    assert torch.equal(as_bytes(got.row_swizzled), as_bytes(cg.row_scale_buffer(want_r.scale)))
+    assert torch.equal(as_bytes(got.col_swizzled), as_bytes(cg.col_scale_bytes(want_c.scale)))
 
 
 # --------------------------------------------------------------------------- accuracy (issue configs)

@@ -283,7 +283,7 @@ def _quantize_tile(
         tl.store(SC + ((bt * H + h) * NC + blk0) * D + offs_j[:, None] * D + offs_d[None, :], e.to(tl.uint8),
                  mask=smask)
         if SWZ:
-            off = _swizzle_offset(offs_d[None, :], offs_j[:, None], SCZ_KP)
+            off = _swizzle_offset(offs_d[None, :].to(tl.int64), offs_j[:, None], SCZ_KP)  # K spans all slabs
             tl.store(SCZ + pid_bh.to(tl.int64) * SCZ_SLAB + off, e.to(tl.uint8), mask=smask)
 
 
@@ -342,7 +342,10 @@ class RowColQuantized(NamedTuple):
 
     row / col: mxattn.formats.MXFP8Tensor (axis 3 / axis 2, compact E8M0 scales).
     row_swizzled: uint8-compatible E8M0 [B, H, Sp, ceil(ceil(D/32)/4)*4] in F8_128x4 order.
-    col_swizzled: E8M0 [B, H, ceil(D/128)*128, ceil(ceil(S/32)/4)*4] in F8_128x4 order (M = D, K = S blocks).
+    col_swizzled: E8M0 [ceil(D/128)*128, B*H*S32p] (S32p = ceil(ceil(S/32)/4)*4): the column scales of every
+        (b, h) slab, each padded to S32p blocks, as one [B*H*S32p, D] matrix transposed and in F8_128x4 order
+        (M = D, K = S blocks of all slabs): the bytes of the cuDNN graph's column-wise scale tensor
+        (`mxattn.cudnn_graphs.col_scale_bytes`).
     row_dequant / col_dequant: contiguous bf16 [B, H, S, D], the exact dequantization of row / col.
     """
 
@@ -514,11 +517,14 @@ def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequan
     sc = (torch.zeros if packed else torch.empty)((B, H, nc, D), dtype=torch.uint8, device=dev) if col else sr
     qr = qc if qr is None else qr
     sr = sc if sr is None else sr
-    srz_kp, scz_kp = cdiv(nr, 4) * 4, cdiv(nc, 4) * 4
-    srz_slab, scz_slab = cdiv(S, 128) * 128 * srz_kp, cdiv(D, 128) * 128 * scz_kp
+    # row-wise: one [Sp, D32p] F8_128x4 slab per (b, h); column-wise: cuDNN's order, the [B*H*S32p, D] matrix of
+    # every slab's blocks (each padded to S32p) transposed and swizzled as one (M = D, K = B*H*S32p), so slab
+    # (b, h) starts S32p / 4 atoms of 512 bytes further along K (`mxattn.cudnn_graphs.col_scale_bytes`)
+    srz_kp, s32p = cdiv(nr, 4) * 4, cdiv(nc, 4) * 4
+    srz_slab, scz_kp, scz_slab = cdiv(S, 128) * 128 * srz_kp, B * H * s32p, s32p * 128
     srz = torch.zeros((B, H, cdiv(S, 128) * 128, srz_kp), dtype=torch.uint8, device=dev) \
         if (swizzle and row) else sr
-    scz = torch.zeros((B, H, cdiv(D, 128) * 128, scz_kp), dtype=torch.uint8, device=dev) \
+    scz = torch.zeros((cdiv(D, 128) * 128, scz_kp), dtype=torch.uint8, device=dev) \
         if (swizzle and col) else sc
     rdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if row_dequant else None
     cdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if col_dequant else None
