@@ -1,8 +1,10 @@
 """Where a compiled training step's time goes: transformers' GPT-2 (the models_bench.py config) under
 torch.compile with SDPA and with mxattn's attention; per step the wall time, the GPU kernel time (sum over
 kernels, torch.profiler) and the top operators by GPU time and by host time; --cprofile: instead, cProfile (host
-time by Python function) of mxattn's compiled steps. Usage (CUDA machine):
-python benchmarks/compiled_step_profile.py [--eager] [--cprofile]"""
+time by Python function) of mxattn's compiled steps. --decode: the same for greedy decode steps of the bf16
+model with the KV cache (batch --batch, default 1; a "step" is one generate call: a 512-token prefill and 16
+greedy tokens).
+Usage (CUDA machine): python benchmarks/compiled_step_profile.py [--eager | --decode [--batch N]] [--cprofile]"""
 import cProfile
 import os
 import pstats
@@ -36,6 +38,24 @@ def training_step(attn: str, compiled: bool):
     return step
 
 
+def decode_step(attn: str, batch: int):
+    """A function generating 16 greedy tokens (one step = 1/16 of it) with the GPT-2 in bf16 and its KV cache."""
+    name, model, _, vocab = mb.build(mb.gpt2_config, attn, False)
+    model = model.to(torch.bfloat16).eval()
+    ids = torch.randint(0, vocab, (batch, 512), device="cuda")
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None,
+              max_new_tokens=17, min_new_tokens=17)
+
+    @torch.no_grad()
+    def sixteen_tokens():
+        model.generate(ids, **kw)        # the prefill and 16 decode steps
+
+    for _ in range(2):
+        sixteen_tokens()
+    torch.cuda.synchronize()
+    return sixteen_tokens
+
+
 def host_profile(step) -> None:
     prof = cProfile.Profile()
     prof.enable()
@@ -50,12 +70,19 @@ def host_profile(step) -> None:
 
 def main():
     compiled = "--eager" not in sys.argv
+    decode = "--decode" in sys.argv
+    batch = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else 1
     mb.mx_hf.register(mb.NAME, backend="triton")
+
+    def make(attn):
+        return decode_step(attn, batch) if decode else training_step(attn, compiled)
+
     if "--cprofile" in sys.argv:
-        host_profile(training_step(mb.NAME, compiled))
+        host_profile(make(mb.NAME))
         return
+    mode = f"decode batch {batch} (per 16 tokens + prefill)" if decode else ("compiled" if compiled else "eager")
     for attn in ("sdpa", mb.NAME):
-        step = training_step(attn, compiled)
+        step = make(attn)
         t0 = time.perf_counter()
         for _ in range(10):
             step()
@@ -67,8 +94,7 @@ def main():
             torch.cuda.synchronize()
         events = prof.key_averages()
         gpu = sum(e.self_device_time_total for e in events) / 5 / 1e3
-        print(f"\n=== {attn} {'compiled' if compiled else 'eager'}: wall {wall:.2f} ms/step, GPU kernels "
-              f"{gpu:.2f} ms/step")
+        print(f"\n=== {attn} {mode}: wall {wall:.2f} ms/step, GPU kernels {gpu:.2f} ms/step")
         print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
         print(events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
         del step
