@@ -2,9 +2,10 @@
 torch.compile with SDPA and with mxattn's attention; per step the wall time, the GPU kernel time (sum over
 kernels, torch.profiler) and the top operators by GPU time and by host time; --cprofile: instead, cProfile (host
 time by Python function) of mxattn's compiled steps. --decode: the same for greedy decode steps of the bf16
-model with the KV cache (batch --batch, default 1; a "step" is one generate call: a 512-token prefill and 16
-greedy tokens).
-Usage (CUDA machine): python benchmarks/compiled_step_profile.py [--eager | --decode [--batch N]] [--cprofile]"""
+model with the KV cache (batch --batch, default 1; a "step" is one generate call: a 512-token prefill and
+--tokens greedy tokens, default 16).
+Usage (CUDA machine): python benchmarks/compiled_step_profile.py [--eager | --decode [--batch N] [--tokens N]]
+[--cprofile]"""
 import cProfile
 import os
 import pstats
@@ -38,22 +39,23 @@ def training_step(attn: str, compiled: bool):
     return step
 
 
-def decode_step(attn: str, batch: int):
-    """A function generating 16 greedy tokens (one step = 1/16 of it) with the GPT-2 in bf16 and its KV cache."""
+def decode_step(attn: str, batch: int, tokens: int = 16):
+    """A function that prefills 512 tokens and generates `tokens` greedy ones with the GPT-2 in bf16 and its KV
+    cache."""
     name, model, _, vocab = mb.build(mb.gpt2_config, attn, False)
     model = model.to(torch.bfloat16).eval()
     ids = torch.randint(0, vocab, (batch, 512), device="cuda")
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None,
-              max_new_tokens=17, min_new_tokens=17)
+              max_new_tokens=tokens + 1, min_new_tokens=tokens + 1)
 
     @torch.no_grad()
-    def sixteen_tokens():
-        model.generate(ids, **kw)        # the prefill and 16 decode steps
+    def generate():
+        model.generate(ids, **kw)        # the prefill (and its token) and `tokens` decode steps
 
     for _ in range(2):
-        sixteen_tokens()
+        generate()
     torch.cuda.synchronize()
-    return sixteen_tokens
+    return generate
 
 
 def host_profile(step) -> None:
@@ -72,15 +74,17 @@ def main():
     compiled = "--eager" not in sys.argv
     decode = "--decode" in sys.argv
     batch = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else 1
+    tokens = int(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else 16
     mb.mx_hf.register(mb.NAME, backend="triton")
 
     def make(attn):
-        return decode_step(attn, batch) if decode else training_step(attn, compiled)
+        return decode_step(attn, batch, tokens) if decode else training_step(attn, compiled)
 
     if "--cprofile" in sys.argv:
         host_profile(make(mb.NAME))
         return
-    mode = f"decode batch {batch} (per 16 tokens + prefill)" if decode else ("compiled" if compiled else "eager")
+    mode = (f"decode batch {batch} (per prefill + {tokens} tokens)" if decode
+            else ("compiled" if compiled else "eager"))
     for attn in ("sdpa", mb.NAME):
         step = make(attn)
         t0 = time.perf_counter()

@@ -150,7 +150,9 @@ def test_saved_format_fake_tensors_match_the_real_ones(packed, captured_packs):
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
 def test_fused_quantizer_sends_the_torch_path_bytes(padded, captured_packs, monkeypatch):
     """On CUDA the fused Triton quantizer makes the operands; with it switched off the torch ops do: every input
-    slot of both graphs holds the same bytes (strides included)."""
+    slot of both graphs holds the same values, the scale slots with the same (declared) strides. FP8 data may be
+    laid out differently (a padded batch's zeroed copy is contiguous on the torch route, in q's layout on the
+    fused one): each graph config follows its data's strides."""
     q, k, v, do, kw = _inputs("cuda", padded, seed=3)
     if cb._fused_quantizer() is None:
         pytest.skip("Triton cannot be imported here")
@@ -160,5 +162,6 @@ def test_fused_quantizer_sends_the_torch_path_bytes(padded, captured_packs, monk
     for uids, a, b in ((FWD_INPUTS, fused[0], torch_ops[0]), (BWD_INPUTS, fused[1], torch_ops[1])):
         for uid in uids:
             if uid in a:
-                assert a[uid].stride() == b[uid].stride(), uid
+                if uid.name.startswith("SF_"):
+                    assert a[uid].stride() == b[uid].stride(), uid
                 assert torch.equal(_bytes(a[uid]), _bytes(b[uid])), uid
