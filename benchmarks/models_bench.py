@@ -284,22 +284,25 @@ def markdown(res: dict) -> str:
     lines = [f"# Whole-model benchmark ({res['device']})", "",
              f"torch {res['torch']}, transformers {res['transformers']}, mxattn backend `{res['backend']}`; "
              "random-weight models built from configs, same seed; ratio = mxfp8 / sdpa (time) or mxfp8 / sdpa "
-             "(tokens/s), measured in the same run by `python benchmarks/models_bench.py`.", "",
-             "## Training step (bf16 autocast, fused AdamW), median ms", "",
-             "| model | B x S | mode | sdpa ms | mxfp8 ms | ratio (target <= 1.15) | final loss sdpa / mxfp8 |",
-             "|---|---|---|---|---|---|---|"]
+             "(tokens/s), measured in the same run by `python benchmarks/models_bench.py`."]
+    if res["train"]:
+        lines += ["", "## Training step (bf16 autocast, fused AdamW), median ms", "",
+                  "| model | B x S | mode | sdpa ms | mxfp8 ms | ratio (target <= 1.15) | final loss sdpa / mxfp8 |",
+                  "|---|---|---|---|---|---|---|"]
     for row in res["train"]:
         lines.append(f"| {row['model']} | {row['batch']} x {row['seq']} | {row['mode']} | {row['sdpa_ms']:.2f} | "
                      f"{row['mxfp8_ms']:.2f} | {row['ratio']:.2f} | {row['loss_sdpa']:.4f} / {row['loss_mxfp8']:.4f} |")
-    lines += ["", "## Inference: prefill + greedy decode with the KV cache (bf16 weights)", "",
-              "| model | batch | prompt + new | prefill ms sdpa / mxfp8 | decode tok/s sdpa | decode tok/s mxfp8 | "
-              "ratio (target >= 0.9) | greedy tokens equal |", "|---|---|---|---|---|---|---|---|"]
+    if res["generate"]:
+        lines += ["", "## Inference: prefill + greedy decode with the KV cache (bf16 weights)", "",
+                  "| model | batch | prompt + new | prefill ms sdpa / mxfp8 | decode tok/s sdpa | decode tok/s mxfp8 | "
+                  "ratio (target >= 0.9) | greedy tokens equal |", "|---|---|---|---|---|---|---|---|"]
     for row in res["generate"]:
         lines.append(f"| {row['model']} | {row['batch']} | {row['prompt']} + {row['new_tokens']} | "
                      f"{row['prefill_ms_sdpa']:.1f} / {row['prefill_ms_mxfp8']:.1f} | {row['tok_s_sdpa']:.0f} | "
                      f"{row['tok_s_mxfp8']:.0f} | {row['ratio']:.2f} | {row['same_tokens']:.0%} |")
-    lines += ["", "## One attention call", "", "| measurement | sdpa us | mxfp8 us | ratio (target <= 1.5) |",
-              "|---|---|---|---|"]
+    if res["calls"]:
+        lines += ["", "## One attention call", "", "| measurement | sdpa us | mxfp8 us | ratio (target <= 1.5) |",
+                  "|---|---|---|---|"]
     for key, entry in res["calls"].items():
         lines.append(f"| {key} | {entry['sdpa']:.1f} | {entry['mxfp8']:.1f} | {entry['ratio']:.2f} |")
     if res.get("left_padded_generate"):
