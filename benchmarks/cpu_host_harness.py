@@ -34,9 +34,12 @@ class _FakeKernel:
 
 
 def install_stubs(counter):
-    """Relax the CUDA checks and replace Triton's dispatcher and the compiled kernels' launcher by counters
-    (this process only): everything of the host path above the C launcher runs as on the GPU machine,
+    """Relax the CUDA checks, use one intra-op thread and replace Triton's dispatcher and the compiled kernels'
+    launcher by counters (this process only): everything of the host path above the C launcher runs as on the GPU machine,
     the launch plans (mxattn.kernels.launch_plan) included."""
+    # one intra-op thread: on tiny CPU tensors torch's thread pool adds only waits (tens of ms per call when
+    # other processes share the cores), which no GPU host pays
+    torch.set_num_threads(1)
     for module in (checks, backend_module, tq):
         module.check_bhsd_tensor = _check_any_device
     backend_module.TritonBackend.availability = classmethod(lambda cls, device: (True, "stubbed"))
