@@ -1,8 +1,8 @@
 """Study the MXFP8 attention recipe variants (`mxattn.Recipe`, issue 22): error against FP64, dependence on
 future tokens, and training loss over seeds. Writes a markdown table file and a JSON file.
 
-    python samples/recipe_study.py                          # --size cpu: small shapes, a CPU in ~15 minutes
-    python samples/recipe_study.py --skip-training          # parts 1 and 2 only (about a minute on a CPU)
+    python samples/recipe_study.py --threads 1              # --size cpu: ~10 minutes on one CPU core
+    python samples/recipe_study.py --skip-training          # parts 1 and 2 only (~15 s on one idle core)
     python samples/recipe_study.py --size gpu --device cuda # bigger shapes and model, on a GPU
 
 Recipes: every entry of `mxattn.recipe.all_variants()` (the default cuDNN recipe and each single-field variant,
@@ -426,8 +426,11 @@ def render_markdown(result: dict) -> str:
                   f"{tr['seeds']}. Every attention starts from the same weights and sees the same batches for a "
                   f"given seed. final = mean training loss of the last {cfg['final_window']} steps; val = "
                   "validation loss. Entries: mean [min, max] over the seeds; the differences are paired by seed. "
-                  "`straddles 0`: whether the per-seed differences from BF16 have both signs (then this seed "
-                  "count shows no consistent effect).", "",
+                  "`straddles 0`: whether the per-seed differences from BF16 have both signs. A variant with no "
+                  f"effect shows one sign on all {len(tr['seeds'])} seeds with probability "
+                  f"{2 / 2 ** len(tr['seeds']):.2g} (chaotic training turns any rounding change into a different "
+                  "trajectory), so `no` alone is weak evidence: compare the size of the differences with the "
+                  "default's own difference from BF16.", "",
                   "| attention | final | final - bf16 | straddles 0 | final - default | val | val - bf16 | "
                   "s / run |", "|---|---|---|---|---|---|---|---|"]
         for label, row in tr["summary"].items():
@@ -528,7 +531,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--skip-errors", action="store_true", help="leave part 1 (error against FP64) out")
     p.add_argument("--future-magnitudes", default="256,4096",
                    help="comma-separated |v| of the outlier value row in part 2 (a plain redraw always runs)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (None: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for the study, restored after it (None: torch's choice)")
     p.add_argument("--out-dir", default=None,
                    help="output directory (None: benchmarks/results/<device name>/recipe_study/ of this repository)")
     args = p.parse_args(argv)
@@ -554,8 +558,16 @@ def main(argv: Optional[List[str]] = None) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no CUDA device")
+    threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> dict:
     size = SIZES[args.size]
     steps = args.steps if args.steps is not None else size["steps"]
     seeds = list(range(args.seed, args.seed + args.seeds))

@@ -25,7 +25,7 @@ def _load_study():
 
 rs = _load_study()
 LABELS = [label for label, _ in rs.study_recipes()]
-ARGV = ["--size", "tiny", "--seeds", "2", "--steps", "3"]
+ARGV = ["--size", "tiny", "--seeds", "2", "--steps", "3", "--threads", "1"]  # one thread: quick on a busy CPU
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,10 @@ def study(tmp_path_factory):
     """The whole study at --size tiny (2 seeds, 3 training steps): (result, out_dir, stderr text)."""
     out = str(tmp_path_factory.mktemp("recipe_study"))
     err = io.StringIO()
+    threads = torch.get_num_threads()
     with contextlib.redirect_stderr(err):
         result = rs.main(ARGV + ["--out-dir", out])
+    assert torch.get_num_threads() == threads and result["threads"] == 1   # --threads is the study's only
     return result, out, err.getvalue()
 
 
@@ -172,7 +174,7 @@ def test_skip_training_default_out_dir_and_bad_arguments(tmp_path, monkeypatch):
     """Parts 2 alone, written to benchmarks/results/cpu/recipe_study/ under the (here temporary) repository."""
     monkeypatch.setattr(rs, "ROOT", str(tmp_path))
     with contextlib.redirect_stderr(io.StringIO()):
-        result = rs.main(["--size", "tiny", "--seeds", "1", "--skip-training", "--skip-errors"])
+        result = rs.main(["--size", "tiny", "--seeds", "1", "--skip-training", "--skip-errors", "--threads", "1"])
     out = tmp_path / "benchmarks" / "results" / "cpu" / "recipe_study"
     assert result["paths"]["md"] == str(out / "recipe_study.md")
     assert "training" not in result and "errors" not in result and set(result["future"]["changes"]) == set(LABELS)

@@ -91,16 +91,28 @@ def test_bad_arguments_are_rejected():
         sample.CausalSelfAttention(dim=128, heads=4, attention="fp8")
 
 
-def test_train_single_equals_main(result):
+def _short_argv(tmp_path, steps):
+    argv = ARGV[:]
+    argv[argv.index("--steps") + 1] = str(steps)
+    return argv + ["--out", str(tmp_path)]
+
+
+def test_train_single_equals_main(tmp_path, capsys):
     """train_single (what samples/recipe_study.py trains with) gives main's losses bit for bit: same weights,
     batches and schedule for each attention."""
     sample = _load_sample()
-    res, _ = result
+    argv = _short_argv(tmp_path, 4)
+    res = sample.main(argv)
     for attention in ("bf16", "mxfp8"):
-        single = sample.train_single(ARGV, attention)
-        assert single["loss"] == res[f"loss_{attention}"], attention
+        single = sample.train_single(argv, attention)
+        assert len(single["loss"]) == 4 and single["loss"] == res[f"loss_{attention}"], attention
         assert single["final"] == res[f"final_{attention}"] and single["val"] == res[f"val_{attention}"]
     assert res["recipe"] == mxattn.Recipe()
+    recipe = mxattn.Recipe(p_quant="none")
+    assert sample.train_single(argv, "mxfp8", recipe)["loss"] == sample.main(argv + ["--recipe", "p_quant=none"])[
+        "loss_mxfp8"]
+    with pytest.raises(ValueError, match="attention='mxfp8' only"):
+        sample.train_single(argv, "bf16", recipe)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -137,9 +149,7 @@ def test_recipe_option_reaches_the_mxfp8_model(tmp_path, capsys):
     """--recipe changes the MXFP8 model's numerics (and says so in the header line) and nothing else; without it
     the header carries no recipe."""
     sample = _load_sample()
-    short = ARGV[:]
-    short[short.index("--steps") + 1] = "2"
-    short += ["--out", str(tmp_path)]
+    short = _short_argv(tmp_path, 2)
     plain = sample.main(short)
     header = capsys.readouterr().out.splitlines()[0]
     assert header.startswith("GPT: 2 layers") and "recipe" not in header
