@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+import mxattn
+
 SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "samples", "train_gpt.py")
 
 # A small config: about 10 s on 2 idle cores (the reference MXFP8 backend dominates).
@@ -87,3 +89,77 @@ def test_bad_arguments_are_rejected():
         sample.CausalSelfAttention(dim=130, heads=4, attention="bf16")
     with pytest.raises(ValueError, match="attention"):
         sample.CausalSelfAttention(dim=128, heads=4, attention="fp8")
+
+
+def _short_argv(tmp_path, steps):
+    argv = ARGV[:]
+    argv[argv.index("--steps") + 1] = str(steps)
+    return argv + ["--out", str(tmp_path)]
+
+
+def test_train_single_equals_main(tmp_path, capsys):
+    """train_single (what samples/recipe_study.py trains with) gives main's losses bit for bit: same weights,
+    batches and schedule for each attention."""
+    sample = _load_sample()
+    argv = _short_argv(tmp_path, 4)
+    res = sample.main(argv)
+    for attention in ("bf16", "mxfp8"):
+        single = sample.train_single(argv, attention)
+        assert len(single["loss"]) == 4 and single["loss"] == res[f"loss_{attention}"], attention
+        assert single["final"] == res[f"final_{attention}"] and single["val"] == res[f"val_{attention}"]
+    assert res["recipe"] == mxattn.Recipe()
+    recipe = mxattn.Recipe(p_quant="none")
+    assert sample.train_single(argv, "mxfp8", recipe)["loss"] == sample.main(argv + ["--recipe", "p_quant=none"])[
+        "loss_mxfp8"]
+    with pytest.raises(ValueError, match="attention='mxfp8' only"):
+        sample.train_single(argv, "bf16", recipe)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("", mxattn.Recipe()),
+    ("default", mxattn.Recipe()),
+    ("p_quant=none", mxattn.Recipe(p_quant="none")),
+    (" p_quant = none , v_operand=bf16 ", mxattn.Recipe(p_quant="none", v_operand="bf16")),
+    ("scaling=per_tensor,ds_quant=bf16", mxattn.Recipe(scaling="per_tensor", ds_quant="bf16")),
+])
+def test_parse_recipe(text, expected):
+    assert _load_sample().parse_recipe(text) == expected
+
+
+@pytest.mark.parametrize("text,words", [
+    ("p_quant=fixed16", "Recipe.p_quant must be one of"),
+    ("v_operand", "expected field=value"),
+    ("p_quant=none,,", "expected field=value"),
+    ("colour=red", "unknown field 'colour'"),
+    ("p_quant=none,p_quant=lazy16", "field 'p_quant' given twice"),
+    ("scaling=per_tensor,scale_rounding=floor", "scale_rounding='floor'"),
+])
+def test_bad_recipe_is_rejected_naming_the_option(text, words, capsys):
+    sample = _load_sample()
+    with pytest.raises(ValueError, match="--recipe") as info:
+        sample.parse_recipe(text)
+    assert words in str(info.value)
+    with pytest.raises(SystemExit):
+        sample.main(["--recipe", text, "--steps", "1"])
+    err = capsys.readouterr().err
+    assert "error: --recipe: " in err and words in err
+
+
+def test_recipe_option_reaches_the_mxfp8_model(tmp_path, capsys):
+    """--recipe changes the MXFP8 model's numerics (and says so in the header line) and nothing else; without it
+    the header carries no recipe."""
+    sample = _load_sample()
+    short = _short_argv(tmp_path, 2)
+    plain = sample.main(short)
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("GPT: 2 layers") and "recipe" not in header
+    variant = sample.main(short + ["--recipe", "v_operand=bf16,p_quant=none"])
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "mxattn backend 'reference', recipe p_quant='none', v_operand='bf16';" in header
+    assert variant["recipe"] == mxattn.Recipe(p_quant="none", v_operand="bf16")
+    assert variant["loss_bf16"] == plain["loss_bf16"]
+    assert variant["loss_mxfp8"][0] != plain["loss_mxfp8"][0]
+    again = sample.main(short + ["--recipe", "default"])
+    assert again["loss_mxfp8"] == plain["loss_mxfp8"]   # Recipe() and no recipe: the same bits
+    with pytest.raises(ValueError, match="attention='mxfp8' only"):
+        sample.CausalSelfAttention(dim=128, heads=4, attention="bf16", recipe=mxattn.Recipe())
