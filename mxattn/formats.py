@@ -171,7 +171,7 @@ class MXFP8Tensor:
            batches): blocks restart at every segment start and scale has ``n // 32 + B`` rows along ``axis``
            (module docstring).
     scale_f8_128x4: None, or the same scales already in the F8_128x4 byte order the cuDNN graph reads, as
-           `mxattn.cudnn_graphs` makes it from ``scale`` (``row_scale_buffer`` for blocks along D,
+           `mxattn.backends.cudnn.buffers` makes it from ``scale`` (``row_scale_buffer`` for blocks along D,
            ``col_scale_bytes`` along S); the fused Triton quantizer writes both.
     """
 
