@@ -23,8 +23,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ...constants import MX_BLOCK, SF_TILE
 from ...formats import MXFP8Tensor, swizzle_128x4
-from .config import (BLOCK, SCALE_DTYPE, BwdUid, FwdUid, GraphConfig, col_scale_dims, col_scale_stride,
+from .config import (SCALE_DTYPE, BwdUid, FwdUid, GraphConfig, col_scale_dims, col_scale_stride,
                      row_scale_dims)
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -40,7 +41,7 @@ def col_scale_buffer(scale: torch.Tensor) -> torch.Tensor:
     """Column-wise compact scale [B, H, ceil(S/32), D] (e8m0) -> F8_128x4 buffer declared [B, H, S32p, Dp] with
     strides `col_scale_stride` (e8m0): `col_scale_tensor` of `col_scale_bytes`."""
     b, h, s32, d = scale.shape
-    return col_scale_tensor(col_scale_bytes(scale), b, h, s32 * BLOCK, d)
+    return col_scale_tensor(col_scale_bytes(scale), b, h, s32 * MX_BLOCK, d)
 
 
 def col_scale_bytes(scale: torch.Tensor) -> torch.Tensor:
@@ -49,7 +50,7 @@ def col_scale_bytes(scale: torch.Tensor) -> torch.Tensor:
     M=D x K=B*H*S32p and swizzled (D tile outermost; module docstring). The fused Triton quantizer
     (`mxattn.kernels.triton_quantize.quantize_rowcol(swizzle=True)`) writes the same bytes."""
     b, h, s32, d = scale.shape
-    s32p = col_scale_dims(b, h, s32 * BLOCK, d)[2]
+    s32p = col_scale_dims(b, h, s32 * MX_BLOCK, d)[2]
     raw = scale.view(torch.uint8)
     if s32p != s32:
         raw = torch.nn.functional.pad(raw, (0, 0, 0, s32p - s32))
@@ -71,8 +72,7 @@ def col_scale_tensor(buf: torch.Tensor, b: int, h: int, s: int, d: int) -> torch
 # contiguous: row-wise 128 rows x D32p scale columns in F8_128x4 order, column-wise the ceil(D/128) D planes of
 # 512 bytes one after another (plane stride one atom; NOT the dense D-plane-major order). The graph keeps the
 # dense dims (a capacity of b * ceil(S_max/128) tiles per head, head-major [H, tiles, tile bytes]); unused
-# tiles and padding bytes are zero.
-SF_TILE = 128
+# tiles and padding bytes are zero (SF_TILE: `mxattn.constants`).
 
 
 def sf_tile_starts(cu: torch.Tensor) -> torch.Tensor:
@@ -101,7 +101,7 @@ def thd_row_scale_buffer(scale: torch.Tensor, cu: torch.Tensor, b: int, s_max: i
     (int32 [b+1]) -> the graph's SF tensor [b, H, ceil(s_max/128)*128, D32p] (row-major dims, packed
     per-sequence-tile bytes; section comment above). No host synchronisation."""
     _, h, t, k = scale.shape
-    dims = row_scale_dims(b, h, s_max, k * BLOCK)
+    dims = row_scale_dims(b, h, s_max, k * MX_BLOCK)
     n_rows = b * dims[2]  # per head: the capacity in rows
     src, valid = _packed_rows(cu, n_rows, SF_TILE,
                               lambda c: (c[1:] - c[:-1], c[:-1]))
@@ -120,7 +120,7 @@ def thd_col_scale_buffer(scale: torch.Tensor, cu: torch.Tensor, b: int, s_max: i
     tiles = b * (dims[2] // 4)  # per head: capacity in tiles (4 scale blocks of 32 tokens each)
     idx = torch.arange(cu.numel() - 1, device=cu.device)
     src, valid = _packed_rows(cu, tiles * 4, 4,
-                              lambda c: ((c[1:] - c[:-1] + BLOCK - 1) // BLOCK, c[:-1] // BLOCK + idx))
+                              lambda c: ((c[1:] - c[:-1] + MX_BLOCK - 1) // MX_BLOCK, c[:-1] // MX_BLOCK + idx))
     raw = scale.view(torch.uint8)[0]  # [H, n_blocks, D] (n_blocks >= B >= 1)
     blocks = torch.where(valid.view(1, -1, 1), raw[:, src], 0)
     per_tile = blocks.view(h, tiles, 4, d).transpose(2, 3)  # [H, tiles, M=D, K=4 blocks]

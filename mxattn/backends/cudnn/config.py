@@ -13,12 +13,12 @@ import torch
 
 import cudnn
 
+from ...constants import MX_BLOCK, ceil_div
 from ...mask import MaskSpec
 
 Stride = Tuple[int, int, int, int]
 Shape = Tuple[int, int, int, int]
 
-BLOCK = 32
 LAYOUT_PERMUTATIONS = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3)}  # physical axis order
 OUT_DTYPES = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}
 FP8_DTYPES = {torch.float8_e4m3fn: cudnn.data_type.FP8_E4M3, torch.float8_e5m2: cudnn.data_type.FP8_E5M2}
@@ -96,18 +96,14 @@ VARLEN_KINDS = tuple(VARLEN_UIDS)
 SOFTMAX_TYPES = {"vanilla": (False, False), "off-by-one": (True, False), "learnable": (True, True)}
 
 
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def row_scale_dims(b: int, h: int, s: int, d: int) -> Shape:
     """Graph dims of a row-wise (blocks along D) F8_128x4 scale tensor: [B, H, ceil(S/128)*128, D32p]."""
-    return (b, h, _ceil(s, 128) * 128, _ceil(_ceil(d, BLOCK), 4) * 4)
+    return (b, h, ceil_div(s, 128) * 128, ceil_div(ceil_div(d, MX_BLOCK), 4) * 4)
 
 
 def col_scale_dims(b: int, h: int, s: int, d: int) -> Shape:
     """Graph dims of a column-wise (blocks along S) F8_128x4 scale tensor: [B, H, S32p, ceil(D/128)*128]."""
-    return (b, h, _ceil(_ceil(s, BLOCK), 4) * 4, _ceil(d, 128) * 128)
+    return (b, h, ceil_div(ceil_div(s, MX_BLOCK), 4) * 4, ceil_div(d, 128) * 128)
 
 
 def row_major(shape) -> Tuple[int, ...]:
@@ -438,4 +434,4 @@ PACKED_CAPACITY = 128
 
 def packed_capacity(max_seqlen: int) -> int:
     """The graph's S of a packed batch whose longest sequence has `max_seqlen` tokens."""
-    return max(1, -(-int(max_seqlen) // PACKED_CAPACITY)) * PACKED_CAPACITY
+    return max(1, ceil_div(int(max_seqlen), PACKED_CAPACITY)) * PACKED_CAPACITY
