@@ -53,5 +53,6 @@ def captured_packs(monkeypatch):
     monkeypatch.setattr(cb.CudnnBackend, "supports", classmethod(lambda cls, problem: (True, "pretend")))
     monkeypatch.setattr(cb, "_supported_state", lambda device: None)
     monkeypatch.setattr(cudnn_run, "planned", planned)
-    monkeypatch.setattr(cudnn_run, "execute", lambda plan, pack, device: packs.append((plan.kind, plan.cfg, dict(pack))))
+    monkeypatch.setattr(cudnn_run, "execute",
+                        lambda plan, pack, device: packs.append((plan.kind, plan.cfg, dict(pack))))
     yield packs

@@ -320,7 +320,8 @@ def test_new_lengths_at_the_same_maximum_do_not_rebuild(varlen, monkeypatch):
         pytest.skip(reason)
     built = []
     real = cg.build_and_plan
-    monkeypatch.setattr(cudnn_graphs, "build_and_plan", lambda kind, cfg, handle: built.append(kind) or real(kind, cfg, handle))
+    monkeypatch.setattr(cudnn_graphs, "build_and_plan",
+                        lambda kind, cfg, handle: built.append(kind) or real(kind, cfg, handle))
     cg.GRAPH_CACHE.clear()
     gen = torch.Generator(device="cuda").manual_seed(11)
     for lengths_q, lengths_kv in (([300, 5, 77, 512], [512, 64, 200, 129]), ([1, 512, 400, 9], [33, 512, 2, 300])):
