@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mxattn import cudnn_graphs as cg
-from mxattn.backends import cudnn_backend as cb
+from mxattn.backends.cudnn import run as cb
 from mxattn.formats import quantize_mxfp8
 from mxattn.mask import MaskSpec
 

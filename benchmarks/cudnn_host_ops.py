@@ -19,7 +19,8 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import cpu_host_harness  # noqa: E402
 
 import mxattn  # noqa: E402
-from mxattn.backends import cudnn_backend as cb  # noqa: E402
+from mxattn.backends.cudnn import backend as cb  # noqa: E402
+from mxattn.backends.cudnn import run as cudnn_run  # noqa: E402
 from mxattn.kernels import triton_quantize as tq  # noqa: E402
 
 ALLOCATIONS = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
@@ -51,14 +52,14 @@ def stub_cudnn():
 
     def planned(key, kind, device, make_config):
         if key not in plans:
-            plans[key] = cb.PlannedGraph(kind, make_config(), None, 0)
+            plans[key] = cudnn_run.PlannedGraph(kind, make_config(), None, 0)
         return plans[key]
 
     cb.CudnnBackend.availability = classmethod(lambda cls, device: (True, "stubbed"))
     cb.CudnnBackend.supports = classmethod(lambda cls, problem: (True, "stubbed"))
     cb._supported_state = lambda device: None
-    cb.planned = planned
-    cb.execute = lambda plan, pack, device: None
+    cudnn_run.planned = planned
+    cudnn_run.execute = lambda plan, pack, device: None
 
 
 def count(backend: str, q, k, v) -> int:

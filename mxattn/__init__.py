@@ -10,7 +10,7 @@ numerics variants (P, V and dS rounding, scale rounding, per-tensor FP8) for stu
 
 from .attention import mxfp8_attention
 from .backends import BACKEND_NAMES, availability as backend_availability
-from .cudnn_support import cudnn_support
+from .backends.cudnn.support import cudnn_support
 from .errors import MXFP8NotSupportedError
 from .formats import MXFP8Tensor, quantize_mxfp8, swizzle_128x4, unswizzle_128x4
 from .kvcache import MXFP8KVCache, mxfp8_attention_with_kvcache

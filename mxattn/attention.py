@@ -9,16 +9,13 @@ import torch
 
 from . import ops
 from .backends import Problem, choose_backend
+from .constants import INPUT_DTYPES, KERNEL_OUT_DTYPES, SOFTMAX_TYPES
 from .errors import MXFP8NotSupportedError
 from .layouts import bhsd_shape, check_format, from_bhsd, to_bhsd
 from .mask import resolve_mask
 from .recipe import Recipe, check_recipe_varlen, recipe_key
 from .seqinfo import SeqInfo, make_seqinfo
 
-INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: dtypes the kernels write O and the gradients in; fp32 callers get a cast at the end
-SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
-KERNEL_OUT_DTYPES = (torch.bfloat16, torch.float16)
 OUTPUT_DTYPES = KERNEL_OUT_DTYPES + (torch.float32,)
 
 

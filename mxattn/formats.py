@@ -72,6 +72,8 @@ from typing import Optional
 
 import torch
 
+from .constants import INPUT_DTYPES, MX_BLOCK, ceil_div
+
 __all__ = [
     "BLOCK_SIZE",
     "MXFP8Tensor",
@@ -85,23 +87,18 @@ __all__ = [
     "segmented_scale_rows",
 ]
 
-BLOCK_SIZE = 32
+BLOCK_SIZE = MX_BLOCK  # the MXFP8 block size under this module's public name
 
 # fp8 element dtype -> (largest finite value, exponent of its largest power of two)
 _FP8_FORMATS = {
     torch.float8_e4m3fn: (448.0, 8),
     torch.float8_e5m2: (57344.0, 15),
 }
-_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 _ROUNDINGS = ("ceil", "floor")
 _FP32_2POW_M127_BITS = 0x00400000  # bit pattern of 2**-127 (an FP32 subnormal)
 _FP32_QNAN_BITS = 0x7FC00000
 _FP8_NAN_BYTE = 0x7F  # canonical NaN for both E4M3FN and E5M2
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _normalize_axis(axis, ndim: int, arg: str = "axis") -> int:
@@ -171,7 +168,7 @@ class MXFP8Tensor:
            batches): blocks restart at every segment start and scale has ``n // 32 + B`` rows along ``axis``
            (module docstring).
     scale_f8_128x4: None, or the same scales already in the F8_128x4 byte order the cuDNN graph reads, as
-           `mxattn.cudnn_graphs` makes it from ``scale`` (``row_scale_buffer`` for blocks along D,
+           `mxattn.backends.cudnn.buffers` makes it from ``scale`` (``row_scale_buffer`` for blocks along D,
            ``col_scale_bytes`` along S); the fused Triton quantizer writes both.
     """
 
@@ -195,7 +192,7 @@ class MXFP8Tensor:
         if self.segments is not None:
             expected[self.axis] = segmented_scale_rows(expected[self.axis], self.segments.numel() - 1)
         else:
-            expected[self.axis] = _ceil_div(expected[self.axis], BLOCK_SIZE)
+            expected[self.axis] = ceil_div(expected[self.axis], BLOCK_SIZE)
         if list(self.scale.shape) != expected:
             raise ValueError(
                 f"scale shape {tuple(self.scale.shape)} does not match data shape "
@@ -256,7 +253,7 @@ class MXFP8Tensor:
             raise ValueError("segment() needs a segmented MXFP8Tensor (segments is None)")
         offsets = self.segments.tolist() if offsets is None else offsets
         start, stop = offsets[index], offsets[index + 1]
-        rows = _ceil_div(stop - start, BLOCK_SIZE)
+        rows = ceil_div(stop - start, BLOCK_SIZE)
         return MXFP8Tensor(self.data.narrow(self.axis, start, stop - start),
                            self.scale.narrow(self.axis, segment_block_start(start, index), rows), self.axis)
 
@@ -308,7 +305,7 @@ def quantize_mxfp8(
         return _quantize_segmented(x, axis, segments, fp8_dtype=fp8_dtype, scale_rounding=scale_rounding)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _INPUT_DTYPES:
+    if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"x must have dtype bfloat16, float16 or float32, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("x must have rank >= 1, got a 0-d tensor")
@@ -320,7 +317,7 @@ def quantize_mxfp8(
     fmax, emax = _FP8_FORMATS[fp8_dtype]
 
     n = x.shape[ax]
-    nb = _ceil_div(n, BLOCK_SIZE)
+    nb = ceil_div(n, BLOCK_SIZE)
     pad = nb * BLOCK_SIZE - n
     xp = x
     if pad:
@@ -383,7 +380,7 @@ def _quantize_segmented(x, axis, segments, **kw) -> MXFP8Tensor:
 
 def swizzled_scale_shape(M: int, K: int) -> tuple[int, int]:
     """(M, K) compact scale dims -> padded (Mp, Kp) = (ceil(M/128)*128, ceil(K/4)*4)."""
-    return _ceil_div(M, 128) * 128, _ceil_div(K, 4) * 4
+    return ceil_div(M, 128) * 128, ceil_div(K, 4) * 4
 
 
 def _check_scale_buffer(t, arg: str) -> None:

@@ -28,6 +28,7 @@ import torch
 from ref import mxfp8_ref
 
 from .attention import _sink
+from .constants import ceil_div
 from .errors import MXFP8NotSupportedError
 from .formats import BLOCK_SIZE, MXFP8Tensor, quantize_mxfp8
 from .mask import resolve_mask
@@ -67,7 +68,7 @@ class MXFP8KVCache:
             raise TypeError(f"dtype must be one of {_DTYPES}, got {dtype}")
         self.page_size, self.kv_heads, self.head_dim, self.dtype = page_size, kv_heads, head_dim, dtype
         self.device = torch.device(device)
-        h, p, d, nb = kv_heads, page_size, head_dim, -(-head_dim // BLOCK_SIZE)
+        h, p, d, nb = kv_heads, page_size, head_dim, ceil_div(head_dim, BLOCK_SIZE)
         fp8, e8 = torch.float8_e4m3fn, torch.float8_e8m0fnu
         self.k_data = torch.zeros((num_pages, h, p, d), dtype=fp8, device=self.device)
         self.k_scale = torch.zeros((num_pages, h, p, nb), dtype=e8, device=self.device)
@@ -113,7 +114,7 @@ class MXFP8KVCache:
 
     def _reserve(self, slot: int, total: int) -> None:
         pages = self._pages[slot]
-        need = -(-total // self.page_size) - len(pages)
+        need = ceil_div(total, self.page_size) - len(pages)
         if need > len(self._free):
             raise RuntimeError(f"the cache is out of pages: sequence {slot} needs {need} more, "
                                f"{len(self._free)} are free (num_pages={self.k_data.shape[0]})")

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .constants import INPUT_DTYPES
+
 E4M3_MAX = 448.0
-_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass
@@ -51,7 +52,7 @@ def quantize_per_tensor(x: torch.Tensor) -> PerTensorFP8:
     """x: bf16/fp16/fp32, any shape and strides, non-empty -> PerTensorFP8 (data contiguous)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _INPUT_DTYPES:
+    if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"x must have dtype bfloat16, float16 or float32, got {x.dtype}")
     if x.numel() == 0:
         raise ValueError("x must be non-empty (its scale comes from its largest magnitude)")

@@ -5,7 +5,8 @@ import pytest
 
 cudnn = pytest.importorskip("cudnn")
 
-from mxattn.backends import cudnn_backend as cb  # noqa: E402
+from mxattn.backends.cudnn import backend as cb  # noqa: E402
+from mxattn.backends.cudnn import run as cudnn_run  # noqa: E402
 from mxattn.mask import MaskSpec  # noqa: E402
 
 needs_mxfp8_cudnn = pytest.mark.skipif(cudnn.backend_version() < 92100,
@@ -45,12 +46,13 @@ def captured_packs(monkeypatch):
 
     def planned(key, kind, device, make_config):
         if key not in plans:
-            plans[key] = cb.PlannedGraph(kind, make_config(), None, 0)
+            plans[key] = cudnn_run.PlannedGraph(kind, make_config(), None, 0)
         return plans[key]
 
     monkeypatch.setattr(cb.CudnnBackend, "availability", classmethod(lambda cls, device: (True, "pretend SM 10.0")))
     monkeypatch.setattr(cb.CudnnBackend, "supports", classmethod(lambda cls, problem: (True, "pretend")))
     monkeypatch.setattr(cb, "_supported_state", lambda device: None)
-    monkeypatch.setattr(cb, "planned", planned)
-    monkeypatch.setattr(cb, "execute", lambda plan, pack, device: packs.append((plan.kind, plan.cfg, dict(pack))))
+    monkeypatch.setattr(cudnn_run, "planned", planned)
+    monkeypatch.setattr(cudnn_run, "execute",
+                        lambda plan, pack, device: packs.append((plan.kind, plan.cfg, dict(pack))))
     yield packs

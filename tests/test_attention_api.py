@@ -233,7 +233,7 @@ def test_eager_paths_agree_with_the_custom_op(monkeypatch):
 def test_cudnn_refusal_names_the_hardware_before_the_library(monkeypatch):
     """Without a Blackwell GPU no cuDNN upgrade helps: the reason leads with the hardware, then the library."""
     import importlib
-    support = importlib.import_module("mxattn.cudnn_support")
+    support = importlib.import_module("mxattn.backends.cudnn.support")
     monkeypatch.setattr(support, "backend_facts", lambda: (91900, "cuDNN 9.19.0 loaded from /x/libcudnn.so.9"))
     ok, reason = support.cudnn_support("cpu")
     assert not ok and reason.startswith("cpu is not a CUDA device")

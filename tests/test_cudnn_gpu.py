@@ -25,6 +25,7 @@ cudnn = pytest.importorskip("cudnn")
 import mxattn  # noqa: E402
 from mxattn import cudnn_graphs as cg  # noqa: E402
 from mxattn.backends.base import AttentionParams  # noqa: E402
+from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
 from mxattn.backends.cudnn_backend import CudnnBackend, cudnn_backward, cudnn_forward  # noqa: E402
 from mxattn.cudnn_support import MIN_BACKEND_VERSION, cudnn_support  # noqa: E402
 from mxattn.errors import MXFP8NotSupportedError  # noqa: E402
@@ -319,7 +320,8 @@ def test_new_lengths_at_the_same_maximum_do_not_rebuild(varlen, monkeypatch):
         pytest.skip(reason)
     built = []
     real = cg.build_and_plan
-    monkeypatch.setattr(cg, "build_and_plan", lambda kind, cfg, handle: built.append(kind) or real(kind, cfg, handle))
+    monkeypatch.setattr(cudnn_graphs, "build_and_plan",
+                        lambda kind, cfg, handle: built.append(kind) or real(kind, cfg, handle))
     cg.GRAPH_CACHE.clear()
     gen = torch.Generator(device="cuda").manual_seed(11)
     for lengths_q, lengths_kv in (([300, 5, 77, 512], [512, 64, 200, 129]), ([1, 512, 400, 9], [33, 512, 2, 300])):

@@ -15,7 +15,7 @@ pytest.importorskip("cudnn")
 
 import mxattn  # noqa: E402
 from mxattn import cudnn_graphs as cg  # noqa: E402
-from mxattn.backends import cudnn_backend as cb  # noqa: E402
+from mxattn.backends.cudnn import backend as cb  # noqa: E402
 from mxattn.cudnn_graphs import BwdUid, FwdUid  # noqa: E402
 from mxattn.formats import quantize_mxfp8  # noqa: E402
 from cudnn_fixtures import captured_packs  # noqa: E402,F401

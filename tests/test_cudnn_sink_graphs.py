@@ -22,6 +22,10 @@ from cudnn_fixtures import MASKS, needs_mxfp8_cudnn, pretend_blackwell  # noqa: 
 from mxattn import cudnn_graphs as cg  # noqa: E402
 from mxattn.backends import Problem  # noqa: E402
 from mxattn.backends import cudnn_backend as cb  # noqa: E402
+from mxattn.backends.cudnn import backend as cudnn_backend  # noqa: E402
+from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
+from mxattn.backends.cudnn import refusals as cudnn_refusals  # noqa: E402
+from mxattn.backends.cudnn import run as cudnn_run  # noqa: E402
 from mxattn.backends.base import AttentionParams  # noqa: E402
 from mxattn.errors import MXFP8NotSupportedError  # noqa: E402
 from mxattn.formats import quantize_mxfp8  # noqa: E402
@@ -303,9 +307,10 @@ def fake_device(monkeypatch):
         if plan.cfg.dsink:
             pack[int(cg.BwdUid.DSINK)].copy_(torch.arange(plan.cfg.h_q, dtype=torch.float32).view(1, -1, 1, 1))
 
-    monkeypatch.setattr(cb, "_supported_state", lambda device: State())
-    monkeypatch.setattr(cb, "execute", fake_execute)
-    monkeypatch.setattr(cg, "build_and_plan", lambda kind, cfg, handle: cg.PlannedGraph(kind, cfg, None, 0))
+    monkeypatch.setattr(cudnn_backend, "_supported_state", lambda device: State())
+    monkeypatch.setattr(cudnn_run, "_supported_state", lambda device: State())
+    monkeypatch.setattr(cudnn_run, "execute", fake_execute)
+    monkeypatch.setattr(cudnn_graphs, "build_and_plan", lambda kind, cfg, handle: cg.PlannedGraph(kind, cfg, None, 0))
     cg.GRAPH_CACHE.clear()
     yield launches
     cg.GRAPH_CACHE.clear()
@@ -381,7 +386,7 @@ def test_known_refusals_of_sinks(monkeypatch):
     assert "s_q > s_kv" in cb.known_refusal(big_q)
     assert cb.known_refusal(dataclasses.replace(big_q, batch=None, seqlen_q=None, seqlen_kv=None)) is None
     assert "softmax_type 'softmax1'" in cb.known_refusal(problem("softmax1"))
-    monkeypatch.setattr(cb.cudnn, "backend_version", lambda: 92500)
+    monkeypatch.setattr(cudnn_refusals.cudnn, "backend_version", lambda: 92500)
     reason = cb.known_refusal(problem(varlen="packed"))
     assert "packed (thd) backward with an attention sink" in reason and "9.26.0" in reason
     assert "off-by-one" in cb.known_refusal(problem("off-by-one", varlen="packed"))
@@ -403,7 +408,7 @@ def test_problem_config_carries_the_sink_facts():
 def test_supports_validates_the_sink_graphs_up_front(pretend_blackwell, monkeypatch):
     built = []
     real = cg.build_backward_graph
-    monkeypatch.setattr(cb, "build_backward_graph", lambda cfg, **kw: built.append(cfg) or real(cfg, **kw))
+    monkeypatch.setattr(cudnn_refusals, "build_backward_graph", lambda cfg, **kw: built.append(cfg) or real(cfg, **kw))
     br = MaskSpec(causal=True, diagonal_alignment="bottom_right")
     for softmax_type in SINK_TYPES:
         for varlen in (None, "padded", "packed"):

@@ -20,6 +20,8 @@ from cudnn_fixtures import MASKS, needs_mxfp8_cudnn, pretend_blackwell  # noqa: 
 from mxattn import cudnn_graphs as cg  # noqa: E402
 from mxattn.backends import Problem, pick_backend  # noqa: E402
 from mxattn.backends import cudnn_backend as cb  # noqa: E402
+from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
+from mxattn.backends.cudnn import run as cudnn_run  # noqa: E402
 from mxattn.errors import MXFP8NotSupportedError  # noqa: E402
 from mxattn.formats import quantize_mxfp8  # noqa: E402
 from mxattn.mask import MaskSpec  # noqa: E402
@@ -342,7 +344,7 @@ def test_graph_keys_hold_the_capacity_not_the_lengths():
     assert cb.forward_key(qr, kr, vc, 0.1, MaskSpec(), torch.bfloat16, seq3) != key
     pseq = varlen_inputs("padded", [100, 37], [90, 200], s_pad=256)[0]
     pseq2 = varlen_inputs("padded", [256, 1], [2, 3], s_pad=256)[0]
-    assert cb._seq_facts(pseq) == cb._seq_facts(pseq2) != cb._seq_facts(None)
+    assert cudnn_run._seq_facts(pseq) == cudnn_run._seq_facts(pseq2) != cudnn_run._seq_facts(None)
 
 
 @pytest.fixture
@@ -360,9 +362,9 @@ def fake_device(monkeypatch):
         built.append((kind, cfg))
         return cg.PlannedGraph(kind, cfg, None, 0)
 
-    monkeypatch.setattr(cb, "_supported_state", lambda device: State())
-    monkeypatch.setattr(cb, "execute", lambda plan, pack, device: None)
-    monkeypatch.setattr(cg, "build_and_plan", fake_build)
+    monkeypatch.setattr(cudnn_run, "_supported_state", lambda device: State())
+    monkeypatch.setattr(cudnn_run, "execute", lambda plan, pack, device: None)
+    monkeypatch.setattr(cudnn_graphs, "build_and_plan", fake_build)
     cg.GRAPH_CACHE.clear()
     yield built
     cg.GRAPH_CACHE.clear()

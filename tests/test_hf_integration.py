@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import mxattn  # noqa: E402
+from mxattn.integrations import hf_masks  # noqa: E402
 from mxattn.integrations import transformers as mx_hf  # noqa: E402
 from transformers import (  # noqa: E402
     AttentionInterface, AutoModelForCausalLM, BertConfig, BertModel, DynamicCache, LlamaConfig, LlamaForCausalLM,
@@ -695,7 +696,7 @@ def test_compiled_attention_function_still_refuses_what_it_cannot_express():
 def test_traced_refusal_messages_fit_cuda_device_asserts():
     """CUDA refuses device-side assert messages of 255 characters or more ("Message length must be smaller than
     255"), which on a GPU would replace the refusal with that error."""
-    for message in (mx_hf._TRACED_REFUSAL, mx_hf._TRACED_BIAS):
+    for message in (hf_masks._TRACED_REFUSAL, hf_masks._TRACED_BIAS):
         assert message.startswith("mxattn (torch.compile): ") and len(message) < 255, len(message)
 
 

@@ -182,9 +182,10 @@ def test_auto_routes_a_packed_sink_backward_away_from_an_old_cudnn(monkeypatch):
     (here reference, on the CPU), naming cuDNN's reason; a vanilla call of the same shape is not refused."""
     pytest.importorskip("cudnn")
     from mxattn import backends
-    from mxattn.backends import cudnn_backend as cb
+    from mxattn.backends.cudnn import backend as cb
+    from mxattn.backends.cudnn import refusals as cudnn_refusals
     monkeypatch.setattr(cb.CudnnBackend, "availability", classmethod(lambda cls, device: (True, "pretend SM 10.0")))
-    monkeypatch.setattr(cb.cudnn, "backend_version", lambda: 92500)
+    monkeypatch.setattr(cudnn_refusals.cudnn, "backend_version", lambda: 92500)
     p = backends.Problem(torch.device("cpu"), torch.bfloat16, 3, 4, 4, 128, 128, 64, mxattn.MaskSpec(causal=True),
                          "packed", True, torch.bfloat16, "learnable")
     ok, reason = backends.supports("cudnn", p)

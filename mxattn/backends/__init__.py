@@ -16,7 +16,7 @@ from .base import AttentionBackend, AttentionParams, Problem, SavedForBackward
 
 BACKEND_NAMES = ("cudnn", "triton", "reference")
 _MODULES = {
-    "cudnn": ("mxattn.backends.cudnn_backend", "CudnnBackend"),
+    "cudnn": ("mxattn.backends.cudnn.backend", "CudnnBackend"),
     "triton": ("mxattn.backends.triton_backend", "TritonBackend"),
     "reference": ("mxattn.backends.reference", "ReferenceBackend"),
 }

@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..constants import INPUT_DTYPES, ceil_div
 from ..formats import BLOCK_SIZE, MXFP8Tensor, segmented_scale_rows
 from ..mask import MaskSpec
 from ..recipe import DEFAULT_RECIPE, DEFAULT_RECIPE_KEY, Recipe
@@ -172,9 +173,9 @@ class SavedForBackward:
 def _empty_row_col(x: torch.Tensor, segments: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
     """Row-wise data/scale then column-wise data/scale of x [B, H, S, D], shaped as the quantizers make them."""
     b, h, s, d = x.shape
-    col_rows = segmented_scale_rows(s, segments.shape[0] - 1) if segments is not None else -(-s // BLOCK_SIZE)
+    col_rows = segmented_scale_rows(s, segments.shape[0] - 1) if segments is not None else ceil_div(s, BLOCK_SIZE)
     fp8, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
-    return (torch.empty_like(x, dtype=fp8), x.new_empty((b, h, s, -(-d // BLOCK_SIZE)), dtype=e8m0),
+    return (torch.empty_like(x, dtype=fp8), x.new_empty((b, h, s, ceil_div(d, BLOCK_SIZE)), dtype=e8m0),
             torch.empty_like(x, dtype=fp8), x.new_empty((b, h, col_rows, d), dtype=e8m0))
 
 
@@ -185,7 +186,7 @@ class AttentionBackend(abc.ABC):
     #: head dims this backend runs; None means any.
     supported_head_dims: Optional[Tuple[int, ...]] = None
     #: dtypes of q, k, v this backend takes
-    input_dtypes: Tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+    input_dtypes: Tuple[torch.dtype, ...] = INPUT_DTYPES
     #: the class of what forward() keeps for backward() (see SavedForBackward, the default, for the three methods
     #: that carry it through autograd and torch.compile)
     saved_format: type = SavedForBackward

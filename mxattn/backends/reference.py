@@ -18,6 +18,7 @@ import torch
 
 from ref import mxfp8_ref
 
+from ..constants import ceil_div
 from ..formats import BLOCK_SIZE, MXFP8Tensor
 from ..recipe import Recipe, check_recipe_varlen
 from ..seqinfo import SeqInfo
@@ -63,7 +64,7 @@ class _Sequences:
             part = x.segment(b, self.cu[which])
             return part.data, part.scale
         n = self.length(which, b)
-        return x.data[b:b + 1, :, :n], x.scale[b:b + 1, :, :-(-n // BLOCK_SIZE)]
+        return x.data[b:b + 1, :, :n], x.scale[b:b + 1, :, :ceil_div(n, BLOCK_SIZE)]
 
 
 def _per_sequence(seq: SeqInfo, body: Callable[[_Sequences, int], None],

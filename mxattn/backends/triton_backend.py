@@ -22,15 +22,12 @@ from typing import Optional, Tuple
 import torch
 
 from ..checks import check_bhsd_tensor
+from ..constants import INPUT_DTYPES, KERNEL_OUT_DTYPES
 from ..errors import MXFP8NotSupportedError
 from ..kernels.launch_plan import PlanCache, alias_key, root_key
 from .base import AttentionBackend, AttentionParams, SavedForBackward, sink_grad_from_delta
 
-#: q, k, v go only through the quantizer, which reads fp32 too
-_QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: O and dO are the kernels' own output dtype
-_IN_DTYPES = (torch.bfloat16, torch.float16)
-_OUT_DTYPES = (torch.bfloat16, torch.float16)
+# q, k, v go only through the quantizer, which reads fp32 too; O and dO are the kernels' own output dtype
 #: lowest compute capability whose Triton supports E4M3 conversions (float8e4nv)
 MIN_CAPABILITY = (8, 9)
 
@@ -117,7 +114,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supported_head_dims = (32, 64, 96, 128, 192, 256)
-    input_dtypes = _QKV_DTYPES
+    input_dtypes = INPUT_DTYPES
     @classmethod
     def supports_recipe(cls, recipe) -> Tuple[bool, str]:
         """The kernels implement the default recipe only (variants were not built as constexpr specialisations:
@@ -169,8 +166,8 @@ class TritonBackend(AttentionBackend):
     def _check_common(self, params: AttentionParams, d: int) -> None:
         if not isinstance(params, AttentionParams):
             raise TypeError(f"params must be an AttentionParams, got {type(params).__name__}")
-        if params.out_dtype not in _OUT_DTYPES:
-            raise TypeError(f"params.out_dtype must be one of {_OUT_DTYPES}, got {params.out_dtype}")
+        if params.out_dtype not in KERNEL_OUT_DTYPES:
+            raise TypeError(f"params.out_dtype must be one of {KERNEL_OUT_DTYPES}, got {params.out_dtype}")
         if d not in self.supported_head_dims:
             raise MXFP8NotSupportedError(
                 f"head_dim {d} is not supported by the triton backend (supported: {self.supported_head_dims})")
@@ -197,7 +194,7 @@ class TritonBackend(AttentionBackend):
                  ) -> Tuple[torch.Tensor, torch.Tensor, SavedForBackward]:
         """`forward`'s checks and launches."""
         for t, n in ((q, "q"), (k, "k"), (v, "v")):
-            check_bhsd_tensor(t, n, _QKV_DTYPES)
+            check_bhsd_tensor(t, n, INPUT_DTYPES)
         B, hq, sq, d = q.shape
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -208,7 +205,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv})")
         self._check_common(params, d)
         for t, n in ((q, "q"), (k, "k"), (v, "v")):  # after the shape checks, so those are testable on the CPU
-            check_bhsd_tensor(t, n, _QKV_DTYPES, "cuda")
+            check_bhsd_tensor(t, n, INPUT_DTYPES, "cuda")
         if not (q.device == k.device == v.device):
             raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
         tq, tf, _ = _kernels()
@@ -263,8 +260,8 @@ class TritonBackend(AttentionBackend):
         """(dq, dk, dv, delta fp32 [B,Hq,Sq] or None when there was nothing to compute)."""
         if not isinstance(saved, self.saved_format):
             raise TypeError(f"saved must be a {self.saved_format.__name__}, got {type(saved).__name__}")
-        check_bhsd_tensor(o, "o", _IN_DTYPES, "cuda")
-        check_bhsd_tensor(do, "do", _IN_DTYPES, "cuda")
+        check_bhsd_tensor(o, "o", KERNEL_OUT_DTYPES, "cuda")
+        check_bhsd_tensor(do, "do", KERNEL_OUT_DTYPES, "cuda")
         B, hq, sq, d = saved.q_row.data.shape
         hkv, skv = saved.k_row.data.shape[1], saved.k_row.data.shape[2]
         for t, n in ((o, "o"), (do, "do")):

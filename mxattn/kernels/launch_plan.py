@@ -30,6 +30,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..constants import ceil_div
+
 
 _LAUNCHER = None
 
@@ -156,7 +158,7 @@ def _plan_workspace(allocations: List[_Allocation], scratch: List[int]) -> Tuple
     placed, offsets, size = [], {}, 0
     for j in scratch:
         a = allocations[j]
-        need = -(-max(a.nbytes, 1) // _ALIGN) * _ALIGN
+        need = ceil_div(max(a.nbytes, 1), _ALIGN) * _ALIGN
         busy = sorted((off, off + n) for off, n, first, last in placed
                       if not (last < a.event or a.last_use < first))
         offset = 0

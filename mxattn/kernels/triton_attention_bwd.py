@@ -26,9 +26,10 @@ import triton
 import triton.language as tl
 
 from .triton_launch import cdiv, launch
-from .triton_attention_fwd import SCRATCH_BUDGET_BYTES, check_seq, kv_block_range, load_tile, program_prologue
-from .triton_quantize import (LOG2E, MX_BLOCK, P_DESCALE, P_SCALE, dequant_cols, dequant_rows,
-                              padded_head_dim, qdq_rows, quantize_cols, quantize_rows, seq_span)
+from .triton_attention_fwd import SCRATCH_BUDGET_BYTES, check_seq
+from .triton_common import (LOG2E, MX_BLOCK, P_DESCALE, P_SCALE, dequant_cols, dequant_rows, kv_block_range,
+                            load_tile, program_prologue, qdq_rows, quantize_cols, quantize_rows, seq_span)
+from .triton_quantize import padded_head_dim
 
 
 #: what `_bwd_prep_kernel` does (its KIND)

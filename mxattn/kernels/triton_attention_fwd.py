@@ -19,101 +19,13 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
-from .triton_quantize import (LN2, LOG2_P_SCALE, LOG2E, P_SCALE, check_cu_seqlens, dequant_cols, dequant_rows,
-                              padded_head_dim, round_p_to_bf16, row_tiles, seq_programs, seq_span)
+from .triton_common import (LN2, LOG2_P_SCALE, LOG2E, P_SCALE, dequant_cols, dequant_rows, kv_block_range, load_tile,
+                            program_prologue, round_p_to_bf16, seq_prologue)
+from .triton_quantize import check_cu_seqlens, padded_head_dim, row_tiles, seq_programs
 
 BLOCK_N = 128  # KV block of the online softmax: fixed by the recipe, not a tuning knob
 
 
-@triton.jit
-def seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN: tl.constexpr, PACKED: tl.constexpr,
-                 BOTTOM_RIGHT: tl.constexpr):
-    """The per-sequence prologue of the attention kernels: sequence b (int64) ->
-    (bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset): the batch index into the tensors, the first query and key
-    rows, the lengths, the first column-wise scale rows of the Q side and of the K/V side (`seq_span`), and the
-    diagonal offset of the band mask (varlen bottom-right: len_kv - len_q of this sequence; else the `offset`
-    passed in). Dense (VARLEN False): (b, 0, 0, SQ, SKV, 0, 0, offset)."""
-    bt, q0, len_q, qb0 = seq_span(CU_Q, b, SQ, VARLEN, PACKED)
-    _, kv0, len_kv, kvb0 = seq_span(CU_KV, b, SKV, VARLEN, PACKED)
-    if VARLEN:
-        if BOTTOM_RIGHT:
-            offset = len_kv - len_q
-    return bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset
-
-
-@triton.jit
-def program_prologue(CU_Q, CU_KV, H, GROUP, SQ, SKV, offset, VARLEN: tl.constexpr, PACKED: tl.constexpr,
-                     BOTTOM_RIGHT: tl.constexpr, Q_SIDE: tl.constexpr, BY_TILE: tl.constexpr):
-    """The prologue of the attention kernels, whose grid is (tiles of rows, sequences * H) (H heads, GROUP of
-    them per KV head: the query heads, or the KV heads with GROUP 1) -> (tile, h, hk, bt, q0, kv0, len_q,
-    len_kv, qb0, kvb0, offset, n_out): the program's tile and head and its KV head, then `seq_prologue`'s
-    values, and n_out, the rows of its side (Q_SIDE: the query rows, else the KV rows) that it may write: the
-    sequence's own in a packed batch, all of the tensor's otherwise (a padded batch's padding rows get zeros).
-    BY_TILE (a causal-style band, whose tiles' work differs by up to the sequence's length in blocks): the
-    programs are numbered tile-major, heaviest tiles first (the last query tiles, the first KV tiles). CUDA
-    starts programs in linear order (axis 0 fastest), so every sequence and head starts its costly tiles before
-    any cheap one, and the cheap ones fill the tail instead of one costly tile running alone at the end."""
-    tile = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    if BY_TILE:
-        n_tiles = tl.num_programs(0)
-        n_bh = tl.num_programs(1)
-        linear = pid_bh * n_tiles + tile
-        tile = linear // n_bh
-        pid_bh = linear % n_bh
-        if Q_SIDE:
-            tile = n_tiles - 1 - tile
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset = seq_prologue(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN,
-                                                                 PACKED, BOTTOM_RIGHT)
-    if Q_SIDE:
-        n_out = SQ
-        if PACKED:
-            n_out = len_q
-    else:
-        n_out = SKV
-        if PACKED:
-            n_out = len_kv
-    return tile, h, h // GROUP, bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset, n_out
-
-
-@triton.jit
-def kv_block_range(m0, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr):
-    """KV blocks touched by query rows [m0, m0 + BM) under the band mask -> (lo, mask_hi, full_lo, full_hi, hi):
-    blocks [lo, mask_hi) and [max(full_hi, mask_hi), hi) need the mask, [full_lo, full_hi) are fully kept."""
-    zero = m0 * 0  # keeps every bound a run-time i32 (both branches of the `if` below agree in type)
-    lo = zero
-    hi = zero + SKV
-    full_lo = zero
-    full_hi = zero + (SKV // BN) * BN
-    if HAS_RB:
-        hi = tl.minimum(SKV, tl.maximum(m0 + BM + offset + RB, 0))
-        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + offset + RB + 1, 0) // BN) * BN)
-    if HAS_LB:
-        lo = (tl.maximum(m0 + offset - LB + 1, 0) // BN) * BN
-        full_lo = ((tl.maximum(m0 + BM + offset - LB, 0) + BN - 1) // BN) * BN
-    full_lo = tl.maximum(full_lo, lo)
-    if full_hi <= full_lo:
-        full_lo = hi
-        full_hi = hi
-    mask_hi = tl.minimum(full_lo, hi)
-    return lo, mask_hi, full_lo, full_hi, hi
-
-
-@triton.jit
-def load_tile(ptrs, row_ok, col_ok, other, MASK: tl.constexpr, EVEN_D: tl.constexpr):
-    """A [R, C] tile of ptrs: under MASK the rows where row_ok [R] is false read as `other`, and columns where
-    col_ok [C] is false do unless EVEN_D (no column mask there: an always-true mask along the contiguous axis
-    would cost the 16-byte loads)."""
-    if MASK:
-        x = tl.load(ptrs, mask=row_ok[:, None] & (col_ok | EVEN_D)[None, :], other=other)
-    elif EVEN_D:
-        x = tl.load(ptrs)
-    else:
-        x = tl.load(ptrs, mask=col_ok[None, :], other=other)
-    return x
 
 
 @triton.jit

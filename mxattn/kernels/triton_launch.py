@@ -24,6 +24,8 @@ import triton
 from triton import knobs
 from triton.runtime.driver import driver
 
+from ..constants import ceil_div
+
 #: the direct launcher call below uses Triton 3.6's internal CompiledKernel.run signature (checked on the
 #: device with triton 3.6.0); any other Triton takes its ordinary dispatcher
 FAST_PATH = triton.__version__.startswith("3.6.")
@@ -34,10 +36,9 @@ MAX_ENTRIES = 2048
 _CACHES: Dict[int, Dict[tuple, Tuple[object, tuple]]] = {}
 
 
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) of host ints (`triton.cdiv` is a constexpr function in Triton 3.6: several microseconds of
-    argument unwrapping per host call)."""
-    return -(-a // b)
+#: ceil(a / b) of host ints (`triton.cdiv` is a constexpr function in Triton 3.6: several microseconds of argument
+#: unwrapping per host call)
+cdiv = ceil_div
 
 
 def pow2_ceil(n: int) -> int:

@@ -1,9 +1,9 @@
-"""Fused Triton MXFP8 quantizer, and the device helpers the attention kernels share.
+"""Fused Triton MXFP8 quantizer (the device helpers it shares with the attention kernels: `triton_common`).
 
 `quantize_rowcol` reads a bf16/fp16/fp32 [B, H, S, D] tensor once (any strides) and writes row-wise (blocks of
 32 along D) and column-wise (blocks of 32 along S) E4M3 data with compact E8M0 scales, and on request the
 scales in F8_128x4 order too. The `@triton.jit` helpers below (E8M0 arithmetic, tile dequantization and
-quantize-dequantize) are used by the forward and backward kernels as well.
+quantize-dequantize, in `triton_common`) are used by the forward and backward kernels as well.
 
 Scale rule (spec section 2, round-up): ``e = biased_exponent(amax / 448) + (mantissa != 0)``, clamped to
 [0, 254]; ``e = 0`` when ``amax / 448 <= 2^-127``; ``e = 255`` for NaN (the whole block becomes NaN).
@@ -25,185 +25,14 @@ import triton.language as tl
 from ..checks import check_bhsd_tensor
 from ..formats import MXFP8Tensor
 from .triton_launch import cdiv, launch, pow2_ceil
-
-# --------------------------------------------------------------------------- recipe constants (spec sections 6, 7)
-# tl.constexpr so that @triton.jit code can read them; host code uses `.value`.
-#: elements per MXFP8 block (one E8M0 scale each)
-MX_BLOCK = tl.constexpr(32)
-#: fixed power-of-two scale of P before its E4M3 cast (Pq = E4M3(P * 256) / 256)
-P_SCALE = tl.constexpr(256.0)
-P_DESCALE = tl.constexpr(1.0 / 256.0)
-LOG2_P_SCALE = tl.constexpr(8.0)
-#: the kernels run the softmax in base 2: exp(x) = exp2(x * LOG2E), ln(y) = log2(y) * LN2
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+from ..constants import INPUT_DTYPES
+from .triton_common import (  # noqa: F401 -- the shared helpers, also importable from here
+    LN2, LOG2_P_SCALE, LOG2E, MX_BLOCK, P_DESCALE, P_SCALE, block_amax_bits, dequant_cols, dequant_factors_bf16,
+    dequant_rows, e4m3_to_bf16_biased, inv_pow2_of_biased, pow2_of_biased, qdq_rows, quantize_cols, quantize_rows,
+    round_p_to_bf16, scale_exponent_from_bits, seq_span)
 
 
-@triton.jit
-def seq_span(CU, b, S, VARLEN: tl.constexpr, PACKED: tl.constexpr):
-    """Where sequence b (int64) lies in a [B, H, S, D] tensor -> (bt, start, length, blk0):
-    the batch index into the tensor, its first row, its length and its first column-wise scale row.
-    Dense (VARLEN False): (b, 0, S, 0). Padded: (b, 0, cu[b+1] - cu[b], 0). Packed: (0, cu[b], len_b,
-    cu[b] // 32 + b). Row offsets come back as int64 scalars (they multiply row strides of a whole pack)."""
-    zero = b * 0
-    if VARLEN:
-        first = tl.load(CU + b)
-        length = tl.load(CU + b + 1) - first
-        if PACKED:
-            bt = zero
-            start = first.to(tl.int64)
-            blk0 = start // MX_BLOCK + b
-        else:
-            bt = b
-            start = zero
-            blk0 = zero
-    else:
-        bt = b
-        start = zero
-        length = S
-        blk0 = zero
-    return bt, start, length, blk0
 
-
-@triton.jit
-def scale_exponent_from_bits(abits):
-    """Bits (int32) of amax = max |x| (NaN patterns compare above inf) -> E8M0 biased exponent, int32.
-
-    Division-free: for FP32 amax = M * 2^E, RN(amax / 448) <= 2^k exactly when amax <= 448 * 2^k (the next FP32
-    above 448 * 2^k already exceeds the rounding threshold 448 * 2^k * (1 + 2^-24)), so the round-up exponent
-    is E - 8 when M <= 1.75 (mantissa field <= 0x600000) and E - 7 otherwise; clamped to [0, 254]. inf gives
-    254, NaN 255. Identical to the rule on exponent(RN(amax / 448)) for every BF16/FP16 amax; for FP32 amax it
-    differs only at the single value 1.75 * 2^-119 + 2^-142 (a subnormal quotient).
-    """
-    expo = (abits >> 23) & 0xFF
-    mant = abits & 0x7FFFFF
-    e = tl.minimum(tl.maximum(expo - 8 + (mant > 0x600000).to(tl.int32), 0), 254)
-    e = tl.where(expo == 255, tl.where(mant != 0, 255, 254), e)
-    return e
-
-
-@triton.jit
-def block_amax_bits(x, axis: tl.constexpr):
-    """Bits of max |x| along `axis` as int32: an integer max of the sign-cleared bit patterns, so a NaN
-    (pattern above inf) wins, unlike tl.max on floats."""
-    return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=axis)
-
-
-@triton.jit
-def pow2_of_biased(e):
-    """int32 tile e in [0, 254] -> fp32 2^(e - 127) (exact, 2^-127 as a subnormal)."""
-    bits = tl.where(e == 0, 0x400000, e << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def inv_pow2_of_biased(e):
-    """int32 tile e in [0, 254] -> fp32 2^(127 - e) (exact; e = 254 gives 2^-127 as a subnormal)."""
-    bits = tl.where(e >= 254, 0x400000, (254 - e) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e4m3_to_bf16_biased(x):
-    """uint8 tile of E4M3 bit patterns -> bf16 tile holding x * 2^-120, exactly, with integer operations only
-    (no conversion instructions): the E4M3 magnitude bits shifted left by 4 are a BF16 pattern whose exponent
-    field is E4M3's, so normal values land 120 binades low and E4M3 subnormals land on BF16 subnormals.
-    Four bytes per 32-bit register: one byte permute (sign-extending each byte into a 16-bit lane), one shift,
-    one mask per pair."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 lo, hi;
-        prmt.b32 lo, $2, 0, 0x9180;
-        prmt.b32 hi, $2, 0, 0xB3A2;
-        shl.b32 lo, lo, 4;
-        shl.b32 hi, hi, 4;
-        and.b32 $0, lo, 0x87F087F0;
-        and.b32 $1, hi, 0x87F087F0;
-        }""",
-        constraints="=r,=r,r", args=[x], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
-@triton.jit
-def round_p_to_bf16(p):
-    """fp32 tile p in [0, 448] -> bf16 tile E4M3(p) (round to nearest even, the recipe's rounding of P * 256),
-    exactly, in four instructions per pair: the E4M3 conversion, E4M3 -> F16 (exact), a right shift by 3 that
-    turns each F16 pattern (sign 0, low three mantissa bits 0) into the BF16 pattern of p * 2^-112 (E4M3
-    subnormals are F16 normals, so they stay exact), and one BF16 multiply by 2^112. A NaN p gives an
-    unspecified value that may spill into the other lane of its pair: the callers' row sums of the unrounded
-    p carry a NaN row to NaN instead."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b16 h;
-        .reg .b32 w, t, c;
-        cvt.rn.satfinite.e4m3x2.f32 h, $2, $1;
-        cvt.rn.f16x2.e4m3x2 w, h;
-        shr.b32 t, w, 3;
-        mov.b32 c, 0x77807780;
-        mul.rn.bf16x2 $0, t, c;
-        }""",
-        constraints="=r,r,r", args=[p], dtype=tl.bfloat16, is_pure=True, pack=2)
-
-
-@triton.jit
-def dequant_factors_bf16(s):
-    """uint8 tile of E8M0 bytes -> (f1, f2), bf16 tiles with e4m3_to_bf16_biased(x) * f1 * f2 == x * 2^(e - 127)
-    exactly (f1 = 2^(min(e, 134) - 7) carries the 2^120 back, f2 = 2^(max(e, 134) - 134) the rest; both normal
-    BF16 numbers). e = 255 (the NaN scale) gives f2 = NaN: the whole block dequantizes to NaN."""
-    e = s.to(tl.int16)
-    f1 = ((tl.minimum(e, 134) + 120) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    f2 = tl.where(e == 255, 0x7FC0, (tl.maximum(e, 134) - 7) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return f1, f2
-
-
-@triton.jit
-def dequant_rows(x, s, R: tl.constexpr, C: tl.constexpr):
-    """x fp8 [R, C] with E8M0 bytes s (uint8) [R, C // 32] along axis 1 -> bf16 [R, C].
-
-    E4M3 -> BF16 is exact and so are the products with powers of two in BF16 (BF16 has FP32's exponent range;
-    only results below about 2^-133 lose bits, the spec's section 8 caveat)."""
-    f1, f2 = dequant_factors_bf16(s)
-    y = tl.reshape(e4m3_to_bf16_biased(x.to(tl.uint8, bitcast=True)), (R, C // 32, 32))
-    y = y * f1[:, :, None] * f2[:, :, None]
-    return tl.reshape(y, (R, C))
-
-
-@triton.jit
-def dequant_cols(x, s, R: tl.constexpr, C: tl.constexpr):
-    """x fp8 [R, C] with E8M0 bytes s (uint8) [R // 32, C] along axis 0 -> bf16 [R, C] (as dequant_rows)."""
-    f1, f2 = dequant_factors_bf16(s)
-    y = tl.reshape(e4m3_to_bf16_biased(x.to(tl.uint8, bitcast=True)), (R // 32, 32, C))
-    y = y * f1[:, None, :] * f2[:, None, :]
-    return tl.reshape(y, (R, C))
-
-
-@triton.jit
-def quantize_rows(x, R: tl.constexpr, C: tl.constexpr):
-    """fp32 [R, C] -> (E4M3 [R, C], int32 E8M0 exponents [R, C // 32]), blocks of 32 along axis 1; a block
-    holding a NaN gets exponent 255 and NaN elements."""
-    x3 = tl.reshape(x, (R, C // 32, 32))
-    e = scale_exponent_from_bits(block_amax_bits(x3, 2))
-    y = tl.where((e == 255)[:, :, None], float("nan"), x3 * inv_pow2_of_biased(e)[:, :, None])
-    return tl.reshape(y.to(tl.float8e4nv), (R, C)), e
-
-
-@triton.jit
-def quantize_cols(x, R: tl.constexpr, C: tl.constexpr):
-    """fp32 [R, C] -> (E4M3 [R, C], int32 E8M0 exponents [R // 32, C]), blocks of 32 along axis 0 (as
-    quantize_rows)."""
-    x3 = tl.reshape(x, (R // 32, 32, C))
-    e = scale_exponent_from_bits(block_amax_bits(x3, 1))
-    y = tl.where((e == 255)[:, None, :], float("nan"), x3 * inv_pow2_of_biased(e)[:, None, :])
-    return tl.reshape(y.to(tl.float8e4nv), (R, C)), e
-
-
-@triton.jit
-def qdq_rows(x, R: tl.constexpr, C: tl.constexpr):
-    """fp32 [R, C] -> MXFP8 (E4M3, blocks of 32 along axis 1) and back, as bf16 [R, C]."""
-    x3 = tl.reshape(x, (R, C // 32, 32))
-    e = scale_exponent_from_bits(block_amax_bits(x3, 2))
-    q = (x3 * inv_pow2_of_biased(e)[:, :, None]).to(tl.float8e4nv)
-    y = q.to(tl.float32) * pow2_of_biased(e)[:, :, None]
-    return tl.reshape(y, (R, C)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -334,7 +163,6 @@ def _quantize_qkv_kernel(
                        0, 0, BS, BD, ROW2, COL2, False, ROW_DQ2, COL_DQ2, VARLEN, PACKED, CSM2)
 
 
-_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class RowColQuantized(NamedTuple):
@@ -493,7 +321,7 @@ def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequan
         # Triton 3.6 compiles this one combination wrongly on sm_90 (the bf16 copy differs from the column-wise
         # bytes it was made from; H100 check in tests/test_triton_gpu.py), so it is refused rather than worked around
         raise ValueError("quantize_rowcol: col_dequant needs row=True")
-    check_bhsd_tensor(x, "x", _IN_DTYPES, "cuda")
+    check_bhsd_tensor(x, "x", INPUT_DTYPES, "cuda")
     varlen = cu_seqlens is not None
     if varlen:
         check_cu_seqlens(cu_seqlens, "cu_seqlens", x, packed)

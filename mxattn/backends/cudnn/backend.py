@@ -1,0 +1,231 @@
+"""`CudnnBackend`, the `AttentionBackend` of cuDNN's fused MXFP8 attention graphs: quantizes the inputs
+(mxattn.formats.quantize_mxfp8, or the fused Triton quantizer on CUDA) and calls `run.cudnn_forward` /
+`run.cudnn_backward`.
+
+`CudnnBackend.supports(problem)` decides before any work: the known refusals (`refusals.known_refusal`), then, on
+a device where cuDNN MXFP8 runs, the forward graph and (for training) the backward graph are built and planned for
+the problem (cached per problem, and the plans are reused by the calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ...errors import MXFP8NotSupportedError
+from ...formats import MXFP8Tensor, quantize_mxfp8
+from ...formats import _is_non_overlapping_and_dense as _is_dense
+from ...recipe import Recipe
+from ...seqinfo import SeqInfo
+from ..base import AttentionBackend, AttentionParams, Problem, SavedForBackward
+from .buffers import col_scale_bytes, row_scale_buffer
+from .config import col_scale_dims, row_scale_dims
+from .refusals import check_problem, known_refusal
+from .run import _supported_state, _token_major, cudnn_backward, cudnn_forward
+from .support import cudnn_support
+
+_SUPPORT: Dict[Problem, Tuple[bool, str]] = {}
+_SUPPORT_LOCK = threading.Lock()
+
+
+def _support_handle(device: torch.device):
+    """(cuDNN handle, device index) to plan with on `device` (a device where cuDNN MXFP8 runs)."""
+    state = _supported_state(device)
+    return state.get_handle(), state.index
+
+
+def clear_support_cache() -> None:
+    with _SUPPORT_LOCK:
+        _SUPPORT.clear()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the AttentionBackend
+# ---------------------------------------------------------------------------------------------------------------
+def _graph_layout(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its strides can go to cuDNN (dense, D innermost: bshd/bhsd/sbhd views), else a contiguous
+    copy (a strided slice, or D not innermost)."""
+    return x if x.stride(-1) == 1 and _is_dense(x) else x.contiguous()
+
+
+def _thd_layout(x: torch.Tensor) -> torch.Tensor:
+    """x [1, H, T, D] itself when token-major (a view of [T, H, D]), else a token-major copy."""
+    if all(st == want for st, want, n in zip(x.stride()[1:], _token_major(x.shape), x.shape[1:]) if n > 1):
+        return x
+    return x[0].transpose(0, 1).contiguous().transpose(0, 1).unsqueeze(0)
+
+
+def _zero_padding(x: torch.Tensor, seq: SeqInfo, which: str) -> torch.Tensor:
+    """x with the padding rows of a padded batch set to 0 (the reference backend's rule: padding values reach
+    no scale), in x's layout."""
+    return x.masked_fill(~seq.valid_rows(which, x.shape[2]), 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_quantizer():
+    """The Triton fused quantizer (`quantize_rowcol`), or None where Triton cannot be imported."""
+    try:
+        from ...kernels.triton_quantize import quantize_rowcol
+    except Exception:  # noqa: BLE001 -- no (working) Triton: the torch ops quantize
+        return None
+    return quantize_rowcol
+
+
+def _quantizer_for(x: torch.Tensor):
+    """The fused quantizer for x (CUDA tensors, Triton importable), else None (torch ops)."""
+    return _fused_quantizer() if x.is_cuda else None
+
+
+def quantize_operand(x: torch.Tensor, seq: Optional[SeqInfo], which: str
+                     ) -> Tuple[MXFP8Tensor, MXFP8Tensor]:
+    """(row-wise, column-wise) MXFP8 copies of x [B, H, S, D] (a dense layout cuDNN takes: `_graph_layout`),
+    blocks of 32 along D and along S, each carrying the F8_128x4 scale tensor the cuDNN graph reads
+    (`scale_f8_128x4`). seq: a padded batch (rows past each length of side `which`, "q" or "kv", quantize as
+    zeros: the reference backend's rule) or None. On CUDA with Triton one fused launch writes the data, the
+    compact scales and the graph's scale bytes; otherwise torch ops (mxattn.formats) make the same bytes."""
+    quantize = _quantizer_for(x)
+    if quantize is None:
+        if seq is not None:
+            x = _zero_padding(x, seq, which)
+        row, col = quantize_mxfp8(x, axis=-1), quantize_mxfp8(x, axis=-2)
+        row.scale_f8_128x4, col.scale_f8_128x4 = row_scale_buffer(row.scale), col_scale_bytes(col.scale)
+        return row, col
+    cu = None if seq is None else (seq.cu_seqlens_q if which == "q" else seq.cu_seqlens_kv)
+    from ...kernels import triton_launch  # imported with the quantizer
+    if x.device.index not in (None, triton_launch.current_device()):  # Triton launches on the current device
+        with torch.cuda.device(x.device):
+            out = quantize(x, swizzle=True, cu_seqlens=cu)
+    else:
+        out = quantize(x, swizzle=True, cu_seqlens=cu)
+    return (MXFP8Tensor.unchecked(out.row.data, out.row.scale, 3, None, out.row_swizzled),
+            MXFP8Tensor.unchecked(out.col.data, out.col.scale, 2, None, out.col_swizzled))
+
+
+@dataclasses.dataclass
+class SavedWithScaleBuffers(SavedForBackward):
+    """The cudnn backend's saved format: `SavedForBackward` and, for dense and padded batches, each copy's
+    F8_128x4 scales as the graph reads them (`MXFP8Tensor.scale_f8_128x4`: row-wise [B, H, Sp, D32p], column-wise
+    the [Dp, B*H*S32p] bytes), so the backward hands cuDNN the forward's scale bytes instead of re-swizzling
+    them. A packed batch's scale layout depends on its lengths: it keeps the compact scales only."""
+
+    def tensors(self) -> Tuple[torch.Tensor, ...]:
+        copies = (self.q_row, self.q_col, self.k_row, self.k_col, self.v_row)
+        buffers = tuple(getattr(t, "scale_f8_128x4", None) for t in copies)
+        return super().tensors() + (() if any(b is None for b in buffers) else buffers)
+
+    @classmethod
+    def from_tensors(cls, flat, seq: Optional[SeqInfo] = None) -> "SavedWithScaleBuffers":
+        saved = super().from_tensors(flat[:10], seq)
+        if len(flat) == 15:
+            for t, buf in zip((saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row), flat[10:]):
+                t.scale_f8_128x4 = buf
+        return saved
+
+    @classmethod
+    def fake_tensors(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: Optional[SeqInfo] = None
+                     ) -> Tuple[torch.Tensor, ...]:
+        base = super().fake_tensors(q, k, v, seq)
+        if seq is not None and seq.packed:
+            return base
+        e8m0 = torch.float8_e8m0fnu
+
+        def row(x):
+            return x.new_empty(row_scale_dims(*x.shape), dtype=e8m0)
+
+        def col(x):
+            b, h, s32p, dp = col_scale_dims(*x.shape)
+            return x.new_empty((dp, b * h * s32p), dtype=e8m0)
+
+        return base + (row(q), col(q), row(k), col(k), row(v))
+
+
+class CudnnBackend(AttentionBackend):
+    """cuDNN's fused MXFP8 attention (Blackwell). Quantizes with mxattn.formats (round-up E8M0 scales)."""
+
+    name = "cudnn"
+    saved_format = SavedWithScaleBuffers
+    #: head dims cuDNN's graph validation accepts for d_qk == d_v (cuDNN may still refuse one at planning time,
+    #: which `supports` finds out up front on a Blackwell device).
+    supported_head_dims = (16, 32, 48, 64, 80, 96, 112, 128, 256)
+
+    @classmethod
+    def availability(cls, device: torch.device) -> Tuple[bool, str]:
+        return cudnn_support(device)
+
+    @classmethod
+    def supports_recipe(cls, recipe: Recipe) -> Tuple[bool, str]:
+        """cuDNN's MXFP8 SDPA graphs have one recipe, the default; every variant is refused with the reason."""
+        if recipe.is_default:
+            return True, "cuDNN's MXFP8 SDPA recipe"
+        return False, (f"cuDNN's MXFP8 SDPA graphs implement only the default recipe (P with the fixed scale 256, "
+                       f"MXFP8 V and dS, round-up E8M0 block scales); this call asks for {recipe.differences()}: "
+                       "use backend='reference', or 'auto' to route it to a backend that runs it")
+
+    @classmethod
+    def supports(cls, problem):
+        """Base checks, the known refusals, then (cached per problem) the forward and, for training, the backward
+        graph planned on the problem's device."""
+        ok, reason = super().supports(problem)
+        if not ok:
+            return ok, reason
+        refusal = known_refusal(problem)
+        if refusal:
+            return False, refusal
+        if None in (problem.batch, problem.seqlen_q, problem.seqlen_kv):
+            return True, ("sizes unknown when choosing (torch.compile): cuDNN plans the graphs at the call and "
+                          "refuses unsupported shapes there")
+        with _SUPPORT_LOCK:
+            answer = _SUPPORT.get(problem)
+        if answer is None:
+            try:
+                handle, index = _support_handle(problem.device)
+            except MXFP8NotSupportedError as exc:
+                return False, str(exc)
+            answer = check_problem(problem, handle, index)
+            with _SUPPORT_LOCK:
+                _SUPPORT[problem] = answer
+        return answer
+
+    def forward(self, q, k, v, params: AttentionParams):
+        _supported_state(q.device)
+        seq = params.seq
+        if seq is not None and seq.packed:
+            q, k, v = _thd_layout(q), _thd_layout(k), _thd_layout(v)
+            cu_q, cu_kv = seq.cu_seqlens_q, seq.cu_seqlens_kv
+            q_row, k_row = quantize_mxfp8(q, axis=-1), quantize_mxfp8(k, axis=-1)
+            q_col, k_col = quantize_mxfp8(q, axis=-2, segments=cu_q), quantize_mxfp8(k, axis=-2, segments=cu_kv)
+            v_col = quantize_mxfp8(v, axis=-2, segments=cu_kv)
+            v_row = quantize_mxfp8(v, axis=-1)
+        else:
+            q, k, v = _graph_layout(q), _graph_layout(k), _graph_layout(v)
+            q_row, q_col = quantize_operand(q, seq, "q")
+            k_row, k_col = quantize_operand(k, seq, "kv")
+            v_row, v_col = quantize_operand(v, seq, "kv")
+        o, stats, _ = cudnn_forward(q_row, k_row, v_col, attn_scale=params.softmax_scale, mask=params.mask,
+                                    out_dtype=params.out_dtype, seq=seq, sink=params.sink)
+        saved = SavedWithScaleBuffers(q_row=q_row, q_col=q_col, k_row=k_row, k_col=k_col, v_row=v_row)
+        return o, stats, saved
+
+    def backward(self, saved: SavedForBackward, o, stats, do, params: AttentionParams):
+        _supported_state(o.device)
+        seq = params.seq
+        o, do = o.to(params.out_dtype), do.to(params.out_dtype)
+        if seq is not None and seq.packed:
+            o, do = _thd_layout(o), _thd_layout(do)
+            do_row, do_col = quantize_mxfp8(do, axis=-1), quantize_mxfp8(do, axis=-2, segments=seq.cu_seqlens_q)
+        else:
+            o, do = _graph_layout(o), _graph_layout(do)
+            if seq is not None:  # cuDNN reads the bf16 dO too: its padding rows must be zeros
+                do = _graph_layout(_zero_padding(do, seq, "q"))
+            do_row, do_col = quantize_operand(do, None, "q")
+        out = cudnn_backward(saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row, o, do, do_row, do_col,
+                             stats, attn_scale=params.softmax_scale, mask=params.mask,
+                             deterministic=params.deterministic, seq=seq, sink=params.sink,
+                             sink_requires_grad=params.sink_requires_grad)
+        if params.sink_requires_grad:
+            return out[0], out[1], out[2], out[6]
+        return out[0], out[1], out[2]
