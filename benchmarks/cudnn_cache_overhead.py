@@ -64,8 +64,9 @@ def main() -> int:
     fpack, _ = cb.forward_buffers(fcfg, qr, kr, vc)
     bpack, _ = cb.backward_buffers(bcfg, *bargs)
     F, B = cg.FwdUid, cg.BwdUid
-    fbuf = {name.lower(): fpack[uid] for name, uid in F.__members__.items()}
-    bbuf = {name.lower(): bpack[uid] for name, uid in B.__members__.items()}
+    # the slots of these (dense, sink-free) graphs: the variable-length and sink uids have none
+    fbuf = {name.lower(): fpack[uid] for name, uid in F.__members__.items() if uid in fpack}
+    bbuf = {name.lower(): bpack[uid] for name, uid in B.__members__.items() if uid in bpack}
 
     def forward_host():
         plan = cb.planned(cb.forward_key(qr, kr, vc, scale, cb._mask(mask), torch.bfloat16), "forward", None, None)

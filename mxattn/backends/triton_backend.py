@@ -23,6 +23,7 @@ import torch
 
 from ..checks import check_bhsd_tensor
 from ..constants import INPUT_DTYPES, KERNEL_OUT_DTYPES
+from ..devices import device_guard
 from ..errors import MXFP8NotSupportedError
 from ..kernels.launch_plan import PlanCache, alias_key, root_key
 from .base import AttentionBackend, AttentionParams, SavedForBackward, sink_grad_from_delta
@@ -181,8 +182,9 @@ class TritonBackend(AttentionBackend):
         nothing, and for padding rows), SavedForBackward, or None when not params.needs_backward).
         A call replays the launches recorded for its signature (`_PLANS`, `mxattn.kernels.launch_plan`)."""
         roots = (q, k, v, params.sink, *_seq_roots(params))
-        o, stats, *saved = _PLANS.run(_forward_key(roots, params),
-                                      lambda: self._forward_flat(q, k, v, params), roots)
+        with device_guard(q.device):
+            o, stats, *saved = _PLANS.run(_forward_key(roots, params),
+                                          lambda: self._forward_flat(q, k, v, params), roots)
         return o, stats, SavedForBackward.from_tensors(saved, params.seq) if saved else None
 
     def _forward_flat(self, q, k, v, params: AttentionParams) -> list:
@@ -248,7 +250,8 @@ class TritonBackend(AttentionBackend):
         roots = (*saved.tensors(), o, stats, do, *_seq_roots(params)) if isinstance(saved, self.saved_format) \
             else None
         key = _backward_key(roots, params) if roots is not None else None
-        *grads, delta = _PLANS.run(key, lambda: self._grads(saved, o, stats, do, params), roots)
+        with device_guard(o.device):
+            *grads, delta = _PLANS.run(key, lambda: self._grads(saved, o, stats, do, params), roots)
         if params.sink_requires_grad:
             dsink = (sink_grad_from_delta(delta, stats, params.sink.float()) if delta is not None
                      else torch.zeros_like(params.sink, dtype=torch.float32))

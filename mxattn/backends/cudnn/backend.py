@@ -16,6 +16,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ...devices import device_guard
 from ...errors import MXFP8NotSupportedError
 from ...formats import MXFP8Tensor, quantize_mxfp8
 from ...formats import _is_non_overlapping_and_dense as _is_dense
@@ -95,11 +96,7 @@ def quantize_operand(x: torch.Tensor, seq: Optional[SeqInfo], which: str
         row.scale_f8_128x4, col.scale_f8_128x4 = row_scale_buffer(row.scale), col_scale_bytes(col.scale)
         return row, col
     cu = None if seq is None else (seq.cu_seqlens_q if which == "q" else seq.cu_seqlens_kv)
-    from ...kernels import triton_launch  # imported with the quantizer
-    if x.device.index not in (None, triton_launch.current_device()):  # Triton launches on the current device
-        with torch.cuda.device(x.device):
-            out = quantize(x, swizzle=True, cu_seqlens=cu)
-    else:
+    with device_guard(x.device):
         out = quantize(x, swizzle=True, cu_seqlens=cu)
     return (MXFP8Tensor.unchecked(out.row.data, out.row.scale, 3, None, out.row_swizzled),
             MXFP8Tensor.unchecked(out.col.data, out.col.scale, 2, None, out.col_swizzled))
