@@ -10,7 +10,10 @@ numerics variants (P, V and dS rounding, scale rounding, per-tensor FP8) for stu
 
 from .attention import mxfp8_attention
 from .backends import BACKEND_NAMES, availability as backend_availability
-from .backends.cudnn.support import cudnn_support
+# through the old module path `mxattn.cudnn_support` (a re-export): importing it here binds the package's
+# `cudnn_support` to the function after the submodule, so a later `import mxattn.cudnn_support` cannot
+# rebind it to the module
+from .cudnn_support import cudnn_support
 from .errors import MXFP8NotSupportedError
 from .formats import MXFP8Tensor, quantize_mxfp8, swizzle_128x4, unswizzle_128x4
 from .kvcache import MXFP8KVCache, mxfp8_attention_with_kvcache

@@ -1,0 +1,44 @@
+"""The package's public names survive imports of its submodules (a submodule import binds its name on the
+package; a public name equal to a submodule's must be bound after it), and the old module paths of moved code
+re-export the same objects. Fresh interpreters: what an earlier test imported must not hide the problem."""
+
+import subprocess
+import sys
+
+_CHECK = r"""
+import importlib, pkgutil, sys
+import mxattn
+public = {name: getattr(mxattn, name) for name in mxattn.__all__}
+for info in pkgutil.walk_packages(mxattn.__path__, "mxattn."):
+    if info.name.startswith("mxattn.__main__"):
+        continue
+    importlib.import_module(info.name)
+changed = [n for n, obj in public.items() if getattr(mxattn, n) is not obj]
+assert not changed, f"importing submodules rebound mxattn.{changed}"
+assert callable(mxattn.cudnn_support)
+"""
+
+
+def _run(code: str) -> None:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_importing_every_submodule_keeps_the_public_names():
+    _run(_CHECK)
+
+
+def test_old_module_paths_reexport_the_moved_objects():
+    _run("""
+import importlib
+# (`import mxattn.cudnn_support as x` would give the function of that name: the package attribute wins)
+old_support = importlib.import_module("mxattn.cudnn_support")
+old_graphs = importlib.import_module("mxattn.cudnn_graphs")
+old_backend = importlib.import_module("mxattn.backends.cudnn_backend")
+from mxattn.backends.cudnn import support, buffers, config, backend
+assert old_support.cudnn_support is support.cudnn_support
+assert old_graphs.col_scale_buffer is buffers.col_scale_buffer and old_graphs.GraphConfig is config.GraphConfig
+assert old_backend.CudnnBackend is backend.CudnnBackend
+import mxattn
+assert callable(mxattn.cudnn_support) and mxattn.cudnn_support is support.cudnn_support
+""")
