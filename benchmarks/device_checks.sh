@@ -23,7 +23,10 @@ TESTS=$!
   python samples/forward.py
   python samples/backward.py
   python samples/varlen.py
-  if python -c "import transformers" 2>/dev/null; then python samples/hf_swap.py --device cuda; fi
+  if python -c "import transformers" 2>/dev/null; then
+    python samples/hf_swap.py --device cuda
+    python samples/serve.py --device cuda --prompts 8 --new-tokens 32
+  fi
 } 2>&1 | tee "$OUT/samples.txt"
 python samples/train_gpt.py --device cuda --layers 4 --dim 256 --heads 4 --seq 256 --batch 32 --steps 500 --out "$OUT" 2>&1 | tail -n 25 | tee "$OUT/train_gpt.txt"
 wait $TESTS

@@ -122,3 +122,16 @@ def test_hf_generate_sample():
     pytest.importorskip("transformers")
     out = _run("samples/hf_generate.py", "--backend", "reference", "--new-tokens", "6")
     assert "3 of 3 prompts got the same tokens batched (left-padded) as alone" in out
+
+
+def test_serve_sample_reports_speed_bytes_and_agreement():
+    pytest.importorskip("transformers")
+    # ~255 cached tokens per row: the open V block (up to 31 tokens in bf16) is a small share of the bytes
+    out = _run("samples/serve.py", "--prompts", "3", "--new-tokens", "6", "--repeats", "1", "--min-prompt", "240",
+               "--max-prompt", "250", "--backend", "reference")
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    for label in ("bf16", "MXFP8Cache"):
+        assert "tokens/s" in lines[label] and "MiB" in lines[label], out
+    ratio = float(lines["MXFP8"].rsplit(":", 1)[1])
+    assert 0.5 < ratio < 0.56, out                 # E4M3 + E8M0 per 32 + one open bf16 V block per layer
+    assert out.strip().splitlines()[-1].endswith("prompts got the same tokens from both caches")
