@@ -155,7 +155,8 @@ def generate_tokens_per_s(factory, attn: str, batch: int, prompt: int, new_token
     ids = torch.randint(0, vocab, (batch, prompt), device=DEVICE, generator=g)
     am = torch.ones_like(ids)
     kw = dict(attention_mask=am, do_sample=False, pad_token_id=0, eos_token_id=None)
-    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)           # warm-up (kernels, caches)
+    # warm-up over every KV length the timed runs see (first-seen kernel specialisations, plans, caches)
+    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
     sync()
     t0 = time.perf_counter()
     model(input_ids=ids, attention_mask=am)
@@ -171,7 +172,8 @@ def generate_tokens_per_s(factory, attn: str, batch: int, prompt: int, new_token
     total_s = statistics.median(runs)
     decode_s = max(total_s - prefill_ms / 1e3, 1e-9)
     result = dict(model=name, attn=attn, batch=batch, prompt=prompt, new_tokens=new_tokens, prefill_ms=prefill_ms,
-                  generate_s=total_s, decode_tokens_per_s=batch * (new_tokens - 1) / decode_s,
+                  generate_s=total_s, generate_runs_s=runs,
+                  decode_tokens_per_s=batch * (new_tokens - 1) / decode_s,
                   tokens=out[:, prompt:].tolist())
     return result
 
@@ -192,7 +194,7 @@ def left_padded_generate(factory, attn: str, lengths, new_tokens: int, quick: bo
     ids = torch.stack([torch.cat([p.new_zeros(s - len(p)), p]) for p in prompts])
     am = (torch.arange(s, device=DEVICE).unsqueeze(0) >= (s - torch.tensor(lengths, device=DEVICE)).unsqueeze(1))
     kw = dict(attention_mask=am.long(), do_sample=False, pad_token_id=0, eos_token_id=None)
-    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)   # warm-up, every KV length
     runs = []
     for _ in range(2):
         sync()
