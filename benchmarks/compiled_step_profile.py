@@ -3,7 +3,8 @@ torch.compile with SDPA and with mxattn's attention; per step the wall time, the
 kernels, torch.profiler) and the top operators by GPU time and by host time; --cprofile: instead, cProfile (host
 time by Python function) of mxattn's compiled steps. --decode: the same for greedy decode steps of the bf16
 model with the KV cache (batch --batch, default 1; a "step" is one generate call: a 512-token prefill and
---tokens greedy tokens, default 16).
+--tokens greedy tokens, default 16). Its warm-up generates the same tokens, so the timed decode steps meet KV
+lengths seen before and replay launch plans: the best case (models_bench.py times first-seen lengths).
 Usage (CUDA machine): python benchmarks/compiled_step_profile.py [--eager | --decode [--batch N] [--tokens N]]
 [--cprofile]"""
 import cProfile
