@@ -2,7 +2,9 @@
 the CUDA device checks are relaxed, and the public API's forward, backward and forward+backward are timed on
 small CPU tensors (median wall time per call). The host's Python cost is what it measures, so changes to the
 glue around the kernels can be compared on any machine; the GPU machine's host runs the same Python about 3x
-slower. Usage: python benchmarks/cpu_host_harness.py [--profile]"""
+slower. --decode: instead, decode-step calls (B8, one query token, H8 D64, bottom-right causal, no grad) at a
+KV length no earlier call had (as in generation) against repeated calls at one length (launch plans replay).
+Usage: python benchmarks/cpu_host_harness.py [--profile | --decode]"""
 import statistics
 import sys
 import time
@@ -67,9 +69,37 @@ def per_call_us(fn, n=300):
     return statistics.median(times) * 1e6
 
 
+def decode_calls() -> None:
+    """Host time of decode-step calls at new KV lengths vs at one repeated length (see the module docstring)."""
+    b, h, d, first, n = 8, 8, 64, 512, 200
+    kv = torch.randn(b, first + n + 40, h, d, dtype=torch.bfloat16)
+    q = torch.randn(b, 1, h, d, dtype=torch.bfloat16)
+
+    def step(length):
+        return mxattn.mxfp8_attention(q, kv[:, :length], kv[:, :length], attn_mask_type="causal_bottom_right",
+                                      backend="triton")
+
+    with torch.no_grad():
+        for length in range(first, first + 20):
+            step(length)
+        times = []
+        for length in range(first + 20, first + 20 + n):
+            t0 = time.perf_counter()
+            step(length)
+            times.append(time.perf_counter() - t0)
+        fresh = statistics.median(times) * 1e6
+        same = per_call_us(lambda: step(first + 5), n=n)
+    print(f"decode call, a new KV length each call  {fresh:7.0f} us")
+    print(f"decode call, one repeated KV length     {same:7.0f} us  (launch plans replay)")
+    print(f"ratio new / repeated: {fresh / same:.2f}")
+
+
 def main():
     launches = {}
     install_stubs(launches)
+    if "--decode" in sys.argv:
+        decode_calls()
+        return
     q, k, v = (torch.randn(1, 128, 2, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 
     def call():
