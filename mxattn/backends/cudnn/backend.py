@@ -141,8 +141,7 @@ class SavedWithScaleBuffers(SavedForBackward):
 
 
 class CudnnBackend(AttentionBackend):
-    """cuDNN's fused MXFP8 attention (Blackwell). Quantizes with the fused Triton quantizer on CUDA, else with
-    mxattn.formats (the same bytes: round-up E8M0 scales; `quantize_operand`)."""
+    """cuDNN's fused MXFP8 attention (Blackwell). Quantizes with mxattn.formats (round-up E8M0 scales)."""
 
     name = "cudnn"
     saved_format = SavedWithScaleBuffers
