@@ -7,9 +7,7 @@ model with the KV cache (batch --batch, default 1; a "step" is one generate call
 lengths seen before and replay launch plans: the best case (models_bench.py times first-seen lengths).
 Usage (CUDA machine): python benchmarks/compiled_step_profile.py [--eager | --decode [--batch N] [--tokens N]]
 [--cprofile]"""
-import cProfile
 import os
-import pstats
 import sys
 import time
 
@@ -18,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models_bench as mb  # noqa: E402
+from profiling import cprofile_steps  # noqa: E402
 
 
 def training_step(attn: str, compiled: bool):
@@ -59,18 +58,6 @@ def decode_step(attn: str, batch: int, tokens: int = 16):
     return generate
 
 
-def host_profile(step) -> None:
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(20):
-        step()
-    torch.cuda.synchronize()
-    prof.disable()
-    stats = pstats.Stats(prof)
-    stats.sort_stats("tottime").print_stats(30)
-    stats.sort_stats("cumulative").print_stats("mxattn|_library|custom_ops", 40)
-
-
 def main():
     compiled = "--eager" not in sys.argv
     decode = "--decode" in sys.argv
@@ -82,7 +69,7 @@ def main():
         return decode_step(attn, batch, tokens) if decode else training_step(attn, compiled)
 
     if "--cprofile" in sys.argv:
-        host_profile(make(mb.NAME))
+        cprofile_steps(make(mb.NAME), 20, 30, "mxattn|_library|custom_ops")
         return
     mode = (f"decode batch {batch} (per prefill + {tokens} tokens)" if decode
             else ("compiled" if compiled else "eager"))

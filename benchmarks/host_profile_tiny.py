@@ -1,13 +1,15 @@
 """cProfile of the tiny call's forward+backward on a CUDA machine (host time by function): where the per-call
 host cost goes. Usage: python benchmarks/host_profile_tiny.py [backend]"""
-import cProfile
-import pstats
+import os
 import sys
 import warnings
 
 import torch
 
 import mxattn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profiling import cprofile_steps  # noqa: E402
 
 warnings.simplefilter("ignore")
 backend = sys.argv[1] if len(sys.argv) > 1 else "triton"
@@ -22,10 +24,4 @@ def call():
 for _ in range(50):
     call()
 torch.cuda.synchronize()
-profile = cProfile.Profile()
-profile.enable()
-for _ in range(500):
-    call()
-torch.cuda.synchronize()
-profile.disable()
-pstats.Stats(profile).sort_stats("tottime").print_stats(35)
+cprofile_steps(call, 500, 35)
