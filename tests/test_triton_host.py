@@ -233,6 +233,64 @@ def test_launches_per_call_without_a_gpu(monkeypatch, request):
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
 
 
+def test_calls_without_backward_whose_queries_fit_one_tile_are_one_launch(monkeypatch, request):
+    """Without a backward, a call whose queries fit one tile (a decode step, a short chunk; head dim <= 128)
+    is one launch (the forward kernel quantizes Q, K, V as it reads them); longer queries, head dim 256 and
+    calls with a backward keep the quantizer's launch."""
+    import mxattn
+    launched = _record_launches(monkeypatch, request)
+
+    def names(sq, skv, d, grad=False, **kw):
+        launched.clear()
+        q = torch.randn(2, sq, 4, d, dtype=torch.bfloat16, requires_grad=grad)
+        k, v = (torch.randn(2, skv, 2, d, dtype=torch.bfloat16, requires_grad=grad) for _ in range(2))
+        with torch.set_grad_enabled(grad):
+            mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal_bottom_right", backend="triton", **kw)
+        return [name for name, _ in launched]
+
+    assert names(1, 700, 64) == ["attn_fwd_kernel"]
+    assert names(128, 128, 128) == ["attn_fwd_kernel"]
+    assert names(16, 300, 96) == ["attn_fwd_kernel"]
+    assert names(64, 300, 64) == ["attn_fwd_kernel"]
+    assert names(65, 300, 64) == ["quantize_qkv_kernel", "attn_fwd_kernel"]  # two tiles of 64 at D64
+    assert names(129, 300, 64) == ["quantize_qkv_kernel", "attn_fwd_kernel"]
+    assert names(1, 300, 256) == ["quantize_qkv_kernel", "attn_fwd_kernel"]
+    assert names(1, 700, 64, grad=True) == ["quantize_qkv_kernel", "attn_fwd_kernel"]
+    # a packed batch: its longest query sequence decides
+    cu_q = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    cu_kv = torch.tensor([0, 40, 90, 300], dtype=torch.int32)
+    launched.clear()
+    q = torch.randn(3, 4, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(300, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        mxattn.mxfp8_attention(q, k, v, qkv_format="thd", attn_mask_type="padding_causal_bottom_right",
+                               cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, backend="triton")
+    assert [name for name, _ in launched] == ["attn_fwd_kernel"]
+
+
+def test_one_launch_forward_checks_before_any_kernel():
+    from mxattn.kernels import triton_attention_fwd as tf
+    x = torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 2, 40, 64, dtype=torch.bfloat16)
+    out, stats = torch.empty_like(x), torch.empty(1, 2, 1, 1)
+    args = dict(softmax_scale=0.125, offset=0, left_bound=None, right_bound=None, out=out, stats=stats)
+    with pytest.raises(ValueError, match="k and v must be"):
+        tf.attention_fwd_quantizing(x, kv, kv[:, :1], **args)
+    with pytest.raises(ValueError, match="unit stride along its last axis"):
+        tf.attention_fwd_quantizing(x, kv.transpose(2, 3).contiguous().transpose(2, 3), kv, **args)
+    with pytest.raises(ValueError, match=r"query rows of one tile per sequence \(64 at D=64\), got D=64 and 65"):
+        tf.attention_fwd_quantizing(torch.zeros(1, 2, 65, 64), kv, kv, **args)
+    with pytest.raises(ValueError, match="head dims up to 128"):
+        tf.attention_fwd_quantizing(torch.zeros(1, 2, 1, 256), torch.zeros(1, 2, 4, 256), torch.zeros(1, 2, 4, 256),
+                                    **args)
+    with pytest.raises(ValueError, match="sink must be"):
+        tf.attention_fwd_quantizing(x, kv, kv, sink=torch.zeros(3), **args)
+    # the bf16 path's tile and warps (bit-equal results), fewer pipeline stages
+    assert tf.quantizing_fwd_config(1, 64, torch.bfloat16) == (64, 4, 2)
+    assert tf.quantizing_fwd_config(100, 96, torch.float32) == (128, 8, 1)
+    assert tf.quantizing_fwd_config(65, 64, torch.bfloat16) is None
+
+
 def test_backward_head_chunks_are_balanced_without_a_gpu(monkeypatch, request):
     """When the bf16 scratch of all heads exceeds the budget, the backward splits the KV heads into the fewest
     chunks that fit, with sizes within one head of each other (7 heads at 3 per chunk: 2 + 2 + 3, not

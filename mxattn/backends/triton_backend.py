@@ -68,6 +68,12 @@ def _mask_args(params: AttentionParams, s_q: int, s_kv: int):
     return dict(offset=m.offset(s_q, s_kv), left_bound=m.left_bound, right_bound=m.right_bound)
 
 
+def _query_rows(params: AttentionParams, sq: int) -> int:
+    """Query rows one kernel program covers per sequence: the longest sequence of a packed batch, else Sq."""
+    seq = params.seq
+    return min(sq, seq.max_seqlen_q) if seq is not None and seq.packed else sq
+
+
 def _quant_args(params: AttentionParams, which: str) -> dict:
     """quantize_rowcol's length arguments for the "q" or "kv" side (empty for a dense call)."""
     seq = params.seq
@@ -212,6 +218,11 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
         tq, tf, _ = _kernels()
         bwd = params.needs_backward  # without a backward pass only the forward's copies are made
+        if not bwd and skv > 0 and sq > 0 and B * hq > 0:
+            config = tf.quantizing_fwd_config(_query_rows(params, sq), d, max(q.dtype, k.dtype, v.dtype,
+                                                                               key=lambda t: t.itemsize))
+            if config is not None:  # one query tile (decode steps): one launch that quantizes as it reads
+                return (*self._forward_quantizing(q, k, v, params, config), None)
         kv_bf16 = tf.fwd_streams_bf16(B, hkv, skv, d)  # the problem's data path: bf16 scratch or FP8 on chip
         kv_args = _quant_args(params, "kv")
         # one launch for the three; V's row=kv_bf16 without a backward too: the quantizer refuses col_dequant
@@ -238,6 +249,19 @@ class TritonBackend(AttentionBackend):
                              **_mask_args(params, sq, skv))
         saved = SavedForBackward(q_row=qq.row, q_col=qq.col, k_row=kq.row, k_col=kq.col, v_row=vq.row) if bwd else None
         return o, stats, saved
+
+    def _forward_quantizing(self, q, k, v, params: AttentionParams, config) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(o, stats) of a call without a backward whose queries fit one tile: the forward kernel quantizes Q, K
+        and V as it reads them (`attention_fwd_quantizing`; equal to the two-launch path bit for bit)."""
+        _, tf, _ = _kernels()
+        B, hq, sq, _d = q.shape
+        o = _like(q, params.out_dtype)
+        stats = torch.empty((B, hq, sq, 1), dtype=torch.float32, device=q.device)
+        sink = None if params.sink is None else params.sink.float().contiguous()
+        tf.attention_fwd_quantizing(_inner_unit(q), _inner_unit(k), _inner_unit(v),
+                                    softmax_scale=params.softmax_scale, out=o, stats=stats, sink=sink,
+                                    config=config, **_mask_args(params, sq, k.shape[2]))
+        return o, stats
 
     # ------------------------------------------------------------------ backward
 

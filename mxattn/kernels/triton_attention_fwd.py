@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .triton_launch import launch
 from .triton_common import (LN2, LOG2_P_SCALE, LOG2E, P_SCALE, dequant_cols, dequant_rows, kv_block_range, load_tile,
-                            program_prologue, round_p_to_bf16, seq_prologue)
+                            program_prologue, quantize_cols, quantize_rows, round_p_to_bf16, seq_prologue)
 from .triton_quantize import check_cu_seqlens, padded_head_dim, row_tiles, seq_programs
 
 BLOCK_N = 128  # KV block of the online softmax: fixed by the recipe, not a tuning knob
@@ -32,17 +32,22 @@ BLOCK_N = 128  # KV block of the online softmax: fixed by the recipe, not a tuni
 def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, j, rows, offs_n, offs_d, offs_kb,
                      stride_kn, stride_ksn, stride_vn, stride_vsn, len_kv, D, qk_scale, offset, LB, RB,
                      MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BN: tl.constexpr,
-                     DP: tl.constexpr, EVEN_D: tl.constexpr, KV_BF16: tl.constexpr):
+                     DP: tl.constexpr, EVEN_D: tl.constexpr, KV_BF16: tl.constexpr, QDQ: tl.constexpr):
     """One step of the online softmax over KV block j, rows [n0, n0 + BN) with n0 = j * BN. K and V tiles are
-    either FP8 (K row-wise, V column-wise seq-major) dequantized on chip, or (KV_BF16) their exact bf16
-    dequantizations read as they are. m_i is the running max in log2 units; the exponent is shifted by
+    either FP8 (K row-wise, V column-wise seq-major) dequantized on chip, (KV_BF16) their exact bf16
+    dequantizations read as they are, or (QDQ) the caller's K and V read as they are and quantized here, K
+    row-wise and V column-wise in blocks of 32 rows from n0 (a multiple of 32 from the sequence's start, as the
+    quantizer's blocks), then dequantized: the same bf16 tiles the quantizer's row_dequant / col_dequant hold. m_i is the running max in log2 units; the exponent is shifted by
     log2(P_SCALE), so exp2 gives P * 256 directly and l_i sums P * 256. MASK: the block needs the band/length
     mask (else every element is kept)."""
     n0 = j * BN  # from the block index, so the compiler knows n0's alignment (16-byte loads along V's rows)
     cols = n0 + offs_n
     d_ok = offs_d < D
     kt = load_tile(k_ptrs + n0 * stride_kn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D)
-    if not KV_BF16:
+    if QDQ:
+        kq, ke = quantize_rows(kt.to(tl.float32), BN, DP)
+        kt = dequant_rows(kq, ke.to(tl.uint8), BN, DP)
+    elif not KV_BF16:
         ks = load_tile(ks_ptrs + n0 * stride_ksn, cols < len_kv, offs_kb * 32 < D, 127, MASK, EVEN_D)
         kt = dequant_rows(kt, ks, BN, DP)
     qk = tl.dot(q, tl.trans(kt))
@@ -59,7 +64,11 @@ def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, j, rows
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(qk * qk_scale - (m_use - LOG2_P_SCALE)[:, None])  # P * 256
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if KV_BF16:
+    if QDQ:
+        vt = load_tile(v_ptrs + n0 * stride_vn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D)
+        vq, ve = quantize_cols(vt.to(tl.float32), BN, DP)
+        vt = dequant_cols(vq, ve.to(tl.uint8), BN, DP)
+    elif KV_BF16:
         vt = load_tile(v_ptrs + n0 * stride_vn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D)
     else:
         # V's rows are zero up to the end of the sequence's last block: a whole-block mask keeps 16-byte loads
@@ -82,11 +91,14 @@ def _attn_fwd_kernel(
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
         EVEN_D: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_SINK: tl.constexpr,
-        KV_BF16: tl.constexpr):
+        KV_BF16: tl.constexpr, QDQ: tl.constexpr):
     """Grid (query tiles, sequences * HQ). Q row-wise FP8 with scales [B,H,S,DP/32-ish]. K, V: FP8 (K
     row-wise like Q; V column-wise, data seq-major [B,H,D,L] (`SeqMajorColumns`, strides svb, svh, svs = 1,
     svd), scales [B,H,L/32,D], segmented for a packed batch), or (KV_BF16) the exact bf16 dequantizations
     [B,H,S,D] of K row-wise and V column-wise (KS, VS unread). Every other tensor has a unit stride along D.
+    QDQ: Q, K, V are the caller's [B,H,S,D] tensors (bf16/fp16/fp32; QS, KS, VS unread), quantized tile by tile
+    here (Q row-wise once, K and V per KV block: `_attend_kv_block`) into the bf16 tiles the other paths read, so
+    the numbers equal theirs bit for bit; worth it where one query tile covers the sequence (decode steps).
     SQ, SKV: the tensors' row counts;
     len_q, len_kv: the sequence's. HAS_SINK: SINK holds fp32 [HQ] sink logits; the online softmax starts from
     them (max = sink, sum = 1)."""
@@ -107,13 +119,17 @@ def _attn_fwd_kernel(
     q_rows = (rows < len_q)[:, None]
     q = tl.load(Q + bt * sqb + hq * sqh + q0 * sqs + rows[:, None] * sqs + offs_d[None, :],
                 mask=q_rows & ((offs_d < D) | EVEN_D)[None, :], other=0.0)
-    qs = tl.load(QS + bt * sqsb + hq * sqsh + q0 * sqss + rows[:, None] * sqss + offs_kb[None, :],
-                 mask=q_rows & (offs_kb * 32 < D)[None, :], other=127)
-    q = dequant_rows(q, qs, BM, DP)
+    if QDQ:
+        qq, qe = quantize_rows(q.to(tl.float32), BM, DP)
+        q = dequant_rows(qq, qe.to(tl.uint8), BM, DP)
+    else:
+        qs = tl.load(QS + bt * sqsb + hq * sqsh + q0 * sqss + rows[:, None] * sqss + offs_kb[None, :],
+                     mask=q_rows & (offs_kb * 32 < D)[None, :], other=127)
+        q = dequant_rows(q, qs, BM, DP)
 
     k_ptrs = K + bt * skb + hk * skh + kv0 * sks + offs_n[:, None] * sks + offs_d[None, :]
     ks_ptrs = KS + bt * sksb + hk * sksh + kv0 * skss + offs_n[:, None] * skss + offs_kb[None, :]
-    if KV_BF16:  # bf16 [B,H,S,D] like K
+    if KV_BF16 or QDQ:  # [B,H,S,D] like K
         v_row0 = kv0
     else:  # seq-major FP8 (svs = 1): each sequence from its first block's column
         v_row0 = kvb0 * 32
@@ -134,13 +150,13 @@ def _attn_fwd_kernel(
     strides = (sks, skss, svs, svss, len_kv, D, qk_scale, offset, LB, RB)
     for j in range(lo // BN, tl.cdiv(mask_hi, BN)):
         acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, *strides,
-                                         True, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16)
+                                         True, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16, QDQ)
     for j in range(full_lo // BN, full_hi // BN):
         acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, *strides,
-                                         False, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16)
+                                         False, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16, QDQ)
     for j in range(tl.cdiv(tl.maximum(full_hi, mask_hi), BN), tl.cdiv(hi, BN)):  # (start: a multiple of BN, or hi)
         acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, *strides,
-                                         True, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16)
+                                         True, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16, QDQ)
 
     has = l_i != 0.0  # a NaN row (l_i NaN) stays NaN
     if VARLEN:
@@ -204,6 +220,14 @@ def _check_seq_major_v(v, batch: int, heads: int, rows: int, d: int):
     return data, scale.view(torch.uint8)
 
 
+def _check_sink(sink: Optional[torch.Tensor], q: torch.Tensor) -> None:
+    """A sink must be None or a contiguous fp32 [Hq] tensor on q's device ([B,Hq,Sq,D])."""
+    if sink is not None and (sink.dtype != torch.float32 or tuple(sink.shape) != (q.shape[1],)
+                             or not sink.is_contiguous() or sink.device != q.device):
+        raise ValueError(f"sink must be a contiguous float32 tensor of shape ({q.shape[1]},) on "
+                         f"{q.device}, got {sink.dtype} {tuple(sink.shape)} on {sink.device}")
+
+
 def _unit_d(name: str, t: torch.Tensor) -> None:
     if t.shape[3] > 1 and t.stride(3) != 1:
         raise ValueError(f"{name} must have unit stride along its last axis, got strides {tuple(t.stride())}")
@@ -230,10 +254,7 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
     sink: optional fp32 [Hq] contiguous sink logits (attention sinks): they join every row's softmax
     denominator and the stats; a row with no key then gets O = 0 and stats = sink.
     """
-    if sink is not None and (sink.dtype != torch.float32 or tuple(sink.shape) != (q_data.shape[1],)
-                             or not sink.is_contiguous() or sink.device != q_data.device):
-        raise ValueError(f"sink must be a contiguous float32 tensor of shape ({q_data.shape[1]},) on "
-                         f"{q_data.device}, got {sink.dtype} {tuple(sink.shape)} on {sink.device}")
+    _check_sink(sink, q_data)
     B, HQ, SQ, D = q_data.shape
     HKV, SKV = k_data.shape[1], k_data.shape[2]
     sa = check_seq(seq, q_data, k_data, stats, bottom_right, offset)
@@ -258,18 +279,72 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
     for name, t in (("q_data", q_data), ("k_data", k_data), ("v.data", v_data), ("out", out), ("q_scale", qs),
                     ("k_scale", ks), ("v.scale", vs)):
         _unit_d(name, t)
+    _launch_fwd(q_data, qs, k_data, ks, v_data, vs, v_strides, out, stats, sink, sa, softmax_scale, offset,
+                left_bound, right_bound, bottom_right, (bm, warps, stages), kv_bf16=kv_bf16, qdq=False)
+
+
+def _launch_fwd(q, qs, k, ks, v, vs, v_strides, out, stats, sink, sa, softmax_scale, offset, left_bound,
+                right_bound, bottom_right, config, *, kv_bf16: bool, qdq: bool) -> None:
+    """The forward kernel's launch (arguments checked by the callers)."""
+    bm, warps, stages = config
+    B, HQ, SQ, D = q.shape
+    HKV, SKV = k.shape[1], k.shape[2]
+    dp = padded_head_dim(D)
     launch(
-        _attn_fwd_kernel, (sa.q_tiles(SQ, bm), sa.programs(B, HQ)), q_data, qs, k_data, ks, v_data, vs, out, stats,
+        _attn_fwd_kernel, (sa.q_tiles(SQ, bm), sa.programs(B, HQ)), q, qs, k, ks, v, vs, out, stats,
         sa.cu_q, sa.cu_kv, stats if sink is None else sink,
-        *q_data.stride()[:3], *qs.stride()[:3],
-        *k_data.stride()[:3], *ks.stride()[:3],
+        *q.stride()[:3], *qs.stride()[:3],
+        *k.stride()[:3], *ks.stride()[:3],
         *v_strides, *vs.stride()[:3],
         *out.stride()[:3], *stats.stride()[:3],
         HQ, HQ // HKV, SQ, SKV, D, float(softmax_scale) * LOG2E.value, int(offset),
         0 if left_bound is None else int(left_bound), 0 if right_bound is None else int(right_bound),
         HAS_LB=left_bound is not None, HAS_RB=right_bound is not None,
         BM=bm, BN=BLOCK_N, DP=dp, EVEN_D=dp == D, **sa.constexprs(bottom_right), HAS_SINK=sink is not None,
-        KV_BF16=kv_bf16, num_warps=warps, num_stages=stages)
+        KV_BF16=kv_bf16, QDQ=qdq, num_warps=warps, num_stages=stages)
+
+
+def quantizing_fwd_config(rows_q: int, head_dim: int, dtype: torch.dtype):
+    """(BLOCK_M, num_warps, num_stages) of `attention_fwd_quantizing` for queries of up to rows_q rows per
+    sequence (its longest), or None where that path does not apply: head dims above 128, or queries beyond one
+    tile (each tile would quantize K and V again; the quantizer's single pass is cheaper there). The tile and
+    warps are the bf16 path's (`BF16_FWD_CONFIGS`): another tile shape issues other MMA instructions, whose
+    FP32 sums may differ in the last bit, and the two paths must agree bit for bit. Shared memory holds two
+    stages of 16-bit K and V tiles, one of fp32 ones."""
+    dp = padded_head_dim(head_dim)
+    if dp > max(BF16_FWD_CONFIGS) or rows_q > BF16_FWD_CONFIGS[dp][0]:
+        return None
+    bm, warps, _ = BF16_FWD_CONFIGS[dp]
+    return bm, warps, 1 if dtype == torch.float32 else 2
+
+
+def attention_fwd_quantizing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
+                             offset: int, left_bound, right_bound, out: torch.Tensor, stats: torch.Tensor,
+                             seq=None, bottom_right: bool = False, sink: Optional[torch.Tensor] = None,
+                             config=None) -> None:
+    """The forward in one launch, without the quantizer: q [B,Hq,Sq,D], k and v [B,Hkv,Skv,D] bf16/fp16/fp32
+    (the caller's tensors, unit stride along D, any other strides) are quantized inside the kernel (Q row-wise,
+    K row-wise, V column-wise in blocks of 32 rows from each sequence's start) into exactly the bf16 tiles
+    `attention_fwd` reads from the quantizer, so out and stats equal its results bit for bit. Meant for calls
+    without a backward whose queries fit one tile (`quantizing_fwd_config`: decode steps, short chunks); other
+    arguments as `attention_fwd`'s. Raises ValueError where the path does not apply."""
+    B, HQ, SQ, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or HQ % max(k.shape[1], 1):
+        raise ValueError(f"k and v must be [B={B}, Hkv, Skv, D={D}] with Hkv dividing {HQ}, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        _unit_d(name, t)
+    sa = check_seq(seq, q, k, stats, bottom_right, offset)
+    rows = SQ if sa.max_q is None or not sa.packed else min(SQ, sa.max_q)
+    if config is None:
+        config = quantizing_fwd_config(rows, D, max(q.dtype, k.dtype, v.dtype, key=lambda t: t.itemsize))
+        if config is None:
+            tile = BF16_FWD_CONFIGS.get(padded_head_dim(D), (0,))[0]
+            raise ValueError(f"attention_fwd_quantizing takes head dims up to {max(BF16_FWD_CONFIGS)} and the "
+                             f"query rows of one tile per sequence ({tile} at D={D}), got D={D} and {rows} rows")
+    _check_sink(sink, q)
+    _launch_fwd(q, q, k, k, v, v, v.stride()[:3] + (1,), out, stats, sink, sa, softmax_scale, offset, left_bound,
+                right_bound, bottom_right, config, kv_bf16=False, qdq=True)
 
 
 class SeqArgs(NamedTuple):
@@ -319,5 +394,5 @@ def check_seq(seq, q: torch.Tensor, k: torch.Tensor, stand_in: torch.Tensor, bot
     return SeqArgs(seq.cu_seqlens_q, seq.cu_seqlens_kv, seq.max_seqlen_q, seq.max_seqlen_kv, True, packed)
 
 
-__all__ = ["attention_fwd", "fwd_streams_bf16", "check_seq", "SeqArgs", "kv_block_range", "load_tile",
+__all__ = ["attention_fwd", "attention_fwd_quantizing", "quantizing_fwd_config", "fwd_streams_bf16", "check_seq", "SeqArgs", "kv_block_range", "load_tile",
            "program_prologue", "SCRATCH_BUDGET_BYTES", "seq_prologue", "BLOCK_N", "LOG2E"]
