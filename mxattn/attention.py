@@ -8,11 +8,12 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import ops
-from .backends import Problem, choose_backend
+from .backends import choose_backend
 from .constants import INPUT_DTYPES, KERNEL_OUT_DTYPES, SOFTMAX_TYPES
 from .errors import MXFP8NotSupportedError
 from .layouts import bhsd_shape, check_format, from_bhsd, to_bhsd
 from .mask import resolve_mask
+from .op_args import FwdArgs
 from .recipe import Recipe, check_recipe_varlen, recipe_key
 from .seqinfo import SeqInfo, make_seqinfo
 
@@ -141,24 +142,16 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
         return _empty_attention(q, k, v, out_dtype, softmax_offset)
     kernel_dtype = out_dtype if out_dtype in KERNEL_OUT_DTYPES else (
         q.dtype if q.dtype in KERNEL_OUT_DTYPES else torch.bfloat16)
-    problem = Problem(device=q.device, dtype=q.dtype, batch=seq.batch if seq is not None else qb.shape[0],
-                      heads_q=qb.shape[1], heads_kv=kb.shape[1],
-                      seqlen_q=seq.max_seqlen_q if packed else qb.shape[2],
-                      seqlen_kv=seq.max_seqlen_kv if packed else kb.shape[2], head_dim=head_dim, mask=band,
-                      varlen=None if seq is None else ("packed" if packed else "padded"),
-                      needs_backward=ops.needs_backward(q, k, v, softmax_offset),
-                      out_dtype=kernel_dtype, softmax_type=softmax_type, recipe=recipe)
-    name = choose_backend(backend, problem)
+    args = FwdArgs.encode(qb, kb, vb, softmax_scale=softmax_scale, mask=band, out_dtype=kernel_dtype,
+                          qkv_format="bshd" if packed else qkv_format, backend=backend, seq=seq, sink=sink,
+                          recipe=recipe)
+    name = choose_backend(backend, args.problem(softmax_type, ops.needs_backward(q, k, v, softmax_offset)))
+    args = args._replace(backend=name)
     if seq is None and not torch.compiler.is_compiling():
-        plan = _DensePlan(qkv_format, float(softmax_scale), band.diagonal_alignment == "bottom_right",
-                          band.left_bound, band.right_bound, kernel_dtype, out_dtype, name, softmax_type,
-                          recipe)
+        plan = _DensePlan(args._replace(q=None, k=None, v=None, sink=None), out_dtype, softmax_type)
         _remember(key, plan)
         return _run_dense(plan, q, k, v, sink)
-    out_format = "bshd" if packed else qkv_format
-    o = ops.attention(qb, kb, vb, float(softmax_scale), band.diagonal_alignment == "bottom_right",
-                      band.left_bound, band.right_bound, kernel_dtype, out_format, name, *_seq_args(seq), sink,
-                      recipe)
+    o = ops.attention(args)
     o = o[0].transpose(0, 1) if packed else from_bhsd(o, qkv_format)
     return o if o.dtype == out_dtype else o.to(out_dtype)
 
@@ -168,17 +161,10 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
 class _DensePlan(NamedTuple):
     """What a dense eager call needs once its signature was validated and its backend chosen."""
 
-    qkv_format: str
-    softmax_scale: float
-    bottom_right: bool
-    left_bound: Optional[int]
-    right_bound: Optional[int]
-    kernel_dtype: torch.dtype
+    #: the op's arguments without the tensors (q, k, v, sink filled per call)
+    args: FwdArgs
     out_dtype: torch.dtype
-    backend: str
     softmax_type: str
-    #: the recipe as `Recipe.encode` gives it
-    recipe: str
 
 
 #: plans of dense eager calls by signature (`_signature`); bounded, cleared when full. Reads and writes of a
@@ -224,12 +210,10 @@ def _sink_of(plan: _DensePlan, softmax_offset):
 
 def _run_dense(plan: _DensePlan, q, k, v, sink):
     """The forward op of a planned dense call; O in q's layout and plan.out_dtype."""
-    fmt = plan.qkv_format
+    fmt = plan.args.qkv_format
     if plan.softmax_type == "off-by-one":
         sink = torch.zeros(bhsd_shape(q, fmt)[1], dtype=torch.float32, device=q.device)
-    o = ops.attention(to_bhsd(q, fmt), to_bhsd(k, fmt), to_bhsd(v, fmt), plan.softmax_scale, plan.bottom_right,
-                      plan.left_bound, plan.right_bound, plan.kernel_dtype, fmt, plan.backend, None, None, 0, 0,
-                      False, sink, plan.recipe)
+    o = ops.attention(plan.args.with_tensors(to_bhsd(q, fmt), to_bhsd(k, fmt), to_bhsd(v, fmt), sink))
     o = from_bhsd(o, fmt)
     return o if o.dtype == plan.out_dtype else o.to(plan.out_dtype)
 
@@ -274,13 +258,6 @@ def _sink(softmax_type: str, softmax_offset, heads: int, device: torch.device) -
     if softmax_offset.device != device:
         raise ValueError(f"softmax_offset must be on q's device ({device}), got {softmax_offset.device}")
     return softmax_offset
-
-
-def _seq_args(seq: Optional[SeqInfo]):
-    """SeqInfo as the custom ops' flat arguments (cu_q, cu_kv, max_q, max_kv, packed)."""
-    if seq is None:
-        return None, None, 0, 0, False
-    return seq.cu_seqlens_q, seq.cu_seqlens_kv, seq.max_seqlen_q, seq.max_seqlen_kv, seq.packed
 
 
 __all__ = ["mxfp8_attention", "validate_inputs", "MXFP8NotSupportedError"]

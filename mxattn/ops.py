@@ -3,9 +3,9 @@
 `mxattn::attention_fwd` returns O, stats and, flat, what the backend keeps for backward (its `saved_format`: the
 FP8 copies by default); `mxattn::attention_bwd` turns them and dO into dQ, dK, dV. Both have fake (meta)
 implementations, so `torch.compile(fullgraph=True)` traces models that use them without graph breaks. Tensors are
-[B, H, S, D] views (a packed batch as [1, H, T, D]); the mask arrives in canonical band form and the sequence
-lengths as the flat fields of a `SeqInfo` (cu_seqlens_q/kv, max_seqlen_q/kv, packed) and the numerics as the
-`Recipe.encode` string (last argument, the default recipe when left out). The concrete backend is chosen by the
+[B, H, S, D] views (a packed batch as [1, H, T, D]); their arguments are `mxattn.op_args.FwdArgs` / `BwdArgs`
+(the mask as its band, the lengths as a `SeqInfo`'s fields, the numerics as the `Recipe.encode` string, the
+default recipe when left out), which also decode them; nothing here reads an argument by position. The concrete backend is chosen by the
 caller (`mxattn.attention`) and passed by name.
 """
 
@@ -16,24 +16,11 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .backends import AttentionParams, get_backend
+from .backends import get_backend
 from .layouts import dense_strides_bhsd, empty_bhsd
-from .mask import MaskSpec
+from .op_args import SINK_INDEX, BwdArgs, FwdArgs
 from .recipe import DEFAULT_RECIPE_KEY, Recipe
 from .seqinfo import SeqInfo
-
-
-def _seq(cu_q, cu_kv, max_q, max_kv, packed) -> Optional[SeqInfo]:
-    return None if cu_q is None else SeqInfo(cu_q, cu_kv, max_q, max_kv, packed)
-
-
-def _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink=None,
-            sink_requires_grad=False, needs_backward=True, recipe: str = DEFAULT_RECIPE_KEY) -> AttentionParams:
-    mask = MaskSpec(diagonal_alignment="bottom_right" if bottom_right else "top_left",
-                    left_bound=left_bound, right_bound=right_bound)
-    return AttentionParams(softmax_scale=softmax_scale, mask=mask, out_dtype=out_dtype, seq=seq, sink=sink,
-                           sink_requires_grad=sink_requires_grad, needs_backward=needs_backward,
-                           recipe=Recipe.decode(recipe))
 
 
 def _saved_format(backend: str, recipe: str) -> type:
@@ -49,11 +36,10 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_
                   recipe: str = DEFAULT_RECIPE_KEY) -> List[Tensor]:
     """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D], sink None or fp32 [Hq] -> [o [B,Hq,Sq,D] dense in qkv_format order,
     stats [B,Hq,Sq,1] fp32, then the backend's saved tensors (`saved_format_for(recipe).tensors()`)]."""
-    o, stats, *saved = _fwd_impl(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype,
-                                 qkv_format, backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                                 packed, sink, recipe)
-    seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
-    return [o, stats, *_as_faked(saved, _saved_format(backend, recipe), q, k, v, seq)]
+    args = FwdArgs(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
+                   cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, recipe)
+    o, stats, *saved = _fwd_impl(args)
+    return [o, stats, *_as_faked(saved, _saved_format(backend, recipe), q, k, v, args.seq())]
 
 
 def _as_faked(saved, saved_format, q: Tensor, k: Tensor, v: Tensor, seq: Optional[SeqInfo]) -> List[Tensor]:
@@ -85,17 +71,12 @@ def _as_faked(saved, saved_format, q: Tensor, k: Tensor, v: Tensor, seq: Optiona
 _FAKED_LAYOUTS: dict = {}
 
 
-def _fwd_impl(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
-              cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, recipe=DEFAULT_RECIPE_KEY,
-              needs_backward=True):
-    """The forward op's body (its arguments, then needs_backward). needs_backward=False returns O alone and
-    lets the backend skip what only a backward pass needs."""
-    seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
-    params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink,
-                     needs_backward=needs_backward, recipe=recipe)
-    o, stats, saved = get_backend(backend).forward(q, k, v, params)
-    if o.stride() != dense_strides_bhsd(tuple(o.shape), qkv_format):  # backends that ignore q's layout
-        o = empty_bhsd(tuple(o.shape), qkv_format, out_dtype, o.device).copy_(o)
+def _fwd_impl(args: FwdArgs, needs_backward: bool = True):
+    """The forward op's body. needs_backward=False returns O alone and lets the backend skip what only a
+    backward pass needs."""
+    o, stats, saved = get_backend(args.backend).forward(args.q, args.k, args.v, args.params(needs_backward))
+    if o.stride() != dense_strides_bhsd(tuple(o.shape), args.qkv_format):  # backends that ignore q's layout
+        o = empty_bhsd(tuple(o.shape), args.qkv_format, args.out_dtype, o.device).copy_(o)
     if not needs_backward:
         return o
     return [o, stats.contiguous(), *saved.tensors()]
@@ -106,10 +87,11 @@ def _attention_fwd_fake(q, k, v, softmax_scale, bottom_right, left_bound, right_
                         backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink,
                         recipe=DEFAULT_RECIPE_KEY):
     b, h, s, _ = q.shape
-    seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
+    args = FwdArgs(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
+                   cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, recipe)
     o = empty_bhsd(tuple(q.shape), qkv_format, out_dtype, q.device)
     stats = q.new_empty((b, h, s, 1), dtype=torch.float32)
-    return [o, stats, *_saved_format(backend, recipe).fake_tensors(q, k, v, seq)]
+    return [o, stats, *_saved_format(backend, recipe).fake_tensors(q, k, v, args.seq())]
 
 
 @torch.library.custom_op("mxattn::attention_bwd", mutates_args=())
@@ -122,23 +104,20 @@ def attention_bwd(do: Tensor, o: Tensor, stats: Tensor, saved: List[Tensor], kv_
     """dO, O [B,Hq,Sq,D], stats [B,Hq,Sq,1], the backend's saved tensors (as the forward op returned them) and
     K's shape [B,Hkv,Skv,D] -> contiguous (dq, dk, dv) in out_dtype and dsink (fp32 [Hq] when
     sink_requires_grad, else an empty tensor)."""
-    return _bwd_impl(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_bound, right_bound, out_dtype,
-                     backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink,
-                     sink_requires_grad, recipe)
+    return _bwd_impl(BwdArgs(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_bound, right_bound,
+                             out_dtype, backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed,
+                             sink, sink_requires_grad, recipe))
 
 
-def _bwd_impl(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_bound, right_bound, out_dtype,
-              backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, sink_requires_grad,
-              recipe=DEFAULT_RECIPE_KEY, contiguous=True):
-    """The backward op's body (its arguments, then contiguous: False leaves dq, dk, dv in the layout the
-    backend wrote them, which the eager path hands to autograd without copies)."""
-    seq = _seq(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed)
-    params = _params(softmax_scale, bottom_right, left_bound, right_bound, out_dtype, seq, sink, sink_requires_grad,
-                     recipe=recipe)
-    be = get_backend(backend)
+def _bwd_impl(args: BwdArgs, contiguous: bool = True):
+    """The backward op's body (contiguous: False leaves dq, dk, dv in the layout the backend wrote them, which
+    the eager path hands to autograd without copies)."""
+    params = args.params(sink_requires_grad=args.sink_requires_grad)
+    be = get_backend(args.backend)
     saved_format = be.saved_format_for(params.recipe)
-    dq, dk, dv, *dsink = be.backward(saved_format.from_tensors(saved, seq), o, stats, do, params)
-    dsink = dsink[0] if sink_requires_grad else stats.new_empty((0,), dtype=torch.float32)
+    dq, dk, dv, *dsink = be.backward(saved_format.from_tensors(args.saved, params.seq), args.o, args.stats,
+                                     args.do, params)
+    dsink = dsink[0] if args.sink_requires_grad else args.stats.new_empty((0,), dtype=torch.float32)
     if contiguous:
         dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
     return dq, dk, dv, dsink
@@ -153,28 +132,20 @@ def _attention_bwd_fake(do, o, stats, saved, kv_shape, softmax_scale, bottom_rig
     return dq, do.new_empty(kv_shape, dtype=out_dtype), do.new_empty(kv_shape, dtype=out_dtype), dsink
 
 
-#: positions of the sink and of the recipe among the forward op's arguments
-_SINK_ARG, _RECIPE_ARG = 15, 16
-
-
-def _save_context(ctx, inputs, o, stats, saved) -> None:
+def _save_context(ctx, args: FwdArgs, o, stats, saved) -> None:
     """Keep on ctx what `_backward` needs: O, stats, the backend's saved tensors, the lengths and the sink."""
-    q, k, v = inputs[:3]
-    ctx.options = inputs[3:10]  # softmax_scale .. backend
-    ctx.max_lens_packed = inputs[12:15]
-    ctx.input_dtypes = (q.dtype, k.dtype, v.dtype)
-    ctx.kv_shape = list(k.shape)
-    cu_q, cu_kv, sink = inputs[10], inputs[11], inputs[_SINK_ARG]
-    ctx.recipe = inputs[_RECIPE_ARG]
-    ctx.has_seq, ctx.has_sink = cu_q is not None, sink is not None
-    ctx.save_for_backward(o, stats, *saved, *((cu_q, cu_kv) if ctx.has_seq else ()),
-                          *((sink,) if ctx.has_sink else ()))
+    ctx.args = args.without_tensors()
+    ctx.input_dtypes = (args.q.dtype, args.k.dtype, args.v.dtype)
+    ctx.kv_shape = list(args.k.shape)
+    ctx.has_seq, ctx.has_sink = args.cu_seqlens_q is not None, args.sink is not None
+    ctx.save_for_backward(o, stats, *saved, *((args.cu_seqlens_q, args.cu_seqlens_kv) if ctx.has_seq else ()),
+                          *((args.sink,) if ctx.has_sink else ()))
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the FP8 side outputs
 
 
 def _setup_context(ctx, inputs, output):
     o, stats, *saved = output
-    _save_context(ctx, inputs, o, stats, saved)
+    _save_context(ctx, FwdArgs(*inputs), o, stats, saved)
     ctx.mark_non_differentiable(stats, *saved)
 
 
@@ -191,14 +162,13 @@ def _backward(ctx, grad_o, eager: bool = False):
     o, stats, *rest = ctx.saved_tensors
     sink = rest.pop() if ctx.has_sink else None
     saved, cu = (rest[:-2], rest[-2:]) if ctx.has_seq else (rest, (None, None))
-    softmax_scale, bottom_right, left_bound, right_bound, out_dtype, _fmt, backend = ctx.options
-    sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[_SINK_ARG]
-    args = (grad_o, o, stats, list(saved), ctx.kv_shape, softmax_scale, bottom_right, left_bound, right_bound,
-            out_dtype, backend, *cu, *ctx.max_lens_packed, sink, sink_requires_grad, ctx.recipe)
-    dq, dk, dv, dsink = _bwd_impl(*args, contiguous=False) if eager else attention_bwd(*args)
+    fwd = ctx.args._replace(cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], sink=sink)
+    sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[SINK_INDEX]
+    args = fwd.backward_args(grad_o, o, stats, list(saved), ctx.kv_shape, sink_requires_grad)
+    dq, dk, dv, dsink = _bwd_impl(args, contiguous=False) if eager else attention_bwd(*args)
     grads = [g if g.dtype == dt else g.to(dt) for g, dt in zip((dq, dk, dv), ctx.input_dtypes)]
     grads += [None] * (n_args - 3)
-    grads[_SINK_ARG] = dsink if sink_requires_grad else None
+    grads[SINK_INDEX] = dsink if sink_requires_grad else None
     return tuple(grads)
 
 
@@ -217,8 +187,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        o, stats, *saved = _fwd_impl(*inputs)
-        _save_context(ctx, inputs, o, stats, saved)
+        args = FwdArgs(*inputs)
+        o, stats, *saved = _fwd_impl(args)
+        _save_context(ctx, args, o, stats, saved)
         return o
 
     @staticmethod
@@ -232,17 +203,12 @@ def needs_backward(*tensors: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_right: bool, left_bound: Optional[int],
-              right_bound: Optional[int], out_dtype: torch.dtype, qkv_format: str, backend: str,
-              cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor], max_seqlen_q: int,
-              max_seqlen_kv: int, packed: bool, sink: Optional[Tensor], recipe: str = DEFAULT_RECIPE_KEY) -> Tensor:
-    """O [B,Hq,Sq,D] of the forward op (same arguments), differentiable: under torch.compile the custom op;
-    in eager mode its autograd.Function twin when a gradient is needed, else a forward that keeps nothing
-    for backward (the backend may then skip the column-wise copies)."""
-    args = (q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
-            cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, recipe)
+def attention(args: FwdArgs) -> Tensor:
+    """O [B,Hq,Sq,D] of the forward op on args, differentiable: under torch.compile the custom op; in eager
+    mode its autograd.Function twin when a gradient is needed, else a forward that keeps nothing for backward
+    (the backend may then skip the column-wise copies)."""
     if torch.compiler.is_compiling():
         return attention_fwd(*args)[0]
-    if needs_backward(q, k, v, sink):
+    if needs_backward(args.q, args.k, args.v, args.sink):
         return _EagerAttention.apply(*args)
-    return _fwd_impl(*args, needs_backward=False)
+    return _fwd_impl(args, needs_backward=False)

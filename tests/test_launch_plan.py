@@ -296,18 +296,21 @@ def test_triton_backend_replays_its_ordinary_launches(launcher, monkeypatch, req
     assert fwd2[1][2][6] == o2.data_ptr() and fwd1[1][2][6] == ("ptr", o1.data_ptr())
 
 
+@pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("packed", [False, True])
-def test_triton_backend_replays_variable_length_calls(launcher, monkeypatch, request, packed):
+def test_triton_backend_replays_variable_length_calls(launcher, monkeypatch, request, packed, grad):
     """Padded and packed batches are planned too: their lengths are roots (re-based like q, k, v), the
-    longest sequences part of the key; a packed batch's zero-filled segmented scales are zeroed per replay."""
+    longest sequences part of the key; a packed batch's zero-filled segmented scales are zeroed per replay.
+    With a gradient the call quantizes then attends; without one its 64 query rows fit one tile, so the
+    attention kernel quantizes as it reads (one launch, planned alike)."""
     import mxattn
     backend_module = _stub_backend(monkeypatch, request)
     logs = []
     for _ in range(3):
         if packed:
-            q, k, v = (torch.randn(104, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+            q, k, v = (torch.randn(104, 2, 64, dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
         else:
-            q, k, v = (torch.randn(2, 64, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+            q, k, v = (torch.randn(2, 64, 2, 64, dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
         cu = torch.tensor([0, 40, 104], dtype=torch.int32)
         launcher.clear()
         mxattn.mxfp8_attention(q, k, v, qkv_format="thd" if packed else "bshd", attn_mask_type="padding_causal",
@@ -315,8 +318,9 @@ def test_triton_backend_replays_variable_length_calls(launcher, monkeypatch, req
         logs.append((cu, list(launcher)))
     assert backend_module._PLANS.last_reason == "recorded"
     (cu1, first), _, (cu3, third) = logs
-    assert [n for n, _, _ in first] == [n for n, _, _ in third] == ["_quantize_qkv_kernel", "_attn_fwd_kernel"]
-    attn1, attn3 = first[1][2], third[1][2]
+    kernels = ["_quantize_qkv_kernel", "_attn_fwd_kernel"] if grad else ["_attn_fwd_kernel"]
+    assert [n for n, _, _ in first] == [n for n, _, _ in third] == kernels
+    attn1, attn3 = first[-1][2], third[-1][2]
     cu_arg = 8  # q, q scale, k, k scale, v, v scale, out, stats, then cu_seqlens_q
     assert attn1[cu_arg] == ("ptr", cu1.data_ptr()) and attn3[cu_arg] == cu3.data_ptr()
 
