@@ -9,6 +9,7 @@ rebuild on the way out, and the ops read fields by name (`args.sink`), never by 
 
 from __future__ import annotations
 
+import functools
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -21,9 +22,15 @@ from .seqinfo import SeqInfo
 
 
 def _mask(args) -> MaskSpec:
-    """The band mask the fields bottom_right, left_bound, right_bound encode."""
-    return MaskSpec(diagonal_alignment="bottom_right" if args.bottom_right else "top_left",
-                    left_bound=args.left_bound, right_bound=args.right_bound)
+    """The band mask the fields bottom_right, left_bound, right_bound encode (one shared MaskSpec per band:
+    the ops decode it on every call)."""
+    return _band(args.bottom_right, args.left_bound, args.right_bound)
+
+
+@functools.lru_cache(maxsize=256)
+def _band(bottom_right: bool, left_bound: Optional[int], right_bound: Optional[int]) -> MaskSpec:
+    return MaskSpec(diagonal_alignment="bottom_right" if bottom_right else "top_left", left_bound=left_bound,
+                    right_bound=right_bound)
 
 
 def _seq(args) -> Optional[SeqInfo]:
@@ -83,8 +90,8 @@ class FwdArgs(NamedTuple):
                    mask.right_bound, out_dtype, qkv_format, backend, *_seq_fields(seq), sink, recipe)
 
     def with_tensors(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor]) -> "FwdArgs":
-        """This template with a call's tensors."""
-        return self._replace(q=q, k=k, v=v, sink=sink)
+        """This template with a call's tensors (per call on the planned path: built without `_replace`)."""
+        return tuple.__new__(FwdArgs, (q, k, v, *self[3:_SINK], sink, *self[_SINK + 1:]))
 
     def without_tensors(self) -> "FwdArgs":
         """The options alone (what an autograd context keeps beside its saved tensors)."""
@@ -141,6 +148,6 @@ class BwdArgs(NamedTuple):
 
 
 #: where the sink sits among the forward op's arguments (its gradient's slot)
-SINK_INDEX = FwdArgs._fields.index("sink")
+SINK_INDEX = _SINK = FwdArgs._fields.index("sink")
 
 __all__ = ["FwdArgs", "BwdArgs", "SINK_INDEX"]
