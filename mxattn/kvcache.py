@@ -15,12 +15,14 @@ the reference backend (K's bytes are the row-wise quantization of each token, V'
 tokens quantized the same way, and V's open block is quantized from the same rows). Bytes: about 0.53x of a
 bf16 cache at D=128 (1 + 1/32 bytes per value for K and V) plus the open blocks.
 
-Backends: `reference` (any device: `ref.mxfp8_ref` on the stored bytes). The triton split-KV decode kernel and cuDNN's paged graphs are not built yet:
+Backends: `reference` (any device: `ref.mxfp8_ref` on the stored bytes) and `triton` (CUDA: one kernel reads the
+pages' FP8 bytes and scales, `mxattn.kernels.triton_paged_attention`). cuDNN's paged graphs are not built yet:
 asking for them raises `MXFP8NotSupportedError`.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -223,12 +225,16 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     and device), written to each sequence before attending. Each sequence's queries attend its cached tokens
     with a causal mask aligned bottom-right (the last query sees every key), optionally a sliding window
     (TE's window_size=(left, 0)) and attention sinks (softmax_type / softmax_offset as in `mxfp8_attention`).
-    Returns O [T, Hq, D] in out_dtype (default q's). Inference only (no autograd). Backend: reference."""
+    Returns O [T, Hq, D] in out_dtype (default q's). Inference only (no autograd).
+    backend: "triton" (CUDA, head dims up to 128: one launch reads the pages' FP8 bytes and scales,
+    `mxattn.kernels.triton_paged_attention`, equal bit for bit to the triton backend's `mxfp8_attention` over the
+    same tokens), "reference" (any device: `ref.mxfp8_ref` on the stored bytes), or "auto" (triton where it
+    runs, else reference with a one-time warning). cuDNN's paged graphs are not built yet ("cudnn" raises)."""
     if backend not in ("auto", "reference", "triton", "cudnn"):
         raise ValueError(f"backend must be one of ('auto', 'cudnn', 'triton', 'reference'), got {backend!r}")
-    if backend in ("triton", "cudnn"):
-        raise MXFP8NotSupportedError(f"backend {backend!r} has no paged MXFP8 KV-cache kernel yet; the cache runs "
-                                     "on backend='reference'")
+    if backend == "cudnn":
+        raise MXFP8NotSupportedError("backend 'cudnn' has no paged MXFP8 KV-cache graph yet; use backend='triton' "
+                                     "(CUDA) or 'reference'")
     if not isinstance(cache, MXFP8KVCache):
         raise TypeError(f"cache must be an MXFP8KVCache, got {type(cache).__name__}")
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != cache.head_dim:
@@ -263,16 +269,26 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
         raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
     if out_dtype not in _DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    name = _cache_backend(backend, q, cache)
     if k_new is not None:
         for slot, a, b in zip(slots, cu, cu[1:]):
             cache.append(slot, k_new[a:b], v_new[a:b])
+    for slot, a, b in zip(slots, cu, cu[1:]):
+        if cache.length(slot) < b - a:
+            raise ValueError(f"sequence in slot {slot} holds {cache.length(slot)} tokens, fewer than its "
+                             f"{b - a} queries")
+    if name == "triton":
+        from .kernels.triton_paged_attention import paged_attention_fwd
+        o = torch.empty(q.shape, dtype=kernel_dtype, device=q.device)
+        paged_attention_fwd(q if q.stride(2) == 1 else q.contiguous(), cu_seqlens_q,
+                            max(b - a for a, b in zip(cu, cu[1:])) if slots else 0,
+                            torch.tensor(slots, dtype=torch.int32, device=q.device), cache, softmax_scale=scale,
+                            left_bound=band.left_bound, out=o, sink=None if sink is None else sink.contiguous())
+        return o if o.dtype == out_dtype else o.to(out_dtype)
     out = torch.zeros(q.shape, dtype=out_dtype, device=q.device)
     for slot, a, b in zip(slots, cu, cu[1:]):
         if b == a:
             continue
-        if cache.length(slot) < b - a:
-            raise ValueError(f"sequence in slot {slot} holds {cache.length(slot)} tokens, fewer than its "
-                             f"{b - a} queries")
         q_row = quantize_mxfp8(q[a:b].transpose(0, 1).unsqueeze(0), axis=-1)
         k_row, v_col = cache.keys(slot), cache.values(slot)
         o, _ = mxfp8_ref.sdpa_fwd_quantized(q_row.data, q_row.scale, k_row.data, k_row.scale, v_col.data,
@@ -281,6 +297,31 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
                                             sink=sink)
         out[a:b] = o[0].transpose(0, 1).to(out_dtype)
     return out
+
+
+_WARNED = set()
+
+
+def _cache_backend(backend: str, q: torch.Tensor, cache: MXFP8KVCache) -> str:
+    """"triton" or "reference" for a cache call ("auto" takes triton where it runs; raises for "triton" where
+    it cannot run, naming why)."""
+    if cache.device != q.device:
+        raise ValueError(f"q must be on the cache's device ({cache.device}), got {q.device}")
+    if backend == "reference":
+        return backend
+    from .backends.triton_backend import TritonBackend
+    ok, why = TritonBackend.availability(q.device)
+    if ok and cache.head_dim > 128:
+        ok, why = False, f"the paged Triton kernel takes head dims up to 128, the cache has {cache.head_dim}"
+    if ok:
+        return "triton"
+    if backend == "triton":
+        raise MXFP8NotSupportedError(f"backend 'triton' cannot read the KV cache here: {why}")
+    if (q.device.type, why) not in _WARNED:
+        _WARNED.add((q.device.type, why))
+        warnings.warn(f"mxattn: backend='auto' of mxfp8_attention_with_kvcache runs on 'reference' ({why})",
+                      RuntimeWarning, stacklevel=3)
+    return "reference"
 
 
 __all__ = ["MXFP8KVCache", "mxfp8_attention_with_kvcache"]

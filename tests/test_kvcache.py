@@ -1,5 +1,6 @@
 """mxattn.MXFP8KVCache and mxfp8_attention_with_kvcache (reference backend, CPU): every step equals
-mxfp8_attention over the sequence's tokens so far, bit for bit; pages, slots, errors, bytes."""
+mxfp8_attention over the sequence's tokens so far, bit for bit; pages, slots, errors, bytes. The triton
+backend's paged kernel: tests/test_kvcache_gpu.py."""
 
 import warnings
 
@@ -86,7 +87,12 @@ def test_bytes_against_a_bf16_cache():
      ValueError, "rise from 0 to T=2"),
     (lambda c, s: mxattn.mxfp8_attention_with_kvcache(_tokens(2, 2, 32, 0), c, [s], backend="triton",
                                                       cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32)),
-     mxattn.MXFP8NotSupportedError, "no paged MXFP8 KV-cache kernel"),
+     mxattn.MXFP8NotSupportedError, "backend 'triton' cannot read the KV cache here: the triton backend runs on "
+                                    "CUDA devices only"),
+    (lambda c, s: mxattn.mxfp8_attention_with_kvcache(_tokens(2, 2, 32, 0), c, [s], backend="cudnn",
+                                                      k_new=_tokens(2, 1, 32, 0), v_new=_tokens(2, 1, 32, 0),
+                                                      cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32)),
+     mxattn.MXFP8NotSupportedError, "no paged MXFP8 KV-cache graph"),
     (lambda c, s: mxattn.mxfp8_attention_with_kvcache(_tokens(2, 2, 32, 0), c, [s], softmax_scale=-1.0,
                                                       cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32)),
      ValueError, "softmax_scale"),
@@ -100,5 +106,6 @@ def test_bad_input_raises_a_clear_error(call, exc, match):
     cache.append(slot, _tokens(3, 1, 32, 1), _tokens(3, 1, 32, 2))
     with pytest.raises(exc, match=match):
         call(cache, slot)
+    assert cache.length(slot) == 3  # nothing appended by a refused call
     with pytest.raises(ValueError, match="multiple of 32"):
         mxattn.MXFP8KVCache(num_pages=2, page_size=48, kv_heads=1, head_dim=32, max_sequences=1)

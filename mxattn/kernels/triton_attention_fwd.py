@@ -19,8 +19,9 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
-from .triton_common import (LN2, LOG2_P_SCALE, LOG2E, P_SCALE, dequant_cols, dequant_rows, kv_block_range, load_tile,
-                            program_prologue, quantize_cols, quantize_rows, round_p_to_bf16, seq_prologue)
+from .triton_common import (LN2, LOG2_P_SCALE, LOG2E, dequant_cols, dequant_rows, kv_block_range, load_tile,
+                            program_prologue, quantize_cols, quantize_rows, round_p_to_bf16, seq_prologue,
+                            softmax_block, softmax_start)
 from .triton_quantize import check_cu_seqlens, padded_head_dim, row_tiles, seq_programs
 
 BLOCK_N = 128  # KV block of the online softmax: fixed by the recipe, not a tuning knob
@@ -37,9 +38,9 @@ def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, j, rows
     either FP8 (K row-wise, V column-wise seq-major) dequantized on chip, (KV_BF16) their exact bf16
     dequantizations read as they are, or (QDQ) the caller's K and V read as they are and quantized here, K
     row-wise and V column-wise in blocks of 32 rows from n0 (a multiple of 32 from the sequence's start, as the
-    quantizer's blocks), then dequantized: the same bf16 tiles the quantizer's row_dequant / col_dequant hold. m_i is the running max in log2 units; the exponent is shifted by
-    log2(P_SCALE), so exp2 gives P * 256 directly and l_i sums P * 256. MASK: the block needs the band/length
-    mask (else every element is kept)."""
+    quantizer's blocks), then dequantized: the same bf16 tiles the quantizer's row_dequant / col_dequant hold.
+    The softmax arithmetic is `softmax_block`'s. MASK: the block needs the band/length mask (else every element
+    is kept)."""
     n0 = j * BN  # from the block index, so the compiler knows n0's alignment (16-byte loads along V's rows)
     cols = n0 + offs_n
     d_ok = offs_d < D
@@ -50,20 +51,8 @@ def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, j, rows
     elif not KV_BF16:
         ks = load_tile(ks_ptrs + n0 * stride_ksn, cols < len_kv, offs_kb * 32 < D, 127, MASK, EVEN_D)
         kt = dequant_rows(kt, ks, BN, DP)
-    qk = tl.dot(q, tl.trans(kt))
-    if MASK:
-        keep = (cols < len_kv)[None, :]
-        if HAS_RB:
-            keep = keep & (cols[None, :] <= rows[:, None] + offset + RB)
-        if HAS_LB:
-            keep = keep & (cols[None, :] > rows[:, None] + offset - LB)
-        qk = tl.where(keep, qk, float("-inf"))
-    # qk_scale > 0, so max(qk) * qk_scale == max(qk * qk_scale) exactly
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(qk * qk_scale - (m_use - LOG2_P_SCALE)[:, None])  # P * 256
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p, alpha, m_new, l_i = softmax_block(tl.dot(q, tl.trans(kt)), m_i, l_i, rows, cols, len_kv, qk_scale, offset,
+                                         LB, RB, MASK, HAS_LB, HAS_RB)
     if QDQ:
         vt = load_tile(v_ptrs + n0 * stride_vn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D)
         vq, ve = quantize_cols(vt.to(tl.float32), BN, DP)
@@ -139,13 +128,7 @@ def _attn_fwd_kernel(
     # KV range touched by rows [m0, m0 + BM) and the sub-range where no element is masked
     lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
 
-    if HAS_SINK:  # the sink joins the softmax before any key: max = sink (log2 units), sum = 1 (P_SCALE units)
-        m_i = tl.zeros([BM], tl.float32) + tl.load(SINK + hq) * LOG2E
-        l_i = tl.full([BM], P_SCALE, tl.float32)
-    else:
-        m_i = tl.full([BM], float("-inf"), tl.float32)
-        l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, DP], tl.float32)
+    m_i, l_i, acc = softmax_start(SINK, hq, HAS_SINK, BM, DP)
     args = (q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs)
     strides = (sks, skss, svs, svss, len_kv, D, qk_scale, offset, LB, RB)
     for j in range(lo // BN, tl.cdiv(mask_hi, BN)):

@@ -270,6 +270,44 @@ def kv_block_range(m0, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.con
 
 
 @triton.jit
+def softmax_start(SINK, h, HAS_SINK: tl.constexpr, BM: tl.constexpr, DP: tl.constexpr):
+    """The forward's online softmax before any key -> (m_i, l_i, acc): max -inf, sum 0 and a zero accumulator
+    [BM, DP]; with a sink (HAS_SINK: SINK holds fp32 logits per query head, h this program's) the sink joins
+    first: max = its logit (log2 units), sum = 1 (P_SCALE units)."""
+    if HAS_SINK:
+        m_i = tl.zeros([BM], tl.float32) + tl.load(SINK + h) * LOG2E
+        l_i = tl.full([BM], P_SCALE, tl.float32)
+    else:
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+    return m_i, l_i, tl.zeros([BM, DP], tl.float32)
+
+
+@triton.jit
+def softmax_block(qk, m_i, l_i, rows, cols, len_kv, qk_scale, offset, LB, RB, MASK: tl.constexpr,
+                  HAS_LB: tl.constexpr, HAS_RB: tl.constexpr):
+    """One KV block's step of the forward's online softmax (spec section 6), shared by the attention kernels:
+    qk fp32 [BM, BN] = Q K^T of query rows `rows` and key rows `cols` (positions in the sequence), m_i the
+    running max (log2 units) and l_i the running sum (P_SCALE units) -> (p, alpha, m_new, l_i): p = P * 256
+    for the E4M3 rounding of P, alpha the factor that rescales the accumulator, the new max and sum. MASK:
+    keys at or past len_kv and outside the band (offset, LB, RB) count as -inf."""
+    if MASK:
+        keep = (cols < len_kv)[None, :]
+        if HAS_RB:
+            keep = keep & (cols[None, :] <= rows[:, None] + offset + RB)
+        if HAS_LB:
+            keep = keep & (cols[None, :] > rows[:, None] + offset - LB)
+        qk = tl.where(keep, qk, float("-inf"))
+    # qk_scale > 0, so max(qk) * qk_scale == max(qk * qk_scale) exactly
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(qk * qk_scale - (m_use - LOG2_P_SCALE)[:, None])  # P * 256
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
 def load_tile(ptrs, row_ok, col_ok, other, MASK: tl.constexpr, EVEN_D: tl.constexpr):
     """A [R, C] tile of ptrs: under MASK the rows where row_ok [R] is false read as `other`, and columns where
     col_ok [C] is false do unless EVEN_D (no column mask there: an always-true mask along the contiguous axis

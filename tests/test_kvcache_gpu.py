@@ -1,0 +1,125 @@
+"""The paged MXFP8 KV cache on a CUDA GPU with backend="triton" (`mxattn.kernels.triton_paged_attention`).
+
+Every step of a batch of sequences (chunked prefill, decode steps across V's 32-token blocks and page
+boundaries, a speculative chunk) must equal `mxfp8_attention(..., backend="triton")` over the sequence's tokens
+so far bit for bit (the kernel reads the pages' FP8 bytes; the dense call quantizes the same tokens), and agree
+with the reference backend's cache call to the tolerance the triton backend keeps against `ref`.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import mxattn
+
+pytestmark = pytest.mark.gpu
+
+warnings.filterwarnings("ignore", message="mxattn: backend='auto'")
+
+
+def _needs_triton():
+    from mxattn.backends.triton_backend import TritonBackend
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ok, why = TritonBackend.availability(torch.device("cuda"))
+    if not ok:
+        pytest.skip(f"triton backend unavailable: {why}")
+
+
+def _tokens(n, h, d, seed, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(n, h, d, generator=g, device="cuda").to(dtype)
+
+
+def _dense(q, k, v, **kw):
+    """mxfp8_attention of q [n, Hq, D] (the last n tokens) over k, v [L, Hkv, D], causal bottom-right, triton."""
+    return mxattn.mxfp8_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                  attn_mask_type="causal_bottom_right", backend="triton", **kw)[0]
+
+
+CASES = [  # (d, page_size, dtype, kw)
+    (64, 32, torch.bfloat16, dict()),
+    (64, 64, torch.bfloat16, dict(window_size=(40, 0))),
+    (64, 32, torch.bfloat16, dict(softmax_type="learnable", softmax_offset=[0.5, -1.0, 2.0, 0.0])),
+    (64, 128, torch.float16, dict(softmax_type="off-by-one")),
+    (128, 32, torch.bfloat16, dict(softmax_scale=0.3, out_dtype=torch.float32)),
+    (32, 256, torch.float32, dict()),
+    (96, 64, torch.bfloat16, dict(window_size=(100, 0))),
+]
+
+
+@pytest.mark.parametrize("d,page_size,dtype,kw", CASES)
+@torch.no_grad()
+def test_paged_kernel_equals_dense_triton_attention_bit_for_bit(d, page_size, dtype, kw):
+    """Three sequences in one call each step: a prefill (200, 45 and 7 tokens: several query tiles, sealed and
+    open V blocks, page boundaries), decode steps one token at a time (GQA 4:2), a 3-token speculative chunk;
+    one sequence sits out a step (no queries)."""
+    _needs_triton()
+    kw = dict(kw)
+    if "softmax_offset" in kw:
+        kw["softmax_offset"] = torch.tensor(kw["softmax_offset"], device="cuda")
+    hq, hkv = 4, 2
+    cache = mxattn.MXFP8KVCache(num_pages=64, page_size=page_size, kv_heads=hkv, head_dim=d, max_sequences=4,
+                                dtype=dtype, device="cuda")
+    slots = [cache.new_sequence() for _ in range(3)]
+    total = {s: (_tokens(300, hkv, d, 10 + s, dtype), _tokens(300, hkv, d, 20 + s, dtype)) for s in slots}
+    queries = {s: _tokens(300, hq, d, 30 + s, dtype) for s in slots}
+    steps = [(200, 45, 7)] + [(1, 1, 1)] * 36 + [(1, 0, 1), (3, 3, 3)]
+    held = {s: 0 for s in slots}
+    for counts in steps:
+        counts = dict(zip(slots, counts))
+        cu_list = [0]
+        for s in slots:
+            cu_list.append(cu_list[-1] + counts[s])
+        cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+        q = torch.cat([queries[s][held[s]:held[s] + counts[s]] for s in slots])
+        k_new = torch.cat([total[s][0][held[s]:held[s] + counts[s]] for s in slots])
+        v_new = torch.cat([total[s][1][held[s]:held[s] + counts[s]] for s in slots])
+        out = mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, k_new=k_new, v_new=v_new,
+                                                  backend="triton", **kw)
+        for i, s in enumerate(slots):
+            held[s] += counts[s]
+            a, b = cu_list[i], cu_list[i + 1]
+            if a == b:
+                continue
+            expected = _dense(q[a:b], total[s][0][:held[s]], total[s][1][:held[s]], **kw)
+            assert out.dtype == expected.dtype
+            assert torch.equal(out[a:b], expected), (s, held[s], (out[a:b].float() - expected.float()).abs().max())
+    assert cache.seq_lens[slots].tolist() == [held[s] for s in slots]
+
+
+@torch.no_grad()
+def test_paged_kernel_agrees_with_the_reference_cache_call():
+    """The same cache read by the reference backend (ref.mxfp8_ref on the stored bytes): O within the triton
+    backend's tolerance against ref (one bf16 ulp for >= 99.9% of elements, 1e-2 at most)."""
+    _needs_triton()
+    hq, hkv, d = 8, 2, 128
+    cache = mxattn.MXFP8KVCache(num_pages=64, page_size=64, kv_heads=hkv, head_dim=d, max_sequences=2,
+                                device="cuda")
+    slots = [cache.new_sequence(), cache.new_sequence()]
+    for i, s in enumerate(slots):
+        cache.append(s, _tokens(700 + 77 * i, hkv, d, 40 + i), _tokens(700 + 77 * i, hkv, d, 50 + i) * 3)
+    q = _tokens(2, hq, d, 60)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    got = mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, backend="triton").float()
+    want = mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, backend="reference").float()
+    diff = (got - want).abs()
+    _, e = torch.frexp(want)
+    ulp = torch.ldexp(torch.ones_like(want), (e - 8).clamp(min=-133))
+    assert diff.max().item() <= 1e-2
+    assert (diff <= ulp).float().mean().item() >= 0.999
+
+
+def test_auto_takes_the_paged_kernel_on_cuda(monkeypatch):
+    _needs_triton()
+    from mxattn.kernels import triton_paged_attention as tp
+    calls = []
+    real = tp.paged_attention_fwd
+    monkeypatch.setattr(tp, "paged_attention_fwd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache = mxattn.MXFP8KVCache(num_pages=4, page_size=32, kv_heads=1, head_dim=64, max_sequences=1, device="cuda")
+    s = cache.new_sequence()
+    cache.append(s, _tokens(40, 1, 64, 1), _tokens(40, 1, 64, 2))
+    out = mxattn.mxfp8_attention_with_kvcache(_tokens(1, 2, 64, 3), cache, [s],
+                                              cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device="cuda"))
+    assert calls and out.shape == (1, 2, 64) and torch.isfinite(out).all()
