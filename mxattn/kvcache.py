@@ -79,6 +79,7 @@ class MXFP8KVCache:
         self.v_tail = torch.zeros((max_sequences, h, BLOCK_SIZE, d), dtype=dtype, device=self.device)
         self.page_table = torch.full((max_sequences, num_pages), -1, dtype=torch.int32, device=self.device)
         self.seq_lens = torch.zeros(max_sequences, dtype=torch.int32, device=self.device)
+        self.device = self.k_data.device  # with its index ("cuda" -> "cuda:0"), as tensors report theirs
         self._pages: List[Optional[List[int]]] = [None] * max_sequences     # host copy of the table
         self._lens = [0] * max_sequences
         self._free = list(range(num_pages - 1, -1, -1))

@@ -109,3 +109,10 @@ def test_bad_input_raises_a_clear_error(call, exc, match):
     assert cache.length(slot) == 3  # nothing appended by a refused call
     with pytest.raises(ValueError, match="multiple of 32"):
         mxattn.MXFP8KVCache(num_pages=2, page_size=48, kv_heads=1, head_dim=32, max_sequences=1)
+
+
+def test_the_cache_reports_its_device_as_its_tensors_do():
+    """device="cuda" is stored with its index, so tensors made with device="cuda" (reported as cuda:0) match it;
+    on the CPU the same: the storage's own device."""
+    cache = mxattn.MXFP8KVCache(num_pages=1, page_size=32, kv_heads=1, head_dim=32, max_sequences=1, device="cpu")
+    assert cache.device == cache.k_data.device == torch.zeros(1).device
