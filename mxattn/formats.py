@@ -75,6 +75,7 @@ import torch
 from .constants import INPUT_DTYPES, MX_BLOCK, ceil_div
 
 __all__ = [
+    "cat_bytes",
     "BLOCK_SIZE",
     "MXFP8Tensor",
     "quantize_mxfp8",
@@ -99,6 +100,13 @@ _ROUNDINGS = ("ceil", "floor")
 _FP32_2POW_M127_BITS = 0x00400000  # bit pattern of 2**-127 (an FP32 subnormal)
 _FP32_QNAN_BITS = 0x7FC00000
 _FP8_NAN_BYTE = 0x7F  # canonical NaN for both E4M3FN and E5M2
+
+
+def cat_bytes(tensors, dim: int) -> torch.Tensor:
+    """torch.cat of tensors of one 1-byte dtype (E4M3 data, E8M0 scales) through uint8 views: CUDA's cat has no
+    kernel for float8_e8m0fnu in every case (strided slices), and a byte copy is what it would do."""
+    dtype = tensors[0].dtype
+    return torch.cat([t.view(torch.uint8) for t in tensors], dim=dim).view(dtype)
 
 
 def _normalize_axis(axis, ndim: int, arg: str = "axis") -> int:

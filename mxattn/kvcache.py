@@ -32,7 +32,7 @@ from ref import mxfp8_ref
 from .attention import _sink
 from .constants import ceil_div
 from .errors import MXFP8NotSupportedError
-from .formats import BLOCK_SIZE, MXFP8Tensor, quantize_mxfp8
+from .formats import BLOCK_SIZE, MXFP8Tensor, cat_bytes, quantize_mxfp8
 from .mask import resolve_mask
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -188,7 +188,7 @@ class MXFP8KVCache:
         data, scale = self._gather(slot, sealed, self.v_data, self.v_scale, BLOCK_SIZE)
         if length > sealed:
             tail = quantize_mxfp8(self.v_tail[slot, :, :length - sealed], axis=-2)
-            data, scale = torch.cat([data, tail.data], dim=1), torch.cat([scale, tail.scale], dim=1)
+            data, scale = cat_bytes([data, tail.data], dim=1), cat_bytes([scale, tail.scale], dim=1)
         return MXFP8Tensor.unchecked(data.unsqueeze(0), scale.unsqueeze(0), 2)
 
     def _gather(self, slot: int, n: int, data: torch.Tensor, scale: torch.Tensor, per_scale: int):
@@ -199,7 +199,7 @@ class MXFP8KVCache:
             parts_s.append(scale[page, :, off // per_scale:(off + count) // per_scale])
         if not parts_d:
             return data[0, :, :0], scale[0, :, :0]
-        return torch.cat(parts_d, dim=1), torch.cat(parts_s, dim=1)
+        return cat_bytes(parts_d, dim=1), cat_bytes(parts_s, dim=1)
 
     def nbytes(self) -> int:
         """Bytes of the cache's storage (pages, open blocks, tables)."""

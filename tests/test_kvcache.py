@@ -116,3 +116,15 @@ def test_the_cache_reports_its_device_as_its_tensors_do():
     on the CPU the same: the storage's own device."""
     cache = mxattn.MXFP8KVCache(num_pages=1, page_size=32, kv_heads=1, head_dim=32, max_sequences=1, device="cpu")
     assert cache.device == cache.k_data.device == torch.zeros(1).device
+
+
+def test_cat_bytes_joins_strided_scale_slices():
+    """The cache joins E8M0 scale slices of its pages through uint8 views (CUDA's cat lacks e8m0 on strided
+    inputs); the bytes come back in order, dtype kept."""
+    from mxattn.formats import cat_bytes
+    raw = torch.arange(2 * 3 * 8 * 4, dtype=torch.uint8).view(2, 3, 8, 4)
+    scale = raw.view(torch.float8_e8m0fnu)
+    parts = [scale[1, :, 2:5], scale[0, :, 0:3]]
+    out = cat_bytes(parts, dim=1)
+    assert out.dtype == torch.float8_e8m0fnu
+    assert torch.equal(out.view(torch.uint8), torch.cat([raw[1, :, 2:5], raw[0, :, 0:3]], dim=1))

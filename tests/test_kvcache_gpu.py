@@ -100,8 +100,8 @@ def test_paged_kernel_agrees_with_the_reference_cache_call():
     slots = [cache.new_sequence(), cache.new_sequence()]
     for i, s in enumerate(slots):
         cache.append(s, _tokens(700 + 77 * i, hkv, d, 40 + i), _tokens(700 + 77 * i, hkv, d, 50 + i) * 3)
-    q = _tokens(2, hq, d, 60)
-    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    q = _tokens(32, hq, d, 60)  # a 16-token chunk per sequence
+    cu = torch.tensor([0, 16, 32], dtype=torch.int32, device="cuda")
     got = mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, backend="triton").float()
     want = mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, backend="reference").float()
     diff = (got - want).abs()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import MXFP8Tensor, quantize_mxfp8
+from ..formats import MXFP8Tensor, cat_bytes, quantize_mxfp8
 from ..kvcache import seal_value_blocks
 
 try:
@@ -29,7 +29,8 @@ except ImportError as exc:  # pragma: no cover - transformers is an optional dep
 
 
 def _cat(a, b, dim):
-    return b if a is None else torch.cat([a, b], dim=dim)
+    """b after a (None: nothing yet) along dim, for 1-byte MXFP8 data and scales."""
+    return b if a is None else cat_bytes([a, b], dim=dim)
 
 
 class MXFP8CacheLayer(DynamicLayer):
