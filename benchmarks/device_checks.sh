@@ -23,6 +23,7 @@ TESTS=$!
   python samples/forward.py
   python samples/backward.py
   python samples/varlen.py
+  python samples/kvcache_decode.py --device cuda
   if python -c "import transformers" 2>/dev/null; then
     python samples/hf_swap.py --device cuda
     python samples/serve.py --device cuda --prompts 8 --new-tokens 32
