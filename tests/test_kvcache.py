@@ -128,3 +128,47 @@ def test_cat_bytes_joins_strided_scale_slices():
     out = cat_bytes(parts, dim=1)
     assert out.dtype == torch.float8_e8m0fnu
     assert torch.equal(out.view(torch.uint8), torch.cat([raw[1, :, 2:5], raw[0, :, 0:3]], dim=1))
+
+
+def test_backend_choice_of_the_cache_call(monkeypatch):
+    """auto takes the Triton paged kernel where the triton backend runs and the head dim is at most 128, else the
+    reference with a one-time warning naming why; an explicit "triton" that cannot run raises before anything is
+    appended. (Host logic on the CPU: the triton backend's availability is faked.)"""
+    from mxattn import kvcache
+    from mxattn.backends.triton_backend import TritonBackend
+    q = torch.zeros(1, 2, 64)
+    small = mxattn.MXFP8KVCache(num_pages=1, page_size=32, kv_heads=1, head_dim=64, max_sequences=1)
+    wide = mxattn.MXFP8KVCache(num_pages=1, page_size=32, kv_heads=1, head_dim=256, max_sequences=1)
+    monkeypatch.setattr(TritonBackend, "availability", classmethod(lambda cls, device: (True, "faked")))
+    assert kvcache._cache_backend("auto", q, small) == "triton"
+    assert kvcache._cache_backend("reference", q, small) == "reference"
+    kvcache._WARNED.clear()
+    with pytest.warns(RuntimeWarning, match="head dims up to 128"):
+        assert kvcache._cache_backend("auto", torch.zeros(1, 2, 256), wide) == "reference"
+    with pytest.raises(mxattn.MXFP8NotSupportedError, match="head dims up to 128, the cache has 256"):
+        kvcache._cache_backend("triton", torch.zeros(1, 2, 256), wide)
+    with pytest.raises(ValueError, match="q must be on the cache's device"):
+        kvcache._cache_backend("auto", torch.zeros(1, 2, 64, device="meta"), small)
+
+
+def test_paged_kernel_launch_arguments_without_a_gpu(monkeypatch):
+    """The paged kernel's grid (query tiles of the longest query run, sequences x query heads) and its tile come
+    from the dense path's config; strides are the cache's own (launch recorded, not made)."""
+    pytest.importorskip("triton")
+    from mxattn.kernels import triton_paged_attention as tp
+    launched = []
+    monkeypatch.setattr(tp, "launch", lambda fn, grid, *a, **kw: launched.append((grid, a, kw)))
+    cache = mxattn.MXFP8KVCache(num_pages=4, page_size=64, kv_heads=2, head_dim=128, max_sequences=3)
+    q = torch.zeros(150, 8, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 1, 130, 150], dtype=torch.int32)
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32)
+    tp.paged_attention_fwd(q, cu, 129, slots, cache, softmax_scale=0.1, left_bound=None, out=torch.empty_like(q))
+    (grid, args, kw), = launched
+    bm = tp.paged_config(128)[0]
+    assert bm == 128 and grid == (2, 3 * 8)  # 129 queries need two 128-row tiles
+    assert kw["BM"] == bm and kw["DP"] == 128 and not kw["HAS_LB"] and not kw["HAS_SINK"]
+    assert args[6] is cache.page_table and args[7] is cache.k_data
+    assert tp.paged_config(256) is None
+    with pytest.raises(ValueError, match="head dims up to 128"):
+        tp.paged_attention_fwd(torch.zeros(1, 2, 256), cu[:2], 1, slots[:1], cache, softmax_scale=0.1,
+                               left_bound=None, out=torch.zeros(1, 2, 256))
