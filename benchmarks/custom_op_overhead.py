@@ -3,9 +3,6 @@ the Triton launches stubbed (benchmarks/cpu_host_harness.py): what torch.compile
 call on top of the body (the compiled graph calls the custom op), and how much of it is the autograd layer.
 B16 H8 S512 D64 causal, bf16; medians of 300 calls after warm-up (launch plans replay in every row).
 Usage: python benchmarks/custom_op_overhead.py"""
-import statistics
-import time
-
 import torch
 
 import cpu_host_harness as harness
@@ -14,29 +11,18 @@ from mxattn.mask import MaskSpec
 from mxattn.op_args import FwdArgs
 
 
-def median_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
 def main():
     harness.install_stubs({})
     q, k, v = (torch.randn(16, 8, 512, 64, dtype=torch.bfloat16) for _ in range(3))
     args = FwdArgs.encode(q, k, v, softmax_scale=0.125, mask=MaskSpec(causal=True), out_dtype=torch.bfloat16,
                           qkv_format="bhsd", backend="triton", seq=None, sink=None)
     op = torch.ops.mxattn.attention_fwd.default
-    body = median_us(lambda: ops._fwd_impl(args))
-    wrapper = median_us(lambda: ops.attention_fwd._init_fn(*args))
-    through_op = median_us(lambda: op(*args))
+    body = harness.per_call_us(lambda: ops._fwd_impl(args))
+    wrapper = harness.per_call_us(lambda: ops.attention_fwd._init_fn(*args))
+    through_op = harness.per_call_us(lambda: op(*args))
     from torch._C import DispatchKey, DispatchKeySet, _ExcludeDispatchKeyGuard
     with _ExcludeDispatchKeyGuard(DispatchKeySet(DispatchKey.AutogradCPU)):
-        below_autograd = median_us(lambda: op(*args))
+        below_autograd = harness.per_call_us(lambda: op(*args))
     print(f"op body (_fwd_impl)                        {body:7.1f} us")
     print(f"the op's Python function (body + layouts)  {wrapper:7.1f} us")
     print(f"torch.ops.mxattn.attention_fwd             {through_op:7.1f} us")
