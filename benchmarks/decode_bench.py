@@ -5,7 +5,9 @@ One decode step: each of `batch` sequences has `context` cached tokens and one n
 heads: 32 query heads, 8 KV heads, head dim 128). Timed with CUDA events (triton.testing.do_bench, L2 flushed):
   * sdpa_bf16_us: F.scaled_dot_product_attention(q [B, 32, 1, 128], K/V [B, 8, L, 128] bf16, enable_gqa=True),
     a dense contiguous cache (SDPA's best case: no page table);
-  * mxfp8_kernel_us: the paged kernel alone (mxattn.kernels.triton_paged_attention) over the MXFP8 pages;
+  * mxfp8_kernel_us: the paged kernel alone (mxattn.kernels.triton_paged_attention) over the MXFP8 pages, with
+    the split count it chooses (num_splits=0; `splits`), and mxfp8_one_split_us with num_splits=1 (the
+    bit-exact single pass);
   * mxfp8_call_us: the public mxfp8_attention_with_kvcache call (checks, then the kernel; no append).
 Ratios are mxfp8 / sdpa (time; target <= 1.0 at batch >= 8 and context >= 4k). Cache bytes per token: MXFP8
 pages (E4M3 + E8M0 scales, K and V) against bf16.
@@ -19,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import mxattn
-from mxattn.kernels.triton_paged_attention import paged_attention_fwd
+from mxattn.kernels.triton_launch import sm_count
+from mxattn.kernels.triton_paged_attention import choose_splits, paged_attention_fwd
 
 HQ, HKV, D, PAGE = 32, 8, 128, 256
 
@@ -50,18 +53,25 @@ def measure(batch: int, context: int) -> dict:
     out = torch.empty_like(q_thd)
     scale = D ** -0.5
     sdpa = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
-    kernel = lambda: paged_attention_fwd(q_thd, cu, 1, slots_t, cache, softmax_scale=scale,  # noqa: E731
-                                         left_bound=None, out=out)
+    kernel = lambda n=0: paged_attention_fwd(q_thd, cu, 1, slots_t, cache, softmax_scale=scale,  # noqa: E731
+                                             left_bound=None, out=out, num_splits=n, max_seqlen_kv=context)
     call = lambda: mxattn.mxfp8_attention_with_kvcache(q_thd, cache, slots, cu_seqlens_q=cu,  # noqa: E731
                                                        backend="triton")
     ref = sdpa()[:, :, 0].float()
     got = call().float()
     rel = ((got - ref).norm() / ref.norm()).item()
+    kernel(1)
+    one = out.float().clone()
+    kernel(0)
+    split_vs_one = ((out.float() - one).norm() / one.norm()).item()
     row = dict(batch=batch, context=context, sdpa_bf16_us=do_bench(sdpa) * 1e3, mxfp8_kernel_us=do_bench(kernel) * 1e3,
-               mxfp8_call_us=do_bench(call) * 1e3, rel_rms_vs_sdpa=rel,
+               splits=choose_splits(batch * HKV, -(-context // 128), sm_count(q.device)),
+               mxfp8_one_split_us=do_bench(lambda: kernel(1)) * 1e3,
+               mxfp8_call_us=do_bench(call) * 1e3, rel_rms_vs_sdpa=rel, rel_rms_split_vs_one=split_vs_one,
                cache_bytes_per_token=cache.nbytes() / (batch * context),
                bf16_bytes_per_token=2 * HKV * D * 2)
     row["kernel_ratio"] = row["mxfp8_kernel_us"] / row["sdpa_bf16_us"]
+    row["one_split_ratio"] = row["mxfp8_one_split_us"] / row["sdpa_bf16_us"]
     row["call_ratio"] = row["mxfp8_call_us"] / row["sdpa_bf16_us"]
     del cache, k, v
     torch.cuda.empty_cache()
@@ -73,12 +83,15 @@ def markdown(rows, device: str) -> str:
              f"torch {torch.__version__}; Hq {HQ}, Hkv {HKV}, D {D}, page {PAGE} tokens; one query token per "
              "sequence; `python benchmarks/decode_bench.py`. Times in us (CUDA events, L2 flushed); ratio = mxfp8 / "
              "sdpa (target <= 1.0 at batch >= 8, context >= 4k).", "",
-             "| batch | context | SDPA bf16 cache | MXFP8 paged kernel | ratio | public call | ratio | rel. RMS vs SDPA "
-             "| bytes/token MXFP8 / bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+             "| batch | context | SDPA bf16 cache | MXFP8 paged kernel (splits) | ratio | one split | ratio | public call "
+             "| ratio | rel. RMS vs SDPA | split vs one split | bytes/token MXFP8 / bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['context']} | {r['sdpa_bf16_us']:.1f} | {r['mxfp8_kernel_us']:.1f} | "
-                     f"{r['kernel_ratio']:.2f} | {r['mxfp8_call_us']:.1f} | {r['call_ratio']:.2f} | "
-                     f"{r['rel_rms_vs_sdpa']:.3f} | {r['cache_bytes_per_token'] / r['bf16_bytes_per_token']:.3f} |")
+        lines.append(f"| {r['batch']} | {r['context']} | {r['sdpa_bf16_us']:.1f} | {r['mxfp8_kernel_us']:.1f} "
+                     f"({r['splits']}) | {r['kernel_ratio']:.2f} | {r['mxfp8_one_split_us']:.1f} | "
+                     f"{r['one_split_ratio']:.2f} | {r['mxfp8_call_us']:.1f} | {r['call_ratio']:.2f} | "
+                     f"{r['rel_rms_vs_sdpa']:.3f} | {r['rel_rms_split_vs_one']:.1e} | "
+                     f"{r['cache_bytes_per_token'] / r['bf16_bytes_per_token']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

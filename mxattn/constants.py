@@ -21,3 +21,6 @@ SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 def ceil_div(a: int, b: int) -> int:
     """ceil(a / b) of host ints (the same expression serves SymInts and integer tensors)."""
     return -(-a // b)
+
+# most programs sharing one sequence's keys in the paged KV-cache kernel (split KV)
+MAX_KV_SPLITS = 64

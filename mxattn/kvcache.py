@@ -30,7 +30,7 @@ import torch
 from ref import mxfp8_ref
 
 from .attention import _sink
-from .constants import ceil_div
+from .constants import MAX_KV_SPLITS, ceil_div
 from .errors import MXFP8NotSupportedError
 from .formats import BLOCK_SIZE, MXFP8Tensor, cat_bytes, quantize_mxfp8
 from .mask import resolve_mask
@@ -217,7 +217,8 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
                                  v_new: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
                                  window_size: Optional[Tuple[int, int]] = None, softmax_type: str = "vanilla",
                                  softmax_offset: Optional[torch.Tensor] = None,
-                                 out_dtype: Optional[torch.dtype] = None, backend: str = "auto") -> torch.Tensor:
+                                 out_dtype: Optional[torch.dtype] = None, num_splits: int = 0,
+                                 backend: str = "auto") -> torch.Tensor:
     """Append, then attend: the newest queries of a batch of cached sequences (decode, chunked prefill,
     speculative tokens), no padding of the batch.
 
@@ -227,10 +228,16 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     with a causal mask aligned bottom-right (the last query sees every key), optionally a sliding window
     (TE's window_size=(left, 0)) and attention sinks (softmax_type / softmax_offset as in `mxfp8_attention`).
     Returns O [T, Hq, D] in out_dtype (default q's). Inference only (no autograd).
-    backend: "triton" (CUDA, head dims up to 128: one launch reads the pages' FP8 bytes and scales,
-    `mxattn.kernels.triton_paged_attention`, equal bit for bit to the triton backend's `mxfp8_attention` over the
-    same tokens), "reference" (any device: `ref.mxfp8_ref` on the stored bytes), or "auto" (triton where it
-    runs, else reference with a one-time warning). cuDNN's paged graphs are not built yet ("cudnn" raises)."""
+    backend: "triton" (CUDA, head dims up to 128: the kernel reads the pages' FP8 bytes and scales once per KV
+    head, `mxattn.kernels.triton_paged_attention`), "reference" (any device: `ref.mxfp8_ref` on the stored
+    bytes), or "auto" (triton where it runs, else reference with a one-time warning). cuDNN's paged graphs are
+    not built yet ("cudnn" raises).
+    num_splits (triton): how many programs share one sequence's keys (flash-decoding). 1: one program per
+    sequence and KV head, equal bit for bit to the triton backend's `mxfp8_attention` over the same tokens.
+    n > 1: n splits; every P is still rounded against the sequential pass's running max (a first pass finds each
+    split's max), so the result equals the one-split result to fp32 rounding (the splits' sums are added in
+    another order), not bit for bit. 0 (default): 1 when the call already fills the GPU, else enough splits to
+    fill it (fast decode at small batches and long contexts). The reference backend is always sequential."""
     if backend not in ("auto", "reference", "triton", "cudnn"):
         raise ValueError(f"backend must be one of ('auto', 'cudnn', 'triton', 'reference'), got {backend!r}")
     if backend == "cudnn":
@@ -270,6 +277,9 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
         raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
     if out_dtype not in _DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_KV_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {MAX_KV_SPLITS}] (0: choose), got "
+                         f"{num_splits!r}")
     name = _cache_backend(backend, q, cache)
     if k_new is not None:
         for slot, a, b in zip(slots, cu, cu[1:]):
@@ -284,7 +294,8 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
         paged_attention_fwd(q if q.stride(2) == 1 else q.contiguous(), cu_seqlens_q,
                             max(b - a for a, b in zip(cu, cu[1:])) if slots else 0,
                             torch.tensor(slots, dtype=torch.int32, device=q.device), cache, softmax_scale=scale,
-                            left_bound=band.left_bound, out=o, sink=None if sink is None else sink.contiguous())
+                            left_bound=band.left_bound, out=o, sink=None if sink is None else sink.contiguous(),
+                            num_splits=num_splits, max_seqlen_kv=max((cache.length(s) for s in slots), default=0))
         return o if o.dtype == out_dtype else o.to(out_dtype)
     out = torch.zeros(q.shape, dtype=out_dtype, device=q.device)
     for slot, a, b in zip(slots, cu, cu[1:]):

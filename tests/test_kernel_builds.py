@@ -8,20 +8,42 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
 
-PAGED_TYPES = dict(Q="*bf16", O="*bf16", CU_Q="*i32", SLOTS="*i32", SEQ_LENS="*i32", SINK="*fp32", PT="*i32",
-                   KD="*fp8e4nv", KS="*u8", VD="*fp8e4nv", VS="*u8", VT="*bf16", qk_scale="fp32")
+PAGED_TYPES = dict(Q="*bf16", O="*bf16", MP="*fp32", MF="*fp32", LP="*fp32", OP="*fp32", CU_Q="*i32",
+                   SLOTS="*i32", SEQ_LENS="*i32", SINK="*fp32", PT="*i32", KD="*fp8e4nv", KS="*u8", VD="*fp8e4nv",
+                   VS="*u8", VT="*bf16", qk_scale="fp32")
 
 
-@pytest.mark.parametrize("dp,window_sink,dtype", [(64, False, "bf16"), (128, True, "fp32")])
-def test_paged_attention_kernel_builds_for_sm90(dp, window_sink, dtype):
+@pytest.mark.parametrize("dp,window_sink,dtype,heads,pass_", [(64, False, "bf16", 4, 0), (128, True, "fp32", 8, 0),
+                                                              (128, True, "bf16", 4, 1), (96, True, "fp16", 2, 2)])
+def test_paged_attention_kernel_builds_for_sm90(dp, window_sink, dtype, heads, pass_):
+    """The paged kernel's passes (single, split max, split) load the FP8 pages 16 bytes at a time (ld.v4 / 16-byte
+    cp.async) where D is a power of two: strides as Triton's launcher specialises them (multiples of 16)."""
     from triton_compile import compile_for
     from mxattn.kernels import triton_paged_attention as tp
     bm, warps, stages = tp.paged_config(dp)
-    types = dict(PAGED_TYPES, Q=f"*{dtype}", VT=f"*{dtype}")
-    kernel = compile_for(tp._paged_attn_kernel, types, dict(HAS_LB=window_sink, HAS_SINK=window_sink, BM=bm,
-                                                            BN=tp.BLOCK_N, DP=dp),
-                         num_warps=warps, num_stages=stages)
+    pdp = tp.padded_head_dim(dp)
+    types = dict(PAGED_TYPES, Q=f"*{dtype}", VT=f"*{dtype}", O="*fp16" if dtype == "fp16" else "*bf16")
+    fn = tp._paged_attn_kernel
+    divisible = [p.name for p in fn.params if p.name.startswith("s") and p.name not in ("sks_n", "spt")
+                 and not p.is_constexpr] + ["D", "PAGE"] + [n for n, t in types.items() if t.startswith("*")]
+    kernel = compile_for(fn, types, dict(HAS_LB=window_sink, HAS_SINK=window_sink, BM=bm, BN=tp.BLOCK_N, DP=pdp,
+                                         GP=heads, EVEN_D=pdp == dp, WHOLE_PAGES=pass_ != 2, PASS=pass_),
+                         num_warps=warps, num_stages=stages, divisible=divisible)
     assert "cubin" in kernel.asm and kernel.metadata.shared <= 227 * 1024
+    ptx = kernel.asm["ptx"]
+    if pdp == dp:
+        assert "ld.global.v4.b32" in ptx or "cp.async.cg.shared.global [ %r" in ptx
+        assert ptx.count("ld.global.b8") <= 8  # byte loads only for scalars and the E8M0 scales' tails
+    if pass_ == 1:
+        assert "cvt.rn.f16x2.e4m3x2" not in ptx  # the max pass rounds no P (and quantizes no open V block)
+
+
+def test_split_combine_kernel_builds_for_sm90():
+    from triton_compile import compile_for
+    from mxattn.kernels import triton_paged_attention as tp
+    kernel = compile_for(tp._combine_splits_kernel, dict(O="*bf16", MF="*fp32", LP="*fp32", OP="*fp32"),
+                         dict(SP=64, DP=128), num_warps=4, num_stages=2)
+    assert "cubin" in kernel.asm
 
 
 def test_one_launch_forward_builds_for_sm90():

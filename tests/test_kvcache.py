@@ -152,23 +152,58 @@ def test_backend_choice_of_the_cache_call(monkeypatch):
 
 
 def test_paged_kernel_launch_arguments_without_a_gpu(monkeypatch):
-    """The paged kernel's grid (query tiles of the longest query run, sequences x query heads) and its tile come
-    from the dense path's config; strides are the cache's own (launch recorded, not made)."""
+    """The paged kernel's grid (query tiles of the longest query run, sequences x KV heads: a tile packs the
+    group's query heads with BM / heads query tokens) and its tile come from the dense path's config; strides are
+    the cache's own (launch recorded, not made). Split KV: a max pass, a split pass and the combine."""
     pytest.importorskip("triton")
     from mxattn.kernels import triton_paged_attention as tp
     launched = []
-    monkeypatch.setattr(tp, "launch", lambda fn, grid, *a, **kw: launched.append((grid, a, kw)))
+    monkeypatch.setattr(tp, "launch", lambda fn, grid, *a, **kw: launched.append((fn, grid, a, kw)))
     cache = mxattn.MXFP8KVCache(num_pages=4, page_size=64, kv_heads=2, head_dim=128, max_sequences=3)
     q = torch.zeros(150, 8, 128, dtype=torch.bfloat16)
     cu = torch.tensor([0, 1, 130, 150], dtype=torch.int32)
     slots = torch.tensor([0, 1, 2], dtype=torch.int32)
     tp.paged_attention_fwd(q, cu, 129, slots, cache, softmax_scale=0.1, left_bound=None, out=torch.empty_like(q))
-    (grid, args, kw), = launched
+    (fn, grid, args, kw), = launched
     bm = tp.paged_config(128)[0]
-    assert bm == 128 and grid == (2, 3 * 8)  # 129 queries need two 128-row tiles
-    assert kw["BM"] == bm and kw["DP"] == 128 and not kw["HAS_LB"] and not kw["HAS_SINK"]
-    assert args[6] is cache.page_table and args[7] is cache.k_data
+    assert bm == 64 and kw["GP"] == 4  # 4 query heads per KV head: 16 query tokens per 64-row tile
+    assert fn is tp._paged_attn_kernel and grid == (9, 3 * 2)  # 129 queries need nine tiles
+    assert kw["BM"] == bm and kw["DP"] == 128 and kw["EVEN_D"] and not kw["HAS_LB"] and not kw["HAS_SINK"]
+    assert kw["PASS"] == tp.SINGLE.value
+    assert args[10] is cache.page_table and args[11] is cache.k_data
+    launched.clear()
+    tp.paged_attention_fwd(q, cu, 129, slots, cache, softmax_scale=0.1, left_bound=None, out=torch.empty_like(q),
+                           num_splits=3)
+    assert [(f, g, k.get("PASS")) for f, g, _, k in launched] == [
+        (tp._paged_attn_kernel, (27, 6), tp.MAX_PASS.value), (tp._paged_attn_kernel, (27, 6), tp.SPLIT_PASS.value),
+        (tp._combine_splits_kernel, (150, 8), None)]
+    mp, mf, lp, op = launched[1][2][2:6]
+    assert mp.shape == mf.shape == lp.shape == (3, 150, 8) and op.shape == (3, 150, 8, 128)
+    assert launched[2][3]["SP"] == 4
     assert tp.paged_config(256) is None
     with pytest.raises(ValueError, match="head dims up to 128"):
         tp.paged_attention_fwd(torch.zeros(1, 2, 256), cu[:2], 1, slots[:1], cache, softmax_scale=0.1,
                                left_bound=None, out=torch.zeros(1, 2, 256))
+
+
+def test_split_count_fills_the_gpu_and_keeps_blocks_per_split():
+    pytest.importorskip("triton")
+    from mxattn.kernels.triton_paged_attention import MIN_BLOCKS_PER_SPLIT, choose_splits
+    assert choose_splits(programs=132, kv_blocks=256, sms=132) == 1          # the programs fill the GPU
+    assert choose_splits(programs=8, kv_blocks=256, sms=132) == 33           # about two programs per SM
+    assert choose_splits(programs=64, kv_blocks=32, sms=132) == 5
+    assert choose_splits(programs=8, kv_blocks=12, sms=132) == 12 // MIN_BLOCKS_PER_SPLIT
+    assert choose_splits(programs=8, kv_blocks=7, sms=132) == 1              # too short to split
+    assert choose_splits(programs=1, kv_blocks=10 ** 6, sms=132) == 64       # at most MAX_KV_SPLITS
+
+
+def test_num_splits_is_checked_before_any_work():
+    cache = mxattn.MXFP8KVCache(num_pages=2, page_size=32, kv_heads=1, head_dim=32, max_sequences=1)
+    s = cache.new_sequence()
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    for bad in (-1, 65, 1.5, True):
+        with pytest.raises(ValueError, match="num_splits must be an int in \\[0, 64\\]"):
+            mxattn.mxfp8_attention_with_kvcache(torch.zeros(1, 1, 32), cache, [s], cu_seqlens_q=cu,
+                                                k_new=torch.zeros(1, 1, 32), v_new=torch.zeros(1, 1, 32),
+                                                num_splits=bad, backend="reference")
+        assert cache.length(s) == 0

@@ -46,6 +46,8 @@ CASES = [  # (d, page_size, dtype, kw)
     (128, 32, torch.bfloat16, dict(softmax_scale=0.3, out_dtype=torch.float32)),
     (32, 256, torch.float32, dict()),
     (96, 64, torch.bfloat16, dict(window_size=(100, 0))),
+    (64, 64, torch.bfloat16, dict(heads=(12, 2), softmax_type="off-by-one")),   # 6 heads per KV head: 8 rows each
+    (128, 256, torch.bfloat16, dict(heads=(8, 1), window_size=(150, 0))),
 ]
 
 
@@ -53,13 +55,13 @@ CASES = [  # (d, page_size, dtype, kw)
 @torch.no_grad()
 def test_paged_kernel_equals_dense_triton_attention_bit_for_bit(d, page_size, dtype, kw):
     """Three sequences in one call each step: a prefill (200, 45 and 7 tokens: several query tiles, sealed and
-    open V blocks, page boundaries), decode steps one token at a time (GQA 4:2), a 3-token speculative chunk;
-    one sequence sits out a step (no queries)."""
+    open V blocks, page boundaries), decode steps one token at a time (GQA 4:2 unless given), a 3-token
+    speculative chunk; one sequence sits out a step (no queries). One split (num_splits=1)."""
     _needs_triton()
     kw = dict(kw)
     if "softmax_offset" in kw:
         kw["softmax_offset"] = torch.tensor(kw["softmax_offset"], device="cuda")
-    hq, hkv = 4, 2
+    hq, hkv = kw.pop("heads", (4, 2))
     cache = mxattn.MXFP8KVCache(num_pages=64, page_size=page_size, kv_heads=hkv, head_dim=d, max_sequences=4,
                                 dtype=dtype, device="cuda")
     slots = [cache.new_sequence() for _ in range(3)]
@@ -77,7 +79,7 @@ def test_paged_kernel_equals_dense_triton_attention_bit_for_bit(d, page_size, dt
         k_new = torch.cat([total[s][0][held[s]:held[s] + counts[s]] for s in slots])
         v_new = torch.cat([total[s][1][held[s]:held[s] + counts[s]] for s in slots])
         out = mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, k_new=k_new, v_new=v_new,
-                                                  backend="triton", **kw)
+                                                  backend="triton", num_splits=1, **kw)
         for i, s in enumerate(slots):
             held[s] += counts[s]
             a, b = cu_list[i], cu_list[i + 1]
@@ -87,6 +89,49 @@ def test_paged_kernel_equals_dense_triton_attention_bit_for_bit(d, page_size, dt
             assert out.dtype == expected.dtype
             assert torch.equal(out[a:b], expected), (s, held[s], (out[a:b].float() - expected.float()).abs().max())
     assert cache.seq_lens[slots].tolist() == [held[s] for s in slots]
+
+
+def _ulps(got, want):
+    """|got - want| in units of want's bf16 ulp (fp32 tensors)."""
+    _, e = torch.frexp(want)
+    return (got - want).abs() / torch.ldexp(torch.ones_like(want), (e - 8).clamp(min=-133))
+
+
+SPLIT_CASES = [  # (d, page_size, kw)
+    (128, 256, dict()),
+    (64, 64, dict(window_size=(700, 0))),
+    (64, 32, dict(softmax_type="learnable", softmax_offset=[3.0, -1.0, 0.5, 8.0, 0.0, 1.0])),
+    (96, 128, dict(softmax_type="off-by-one")),
+]
+
+
+@pytest.mark.parametrize("d,page_size,kw", SPLIT_CASES)
+@torch.no_grad()
+def test_split_kv_equals_one_split_to_fp32_rounding(d, page_size, kw):
+    """Split KV (num_splits 2 .. 64, and the automatic choice) against one split: every P is rounded against the
+    sequential pass's running max, so only the order of fp32 additions differs: no output more than one bf16 ulp
+    away, at least 98% bit-equal. Three sequences (3000, 37 and 1500 tokens; one decode token, one, and a
+    4-token chunk), GQA 6:2 (rows padded to 4 heads per KV head)."""
+    _needs_triton()
+    kw = dict(kw)
+    if "softmax_offset" in kw:
+        kw["softmax_offset"] = torch.tensor(kw["softmax_offset"], device="cuda")
+    hq, hkv = 6, 2
+    cache = mxattn.MXFP8KVCache(num_pages=200, page_size=page_size, kv_heads=hkv, head_dim=d, max_sequences=3,
+                                device="cuda")
+    slots = [cache.new_sequence() for _ in range(3)]
+    for i, (s, n) in enumerate(zip(slots, (3000, 37, 1500))):
+        cache.append(s, _tokens(n, hkv, d, 70 + i), _tokens(n, hkv, d, 80 + i) * (1 + i))
+    q = _tokens(6, hq, d, 90) * 2
+    cu = torch.tensor([0, 1, 2, 6], dtype=torch.int32, device="cuda")
+    call = lambda n: mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, backend="triton",  # noqa
+                                                         num_splits=n, **kw).float()
+    one = call(1)
+    for n in (2, 5, 16, 64, 0):
+        got = call(n)
+        ulps = _ulps(got, one)
+        assert ulps.max().item() <= 1.0, (n, ulps.max().item())
+        assert (got == one).float().mean().item() >= 0.98, (n, (got == one).float().mean().item())
 
 
 @torch.no_grad()
@@ -104,11 +149,8 @@ def test_paged_kernel_agrees_with_the_reference_cache_call():
     cu = torch.tensor([0, 16, 32], dtype=torch.int32, device="cuda")
     got = mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, backend="triton").float()
     want = mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, backend="reference").float()
-    diff = (got - want).abs()
-    _, e = torch.frexp(want)
-    ulp = torch.ldexp(torch.ones_like(want), (e - 8).clamp(min=-133))
-    assert diff.max().item() <= 1e-2
-    assert (diff <= ulp).float().mean().item() >= 0.999
+    assert (got - want).abs().max().item() <= 1e-2
+    assert (_ulps(got, want) <= 1).float().mean().item() >= 0.999
 
 
 def test_auto_takes_the_paged_kernel_on_cuda(monkeypatch):

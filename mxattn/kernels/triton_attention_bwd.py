@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import cdiv, launch
+from .triton_launch import cdiv, launch, sm_count
 from .triton_attention_fwd import SCRATCH_BUDGET_BYTES, check_seq
 from .triton_common import (LOG2E, MX_BLOCK, P_DESCALE, P_SCALE, dequant_cols, dequant_rows, kv_block_range,
                             load_tile, program_prologue, qdq_rows, quantize_cols, quantize_rows, seq_span)
@@ -512,12 +512,6 @@ def kv_prep(k_row, k_col, v_row, h0: int, h1: int, sa):
     return k_r, k_c, v_r
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (read once per device: a property query per call costs host time)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stats, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   config=None, mode: str = "fp8", seq=None, bottom_right: bool = False) -> torch.Tensor:
@@ -576,7 +570,7 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
         _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, False, args, common, sa)
         return delta
     per_head = _pre_scratch_per_kv_head(B, group, SQ, SKV, D)
-    sms = _sm_count(o.device) if o.is_cuda else 132
+    sms = sm_count(o.device) if o.is_cuda else 132
     # heads for about two waves of programs
     want = cdiv(2 * sms, max(1, sa.kv_tiles(SKV, bn1) * sa.programs(B, 1)))
     hc = max(1, min(HKV, max(want, PRE_BUDGET_BYTES // max(1, per_head))))

@@ -284,13 +284,10 @@ def softmax_start(SINK, h, HAS_SINK: tl.constexpr, BM: tl.constexpr, DP: tl.cons
 
 
 @triton.jit
-def softmax_block(qk, m_i, l_i, rows, cols, len_kv, qk_scale, offset, LB, RB, MASK: tl.constexpr,
-                  HAS_LB: tl.constexpr, HAS_RB: tl.constexpr):
-    """One KV block's step of the forward's online softmax (spec section 6), shared by the attention kernels:
-    qk fp32 [BM, BN] = Q K^T of query rows `rows` and key rows `cols` (positions in the sequence), m_i the
-    running max (log2 units) and l_i the running sum (P_SCALE units) -> (p, alpha, m_new, l_i): p = P * 256
-    for the E4M3 rounding of P, alpha the factor that rescales the accumulator, the new max and sum. MASK:
-    keys at or past len_kv and outside the band (offset, LB, RB) count as -inf."""
+def mask_logits(qk, rows, cols, len_kv, offset, LB, RB, MASK: tl.constexpr, HAS_LB: tl.constexpr,
+                HAS_RB: tl.constexpr):
+    """qk [BM, BN] of query rows `rows` and key rows `cols` (positions) with the keys at or past len_kv and
+    outside the band (offset, LB, RB) set to -inf under MASK (else qk unchanged)."""
     if MASK:
         keep = (cols < len_kv)[None, :]
         if HAS_RB:
@@ -298,8 +295,26 @@ def softmax_block(qk, m_i, l_i, rows, cols, len_kv, qk_scale, offset, LB, RB, MA
         if HAS_LB:
             keep = keep & (cols[None, :] > rows[:, None] + offset - LB)
         qk = tl.where(keep, qk, float("-inf"))
-    # qk_scale > 0, so max(qk) * qk_scale == max(qk * qk_scale) exactly
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+    return qk
+
+
+@triton.jit
+def block_max(qk, m_i, qk_scale):
+    """The running max (log2 units) after masked logits qk [BM, BN]: max(m_i, max(qk) * qk_scale) (qk_scale > 0,
+    so max(qk) * qk_scale == max(qk * qk_scale) exactly)."""
+    return tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+
+
+@triton.jit
+def softmax_block(qk, m_i, l_i, rows, cols, len_kv, qk_scale, offset, LB, RB, MASK: tl.constexpr,
+                  HAS_LB: tl.constexpr, HAS_RB: tl.constexpr):
+    """One KV block's step of the forward's online softmax (spec section 6), shared by the attention kernels:
+    qk fp32 [BM, BN] = Q K^T of query rows `rows` and key rows `cols` (positions in the sequence), m_i the
+    running max (log2 units) and l_i the running sum (P_SCALE units) -> (p, alpha, m_new, l_i): p = P * 256
+    for the E4M3 rounding of P, alpha the factor that rescales the accumulator, the new max and sum. MASK:
+    keys at or past len_kv and outside the band (offset, LB, RB) count as -inf."""
+    qk = mask_logits(qk, rows, cols, len_kv, offset, LB, RB, MASK, HAS_LB, HAS_RB)
+    m_new = block_max(qk, m_i, qk_scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(qk * qk_scale - (m_use - LOG2_P_SCALE)[:, None])  # P * 256

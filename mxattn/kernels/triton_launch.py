@@ -16,6 +16,7 @@ dispatcher would pick, also for new sizes (decode steps, new sequence lengths). 
 the ordinary path.
 """
 
+import functools
 import threading
 from typing import Dict, Tuple
 
@@ -71,6 +72,12 @@ def _args_key(args) -> tuple:
 def _hooked(hook) -> bool:
     """True when a launch hook is installed (a non-empty HookChain, or any other callable)."""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (read once per device: a property query per call costs host time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch(fn, grid, *args, **kwargs) -> None:

@@ -1,7 +1,10 @@
-"""Triton attention over the paged MXFP8 KV cache (`mxattn.MXFP8KVCache`): decode steps and short chunks.
+"""Triton attention over the paged MXFP8 KV cache (`mxattn.MXFP8KVCache`): decode steps and chunks.
 
-Each program takes one query tile of one sequence and query head and walks the sequence's pages in KV blocks of
-BLOCK_N = 128 tokens (the recipe's softmax block), as the dense forward does:
+One program takes one KV head of one sequence and packs the query heads that share it (GQA) with the query
+tokens of a tile into the rows of the dense forward's query tile: row r holds token ``r // GP`` and group head
+``r % GP`` (GP: the group, rounded up to a power of two). The pages are read once per KV head, not once per
+query head, and a decode step (one token, four query heads per KV head) fills four rows instead of one. The
+program walks the sequence's pages in KV blocks of BLOCK_N = 128 tokens (the recipe's softmax block):
 
 * K: E4M3 bytes and row-wise E8M0 scales gathered from the pages (page table lookups per token), dequantized
   on chip (`dequant_rows`);
@@ -10,11 +13,25 @@ BLOCK_N = 128 tokens (the recipe's softmax block), as the dense forward does:
   holds (`quantize_cols`), as the cache's definition says;
 * Q: the caller's queries, quantized row-wise on load.
 
-The tiles are then the bf16 values the dense path multiplies (the quantizer's exact dequantizations), the
-query tile and warps are the dense bf16 path's (`BF16_FWD_CONFIGS`), and the softmax step is the shared
-`softmax_block`: so O equals `mxfp8_attention(..., attn_mask_type="causal_bottom_right", backend="triton")` over
-the sequence's tokens bit for bit. Masks: causal bottom-right per sequence (each sequence's own lengths),
-optionally a left window bound; attention sinks.
+The tiles are the bf16 values the dense path multiplies (the quantizer's exact dequantizations), the tile and
+warps are the dense bf16 path's (`BF16_FWD_CONFIGS`: the same MMA instructions, and each row's result does not
+depend on which row of the tile it sits in), and the softmax step is the shared `softmax_block`: so with one
+split, O equals ``mxfp8_attention(..., attn_mask_type="causal_bottom_right", backend="triton")`` over the
+sequence's tokens bit for bit.
+
+Split KV (flash-decoding): when the programs would leave multiprocessors idle (few sequences, long contexts),
+each sequence's KV blocks are cut into `n_splits` contiguous ranges run by separate programs, in two passes and
+a combine, so that every P is still rounded to E4M3 against the running max of the sequential pass:
+
+1. each split's row maximum of the logits (K only: `_paged_attn_kernel` with PASS = 1);
+2. each split starts its online softmax from the maximum over the sink and the earlier splits (what the
+   sequential pass's running max is when it reaches the split's first block), so each block's P is the
+   sequential pass's P; it writes its unnormalised O, final max and sum (PASS = 2);
+3. `_combine_splits_kernel` rescales the splits to the overall max and normalises.
+
+Only the fp32 additions across splits are ordered differently from the sequential pass: split results agree with
+one split to fp32 rounding (not bit for bit). Masks: causal bottom-right per sequence (each sequence's own
+lengths), optionally a left window bound; attention sinks.
 """
 
 from typing import Optional
@@ -23,147 +40,293 @@ import torch
 import triton
 import triton.language as tl
 
+from ..constants import MAX_KV_SPLITS
 from .triton_attention_fwd import BF16_FWD_CONFIGS, BLOCK_N
-from .triton_common import (LOG2E, dequant_cols, dequant_rows, kv_block_range, quantize_cols, quantize_rows,
-                            round_p_to_bf16, softmax_block, softmax_start)
-from .triton_launch import cdiv, launch
+from .triton_common import (LOG2E, P_SCALE, block_max, dequant_cols, dequant_rows, kv_block_range, load_tile,
+                            mask_logits, quantize_cols, quantize_rows, round_p_to_bf16, softmax_block, softmax_start)
+from .triton_launch import cdiv, launch, sm_count
 from .triton_quantize import padded_head_dim
+
+# passes of _paged_attn_kernel
+SINGLE, MAX_PASS, SPLIT_PASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+MIN_BLOCKS_PER_SPLIT = 4
 
 
 @triton.jit
-def _paged_block(acc, m_i, l_i, q, j, rows, slot, hk, len_kv, sealed, offset, LB, qk_scale,
-                 PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n,
-                 VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE,
-                 MASK: tl.constexpr, HAS_LB: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr):
-    """The online softmax over KV block j (tokens [j * BN, j * BN + BN)) of one sequence read from the pages."""
-    offs_n = tl.arange(0, BN)
+def _paged_keys(j, slot, hk, len_kv, PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, D, PAGE,
+                BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr):
+    """KV block j's keys (tokens [j * BN, j * BN + BN) of the sequence in `slot`, KV head hk) dequantized to bf16
+    [BN, DP], zero past len_kv; with the block's page per token [BN] and the in-page rows [BN]. EVEN_D (D ==
+    DP): no mask along D, so the FP8 rows load 16 bytes at a time. WHOLE_PAGES: PAGE is a multiple of BN."""
     offs_d = tl.arange(0, DP)
     offs_kb = tl.arange(0, DP // 32)
-    cols = j * BN + offs_n
+    cols = j * BN + tl.arange(0, BN)
     valid = cols < len_kv
-    d_ok = offs_d < D
-    page = tl.load(PT + slot * spt + cols // PAGE, mask=valid, other=0).to(tl.int64)
+    if WHOLE_PAGES:  # the block lies in one page: one page-table read
+        page = tl.zeros([BN], tl.int64) + tl.load(PT + slot * spt + (j * BN) // PAGE).to(tl.int64)
+    else:
+        page = tl.load(PT + slot * spt + cols // PAGE, mask=valid, other=0).to(tl.int64)
     row = cols % PAGE
-    kt = tl.load(KD + page[:, None] * skd_p + hk * skd_h + row[:, None] * skd_n + offs_d[None, :],
-                 mask=valid[:, None] & d_ok[None, :], other=0.0)
-    ks = tl.load(KS + page[:, None] * sks_p + hk * sks_h + row[:, None] * sks_n + offs_kb[None, :],
-                 mask=valid[:, None] & (offs_kb * 32 < D)[None, :], other=127)
-    kt = dequant_rows(kt, ks, BN, DP)
-    p, alpha, m_new, l_i = softmax_block(tl.dot(q, tl.trans(kt)), m_i, l_i, rows, cols, len_kv, qk_scale, offset,
-                                         LB, 0, MASK, HAS_LB, True)
-    # V: sealed blocks from the pages, the open block (rows sealed .. len_kv) quantized here from its rows
-    in_pages = cols < sealed
-    vt = tl.load(VD + page[:, None] * svd_p + hk * svd_h + row[:, None] * svd_n + offs_d[None, :],
-                 mask=in_pages[:, None] & d_ok[None, :], other=0.0)
+    kt = load_tile(KD + page[:, None] * skd_p + hk * skd_h + row[:, None] * skd_n + offs_d[None, :],
+                   valid, offs_d < D, 0.0, True, EVEN_D)
+    ks = load_tile(KS + page[:, None] * sks_p + hk * sks_h + row[:, None] * sks_n + offs_kb[None, :],
+                   valid, offs_kb * 32 < D, 127, True, EVEN_D)
+    return dequant_rows(kt, ks, BN, DP), page, row
+
+
+@triton.jit
+def _paged_values(j, page, row, slot, hk, len_kv, sealed, PT, spt, VD, svd_p, svd_h, svd_n,
+                  VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE,
+                  BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr):
+    """KV block j's values as bf16 [BN, DP]: sealed 32-token blocks from the pages (page, row: per token, from
+    `_paged_keys`), the open block (tokens sealed .. len_kv) quantized here from its rows, zero past len_kv."""
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d < D
+    cols = j * BN + tl.arange(0, BN)
+    vt = load_tile(VD + page[:, None] * svd_p + hk * svd_h + row[:, None] * svd_n + offs_d[None, :],
+                   cols < sealed, d_ok, 0.0, True, EVEN_D)
     blk = j * BN + tl.arange(0, BN // 32) * 32  # first token of each 32-block of the tile
-    blk_page = tl.load(PT + slot * spt + blk // PAGE, mask=blk < sealed, other=0).to(tl.int64)
-    vs = tl.load(VS + blk_page[:, None] * svs_p + hk * svs_h + ((blk % PAGE) // 32)[:, None] * svs_n
-                 + offs_d[None, :], mask=(blk < sealed)[:, None] & d_ok[None, :], other=127)
+    if WHOLE_PAGES:
+        blk_page = tl.zeros([BN // 32], tl.int64) + tl.load(PT + slot * spt + (j * BN) // PAGE).to(tl.int64)
+    else:
+        blk_page = tl.load(PT + slot * spt + blk // PAGE, mask=blk < sealed, other=0).to(tl.int64)
+    vs = load_tile(VS + blk_page[:, None] * svs_p + hk * svs_h + ((blk % PAGE) // 32)[:, None] * svs_n
+                   + offs_d[None, :], blk < sealed, d_ok, 127, True, EVEN_D)
     vt = dequant_cols(vt, vs, BN, DP)
     if j * BN + BN > sealed:  # the tile reaches the open block
-        open_rows = valid & (cols >= sealed)
-        raw = tl.load(VT + slot * svt_s + hk * svt_h + (cols - sealed)[:, None] * svt_n + offs_d[None, :],
-                      mask=open_rows[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        open_rows = (cols < len_kv) & (cols >= sealed)
+        raw = load_tile(VT + slot * svt_s + hk * svt_h + (cols - sealed)[:, None] * svt_n + offs_d[None, :],
+                        open_rows, d_ok, 0.0, True, EVEN_D).to(tl.float32)
         vq, ve = quantize_cols(raw, BN, DP)
         vt = tl.where(open_rows[:, None], dequant_cols(vq, ve.to(tl.uint8), BN, DP), vt)
-    acc = acc * alpha[:, None] + tl.dot(round_p_to_bf16(p), vt)
-    return acc, m_new, l_i
+    return vt
+
+
+@triton.jit
+def _paged_blocks(acc, m_i, l_i, q, j0, j1, pos, slot, hk, len_kv, sealed, offset, LB, qk_scale,
+                  PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n,
+                  VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE,
+                  MASK: tl.constexpr, HAS_LB: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
+                  EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr, MAX_ONLY: tl.constexpr):
+    """The online softmax over KV blocks j0 .. j1 (in order) for query positions pos [BM]; MAX_ONLY: only the
+    running max of the logits (acc and l_i unchanged)."""
+    for j in range(j0, j1):
+        kt, page, row = _paged_keys(j, slot, hk, len_kv, PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n,
+                                    D, PAGE, BN, DP, EVEN_D, WHOLE_PAGES)
+        qk = tl.dot(q, tl.trans(kt))
+        cols = j * BN + tl.arange(0, BN)
+        if MAX_ONLY:
+            m_i = block_max(mask_logits(qk, pos, cols, len_kv, offset, LB, 0, MASK, HAS_LB, True), m_i, qk_scale)
+        else:
+            p, alpha, m_i, l_i = softmax_block(qk, m_i, l_i, pos, cols, len_kv, qk_scale, offset, LB, 0, MASK,
+                                               HAS_LB, True)
+            vt = _paged_values(j, page, row, slot, hk, len_kv, sealed, PT, spt, VD, svd_p, svd_h, svd_n,
+                               VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE, BN, DP, EVEN_D,
+                               WHOLE_PAGES)
+            acc = acc * alpha[:, None] + tl.dot(round_p_to_bf16(p), vt)
+    return acc, m_i, l_i
 
 
 @triton.jit
 def _paged_attn_kernel(
-        Q, O, CU_Q, SLOTS, SEQ_LENS, SINK, PT, KD, KS, VD, VS, VT,
+        Q, O, MP, MF, LP, OP, CU_Q, SLOTS, SEQ_LENS, SINK, PT, KD, KS, VD, VS, VT,
         sq_t, sq_h, so_t, so_h, spt,
         skd_p, skd_h, skd_n, sks_p, sks_h, sks_n,
         svd_p, svd_h, svd_n, svs_p, svs_h, svs_n, svt_s, svt_h, svt_n,
-        HQ, GROUP, D, PAGE, qk_scale, LB,
-        HAS_LB: tl.constexpr, HAS_SINK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr):
-    """Grid (query tiles of the longest query run, sequences * HQ). Q, O: [T, HQ, D] (thd, unit stride along
-    D), sequence b's queries at rows CU_Q[b] .. CU_Q[b+1]; SLOTS[b]: its cache slot; SEQ_LENS[slot]: its
-    cached tokens (the new ones included); PT: the page table [slots, pages]; KD/KS, VD/VS: the pages' E4M3
-    bytes and E8M0 scales [pages, H, page, *] (V's scales [pages, H, page / 32, D]); VT: the open V blocks
-    [slots, H, 32, D]."""
-    tile = tl.program_id(0)
+        T, HQ, HKV, GROUP, D, PAGE, qk_scale, LB, N_SPLITS,
+        HAS_LB: tl.constexpr, HAS_SINK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
+        GP: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr, PASS: tl.constexpr):
+    """Grid (query tiles of the longest query run * N_SPLITS, sequences * HKV * head chunks). Q, O: [T, HQ, D]
+    (thd, unit stride along D), sequence b's queries at rows CU_Q[b] .. CU_Q[b+1]; SLOTS[b]: its cache slot;
+    SEQ_LENS[slot]: its cached tokens (the new ones included); PT: the page table [slots, pages]; KD/KS, VD/VS:
+    the pages' E4M3 bytes and E8M0 scales [pages, H, page, *] (V's scales [pages, H, page / 32, D]); VT: the
+    open V blocks [slots, H, 32, D]. A tile holds BM // GP query tokens x GP query heads of one KV head (head
+    chunk c: the group's heads c * GP .. c * GP + GP). PASS: SINGLE (the whole sequence, writes O), MAX_PASS
+    (split s's row maxima of the logits to MP [N_SPLITS, T, HQ]), SPLIT_PASS (split s from the maximum of the
+    sink and MP's earlier splits; its unnormalised O to OP [N_SPLITS, T, HQ, DP], final max to MF and sum to
+    LP [N_SPLITS, T, HQ])."""
+    TQ: tl.constexpr = BM // GP
+    tile = tl.program_id(0) // N_SPLITS
+    split = tl.program_id(0) % N_SPLITS
     pid = tl.program_id(1)
-    b = (pid // HQ).to(tl.int64)
-    hq = (pid % HQ).to(tl.int64)
-    hk = hq // GROUP
+    chunks = tl.cdiv(GROUP, GP)
+    b = (pid // (HKV * chunks)).to(tl.int64)
+    hk = ((pid // chunks) % HKV).to(tl.int64)
+    chunk = pid % chunks
     first = tl.load(CU_Q + b)
     len_q = tl.load(CU_Q + b + 1) - first  # int32, as every bound of the KV block range
-    q0 = first.to(tl.int64)
-    m0 = tile * BM
-    if m0 >= len_q:
+    t0 = tile * TQ
+    if t0 >= len_q:
         return
     slot = tl.load(SLOTS + b).to(tl.int64)
     len_kv = tl.load(SEQ_LENS + slot)
     sealed = len_kv - len_kv % 32
     offset = len_kv - len_q  # causal, bottom-right: the last query sees every key
-    rows = m0 + tl.arange(0, BM)
+    r = tl.arange(0, BM)
+    pos = t0 + r // GP                       # the row's query token (position among the sequence's queries)
+    g = chunk * GP + r % GP                  # the row's head within the group
+    row_ok = (pos < len_q) & (g < GROUP)
+    head = hk * GROUP + tl.where(g < GROUP, g, 0)
+    tok = first.to(tl.int64) + pos
     offs_d = tl.arange(0, DP)
-    q_ok = (rows < len_q)[:, None] & (offs_d < D)[None, :]
-    q = tl.load(Q + (q0 + rows)[:, None] * sq_t + hq * sq_h + offs_d[None, :], mask=q_ok, other=0.0)
+    q_ok = row_ok[:, None] & (offs_d < D)[None, :]
+    q = tl.load(Q + tok[:, None] * sq_t + head[:, None] * sq_h + offs_d[None, :], mask=q_ok, other=0.0)
     qq, qe = quantize_rows(q.to(tl.float32), BM, DP)
     q = dequant_rows(qq, qe.to(tl.uint8), BM, DP)
 
-    lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, len_kv, offset, LB, 0, HAS_LB, True, BM, BN)
-    m_i, l_i, acc = softmax_start(SINK, hq, HAS_SINK, BM, DP)
+    lo, mask_hi, full_lo, full_hi, hi = kv_block_range(t0, len_kv, offset, LB, 0, HAS_LB, True, TQ, BN)
+    js = lo // BN
+    je = tl.cdiv(hi, BN)
+    if PASS != SINGLE:  # this split's blocks
+        per = tl.cdiv(je - js, N_SPLITS)
+        js = js + split * per
+        je = tl.minimum(js + per, je)
+    m_i, l_i, acc = softmax_start(SINK, head, HAS_SINK, BM, DP)
+    part = (split * T + tok) * HQ + head     # [BM] index into MP / MF / LP
+    if PASS == MAX_PASS:
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+    if PASS == SPLIT_PASS:
+        for s in range(0, split):
+            m_i = tl.maximum(m_i, tl.load(MP + part - (split - s) * T * HQ, mask=row_ok, other=float("-inf")))
+        if split > 0:
+            l_i = tl.zeros([BM], tl.float32)
     pages = (PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, VD, svd_p, svd_h, svd_n,
              VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE)
-    for j in range(lo // BN, tl.cdiv(mask_hi, BN)):
-        acc, m_i, l_i = _paged_block(acc, m_i, l_i, q, j, rows, slot, hk, len_kv, sealed, offset, LB, qk_scale,
-                                     *pages, True, HAS_LB, BN, DP)
-    for j in range(full_lo // BN, full_hi // BN):
-        acc, m_i, l_i = _paged_block(acc, m_i, l_i, q, j, rows, slot, hk, len_kv, sealed, offset, LB, qk_scale,
-                                     *pages, False, HAS_LB, BN, DP)
-    for j in range(tl.cdiv(tl.maximum(full_hi, mask_hi), BN), tl.cdiv(hi, BN)):
-        acc, m_i, l_i = _paged_block(acc, m_i, l_i, q, j, rows, slot, hk, len_kv, sealed, offset, LB, qk_scale,
-                                     *pages, True, HAS_LB, BN, DP)
-    has = (l_i != 0.0) & (rows < len_q)
-    denom = tl.where(has, l_i, 1.0)
-    o = tl.where(has[:, None], acc / denom[:, None], 0.0)
-    tl.store(O + (q0 + rows)[:, None] * so_t + hq * so_h + offs_d[None, :], o.to(O.dtype.element_ty), mask=q_ok)
+    max_only: tl.constexpr = PASS == MAX_PASS
+    acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(lo // BN, js), tl.minimum(tl.cdiv(mask_hi, BN), je),
+                                  pos, slot, hk, len_kv, sealed, offset, LB, qk_scale, *pages,
+                                  True, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only)
+    acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(full_lo // BN, js), tl.minimum(full_hi // BN, je),
+                                  pos, slot, hk, len_kv, sealed, offset, LB, qk_scale, *pages,
+                                  False, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only)
+    acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(tl.cdiv(tl.maximum(full_hi, mask_hi), BN), js),
+                                  tl.minimum(tl.cdiv(hi, BN), je), pos, slot, hk, len_kv, sealed, offset, LB,
+                                  qk_scale, *pages, True, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only)
+    if PASS == MAX_PASS:
+        tl.store(MP + part, m_i, mask=row_ok)
+    elif PASS == SPLIT_PASS:
+        tl.store(MF + part, m_i, mask=row_ok)
+        tl.store(LP + part, l_i, mask=row_ok)
+        tl.store(OP + part[:, None] * DP + offs_d[None, :], acc, mask=row_ok[:, None])
+    else:
+        has = (l_i != 0.0) & row_ok
+        denom = tl.where(has, l_i, 1.0)
+        o = tl.where(has[:, None], acc / denom[:, None], 0.0)
+        tl.store(O + tok[:, None] * so_t + head[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
+                 mask=q_ok)
 
 
-def paged_config(head_dim: int):
-    """(BLOCK_M, num_warps, num_stages) of the paged kernel: the dense bf16 path's tile and warps (so both issue
-    the same MMA instructions and agree bit for bit), two pipeline stages; None above head dim 128."""
+@triton.jit
+def _combine_splits_kernel(O, MF, LP, OP, so_t, so_h, T, HQ, D, N_SPLITS, SP: tl.constexpr, DP: tl.constexpr):
+    """Grid (T, HQ): O[t, h] = sum_s 2^(MF_s - M) OP_s / sum_s 2^(MF_s - M) LP_s over the splits (M: the largest
+    MF_s; a split without keys has MF = -inf, LP = 0 and adds nothing); 0 where no key was seen."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    s_ok = s < N_SPLITS
+    idx = (s * T + t) * HQ + h
+    m_s = tl.load(MF + idx, mask=s_ok, other=float("-inf"))
+    m = tl.max(m_s, axis=0)
+    w = tl.where(m_s == float("-inf"), 0.0, tl.math.exp2(m_s - tl.where(m == float("-inf"), 0.0, m)))
+    l_sum = tl.sum(w * tl.load(LP + idx, mask=s_ok, other=0.0), axis=0)
+    offs_d = tl.arange(0, DP)
+    acc = tl.sum(w[:, None] * tl.load(OP + idx[:, None] * DP + offs_d[None, :], mask=s_ok[:, None], other=0.0),
+                 axis=0)
+    o = tl.where(l_sum != 0.0, acc / tl.where(l_sum != 0.0, l_sum, 1.0), 0.0)
+    tl.store(O + t * so_t + h * so_h + offs_d, o.to(O.dtype.element_ty), mask=offs_d < D)
+
+
+#: exact tiles other than the dense path's: at D128 one warpgroup of a 64-row tile issues the same wgmma
+#: (m64n128k16) with the same row layout as each warpgroup of the dense 128-row / 8-warp tile (measured bit-equal
+#: on an H200, benchmarks/paged_decode_tuning.py; tests/test_kvcache_gpu.py checks it), at half the rows
+EXACT_TILES = {128: (64, 4)}
+#: the tile of the fast decode configuration: the fewest rows an MMA takes (mma.sync m16n8k16)
+FAST_TILE = (16, 4, 2)
+
+
+def paged_config(head_dim: int, exact: bool = True, rows: int = 0):
+    """(BLOCK_M, num_warps, num_stages) of the paged kernel; None above head dim 128. exact: the dense bf16 path's
+    MMA instructions and row layout (its tile and warps, or EXACT_TILES), so both agree bit for bit; two stages. Not
+    exact and at most 16 packed rows (a decode step: query heads per KV head x query tokens): FAST_TILE, whose
+    MMA instructions (mma.sync) sum the products of QK^T and PV in another order: O agrees to fp32 rounding."""
     dp = padded_head_dim(head_dim)
     if dp not in BF16_FWD_CONFIGS:
         return None
-    bm, warps, _ = BF16_FWD_CONFIGS[dp]
+    if not exact and rows <= FAST_TILE[0]:
+        return FAST_TILE
+    bm, warps = EXACT_TILES.get(dp, BF16_FWD_CONFIGS[dp][:2])
     return bm, warps, 2
+
+
+def tile_heads(group: int, block_m: int) -> int:
+    """Query heads of one KV head packed in a tile: the group size rounded up to a power of two, at most the
+    tile's rows."""
+    return min(triton.next_power_of_2(group), block_m)
+
+
+def choose_splits(programs: int, kv_blocks: int, sms: int) -> int:
+    """Splits of each sequence's KV blocks for `programs` programs (sequences x KV heads x tiles) over at most
+    kv_blocks blocks on a GPU of `sms` multiprocessors: 1 when the programs already fill the GPU, else enough to
+    reach about two programs per multiprocessor, each split keeping at least MIN_BLOCKS_PER_SPLIT blocks."""
+    if programs >= sms or kv_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
+        return 1
+    return max(1, min(cdiv(2 * sms, programs), kv_blocks // MIN_BLOCKS_PER_SPLIT, MAX_KV_SPLITS))
 
 
 def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, slots: torch.Tensor,
                         cache, *, softmax_scale: float, left_bound: Optional[int], out: torch.Tensor,
-                        sink: Optional[torch.Tensor] = None) -> None:
-    """Launch the paged attention kernel: q [T, Hq, D] bf16/fp16/fp32 (unit stride along D), cu_seqlens_q int32
+                        sink: Optional[torch.Tensor] = None, num_splits: int = 1, max_seqlen_kv: int = 0) -> None:
+    """Launch the paged attention kernels: q [T, Hq, D] bf16/fp16/fp32 (unit stride along D), cu_seqlens_q int32
     [B+1] (sequence b's queries), max_seqlen_q its longest run (host int), slots int32 [B] (each sequence's
     cache slot, on q's device), cache an `MXFP8KVCache` on q's device holding every sequence's tokens (the new
     ones appended). Writes out [T, Hq, D] (bf16/fp16). Causal bottom-right per sequence; left_bound: TE's left
-    window + 1 (None: unbounded); sink: fp32 [Hq] contiguous logits or None. The caller checks the arguments
+    window + 1 (None: unbounded); sink: fp32 [Hq] contiguous logits or None. num_splits: 1 (one program per
+    sequence and KV head, the dense path's tile: bit-equal to the dense call), n > 1 (split KV), 0 (choose:
+    `choose_splits`, from max_seqlen_kv, the longest cached sequence); other than 1, a decode step takes the
+    16-row FAST_TILE (`paged_config`). The caller checks the arguments
     (`mxattn.kvcache.mxfp8_attention_with_kvcache`)."""
     T, hq, d = q.shape
-    config = paged_config(d)
+    hkv = cache.kv_heads
+    group = hq // hkv
+    config = paged_config(d, num_splits == 1, triton.next_power_of_2(group) * max_seqlen_q)
     if config is None:
         raise ValueError(f"the paged kernel takes head dims up to {max(BF16_FWD_CONFIGS)}, got {d}")
     bm, warps, stages = config
     n_seq = slots.numel()
     if T == 0 or n_seq == 0 or max_seqlen_q == 0:
         return
+    gp = tile_heads(group, bm)
+    dp = padded_head_dim(d)
+    tiles = cdiv(max_seqlen_q, bm // gp)
+    programs = (tiles, n_seq * hkv * cdiv(group, gp))
+    if num_splits == 0:
+        num_splits = choose_splits(programs[0] * programs[1], cdiv(max_seqlen_kv, BLOCK_N), sm_count(q.device))
     kd, ks = cache.k_data, cache.k_scale.view(torch.uint8)
     vd, vs = cache.v_data, cache.v_scale.view(torch.uint8)
     vt, pt = cache.v_tail, cache.page_table
-    launch(_paged_attn_kernel, (cdiv(max_seqlen_q, bm), n_seq * hq),
-           q, out, cu_seqlens_q, slots, cache.seq_lens, q if sink is None else sink, pt, kd, ks, vd, vs, vt,
-           q.stride(0), q.stride(1), out.stride(0), out.stride(1), pt.stride(0),
-           kd.stride(0), kd.stride(1), kd.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
-           vd.stride(0), vd.stride(1), vd.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
-           vt.stride(0), vt.stride(1), vt.stride(2),
-           hq, hq // cache.kv_heads, d, cache.page_size, float(softmax_scale) * LOG2E.value,
-           0 if left_bound is None else int(left_bound),
-           HAS_LB=left_bound is not None, HAS_SINK=sink is not None, BM=bm, BN=BLOCK_N, DP=padded_head_dim(d),
-           num_warps=warps, num_stages=stages)
+    if num_splits > 1:
+        mp = torch.empty((3, num_splits, T, hq), device=q.device, dtype=torch.float32)
+        op = torch.empty((num_splits, T, hq, dp), device=q.device, dtype=torch.float32)
+        parts = (mp[0], mp[1], mp[2], op)
+    else:
+        parts = (q, q, q, q)
+    args = (cu_seqlens_q, slots, cache.seq_lens, q if sink is None else sink, pt, kd, ks, vd, vs, vt,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), pt.stride(0),
+            kd.stride(0), kd.stride(1), kd.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+            vd.stride(0), vd.stride(1), vd.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
+            vt.stride(0), vt.stride(1), vt.stride(2),
+            T, hq, hkv, group, d, cache.page_size, float(softmax_scale) * LOG2E.value,
+            0 if left_bound is None else int(left_bound), num_splits)
+    options = dict(HAS_LB=left_bound is not None, HAS_SINK=sink is not None, BM=bm, BN=BLOCK_N, DP=dp, GP=gp,
+                   EVEN_D=dp == d, WHOLE_PAGES=cache.page_size % BLOCK_N == 0, num_warps=warps, num_stages=stages)
+    grid = (tiles * num_splits, programs[1])
+    if num_splits == 1:
+        launch(_paged_attn_kernel, grid, q, out, *parts, *args, PASS=SINGLE.value, **options)
+        return
+    launch(_paged_attn_kernel, grid, q, out, *parts, *args, PASS=MAX_PASS.value, **options)
+    launch(_paged_attn_kernel, grid, q, out, *parts, *args, PASS=SPLIT_PASS.value, **options)
+    launch(_combine_splits_kernel, (T, hq), out, parts[1], parts[2], parts[3], out.stride(0), out.stride(1),
+           T, hq, d, num_splits, SP=triton.next_power_of_2(num_splits), DP=dp, num_warps=4)
 
 
-__all__ = ["paged_attention_fwd", "paged_config"]
+__all__ = ["paged_attention_fwd", "paged_config", "choose_splits", "tile_heads"]

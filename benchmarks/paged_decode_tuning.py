@@ -1,0 +1,75 @@
+"""Tuning run of the paged decode kernel (issue 21): time per decode step of its configurations against torch
+SDPA over a bf16 cache, same GPU, same run. Rows: the exact single pass (num_splits=1: its tile, checked
+bit-equal to the dense path's 128-row / 8-warp tile), then the fast 16-row tile with the automatic split
+count under (num_warps, num_stages) variants, with 256-token pages (one page-table read per block) and 64-token
+pages (a gather per token); agreement of the default with the exact pass (max bf16 ulps, share equal).
+Heads as benchmarks/decode_bench.py. --ncu: one fast-tile call at batch 64 / 4k for Nsight Compute.
+Usage (CUDA machine): python benchmarks/paged_decode_tuning.py [--ncu]"""
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode_bench as db  # noqa: E402
+from mxattn.kernels import triton_paged_attention as tp  # noqa: E402
+
+VARIANTS = [(4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 3)]
+
+
+def setup(batch, context, page):
+    db.PAGE = page
+    cache, slots, k, v = db.fill_cache(batch, context)
+    q = torch.randn(batch, db.HQ, db.D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    slots_t = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+
+    def run(n):
+        tp.paged_attention_fwd(q, cu, 1, slots_t, cache, softmax_scale=db.D ** -0.5, left_bound=None, out=out,
+                               num_splits=n, max_seqlen_kv=context)
+        return out
+    return run, q, k, v
+
+
+def main():
+    if "--ncu" in sys.argv:
+        run, *_ = setup(64, 4096, 256)
+        for _ in range(3):
+            run(0)
+        torch.cuda.synchronize()
+        return
+    print(f"{torch.cuda.get_device_name()}: decode step, Hq {db.HQ} Hkv {db.HKV} D {db.D}, us")
+    real_exact, real_fast = tp.paged_config, tp.FAST_TILE
+    print("batch context | sdpa | exact (= 128x8 tile) | fast auto, (warps, stages): "
+          + " | ".join(map(str, VARIANTS)) + " | page 64 | default vs exact: max ulps, equal share")
+    for batch, context in ((1, 4096), (1, 32768), (8, 4096), (8, 32768), (64, 4096), (64, 16384)):
+        run, q, k, v = setup(batch, context, 256)
+        sdpa = do_bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)) * 1e3
+        tp.paged_config = lambda d, ex=True, rows=0: (128, 8, 2) if ex else real_exact(d, ex, rows)
+        dense_tile = run(1).clone()
+        tp.paged_config = real_exact
+        exact = run(1).clone()
+        t_exact = do_bench(lambda: run(1)) * 1e3
+        times = []
+        for warps, stages in VARIANTS:
+            tp.FAST_TILE = (16, warps, stages)
+            times.append(do_bench(lambda: run(0)) * 1e3)
+        tp.FAST_TILE = real_fast
+        got = run(0).float()
+        e = torch.frexp(exact.float())[1]
+        ulps = (got - exact.float()).abs() / torch.ldexp(torch.ones_like(got), (e - 8).clamp(min=-133))
+        del k, v
+        run, *_ = setup(batch, context, 64)
+        t64 = do_bench(lambda: run(0)) * 1e3
+        print(f"{batch:5d} {context:7d} | {sdpa:6.1f} | {t_exact:7.1f} ({torch.equal(exact, dense_tile)}) | "
+              + " | ".join(f"{t:6.1f}" for t in times)
+              + f" | {t64:6.1f} | {ulps.max().item():.0f}, {(got == exact.float()).float().mean().item():.4f}",
+              flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
