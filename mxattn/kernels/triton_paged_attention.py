@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ..constants import MAX_KV_SPLITS
 from .triton_attention_fwd import BF16_FWD_CONFIGS, BLOCK_N
-from .triton_common import (LOG2E, P_SCALE, block_max, dequant_cols, dequant_rows, kv_block_range, load_tile,
+from .triton_common import (LOG2E, block_max, dequant_cols, dequant_rows, kv_block_range, load_tile,
                             mask_logits, quantize_cols, quantize_rows, round_p_to_bf16, softmax_block, softmax_start)
 from .triton_launch import cdiv, launch, sm_count
 from .triton_quantize import padded_head_dim
