@@ -18,7 +18,6 @@ the prep pass), works in rows relative to its sequence's start, and programs pas
 exit at once (padded batch: after writing zero gradients on the padding rows of their tile).
 """
 
-import functools
 from types import SimpleNamespace
 
 import torch
