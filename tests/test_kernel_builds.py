@@ -38,6 +38,20 @@ def test_paged_attention_kernel_builds_for_sm90(dp, window_sink, dtype, heads, p
         assert "cvt.rn.f16x2.e4m3x2" not in ptx  # the max pass rounds no P (and quantizes no open V block)
 
 
+@pytest.mark.parametrize("pass_", [0, 2])
+def test_paged_fast_tile_builds_for_sm90(pass_):
+    """The 16-row decode tile (mma.sync) of the fast path, pages of 256 tokens (one page-table read per block)."""
+    from triton_compile import compile_for
+    from mxattn.kernels import triton_paged_attention as tp
+    bm, warps, stages = tp.paged_config(128, exact=False, rows=4)
+    assert (bm, warps, stages) == tp.FAST_TILE
+    kernel = compile_for(tp._paged_attn_kernel, PAGED_TYPES, dict(HAS_LB=False, HAS_SINK=True, BM=bm, BN=tp.BLOCK_N,
+                                                                  DP=128, GP=4, EVEN_D=True, WHOLE_PAGES=True,
+                                                                  PASS=pass_),
+                         num_warps=warps, num_stages=stages)
+    assert "mma.sync.aligned.m16n8k16" in kernel.asm["ptx"] and kernel.metadata.shared <= 227 * 1024
+
+
 def test_split_combine_kernel_builds_for_sm90():
     from triton_compile import compile_for
     from mxattn.kernels import triton_paged_attention as tp

@@ -30,7 +30,9 @@ a combine, so that every P is still rounded to E4M3 against the running max of t
 3. `_combine_splits_kernel` rescales the splits to the overall max and normalises.
 
 Only the fp32 additions across splits are ordered differently from the sequential pass: split results agree with
-one split to fp32 rounding (not bit for bit). Masks: causal bottom-right per sequence (each sequence's own
+one split to fp32 rounding (not bit for bit). A decode call that does not ask for one split (num_splits != 1) and
+packs at most 16 rows per tile also takes the 16-row FAST_TILE, whose MMA (mma.sync) sums products in another
+order than the dense path's wgmma: the same fp32-rounding agreement, a quarter of the rows' softmax work. Masks: causal bottom-right per sequence (each sequence's own
 lengths), optionally a left window bound; attention sinks.
 """
 
@@ -240,8 +242,9 @@ def _combine_splits_kernel(O, MF, LP, OP, so_t, so_h, T, HQ, D, N_SPLITS, SP: tl
 #: (m64n128k16) with the same row layout as each warpgroup of the dense 128-row / 8-warp tile (measured bit-equal
 #: on an H200, benchmarks/paged_decode_tuning.py; tests/test_kvcache_gpu.py checks it), at half the rows
 EXACT_TILES = {128: (64, 4)}
-#: the tile of the fast decode configuration: the fewest rows an MMA takes (mma.sync m16n8k16)
-FAST_TILE = (16, 4, 2)
+#: the tile of the fast decode configuration: the fewest rows an MMA takes (mma.sync m16n8k16); three stages
+#: (H200, batch 1 / 4k: 65 us against 105 us with two; benchmarks/paged_decode_tuning.py)
+FAST_TILE = (16, 4, 3)
 
 
 def paged_config(head_dim: int, exact: bool = True, rows: int = 0):
