@@ -33,7 +33,8 @@ def test_paged_attention_kernel_builds_for_sm90(dp, window_sink, dtype, heads, p
     ptx = kernel.asm["ptx"]
     if pdp == dp:
         assert "ld.global.v4.b32" in ptx or "cp.async.cg.shared.global [ %r" in ptx
-        assert ptx.count("ld.global.b8") <= 8  # byte loads only for scalars and the E8M0 scales' tails
+        # byte loads only for scalars and the E8M0 scales (a byte-wise FP8 tile would take 100+ per thread)
+        assert ptx.count("ld.global.b8") <= 32
     if pass_ == 1:
         assert "cvt.rn.f16x2.e4m3x2" not in ptx  # the max pass rounds no P (and quantizes no open V block)
 
