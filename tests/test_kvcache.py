@@ -189,11 +189,13 @@ def test_paged_kernel_launch_arguments_without_a_gpu(monkeypatch):
 def test_split_count_fills_the_gpu_and_keeps_blocks_per_split():
     pytest.importorskip("triton")
     from mxattn.kernels.triton_paged_attention import MIN_BLOCKS_PER_SPLIT, choose_splits
+    assert MIN_BLOCKS_PER_SPLIT == 8
     assert choose_splits(programs=132, kv_blocks=256, sms=132) == 1          # the programs fill the GPU
-    assert choose_splits(programs=8, kv_blocks=256, sms=132) == 33           # about two programs per SM
-    assert choose_splits(programs=64, kv_blocks=32, sms=132) == 5
-    assert choose_splits(programs=8, kv_blocks=12, sms=132) == 12 // MIN_BLOCKS_PER_SPLIT
-    assert choose_splits(programs=8, kv_blocks=7, sms=132) == 1              # too short to split
+    assert choose_splits(programs=8, kv_blocks=256, sms=132) == 32           # <= 2 programs per SM, 8+ blocks each
+    assert choose_splits(programs=64, kv_blocks=32, sms=132) == 4            # batch 8 / 4k tokens
+    assert choose_splits(programs=64, kv_blocks=1024, sms=132) == 5
+    assert choose_splits(programs=8, kv_blocks=20, sms=132) == 2
+    assert choose_splits(programs=8, kv_blocks=15, sms=132) == 1             # under 2k tokens: never split
     assert choose_splits(programs=1, kv_blocks=10 ** 6, sms=132) == 64       # at most MAX_KV_SPLITS
 
 
