@@ -32,8 +32,8 @@ a combine, so that every P is still rounded to E4M3 against the running max of t
 Only the fp32 additions across splits are ordered differently from the sequential pass: split results agree with
 one split to fp32 rounding (not bit for bit). A decode call that does not ask for one split (num_splits != 1) and
 packs at most 16 rows per tile also takes the 16-row FAST_TILE, whose MMA (mma.sync) sums products in another
-order than the dense path's wgmma: the same fp32-rounding agreement, a quarter of the rows' softmax work. Masks: causal bottom-right per sequence (each sequence's own
-lengths), optionally a left window bound; attention sinks.
+order than the dense path's wgmma: the same fp32-rounding agreement, a quarter of the rows' softmax work.
+Masks: causal bottom-right per sequence (each sequence's own lengths), optionally a left window bound; attention sinks.
 """
 
 from typing import Optional
@@ -51,7 +51,9 @@ from .triton_quantize import padded_head_dim
 
 # passes of _paged_attn_kernel
 SINGLE, MAX_PASS, SPLIT_PASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-MIN_BLOCKS_PER_SPLIT = 8  # 1k tokens per split: shorter splits gain less than their two extra launches cost (H200, 1k: 2 splits 173 us, 1 split 72)
+#: 1k tokens per split at least: shorter splits gain less than their two extra launches cost (H200, 1k tokens:
+#: two splits 173 us, one split 72 us)
+MIN_BLOCKS_PER_SPLIT = 8
 
 
 @triton.jit
