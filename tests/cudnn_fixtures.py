@@ -1,11 +1,17 @@
-"""Shared by the cuDNN varlen and sink graph tests: the skip rule for graph validation, the mask set, and a
-fixture that makes CudnnBackend believe it is on a Blackwell GPU."""
+"""Shared by the cuDNN graph and host-path tests: the skip rule for graph validation, the mask set, and fixtures
+that make CudnnBackend believe it is on a Blackwell GPU, capture its variant packs, or run it on CPU tensors with
+the plan and launch faked."""
+
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 cudnn = pytest.importorskip("cudnn")
 
+from mxattn import cudnn_graphs as cg  # noqa: E402
 from mxattn.backends.cudnn import backend as cb  # noqa: E402
+from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
 from mxattn.backends.cudnn import run as cudnn_run  # noqa: E402
 from mxattn.mask import MaskSpec  # noqa: E402
 
@@ -56,3 +62,34 @@ def captured_packs(monkeypatch):
     monkeypatch.setattr(cudnn_run, "execute",
                         lambda plan, pack, device: packs.append((plan.kind, plan.cfg, dict(pack))))
     yield packs
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """CudnnBackend / cudnn_forward / cudnn_backward on CPU tensors with cuDNN's plan and launch faked. Yields a
+    namespace: `built`, the (kind, cfg) of every plan built; `launches`, the (cfg, variant pack) of every launch,
+    in call order. A backward launch with a dSink output writes 0, 1, .. per query head into it (recognisable)."""
+    state = SimpleNamespace(built=[], launches=[])
+
+    class State:
+        index = 0
+
+        def get_handle(self):
+            return None
+
+    def fake_build(kind, cfg, handle):
+        state.built.append((kind, cfg))
+        return cg.PlannedGraph(kind, cfg, None, 0)
+
+    def fake_execute(plan, pack, device):
+        state.launches.append((plan.cfg, pack))
+        if plan.cfg.dsink:
+            pack[int(cg.BwdUid.DSINK)].copy_(torch.arange(plan.cfg.h_q, dtype=torch.float32).view(1, -1, 1, 1))
+
+    monkeypatch.setattr(cb, "_supported_state", lambda device: State())
+    monkeypatch.setattr(cudnn_run, "_supported_state", lambda device: State())
+    monkeypatch.setattr(cudnn_run, "execute", fake_execute)
+    monkeypatch.setattr(cudnn_graphs, "build_and_plan", fake_build)
+    cg.GRAPH_CACHE.clear()
+    yield state
+    cg.GRAPH_CACHE.clear()

@@ -18,14 +18,11 @@ import torch
 
 cudnn = pytest.importorskip("cudnn")
 
-from cudnn_fixtures import MASKS, needs_mxfp8_cudnn, pretend_blackwell  # noqa: E402,F401
+from cudnn_fixtures import MASKS, fake_device, needs_mxfp8_cudnn, pretend_blackwell  # noqa: E402,F401
 from mxattn import cudnn_graphs as cg  # noqa: E402
 from mxattn.backends import Problem  # noqa: E402
 from mxattn.backends import cudnn_backend as cb  # noqa: E402
-from mxattn.backends.cudnn import backend as cudnn_backend  # noqa: E402
-from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
 from mxattn.backends.cudnn import refusals as cudnn_refusals  # noqa: E402
-from mxattn.backends.cudnn import run as cudnn_run  # noqa: E402
 from mxattn.backends.base import AttentionParams  # noqa: E402
 from mxattn.errors import MXFP8NotSupportedError  # noqa: E402
 from mxattn.formats import quantize_mxfp8  # noqa: E402
@@ -290,45 +287,19 @@ def test_sink_operand_checks_and_keys():
 # --------------------------------------------------------------------------------------------------------------
 # the backend on CPU tensors, with cuDNN's plan and launch faked
 # --------------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def fake_device(monkeypatch):
-    """CudnnBackend / cudnn_forward / cudnn_backward on CPU tensors; the plan is faked, every launch records its
-    (config, pack) and writes a recognisable dSink."""
-    launches = []
-
-    class State:
-        index = 0
-
-        def get_handle(self):
-            return None
-
-    def fake_execute(plan, pack, device):
-        launches.append((plan.cfg, pack))
-        if plan.cfg.dsink:
-            pack[int(cg.BwdUid.DSINK)].copy_(torch.arange(plan.cfg.h_q, dtype=torch.float32).view(1, -1, 1, 1))
-
-    monkeypatch.setattr(cudnn_backend, "_supported_state", lambda device: State())
-    monkeypatch.setattr(cudnn_run, "_supported_state", lambda device: State())
-    monkeypatch.setattr(cudnn_run, "execute", fake_execute)
-    monkeypatch.setattr(cudnn_graphs, "build_and_plan", lambda kind, cfg, handle: cg.PlannedGraph(kind, cfg, None, 0))
-    cg.GRAPH_CACHE.clear()
-    yield launches
-    cg.GRAPH_CACHE.clear()
-
-
 @pytest.mark.parametrize("varlen", [None, "padded", "packed"])
 def test_backend_wires_the_sink_and_returns_dsink(fake_device, varlen):
     seq, q, k, v, _, do = inputs(varlen, seed=3)
     backend = cb.CudnnBackend()
     sink = torch.linspace(-1.0, 2.0, 8)
     for softmax_type in ("vanilla", "off-by-one", "learnable"):
-        fake_device.clear()
+        fake_device.launches.clear()
         logits = None if softmax_type == "vanilla" else (sink if softmax_type == "learnable" else torch.zeros(8))
         params = AttentionParams(softmax_scale=0.125, mask=MaskSpec(causal=True), seq=seq, sink=logits,
                                  sink_requires_grad=softmax_type == "learnable")
         o, stats, saved = backend.forward(q, k, v, params)
         grads = backend.backward(saved, o, stats, do, params)
-        (fcfg, fpack), (bcfg, bpack) = fake_device
+        (fcfg, fpack), (bcfg, bpack) = fake_device.launches
         assert (fcfg.sink, fcfg.dsink) == (logits is not None, False)
         assert (bcfg.sink, bcfg.dsink) == cg.SOFTMAX_TYPES[softmax_type]
         if logits is not None:
@@ -365,7 +336,7 @@ def test_empty_packed_batch_gives_zero_dsink(fake_device):
     params = AttentionParams(softmax_scale=0.1, mask=MaskSpec(), seq=seq, sink=torch.ones(8), sink_requires_grad=True)
     o, stats, saved = cb.CudnnBackend().forward(x, x[:, :2], x[:, :2], params)
     grads = cb.CudnnBackend().backward(saved, o, stats, x, params)
-    assert not fake_device and grads[3].shape == (8,) and not grads[3].any()
+    assert not fake_device.launches and grads[3].shape == (8,) and not grads[3].any()
 
 
 # --------------------------------------------------------------------------------------------------------------

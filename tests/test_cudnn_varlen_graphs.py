@@ -16,11 +16,10 @@ import torch
 
 cudnn = pytest.importorskip("cudnn")
 
-from cudnn_fixtures import MASKS, needs_mxfp8_cudnn, pretend_blackwell  # noqa: E402,F401
+from cudnn_fixtures import MASKS, fake_device, needs_mxfp8_cudnn, pretend_blackwell  # noqa: E402,F401
 from mxattn import cudnn_graphs as cg  # noqa: E402
 from mxattn.backends import Problem, pick_backend  # noqa: E402
 from mxattn.backends import cudnn_backend as cb  # noqa: E402
-from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
 from mxattn.backends.cudnn import run as cudnn_run  # noqa: E402
 from mxattn.errors import MXFP8NotSupportedError  # noqa: E402
 from mxattn.formats import quantize_mxfp8  # noqa: E402
@@ -347,29 +346,6 @@ def test_graph_keys_hold_the_capacity_not_the_lengths():
     assert cudnn_run._seq_facts(pseq) == cudnn_run._seq_facts(pseq2) != cudnn_run._seq_facts(None)
 
 
-@pytest.fixture
-def fake_device(monkeypatch):
-    """cudnn_forward/backward on CPU tensors with the launch and the cuDNN plan faked: counts plans built."""
-    built = []
-
-    class State:
-        index = 0
-
-        def get_handle(self):
-            return None
-
-    def fake_build(kind, cfg, handle):
-        built.append((kind, cfg))
-        return cg.PlannedGraph(kind, cfg, None, 0)
-
-    monkeypatch.setattr(cudnn_run, "_supported_state", lambda device: State())
-    monkeypatch.setattr(cudnn_run, "execute", lambda plan, pack, device: None)
-    monkeypatch.setattr(cudnn_graphs, "build_and_plan", fake_build)
-    cg.GRAPH_CACHE.clear()
-    yield built
-    cg.GRAPH_CACHE.clear()
-
-
 @pytest.mark.parametrize("varlen", ["padded", "packed"])
 def test_new_lengths_at_the_same_maximum_reuse_the_graph(fake_device, varlen):
     for i, (lq, lkv) in enumerate((([100, 37], [90, 200]), ([3, 120], [201, 4]), ([128, 128], [1, 256]))):
@@ -377,8 +353,8 @@ def test_new_lengths_at_the_same_maximum_reuse_the_graph(fake_device, varlen):
         qr, qc, kr, kc, vr, vc, dor, doc = quantized(seq, q, k, v, do)
         o, stats, _ = cb.cudnn_forward(qr, kr, vc, attn_scale=0.1, seq=seq)
         cb.cudnn_backward(qr, qc, kr, kc, vr, o, do, dor, doc, stats.contiguous(), attn_scale=0.1, seq=seq)
-    assert [kind for kind, _ in fake_device] == ["forward", "backward"]
-    assert all(cfg.varlen == varlen for _, cfg in fake_device)
+    assert [kind for kind, _ in fake_device.built] == ["forward", "backward"]
+    assert all(cfg.varlen == varlen for _, cfg in fake_device.built)
 
 
 def test_rows_without_a_result_are_zero_and_minus_inf(fake_device):
