@@ -11,7 +11,7 @@ python -m mxattn info 2>&1 | tee "$OUT/info.txt"
 # in parallel workers when pytest-xdist is there (Triton compiles dominate). test_formats.py needs torchao (a
 # CPU-only oracle) and holds no GPU test.
 XDIST=$(python -c "import xdist" 2>/dev/null && echo "-n 8 -p no:benchmark")
-python -m pytest -q -ra -p no:cacheprovider $XDIST -m "gpu or blackwell" tests --ignore tests/test_formats.py \
+python -m pytest -q -ra -p no:cacheprovider $XDIST -m "gpu or blackwell" tests --ignore tests/quantization/test_formats.py \
     ${1:+-k "$1"} > "$OUT/gpu_tests.txt" 2>&1 &
 TESTS=$!
 # the samples run beside the tests (so their timings are not figures to quote; the benchmark gives those)

@@ -10,9 +10,10 @@ import math
 import os
 
 import pytest
+from repo_paths import ROOT
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(ROOT)
 STUDY = os.path.join(ROOT, "samples", "recipe_study.py")
 
 

@@ -4,6 +4,7 @@ saved-activation bound."""
 import os
 
 import pytest
+from repo_paths import ROOT
 import torch
 from torch import nn
 
@@ -84,9 +85,10 @@ def test_ddp_wraps_a_model_using_the_module(tmp_path):
     # in a child process with a timeout: a gloo teardown problem must fail this test, not hang the suite
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = _DDP_SCRIPT.format(tests=os.path.join(root, "tests"), store=str(tmp_path / "pg"))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    root = str(ROOT)
+    script = _DDP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), store=str(tmp_path / "pg"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.path.join(root, "tests"),
+                                                                    os.environ.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0 and "ddp ok" in result.stdout, result.stderr[-2000:]
 
@@ -259,7 +261,7 @@ def test_saved_activations_bound_against_bf16_sdpa(hq, hkv, bound):
 def _readme_block_source() -> str:
     """The README's `Block` example, as written (the python block that defines it), minus `.cuda()`."""
     import re
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     with open(os.path.join(root, "README.md")) as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
     source = next(b for b in blocks if "class Block" in b)

@@ -1,6 +1,6 @@
 """mxattn.MXFP8KVCache and mxfp8_attention_with_kvcache (reference backend, CPU): every step equals
 mxfp8_attention over the sequence's tokens so far, bit for bit; pages, slots, errors, bytes. The triton
-backend's paged kernel: tests/test_kvcache_gpu.py."""
+backend's paged kernel: tests/kvcache/test_kvcache_gpu.py."""
 
 import warnings
 

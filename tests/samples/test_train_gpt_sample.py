@@ -5,10 +5,11 @@ import math
 import os
 
 import pytest
+from repo_paths import ROOT
 
 import mxattn
 
-SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "samples", "train_gpt.py")
+SAMPLE = os.path.join(str(ROOT), "samples", "train_gpt.py")
 
 # A small config: about 10 s on 2 idle cores (the reference MXFP8 backend dominates).
 ARGV = ["--steps", "30", "--layers", "2", "--dim", "128", "--heads", "4", "--seq", "64", "--batch", "16",

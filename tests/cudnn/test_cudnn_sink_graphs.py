@@ -11,9 +11,9 @@ import importlib.util
 import io
 import itertools
 from contextlib import redirect_stdout
-from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 import torch
 
 cudnn = pytest.importorskip("cudnn")
@@ -395,7 +395,7 @@ def test_supports_validates_the_sink_graphs_up_front(pretend_blackwell, monkeypa
 
 @needs_mxfp8_cudnn
 def test_sample_prints_the_sink_slots():
-    path = Path(__file__).resolve().parents[1] / "samples" / "cudnn_graphs.py"
+    path = ROOT / "samples" / "cudnn_graphs.py"
     spec = importlib.util.spec_from_file_location("mxattn_sample_cudnn_graphs", path)
     sample = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sample)

@@ -11,15 +11,14 @@
 """
 
 import dataclasses
-import pathlib
 import sys
 import warnings
 
 import pytest
+from repo_paths import ROOT
 import torch
 import torch.nn.functional as F
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -31,7 +30,7 @@ from mxattn.formats import quantize_mxfp8  # noqa: E402
 from mxattn.mask import MaskSpec  # noqa: E402
 from mxattn.per_tensor import quantize_per_tensor  # noqa: E402
 from ref import mxfp8_ref as R  # noqa: E402
-from test_attention_api import _inputs  # noqa: E402
+from bhsd_inputs import bhsd_inputs as _inputs  # noqa: E402
 
 # every single-field variant, and two combinations (the FlashAttention tracker's "MXFP8 for QK^T, BF16 for PV",
 # and several changes at once)

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from bhsd_inputs import bhsd_inputs as _inputs
 
 import mxattn
 from mxattn.layouts import from_bhsd
@@ -19,15 +20,6 @@ MASKS = [  # (attn_mask_type, window_size) -> ref kwargs
     ("causal", (40, 0), dict(causal=True, diagonal_alignment="top_left", window=(41, None))),
     ("causal_bottom_right", (24, -1), dict(causal=True, diagonal_alignment="bottom_right", window=(25, None))),
 ]
-
-
-def _inputs(b=2, hq=4, hkv=2, sq=96, skv=80, d=64, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
-    k = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
-    v = torch.randn(b, hkv, skv, d, generator=gen).to(dtype)
-    do = torch.randn(b, hq, sq, d, generator=gen).to(dtype)
-    return q, k, v, do
 
 
 def _run_bhsd(q, k, v, do, **kw):

@@ -3,11 +3,10 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args):

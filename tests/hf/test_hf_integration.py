@@ -9,9 +9,9 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -25,7 +25,6 @@ from transformers import (  # noqa: E402
 )
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "mxfp8"
 CAPTURE = "mxfp8_capture"
 VOCAB = 96

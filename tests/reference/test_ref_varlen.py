@@ -6,13 +6,12 @@ block-diagonal mask (an oracle that shares no code with ref).
 """
 
 import math
-import pathlib
 import sys
 
 import pytest
+from repo_paths import ROOT
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

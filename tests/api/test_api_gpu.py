@@ -127,7 +127,7 @@ def test_fp32_inputs_on_gpu_route_and_come_back_fp32():
 
 def test_triton_infinities_match_the_reference_backend():
     """The triton backend propagates infinities as the reference backend does (and torch SDPA: see
-    tests/test_attention_api.py::test_infinities_as_documented): the same NaN rows for +inf in K, the same
+    tests/api/test_attention_api.py::test_infinities_as_documented): the same NaN rows for +inf in K, the same
     infinite elements for +inf in V."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 256, 2, 64, generator=g).bfloat16() for _ in range(3))

@@ -7,8 +7,9 @@ import os
 import sys
 
 import torch
+from repo_paths import ROOT
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(str(ROOT), "benchmarks"))
 
 import split_kv_numerics as skv  # noqa: E402
 

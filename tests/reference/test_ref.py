@@ -3,12 +3,11 @@
 import math
 import subprocess
 import sys
-import pathlib
 
 import pytest
+from repo_paths import ROOT
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -10,9 +10,9 @@ import struct
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 import torch
 
 cudnn = pytest.importorskip("cudnn")
@@ -455,7 +455,7 @@ def test_cudnn_support_on_this_machine_says_why_and_never_raises():
 
 @needs_mxfp8_cudnn
 def test_sample_prints_both_graphs_and_why_it_cannot_run_them_here():
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     result = subprocess.run([sys.executable, "samples/cudnn_graphs.py", "--seq", "500", "--head-dim", "192",
                              "--head-dim-v", "128", "--kv-heads", "2", "--layout", "sbhd", "--left-bound", "64"],
                             cwd=root, capture_output=True, text=True, timeout=300)
