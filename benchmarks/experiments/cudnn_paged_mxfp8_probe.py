@@ -12,7 +12,6 @@ Usage: python benchmarks/experiments/cudnn_paged_mxfp8_probe.py"""
 import os
 import sys
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import cudnn  # noqa: E402
