@@ -209,3 +209,43 @@ def test_num_splits_is_checked_before_any_work():
                                                 k_new=torch.zeros(1, 1, 32), v_new=torch.zeros(1, 1, 32),
                                                 num_splits=bad, backend="reference")
         assert cache.length(s) == 0
+
+
+def test_decode_takes_the_fast_tile_and_splits_only_long_sequences_on_an_idle_gpu(monkeypatch):
+    """num_splits=0 (the default): a decode step (4 query heads per KV head, one token: 4 rows) takes the 16-row
+    FAST_TILE; with 2 sequences x 2 KV heads on a 132-SM GPU it splits a 4k-token sequence (max pass, split pass,
+    combine) but not a 1k-token one; num_splits=1 keeps the exact tile (launches recorded, not made)."""
+    pytest.importorskip("triton")
+    from mxattn.kernels import triton_paged_attention as tp
+    launched = []
+    monkeypatch.setattr(tp, "launch", lambda fn, grid, *a, **kw: launched.append((fn, grid, kw)))
+    monkeypatch.setattr(tp, "sm_count", lambda device: 132)
+    cache = mxattn.MXFP8KVCache(num_pages=4, page_size=64, kv_heads=2, head_dim=128, max_sequences=2)
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    for max_kv, n in ((1024, 1), (4096, 4)):  # 32 blocks of 128 tokens: 4 splits of 8
+        launched.clear()
+        tp.paged_attention_fwd(q, cu, 1, slots, cache, softmax_scale=0.1, left_bound=None, out=torch.empty_like(q),
+                               num_splits=0, max_seqlen_kv=max_kv)
+        assert launched[0][2]["BM"] == tp.FAST_TILE[0] and launched[0][2]["num_warps"] == tp.FAST_TILE[1]
+        assert launched[0][1] == (n, 2 * 2)
+        assert [kw.get("PASS") for _, _, kw in launched] == ([tp.SINGLE.value] if n == 1 else
+                                                             [tp.MAX_PASS.value, tp.SPLIT_PASS.value, None])
+    launched.clear()
+    tp.paged_attention_fwd(q, cu, 1, slots, cache, softmax_scale=0.1, left_bound=None, out=torch.empty_like(q),
+                           num_splits=1, max_seqlen_kv=4096)
+    assert [(kw["BM"], kw["PASS"]) for _, _, kw in launched] == [(tp.paged_config(128)[0], tp.SINGLE.value)]
+
+
+def test_reference_backend_ignores_num_splits():
+    """The reference backend is the sequential definition whatever num_splits says."""
+    cache = mxattn.MXFP8KVCache(num_pages=8, page_size=32, kv_heads=1, head_dim=32, max_sequences=1)
+    s = cache.new_sequence()
+    g = torch.Generator().manual_seed(5)
+    cache.append(s, torch.randn(150, 1, 32, generator=g).bfloat16(), torch.randn(150, 1, 32, generator=g).bfloat16())
+    q = torch.randn(1, 2, 32, generator=g).bfloat16()
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    outs = [mxattn.mxfp8_attention_with_kvcache(q, cache, [s], cu_seqlens_q=cu, num_splits=n, backend="reference")
+            for n in (0, 1, 7)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
