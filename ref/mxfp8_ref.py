@@ -28,7 +28,7 @@ length that is not a multiple of 32 is padded with zeros):
   element = RNE_saturate_E4M3(x * 2^(127 - e)), computed as an FP32 product
   with the FP32 value 2^(127-e) and clamped to +-448 before the cast.
 Infinities follow torchao 0.18 ``to_mx(..., ScaleCalculationMode.RCEIL)``
-(checked on this machine, see tests/reference/test_ref.py): a block whose amax is +inf
+(checked on this machine, see tests/test_ref.py): a block whose amax is +inf
 gets e = 254 (descale = inf has exponent field 255 and no mantissa bits, the
 clamp gives 254); its elements are x * 2^-127, so +-inf saturates to +-448 and
 finite neighbours become tiny (mostly 0). A NaN block gets e = 255 and every

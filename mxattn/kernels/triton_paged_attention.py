@@ -242,7 +242,7 @@ def _combine_splits_kernel(O, MF, LP, OP, so_t, so_h, T, HQ, D, N_SPLITS, SP: tl
 
 #: exact tiles other than the dense path's: at D128 one warpgroup of a 64-row tile issues the same wgmma
 #: (m64n128k16) with the same row layout as each warpgroup of the dense 128-row / 8-warp tile (measured bit-equal
-#: on an H200, benchmarks/paged_decode_tuning.py; tests/kvcache/test_kvcache_gpu.py checks it), at half the rows
+#: on an H200, benchmarks/paged_decode_tuning.py; tests/test_kvcache_gpu.py checks it), at half the rows
 EXACT_TILES = {128: (64, 4)}
 #: the tile of the fast decode configuration: the fewest rows an MMA takes (mma.sync m16n8k16); three stages
 #: (H200, batch 1 / 4k: 65 us against 105 us with two; benchmarks/paged_decode_tuning.py)

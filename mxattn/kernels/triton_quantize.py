@@ -319,7 +319,7 @@ def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequan
         raise ValueError("quantize_rowcol: col_seq_major needs col=True and excludes col_dequant and swizzle")
     if col_dequant and not row:
         # Triton 3.6 compiles this one combination wrongly on sm_90 (the bf16 copy differs from the column-wise
-        # bytes it was made from; H100 check in tests/triton/test_triton_gpu.py), so it is refused rather than worked around
+        # bytes it was made from; H100 check in tests/test_triton_gpu.py), so it is refused rather than worked around
         raise ValueError("quantize_rowcol: col_dequant needs row=True")
     check_bhsd_tensor(x, "x", INPUT_DTYPES, "cuda")
     varlen = cu_seqlens is not None
