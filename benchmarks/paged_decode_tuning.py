@@ -15,6 +15,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_bench as db  # noqa: E402
 from mxattn.kernels import triton_paged_attention as tp  # noqa: E402
+from mxattn.metrics import bf16_ulps  # noqa: E402
 
 VARIANTS = [(4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 3)]
 
@@ -59,8 +60,7 @@ def main():
             times.append(do_bench(lambda: run(0)) * 1e3)
         tp.FAST_TILE = real_fast
         got = run(0).float()
-        e = torch.frexp(exact.float())[1]
-        ulps = (got - exact.float()).abs() / torch.ldexp(torch.ones_like(got), (e - 8).clamp(min=-133))
+        ulps = bf16_ulps(got, exact)
         k = v = None  # free the bf16 cache before the next one
         run, *_ = setup(batch, context, 64)
         t64 = do_bench(lambda: run(0)) * 1e3

@@ -237,7 +237,10 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     n > 1: n splits; every P is still rounded against the sequential pass's running max (a first pass finds each
     split's max), so the result equals the one-split result to fp32 rounding (the splits' sums are added in
     another order), not bit for bit. 0 (default): 1 when the call already fills the GPU, else enough splits to
-    fill it (fast decode at small batches and long contexts). The reference backend is always sequential."""
+    fill it, each keeping 1k+ tokens (fast decode at small batches and long contexts). Other than 1, a decode
+    step (at most 16 query rows per KV head) also takes a 16-row tile whose MMA sums in another order: the same
+    fp32-rounding agreement (at most one bf16 ulp apart in the GPU tests). The reference backend is always
+    sequential."""
     if backend not in ("auto", "reference", "triton", "cudnn"):
         raise ValueError(f"backend must be one of ('auto', 'cudnn', 'triton', 'reference'), got {backend!r}")
     if backend == "cudnn":

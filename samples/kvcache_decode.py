@@ -15,6 +15,7 @@ import sys
 import torch
 
 import mxattn
+from mxattn.metrics import bf16_ulps
 
 
 def main(argv=None) -> int:
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     print(f"every step equal to mxfp8_attention over the prefix, bit for bit: {exact}")
     fast = mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, backend=backend).float()
     last = out.float()
-    ulps = (fast - last).abs() / torch.ldexp(torch.ones_like(last), (torch.frexp(last)[1] - 8).clamp(min=-133))
+    ulps = bf16_ulps(fast, last)
     print(f"last step again with the default num_splits=0: at most {ulps.max().item():.0f} bf16 ulp(s) from the "
           f"sequential pass, {(fast == last).float().mean().item():.1%} of elements equal")
     print(f"cache bytes: {cache.nbytes() / 1e6:.2f} MB, a bf16 cache of the same pages: "

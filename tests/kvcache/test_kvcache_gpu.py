@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import mxattn
+from mxattn.metrics import bf16_ulps
 
 pytestmark = pytest.mark.gpu
 
@@ -91,12 +92,6 @@ def test_paged_kernel_equals_dense_triton_attention_bit_for_bit(d, page_size, dt
     assert cache.seq_lens[slots].tolist() == [held[s] for s in slots]
 
 
-def _ulps(got, want):
-    """|got - want| in units of want's bf16 ulp (fp32 tensors)."""
-    _, e = torch.frexp(want)
-    return (got - want).abs() / torch.ldexp(torch.ones_like(want), (e - 8).clamp(min=-133))
-
-
 SPLIT_CASES = [  # (d, page_size, kw)
     (128, 256, dict()),
     (64, 64, dict(window_size=(700, 0))),
@@ -129,7 +124,7 @@ def test_split_kv_equals_one_split_to_fp32_rounding(d, page_size, kw):
     one = call(1)
     for n in (2, 5, 16, 64, 0):
         got = call(n)
-        ulps = _ulps(got, one)
+        ulps = bf16_ulps(got, one)
         assert ulps.max().item() <= 1.0, (n, ulps.max().item())
         assert (got == one).float().mean().item() >= 0.98, (n, (got == one).float().mean().item())
 
@@ -150,7 +145,7 @@ def test_paged_kernel_agrees_with_the_reference_cache_call():
     got = mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, backend="triton").float()
     want = mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, backend="reference").float()
     assert (got - want).abs().max().item() <= 1e-2
-    assert (_ulps(got, want) <= 1).float().mean().item() >= 0.999
+    assert (bf16_ulps(got, want) <= 1).float().mean().item() >= 0.999
 
 
 def test_auto_takes_the_paged_kernel_on_cuda(monkeypatch):
