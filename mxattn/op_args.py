@@ -113,14 +113,15 @@ class FwdArgs(NamedTuple):
                       sink_requires_grad: bool) -> "BwdArgs":
         """The backward op's arguments for this forward call's options (and its lengths and sink)."""
         return BwdArgs(do, o, stats, saved, kv_shape, self.softmax_scale, self.bottom_right, self.left_bound,
-                       self.right_bound, self.out_dtype, self.backend, self.cu_seqlens_q, self.cu_seqlens_kv,
+                       self.right_bound, self.out_dtype, self.qkv_format, self.backend, self.cu_seqlens_q, self.cu_seqlens_kv,
                        self.max_seqlen_q, self.max_seqlen_kv, self.packed, self.sink, sink_requires_grad,
                        self.recipe)
 
 
 class BwdArgs(NamedTuple):
     """`mxattn::attention_bwd`'s arguments, in order: dO, O [B,Hq,Sq,D], stats [B,Hq,Sq,1], the backend's saved
-    tensors, K's shape, then the forward's options, lengths and sink, and whether the sink needs a gradient."""
+    tensors, K's shape, then the forward's options (qkv_format: the layout dQ, dK, dV are returned in), lengths and
+    sink, and whether the sink needs a gradient."""
 
     do: Tensor
     o: Tensor
@@ -132,6 +133,7 @@ class BwdArgs(NamedTuple):
     left_bound: Optional[int]
     right_bound: Optional[int]
     out_dtype: torch.dtype
+    qkv_format: str
     backend: str
     cu_seqlens_q: Optional[Tensor]
     cu_seqlens_kv: Optional[Tensor]

@@ -1,26 +1,50 @@
-"""The `torch.library` custom ops (forward, backward) and their autograd wiring.
+"""The `torch.library` ops (forward, backward) and the autograd.Function that makes them differentiable.
 
 `mxattn::attention_fwd` returns O, stats and, flat, what the backend keeps for backward (its `saved_format`: the
-FP8 copies by default); `mxattn::attention_bwd` turns them and dO into dQ, dK, dV. Both have fake (meta)
-implementations, so `torch.compile(fullgraph=True)` traces models that use them without graph breaks. Tensors are
-[B, H, S, D] views (a packed batch as [1, H, T, D]); their arguments are `mxattn.op_args.FwdArgs` / `BwdArgs`
-(the mask as its band, the lengths as a `SeqInfo`'s fields, the numerics as the `Recipe.encode` string, the
-default recipe when left out), which also decode them; nothing here reads an argument by position. The concrete backend is chosen by the
-caller (`mxattn.attention`) and passed by name.
+FP8 copies by default); `mxattn::attention_fwd_no_grad` returns O alone (nothing kept: the backend may skip
+the column-wise copies); `mxattn::attention_bwd` turns the kept tensors and dO into dQ, dK, dV. The ops are
+defined with `torch.library.Library` (schema, one kernel for every device, a fake kernel for tracing) and are
+not differentiable themselves: `attention` wraps them in an autograd.Function, which eager mode runs without
+the dispatcher (the kernels' bodies called directly) and `torch.compile` traces into its graphs, forward and
+backward, calling the ops (fullgraph, no graph breaks). This costs a compiled model a few microseconds of
+dispatch per call where `torch.library.custom_op`'s Python wrappers (autograd, defaults, alias checks) cost
+tens (benchmarks/op_registration_overhead.py).
+
+Tensors are [B, H, S, D] views (a packed batch as [1, H, T, D]); the arguments are `mxattn.op_args.FwdArgs` /
+`BwdArgs` (the mask as its band, the lengths as a `SeqInfo`'s fields, the numerics as the `Recipe.encode`
+string, the default recipe when left out), which also decode them; nothing here reads an argument by position.
+The concrete backend is chosen by the caller (`mxattn.attention`) and passed by name. What the fake kernels
+promise (O, dQ, dK, dV dense in qkv_format order, the saved copies as `saved_format.fake_tensors` lays them
+out) the real kernels deliver: a backend's tensor laid out otherwise is copied.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .backends import get_backend
 from .layouts import dense_strides_bhsd, empty_bhsd
-from .op_args import SINK_INDEX, BwdArgs, FwdArgs
+from .op_args import BwdArgs, FwdArgs
 from .recipe import DEFAULT_RECIPE_KEY, Recipe
 from .seqinfo import SeqInfo
+
+_FWD_ARGUMENTS = ("Tensor q, Tensor k, Tensor v, float softmax_scale, bool bottom_right, SymInt? left_bound, "
+                  "SymInt? right_bound, ScalarType out_dtype, str qkv_format, str backend, Tensor? cu_seqlens_q, "
+                  "Tensor? cu_seqlens_kv, SymInt max_seqlen_q, SymInt max_seqlen_kv, bool packed, Tensor? sink, "
+                  f"str recipe=\"{DEFAULT_RECIPE_KEY}\"")
+_BWD_ARGUMENTS = ("Tensor do, Tensor o, Tensor stats, Tensor[] saved, SymInt[] kv_shape, float softmax_scale, "
+                  "bool bottom_right, SymInt? left_bound, SymInt? right_bound, ScalarType out_dtype, str qkv_format, "
+                  "str backend, "
+                  "Tensor? cu_seqlens_q, Tensor? cu_seqlens_kv, SymInt max_seqlen_q, SymInt max_seqlen_kv, "
+                  f"bool packed, Tensor? sink, bool sink_requires_grad, str recipe=\"{DEFAULT_RECIPE_KEY}\"")
+
+_LIB = torch.library.Library("mxattn", "DEF")
+_LIB.define(f"attention_fwd({_FWD_ARGUMENTS}) -> Tensor[]")
+_LIB.define(f"attention_fwd_no_grad({_FWD_ARGUMENTS}) -> Tensor")
+_LIB.define(f"attention_bwd({_BWD_ARGUMENTS}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def _saved_format(backend: str, recipe: str) -> type:
@@ -28,18 +52,17 @@ def _saved_format(backend: str, recipe: str) -> type:
     return get_backend(backend).saved_format_for(Recipe.decode(recipe))
 
 
-@torch.library.custom_op("mxattn::attention_fwd", mutates_args=())
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, bottom_right: bool,
-                  left_bound: Optional[int], right_bound: Optional[int], out_dtype: torch.dtype,
-                  qkv_format: str, backend: str, cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
-                  max_seqlen_q: int, max_seqlen_kv: int, packed: bool, sink: Optional[Tensor],
-                  recipe: str = DEFAULT_RECIPE_KEY) -> List[Tensor]:
-    """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D], sink None or fp32 [Hq] -> [o [B,Hq,Sq,D] dense in qkv_format order,
-    stats [B,Hq,Sq,1] fp32, then the backend's saved tensors (`saved_format_for(recipe).tensors()`)]."""
-    args = FwdArgs(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
-                   cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, recipe)
-    o, stats, *saved = _fwd_impl(args)
-    return [o, stats, *_as_faked(saved, _saved_format(backend, recipe), q, k, v, args.seq())]
+# --------------------------------------------------------------------------- promised layouts
+
+
+def _conform(t: Tensor, shape, stride) -> Tensor:
+    """t laid out as (shape, stride) promise: t itself, a free re-striding when only the strides of size-1
+    axes differ, else a copy."""
+    if t.stride() == stride:
+        return t
+    if all(a == b or n == 1 for a, b, n in zip(t.stride(), stride, shape)):
+        return t.as_strided(shape, stride)
+    return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _as_faked(saved, saved_format, q: Tensor, k: Tensor, v: Tensor, seq: Optional[SeqInfo]) -> List[Tensor]:
@@ -61,9 +84,7 @@ def _as_faked(saved, saved_format, q: Tensor, k: Tensor, v: Tensor, seq: Optiona
         if t.shape != shape or t.dtype != dtype:
             raise RuntimeError(f"backend saved a tensor {tuple(t.shape)} {t.dtype} where its saved_format's "
                                f"fake_tensors promise {tuple(shape)} {dtype}")
-        if t.stride() != stride:
-            t = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
-        out.append(t)
+        out.append(_conform(t, shape, stride))
     return out
 
 
@@ -71,9 +92,20 @@ def _as_faked(saved, saved_format, q: Tensor, k: Tensor, v: Tensor, seq: Optiona
 _FAKED_LAYOUTS: dict = {}
 
 
+def _grad_strides(args: BwdArgs) -> Tuple[tuple, tuple]:
+    """The strides the backward op promises for dQ (dO's shape) and for dK, dV (kv_shape): dense in qkv_format
+    order, like O (what the kernels write when Q, K, V and dO share that layout, as in a transformer; traced
+    constants only: a compiled graph may hand dO over in other strides than it was traced with)."""
+    return (dense_strides_bhsd(tuple(args.do.shape), args.qkv_format),
+            dense_strides_bhsd(tuple(args.kv_shape), args.qkv_format))
+
+
+# --------------------------------------------------------------------------- the ops' bodies and fakes
+
+
 def _fwd_impl(args: FwdArgs, needs_backward: bool = True):
-    """The forward op's body. needs_backward=False returns O alone and lets the backend skip what only a
-    backward pass needs."""
+    """The forward op's body: [o, stats, *saved] (needs_backward=False: O alone, the backend skipping what only a
+    backward pass needs)."""
     o, stats, saved = get_backend(args.backend).forward(args.q, args.k, args.v, args.params(needs_backward))
     if o.stride() != dense_strides_bhsd(tuple(o.shape), args.qkv_format):  # backends that ignore q's layout
         o = empty_bhsd(tuple(o.shape), args.qkv_format, args.out_dtype, o.device).copy_(o)
@@ -82,119 +114,144 @@ def _fwd_impl(args: FwdArgs, needs_backward: bool = True):
     return [o, stats.contiguous(), *saved.tensors()]
 
 
-@attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format,
-                        backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink,
-                        recipe=DEFAULT_RECIPE_KEY):
-    b, h, s, _ = q.shape
-    args = FwdArgs(q, k, v, softmax_scale, bottom_right, left_bound, right_bound, out_dtype, qkv_format, backend,
-                   cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink, recipe)
-    o = empty_bhsd(tuple(q.shape), qkv_format, out_dtype, q.device)
-    stats = q.new_empty((b, h, s, 1), dtype=torch.float32)
-    return [o, stats, *_saved_format(backend, recipe).fake_tensors(q, k, v, args.seq())]
+def _fwd_kernel(*inputs) -> List[Tensor]:
+    """`mxattn::attention_fwd`: q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D], sink None or fp32 [Hq] -> [o [B,Hq,Sq,D]
+    dense in qkv_format order, stats [B,Hq,Sq,1] fp32, then the backend's saved tensors
+    (`saved_format_for(recipe).tensors()`)]."""
+    args = FwdArgs(*inputs)
+    o, stats, *saved = _fwd_impl(args)
+    return [o, stats, *_as_faked(saved, _saved_format(args.backend, args.recipe), args.q, args.k, args.v,
+                                 args.seq())]
 
 
-@torch.library.custom_op("mxattn::attention_bwd", mutates_args=())
-def attention_bwd(do: Tensor, o: Tensor, stats: Tensor, saved: List[Tensor], kv_shape: List[int],
-                  softmax_scale: float, bottom_right: bool, left_bound: Optional[int], right_bound: Optional[int],
-                  out_dtype: torch.dtype, backend: str, cu_seqlens_q: Optional[Tensor],
-                  cu_seqlens_kv: Optional[Tensor], max_seqlen_q: int, max_seqlen_kv: int, packed: bool,
-                  sink: Optional[Tensor], sink_requires_grad: bool,
-                  recipe: str = DEFAULT_RECIPE_KEY) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dO, O [B,Hq,Sq,D], stats [B,Hq,Sq,1], the backend's saved tensors (as the forward op returned them) and
-    K's shape [B,Hkv,Skv,D] -> contiguous (dq, dk, dv) in out_dtype and dsink (fp32 [Hq] when
-    sink_requires_grad, else an empty tensor)."""
-    return _bwd_impl(BwdArgs(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_bound, right_bound,
-                             out_dtype, backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed,
-                             sink, sink_requires_grad, recipe))
+def _fwd_fake(*inputs) -> List[Tensor]:
+    args = FwdArgs(*inputs)
+    return [_fwd_no_grad_fake(*inputs), args.q.new_empty((*args.q.shape[:3], 1), dtype=torch.float32),
+            *_saved_format(args.backend, args.recipe).fake_tensors(args.q, args.k, args.v, args.seq())]
 
 
-def _bwd_impl(args: BwdArgs, contiguous: bool = True):
-    """The backward op's body (contiguous: False leaves dq, dk, dv in the layout the backend wrote them, which
-    the eager path hands to autograd without copies)."""
+def _fwd_no_grad_kernel(*inputs) -> Tensor:
+    """`mxattn::attention_fwd_no_grad`: O alone ([B,Hq,Sq,D] dense in qkv_format order)."""
+    return _fwd_impl(FwdArgs(*inputs), needs_backward=False)
+
+
+def _fwd_no_grad_fake(*inputs) -> Tensor:
+    args = FwdArgs(*inputs)
+    return empty_bhsd(tuple(args.q.shape), args.qkv_format, args.out_dtype, args.q.device)
+
+
+def _bwd_impl(args: BwdArgs, promised: bool = True):
+    """The backward op's body: (dq, dk, dv, dsink). promised: dq, dk, dv laid out as `_grad_strides` says (the
+    op's promise); False leaves them in the layout the backend wrote, which the eager path hands to autograd."""
     params = args.params(sink_requires_grad=args.sink_requires_grad)
     be = get_backend(args.backend)
     saved_format = be.saved_format_for(params.recipe)
     dq, dk, dv, *dsink = be.backward(saved_format.from_tensors(args.saved, params.seq), args.o, args.stats,
                                      args.do, params)
     dsink = dsink[0] if args.sink_requires_grad else args.stats.new_empty((0,), dtype=torch.float32)
-    if contiguous:
-        dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
+    if promised:
+        q_strides, kv_strides = _grad_strides(args)
+        dq = _conform(dq, dq.shape, q_strides)
+        dk, dv = _conform(dk, dk.shape, kv_strides), _conform(dv, dv.shape, kv_strides)
     return dq, dk, dv, dsink
 
 
-@attention_bwd.register_fake
-def _attention_bwd_fake(do, o, stats, saved, kv_shape, softmax_scale, bottom_right, left_bound, right_bound,
-                        out_dtype, backend, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed, sink,
-                        sink_requires_grad, recipe=DEFAULT_RECIPE_KEY):
-    dq = do.new_empty(do.shape, dtype=out_dtype)
-    dsink = stats.new_empty((do.shape[1] if sink_requires_grad else 0,), dtype=torch.float32)
-    return dq, do.new_empty(kv_shape, dtype=out_dtype), do.new_empty(kv_shape, dtype=out_dtype), dsink
+def _bwd_kernel(*inputs) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`mxattn::attention_bwd`: dO, O [B,Hq,Sq,D], stats [B,Hq,Sq,1], the backend's saved tensors (as the
+    forward op returned them) and K's shape [B,Hkv,Skv,D] -> (dq, dk, dv) in out_dtype, dense in qkv_format
+    order, and dsink (fp32 [Hq] when sink_requires_grad, else an empty tensor)."""
+    return _bwd_impl(BwdArgs(*inputs))
 
 
-def _save_context(ctx, args: FwdArgs, o, stats, saved) -> None:
-    """Keep on ctx what `_backward` needs: O, stats, the backend's saved tensors, the lengths and the sink."""
-    ctx.args = args.without_tensors()
-    ctx.input_dtypes = (args.q.dtype, args.k.dtype, args.v.dtype)
-    ctx.kv_shape = list(args.k.shape)
-    ctx.has_seq, ctx.has_sink = args.cu_seqlens_q is not None, args.sink is not None
-    ctx.save_for_backward(o, stats, *saved, *((args.cu_seqlens_q, args.cu_seqlens_kv) if ctx.has_seq else ()),
-                          *((args.sink,) if ctx.has_sink else ()))
-    ctx.set_materialize_grads(False)  # no zero-filled gradients for the FP8 side outputs
+def _bwd_fake(*inputs) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    args = BwdArgs(*inputs)
+    do, fmt = args.do, args.qkv_format
+    dq = empty_bhsd(tuple(do.shape), fmt, args.out_dtype, do.device)
+    dk, dv = (empty_bhsd(tuple(args.kv_shape), fmt, args.out_dtype, do.device) for _ in range(2))
+    dsink = args.stats.new_empty((do.shape[1] if args.sink_requires_grad else 0,), dtype=torch.float32)
+    return dq, dk, dv, dsink
 
 
-def _setup_context(ctx, inputs, output):
-    o, stats, *saved = output
-    _save_context(ctx, FwdArgs(*inputs), o, stats, saved)
-    ctx.mark_non_differentiable(stats, *saved)
+for _name, _kernel, _fake in (("attention_fwd", _fwd_kernel, _fwd_fake),
+                              ("attention_fwd_no_grad", _fwd_no_grad_kernel, _fwd_no_grad_fake),
+                              ("attention_bwd", _bwd_kernel, _bwd_fake)):
+    _LIB.impl(_name, _kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"mxattn::{_name}", _fake, lib=_LIB)
+
+#: the ops (their default overloads)
+attention_fwd = torch.ops.mxattn.attention_fwd.default
+attention_fwd_no_grad = torch.ops.mxattn.attention_fwd_no_grad.default
+attention_bwd = torch.ops.mxattn.attention_bwd.default
 
 
-def _backward(ctx, grad_o, eager: bool = False):
-    """Gradients of the forward op's inputs from O's gradient (None: nothing to do). The custom op's autograd
-    (eager False: the path torch.compile traces) calls the backward custom op, whose fake implementation
-    tracing needs; the eager autograd.Function (eager True) calls its body directly (no custom-op dispatch, and
-    gradients in the layout of q, k, v: no contiguous copies)."""
-    # one gradient (or None) per argument received: the dispatcher drops trailing arguments equal to their
-    # defaults (the default recipe) before the custom op's autograd sees them
-    n_args = len(ctx.needs_input_grad)
-    if grad_o is None:
-        return (None,) * n_args
-    o, stats, *rest = ctx.saved_tensors
-    sink = rest.pop() if ctx.has_sink else None
-    saved, cu = (rest[:-2], rest[-2:]) if ctx.has_seq else (rest, (None, None))
-    fwd = ctx.args._replace(cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], sink=sink)
-    sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[SINK_INDEX]
-    args = fwd.backward_args(grad_o, o, stats, list(saved), ctx.kv_shape, sink_requires_grad)
-    dq, dk, dv, dsink = _bwd_impl(args, contiguous=False) if eager else attention_bwd(*args)
-    grads = [g if g.dtype == dt else g.to(dt) for g, dt in zip((dq, dk, dv), ctx.input_dtypes)]
-    grads += [None] * (n_args - 3)
-    grads[SINK_INDEX] = dsink if sink_requires_grad else None
-    return tuple(grads)
+# --------------------------------------------------------------------------- autograd
 
 
-def _op_backward(ctx, grads):
-    """The custom op's autograd formula: its output is a list, of which only O's gradient is used."""
-    return _backward(ctx, grads[0])
+#: where the tensors sit among the forward op's arguments
+_TENSOR_SLOTS = tuple(FwdArgs._fields.index(n) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_kv", "sink"))
 
 
-attention_fwd.register_autograd(_op_backward, setup_context=_setup_context)
+def _distinct_tensors(args: FwdArgs) -> Tuple[list, tuple]:
+    """(the distinct tensors among args' tensor arguments, for each tensor slot the index of its tensor there
+    or None): Dynamo traces no autograd.Function given one tensor twice (k is v, cu_seqlens_kv is
+    cu_seqlens_q), so `_Attention` takes each tensor once."""
+    distinct, where = [], []
+    for slot in _TENSOR_SLOTS:
+        t = args[slot]
+        index = None
+        if t is not None:
+            index = next((j for j, u in enumerate(distinct) if u is t), None)
+            if index is None:
+                index = len(distinct)
+                distinct.append(t)
+        where.append(index)
+    return distinct, tuple(where)
 
 
-class _EagerAttention(torch.autograd.Function):
-    """The forward op's eager twin: the same body and backward without torch.library's dispatch (hundreds of
-    microseconds of host time per call), returning O alone (stats and the saved copies stay on ctx, so
-    autograd wires one output instead of a dozen); torch.compile traces the custom op."""
+class _Attention(torch.autograd.Function):
+    """O of the forward op, differentiable. Arguments: the op's options (`FwdArgs` without tensors), where each
+    tensor argument is among the distinct tensors (`_distinct_tensors`), then those tensors. Eager: the ops'
+    bodies called directly (no dispatcher), O alone returned (stats and the saved copies stay on ctx, so
+    autograd wires one output instead of a dozen); under torch.compile Dynamo traces forward and backward,
+    which call the ops."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        args = FwdArgs(*inputs)
-        o, stats, *saved = _fwd_impl(args)
-        _save_context(ctx, args, o, stats, saved)
+    def forward(ctx, options: FwdArgs, where: tuple, *tensors):
+        values = list(options)
+        for slot, index in zip(_TENSOR_SLOTS, where):
+            values[slot] = None if index is None else tensors[index]
+        args = FwdArgs(*values)
+        o, stats, *saved = attention_fwd(*args) if torch.compiler.is_compiling() else _fwd_impl(args)
+        ctx.options, ctx.where = options, where
+        ctx.input_dtypes = (args.q.dtype, args.k.dtype, args.v.dtype)
+        ctx.kv_shape = list(args.k.shape)
+        ctx.has_seq, ctx.has_sink = args.cu_seqlens_q is not None, args.sink is not None
+        ctx.save_for_backward(o, stats, *saved, *((args.cu_seqlens_q, args.cu_seqlens_kv) if ctx.has_seq else ()),
+                              *((args.sink,) if ctx.has_sink else ()))
         return o
 
     @staticmethod
     def backward(ctx, grad_o):
-        return _backward(ctx, grad_o, eager=True)
+        o, stats, *rest = ctx.saved_tensors
+        sink = rest.pop() if ctx.has_sink else None
+        saved, cu = (rest[:-2], rest[-2:]) if ctx.has_seq else (rest, (None, None))
+        fwd = ctx.options._replace(cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], sink=sink)
+        where = ctx.where
+        sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[2 + where[5]]
+        args = fwd.backward_args(grad_o, o, stats, list(saved), ctx.kv_shape, sink_requires_grad)
+        if torch.compiler.is_compiling():
+            dq, dk, dv, dsink = attention_bwd(*args)
+        else:  # gradients in the layout the backend wrote them (no copies)
+            dq, dk, dv, dsink = _bwd_impl(args, promised=False)
+        grads = [None] * (len(ctx.needs_input_grad) - 2)
+        pairs = [(where[0], dq, ctx.input_dtypes[0]), (where[1], dk, ctx.input_dtypes[1]),
+                 (where[2], dv, ctx.input_dtypes[2])]
+        if sink_requires_grad:
+            pairs.append((where[5], dsink, torch.float32))
+        for index, g, dtype in pairs:
+            g = g if g.dtype == dtype else g.to(dtype)
+            grads[index] = g if grads[index] is None else grads[index] + g
+        return (None, None, *grads)
 
 
 def needs_backward(*tensors: Optional[Tensor]) -> bool:
@@ -204,11 +261,12 @@ def needs_backward(*tensors: Optional[Tensor]) -> bool:
 
 
 def attention(args: FwdArgs) -> Tensor:
-    """O [B,Hq,Sq,D] of the forward op on args, differentiable: under torch.compile the custom op; in eager
-    mode its autograd.Function twin when a gradient is needed, else a forward that keeps nothing for backward
-    (the backend may then skip the column-wise copies)."""
-    if torch.compiler.is_compiling():
-        return attention_fwd(*args)[0]
+    """O [B,Hq,Sq,D] of the forward op on args, differentiable when a gradient is needed; else a forward that
+    keeps nothing for backward (the backend may then skip the column-wise copies). Eager calls run the bodies
+    directly; under torch.compile the ops are traced."""
     if needs_backward(args.q, args.k, args.v, args.sink):
-        return _EagerAttention.apply(*args)
+        tensors, where = _distinct_tensors(args)
+        return _Attention.apply(args.without_tensors(), where, *tensors)
+    if torch.compiler.is_compiling():
+        return attention_fwd_no_grad(*args)
     return _fwd_impl(args, needs_backward=False)

@@ -194,14 +194,16 @@ def test_dense_strides_match_an_allocation_in_that_layout(fmt, shape):
     assert empty_bhsd(shape, fmt, torch.float32, "cpu").stride() == dense_strides_bhsd(shape, fmt)
 
 
-def test_eager_paths_agree_with_the_custom_op(monkeypatch):
-    """The eager call skips torch.library's dispatch: with a gradient it runs the ops' autograd.Function twin,
-    without one a forward that keeps nothing. Both give the custom op's numbers bit for bit (the op itself is
-    what torch.compile traces, checked in test_module_compile_memory.py)."""
+def test_eager_paths_agree_with_the_library_ops(monkeypatch):
+    """The eager call skips torch.library's dispatch: with a gradient it runs the autograd.Function on the ops'
+    bodies, without one a forward that keeps nothing. Both give the ops' numbers bit for bit, forward and
+    backward (the ops are what torch.compile traces, checked in test_module_compile_memory.py)."""
     from mxattn import ops
+    from mxattn.op_args import FwdArgs
     q, k, v, _ = _inputs(hq=4, hkv=2, sq=70, skv=90, d=64)
     args = (q, k, v, 0.125, True, None, 0, torch.bfloat16, "bhsd", "reference", None, None, 0, 0, False, None)
-    o_op = ops.attention_fwd(*args)[0]
+    o_op, stats, *saved = ops.attention_fwd(*args)
+    assert torch.equal(ops.attention_fwd_no_grad(*args), o_op)
     calls = []
     real = ops._fwd_impl
     monkeypatch.setattr(ops, "_fwd_impl", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
@@ -216,10 +218,10 @@ def test_eager_paths_agree_with_the_custom_op(monkeypatch):
     assert torch.equal(o_inf, o_op) and torch.equal(o_grad.detach(), o_op)
     do = torch.randn_like(o_grad)
     grads = torch.autograd.grad(o_grad, (qg, kg, vg), do)
-    qo, ko, vo = (t.clone().requires_grad_() for t in (q, k, v))
-    o2 = ops.attention_fwd(qo, ko, vo, *args[3:])[0]
-    for a, b in zip(grads, torch.autograd.grad(o2, (qo, ko, vo), do)):
+    op_grads = ops.attention_bwd(*FwdArgs(*args).backward_args(do, o_op, stats, saved, list(k.shape), False))
+    for a, b in zip(grads, op_grads[:3]):
         assert torch.equal(a, b)
+    assert op_grads[3].numel() == 0
 
 
 def test_cudnn_refusal_names_the_hardware_before_the_library(monkeypatch):

@@ -219,7 +219,7 @@ def test_a_backend_defines_what_it_saves(monkeypatch):
     torch.library.opcheck(ops.attention_fwd, args, test_utils=("test_schema", "test_faketensor"))
     o, stats, *saved = ops.attention_fwd(*args)
     bwd_args = (torch.ones_like(o), o, stats, saved, list(kb.shape), 0.125, False, None, 0, torch.bfloat16,
-                "reference", None, None, 0, 0, False, None, False)
+                "bshd", "reference", None, None, 0, 0, False, None, False)
     # (test_schema compares the FP8 inputs with arithmetic the CPU lacks for float8: fake tensors only)
     torch.library.opcheck(ops.attention_bwd, bwd_args, test_utils=("test_faketensor",))
     torch._dynamo.reset()
@@ -316,13 +316,65 @@ def _op_case(case):
     return q, k, v, "bshd", (cu, cu, 40, 40, False)
 
 
-@pytest.mark.parametrize("case", ["unbind_views", "transposed_views", "sbhd", "bhsd", "thd", "padded_gqa"])
-def test_forward_op_fake_matches_real_for_every_layout(case):
-    """opcheck of the forward op (schema, autograd registration, fake kernel's shapes and strides) on the
-    layouts and strides the eager path accepts."""
+CASES = ["unbind_views", "transposed_views", "sbhd", "bhsd", "thd", "padded_gqa"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_ops_fake_matches_real_for_every_layout(case):
+    """opcheck of the forward ops (schema, fake kernel's shapes and strides) on the layouts and strides the
+    eager path accepts."""
     from mxattn import ops
     q, k, v, fmt, seq = _op_case(case)
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     args = (q, k, v, 0.125, False, None, 0, torch.bfloat16, fmt, "reference", *seq, None)
-    torch.library.opcheck(ops.attention_fwd, args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    for op in (ops.attention_fwd, ops.attention_fwd_no_grad):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_backward_op_returns_the_layouts_its_fake_promises(case):
+    """The backward op's dQ, dK, dV are dense in qkv_format order, as its fake kernel says, whatever strides dO
+    arrives in (a compiled graph may hand it over otherwise than traced), and equal the eager gradients."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mxattn import ops
+    from mxattn.layouts import dense_strides_bhsd
+    from mxattn.op_args import FwdArgs
+    q, k, v, fmt, seq = _op_case(case)
+    args = FwdArgs(q, k, v, 0.125, False, None, 0, torch.bfloat16, fmt, "reference", *seq, None)
+    o, stats, *saved = ops.attention_fwd(*args)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+    expected = None
+    for grad_o in (do, do.contiguous(), do.transpose(1, 2).contiguous().transpose(1, 2)):
+        bwd = args.backward_args(grad_o, o, stats, saved, list(k.shape), False)
+        dq, dk, dv, dsink = ops.attention_bwd(*bwd)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = ops.attention_bwd(*bwd._replace(do=mode.from_tensor(grad_o)))
+        for got, promised, shape in zip((dq, dk, dv), fake, (q.shape, k.shape, k.shape)):
+            assert got.shape == promised.shape == shape
+            assert got.stride() == promised.stride() == dense_strides_bhsd(tuple(shape), fmt)
+        assert dsink.numel() == fake[3].numel() == 0
+        expected = expected or (dq, dk, dv)
+        assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), expected))
+
+
+def test_compiled_call_with_one_tensor_for_k_and_v():
+    """k is v (and cu_seqlens_kv is cu_seqlens_q) reach the autograd.Function once each (Dynamo refuses a
+    tensor given twice): fullgraph compiles, and the gradient of the shared tensor is dK + dV."""
+    torch._dynamo.reset()
+    q, kv, _ = _qkv("bshd", hq=4, hkv=4)
+
+    def fn(q, kv):
+        return mxattn.mxfp8_attention(q, kv, kv, attn_mask_type="causal", backend="reference")
+
+    results = []
+    for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, kv)]
+        out = run(*leaves)
+        out.float().square().sum().backward()
+        results.append((out.detach(), leaves[0].grad, leaves[1].grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    k2, v2 = kv.detach().clone().requires_grad_(), kv.detach().clone().requires_grad_()
+    mxattn.mxfp8_attention(q, k2, v2, attn_mask_type="causal", backend="reference").float().square().sum().backward()
+    assert torch.equal(results[0][2], k2.grad + v2.grad)
+    torch._dynamo.reset()

@@ -13,7 +13,7 @@ from mxattn.seqinfo import SeqInfo
 
 
 def _schema_names(op):
-    return [a.name for a in op._opoverload._schema.arguments]
+    return [a.name for a in op._schema.arguments]
 
 
 def test_named_arguments_follow_the_op_schemas():
