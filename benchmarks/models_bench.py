@@ -2,7 +2,8 @@
 MXFP8 attention through the project's own HF registration, same seed, same run.
 
 Measured per model (ratios mxfp8 / sdpa in the same run):
-  * training step time (bf16 autocast, AdamW), eager and under torch.compile(model);
+  * training step time (bf16 autocast, AdamW), eager and under torch.compile(model), both models timed in
+    alternating rounds (the shared host's slow phases fall on both; ratio = median of the per-round ratios);
   * inference: prefill of --prompt tokens + --new-tokens greedy decode steps with transformers' KV cache,
     batch 1 and 8: tokens/s of the decode phase (and the prefill time);
 and, for the op itself, a tiny call (B1 S128 H8 D64, bshd, bf16): wall time per call in a loop (forward
@@ -118,32 +119,45 @@ def cuda_time(fn, warmup: int, iters: int) -> float:
 
 
 @releases_memory
-def train_step_ms(factory, attn: str, compiled: bool, quick: bool) -> dict:
-    name, model, shape, vocab = build(factory, attn, quick)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
-    run = torch.compile(model) if compiled else model
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    ids = torch.randint(0, vocab, (shape["batch"], shape["seq"]), device=DEVICE, generator=g)
-    losses = []
+def train_pair(factory, compiled: bool, quick: bool, rounds: int = 5) -> dict:
+    """Training step time of the model with SDPA and with mxattn, both built (same seed, same batch) and then
+    timed in alternating rounds (ABBA order; `cuda_time` each round), so the shared host's slow phases fall on
+    both: median ms per attention over the rounds and the median of the per-round ratios."""
+    steps, losses, first_s = {}, {}, {}
+    for attn in ("sdpa", NAME):
+        name, model, shape, vocab = build(factory, attn, quick)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
+        run = torch.compile(model) if compiled else model
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        ids = torch.randint(0, vocab, (shape["batch"], shape["seq"]), device=DEVICE, generator=g)
+        losses[attn] = []
 
-    def step():
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            loss = run(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        def step(run=run, opt=opt, ids=ids, out=losses[attn]):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                loss = run(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(loss.detach())
 
-    t0 = time.perf_counter()
-    step()
-    sync()
-    first_s = time.perf_counter() - t0
-    ms = cuda_time(step, warmup=3, iters=8 if quick else 20)
-    out = dict(model=name, attn=attn, compiled=compiled, step_ms=ms, first_step_s=first_s,
-               batch=shape["batch"], seq=shape["seq"], final_loss=float(losses[-1]))
+        t0 = time.perf_counter()
+        step()
+        sync()
+        first_s[attn] = time.perf_counter() - t0
+        steps[attn] = step
+    per_round = {a: [] for a in steps}
+    iters = 4 if quick else 10
+    for r in range(rounds):
+        for attn in (("sdpa", NAME) if r % 2 == 0 else (NAME, "sdpa")):
+            per_round[attn].append(cuda_time(steps[attn], warmup=2, iters=iters))
     torch._dynamo.reset()
-    return out
+    ratios = [m / s for m, s in zip(per_round[NAME], per_round["sdpa"])]
+    return dict(model=name, batch=shape["batch"], seq=shape["seq"], mode="compiled" if compiled else "eager",
+                sdpa_ms=statistics.median(per_round["sdpa"]), mxfp8_ms=statistics.median(per_round[NAME]),
+                ratio=statistics.median(ratios), rounds_sdpa_ms=per_round["sdpa"], rounds_mxfp8_ms=per_round[NAME],
+                first_step_s_sdpa=first_s["sdpa"], first_step_s_mxfp8=first_s[NAME],
+                loss_sdpa=float(losses["sdpa"][-1]), loss_mxfp8=float(losses[NAME][-1]))
 
 
 @releases_memory
@@ -290,7 +304,7 @@ def markdown(res: dict) -> str:
              "random-weight models built from configs, same seed; ratio = mxfp8 / sdpa (time) or mxfp8 / sdpa "
              "(tokens/s), measured in the same run by `python benchmarks/models_bench.py`."]
     if res["train"]:
-        lines += ["", "## Training step (bf16 autocast, fused AdamW), median ms", "",
+        lines += ["", "## Training step (bf16 autocast, fused AdamW), median ms over alternating rounds (`train_pair`)", "",
                   "| model | B x S | mode | sdpa ms | mxfp8 ms | ratio (target <= 1.15) | final loss sdpa / mxfp8 |",
                   "|---|---|---|---|---|---|---|"]
     for row in res["train"]:
@@ -360,18 +374,13 @@ def main(argv=None) -> int:
     for factory in chosen:
         for compiled in ((False,) if args.no_compile else (False, True)):
             try:
-                r = {a: train_step_ms(factory, a, compiled, args.quick) for a in ("sdpa", NAME)}
+                row = train_pair(factory, compiled, args.quick)
             except Exception as exc:  # a failure is a result too: recorded, and the other rows still run
                 res.setdefault("errors", []).append(f"train {factory.__name__} compiled={compiled}: "
                                                     f"{type(exc).__name__}: {str(exc)[:800]}")
                 print(res["errors"][-1], flush=True)
                 torch._dynamo.reset()
                 continue
-            row = dict(model=r["sdpa"]["model"], batch=r["sdpa"]["batch"], seq=r["sdpa"]["seq"],
-                       mode="compiled" if compiled else "eager", sdpa_ms=r["sdpa"]["step_ms"],
-                       mxfp8_ms=r[NAME]["step_ms"], ratio=r[NAME]["step_ms"] / r["sdpa"]["step_ms"],
-                       first_step_s_sdpa=r["sdpa"]["first_step_s"], first_step_s_mxfp8=r[NAME]["first_step_s"],
-                       loss_sdpa=r["sdpa"]["final_loss"], loss_mxfp8=r[NAME]["final_loss"])
             res["train"].append(row)
             print(row, flush=True)
         for batch in (1, 8):

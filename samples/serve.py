@@ -1,5 +1,6 @@
 """Serve a batch of prompts of different lengths with a Hugging Face decoder on MXFP8 attention, its KV cache
-in MXFP8 (`mxattn.integrations.hf_cache.MXFP8Cache`) against transformers' bf16 `DynamicCache`.
+in MXFP8 (`mxattn.integrations.hf_cache.MXFP8Cache`, and the paged `MXFP8PagedCache` whose FP8 pages the attention
+reads directly) against transformers' bf16 `DynamicCache`.
 
     python samples/serve.py                          # a random-weight Llama (GQA) from a config, CPU or GPU
     python samples/serve.py --model PATH             # a local checkpoint with its tokenizer
@@ -12,7 +13,11 @@ E4M3 bytes plus one E8M0 scale per 32 values, the open V block of 32 tokens in t
 prompts got the same tokens from both caches. With unpadded or right-padded batches the MXFP8 cache changes
 nothing under mxattn's attention (bit for bit); with left padding a row's V blocks start at its first, padded,
 position, so a prompt's values share block scales with padding rows there and its tokens may differ after a
-near-tie (the module docstring of mxattn.integrations.hf_cache says why).
+near-tie (the module docstring of mxattn.integrations.hf_cache says why). The paged cache stores each prompt's
+real tokens only (its V blocks start at the prompt's first token, as in an unpadded call); its bytes are its
+pages, allocated for the padded prompt plus the new tokens of every row (--page-size tokens per page), and its
+open V blocks (32 tokens per row and KV head in the model's dtype); printed against bf16 pages of the same capacity
+too.
 """
 
 import argparse
@@ -23,7 +28,7 @@ import warnings
 import torch
 
 import mxattn.integrations.transformers as mx_hf
-from mxattn.integrations.hf_cache import MXFP8Cache
+from mxattn.integrations.hf_cache import MXFP8Cache, MXFP8PagedCache
 
 
 def _dynamic_cache_bytes(cache) -> int:
@@ -76,7 +81,10 @@ def _serve(model, batch, make_cache, args, pad_id):
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
     tokens = out[:, batch["input_ids"].shape[1]:]
-    size = cache.nbytes() if isinstance(cache, MXFP8Cache) else _dynamic_cache_bytes(cache)
+    size = cache.nbytes() if isinstance(cache, (MXFP8Cache, MXFP8PagedCache)) else _dynamic_cache_bytes(cache)
+    if isinstance(cache, MXFP8PagedCache):
+        print(f"MXFP8PagedCache: {cache.nbytes() / cache.bf16_nbytes():.3f}x the bytes of bf16 pages of the same "
+              f"capacity")
     return tokens, tokens.numel() / statistics.median(times), size
 
 
@@ -89,11 +97,12 @@ def main():
     ap.add_argument("--max-prompt", type=int, default=90, help="longest random prompt, tokens (default 90)")
     ap.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per cache, median (default 2)")
+    ap.add_argument("--page-size", type=int, default=32, help="MXFP8PagedCache tokens per page (default 32)")
     ap.add_argument("--backend", default="auto", help="mxattn backend: auto, cudnn, triton or reference")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype")
     args = ap.parse_args()
-    for flag in ("prompts", "min_prompt", "new_tokens", "repeats"):
+    for flag in ("prompts", "min_prompt", "new_tokens", "repeats", "page_size"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.max_prompt < args.min_prompt:
@@ -106,15 +115,19 @@ def main():
     print(f"serving {len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens (left-padded), "
           f"{args.new_tokens} new tokens each, {args.dtype} on {args.device}, attention mxfp8 ({args.backend})")
     results = {}
+    positions = batch["input_ids"].shape[1] + args.new_tokens
     for label, make in (("bf16 DynamicCache" if args.dtype == torch.bfloat16 else "DynamicCache",
-                         lambda: DynamicCache(config=model.config)), ("MXFP8Cache", MXFP8Cache)):
+                         lambda: DynamicCache(config=model.config)), ("MXFP8Cache", MXFP8Cache),
+                        ("MXFP8PagedCache", lambda: MXFP8PagedCache(positions, page_size=args.page_size))):
         results[label] = _serve(model, batch, make, args, pad_id)
         _, tok_s, size = results[label]
         print(f"{label:18s} {tok_s:9.1f} tokens/s   cache {size / 2**20:8.3f} MiB")
-    (ref_tokens, _, ref_bytes), (mx_tokens, _, mx_bytes) = results.values()
-    same = sum(int(torch.equal(a, b)) for a, b in zip(ref_tokens, mx_tokens))
-    print(f"MXFP8 cache bytes / {next(iter(results))} bytes: {mx_bytes / ref_bytes:.3f}")
-    print(f"{same} of {len(lengths)} prompts got the same tokens from both caches")
+    ref_label, (ref_tokens, _, ref_bytes) = next(iter(results.items()))
+    for label in ("MXFP8Cache", "MXFP8PagedCache"):
+        mx_tokens, _, mx_bytes = results[label]
+        same = sum(int(torch.equal(a, b)) for a, b in zip(ref_tokens, mx_tokens))
+        print(f"{label} bytes / {ref_label} bytes: {mx_bytes / ref_bytes:.3f}; {same} of {len(lengths)} prompts "
+              f"got the same tokens as with the {ref_label}")
 
 
 if __name__ == "__main__":

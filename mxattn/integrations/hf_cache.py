@@ -1,8 +1,21 @@
-"""A transformers KV cache that stores keys and values in MXFP8 (about 0.53x of a bf16 cache's bytes).
+"""transformers KV caches that store keys and values in MXFP8 (about 0.53x of a bf16 cache's bytes).
 
->>> from mxattn.integrations.hf_cache import MXFP8Cache
+>>> from mxattn.integrations.hf_cache import MXFP8Cache, MXFP8PagedCache
 >>> out = model.generate(**batch, past_key_values=MXFP8Cache(), max_new_tokens=64)
+>>> out = model.generate(**batch, past_key_values=MXFP8PagedCache(max_cache_len=4096), max_new_tokens=64)
 
+`MXFP8PagedCache` (attn_implementation registered by `mxattn.integrations.transformers.register`, eager
+generation): each layer is an `mxattn.MXFP8KVCache` with one sequence slot per batch row, holding only each row's
+real tokens (left padding is not stored), and mxattn's attention function reads its pages directly through
+`mxattn.mxfp8_attention_with_kvcache` (the Triton paged kernel on CUDA, the reference elsewhere): no bf16 copy of
+the cache is made at any step. The step's new keys and values reach the pages inside the attention call, where
+the mask says which tokens are real; a layer whose keys were not read that way (another attention function)
+raises at its next update rather than attend the new tokens alone. Attention equals `mxfp8_attention` over each
+sequence's real tokens (V's blocks of 32 from its first real token), so generation equals a bf16
+`DynamicCache` under the same attention function bit for bit on the reference backend. Masks read: causal with
+left padding (what `generate` builds), optionally a sliding window; anything else raises `UnsupportedMaskError`.
+
+`MXFP8Cache` works under any attention function:
 Each layer keeps K row-wise (blocks of 32 along the head dim; a token's bytes never change) and V column-wise in
 blocks of 32 tokens from position 0, the open block in the model's dtype until it fills, as `mxattn.MXFP8KVCache`
 does. `update` returns the exact dequantizations (plus the open block), so any attention implementation reads it.
@@ -19,8 +32,14 @@ from __future__ import annotations
 
 import torch
 
+import functools
+from typing import Optional
+
+from ..constants import MX_BLOCK, ceil_div
 from ..formats import MXFP8Tensor, cat_bytes, quantize_mxfp8
-from ..kvcache import seal_value_blocks
+from ..kvcache import MXFP8KVCache, mxfp8_attention_with_kvcache, seal_value_blocks
+from ..tensor_cache import TensorValueCache
+from .hf_masks import UnsupportedMaskError
 
 try:
     from transformers.cache_utils import Cache, DynamicLayer
@@ -33,8 +52,26 @@ def _cat(a, b, dim):
     return b if a is None else cat_bytes([a, b], dim=dim)
 
 
-class MXFP8CacheLayer(DynamicLayer):
+class _AppendOnlyLayer(DynamicLayer):
+    """A cache layer that only grows: beam search's reordering, cropping, repeating and offloading raise."""
+
+    cache_name = "this cache"
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError(f"{self.cache_name} does not reorder, crop or repeat its layers (beam search, "
+                                  "assisted decoding); use transformers' DynamicCache there")
+
+    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = offload = prefetch = _unsupported
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.keys = self.values = None
+
+
+class MXFP8CacheLayer(_AppendOnlyLayer):
     """One layer's MXFP8 storage ([batch, kv_heads, seq, head_dim] tensors, as transformers hands them)."""
+
+    cache_name = "MXFP8Cache"
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -67,15 +104,6 @@ class MXFP8CacheLayer(DynamicLayer):
         return sum(t.numel() * t.element_size() for t in (self.k_data, self.k_scale, self.v_data, self.v_scale,
                                                           self.v_open) if t is not None)
 
-    def _unsupported(self, *args, **kwargs):
-        raise NotImplementedError("MXFP8Cache does not reorder, crop or repeat its layers (beam search, assisted "
-                                  "decoding); use transformers' DynamicCache there")
-
-    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = offload = prefetch = _unsupported
-
-    def reset(self) -> None:
-        self.is_initialized = False
-        self.keys = self.values = None
 
 
 class MXFP8Cache(Cache):
@@ -90,4 +118,159 @@ class MXFP8Cache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
 
-__all__ = ["MXFP8Cache", "MXFP8CacheLayer"]
+class MXFP8PagedLayer(_AppendOnlyLayer):
+    """One layer's paged MXFP8 storage: an `MXFP8KVCache` of page_size-token pages, one slot per batch row, room
+    for max_cache_len tokens per row. `update` keeps the step's new keys and values for mxattn's attention
+    function, which appends each row's real tokens and attends (`attend`)."""
+
+    cache_name = "MXFP8PagedCache"
+
+    def __init__(self, page_size: int, max_cache_len: int):
+        super().__init__()
+        self.page_size, self.max_cache_len = page_size, max_cache_len
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        pages = ceil_div(self.max_cache_len, self.page_size)
+        self.store = MXFP8KVCache(b * pages, self.page_size, h, d, max_sequences=b, dtype=key_states.dtype,
+                                  device=key_states.device)
+        self.slots = [self.store.new_sequence() for _ in range(b)]
+        self.positions = 0      # positions transformers counts (left padding included)
+        self.pending = None     # the step's new (keys, values), until `attend` stores them
+        self.first_real = None  # each row's first real position (after its left padding), from the first step
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Keep the new tokens [B, Hkv, S, D] for `attend`; return them, marked as this layer's."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.pending is not None:
+            raise RuntimeError(
+                "MXFP8PagedCache: the previous step's keys and values of this layer were never stored, because "
+                "the attention function was not mxattn's (the paged cache is read by it alone); register it with "
+                "mxattn.integrations.transformers.register() and load the model with that attn_implementation")
+        if self.positions + key_states.shape[-2] > self.max_cache_len:
+            raise ValueError(f"MXFP8PagedCache holds max_cache_len={self.max_cache_len} positions per row; this "
+                             f"step would reach {self.positions + key_states.shape[-2]}")
+        self.pending = (key_states, value_states)
+        self.positions += key_states.shape[-2]
+        key_states._mxattn_paged_layer = self
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.positions if self.is_initialized else 0
+
+    def nbytes(self) -> int:
+        """Bytes of the layer's pages, scales and open V blocks."""
+        return self.store.nbytes() if self.is_initialized else 0
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Optional[torch.Tensor], *, scaling: Optional[float], sliding_window: Optional[int],
+               softmax_kwargs: dict, backend: str) -> torch.Tensor:
+        """Store the step's real tokens and attend: query [B, Hq, Sq, D], key/value the tensors `update`
+        returned, attention_mask None or bool [B, 1, Sq, positions] -> O [B, Sq, Hq, D] (zeros on padding rows)."""
+        if self.pending is None or key is not self.pending[0]:
+            raise RuntimeError("MXFP8PagedCache: these keys are not the ones this layer's update returned")
+        b, hq, sq, d = query.shape
+        new = _new_tokens_per_row(attention_mask, b, sq, self.positions, sliding_window, query.device,
+                                  self.first_real)
+        lengths = [self.store.length(slot) for slot in self.slots]
+        for row, (n, real) in enumerate(zip(new.counts, new.lengths)):
+            if lengths[row] + n != real:
+                raise UnsupportedMaskError(
+                    f"row {row}: the mask gives it {real} real positions, the cache holds {lengths[row]} and this "
+                    f"step adds {n}: MXFP8PagedCache reads left padding only (padding before each row's first "
+                    "token, as generate builds it)")
+        self.pending, self.first_real = None, new.first
+        flat = lambda x: x.transpose(1, 2).reshape(b * sq, x.shape[1], x.shape[3])  # noqa: E731 [B*S, H, D]
+        rows = new.rows
+        window = None if not sliding_window else (int(sliding_window) - 1, 0)
+        o = mxfp8_attention_with_kvcache(
+            flat(query).index_select(0, rows), self.store, self.slots, cu_seqlens_q=new.cu_seqlens,
+            k_new=flat(key).index_select(0, rows), v_new=flat(value).index_select(0, rows), softmax_scale=scaling,
+            window_size=window, backend=backend, **softmax_kwargs)
+        out = o.new_zeros((b * sq, hq, d)).index_copy(0, rows, o)
+        return out.view(b, sq, hq, d)
+
+
+
+class _NewTokens:
+    """Which of a step's tokens are real, per row: first (each row's first real position), counts (real new
+    tokens), lengths (real positions after the step), rows (int64 indices into the step's [B * Sq] tokens, row by
+    row) and cu_seqlens (int32 [B + 1]); host ints where not said."""
+
+    def __init__(self, first, positions: int, sq: int, device):
+        self.first = tuple(first)
+        self.counts = [min(sq, max(0, positions - f)) for f in first]
+        self.lengths = [max(0, positions - f) for f in first]
+        self.rows = torch.tensor([r * sq + j for r, n in enumerate(self.counts) for j in range(sq - n, sq)],
+                                 dtype=torch.int64, device=device)
+        cu = [0]
+        for n in self.counts:
+            cu.append(cu[-1] + n)
+        self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+#: the step's token facts by mask (every layer of a step hands over the same mask)
+_STEPS = TensorValueCache()
+
+
+def _new_tokens_per_row(mask: Optional[torch.Tensor], b: int, sq: int, positions: int,
+                        sliding_window: Optional[int], device: torch.device, first: Optional[tuple]) -> _NewTokens:
+    """The real tokens of a step of Sq new positions ending at `positions` (first: each row's first real position
+    when an earlier step found it), read off transformers' boolean mask (None: every token real), after checking
+    that the mask is causal with left padding (and the sliding window)."""
+    if mask is None:
+        return _NewTokens(first if first is not None else [0] * b, positions, sq, device)
+    return _STEPS.get((mask,), (b, sq, positions, sliding_window, first),
+                      functools.partial(_read_mask, mask, b, sq, positions, sliding_window, first))
+
+
+def _read_mask(mask: torch.Tensor, b: int, sq: int, positions: int, sliding_window: Optional[int],
+               first: Optional[tuple]) -> _NewTokens:
+    if mask.dtype != torch.bool or tuple(mask.shape) not in ((b, 1, sq, positions), (b, sq, positions)):
+        raise UnsupportedMaskError(f"MXFP8PagedCache reads boolean masks [B, 1, Sq, kv] = {(b, 1, sq, positions)} "
+                                   f"(transformers' SDPA masks), got {mask.dtype} {tuple(mask.shape)}")
+    m = mask.reshape(b, sq, positions)
+    if first is None:  # the first step (prefill): each row's first key that any of its queries sees
+        seen = m.any(1)
+        start = torch.where(seen.any(-1), seen.int().argmax(-1), torch.full_like(seen[:, 0], positions,
+                                                                                   dtype=torch.long))
+    else:
+        start = torch.tensor(first, dtype=torch.long, device=m.device)
+    kpos = torch.arange(positions, device=m.device).view(1, 1, -1)
+    qpos = (positions - sq + torch.arange(sq, device=m.device)).view(1, sq, 1)
+    expected = (kpos <= qpos) & (kpos >= start.view(b, 1, 1)) & (qpos >= start.view(b, 1, 1))
+    if sliding_window:
+        expected &= qpos - kpos < int(sliding_window)
+    if not torch.equal(m, expected):
+        raise UnsupportedMaskError("MXFP8PagedCache reads causal masks with left padding (and a sliding window), "
+                                   "as generate builds them; this mask is another")
+    return _NewTokens(start.tolist() if first is None else first, positions, sq, mask.device)
+
+
+class MXFP8PagedCache(Cache):
+    """A transformers `Cache` of paged MXFP8 layers (`MXFP8PagedLayer`) read directly by mxattn's attention
+    function; pass it as `past_key_values` to `generate` (eager) of a model whose attn_implementation is
+    registered by `mxattn.integrations.transformers.register`. max_cache_len: positions per batch row (prompt,
+    its left padding and the new tokens); page_size: tokens per page, a multiple of 32."""
+
+    def __init__(self, max_cache_len: int, page_size: int = 256):
+        for name, value in (("max_cache_len", max_cache_len), ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if page_size % MX_BLOCK:
+            raise ValueError(f"page_size must be a multiple of {MX_BLOCK}, got {page_size}")
+        super().__init__(layer_class_to_replicate=functools.partial(MXFP8PagedLayer, page_size, max_cache_len))
+
+    def nbytes(self) -> int:
+        """Bytes held by all layers (pages allocated for max_cache_len positions per row)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def bf16_nbytes(self) -> int:
+        """Bytes bf16 K and V pages of the same capacity would take."""
+        return sum(layer.store.bf16_nbytes() for layer in self.layers if layer.is_initialized)
+
+
+__all__ = ["MXFP8Cache", "MXFP8CacheLayer", "MXFP8PagedCache", "MXFP8PagedLayer"]

@@ -24,7 +24,8 @@ batches (``DataCollatorWithFlattening``: one row of packed sequences with the ``
 ``max_length_q/k`` kwargs, as transformers hands flash attention) run as one packed (thd) call.
 
 Not supported (raise ``NotImplementedError``): attention dropout in training, logit soft-capping, additive position
-bias (T5-like), paged KV caches (continuous batching).
+bias (T5-like), transformers' paged KV caches (continuous batching). mxattn's own paged MXFP8 cache
+(`mxattn.integrations.hf_cache.MXFP8PagedCache`, eager generation) is read directly by this function.
 """
 
 from __future__ import annotations
@@ -97,6 +98,10 @@ def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = No
                     "model built no mask and padding would be ignored; register it with "
                     "mxattn.integrations.transformers.register(name=...)")
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        paged = getattr(key, "_mxattn_paged_layer", None)
+        if paged is not None:      # an MXFP8PagedCache layer's new tokens: its pages are read directly
+            return _paged_cache_call(paged, query, key, value, attention_mask, causal, scaling, sliding_window,
+                                     s_aux, backend, call_recipe), None
         batch, _, q_len, head_dim = query.shape
         kv_len = key.shape[2]
         # attention sinks (gpt-oss's s_aux: one logit per query head) are mxattn's learnable sink
@@ -138,6 +143,22 @@ def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = No
     mxfp8_attention_forward.mxattn_backend = backend
     mxfp8_attention_forward.mxattn_recipe = recipe
     return mxfp8_attention_forward
+
+
+def _paged_cache_call(layer, query, key, value, attention_mask, causal: bool, scaling, sliding_window, s_aux,
+                      backend: str, recipe) -> torch.Tensor:
+    """Attention of a step over an `MXFP8PagedCache` layer (`MXFP8PagedLayer.attend`): [B, Sq, Hq, D]."""
+    if recipe is not None:
+        raise NotImplementedError("MXFP8PagedCache runs the default recipe only (mxfp8_attention_with_kvcache); "
+                                  "use transformers' DynamicCache with a recipe variant")
+    if not causal:
+        raise UnsupportedMaskError("MXFP8PagedCache serves causal decoders (generation); this module is not causal")
+    if value.shape[-1] != query.shape[-1]:
+        raise NotImplementedError(f"MXFP8PagedCache needs one head dim for K and V, got {query.shape[-1]} and "
+                                  f"{value.shape[-1]}")
+    softmax = {} if s_aux is None else dict(softmax_type="learnable", softmax_offset=s_aux.float())
+    return layer.attend(query, key, value, attention_mask, scaling=scaling, sliding_window=sliding_window,
+                        softmax_kwargs=softmax, backend=backend)
 
 
 def _plan_flattened(kwargs: dict, batch: int, q_len: int, kv_len: int, causal: bool,

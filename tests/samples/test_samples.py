@@ -128,9 +128,13 @@ def test_serve_sample_reports_speed_bytes_and_agreement():
     # ~255 cached tokens per row: the open V block (up to 31 tokens in bf16) is a small share of the bytes
     out = _run("samples/serve.py", "--prompts", "3", "--new-tokens", "6", "--repeats", "1", "--min-prompt", "240",
                "--max-prompt", "250", "--backend", "reference")
-    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
-    for label in ("bf16", "MXFP8Cache"):
-        assert "tokens/s" in lines[label] and "MiB" in lines[label], out
-    ratio = float(lines["MXFP8"].rsplit(":", 1)[1])
-    assert 0.5 < ratio < 0.56, out                 # E4M3 + E8M0 per 32 + one open bf16 V block per layer
-    assert out.strip().splitlines()[-1].endswith("prompts got the same tokens from both caches")
+    import re
+    for label in ("bf16 DynamicCache", "MXFP8Cache", "MXFP8PagedCache"):
+        assert re.search(rf"^{label} +[0-9.]+ tokens/s +cache +[0-9.]+ MiB$", out, re.M), out
+    found = re.findall(r"^(MXFP8\w*Cache) bytes / bf16 DynamicCache bytes: ([0-9.]+); ([0-9]) of 3 prompts got "
+                       r"the same tokens", out, re.M)
+    ratios, same = {f[0]: float(f[1]) for f in found}, {f[0]: int(f[2]) for f in found}
+    assert 0.5 < ratios["MXFP8Cache"] < 0.56, out  # E4M3 + E8M0 per 32 + one open bf16 V block per layer
+    assert same["MXFP8PagedCache"] == 3, out         # each prompt's real tokens alone: the DynamicCache's numbers
+    paged = float(re.search(r"MXFP8PagedCache: ([0-9.]+)x the bytes of bf16 pages", out).group(1))
+    assert 0.5 < paged < 0.7, out                  # the pages (8 of 32 tokens per row) + the open V blocks

@@ -1,0 +1,103 @@
+"""`MXFP8PagedCache`: transformers' generate over mxattn's paged MXFP8 KV cache, read directly by mxattn's attention
+function (reference backend on the CPU; tests/hf/test_hf_gpu.py runs the Triton paged kernel)."""
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import mxattn.integrations.transformers as mx_hf  # noqa: E402
+from mxattn.integrations.hf_cache import MXFP8PagedCache  # noqa: E402
+from mxattn.integrations.hf_masks import UnsupportedMaskError  # noqa: E402
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
+
+NAME = "mxfp8_pages_test"
+VOCAB = 96
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mx_hf.register(NAME, backend="reference")
+        yield
+    mx_hf.unregister(NAME)
+
+
+def _model(kind="llama", attn=NAME):
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = LlamaConfig(**common) if kind == "llama" else MistralConfig(sliding_window=8, **common)
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    return (LlamaForCausalLM if kind == "llama" else MistralForCausalLM)(cfg).bfloat16().eval()
+
+
+def _prompts(lengths, seed=5):
+    """(ids, attention_mask) [B, S], left-padded with 0."""
+    g = torch.Generator().manual_seed(seed)
+    s = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), s), generator=g)
+    am = (torch.arange(s).unsqueeze(0) >= s - torch.tensor(lengths).unsqueeze(1)).long()
+    return ids * am, am
+
+
+def _generate(model, ids, am, cache, new_tokens=9):
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
+                             return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.scores, 1)
+
+
+@pytest.mark.parametrize("kind,lengths", [("llama", (37, 37)), ("llama", (37, 30, 5)), ("mistral", (37, 21, 12))],
+                         ids=["unpadded", "left_padded", "sliding_window_left_padded"])
+def test_generate_over_the_paged_cache_equals_a_bf16_dynamic_cache(kind, lengths):
+    """Prefill and decode steps read the pages and give the DynamicCache run's scores and tokens bit for bit
+    (attention over each sequence's real tokens, its V blocks from its first real token, in both); the pages hold
+    each row's real tokens only."""
+    model = _model(kind)
+    ids, am = _prompts(lengths)
+    cache = MXFP8PagedCache(max_cache_len=64, page_size=32)
+    tokens, scores = _generate(model, ids, am, cache)
+    want_tokens, want_scores = _generate(model, ids, am, DynamicCache(config=model.config))
+    assert torch.equal(tokens, want_tokens) and torch.equal(scores, want_scores)
+    for layer in cache.layers:
+        assert [layer.store.length(s) for s in layer.slots] == [n + 8 for n in lengths]
+        assert layer.get_seq_length() == max(lengths) + 8
+    assert 0 < cache.nbytes() and cache.bf16_nbytes() == 2 * 2 * (len(lengths) * 2) * 2 * 32 * 32 * 2
+
+
+def test_a_paged_cache_read_by_another_attention_function_raises():
+    """Under torch SDPA the new tokens would be attended alone: the layer's next update raises, naming the fix."""
+    model = _model(attn="sdpa")
+    ids, am = _prompts((12, 12))
+    with pytest.raises(RuntimeError, match="register"):
+        _generate(model, ids, am, MXFP8PagedCache(max_cache_len=32, page_size=32))
+
+
+def test_right_padding_and_capacity_are_refused_before_storing():
+    model = _model()
+    ids = torch.randint(3, VOCAB, (2, 10))
+    am = torch.ones_like(ids)
+    am[1, 7:] = 0                                  # right padding: not what generate builds
+    cache = MXFP8PagedCache(max_cache_len=32, page_size=32)
+    with torch.no_grad(), pytest.raises(UnsupportedMaskError, match="left padding"):
+        model(input_ids=ids, attention_mask=am, past_key_values=cache, use_cache=True)
+    assert all(layer.store.length(s) == 0 for layer in cache.layers for s in layer.slots)
+    with torch.no_grad(), pytest.raises(ValueError, match="max_cache_len=8"):
+        model(input_ids=ids, past_key_values=MXFP8PagedCache(max_cache_len=8, page_size=32), use_cache=True)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(max_cache_len=0), "max_cache_len"),
+                                          (dict(max_cache_len=64, page_size=48), "multiple of 32"),
+                                          (dict(max_cache_len=64, page_size=True), "page_size")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MXFP8PagedCache(**kwargs)
+
+
+def test_beam_search_operations_raise():
+    with pytest.raises(NotImplementedError, match="beam search"):
+        MXFP8PagedCache(max_cache_len=64).layer_class_to_replicate().crop(-1)
