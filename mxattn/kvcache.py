@@ -49,6 +49,11 @@ def seal_value_blocks(open_rows: torch.Tensor, new_rows: torch.Tensor
     return sealed, rows[..., full:, :]
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-byte tensor (FP8 data, E8M0 scales) viewed as uint8: index_put has no float8 kernels."""
+    return t.view(torch.uint8)
+
+
 class MXFP8KVCache:
     """Paged MXFP8 storage of the keys and values of up to `max_sequences` sequences.
 
@@ -83,6 +88,7 @@ class MXFP8KVCache:
         self._pages: List[Optional[List[int]]] = [None] * max_sequences     # host copy of the table
         self._lens = [0] * max_sequences
         self._free = list(range(num_pages - 1, -1, -1))
+        self._slot_tensors: dict = {}
 
     # ------------------------------------------------------------------ slots and pages
 
@@ -103,6 +109,17 @@ class MXFP8KVCache:
         self.page_table[slot] = -1
         self.seq_lens[slot] = 0
 
+    def slot_tensor(self, slots: Sequence[int]) -> torch.Tensor:
+        """int32 [len(slots)] of the slots on the cache's device (kept per slots list: a decode loop asks for the
+        same one every step)."""
+        key = tuple(slots)
+        t = self._slot_tensors.get(key)
+        if t is None:
+            if len(self._slot_tensors) >= 64:
+                self._slot_tensors.clear()
+            t = self._slot_tensors[key] = torch.tensor(key, dtype=torch.int32, device=self.device)
+        return t
+
     def length(self, slot: int) -> int:
         """Tokens held by the sequence in `slot`."""
         self._checked_slot(slot)
@@ -114,17 +131,6 @@ class MXFP8KVCache:
         if self._pages[slot] is None:
             raise ValueError(f"slot {slot} holds no sequence (new_sequence() first)")
         return self._pages[slot]
-
-    def _reserve(self, slot: int, total: int) -> None:
-        pages = self._pages[slot]
-        need = ceil_div(total, self.page_size) - len(pages)
-        if need > len(self._free):
-            raise RuntimeError(f"the cache is out of pages: sequence {slot} needs {need} more, "
-                               f"{len(self._free)} are free (num_pages={self.k_data.shape[0]})")
-        for _ in range(need):
-            page = self._free.pop()
-            self.page_table[slot, len(pages)] = page
-            pages.append(page)
 
     def _spans(self, slot: int, start: int, n: int):
         """(page, offset in page, offset in the written rows, count) pieces of tokens start .. start + n."""
@@ -141,6 +147,19 @@ class MXFP8KVCache:
     def append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write n new tokens of one sequence: k, v [n, kv_heads, head_dim] in the cache's dtype and device."""
         self._checked_slot(slot)
+        n = k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else 0
+        self.append_batch([slot], k, v, [0, n])
+
+    def append_batch(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor, cu: Sequence[int]) -> None:
+        """Write new tokens of several sequences at once: k, v [T, kv_heads, head_dim] in the cache's dtype and
+        device; tokens cu[i] .. cu[i + 1] (host ints, cu[0] = 0, cu[-1] = T) go to the sequence in slots[i].
+        Everything is checked before anything is written (on an error the cache is unchanged); the writes are a
+        few batched kernels whatever the number of sequences."""
+        slots = list(slots)
+        for slot in slots:
+            self._checked_slot(slot)
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots must be distinct, got {slots}")
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (self.kv_heads,
                                                                                           self.head_dim):
@@ -150,25 +169,74 @@ class MXFP8KVCache:
                 raise TypeError(f"{name} must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
         if k.shape[0] != v.shape[0]:
             raise ValueError(f"k and v must hold the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
-        n, start = k.shape[0], self._lens[slot]
-        if n == 0:
+        cu = [int(c) for c in cu]
+        if len(cu) != len(slots) + 1 or cu[0] != 0 or cu[-1] != k.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu must rise from 0 to T={k.shape[0]} in len(slots) + 1 = {len(slots) + 1} offsets, "
+                             f"got {cu}")
+        counts = [b - a for a, b in zip(cu, cu[1:])]
+        starts = [self._lens[s] for s in slots]
+        need = sum(max(0, ceil_div(st + n, self.page_size) - len(self._pages[s]))
+                   for s, st, n in zip(slots, starts, counts))
+        if need > len(self._free):
+            raise RuntimeError(f"the cache is out of pages: these sequences need {need} more, {len(self._free)} are "
+                               f"free (num_pages={self.k_data.shape[0]})")
+        if k.shape[0] == 0:
             return
-        self._reserve(slot, start + n)
-        kq = quantize_mxfp8(k.transpose(0, 1), axis=-1)                       # [H, n, D], blocks along D
-        for page, off, i, count in self._spans(slot, start, n):
-            self.k_data[page, :, off:off + count] = kq.data[:, i:i + count]
-            self.k_scale[page, :, off:off + count] = kq.scale[:, i:i + count]
-        # V: the open block's rows and the new ones; every full block of 32 is sealed into its page
-        open_rows = start % BLOCK_SIZE
-        vq, rest = seal_value_blocks(self.v_tail[slot, :, :open_rows], v.transpose(0, 1))  # [H, *, D]
-        if vq is not None:
-            for page, off, i, count in self._spans(slot, start - open_rows, vq.data.shape[1]):
-                self.v_data[page, :, off:off + count] = vq.data[:, i:i + count]
-                self.v_scale[page, :, off // BLOCK_SIZE:(off + count) // BLOCK_SIZE] = \
-                    vq.scale[:, i // BLOCK_SIZE:(i + count) // BLOCK_SIZE]
-        self.v_tail[slot, :, :rest.shape[1]] = rest.clone()
-        self._lens[slot] = start + n
-        self.seq_lens[slot] = start + n
+        table = []                                   # (slot, index, page) of the pages taken now
+        for s, st, n in zip(slots, starts, counts):
+            pages = self._pages[s]
+            while len(pages) * self.page_size < st + n:
+                table.append((s, len(pages), self._free[-1]))
+                pages.append(self._free.pop())
+        # K, row-wise: each token's bytes land in its page once
+        pos_page, pos_off = [], []
+        for s, st, n in zip(slots, starts, counts):
+            pages = self._pages[s]
+            for pos in range(st, st + n):
+                pos_page.append(pages[pos // self.page_size])
+                pos_off.append(pos % self.page_size)
+        # V, column-wise along the sequence: each sequence's open rows (v_tail) then its new rows; the blocks of 32
+        # they fill are sealed into their pages, the rest is the new open block. Rows are named in `src`: the
+        # used slots' open blocks flattened, then the new tokens.
+        seal_rows, seal_page, seal_off, block_page, block_off, rest_rows, rest_slot, rest_pos = ([] for _ in range(8))
+        for i, (s, st, n) in enumerate(zip(slots, starts, counts)):
+            opened = st % BLOCK_SIZE
+            rows = [i * BLOCK_SIZE + r for r in range(opened)] + [len(slots) * BLOCK_SIZE + cu[i] + j for j in range(n)]
+            full = len(rows) // BLOCK_SIZE * BLOCK_SIZE
+            pages = self._pages[s]
+            for j in range(0, full, BLOCK_SIZE):
+                first = st - opened + j
+                block_page.append(pages[first // self.page_size])
+                block_off.append(first % self.page_size // BLOCK_SIZE)
+                for r in range(BLOCK_SIZE):
+                    seal_page.append(pages[(first + r) // self.page_size])
+                    seal_off.append((first + r) % self.page_size)
+            seal_rows += rows[:full]
+            rest_rows += rows[full:]
+            rest_slot += [s] * (len(rows) - full)
+            rest_pos += list(range(len(rows) - full))
+        index = torch.tensor([pos_page, pos_off], dtype=torch.int64).to(self.device)
+        kq = quantize_mxfp8(k, axis=-1)                                         # [T, H, D], blocks along D
+        _bytes(self.k_data)[index[0], :, index[1]] = _bytes(kq.data)
+        _bytes(self.k_scale)[index[0], :, index[1]] = _bytes(kq.scale)
+        h, d = self.kv_heads, self.head_dim
+        src = torch.cat([self.v_tail[slots].transpose(1, 2).reshape(-1, h, d), v])   # [S * 32 + T, H, D]
+        if seal_rows:
+            sealed = torch.tensor([seal_rows, seal_page, seal_off], dtype=torch.int64).to(self.device)
+            blocks = torch.tensor([block_page, block_off], dtype=torch.int64).to(self.device)
+            vq = quantize_mxfp8(src[sealed[0]].view(-1, BLOCK_SIZE, h, d), axis=1)    # [blocks, 32, H, D]
+            _bytes(self.v_data)[sealed[1], :, sealed[2]] = _bytes(vq.data).view(-1, h, d)
+            _bytes(self.v_scale)[blocks[0], :, blocks[1]] = _bytes(vq.scale).view(-1, h, d)
+        if rest_rows:
+            rest = torch.tensor([rest_rows, rest_slot, rest_pos], dtype=torch.int64).to(self.device)
+            self.v_tail[rest[1], :, rest[2]] = src[rest[0]]
+        if table:
+            entries = torch.tensor(table, dtype=torch.int64).to(self.device)
+            self.page_table[entries[:, 0], entries[:, 1]] = entries[:, 2].to(torch.int32)
+        for s, st, n in zip(slots, starts, counts):
+            self._lens[s] = st + n
+        lengths = torch.tensor([st + n for st, n in zip(starts, counts)], dtype=torch.int32)
+        self.seq_lens[slots] = lengths.to(self.device)
 
     # ------------------------------------------------------------------ reading
 
@@ -223,8 +291,10 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     speculative tokens), no padding of the batch.
 
     q: [T, Hq, D] (thd), the new tokens' queries of every sequence in `slots` order; cu_seqlens_q: int32 [B+1]
-    on q's device splitting T by sequence (B = len(slots)). k_new, v_new: None or [T, Hkv, D] (the cache's dtype
-    and device), written to each sequence before attending. Each sequence's queries attend its cached tokens
+    splitting T by sequence (B = len(slots)), on q's device or on the CPU (read on the host without waiting for
+    the device: a serving loop that knows its lengths saves a synchronisation per call). k_new, v_new: None or
+    [T, Hkv, D] (the cache's dtype and device), written to the sequences before attending (`append_batch`: all
+    or nothing). Each sequence's queries attend its cached tokens
     with a causal mask aligned bottom-right (the last query sees every key), optionally a sliding window
     (TE's window_size=(left, 0)) and attention sinks (softmax_type / softmax_offset as in `mxfp8_attention`).
     Returns O [T, Hq, D] in out_dtype (default q's). Inference only (no autograd).
@@ -259,7 +329,9 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     if (not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dtype != torch.int32
             or cu_seqlens_q.shape != (len(slots) + 1,)):
         raise ValueError(f"cu_seqlens_q must be an int32 tensor of len(slots) + 1 = {len(slots) + 1} offsets")
-    cu = cu_seqlens_q.tolist()
+    if cu_seqlens_q.device not in (q.device, torch.device("cpu")):
+        raise ValueError(f"cu_seqlens_q must be on q's device ({q.device}) or the CPU, got {cu_seqlens_q.device}")
+    cu = cu_seqlens_q.tolist()  # (a CPU tensor is read without waiting for the device)
     if cu[0] != 0 or cu[-1] != q.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens_q must rise from 0 to T={q.shape[0]}, got {cu}")
     if (k_new is None) != (v_new is None):
@@ -285,8 +357,7 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
                          f"{num_splits!r}")
     name = _cache_backend(backend, q, cache)
     if k_new is not None:
-        for slot, a, b in zip(slots, cu, cu[1:]):
-            cache.append(slot, k_new[a:b], v_new[a:b])
+        cache.append_batch(slots, k_new, v_new, cu)
     for slot, a, b in zip(slots, cu, cu[1:]):
         if cache.length(slot) < b - a:
             raise ValueError(f"sequence in slot {slot} holds {cache.length(slot)} tokens, fewer than its "
@@ -294,9 +365,9 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     if name == "triton":
         from .kernels.triton_paged_attention import paged_attention_fwd
         o = torch.empty(q.shape, dtype=kernel_dtype, device=q.device)
-        paged_attention_fwd(q if q.stride(2) == 1 else q.contiguous(), cu_seqlens_q,
+        paged_attention_fwd(q if q.stride(2) == 1 else q.contiguous(), cu_seqlens_q.to(q.device),
                             max(b - a for a, b in zip(cu, cu[1:])) if slots else 0,
-                            torch.tensor(slots, dtype=torch.int32, device=q.device), cache, softmax_scale=scale,
+                            cache.slot_tensor(slots), cache, softmax_scale=scale,
                             left_bound=band.left_bound, out=o, sink=None if sink is None else sink.contiguous(),
                             num_splits=num_splits, max_seqlen_kv=max((cache.length(s) for s in slots), default=0))
         return o if o.dtype == out_dtype else o.to(out_dtype)

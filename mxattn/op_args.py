@@ -113,9 +113,9 @@ class FwdArgs(NamedTuple):
                       sink_requires_grad: bool) -> "BwdArgs":
         """The backward op's arguments for this forward call's options (and its lengths and sink)."""
         return BwdArgs(do, o, stats, saved, kv_shape, self.softmax_scale, self.bottom_right, self.left_bound,
-                       self.right_bound, self.out_dtype, self.qkv_format, self.backend, self.cu_seqlens_q, self.cu_seqlens_kv,
-                       self.max_seqlen_q, self.max_seqlen_kv, self.packed, self.sink, sink_requires_grad,
-                       self.recipe)
+                       self.right_bound, self.out_dtype, self.qkv_format, self.backend, self.cu_seqlens_q,
+                       self.cu_seqlens_kv, self.max_seqlen_q, self.max_seqlen_kv, self.packed, self.sink,
+                       sink_requires_grad, self.recipe)
 
 
 class BwdArgs(NamedTuple):

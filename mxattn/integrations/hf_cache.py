@@ -198,7 +198,7 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
 class _NewTokens:
     """Which of a step's tokens are real, per row: first (each row's first real position), counts (real new
     tokens), lengths (real positions after the step), rows (int64 indices into the step's [B * Sq] tokens, row by
-    row) and cu_seqlens (int32 [B + 1]); host ints where not said."""
+    row, on the device) and cu_seqlens (int32 [B + 1] on the CPU); host ints where not said."""
 
     def __init__(self, first, positions: int, sq: int, device):
         self.first = tuple(first)
@@ -209,7 +209,7 @@ class _NewTokens:
         cu = [0]
         for n in self.counts:
             cu.append(cu[-1] + n)
-        self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
+        self.cu_seqlens = torch.tensor(cu, dtype=torch.int32)  # on the CPU: read without a device sync
 
 
 #: the step's token facts by mask (every layer of a step hands over the same mask)
@@ -222,7 +222,8 @@ def _new_tokens_per_row(mask: Optional[torch.Tensor], b: int, sq: int, positions
     when an earlier step found it), read off transformers' boolean mask (None: every token real), after checking
     that the mask is causal with left padding (and the sliding window)."""
     if mask is None:
-        return _NewTokens(first if first is not None else [0] * b, positions, sq, device)
+        first = first if first is not None else (0,) * b
+        return _STEPS.get((), (b, sq, positions, first, device), lambda: _NewTokens(first, positions, sq, device))
     return _STEPS.get((mask,), (b, sq, positions, sliding_window, first),
                       functools.partial(_read_mask, mask, b, sq, positions, sliding_window, first))
 

@@ -249,3 +249,61 @@ def test_reference_backend_ignores_num_splits():
     outs = [mxattn.mxfp8_attention_with_kvcache(q, cache, [s], cu_seqlens_q=cu, num_splits=n, backend="reference")
             for n in (0, 1, 7)]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+
+
+def _storage(cache):
+    return [t.view(torch.uint8) if t.element_size() == 1 else t for t in
+            (cache.k_data, cache.k_scale, cache.v_data, cache.v_scale, cache.page_table, cache.seq_lens)]
+
+
+def test_batched_append_stores_each_sequence_as_its_own_quantization():
+    """append_batch (one set of batched writes for every sequence of a call), over chunks that cross V blocks
+    and 64-token pages, empty entries and decode steps: each sequence's stored K is its tokens quantized row-wise
+    and its V its tokens quantized column-wise from its first token (`quantize_mxfp8` of the raw tokens, byte
+    for byte); lengths, page tables and seq_lens agree, no page is shared."""
+    from mxattn.formats import quantize_mxfp8
+    h, d = 2, 64
+    cache = mxattn.MXFP8KVCache(num_pages=24, page_size=64, kv_heads=h, head_dim=d, max_sequences=4)
+    for _ in range(3):
+        cache.new_sequence()
+    slots = [2, 0, 1]
+    raw = {s: ([], []) for s in slots}
+    for step, counts in enumerate([(45, 0, 100), (1, 31, 1), (20, 1, 130), (1, 1, 1), (0, 64, 3)]):
+        k = _tokens(sum(counts), h, d, 100 + step)
+        v = _tokens(sum(counts), h, d, 200 + step)
+        cu = [0]
+        for n in counts:
+            cu.append(cu[-1] + n)
+        cache.append_batch(slots, k, v, cu)
+        used = []
+        for s, a, b in zip(slots, cu, cu[1:]):
+            raw[s][0].append(k[a:b])
+            raw[s][1].append(v[a:b])
+            ks, vs = (torch.cat(parts).transpose(0, 1).unsqueeze(0) for parts in raw[s])
+            n = ks.shape[2]
+            assert cache.length(s) == n and cache.seq_lens[s].item() == n
+            for got, want in ((cache.keys(s), quantize_mxfp8(ks, axis=-1)),
+                              (cache.values(s), quantize_mxfp8(vs, axis=-2))):
+                assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (step, s)
+                assert torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8)), (step, s)
+            table = cache.page_table[s].tolist()
+            pages = -(-n // 64)
+            assert all(p >= 0 for p in table[:pages]) and all(p == -1 for p in table[pages:])
+            used += table[:pages]
+        assert len(used) == len(set(used))
+
+
+def test_a_batched_append_that_does_not_fit_changes_nothing():
+    cache = mxattn.MXFP8KVCache(num_pages=3, page_size=32, kv_heads=1, head_dim=32, max_sequences=2)
+    a, b = cache.new_sequence(), cache.new_sequence()
+    cache.append(a, _tokens(40, 1, 32, 1), _tokens(40, 1, 32, 2))
+    before = [t.clone() for t in _storage(cache)] + [cache.v_tail.clone()]
+    with pytest.raises(RuntimeError, match="out of pages"):   # a needs 1 more page (fits), b needs 2
+        cache.append_batch([a, b], _tokens(70, 1, 32, 3), _tokens(70, 1, 32, 4), [0, 10, 70])
+    assert all(torch.equal(x, y) for x, y in zip(_storage(cache) + [cache.v_tail], before))
+    assert (cache.length(a), cache.length(b)) == (40, 0)
+    with pytest.raises(ValueError, match="cu must rise"):
+        cache.append_batch([a, b], _tokens(3, 1, 32, 3), _tokens(3, 1, 32, 4), [0, 2])
+    with pytest.raises(ValueError, match="distinct"):
+        cache.append_batch([a, a], _tokens(3, 1, 32, 3), _tokens(3, 1, 32, 4), [0, 1, 3])
+    assert cache.slot_tensor([b, a]).tolist() == [b, a] and cache.slot_tensor([b, a]) is cache.slot_tensor((b, a))
