@@ -4,8 +4,9 @@ MXFP8 attention through the project's own HF registration, same seed, same run.
 Measured per model (ratios mxfp8 / sdpa in the same run):
   * training step time (bf16 autocast, AdamW), eager and under torch.compile(model), both models timed in
     alternating rounds (the shared host's slow phases fall on both; ratio = median of the per-round ratios);
-  * inference: prefill of --prompt tokens + --new-tokens greedy decode steps with transformers' KV cache,
-    batch 1 and 8: tokens/s of the decode phase (and the prefill time);
+  * inference: prefill of --prompt tokens + --new-tokens greedy decode steps, batch 1 and 8, with transformers'
+    KV cache and (mxattn) with MXFP8PagedCache, timed in alternating rounds: tokens/s of the decode phase (and
+    the prefill time);
 and, for the op itself, a tiny call (B1 S128 H8 D64, bshd, bf16): wall time per call in a loop (forward
 without grad, forward+backward) and the host (CPU thread) time of one public-API forward at B2 H16 S4096 D128.
 
@@ -160,38 +161,57 @@ def train_pair(factory, compiled: bool, quick: bool, rounds: int = 5) -> dict:
                 loss_sdpa=float(losses["sdpa"][-1]), loss_mxfp8=float(losses[NAME][-1]))
 
 
+PAGED = NAME + " + MXFP8PagedCache"
+
+
 @releases_memory
 @torch.no_grad()
-def generate_tokens_per_s(factory, attn: str, batch: int, prompt: int, new_tokens: int, quick: bool) -> dict:
-    name, model, _, vocab = build(factory, attn, quick)
-    model = model.to(torch.bfloat16).eval()
+def generate_pair(factory, batch: int, prompt: int, new_tokens: int, quick: bool) -> dict:
+    """Greedy generation of `batch` prompts of `prompt` tokens with SDPA, with mxattn over transformers' bf16
+    cache and with mxattn over `MXFP8PagedCache` (its pages read by the paged kernel), timed in alternating
+    rounds (rotating order): per attention the median over the rounds of the prefill time (a generate call of
+    one token) and of the decode tokens/s (batch * (new_tokens - 1) tokens over a full call's time minus that
+    round's prefill), and the median of the per-round ratios to SDPA."""
+    from mxattn.integrations.hf_cache import MXFP8PagedCache
+    models = {}
+    for attn in ("sdpa", NAME):
+        name, model, _, vocab = build(factory, attn, quick)
+        models[attn] = model.to(torch.bfloat16).eval()
     g = torch.Generator(device=DEVICE).manual_seed(1)
     ids = torch.randint(0, vocab, (batch, prompt), device=DEVICE, generator=g)
-    am = torch.ones_like(ids)
-    kw = dict(attention_mask=am, do_sample=False, pad_token_id=0, eos_token_id=None)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None)
+    runs = {"sdpa": (models["sdpa"], dict), NAME: (models[NAME], dict),
+            PAGED: (models[NAME], lambda: dict(past_key_values=MXFP8PagedCache(prompt + new_tokens, page_size=64)))}
+
+    def generate(attn: str, n: int):
+        model, cache = runs[attn]
+        sync()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw, **cache())
+        sync()
+        return time.perf_counter() - t0, out
+
     # a short warm-up on purpose: the timed steps meet KV lengths no earlier call had, as in serving, so they run
     # the unplanned host path (a warm-up over the same lengths would let them replay launch plans recorded then,
     # the best case, as in compiled_step_profile.py --decode)
-    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
-    sync()
-    t0 = time.perf_counter()
-    model(input_ids=ids, attention_mask=am)
-    sync()
-    prefill_ms = (time.perf_counter() - t0) * 1e3
-    runs = []
-    for _ in range(2 if quick else 3):
-        sync()
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-        sync()
-        runs.append(time.perf_counter() - t0)
-    total_s = statistics.median(runs)
-    decode_s = max(total_s - prefill_ms / 1e3, 1e-9)
-    result = dict(model=name, attn=attn, batch=batch, prompt=prompt, new_tokens=new_tokens, prefill_ms=prefill_ms,
-                  generate_s=total_s, generate_runs_s=runs,
-                  decode_tokens_per_s=batch * (new_tokens - 1) / decode_s,
-                  tokens=out[:, prompt:].tolist())
-    return result
+    for attn in runs:
+        generate(attn, 4)
+    prefill, tok_s, tokens = ({a: [] for a in runs} for _ in range(3))
+    names = list(runs)
+    for r in range(2 if quick else 3):
+        for attn in names[r % 3:] + names[:r % 3]:
+            first, _ = generate(attn, 1)
+            total, out = generate(attn, new_tokens)
+            prefill[attn].append(first * 1e3)
+            tok_s[attn].append(batch * (new_tokens - 1) / max(total - first, 1e-9))
+            tokens[attn] = out[:, prompt:].tolist()
+    med = statistics.median
+    return dict(model=name, batch=batch, prompt=prompt, new_tokens=new_tokens,
+                prefill_ms={a: med(v) for a, v in prefill.items()}, tok_s={a: med(v) for a, v in tok_s.items()},
+                ratio={a: med([x / y for x, y in zip(v, tok_s["sdpa"])]) for a, v in tok_s.items()},
+                rounds_tok_s=tok_s,
+                same_tokens={a: sum(x == y for p, q in zip(tokens["sdpa"], t) for x, y in zip(p, q))
+                             / (batch * new_tokens) for a, t in tokens.items()})
 
 
 def _documents(vocab: int, lengths, seed: int):
@@ -311,13 +331,19 @@ def markdown(res: dict) -> str:
         lines.append(f"| {row['model']} | {row['batch']} x {row['seq']} | {row['mode']} | {row['sdpa_ms']:.2f} | "
                      f"{row['mxfp8_ms']:.2f} | {row['ratio']:.2f} | {row['loss_sdpa']:.4f} / {row['loss_mxfp8']:.4f} |")
     if res["generate"]:
-        lines += ["", "## Inference: prefill + greedy decode with the KV cache (bf16 weights)", "",
-                  "| model | batch | prompt + new | prefill ms sdpa / mxfp8 | decode tok/s sdpa | decode tok/s mxfp8 | "
-                  "ratio (target >= 0.9) | greedy tokens equal |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "## Inference: prefill + greedy decode (bf16 weights), medians over alternating rounds "
+                  "(`generate_pair`)", "",
+                  "mxfp8: mxattn's attention over transformers' bf16 cache (every step quantizes the cached K/V); "
+                  "paged: mxattn's attention over `MXFP8PagedCache` (the paged kernel reads the FP8 pages). Prefill: "
+                  "a generate call of one token.", "",
+                  "| model | batch | prompt + new | prefill ms sdpa / mxfp8 / paged | decode tok/s sdpa | mxfp8 | "
+                  "ratio (target >= 0.9) | paged | ratio | greedy tokens equal to sdpa's: mxfp8 / paged |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
     for row in res["generate"]:
+        p, t, r, same = row["prefill_ms"], row["tok_s"], row["ratio"], row["same_tokens"]
         lines.append(f"| {row['model']} | {row['batch']} | {row['prompt']} + {row['new_tokens']} | "
-                     f"{row['prefill_ms_sdpa']:.1f} / {row['prefill_ms_mxfp8']:.1f} | {row['tok_s_sdpa']:.0f} | "
-                     f"{row['tok_s_mxfp8']:.0f} | {row['ratio']:.2f} | {row['same_tokens']:.0%} |")
+                     f"{p['sdpa']:.1f} / {p[NAME]:.1f} / {p[PAGED]:.1f} | {t['sdpa']:.0f} | {t[NAME]:.0f} | "
+                     f"{r[NAME]:.2f} | {t[PAGED]:.0f} | {r[PAGED]:.2f} | {same[NAME]:.0%} / {same[PAGED]:.0%} |")
     if res["calls"]:
         lines += ["", "## One attention call", "", "| measurement | sdpa us | mxfp8 us | ratio (target <= 1.5) |",
                   "|---|---|---|---|"]
@@ -384,14 +410,7 @@ def main(argv=None) -> int:
             res["train"].append(row)
             print(row, flush=True)
         for batch in (1, 8):
-            r = {a: generate_tokens_per_s(factory, a, batch, args.prompt, args.new_tokens, args.quick)
-                 for a in ("sdpa", NAME)}
-            same = sum(x == y for a, b in zip(r["sdpa"]["tokens"], r[NAME]["tokens"]) for x, y in zip(a, b))
-            row = dict(model=r["sdpa"]["model"], batch=batch, prompt=args.prompt, new_tokens=args.new_tokens,
-                       prefill_ms_sdpa=r["sdpa"]["prefill_ms"], prefill_ms_mxfp8=r[NAME]["prefill_ms"],
-                       tok_s_sdpa=r["sdpa"]["decode_tokens_per_s"], tok_s_mxfp8=r[NAME]["decode_tokens_per_s"],
-                       ratio=r[NAME]["decode_tokens_per_s"] / r["sdpa"]["decode_tokens_per_s"],
-                       same_tokens=same / (batch * args.new_tokens))
+            row = generate_pair(factory, batch, args.prompt, args.new_tokens, args.quick)
             res["generate"].append(row)
             print(row, flush=True)
     if args.hf_extras or args.hf_extras_only:
