@@ -10,7 +10,9 @@ transformers = pytest.importorskip("transformers")
 import mxattn.integrations.transformers as mx_hf  # noqa: E402
 from mxattn.integrations.hf_cache import MXFP8PagedCache  # noqa: E402
 from mxattn.integrations.hf_masks import UnsupportedMaskError  # noqa: E402
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+)
 
 NAME = "mxfp8_pages_test"
 VOCAB = 96
@@ -28,10 +30,16 @@ def _registered():
 def _model(kind="llama", attn=NAME):
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    cfg = LlamaConfig(**common) if kind == "llama" else MistralConfig(sliding_window=8, **common)
+    if kind == "llama":
+        cfg, cls = LlamaConfig(**common), LlamaForCausalLM
+    elif kind == "mistral":
+        cfg, cls = MistralConfig(sliding_window=8, **common), MistralForCausalLM
+    else:                                   # one sliding-window layer, one full layer
+        cfg, cls = Qwen2Config(use_sliding_window=True, sliding_window=8,
+                               layer_types=["sliding_attention", "full_attention"], **common), Qwen2ForCausalLM
     cfg._attn_implementation = attn
     torch.manual_seed(0)
-    return (LlamaForCausalLM if kind == "llama" else MistralForCausalLM)(cfg).bfloat16().eval()
+    return cls(cfg).bfloat16().eval()
 
 
 def _prompts(lengths, seed=5):
@@ -51,8 +59,9 @@ def _generate(model, ids, am, cache, new_tokens=9):
     return out.sequences, torch.stack(out.scores, 1)
 
 
-@pytest.mark.parametrize("kind,lengths", [("llama", (37, 37)), ("llama", (37, 30, 5)), ("mistral", (37, 21, 12))],
-                         ids=["unpadded", "left_padded", "sliding_window_left_padded"])
+@pytest.mark.parametrize("kind,lengths", [("llama", (37, 37)), ("llama", (37, 30, 5)), ("mistral", (37, 21, 12)),
+                                         ("qwen2_mixed", (37, 9, 25))],
+                         ids=["unpadded", "left_padded", "sliding_window_left_padded", "mixed_layers_left_padded"])
 def test_generate_over_the_paged_cache_equals_a_bf16_dynamic_cache(kind, lengths):
     """Prefill and decode steps read the pages and give the DynamicCache run's scores and tokens bit for bit
     (attention over each sequence's real tokens, its V blocks from its first real token, in both); the pages hold
@@ -101,3 +110,25 @@ def test_bad_arguments(kwargs, match):
 def test_beam_search_operations_raise():
     with pytest.raises(NotImplementedError, match="beam search"):
         MXFP8PagedCache(max_cache_len=64).layer_class_to_replicate().crop(-1)
+
+
+def test_attention_sinks_reach_the_paged_call():
+    """gpt-oss's s_aux (one sink logit per query head) runs as the learnable sink over the pages: the attention
+    function's output equals mxfp8_attention with that sink over the same tokens."""
+    import mxattn
+    from mxattn.integrations.hf_cache import MXFP8PagedLayer
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, 40, 32, generator=g).bfloat16() for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=g)
+    layer = MXFP8PagedLayer(page_size=32, max_cache_len=64)
+    keys, values = layer.update(k, v)
+    module = torch.nn.Module()
+    module.is_causal = True
+    fn = mx_hf.make_attention_function("reference")
+    out, _ = fn(module, q, keys, values, None, scaling=0.25, s_aux=sinks)
+    want = mxattn.mxfp8_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=0.25,
+                                  attn_mask_type="causal", softmax_type="learnable", softmax_offset=sinks,
+                                  backend="reference")
+    assert torch.equal(out, want)
+    with pytest.raises(RuntimeError, match="not the ones"):
+        fn(module, q, keys, values, None, scaling=0.25)   # the step's tokens are stored once
