@@ -291,8 +291,8 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     speculative tokens), no padding of the batch.
 
     q: [T, Hq, D] (thd), the new tokens' queries of every sequence in `slots` order; cu_seqlens_q: int32 [B+1]
-    splitting T by sequence (B = len(slots)), on q's device or on the CPU (read on the host without waiting for
-    the device: a serving loop that knows its lengths saves a synchronisation per call). k_new, v_new: None or
+    splitting T by sequence (B = len(slots)), on q's device or on the CPU (then read on the host without a
+    device-to-host copy; its copy to the device is still a synchronous one from pageable memory). k_new, v_new: None or
     [T, Hkv, D] (the cache's dtype and device), written to the sequences before attending (`append_batch`: all
     or nothing). Each sequence's queries attend its cached tokens
     with a causal mask aligned bottom-right (the last query sees every key), optionally a sliding window
