@@ -4,7 +4,11 @@ small CPU tensors (median wall time per call). The host's Python cost is what it
 glue around the kernels can be compared on any machine; the GPU machine's host runs the same Python about 3x
 slower. --decode: instead, decode-step calls (B8, one query token, H8 D64, bottom-right causal, no grad) at a
 KV length no earlier call had (as in generation) against repeated calls at one length (launch plans replay).
-Usage: python benchmarks/cpu_host_harness.py [--profile | --decode]"""
+--ops: instead, the library ops as a compiled graph calls them (`torch.ops.mxattn.attention_fwd` / `attention_bwd`
+on GPT-2-shaped bshd views of a fused projection, B16 S512 H8 D64, no grad mode) against their bodies called
+directly: the dispatcher's share and the bodies' (min over interleaved rounds of medians; --profile adds cProfile
+of the ops).
+Usage: python benchmarks/cpu_host_harness.py [--profile] [--decode | --ops]"""
 import statistics
 import sys
 import time
@@ -94,11 +98,41 @@ def decode_calls() -> None:
     print(f"ratio new / repeated: {fresh / same:.2f}")
 
 
+def op_calls() -> None:
+    """The ops' call cost against their bodies' (see the module docstring)."""
+    from mxattn import ops
+    from mxattn.mask import MaskSpec
+    from mxattn.op_args import FwdArgs
+    b, s, h, d = 16, 512, 8, 64
+    x = torch.randn(b, s, 3 * h * d, dtype=torch.bfloat16)
+    q, k, v = (t.view(b, s, h, d).permute(0, 2, 1, 3) for t in x.split(h * d, dim=2))
+    args = FwdArgs.encode(q, k, v, softmax_scale=d ** -0.5, mask=MaskSpec(causal=True), out_dtype=torch.bfloat16,
+                          qkv_format="bshd", backend="triton", seq=None, sink=None)
+    with torch.no_grad():
+        o, stats, *saved = ops.attention_fwd(*args)
+        bwd = args.backward_args(torch.randn_like(o), o, stats, saved, list(k.shape), False)
+        calls = {"forward op": lambda: ops.attention_fwd(*args), "forward body": lambda: ops._fwd_kernel(*args),
+                 "backward op": lambda: ops.attention_bwd(*bwd), "backward body": lambda: ops._bwd_kernel(*bwd)}
+        best = {name: float("inf") for name in calls}
+        for _ in range(15):
+            for name, fn in calls.items():
+                best[name] = min(best[name], per_call_us(fn, n=100))
+        for name, us in best.items():
+            print(f"{name:14s} {us:7.1f} us")
+        if "--profile" in sys.argv:
+            import cProfile
+            cProfile.runctx("for _ in range(500): ops.attention_fwd(*args); ops.attention_bwd(*bwd)", globals(),
+                            locals(), sort="tottime")
+
+
 def main():
     launches = {}
     install_stubs(launches)
     if "--decode" in sys.argv:
         decode_calls()
+        return
+    if "--ops" in sys.argv:
+        op_calls()
         return
     q, k, v = (torch.randn(1, 128, 2, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 
