@@ -378,3 +378,21 @@ def test_compiled_call_with_one_tensor_for_k_and_v():
     mxattn.mxfp8_attention(q, k2, v2, attn_mask_type="causal", backend="reference").float().square().sum().backward()
     assert torch.equal(results[0][2], k2.grad + v2.grad)
     torch._dynamo.reset()
+
+
+def test_compiled_inference_calls_the_forward_op_that_keeps_nothing(monkeypatch):
+    """Under torch.compile without a gradient the graph calls `attention_fwd_no_grad` (the backend skips what
+    only a backward needs) and gives the eager numbers."""
+    from mxattn import ops
+    torch._dynamo.reset()
+    q, k, v = _qkv("bshd")
+    calls = []
+    real = ops._fwd_impl
+    monkeypatch.setattr(ops, "_fwd_impl", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    fn = torch.compile(lambda q, k, v: mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="reference"),
+                       fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got = fn(q, k, v)
+        assert calls and all(kw == {"needs_backward": False} for kw in calls), calls
+        assert torch.equal(got, mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="reference"))
+    torch._dynamo.reset()
