@@ -52,4 +52,3 @@ def empty_bhsd(shape_bhsd: Tuple[int, int, int, int], qkv_format: str, dtype, de
     """An uninitialised [B, H, S, D] view whose memory is dense in `qkv_format` order."""
     physical = [shape_bhsd[i] for i in _FROM_BHSD[qkv_format]]
     return to_bhsd(torch.empty(physical, dtype=dtype, device=device), qkv_format)
-
