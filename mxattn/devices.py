@@ -15,4 +15,15 @@ def device_guard(device: torch.device):
     return torch.cuda.device(index)
 
 
-__all__ = ["device_guard"]
+def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of host values (a list, nested lists, or a CPU tensor) on `device`, without waiting for the
+    device: a CUDA copy goes from pinned memory, asynchronously on the current stream (a copy from pageable memory
+    would synchronise the stream: every kernel queued before it would have to finish first). Torch's pinned-memory
+    allocator keeps the staging buffer until the copy has run."""
+    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+__all__ = ["device_guard", "host_to_device"]

@@ -33,6 +33,7 @@ from .attention import _sink
 from .constants import MAX_KV_SPLITS, ceil_div
 from .errors import MXFP8NotSupportedError
 from .formats import BLOCK_SIZE, MXFP8Tensor, cat_bytes, quantize_mxfp8
+from .devices import host_to_device
 from .mask import resolve_mask
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -117,7 +118,7 @@ class MXFP8KVCache:
         if t is None:
             if len(self._slot_tensors) >= 64:
                 self._slot_tensors.clear()
-            t = self._slot_tensors[key] = torch.tensor(key, dtype=torch.int32, device=self.device)
+            t = self._slot_tensors[key] = host_to_device(list(key), torch.int32, self.device)
         return t
 
     def length(self, slot: int) -> int:
@@ -215,28 +216,29 @@ class MXFP8KVCache:
             rest_rows += rows[full:]
             rest_slot += [s] * (len(rows) - full)
             rest_pos += list(range(len(rows) - full))
-        index = torch.tensor([pos_page, pos_off], dtype=torch.int64).to(self.device)
+        index = host_to_device([pos_page, pos_off], torch.int64, self.device)
         kq = quantize_mxfp8(k, axis=-1)                                         # [T, H, D], blocks along D
         _bytes(self.k_data)[index[0], :, index[1]] = _bytes(kq.data)
         _bytes(self.k_scale)[index[0], :, index[1]] = _bytes(kq.scale)
         h, d = self.kv_heads, self.head_dim
-        src = torch.cat([self.v_tail[slots].transpose(1, 2).reshape(-1, h, d), v])   # [S * 32 + T, H, D]
+        slot_index = self.slot_tensor(slots).long()          # (device indices: a host list would be copied)
+        src = torch.cat([self.v_tail[slot_index].transpose(1, 2).reshape(-1, h, d), v])   # [S * 32 + T, H, D]
         if seal_rows:
-            sealed = torch.tensor([seal_rows, seal_page, seal_off], dtype=torch.int64).to(self.device)
-            blocks = torch.tensor([block_page, block_off], dtype=torch.int64).to(self.device)
+            sealed = host_to_device([seal_rows, seal_page, seal_off], torch.int64, self.device)
+            blocks = host_to_device([block_page, block_off], torch.int64, self.device)
             vq = quantize_mxfp8(src[sealed[0]].view(-1, BLOCK_SIZE, h, d), axis=1)    # [blocks, 32, H, D]
             _bytes(self.v_data)[sealed[1], :, sealed[2]] = _bytes(vq.data).view(-1, h, d)
             _bytes(self.v_scale)[blocks[0], :, blocks[1]] = _bytes(vq.scale).view(-1, h, d)
         if rest_rows:
-            rest = torch.tensor([rest_rows, rest_slot, rest_pos], dtype=torch.int64).to(self.device)
+            rest = host_to_device([rest_rows, rest_slot, rest_pos], torch.int64, self.device)
             self.v_tail[rest[1], :, rest[2]] = src[rest[0]]
         if table:
-            entries = torch.tensor(table, dtype=torch.int64).to(self.device)
+            entries = host_to_device(table, torch.int64, self.device)
             self.page_table[entries[:, 0], entries[:, 1]] = entries[:, 2].to(torch.int32)
         for s, st, n in zip(slots, starts, counts):
             self._lens[s] = st + n
-        lengths = torch.tensor([st + n for st, n in zip(starts, counts)], dtype=torch.int32)
-        self.seq_lens[slots] = lengths.to(self.device)
+        self.seq_lens[slot_index] = host_to_device([st + n for st, n in zip(starts, counts)], torch.int32,
+                                                   self.device)
 
     # ------------------------------------------------------------------ reading
 
@@ -365,7 +367,9 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     if name == "triton":
         from .kernels.triton_paged_attention import paged_attention_fwd
         o = torch.empty(q.shape, dtype=kernel_dtype, device=q.device)
-        paged_attention_fwd(q if q.stride(2) == 1 else q.contiguous(), cu_seqlens_q.to(q.device),
+        cu_dev = host_to_device(cu_seqlens_q, torch.int32, q.device) if cu_seqlens_q.device != q.device \
+            else cu_seqlens_q
+        paged_attention_fwd(q if q.stride(2) == 1 else q.contiguous(), cu_dev,
                             max(b - a for a, b in zip(cu, cu[1:])) if slots else 0,
                             cache.slot_tensor(slots), cache, softmax_scale=scale,
                             left_bound=band.left_bound, out=o, sink=None if sink is None else sink.contiguous(),

@@ -36,6 +36,7 @@ import functools
 from typing import Optional
 
 from ..constants import MX_BLOCK, ceil_div
+from ..devices import host_to_device
 from ..formats import MXFP8Tensor, cat_bytes, quantize_mxfp8
 from ..kvcache import MXFP8KVCache, mxfp8_attention_with_kvcache, seal_value_blocks
 from ..tensor_cache import TensorValueCache
@@ -204,8 +205,8 @@ class _NewTokens:
         self.first = tuple(first)
         self.counts = [min(sq, max(0, positions - f)) for f in first]
         self.lengths = [max(0, positions - f) for f in first]
-        self.rows = torch.tensor([r * sq + j for r, n in enumerate(self.counts) for j in range(sq - n, sq)],
-                                 dtype=torch.int64, device=device)
+        self.rows = host_to_device([r * sq + j for r, n in enumerate(self.counts) for j in range(sq - n, sq)],
+                                   torch.int64, device)
         cu = [0]
         for n in self.counts:
             cu.append(cu[-1] + n)

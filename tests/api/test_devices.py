@@ -19,3 +19,11 @@ def test_device_guard_switches_only_to_another_index(monkeypatch):
     with devices.device_guard(torch.device("cuda", 1)):
         pass
     assert entered == [1]
+
+
+def test_host_to_device_on_the_cpu_keeps_the_values_and_dtype():
+    from mxattn.devices import host_to_device
+    t = host_to_device([[1, 2], [3, 4]], torch.int32, torch.device("cpu"))
+    assert t.dtype == torch.int32 and t.tolist() == [[1, 2], [3, 4]]
+    u = host_to_device(torch.tensor([5, 6]), torch.int64, torch.device("cpu"))
+    assert u.dtype == torch.int64 and u.tolist() == [5, 6]

@@ -160,3 +160,35 @@ def test_auto_takes_the_paged_kernel_on_cuda(monkeypatch):
     out = mxattn.mxfp8_attention_with_kvcache(_tokens(1, 2, 64, 3), cache, [s],
                                               cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device="cuda"))
     assert calls and out.shape == (1, 2, 64) and torch.isfinite(out).all()
+
+
+def test_a_decode_step_with_host_offsets_never_waits_for_the_gpu():
+    """With cu_seqlens_q on the CPU, a decode step (append of every sequence's new token, then the paged kernel)
+    queues its work without synchronising the stream: a long kernel queued before it is still running when the
+    call returns (a pageable host-to-device copy anywhere on the path would have waited for it). The step's
+    output equals the same step on a second cache with cu_seqlens_q on the GPU."""
+    _needs_triton()
+    from mxattn.devices import host_to_device
+    hq, hkv, d, n = 8, 2, 64, 4
+    caches = [mxattn.MXFP8KVCache(num_pages=32, page_size=64, kv_heads=hkv, head_dim=d, max_sequences=n,
+                                  device="cuda") for _ in range(2)]
+    slots = [[c.new_sequence() for _ in range(n)] for c in caches]
+    for c, s in zip(caches, slots):
+        for i, slot in enumerate(s):
+            c.append(slot, _tokens(40 + 9 * i, hkv, d, i), _tokens(40 + 9 * i, hkv, d, 10 + i))
+    cu_cpu = torch.arange(n + 1, dtype=torch.int32)
+    outs = []
+    for step in range(3):                       # the first steps compile and record; the last one is timed
+        q, k, v = _tokens(n, hq, d, 20 + step), _tokens(n, hkv, d, 30 + step), _tokens(n, hkv, d, 40 + step)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)          # tens of milliseconds of GPU time queued first
+        out = mxattn.mxfp8_attention_with_kvcache(q, caches[0], slots[0], cu_seqlens_q=cu_cpu, k_new=k,
+                                                  v_new=v, backend="triton")
+        busy = not torch.cuda.current_stream().query()
+        want = mxattn.mxfp8_attention_with_kvcache(q, caches[1], slots[1], cu_seqlens_q=cu_cpu.cuda(), k_new=k,
+                                                   v_new=v, backend="triton")
+        outs.append((busy, torch.equal(out, want)))
+    assert all(equal for _, equal in outs) and outs[-1][0], outs
+    torch.cuda._sleep(100_000_000)
+    t = host_to_device([[1, 2], [3, 4]], torch.int64, torch.device("cuda"))
+    assert not torch.cuda.current_stream().query() and t.tolist() == [[1, 2], [3, 4]]
