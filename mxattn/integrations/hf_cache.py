@@ -119,6 +119,19 @@ class MXFP8Cache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
 
+_EAGER_ONLY = ("MXFP8PagedCache runs eagerly: its pages are updated in place with host-side bookkeeping, so under "
+               "torch.compile its update and attention leave the graph (a graph break per layer); with "
+               "fullgraph=True use transformers' StaticCache, or compile without fullgraph")
+
+
+def _eager_only(fn):
+    """`fn` run outside torch.compile's graphs, with _EAGER_ONLY as the reason Dynamo prints under fullgraph."""
+    try:
+        return torch.compiler.disable(fn, reason=_EAGER_ONLY)
+    except TypeError:                       # torch before `reason=`
+        return torch.compiler.disable(fn)
+
+
 class MXFP8PagedLayer(_AppendOnlyLayer):
     """One layer's paged MXFP8 storage: an `MXFP8KVCache` of page_size-token pages, one slot per batch row, room
     for max_cache_len tokens per row. `update` keeps the step's new keys and values for mxattn's attention
@@ -142,6 +155,7 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
         self.first_real = None  # each row's first real position (after its left padding), from the first step
         self.is_initialized = True
 
+    @_eager_only
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Keep the new tokens [B, Hkv, S, D] for `attend`; return them, marked as this layer's."""
         if not self.is_initialized:
@@ -166,6 +180,7 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
         """Bytes of the layer's pages, scales and open V blocks."""
         return self.store.nbytes() if self.is_initialized else 0
 
+    @_eager_only
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Optional[torch.Tensor], *, scaling: Optional[float], sliding_window: Optional[int],
                softmax_kwargs: dict, backend: str) -> torch.Tensor:

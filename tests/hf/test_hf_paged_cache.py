@@ -132,3 +132,25 @@ def test_attention_sinks_reach_the_paged_call():
     assert torch.equal(out, want)
     with pytest.raises(RuntimeError, match="not the ones"):
         fn(module, q, keys, values, None, scaling=0.25)   # the step's tokens are stored once
+
+
+def test_compiled_model_runs_the_paged_cache_eagerly_and_fullgraph_says_why():
+    """Under torch.compile the paged layer's update and attention leave the graph (they run eagerly, the rest of
+    the model compiled): generate gives the eager run's tokens. With fullgraph=True Dynamo refuses, naming the
+    cache and what to use instead."""
+    ids, am = _prompts((37, 30, 5))
+    model = _model()
+    want, want_scores = _generate(model, ids, am, MXFP8PagedCache(max_cache_len=64, page_size=32), new_tokens=4)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward)
+    got, scores = _generate(model, ids, am, MXFP8PagedCache(max_cache_len=64, page_size=32), new_tokens=4)
+    assert torch.equal(got, want)
+    finite = want_scores.isfinite()
+    assert torch.equal(finite, scores.isfinite())
+    assert torch.allclose(scores[finite].float(), want_scores[finite].float(), atol=0.1, rtol=0.05)
+    torch._dynamo.reset()                  # (the entries compiled above would be reused without tracing)
+    model = _model()
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    with pytest.raises(Exception, match="MXFP8PagedCache runs eagerly"):
+        _generate(model, ids, am, MXFP8PagedCache(max_cache_len=64, page_size=32), new_tokens=2)
+    torch._dynamo.reset()
