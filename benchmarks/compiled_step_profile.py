@@ -3,9 +3,9 @@ torch.compile with SDPA and with mxattn's attention; per step the wall time, the
 kernels, torch.profiler) and the top operators by GPU time and by host time; --cprofile: instead, cProfile (host
 time by Python function) of mxattn's compiled steps. --decode: the same for greedy decode steps of the bf16
 model with the KV cache (batch --batch, default 1; a "step" is one generate call: a 512-token prefill and
---tokens greedy tokens, default 16). Its warm-up generates the same tokens, so the timed decode steps meet KV
+--tokens greedy tokens, default 16; --paged: mxattn's run over MXFP8PagedCache, a new cache per call). Its warm-up generates the same tokens, so the timed decode steps meet KV
 lengths seen before and replay launch plans: the best case (models_bench.py times first-seen lengths).
-Usage (CUDA machine): python benchmarks/compiled_step_profile.py [--eager | --decode [--batch N] [--tokens N]]
+Usage (CUDA machine): python benchmarks/compiled_step_profile.py [--eager | --decode [--batch N] [--tokens N] [--paged]]
 [--cprofile]"""
 import os
 import sys
@@ -39,9 +39,10 @@ def training_step(attn: str, compiled: bool):
     return step
 
 
-def decode_step(attn: str, batch: int, tokens: int = 16):
+def decode_step(attn: str, batch: int, tokens: int = 16, paged: bool = False):
     """A function that prefills 512 tokens and generates `tokens` greedy ones with the GPT-2 in bf16 and its KV
-    cache."""
+    cache (paged: an MXFP8PagedCache, for mxattn's attention)."""
+    from mxattn.integrations.hf_cache import MXFP8PagedCache
     name, model, _, vocab = mb.build(mb.gpt2_config, attn, False)
     model = model.to(torch.bfloat16).eval()
     ids = torch.randint(0, vocab, (batch, 512), device="cuda")
@@ -50,7 +51,8 @@ def decode_step(attn: str, batch: int, tokens: int = 16):
 
     @torch.no_grad()
     def generate():
-        model.generate(ids, **kw)        # the prefill (and its token) and `tokens` decode steps
+        cache = dict(past_key_values=MXFP8PagedCache(512 + tokens + 1, page_size=64)) if paged else {}
+        model.generate(ids, **kw, **cache)        # the prefill (and its token) and `tokens` decode steps
 
     for _ in range(2):
         generate()
@@ -66,12 +68,12 @@ def main():
     mb.mx_hf.register(mb.NAME, backend="triton")
 
     def make(attn):
-        return decode_step(attn, batch, tokens) if decode else training_step(attn, compiled)
+        return decode_step(attn, batch, tokens, "--paged" in sys.argv and attn != "sdpa") if decode else training_step(attn, compiled)
 
     if "--cprofile" in sys.argv:
         cprofile_steps(make(mb.NAME), 20, 30, "mxattn|_library|custom_ops")
         return
-    mode = (f"decode batch {batch} (per prefill + {tokens} tokens)" if decode
+    mode = (f"decode batch {batch} (per prefill + {tokens} tokens){' paged' * ('--paged' in sys.argv)}" if decode
             else ("compiled" if compiled else "eager"))
     for attn in ("sdpa", mb.NAME):
         step = make(attn)

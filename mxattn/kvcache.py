@@ -22,6 +22,7 @@ asking for them raises `MXFP8NotSupportedError`.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
@@ -48,6 +49,15 @@ def seal_value_blocks(open_rows: torch.Tensor, new_rows: torch.Tensor
     full = rows.shape[-2] // BLOCK_SIZE * BLOCK_SIZE
     sealed = quantize_mxfp8(rows[..., :full, :], axis=-2) if full else None
     return sealed, rows[..., full:, :]
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -90,6 +100,8 @@ class MXFP8KVCache:
         self._lens = [0] * max_sequences
         self._free = list(range(num_pages - 1, -1, -1))
         self._slot_tensors: dict = {}
+        #: appends run the Triton kernel (CUDA with Triton); the torch path otherwise (the same bytes)
+        self._append_kernel = self.device.type == "cuda" and _triton_importable()
 
     # ------------------------------------------------------------------ slots and pages
 
@@ -154,8 +166,15 @@ class MXFP8KVCache:
     def append_batch(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor, cu: Sequence[int]) -> None:
         """Write new tokens of several sequences at once: k, v [T, kv_heads, head_dim] in the cache's dtype and
         device; tokens cu[i] .. cu[i + 1] (host ints, cu[0] = 0, cu[-1] = T) go to the sequence in slots[i].
-        Everything is checked before anything is written (on an error the cache is unchanged); the writes are a
-        few batched kernels whatever the number of sequences."""
+        Everything is checked before anything is written (on an error the cache is unchanged). On CUDA the writes
+        are one Triton kernel (`mxattn.kernels.triton_paged_append`; two when a call seals a block and opens
+        another behind rows already open), elsewhere a few batched torch kernels; the bytes are the same."""
+        self._append(slots, k, v, cu)
+
+    def _append(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor, cu: Sequence[int]
+                ) -> Optional[torch.Tensor]:
+        """`append_batch`; returns the Triton path's int32 metadata on the device ([cu (B+1), slots (B), lengths
+        before the call (B)], one host-to-device copy the attention call reuses), None on the torch path."""
         slots = list(slots)
         for slot in slots:
             self._checked_slot(slot)
@@ -182,13 +201,18 @@ class MXFP8KVCache:
             raise RuntimeError(f"the cache is out of pages: these sequences need {need} more, {len(self._free)} are "
                                f"free (num_pages={self.k_data.shape[0]})")
         if k.shape[0] == 0:
-            return
+            return None
         table = []                                   # (slot, index, page) of the pages taken now
         for s, st, n in zip(slots, starts, counts):
             pages = self._pages[s]
             while len(pages) * self.page_size < st + n:
                 table.append((s, len(pages), self._free[-1]))
                 pages.append(self._free.pop())
+        if table:
+            entries = host_to_device(table, torch.int64, self.device)
+            self.page_table[entries[:, 0], entries[:, 1]] = entries[:, 2].to(torch.int32)
+        if self._append_kernel:
+            return self._append_on_device(slots, k, v, cu, starts, counts)
         # K, row-wise: each token's bytes land in its page once
         pos_page, pos_off = [], []
         for s, st, n in zip(slots, starts, counts):
@@ -232,13 +256,26 @@ class MXFP8KVCache:
         if rest_rows:
             rest = host_to_device([rest_rows, rest_slot, rest_pos], torch.int64, self.device)
             self.v_tail[rest[1], :, rest[2]] = src[rest[0]]
-        if table:
-            entries = host_to_device(table, torch.int64, self.device)
-            self.page_table[entries[:, 0], entries[:, 1]] = entries[:, 2].to(torch.int32)
         for s, st, n in zip(slots, starts, counts):
             self._lens[s] = st + n
         self.seq_lens[slot_index] = host_to_device([st + n for st, n in zip(starts, counts)], torch.int32,
                                                    self.device)
+        return None
+
+    def _append_on_device(self, slots: List[int], k: torch.Tensor, v: torch.Tensor, cu: List[int],
+                          starts: List[int], counts: List[int]) -> torch.Tensor:
+        """The Triton path of `_append` (pages already taken and mapped)."""
+        from .kernels.triton_paged_append import paged_append
+        meta = host_to_device(cu + slots + starts, torch.int32, self.device)
+        live = [(st, n) for st, n in zip(starts, counts) if n]
+        blocks = max((st + n - 1) // BLOCK_SIZE - st // BLOCK_SIZE + 1 for st, n in live)
+        deferred = any((st + n - 1) // BLOCK_SIZE != st // BLOCK_SIZE and st % BLOCK_SIZE and (st + n) % BLOCK_SIZE
+                       for st, n in live)
+        paged_append(self, k if k.stride(2) == 1 else k.contiguous(), v if v.stride(2) == 1 else v.contiguous(),
+                     meta, len(slots), blocks, deferred)
+        for s, st, n in zip(slots, starts, counts):
+            self._lens[s] = st + n
+        return meta
 
     # ------------------------------------------------------------------ reading
 
@@ -294,7 +331,7 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
 
     q: [T, Hq, D] (thd), the new tokens' queries of every sequence in `slots` order; cu_seqlens_q: int32 [B+1]
     splitting T by sequence (B = len(slots)), on q's device or on the CPU (then read on the host without a
-    device-to-host copy; its copy to the device is still a synchronous one from pageable memory). k_new, v_new: None or
+    device-to-host copy; it goes to the device from pinned memory, without waiting). k_new, v_new: None or
     [T, Hkv, D] (the cache's dtype and device), written to the sequences before attending (`append_batch`: all
     or nothing). Each sequence's queries attend its cached tokens
     with a causal mask aligned bottom-right (the last query sees every key), optionally a sliding window
@@ -358,8 +395,7 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
         raise ValueError(f"num_splits must be an int in [0, {MAX_KV_SPLITS}] (0: choose), got "
                          f"{num_splits!r}")
     name = _cache_backend(backend, q, cache)
-    if k_new is not None:
-        cache.append_batch(slots, k_new, v_new, cu)
+    meta = cache._append(slots, k_new, v_new, cu) if k_new is not None else None
     for slot, a, b in zip(slots, cu, cu[1:]):
         if cache.length(slot) < b - a:
             raise ValueError(f"sequence in slot {slot} holds {cache.length(slot)} tokens, fewer than its "
@@ -367,11 +403,16 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     if name == "triton":
         from .kernels.triton_paged_attention import paged_attention_fwd
         o = torch.empty(q.shape, dtype=kernel_dtype, device=q.device)
-        cu_dev = host_to_device(cu_seqlens_q, torch.int32, q.device) if cu_seqlens_q.device != q.device \
-            else cu_seqlens_q
+        n = len(slots)
+        if meta is not None:        # the append's copy of cu and the slots
+            cu_dev, slot_dev = meta[:n + 1], meta[n + 1:2 * n + 1]
+        else:
+            cu_dev = host_to_device(cu_seqlens_q, torch.int32, q.device) if cu_seqlens_q.device != q.device \
+                else cu_seqlens_q
+            slot_dev = cache.slot_tensor(slots)
         paged_attention_fwd(q if q.stride(2) == 1 else q.contiguous(), cu_dev,
                             max(b - a for a, b in zip(cu, cu[1:])) if slots else 0,
-                            cache.slot_tensor(slots), cache, softmax_scale=scale,
+                            slot_dev, cache, softmax_scale=scale,
                             left_bound=band.left_bound, out=o, sink=None if sink is None else sink.contiguous(),
                             num_splits=num_splits, max_seqlen_kv=max((cache.length(s) for s in slots), default=0))
         return o if o.dtype == out_dtype else o.to(out_dtype)

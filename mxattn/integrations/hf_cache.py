@@ -199,29 +199,33 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
                     f"step adds {n}: MXFP8PagedCache reads left padding only (padding before each row's first "
                     "token, as generate builds it)")
         self.pending, self.first_real = None, new.first
-        flat = lambda x: x.transpose(1, 2).reshape(b * sq, x.shape[1], x.shape[3])  # noqa: E731 [B*S, H, D]
         rows = new.rows
+
+        def real(x):    # [B, H, Sq, D] -> the real tokens [T, H, D] (a view for a decode step without padding rows)
+            x = x.transpose(1, 2).reshape(b * sq, x.shape[1], x.shape[3])
+            return x if rows is None else x.index_select(0, rows)
+
         window = None if not sliding_window else (int(sliding_window) - 1, 0)
         o = mxfp8_attention_with_kvcache(
-            flat(query).index_select(0, rows), self.store, self.slots, cu_seqlens_q=new.cu_seqlens,
-            k_new=flat(key).index_select(0, rows), v_new=flat(value).index_select(0, rows), softmax_scale=scaling,
-            window_size=window, backend=backend, **softmax_kwargs)
-        out = o.new_zeros((b * sq, hq, d)).index_copy(0, rows, o)
-        return out.view(b, sq, hq, d)
+            real(query), self.store, self.slots, cu_seqlens_q=new.cu_seqlens, k_new=real(key), v_new=real(value),
+            softmax_scale=scaling, window_size=window, backend=backend, **softmax_kwargs)
+        if rows is not None:
+            o = o.new_zeros((b * sq, hq, d)).index_copy(0, rows, o)
+        return o.view(b, sq, hq, d)
 
 
 
 class _NewTokens:
     """Which of a step's tokens are real, per row: first (each row's first real position), counts (real new
     tokens), lengths (real positions after the step), rows (int64 indices into the step's [B * Sq] tokens, row by
-    row, on the device) and cu_seqlens (int32 [B + 1] on the CPU); host ints where not said."""
+    row, on the device; None when every token is real) and cu_seqlens (int32 [B + 1] on the CPU); host ints where not said."""
 
     def __init__(self, first, positions: int, sq: int, device):
         self.first = tuple(first)
         self.counts = [min(sq, max(0, positions - f)) for f in first]
         self.lengths = [max(0, positions - f) for f in first]
-        self.rows = host_to_device([r * sq + j for r, n in enumerate(self.counts) for j in range(sq - n, sq)],
-                                   torch.int64, device)
+        self.rows = None if all(n == sq for n in self.counts) else host_to_device(
+            [r * sq + j for r, n in enumerate(self.counts) for j in range(sq - n, sq)], torch.int64, device)
         cu = [0]
         for n in self.counts:
             cu.append(cu[-1] + n)

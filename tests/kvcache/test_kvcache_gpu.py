@@ -192,3 +192,79 @@ def test_a_decode_step_with_host_offsets_never_waits_for_the_gpu():
     torch.cuda._sleep(100_000_000)
     t = host_to_device([[1, 2], [3, 4]], torch.int64, torch.device("cuda"))
     assert not torch.cuda.current_stream().query() and t.tolist() == [[1, 2], [3, 4]]
+
+
+def _cache_bytes(cache):
+    """Every tensor of a cache's state as raw bytes (NaN compares equal to itself)."""
+    return {name: getattr(cache, name).view(torch.uint8) for name in ("k_data", "k_scale", "v_data", "v_scale",
+                                                                       "v_tail", "page_table", "seq_lens")}
+
+
+@pytest.mark.parametrize("d,page_size,dtype", [(64, 32, torch.bfloat16), (80, 64, torch.float16),
+                                               (128, 128, torch.float32), (256, 64, torch.bfloat16)])
+@torch.no_grad()
+def test_the_append_kernel_writes_the_torch_paths_bytes(d, page_size, dtype):
+    """On CUDA append_batch runs one Triton kernel (two when a call seals a block and opens another behind rows
+    already open); the torch path (what any other device runs) is the oracle: after every call of a random
+    schedule (1 to 3 sequences per call, 0 to 70 tokens each: decode steps, chunks that seal several blocks,
+    cross pages and leave a new open block; K scaled over 1e-3 .. 1e2 per token and head, a NaN in K, an inf in
+    V) the two caches hold the same bytes, and attention over them is equal."""
+    _needs_triton()
+    import random
+    caches = [mxattn.MXFP8KVCache(num_pages=48, page_size=page_size, kv_heads=2, head_dim=d, max_sequences=3,
+                                  dtype=dtype, device="cuda") for _ in range(2)]
+    caches[1]._append_kernel = False
+    assert caches[0]._append_kernel
+    for c in caches:
+        for _ in range(3):
+            c.new_sequence()
+    rnd = random.Random(d)
+    g = torch.Generator(device="cuda").manual_seed(d)
+    for step in range(16):
+        slots = rnd.sample([0, 1, 2], rnd.randint(1, 3))
+        counts = [rnd.choice([0, 1, 1, 1, 5, 31, 33, 70]) for _ in slots]
+        if any(caches[0].length(s) + n > 48 * page_size // 3 for s, n in zip(slots, counts)):
+            continue
+        cu = [0]
+        for n in counts:
+            cu.append(cu[-1] + n)
+        k = torch.randn(cu[-1], 2, d, generator=g, device="cuda")
+        k = (k * 10.0 ** torch.randint(-3, 3, (cu[-1], 2, 1), generator=g, device="cuda")).to(dtype)
+        v = torch.randn(cu[-1], 2, d, generator=g, device="cuda").to(dtype)
+        if step == 3 and cu[-1] > 3:
+            k[2, 1, 5], v[1, 0, 3] = float("nan"), float("inf")
+        for c in caches:
+            c.append_batch(slots, k, v, cu)
+        got, want = _cache_bytes(caches[0]), _cache_bytes(caches[1])
+        for name in want:
+            assert torch.equal(got[name], want[name]), (step, name, (got[name] != want[name]).sum().item())
+    if d <= 128:
+        q = _tokens(3, 4, d, 9, dtype)
+        outs = [mxattn.mxfp8_attention_with_kvcache(q, c, [0, 1, 2], backend="triton", num_splits=1,
+                                                    cu_seqlens_q=torch.tensor([0, 1, 2, 3], dtype=torch.int32))
+                for c in caches]
+        assert torch.equal(outs[0], outs[1])
+
+
+@torch.no_grad()
+def test_a_decode_step_is_one_append_launch_and_the_attention(monkeypatch):
+    """A decode step of several sequences (cu_seqlens_q on the CPU): the append is one kernel launch, and the
+    attention reads the append's copy of the offsets (no second host-to-device copy)."""
+    _needs_triton()
+    from mxattn import kvcache
+    from mxattn.kernels import triton_paged_append
+    launches, copies = [], []
+    real_append, real_copy = triton_paged_append.launch, kvcache.host_to_device
+    monkeypatch.setattr(triton_paged_append, "launch", lambda *a, **kw: launches.append(1) or real_append(*a, **kw))
+    monkeypatch.setattr(kvcache, "host_to_device", lambda *a: copies.append(1) or real_copy(*a))
+    cache = mxattn.MXFP8KVCache(num_pages=16, page_size=64, kv_heads=2, head_dim=64, max_sequences=4, device="cuda")
+    slots = [cache.new_sequence() for _ in range(4)]
+    for i, s in enumerate(slots):
+        cache.append(s, _tokens(30 + i, 2, 64, i), _tokens(30 + i, 2, 64, 10 + i))
+    launches.clear(), copies.clear()
+    cu = torch.arange(5, dtype=torch.int32)
+    out = mxattn.mxfp8_attention_with_kvcache(_tokens(4, 8, 64, 1), cache, slots, cu_seqlens_q=cu,
+                                              k_new=_tokens(4, 2, 64, 2), v_new=_tokens(4, 2, 64, 3),
+                                              backend="triton")
+    assert len(launches) == 1 and len(copies) == 1 and torch.isfinite(out).all()
+    assert cache.seq_lens[:4].tolist() == [31, 32, 33, 34]
