@@ -3,13 +3,15 @@ SDPA over a bf16 cache, same GPU, same run. Rows: the exact single pass (num_spl
 bit-equal to the dense path's 128-row / 8-warp tile), then the fast 16-row tile with the automatic split
 count under (num_warps, num_stages) variants, with 256-token pages (one page-table read per block) and 64-token
 pages (a gather per token); agreement of the default with the exact pass (max bf16 ulps, share equal).
-Heads as benchmarks/decode_bench.py. --ncu: one fast-tile call at batch 64 / 4k for Nsight Compute.
-Usage (CUDA machine): python benchmarks/paged_decode_tuning.py [--ncu]"""
+Heads as benchmarks/decode_bench.py. --ncu: one fast-tile call at batch 64 / 4k for Nsight Compute. --splits:
+instead, the fast tile's time per split count (the automatic choice first) at batch 1, 8, 64 and contexts 1k-32k.
+Usage (CUDA machine): python benchmarks/paged_decode_tuning.py [--ncu | --splits]"""
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
+import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +37,33 @@ def setup(batch, context, page):
     return run, q, k, v
 
 
+SPLITS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def split_sweep():
+    """Time per decode step of the fast tile per split count, against the automatic choice and SDPA."""
+    print(f"{torch.cuda.get_device_name()}: decode step, Hq {db.HQ} Hkv {db.HKV} D {db.D}, page 256, us")
+    print("batch context | sdpa | auto (splits) | " + " | ".join(f"{n} splits" for n in SPLITS) + " | best")
+    for batch, context in ((1, 1024), (1, 4096), (1, 32768), (8, 1024), (8, 4096), (8, 16384), (64, 4096),
+                           (64, 16384)):
+        run, q, k, v = setup(batch, context, 256)
+        sdpa = do_bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)) * 1e3
+        k = v = None
+        programs = batch * db.HKV * triton.cdiv(db.HQ // db.HKV, tp.tile_heads(db.HQ // db.HKV, tp.FAST_TILE[0]))
+        auto = tp.choose_splits(programs, triton.cdiv(context, tp.BLOCK_N), tp.sm_count(q.device))
+        t_auto = do_bench(lambda: run(0)) * 1e3
+        times = {n: do_bench(lambda: run(n)) * 1e3 for n in SPLITS if n * tp.BLOCK_N <= context}
+        best = min(times, key=times.get)
+        print(f"{batch:5d} {context:7d} | {sdpa:6.1f} | {t_auto:6.1f} ({auto}) | "
+              + " | ".join(f"{times[n]:6.1f}" if n in times else "   -  " for n in SPLITS)
+              + f" | {best} ({sdpa / times[best]:.2f}x sdpa's speed)", flush=True)
+        torch.cuda.empty_cache()
+
+
 def main():
+    if "--splits" in sys.argv:
+        split_sweep()
+        return
     if "--ncu" in sys.argv:
         run, *_ = setup(64, 4096, 256)
         for _ in range(3):

@@ -23,8 +23,9 @@ from .seqinfo import SeqInfo
 
 def _mask(args) -> MaskSpec:
     """The band mask the fields bottom_right, left_bound, right_bound encode (one shared MaskSpec per band:
-    the ops decode it on every call)."""
-    return _band(args.bottom_right, args.left_bound, args.right_bound)
+    the ops decode it on every call; traced code builds it: Dynamo warns about lru_cache wrappers)."""
+    band = _band.__wrapped__ if torch.compiler.is_compiling() else _band
+    return band(args.bottom_right, args.left_bound, args.right_bound)
 
 
 @functools.lru_cache(maxsize=256)

@@ -3,6 +3,8 @@ saved-activation bound."""
 
 import os
 
+import warnings
+
 import pytest
 from repo_paths import ROOT
 import torch
@@ -278,7 +280,12 @@ def test_readme_block_compiles_fullgraph_with_inductor():
     compiled = namespace["model"]
     eager = compiled._orig_mod
     x = torch.randn(2, 64, 1024, dtype=torch.bfloat16, requires_grad=True)
-    out = compiled(x)
+    from torch._dynamo.utils import warn_once_cache
+    warn_once_cache.clear()                 # (Dynamo warns once per process and message)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(x)
+    assert not [w for w in caught if "lru_cache" in str(w.message)], "Dynamo warned about an lru_cache in mxattn"
     out.float().square().mean().backward()
     grad = x.grad.clone()
     x.grad = None
