@@ -397,8 +397,8 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     name = _cache_backend(backend, q, cache)
     meta = cache._append(slots, k_new, v_new, cu) if k_new is not None else None
     for slot, a, b in zip(slots, cu, cu[1:]):
-        if cache.length(slot) < b - a:
-            raise ValueError(f"sequence in slot {slot} holds {cache.length(slot)} tokens, fewer than its "
+        if cache._lens[slot] < b - a:
+            raise ValueError(f"sequence in slot {slot} holds {cache._lens[slot]} tokens, fewer than its "
                              f"{b - a} queries")
     if name == "triton":
         from .kernels.triton_paged_attention import paged_attention_fwd
@@ -414,7 +414,7 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
                             max(b - a for a, b in zip(cu, cu[1:])) if slots else 0,
                             slot_dev, cache, softmax_scale=scale,
                             left_bound=band.left_bound, out=o, sink=None if sink is None else sink.contiguous(),
-                            num_splits=num_splits, max_seqlen_kv=max((cache.length(s) for s in slots), default=0))
+                            num_splits=num_splits, max_seqlen_kv=max((cache._lens[s] for s in slots), default=0))
         return o if o.dtype == out_dtype else o.to(out_dtype)
     out = torch.zeros(q.shape, dtype=out_dtype, device=q.device)
     for slot, a, b in zip(slots, cu, cu[1:]):

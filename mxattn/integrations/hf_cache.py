@@ -191,7 +191,7 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
         b, hq, sq, d = query.shape
         new = _new_tokens_per_row(attention_mask, b, sq, self.positions, sliding_window, query.device,
                                   self.first_real)
-        lengths = [self.store.length(slot) for slot in self.slots]
+        lengths = [self.store._lens[slot] for slot in self.slots]     # (slots checked when taken)
         for row, (n, real) in enumerate(zip(new.counts, new.lengths)):
             if lengths[row] + n != real:
                 raise UnsupportedMaskError(
