@@ -5,7 +5,8 @@ the quantization of Q, K, V), backward (dO quantization included) and forward+ba
 `torch.nn.functional.scaled_dot_product_attention` in BF16 with its cuDNN and flash backends; it records the
 peak memory of each forward+backward, and the fused quantizer's throughput against the same GPU's
 device-to-device copy bandwidth. Results go to benchmarks/results/<gpu-name>/results.{json,md} (and
-chart.png when matplotlib is importable; `--plot-from results.json` renders it elsewhere).
+chart.png when matplotlib is importable; `--plot-from results.json` renders it elsewhere). The kernels' tuning
+sweeps (block, warp and stage candidates) live outside the package: `python benchmarks/kernel_sweep.py`.
 """
 
 from __future__ import annotations
@@ -410,75 +411,6 @@ def host_time_us(fn, iters: int = 200, warmup: int = 5) -> float:
     return statistics.median(times) * 1e6
 
 
-FWD_SWEEP = [(128, 8, 2), (128, 8, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2)]
-BWD_SWEEP = [((64, 128, 8, 2), (128, 64, 8, 2)), ((64, 128, 8, 1), (128, 64, 8, 3)),
-             ((64, 128, 8, 3), (128, 32, 8, 3)), ((32, 128, 8, 2), (64, 64, 4, 3)),
-             ((32, 128, 8, 2), (128, 32, 8, 3)), ((64, 128, 8, 3), (64, 64, 4, 3)),
-             ((32, 128, 8, 3), (128, 64, 8, 3)), ((32, 128, 4, 2), (128, 64, 8, 1))]
-#: kernel groups `sweep` can time
-SWEEP_KERNELS = ("fwd", "fwd_fp8_on_chip", "bwd_pre", "bwd_fp8", "quantize")
-
-
-def fwd_kernel_operands(k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> tuple:
-    """(k_data, k_scale, v) for the forward kernel from bf16 k, v [B, Hkv, S, D], on the data path the triton
-    backend takes for this problem (`fwd_streams_bf16`), or on the FP8 on-chip path when fp8."""
-    from .kernels import triton_attention_fwd as tf
-    from .kernels.triton_quantize import quantize_rowcol
-
-    if not fp8 and tf.fwd_streams_bf16(k.shape[0], k.shape[1], k.shape[2], k.shape[3]):
-        kq, vq = quantize_rowcol(k, col=False, row_dequant=True), quantize_rowcol(v, col_dequant=True)
-        return kq.row_dequant, None, vq.col_dequant
-    kq, vq = quantize_rowcol(k, col=False), quantize_rowcol(v, row=False, col_seq_major=True)
-    return kq.row.data, kq.row.scale, vq.col_seq_major
-
-
-def sweep(cfg, warmup: int, iters: int, kernels=SWEEP_KERNELS) -> List[Dict]:
-    """Time the kernels (the groups named in `kernels`, see SWEEP_KERNELS) under each block/warp/stage
-    candidate for one config. The backward is timed in both data paths ("pre": bf16 scratch, "fp8")."""
-    from .kernels import triton_attention_bwd as tb
-    from .kernels import triton_attention_fwd as tf
-    from .kernels.triton_quantize import quantize_rowcol
-
-    name, B, hq, hkv, S, D, causal = cfg
-    dev = torch.device("cuda")
-    q, do = (torch.randn(B, hq, S, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(B, hkv, S, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    qq, dq_, kq, vq = quantize_rowcol(q), quantize_rowcol(do), quantize_rowcol(k), quantize_rowcol(v)
-    kv, kv_fp8 = fwd_kernel_operands(k, v), fwd_kernel_operands(k, v, fp8=True)
-    o, st = torch.empty_like(q), torch.empty(B, hq, S, 1, device=dev)
-    fl = 4.0 * B * hq * D * kept_pairs(S, S, causal)
-    mk = dict(softmax_scale=1 / math.sqrt(D), offset=0, left_bound=None, right_bound=0 if causal else None)
-    rows = []
-
-    def rec(kernel, params, fn, mult):
-        try:
-            ms = time_cuda(fn, warmup, iters)
-            rows.append({"config": name, "kernel": kernel, "params": params, "ms": ms,
-                         "tflops": mult * fl / ms / 1e9})
-        except Exception as exc:
-            rows.append({"config": name, "kernel": kernel, "params": params,
-                         "error": f"{type(exc).__name__}: {exc}"[:200]})
-        print(rows[-1], flush=True)
-    for label, operands in (("fwd", kv), ("fwd_fp8_on_chip", kv_fp8)):
-        for c in (FWD_SWEEP if label in kernels else ()):
-            rec(label, c, lambda: tf.attention_fwd(qq.row.data, qq.row.scale, *operands, out=o, stats=st, config=c,
-                                                   **mk), 1.0)
-    tf.attention_fwd(qq.row.data, qq.row.scale, *kv, out=o, stats=st, **mk)
-    g = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    for mode in ("pre", "fp8"):
-        for c in (BWD_SWEEP if f"bwd_{mode}" in kernels else ()):
-            rec(f"bwd_{mode}", c, lambda: tb.attention_bwd(
-                qq.row, qq.col, kq.row, kq.col, vq.row, dq_.row, dq_.col, o, do, st, dq=g[0], dk=g[1], dv=g[2],
-                config=c, mode=mode, **mk), 2.5)
-    n = q.numel()
-    for tile in (((32, 4), (32, 4, 64), (32, 2, 64), (64, 4, 64), (32, 8)) if "quantize" in kernels else ()):
-        ms = time_graph(lambda: quantize_rowcol(q, tile=tile), warmup, iters)
-        rows.append({"config": name, "kernel": "quantize", "params": tile, "ms": ms,
-                     "GBps": (4 * n + 2 * (n // 32)) / ms / 1e6})
-        print(rows[-1], flush=True)
-    return rows
-
-
 def _fmt(v, nd=1):
     return "-" if v is None else f"{v:.{nd}f}"
 
@@ -622,13 +554,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--only-extras", action="store_true",
                     help="only the variable-length and attention-sink measurements (no dense configs, no quantizer)")
     ap.add_argument("--plot-from", default=None, help="render chart.png next to an existing results.json")
-    ap.add_argument("--sweep", nargs="?", const=",".join(SWEEP_KERNELS), default=None, metavar="KERNELS",
-                    help="only time the kernels' block/warp/stage candidates on the configs (tuning aid); "
-                         f"optionally a comma list of {', '.join(SWEEP_KERNELS)}")
     args = ap.parse_args(argv)
-    kernels = () if args.sweep is None else tuple(k.strip() for k in args.sweep.split(",") if k.strip())
-    if args.sweep is not None and (not kernels or any(k not in SWEEP_KERNELS for k in kernels)):
-        ap.error(f"--sweep takes a comma list of {', '.join(SWEEP_KERNELS)}, got {args.sweep!r}")
     if args.plot_from:
         with open(args.plot_from) as f:
             results = json.load(f)
@@ -654,14 +580,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     results = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "iters": args.iters,
                "warmup": args.warmup, "rounds": ROUNDS, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "configs": []}
-    if args.sweep is not None:
-        rows = [row for cfg in (args.config or DEFAULT_CONFIGS)
-                for row in sweep(cfg, args.warmup, args.iters, kernels)]
-        out_dir = args.out_dir or os.path.join("benchmarks", "results", gpu_dir_name(gpu))
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "sweep.json"), "w") as f:
-            json.dump({"gpu": gpu, "rows": rows}, f, indent=1)
-        return 0
     for cfg in ([] if args.only_extras else (args.config or DEFAULT_CONFIGS)):
         r = bench_config(cfg, args.warmup, args.iters)
         results["configs"].append(r)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from repo_paths import ROOT
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -88,6 +89,31 @@ def test_bench_rejects_too_few_iterations():
     from mxattn import bench
     with pytest.raises(SystemExit):
         bench.main(["--iters", "5"])
+
+
+def test_kernel_sweep_lives_outside_the_package_and_checks_its_arguments(capsys):
+    """The tuning sweep is benchmarks/kernel_sweep.py (no `--sweep` in `python -m mxattn bench`): it names the
+    kernel groups it takes, and without a GPU it says so."""
+    import runpy
+
+    from mxattn import bench
+    assert not hasattr(bench, "sweep") and "--sweep" not in _help(bench.main)
+    sweep = runpy.run_path(str(ROOT / "benchmarks" / "kernel_sweep.py"), run_name="kernel_sweep")
+    with pytest.raises(SystemExit):
+        sweep["main"](["--kernels", "fwd,bogus"])
+    assert "--kernels takes a comma list of fwd, fwd_fp8_on_chip, bwd_pre, bwd_fp8, quantize" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert sweep["main"](["--kernels", "fwd"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def _help(main) -> str:
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(["--help"])
+    return out.getvalue()
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
