@@ -186,6 +186,45 @@ def test_paged_kernel_launch_arguments_without_a_gpu(monkeypatch):
                                left_bound=None, out=torch.zeros(1, 2, 256))
 
 
+def test_append_kernel_launch_plan_without_a_gpu(monkeypatch):
+    """The Triton append's host side (CUDA caches take it; forced here on the CPU, launches recorded): pages
+    are taken and mapped first, one metadata tensor [cu, slots, lengths before] feeds the kernel, the grid spans
+    the most 32-token blocks any sequence touches, and the tail pass runs only when a call seals a block and
+    opens another behind rows already open. The host lengths advance; nothing is written on an error."""
+    pytest.importorskip("triton")
+    from mxattn.kernels import triton_paged_append as ta
+    launched = []
+    monkeypatch.setattr(ta, "launch", lambda fn, grid, *a, **kw: launched.append((grid, a, kw)))
+    cache = mxattn.MXFP8KVCache(num_pages=8, page_size=64, kv_heads=2, head_dim=80, max_sequences=3)
+    cache._append_kernel = True
+    slots = [cache.new_sequence() for _ in range(3)]
+
+    def append(lengths, sl=slots):
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        k = torch.zeros(cu[-1], 2, 80, dtype=torch.bfloat16)
+        launched.clear()
+        cache.append_batch(sl, k, k, cu)
+        return [(grid, kw["TAIL_PASS"], kw["DP"]) for grid, _, kw in launched], launched
+
+    plan, calls = append([40, 1, 0])           # blocks 0-1 of slot 0, block 0 of slot 1
+    assert plan == [((3, 2, 2), False, 128)]
+    meta = calls[0][1][0]
+    assert meta.dtype == torch.int32 and meta.tolist() == [0, 40, 41, 41, 0, 1, 2, 0, 0, 0]
+    assert [cache.length(s) for s in slots] == [40, 1, 0] and cache.page_table[:2, 0].tolist() == [0, 1]
+    plan, _ = append([1, 1, 1])                # decode step: one block each, no tail pass
+    assert plan == [((3, 1, 2), False, 128)]
+    plan, _ = append([30, 5, 0])               # slot 0: 41 -> 71 seals block 1 (open rows 9) and opens block 2
+    assert plan == [((3, 2, 2), False, 128), ((3, 1, 2), True, 128)]
+    plan, _ = append([25, 0, 0])               # slot 0: 71 -> 96 seals block 2 exactly: no new open block
+    assert plan == [((3, 1, 2), False, 128)]
+    assert [cache.length(s) for s in slots] == [96, 7, 1] and cache.page_table[0, :2].tolist() == [0, 3]
+    with pytest.raises(RuntimeError, match="out of pages"):
+        append([600, 0, 0])
+    assert launched == [] and cache.length(slots[0]) == 96
+
+
 def test_split_count_fills_the_gpu_and_keeps_blocks_per_split():
     pytest.importorskip("triton")
     from mxattn.kernels.triton_paged_attention import MIN_BLOCKS_PER_SPLIT, choose_splits
