@@ -74,3 +74,19 @@ def test_one_launch_forward_builds_for_sm90():
                               PACKED=False, BOTTOM_RIGHT=True, HAS_SINK=False, KV_BF16=False, QDQ=True),
                          num_warps=warps, num_stages=stages)
     assert "cubin" in kernel.asm
+
+
+@pytest.mark.parametrize("dtype,dp,tail_pass", [("bf16", 64, False), ("bf16", 128, True), ("fp32", 128, False),
+                                                ("fp16", 256, False)])
+def test_paged_append_kernel_builds_for_sm90(dtype, dp, tail_pass):
+    """The KV cache's append (K quantized row-wise, V sealed column-wise or kept in the tail) for each cache dtype
+    and head dim the launcher picks (8 warps above D 128); the tail pass stores no FP8 byte."""
+    from triton_compile import compile_for
+    from mxattn.kernels import triton_paged_append as ta
+    types = dict(META="*i32", K=f"*{dtype}", V=f"*{dtype}", PT="*i32", KD="*fp8e4nv", KS="*u8", VD="*fp8e4nv",
+                 VS="*u8", VT=f"*{dtype}", SEQ_LENS="*i32")
+    kernel = compile_for(ta._paged_append_kernel, types, dict(DP=dp, TAIL_PASS=tail_pass),
+                         num_warps=4 if dp <= 128 else 8, num_stages=1)
+    assert "cubin" in kernel.asm and kernel.metadata.shared <= 227 * 1024
+    ptx = kernel.asm["ptx"]
+    assert ("cvt.rn.satfinite.e4m3x2.f32" not in ptx) == tail_pass
