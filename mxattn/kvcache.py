@@ -15,9 +15,9 @@ the reference backend (K's bytes are the row-wise quantization of each token, V'
 tokens quantized the same way, and V's open block is quantized from the same rows). Bytes: about 0.53x of a
 bf16 cache at D=128 (1 + 1/32 bytes per value for K and V) plus the open blocks.
 
-Backends: `reference` (any device: `ref.mxfp8_ref` on the stored bytes) and `triton` (CUDA: one kernel reads the
-pages' FP8 bytes and scales, `mxattn.kernels.triton_paged_attention`). cuDNN's paged graphs are not built yet:
-asking for them raises `MXFP8NotSupportedError`.
+Backends: `reference` (any device: `ref.mxfp8_ref` on the stored bytes), `triton` (CUDA: one kernel reads the
+pages' FP8 bytes and scales, `mxattn.kernels.triton_paged_attention`) and `cudnn` (Blackwell: cuDNN's paged MXFP8
+graph, `mxattn.backends.cudnn.paged`; MXFP8NotSupportedError with the reason elsewhere).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .constants import MAX_KV_SPLITS, ceil_div
 from .errors import MXFP8NotSupportedError
 from .formats import BLOCK_SIZE, MXFP8Tensor, cat_bytes, quantize_mxfp8
 from .devices import host_to_device
-from .mask import resolve_mask
+from .mask import MaskSpec, resolve_mask
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -339,8 +339,11 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     Returns O [T, Hq, D] in out_dtype (default q's). Inference only (no autograd).
     backend: "triton" (CUDA, head dims up to 128: the kernel reads the pages' FP8 bytes and scales once per KV
     head, `mxattn.kernels.triton_paged_attention`), "reference" (any device: `ref.mxfp8_ref` on the stored
-    bytes), or "auto" (triton where it runs, else reference with a one-time warning). cuDNN's paged graphs are
-    not built yet ("cudnn" raises).
+    bytes), "cudnn" (Blackwell with cuDNN >= 9.21: cuDNN's paged MXFP8 SDPA graph reads the pages,
+    `mxattn.backends.cudnn.paged`; its forward recipe agrees with the others to the tolerance the dense cudnn
+    backend keeps against `ref`, not bit for bit; elsewhere MXFP8NotSupportedError with the reason, before
+    anything is written), or "auto" (triton where it runs, else reference with a one-time warning; auto does not
+    pick cudnn).
     num_splits (triton): how many programs share one sequence's keys (flash-decoding). 1: one program per
     sequence and KV head, equal bit for bit to the triton backend's `mxfp8_attention` over the same tokens.
     n > 1: n splits; every P is still rounded against the sequential pass's running max (a first pass finds each
@@ -352,9 +355,6 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     sequential."""
     if backend not in ("auto", "reference", "triton", "cudnn"):
         raise ValueError(f"backend must be one of ('auto', 'cudnn', 'triton', 'reference'), got {backend!r}")
-    if backend == "cudnn":
-        raise MXFP8NotSupportedError("backend 'cudnn' has no paged MXFP8 KV-cache graph yet; use backend='triton' "
-                                     "(CUDA) or 'reference'")
     if not isinstance(cache, MXFP8KVCache):
         raise TypeError(f"cache must be an MXFP8KVCache, got {type(cache).__name__}")
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != cache.head_dim:
@@ -395,6 +395,11 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
         raise ValueError(f"num_splits must be an int in [0, {MAX_KV_SPLITS}] (0: choose), got "
                          f"{num_splits!r}")
     name = _cache_backend(backend, q, cache)
+    if name == "cudnn":   # cuDNN's verdict on the graph and the device, before anything is written
+        cudnn_args = dict(attn_scale=scale, mask=MaskSpec(diagonal_alignment="bottom_right",
+                                                          left_bound=band.left_bound, right_bound=0),
+                          sink=sink is not None, out_dtype=kernel_dtype)
+        _require_cudnn(q, cu, cache, slots, **cudnn_args)
     meta = cache._append(slots, k_new, v_new, cu) if k_new is not None else None
     for slot, a, b in zip(slots, cu, cu[1:]):
         if cache._lens[slot] < b - a:
@@ -416,6 +421,10 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
                             left_bound=band.left_bound, out=o, sink=None if sink is None else sink.contiguous(),
                             num_splits=num_splits, max_seqlen_kv=max((cache._lens[s] for s in slots), default=0))
         return o if o.dtype == out_dtype else o.to(out_dtype)
+    if name == "cudnn":
+        from .backends.cudnn.paged import cudnn_paged_forward
+        o = cudnn_paged_forward(q, cu, cache, slots, **dict(cudnn_args, sink=sink))
+        return o if o.dtype == out_dtype else o.to(out_dtype)
     out = torch.zeros(q.shape, dtype=out_dtype, device=q.device)
     for slot, a, b in zip(slots, cu, cu[1:]):
         if b == a:
@@ -433,12 +442,24 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
 _WARNED = set()
 
 
+def _require_cudnn(q: torch.Tensor, cu: List[int], cache: MXFP8KVCache, slots: List[int], **kw) -> None:
+    """MXFP8NotSupportedError naming why cuDNN's paged MXFP8 graph cannot serve this call (before any write)."""
+    try:
+        from .backends.cudnn.paged import paged_config_of, require_paged_graph
+    except ImportError as exc:
+        raise MXFP8NotSupportedError(f"backend 'cudnn' needs the cuDNN frontend (pip install "
+                                     f"nvidia-cudnn-frontend): {exc}") from None
+    require_paged_graph(paged_config_of(q, cu, cache, slots, **kw), q.device)
+
+
 def _cache_backend(backend: str, q: torch.Tensor, cache: MXFP8KVCache) -> str:
     """"triton" or "reference" for a cache call ("auto" takes triton where it runs; raises for "triton" where
     it cannot run, naming why)."""
     if cache.device != q.device:
         raise ValueError(f"q must be on the cache's device ({cache.device}), got {q.device}")
     if backend == "reference":
+        return backend
+    if backend == "cudnn":
         return backend
     from .backends.triton_backend import TritonBackend
     ok, why = TritonBackend.availability(q.device)

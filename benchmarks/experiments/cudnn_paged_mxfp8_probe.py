@@ -1,7 +1,8 @@
 """Probe (issue 21, cuDNN part): does cuDNN's validation accept an MXFP8 SDPA forward graph that reads K and V
 from a paged cache (`paged_attention_k_table` / `paged_attention_v_table`, as its BF16/FP16 SDPA does)?
-Deviceless: the graph is lowered for SM 10.0 and checked by `validate()` without a GPU. Prints, per case, cuDNN's
-verdict (accepted, or its reason).
+Deviceless: the graph is built for SM 10.0 and checked by the Python frontend's `validate()`, then lowered to the
+C++ frontend and checked by cuDNN's own `validate()`, without a GPU. Prints, per case, both verdicts. (Session 13
+ran only the first and read it as cuDNN's acceptance; cuDNN 9.28's C++ validation refuses every paged case.)
 
 The graph: Q [B, Hq, s_q, D] FP8 with row-wise F8_128x4 scales as in mxattn's dense graph; K and V as page pools
 [num_pages, Hkv, page_size, D] FP8 with their scales as pools too (K row-wise [num_pages, Hkv, page_size, D/32
@@ -62,9 +63,13 @@ def probe(batch, hq, hkv, d, s_q, page, pages_per_seq, causal, paged_scales=True
     try:
         graph.validate()
         graph.build_operation_graph()
-        return "accepted"
+    except Exception as exc:  # noqa: BLE001 -- the Python frontend's verdict
+        return f"Python frontend: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    try:  # cuDNN's own (C++) validation of the lowered graph, deviceless
+        graph._lower_to_cpp().validate()
     except Exception as exc:  # noqa: BLE001 -- cuDNN's verdict
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        return f"Python frontend accepts; cuDNN's C++ validation: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return "accepted by both"
 
 
 def main():

@@ -177,13 +177,14 @@ def build_backward_graph(cfg: GraphConfig, handle=None, *, sm_version: int = 100
     return _finish(graph, cfg, "backward")
 
 
-def graph_json(graph) -> dict:
+def graph_json(graph, validate: bool = True) -> dict:
     """cuDNN's own JSON description of `graph` (a dict: "nodes", "tensors" with dim/stride/data_type/
     reordering_type/uid, "context", versions).
 
     A graph already lowered to the cuDNN C++ frontend (planned on a device) is described as it is. Otherwise it is
     lowered here (with the graph's handle; a graph built with handle=None lowers without any device) and cuDNN's
-    C++ `validate()` runs first (MXFP8NotSupportedError with cuDNN's reason). Uses the pure-Python pygraph's
+    C++ `validate()` runs first (MXFP8NotSupportedError with cuDNN's reason; validate=False skips it: the JSON
+    of a graph cuDNN may refuse). Uses the pure-Python pygraph's
     lowering hook (`_lower_to_cpp`, cudnn-frontend 1.32): the public routes to the C++ JSON (`key()`,
     `serialize()`) need a GPU or a built plan.
     """
@@ -194,7 +195,8 @@ def graph_json(graph) -> dict:
             raise RuntimeError("this cudnn-frontend's pygraph has no _lower_to_cpp(); graph_json needs 1.32's layout")
         lowered = lower()
         try:
-            lowered.validate()
+            if validate:
+                lowered.validate()
         except Exception as exc:  # noqa: BLE001 -- cuDNN's verdict on the graph
             raise MXFP8NotSupportedError(f"cuDNN's validation rejected the graph: {type(exc).__name__}: {exc}") \
                 from None
