@@ -8,7 +8,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import ops
-from .backends import choose_backend
+from .backends import choice_reads_sizes, choose_backend
 from .constants import INPUT_DTYPES, KERNEL_OUT_DTYPES, SOFTMAX_TYPES
 from .errors import MXFP8NotSupportedError
 from .layouts import bhsd_shape, check_format, from_bhsd, to_bhsd
@@ -104,7 +104,7 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
         key = _signature(q, k, v, qkv_format, attn_mask_type, window_size, softmax_scale, backend, out_dtype,
                          max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset, recipe)
         plan = None if key is None else _PLANS.get(key)
-        if plan is not None:
+        if plan is not None and (plan.kv_len is None or plan.kv_len == _kv_len(k, qkv_format)):
             return _run_dense(plan, q, k, v, _sink_of(plan, softmax_offset))
     validate_inputs(q, k, v, qkv_format)
     recipe = recipe_key(recipe)
@@ -145,10 +145,13 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     args = FwdArgs.encode(qb, kb, vb, softmax_scale=softmax_scale, mask=band, out_dtype=kernel_dtype,
                           qkv_format="bshd" if packed else qkv_format, backend=backend, seq=seq, sink=sink,
                           recipe=recipe)
-    name = choose_backend(backend, args.problem(softmax_type, ops.needs_backward(q, k, v, softmax_offset)))
+    problem = args.problem(softmax_type, ops.needs_backward(q, k, v, softmax_offset))
+    name = choose_backend(backend, problem)
     args = args._replace(backend=name)
     if seq is None and not torch.compiler.is_compiling():
-        plan = _DensePlan(args._replace(q=None, k=None, v=None, sink=None), out_dtype, softmax_type)
+        # the plan serves every KV length unless the backend choice read it
+        kv_len = kb.shape[2] if choice_reads_sizes(backend, name, problem) else None
+        plan = _DensePlan(args._replace(q=None, k=None, v=None, sink=None), out_dtype, softmax_type, kv_len)
         _remember(key, plan)
         return _run_dense(plan, q, k, v, sink)
     o = ops.attention(args)
@@ -165,6 +168,8 @@ class _DensePlan(NamedTuple):
     args: FwdArgs
     out_dtype: torch.dtype
     softmax_type: str
+    #: the KV length the plan is for, None for any (the backend choice did not read it)
+    kv_len: Optional[int]
 
 
 #: plans of dense eager calls by signature (`_signature`); bounded, cleared when full. Reads and writes of a
@@ -173,19 +178,37 @@ _PLANS: dict = {}
 _MAX_PLANS = 512
 
 
+#: the sequence axis of each dense layout
+_SEQ_AXIS = {"bshd": 1, "sbhd": 0, "bhsd": 2}
+
+
 def _tensor_key(x):
-    return (x.__class__, x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+    """What the checks and the backend choice read of a tensor (not its strides: `to_bhsd` takes any)."""
+    return (x.__class__, x.shape, x.dtype, x.device, x.requires_grad)
+
+
+def _kv_key(x, axis: Optional[int]):
+    """`_tensor_key` of k or v with the sequence length left out (decode steps share a plan across lengths)."""
+    shape = x.shape if axis is None else (*x.shape[:axis], -1, *x.shape[axis + 1:])
+    return (x.__class__, shape, x.dtype, x.device, x.requires_grad)
+
+
+def _kv_len(k, qkv_format: str) -> int:
+    return k.shape[_SEQ_AXIS[qkv_format]]
 
 
 def _signature(q, k, v, qkv_format, attn_mask_type, window_size, softmax_scale, backend, out_dtype,
                max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset, recipe=None) -> Optional[tuple]:
-    """Everything the checks and the backend choice of a dense call read (types, shapes, strides, dtypes,
-    devices, grad mode, the options), or None when an argument is not what a plan can key (the full path
-    then runs and raises the clear error)."""
+    """Everything the checks and the backend choice of a dense call read (types, shapes, dtypes, devices, grad
+    mode, the options) with the KV length reduced to what the checks read of it (k's equals v's, non-zero),
+    or None when an argument is not what a plan can key (the full path then runs and raises the clear error).
+    A plan whose backend choice read the KV length keeps it (`_DensePlan.kv_len`)."""
     try:
+        axis = _SEQ_AXIS.get(qkv_format) if k.dim() == v.dim() == 4 else None
+        lengths = None if axis is None else (k.shape[axis] == v.shape[axis], k.shape[axis] > 0)
         offset = None if softmax_offset is None else _tensor_key(softmax_offset)
         window = None if window_size is None else tuple(window_size)
-        key = (_tensor_key(q), _tensor_key(k), _tensor_key(v), qkv_format, attn_mask_type, window,
+        key = (_tensor_key(q), _kv_key(k, axis), _kv_key(v, axis), lengths, qkv_format, attn_mask_type, window,
                softmax_scale, softmax_scale.__class__, backend, out_dtype, max_seqlen_q, max_seqlen_kv,
                softmax_type, offset, recipe, torch.is_grad_enabled())
         hash(key)

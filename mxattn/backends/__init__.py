@@ -110,10 +110,18 @@ def pick_backend(name: str, problem: Problem) -> str:
     raise MXFP8NotSupportedError("no backend can run this call: " + "; ".join(reasons))
 
 
+def choice_reads_sizes(name: str, chosen: str, problem: Problem) -> bool:
+    """Whether `pick_backend(name, problem)`, which chose `chosen`, could choose otherwise (or refuse) for
+    another batch size or other sequence lengths: some backend it asked reads them (`support_reads_sizes`).
+    For "auto" those are the backends before the chosen one and the chosen one."""
+    asked = BACKEND_NAMES[:BACKEND_NAMES.index(chosen) + 1] if name == "auto" else (chosen,)
+    return any(backend_class(n).support_reads_sizes(problem) for n in asked)
+
+
 def get_backend(name: str) -> AttentionBackend:
     """The shared instance of a concrete backend (no availability check)."""
     return _instance(name)
 
 
 __all__ = ["AttentionBackend", "AttentionParams", "Problem", "SavedForBackward", "BACKEND_NAMES", "availability",
-           "backend_class", "choose_backend", "get_backend", "pick_backend", "supports"]
+           "backend_class", "choice_reads_sizes", "choose_backend", "get_backend", "pick_backend", "supports"]

@@ -212,6 +212,12 @@ class AttentionBackend(abc.ABC):
         return cls.saved_format
 
     @classmethod
+    def support_reads_sizes(cls, problem: Problem) -> bool:
+        """Whether `supports(problem)` could answer otherwise for another batch size or other sequence lengths
+        (the base class's checks read none; a backend whose refusals read them says so)."""
+        return False
+
+    @classmethod
     def supports(cls, problem: Problem) -> Tuple[bool, str]:
         """(can run this whole call, forward and, if problem.needs_backward, backward; reason). Never raises.
 

@@ -25,6 +25,7 @@ from ..checks import check_bhsd_tensor
 from ..constants import INPUT_DTYPES, KERNEL_OUT_DTYPES
 from ..devices import device_guard
 from ..errors import MXFP8NotSupportedError
+from ..kernels.affine_plan import AffinePlanCache
 from ..kernels.launch_plan import PlanCache, alias_key, root_key
 from .base import AttentionBackend, AttentionParams, SavedForBackward, sink_grad_from_delta
 
@@ -87,6 +88,9 @@ def _quant_args(params: AttentionParams, which: str) -> dict:
 #: launch plans by call signature (`launch_plan`: checks, choices and allocations done once, the
 #: compiled kernels launched directly with the new tensors' addresses)
 _PLANS = PlanCache()
+#: plans of one-launch forwards (decode steps) over every KV length (`affine_plan`: the body's integers are
+#: affine in the KV length: its size, strides and diagonal offset)
+_AFFINE_PLANS = AffinePlanCache()
 
 
 def _forward_key(roots, params: AttentionParams):
@@ -109,6 +113,19 @@ def _key(kind: str, roots, params: AttentionParams, *extra):
               None if seq is None else seq.packed, *[None if k is None else k[2:] for k in keys])
     sizes = tuple(None if k is None else k[:2] for k in keys)
     return family, (sizes, alias_key(roots), None if seq is None else (seq.max_seqlen_q, seq.max_seqlen_kv))
+
+
+def _one_launch_key(roots, params: AttentionParams):
+    """The affine plan key of a one-launch forward on roots (q, k, v, sink, cu_seqlens_q, cu_seqlens_kv): what
+    `_forward_key`'s family holds, with each root's shape in place of its strides, K's and V's length (dim 2)
+    left out; strides, aliasing and the length itself are the plan's own business (`affine_plan`). A
+    variable-length call adds its longest query (its grid's rows); no launch of this path reads the longest key."""
+    seq = params.seq
+    return ("fwd1", params.softmax_scale, params.mask, params.out_dtype, params.recipe,
+            None if seq is None else (seq.packed, seq.max_seqlen_q),
+            *[None if r is None else (r.dtype, r.device, r.data_ptr() & 15,
+                                      (*r.shape[:2], *r.shape[3:]) if 1 <= i <= 2 else r.shape)
+              for i, r in enumerate(roots)])
 
 
 def _seq_roots(params: AttentionParams) -> tuple:
@@ -188,10 +205,27 @@ class TritonBackend(AttentionBackend):
         nothing, and for padding rows), SavedForBackward, or None when not params.needs_backward).
         A call replays the launches recorded for its signature (`_PLANS`, `mxattn.kernels.launch_plan`)."""
         roots = (q, k, v, params.sink, *_seq_roots(params))
+        body = lambda: self._forward_flat(q, k, v, params)  # noqa: E731
         with device_guard(q.device):
-            o, stats, *saved = _PLANS.run(_forward_key(roots, params),
-                                          lambda: self._forward_flat(q, k, v, params), roots)
+            if self._one_launch_config(q, k, v, params) is not None:  # one plan for every KV length
+                o, stats = _AFFINE_PLANS.run(_one_launch_key(roots, params), k.shape[2], body, roots,
+                                             lambda: _PLANS.run(_forward_key(roots, params), body, roots))
+                return o, stats, None
+            o, stats, *saved = _PLANS.run(_forward_key(roots, params), body, roots)
         return o, stats, SavedForBackward.from_tensors(saved, params.seq) if saved else None
+
+    @staticmethod
+    def _one_launch_config(q, k, v, params: AttentionParams):
+        """The forward kernel's configuration when the call runs as one launch that quantizes as it reads (no
+        backward, something to compute, queries within one tile: decode steps and short chunks), else None.
+        Reads shapes only (not the KV length beyond its being non-zero), so one affine plan serves every length."""
+        if params.needs_backward or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            return None
+        B, hq, sq, d = q.shape
+        if k.shape[2] == 0 or sq == 0 or B * hq == 0:
+            return None
+        return _kernels()[1].quantizing_fwd_config(_query_rows(params, sq), d, max(q.dtype, k.dtype, v.dtype,
+                                                                                   key=lambda t: t.itemsize))
 
     def _forward_flat(self, q, k, v, params: AttentionParams) -> list:
         """`_forward` as a flat list: [o, stats, *saved.tensors()]."""
@@ -218,11 +252,9 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
         tq, tf, _ = _kernels()
         bwd = params.needs_backward  # without a backward pass only the forward's copies are made
-        if not bwd and skv > 0 and sq > 0 and B * hq > 0:
-            config = tf.quantizing_fwd_config(_query_rows(params, sq), d, max(q.dtype, k.dtype, v.dtype,
-                                                                               key=lambda t: t.itemsize))
-            if config is not None:  # one query tile (decode steps): one launch that quantizes as it reads
-                return (*self._forward_quantizing(q, k, v, params, config), None)
+        config = self._one_launch_config(q, k, v, params)
+        if config is not None:  # one query tile (decode steps): one launch that quantizes as it reads
+            return (*self._forward_quantizing(q, k, v, params, config), None)
         kv_bf16 = tf.fwd_streams_bf16(B, hkv, skv, d)  # the problem's data path: bf16 scratch or FP8 on chip
         kv_args = _quant_args(params, "kv")
         # one launch for the three; V's row=kv_bf16 without a backward too: the quantizer refuses col_dequant

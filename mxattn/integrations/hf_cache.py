@@ -76,6 +76,8 @@ class MXFP8CacheLayer(_AppendOnlyLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
+        # the model's dtype, set here (transformers' DynamicLayer stopped setting it in 5.24)
+        self.dtype, self.device = key_states.dtype, key_states.device
         self.k_data = self.k_scale = self.v_data = self.v_scale = None
         self.v_open = value_states[..., :0, :]
         self.length = 0

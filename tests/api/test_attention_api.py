@@ -279,6 +279,53 @@ def test_repeated_dense_calls_reuse_a_plan_and_still_check_new_signatures(monkey
 
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
+def test_decode_steps_at_new_kv_lengths_share_one_plan(monkeypatch, fmt):
+    """Generation attends one more key per step: a dense plan serves every KV length when the backend choice
+    read none (checks once, results equal to an unplanned call's), while a KV length of 0 or k and v of
+    different lengths still get the checks' answers. A backend whose support reads the sizes (cuDNN where it
+    runs) keeps the plan to its length."""
+    from mxattn import attention as attention_module
+    from mxattn.backends import choice_reads_sizes
+    from mxattn.backends.cudnn.backend import CudnnBackend
+    monkeypatch.setattr(attention_module, "_PLANS", {})
+    checks = []
+    real_validate = attention_module.validate_inputs
+    monkeypatch.setattr(attention_module, "validate_inputs", lambda *a: (checks.append(a[3]), real_validate(*a)))
+    gen = torch.Generator().manual_seed(5)
+    q = from_bhsd(torch.randn(2, 4, 1, 32, generator=gen).bfloat16(), fmt)
+    kv = torch.randn(2, 2, 60, 32, generator=gen).bfloat16()
+    outs = []
+    with torch.no_grad():
+        for n in range(20, 30):
+            k, v = from_bhsd(kv[:, :, :n], fmt), from_bhsd(kv[:, :, 20:20 + n], fmt)
+            outs.append(mxattn.mxfp8_attention(q, k, v, qkv_format=fmt, attn_mask_type="causal_bottom_right",
+                                               backend="reference"))
+        assert len(checks) == 1
+        monkeypatch.setattr(attention_module, "_PLANS", {})
+        for n, planned in zip(range(20, 30), outs):
+            k, v = from_bhsd(kv[:, :, :n], fmt), from_bhsd(kv[:, :, 20:20 + n], fmt)
+            assert torch.equal(mxattn.mxfp8_attention(q, k, v, qkv_format=fmt, attn_mask_type="causal_bottom_right",
+                                                      backend="reference"), planned)
+            monkeypatch.setattr(attention_module, "_PLANS", {})
+        k = from_bhsd(kv[:, :, :25], fmt)
+        mxattn.mxfp8_attention(q, k, k, qkv_format=fmt, attn_mask_type="causal_bottom_right", backend="reference")
+        with pytest.raises(ValueError, match="sequence length mismatch"):
+            mxattn.mxfp8_attention(q, k, from_bhsd(kv[:, :, :24], fmt), qkv_format=fmt,
+                                   attn_mask_type="causal_bottom_right", backend="reference")
+        empty = from_bhsd(kv[:, :, :0], fmt)
+        zeros = mxattn.mxfp8_attention(q, empty, empty, qkv_format=fmt, attn_mask_type="causal_bottom_right",
+                                       backend="reference")
+        assert zeros.shape == q.shape and not zeros.any()
+    plan = next(iter(attention_module._PLANS.values()))
+    assert plan.kv_len is None
+    problem = plan.args._replace(q=q, k=k, v=k).problem("vanilla", False)
+    assert not choice_reads_sizes("auto", "reference", problem)
+    monkeypatch.setattr(CudnnBackend, "availability", classmethod(lambda cls, device: (True, "stub")))
+    assert choice_reads_sizes("auto", "reference", problem) and choice_reads_sizes("cudnn", "cudnn", problem)
+    assert not choice_reads_sizes("triton", "triton", problem)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
 @pytest.mark.parametrize("empty", ["batch", "queries", "keys"])
 def test_empty_inputs_behave_like_torch_sdpa(fmt, empty, monkeypatch):
     """B = 0, S_q = 0, S_kv = 0: the shape torch SDPA returns (zeros when there is no key), differentiable with

@@ -240,12 +240,14 @@ def _stub_backend(monkeypatch, request):
     from mxattn import checks
     from mxattn.backends import pick_backend, triton_backend as backend_module
     from mxattn.kernels import triton_quantize as tq
+    from mxattn.kernels.affine_plan import AffinePlanCache
     from mxattn.kernels.launch_plan import PlanCache
     real = checks.check_bhsd_tensor
     for module in (checks, backend_module, tq):
         monkeypatch.setattr(module, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))
     monkeypatch.setattr(backend_module.TritonBackend, "availability", classmethod(lambda cls, d: (True, "stub")))
     monkeypatch.setattr(backend_module, "_PLANS", PlanCache())
+    monkeypatch.setattr(backend_module, "_AFFINE_PLANS", AffinePlanCache())
     request.addfinalizer(pick_backend.cache_clear)
     return backend_module
 
@@ -302,11 +304,12 @@ def test_triton_backend_replays_variable_length_calls(launcher, monkeypatch, req
     """Padded and packed batches are planned too: their lengths are roots (re-based like q, k, v), the
     longest sequences part of the key; a packed batch's zero-filled segmented scales are zeroed per replay.
     With a gradient the call quantizes then attends; without one its 64 query rows fit one tile, so the
-    attention kernel quantizes as it reads (one launch, planned alike)."""
+    attention kernel quantizes as it reads (one launch, planned alike; its first call is recorded for an
+    affine plan, so the signature's plan replays from the fourth call)."""
     import mxattn
     backend_module = _stub_backend(monkeypatch, request)
     logs = []
-    for _ in range(3):
+    for _ in range(3 if grad else 4):
         if packed:
             q, k, v = (torch.randn(104, 2, 64, dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
         else:
@@ -317,7 +320,7 @@ def test_triton_backend_replays_variable_length_calls(launcher, monkeypatch, req
                                cu_seqlens_q=cu, backend="triton", max_seqlen_q=64, max_seqlen_kv=64)
         logs.append((cu, list(launcher)))
     assert backend_module._PLANS.last_reason == "recorded"
-    (cu1, first), _, (cu3, third) = logs
+    (cu1, first), *_, (cu3, third) = logs
     kernels = ["_quantize_qkv_kernel", "_attn_fwd_kernel"] if grad else ["_attn_fwd_kernel"]
     assert [n for n, _, _ in first] == [n for n, _, _ in third] == kernels
     attn1, attn3 = first[-1][2], third[-1][2]

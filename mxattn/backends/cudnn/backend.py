@@ -163,6 +163,12 @@ class CudnnBackend(AttentionBackend):
                        "use backend='reference', or 'auto' to route it to a backend that runs it")
 
     @classmethod
+    def support_reads_sizes(cls, problem) -> bool:
+        """Where cuDNN is usable its refusals read the sizes (`known_refusal`, the planned graphs); elsewhere it
+        refuses for the device whatever the sizes."""
+        return cls.availability(problem.device)[0]
+
+    @classmethod
     def supports(cls, problem):
         """Base checks, the known refusals, then (cached per problem) the forward and, for training, the backward
         graph planned on the problem's device."""
