@@ -3,7 +3,8 @@ the CUDA device checks are relaxed, and the public API's forward, backward and f
 small CPU tensors (median wall time per call). The host's Python cost is what it measures, so changes to the
 glue around the kernels can be compared on any machine; the GPU machine's host runs the same Python about 3x
 slower. --decode: instead, decode-step calls (B8, one query token, H8 D64, bottom-right causal, no grad) at a
-KV length no earlier call had (as in generation) against repeated calls at one length (launch plans replay).
+KV length no earlier call had (as in generation; one affine launch plan serves them once three lengths were
+recorded) against repeated calls at one length (launch plans replay).
 --ops: instead, the library ops as a compiled graph calls them (`torch.ops.mxattn.attention_fwd` / `attention_bwd`
 on GPT-2-shaped bshd views of a fused projection, B16 S512 H8 D64, no grad mode) against their bodies called
 directly: the dispatcher's share and the bodies' (min over interleaved rounds of medians; --profile adds cProfile
