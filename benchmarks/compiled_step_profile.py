@@ -5,8 +5,9 @@ time by Python function) of mxattn's compiled steps. --decode: the same for gree
 model with the KV cache (batch --batch, default 1; a "step" is one generate call: a 512-token prefill and
 --tokens greedy tokens, default 16; --paged: mxattn's run over MXFP8PagedCache, a new cache per call). Its warm-up generates the same tokens, so the timed decode steps meet KV
 lengths seen before and replay launch plans: the best case (models_bench.py times first-seen lengths).
-Usage (CUDA machine): python benchmarks/compiled_step_profile.py [--eager | --decode [--batch N] [--tokens N] [--paged]]
-[--cprofile]"""
+--llama: decode with models_bench.py's Llama (GQA 16:4, hidden 1024, 8 layers) instead of the GPT-2.
+Usage (CUDA machine): python benchmarks/compiled_step_profile.py [--eager | --decode [--batch N] [--tokens N] [--paged]
+[--llama]] [--cprofile]"""
 import os
 import sys
 import time
@@ -39,11 +40,11 @@ def training_step(attn: str, compiled: bool):
     return step
 
 
-def decode_step(attn: str, batch: int, tokens: int = 16, paged: bool = False):
-    """A function that prefills 512 tokens and generates `tokens` greedy ones with the GPT-2 in bf16 and its KV
-    cache (paged: an MXFP8PagedCache, for mxattn's attention)."""
+def decode_step(attn: str, batch: int, tokens: int = 16, paged: bool = False, factory=None):
+    """A function that prefills 512 tokens and generates `tokens` greedy ones with the GPT-2 (or models_bench's
+    model `factory`) in bf16 and its KV cache (paged: an MXFP8PagedCache, for mxattn's attention)."""
     from mxattn.integrations.hf_cache import MXFP8PagedCache
-    name, model, _, vocab = mb.build(mb.gpt2_config, attn, False)
+    name, model, _, vocab = mb.build(factory or mb.gpt2_config, attn, False)
     model = model.to(torch.bfloat16).eval()
     ids = torch.randint(0, vocab, (batch, 512), device="cuda")
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None,
@@ -65,10 +66,12 @@ def main():
     decode = "--decode" in sys.argv
     batch = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else 1
     tokens = int(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else 16
+    factory = mb.llama_config if "--llama" in sys.argv else mb.gpt2_config
     mb.mx_hf.register(mb.NAME, backend="triton")
 
     def make(attn):
-        return decode_step(attn, batch, tokens, "--paged" in sys.argv and attn != "sdpa") if decode else training_step(attn, compiled)
+        return decode_step(attn, batch, tokens, "--paged" in sys.argv and attn != "sdpa", factory) if decode \
+            else training_step(attn, compiled)
 
     if "--cprofile" in sys.argv:
         cprofile_steps(make(mb.NAME), 20, 30, "mxattn|_library|custom_ops")
