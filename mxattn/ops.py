@@ -103,11 +103,14 @@ def _grad_strides(args: BwdArgs) -> Tuple[tuple, tuple]:
 # --------------------------------------------------------------------------- the ops' bodies and fakes
 
 
-def _fwd_impl(args: FwdArgs, needs_backward: bool = True):
+def _fwd_impl(args: FwdArgs, needs_backward: bool = True, eager: bool = False):
     """The forward op's body: [o, stats, *saved] (needs_backward=False: O alone, the backend skipping what only a
-    backward pass needs)."""
+    backward pass needs). O is dense in qkv_format order, with exactly the strides the fake kernels promise;
+    eager: the strides of size-1 axes may differ (a decode step's O needs no copy for them)."""
     o, stats, saved = get_backend(args.backend).forward(args.q, args.k, args.v, args.params(needs_backward))
-    if o.stride() != dense_strides_bhsd(tuple(o.shape), args.qkv_format):  # backends that ignore q's layout
+    dense = dense_strides_bhsd(tuple(o.shape), args.qkv_format)
+    if o.stride() != dense and not (eager and all(a == b or n == 1 for a, b, n in zip(o.stride(), dense, o.shape))):
+        # backends that ignore q's layout
         o = empty_bhsd(tuple(o.shape), args.qkv_format, args.out_dtype, o.device).copy_(o)
     if not needs_backward:
         return o
@@ -269,4 +272,4 @@ def attention(args: FwdArgs) -> Tensor:
         return _Attention.apply(args.without_tensors(), where, *tensors)
     if torch.compiler.is_compiling():
         return attention_fwd_no_grad(*args)
-    return _fwd_impl(args, needs_backward=False)
+    return _fwd_impl(args, needs_backward=False, eager=True)

@@ -117,14 +117,20 @@ def _key(kind: str, roots, params: AttentionParams, *extra):
 
 def _one_launch_key(roots, params: AttentionParams):
     """The affine plan key of a one-launch forward on roots (q, k, v, sink, cu_seqlens_q, cu_seqlens_kv): what
-    `_forward_key`'s family holds, with each root's shape in place of its strides, K's and V's length (dim 2)
-    left out; strides, aliasing and the length itself are the plan's own business (`affine_plan`). A
-    variable-length call adds its longest query (its grid's rows); no launch of this path reads the longest key."""
+    `_forward_key`'s family holds and each root's shape and strides, K's and V's with their length n (dim 2)
+    left out and each stride that is a multiple of n written as that multiple (transformers' cache, re-made
+    each step, has strides that grow with n; views of a preallocated buffer keep theirs): calls whose roots
+    differ only in n share a key, calls on differently laid-out caches do not. The plan itself checks every
+    integer (`affine_plan`). A variable-length call adds its longest query (its grid's rows); no launch of
+    this path reads the longest key."""
     seq = params.seq
+    n = roots[1].shape[2]
     return ("fwd1", params.softmax_scale, params.mask, params.out_dtype, params.recipe,
             None if seq is None else (seq.packed, seq.max_seqlen_q),
-            *[None if r is None else (r.dtype, r.device, r.data_ptr() & 15,
-                                      (*r.shape[:2], *r.shape[3:]) if 1 <= i <= 2 else r.shape)
+            *[None if r is None else
+              (r.dtype, r.device, r.data_ptr() & 15, r.shape, r.stride()) if not 1 <= i <= 2 else
+              (r.dtype, r.device, r.data_ptr() & 15, (*r.shape[:2], *r.shape[3:]),
+               tuple([("n", st // n) if st % n == 0 else st for st in r.stride()]))
               for i, r in enumerate(roots)])
 
 

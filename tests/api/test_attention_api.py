@@ -187,6 +187,26 @@ def test_backend_input_dtypes_are_checked(monkeypatch):
         mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="reference")
 
 
+def test_an_eager_decode_step_returns_o_without_a_copy(monkeypatch):
+    """Without a gradient, eager: O whose strides differ from the dense layout's only on size-1 axes (a decode
+    step's query axis, as the backends allocate O like q) is returned as it is; any other difference is copied
+    into the dense layout, as the ops always do (their fakes promise exact strides)."""
+    from mxattn import ops
+    from mxattn.op_args import FwdArgs
+    q, k, v, _ = _inputs(hq=4, hkv=2, sq=1, skv=40, d=64)            # bhsd, q [1, 4, 1, 64]
+    qs = q.transpose(1, 2).contiguous().transpose(1, 2)               # bshd-dense storage read as bhsd
+    args = FwdArgs(qs, k, v, 0.125, True, None, 0, torch.bfloat16, "bshd", "reference", None, None, 0, 0,
+                   False, None)
+    copies, real = [], ops.empty_bhsd
+    monkeypatch.setattr(ops, "empty_bhsd", lambda *a: copies.append(a) or real(*a))
+    eager = ops._fwd_impl(args, needs_backward=False, eager=True)
+    assert copies == []
+    exact = ops._fwd_impl(args, needs_backward=False)
+    assert len(copies) == 1 and torch.equal(eager, exact)
+    assert exact.stride() == ops.dense_strides_bhsd(tuple(exact.shape), "bshd")
+    assert all(a == b or n == 1 for a, b, n in zip(eager.stride(), exact.stride(), eager.shape))
+
+
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
 @pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 4, 1, 8), (2, 1, 3, 1)])
 def test_dense_strides_match_an_allocation_in_that_layout(fmt, shape):
@@ -210,7 +230,7 @@ def test_eager_paths_agree_with_the_library_ops(monkeypatch):
     with torch.no_grad():
         o_inf = mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", attn_mask_type="causal_bottom_right",
                                        softmax_scale=0.125, backend="reference")
-    assert calls[-1] == {"needs_backward": False}
+    assert calls[-1] == {"needs_backward": False, "eager": True}
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     o_grad = mxattn.mxfp8_attention(qg, kg, vg, qkv_format="bhsd", attn_mask_type="causal_bottom_right",
                                     softmax_scale=0.125, backend="reference")

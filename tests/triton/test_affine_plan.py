@@ -180,9 +180,12 @@ def test_triton_backend_decode_steps_replay_the_ordinary_launch(launcher, monkey
 
     for n in range(100, 140):
         replayed = step(n, planned)
-        plan_state = planned[0].last_reason
         ordinary = step(n, (AffinePlanCache(), PlanCache()))  # fresh caches: the body itself
         assert replayed == ordinary, n
         assert [name for name, _, _ in replayed] == ["_attn_fwd_kernel"]
-    assert plan_state == "trusted"
-    assert len(next(iter(planned[0]._plans.values())).recordings) < 8  # 3, then one per new class
+    # one trusted plan (3 recordings, then one per new specialization class); a length dividing a buffer
+    # view's stride (128 here) is keyed apart and runs the signature's own path
+    plans = list(planned[0]._plans.values())
+    trusted = [p for p in plans if p.trusted]
+    assert len(trusted) == 1 and len(trusted[0].recordings) < 8
+    assert all(len(p.recordings) == 1 for p in plans if not p.trusted)
