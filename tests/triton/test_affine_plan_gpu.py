@@ -55,8 +55,9 @@ def test_affine_replays_equal_the_ordinary_path(name, monkeypatch):
     fresh = AffinePlanCache()
     monkeypatch.setattr(tb, "_AFFINE_PLANS", fresh)
     got = _steps(CASES[name], lengths)
-    plan, = fresh._plans.values()
-    assert plan.trusted and len(plan.recordings) < 8
+    # one trusted plan; a length dividing a buffer view's stride is keyed apart (one recording, then its own path)
+    trusted = [p for p in fresh._plans.values() if p.trusted]
+    assert len(trusted) == 1 and len(trusted[0].recordings) < 8
     for n, e, o in zip(lengths, expected, got):
         assert e.dtype == o.dtype and e.shape == o.shape and e.stride() == o.stride()
         assert torch.equal(e, o), n
