@@ -9,7 +9,12 @@ recorded) against repeated calls at one length (launch plans replay).
 on GPT-2-shaped bshd views of a fused projection, B16 S512 H8 D64, no grad mode) against their bodies called
 directly: the dispatcher's share and the bodies' (min over interleaved rounds of medians; --profile adds cProfile
 of the ops).
-Usage: python benchmarks/cpu_host_harness.py [--profile] [--decode | --ops]"""
+--hf-decode: instead, transformers' attention function registered by mxattn on decode steps (B8, Hq 16, Hkv 4, D64,
+K/V views of a preallocated cache, a new KV length each step, 8 layers' calls per step as in the Llama of
+models_bench.py, no mask) against transformers' own
+`sdpa_attention_forward` on a one-element problem (B1 H1 D8, two keys: torch SDPA's CPU kernel then costs next to
+nothing, so its figure is the function's host path).
+Usage: python benchmarks/cpu_host_harness.py [--profile] [--decode | --ops | --hf-decode]"""
 import statistics
 import sys
 import time
@@ -99,6 +104,42 @@ def decode_calls() -> None:
     print(f"ratio new / repeated: {fresh / same:.2f}")
 
 
+def hf_decode_calls() -> None:
+    """The HF attention function's host time per decode call (see the module docstring)."""
+    import mxattn.integrations.transformers as mx_hf
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    name = mx_hf.register("mxfp8_harness", backend="triton")
+    mxfp8_forward = AttentionInterface._global_mapping[name]
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+        class config:
+            _attn_implementation = name
+
+    module = Module()
+
+    def median_us(fn, b, hq, hkv, d, lengths, layers=8):
+        cache = torch.randn(b, hkv, max(lengths) + 1, d, dtype=torch.bfloat16)
+        q = torch.randn(b, hq, 1, d, dtype=torch.bfloat16)
+        times = []
+        for n in lengths:
+            k = v = cache[:, :, :n]
+            t0 = time.perf_counter()
+            for _ in range(layers):
+                fn(module, q, k, v, None, dropout=0.0, scaling=d ** -0.5)
+            times.append((time.perf_counter() - t0) / layers)
+        return statistics.median(times[20:]) * 1e6
+
+    with torch.no_grad():
+        mx = median_us(mxfp8_forward, 8, 16, 4, 64, list(range(500, 700)))
+        sdpa = median_us(sdpa_attention_forward, 1, 1, 1, 8, [2] * 200)
+    print(f"mxattn's HF attention function, decode B8 Hq16 Hkv4 D64, new KV lengths  {mx:6.0f} us per call")
+    print(f"transformers' sdpa_attention_forward, B1 H1 D8 (host path)              {sdpa:6.0f} us")
+    print(f"ratio: {mx / sdpa:.2f}")
+
+
 def op_calls() -> None:
     """The ops' call cost against their bodies' (see the module docstring)."""
     from mxattn import ops
@@ -134,6 +175,9 @@ def main():
         return
     if "--ops" in sys.argv:
         op_calls()
+        return
+    if "--hf-decode" in sys.argv:
+        hf_decode_calls()
         return
     q, k, v = (torch.randn(1, 128, 2, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 

@@ -112,6 +112,9 @@ def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = No
         elif torch.compiler.is_compiling():
             plan = plan_attention_mask_traced(attention_mask, batch=batch, q_len=q_len, kv_len=kv_len,
                                               is_causal=causal, sliding_window=sliding_window)
+        elif attention_mask is None:    # no values to read, nothing to cache (a decode step's usual case)
+            plan = plan_attention_mask(None, batch=batch, q_len=q_len, kv_len=kv_len, is_causal=causal,
+                                       sliding_window=sliding_window)
         else:
             plan = _PLANS.get((attention_mask,), (batch, q_len, kv_len, causal, sliding_window),
                               lambda: plan_attention_mask(attention_mask, batch=batch, q_len=q_len,
