@@ -378,6 +378,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="triton", help="mxattn backend of the HF registration (default triton)")
     ap.add_argument("--quick", action="store_true", help="fewer steps and a 4-layer Llama (a smoke run)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile training steps")
+    ap.add_argument("--train-only", action="store_true",
+                    help="only the training rows (no generation rows, no single-call rows)")
     ap.add_argument("--prompt", type=int, default=512, help="prefill tokens (default 512)")
     ap.add_argument("--new-tokens", type=int, default=128, help="greedy decode steps (default 128)")
     ap.add_argument("--models", default="gpt2,llama", help="comma-separated subset of gpt2,llama")
@@ -403,7 +405,8 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     res = dict(device=device, torch=torch.__version__, transformers=transformers.__version__,
                backend=args.backend, train=[], generate=[], calls={})
-    res["calls"] = tiny_call_figures(args.backend) if DEVICE == "cuda" and not args.hf_extras_only else {}
+    res["calls"] = tiny_call_figures(args.backend) if DEVICE == "cuda" and not (args.hf_extras_only or
+                                                                                  args.train_only) else {}
     print(json.dumps(res["calls"], indent=1), flush=True)
     for factory in chosen:
         for compiled in ((False,) if args.no_compile else (False, True)):
@@ -417,7 +420,7 @@ def main(argv=None) -> int:
                 continue
             res["train"].append(row)
             print(row, flush=True)
-        for batch in (1, 8):
+        for batch in (() if args.train_only else (1, 8)):
             row = generate_pair(factory, batch, args.prompt, args.new_tokens, args.quick)
             res["generate"].append(row)
             print(row, flush=True)
