@@ -23,19 +23,26 @@ def _fused_qkv(b, s, hq, hkv, d, seed):
     return q, kv, do
 
 
-def _step(kw, offset=None):
-    def step(q, kv, do):
+def _forward(kw):
+    def forward(q, kv, offset=None):
         k, v = kv.unbind(2)
         extra = dict(softmax_offset=offset) if offset is not None else {}
-        o = mxattn.mxfp8_attention(q, k, v, backend="triton", **kw, **extra)
-        leaves = (q, kv) if offset is None else (q, kv, offset)
-        return (o, *torch.autograd.grad(o, leaves, do))
-    return step
+        return mxattn.mxfp8_attention(q, k, v, backend="triton", **kw, **extra)
+    return forward
+
+
+def _fwd_bwd(forward, leaves, do):
+    """O and the leaves' gradients of forward(*leaves) with O's gradient do (fresh gradients)."""
+    for t in leaves:
+        t.grad = None
+    o = forward(*leaves)
+    o.backward(do)
+    return [o.detach().clone(), *(t.grad.clone() for t in leaves)]
 
 
 CASES = {
     "causal_gqa": dict(attn_mask_type="causal"),
-    "no_mask_window": dict(attn_mask_type="causal_bottom_right", window_size=(64, 0)),
+    "window_bottom_right": dict(attn_mask_type="causal_bottom_right", window_size=(64, 0)),
     "learnable_sink": dict(attn_mask_type="causal", softmax_type="learnable"),
 }
 
@@ -45,12 +52,13 @@ def test_compiled_graph_launches_the_kernels_and_equals_eager(case):
     torch._dynamo.reset()
     kw = dict(CASES[case])
     q, kv, do = _fused_qkv(2, 256, 8, 2, 64, seed=1)
-    q, kv = q.requires_grad_(), kv.requires_grad_()
-    offset = torch.randn(8, device="cuda").requires_grad_() if kw.get("softmax_type") == "learnable" else None
-    step = _step(kw, offset)
-    expected = [t.clone() for t in step(q, kv, do)]
-    compiled = torch.compile(step, fullgraph=True)
-    got, codes = run_and_get_code(compiled, q, kv, do)
+    leaves = [q.requires_grad_(), kv.requires_grad_()]
+    if kw.get("softmax_type") == "learnable":
+        leaves.append(torch.randn(8, device="cuda").requires_grad_())
+    forward = _forward(kw)
+    expected = _fwd_bwd(forward, leaves, do)
+    compiled = torch.compile(forward, fullgraph=True)
+    got, codes = run_and_get_code(_fwd_bwd, compiled, leaves, do)
     code = "\n".join(codes)
     for name in KERNELS:
         assert name in code, name
@@ -59,7 +67,7 @@ def test_compiled_graph_launches_the_kernels_and_equals_eager(case):
     for _ in range(2):  # and call after call
         for name, a, b in zip(("o", "dq", "dkv", "dsink"), got, expected):
             assert torch.equal(a, b), (case, name)
-        got = [t.clone() for t in compiled(q, kv, do)]
+        got = _fwd_bwd(compiled, leaves, do)
 
 
 def test_compiled_padded_batch_and_sbhd_equal_eager():
@@ -69,14 +77,14 @@ def test_compiled_padded_batch_and_sbhd_equal_eager():
     q, k, v, do = (torch.randn(s, b, 8, 64, generator=gen).bfloat16().cuda() for _ in range(4))
     lens = torch.tensor([0, 150, 342, 534], dtype=torch.int32, device="cuda")  # lengths 150, 192, 192
 
-    def step(q, k, v):
-        o = mxattn.mxfp8_attention(q, k, v, qkv_format="sbhd", attn_mask_type="padding_causal", backend="triton",
-                                   cu_seqlens_q=lens, cu_seqlens_kv=lens, max_seqlen_q=s, max_seqlen_kv=s)
-        return (o, *torch.autograd.grad(o, (q, k, v), do))
+    def forward(q, k, v):
+        return mxattn.mxfp8_attention(q, k, v, qkv_format="sbhd", attn_mask_type="padding_causal",
+                                      backend="triton", cu_seqlens_q=lens, cu_seqlens_kv=lens, max_seqlen_q=s,
+                                      max_seqlen_kv=s)
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = [t.clone() for t in step(*leaves)]
-    got, codes = run_and_get_code(torch.compile(step, fullgraph=True), *leaves)
+    expected = _fwd_bwd(forward, leaves, do)
+    got, codes = run_and_get_code(_fwd_bwd, torch.compile(forward, fullgraph=True), leaves, do)
     assert "_dkdv_kernel" in "\n".join(codes)
     for name, a, b in zip(("o", "dq", "dk", "dv"), got, expected):
         assert torch.equal(a, b), name
@@ -104,10 +112,10 @@ def test_generic_ops_when_disabled(monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setattr(triton_ops, "ENABLED", False)
     q, kv, do = _fused_qkv(1, 128, 4, 4, 64, seed=2)
-    q, kv = q.requires_grad_(), kv.requires_grad_()
-    step = _step(dict(attn_mask_type="causal"))
-    expected = [t.clone() for t in step(q, kv, do)]
-    got, codes = run_and_get_code(torch.compile(step, fullgraph=True), q, kv, do)
+    leaves = [q.requires_grad_(), kv.requires_grad_()]
+    forward = _forward(dict(attn_mask_type="causal"))
+    expected = _fwd_bwd(forward, leaves, do)
+    got, codes = run_and_get_code(_fwd_bwd, torch.compile(forward, fullgraph=True), leaves, do)
     assert "torch.ops.mxattn.attention_fwd" in "\n".join(codes)
     for name, a, b in zip(("o", "dq", "dkv"), got, expected):
         assert torch.equal(a, b), name
