@@ -241,7 +241,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_o):
         o, stats, *rest = ctx.saved_tensors
-        sink = rest.pop() if ctx.has_sink else None
+        sink = rest[-1] if ctx.has_sink else None
+        rest = rest[:-1] if ctx.has_sink else rest
         saved, cu = (rest[:-2], rest[-2:]) if ctx.has_seq else (rest, (None, None))
         fwd = ctx.options._replace(cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], sink=sink)
         where = ctx.where

@@ -225,6 +225,7 @@ def _dkdv_kernel(
     """Grid (KV tiles, sequences * HKV). All FP8 tensors have a unit stride along D. SQ, SKV: the tensors' row
     counts; len_q, len_kv: the sequence's. K and V are FP8 (row-wise); the query-side operands are FP8 or
     (PRE) their bf16 dequantizations."""
+    qk_scale, sm_scale = qk_scale.to(tl.float32), sm_scale.to(tl.float32)  # (as in _attn_fwd_kernel)
     tile, hk, _, bt, q0, kv0, len_q, len_kv, qb0, _, offset, n_out = program_prologue(
         CU_Q, CU_KV, HKV, 1, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, False, HAS_RB)
     n0 = tile * BN
@@ -326,6 +327,7 @@ def _dq_kernel(
         BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr,
         VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
     """Grid (query tiles, sequences * HQ)."""
+    qk_scale, sm_scale = qk_scale.to(tl.float32), sm_scale.to(tl.float32)  # (as in _attn_fwd_kernel)
     tile, hq, hk, bt, q0, kv0, len_q, len_kv, _, kvb0, offset, n_out = program_prologue(
         CU_Q, CU_KV, HQ, GROUP, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, True, HAS_RB)
     m0 = tile * BM
