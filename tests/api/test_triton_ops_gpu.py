@@ -65,8 +65,10 @@ def test_compiled_graph_launches_the_kernels_and_equals_eager(case):
     assert "torch.ops.mxattn.attention_fwd" not in code and "torch.ops.mxattn.attention_bwd" not in code
     assert "mxattn.triton_attention" not in code  # decomposed into the launches, not called as ops
     for _ in range(2):  # and call after call
-        for name, a, b in zip(("o", "dq", "dkv", "dsink"), got, expected):
+        for name, a, b in zip(("o", "dq", "dkv"), got, expected):
             assert torch.equal(a, b), (case, name)
+        if len(got) > 3:  # dsink: torch ops over the backward's delta, which Inductor fuses (its own sum order)
+            torch.testing.assert_close(got[3], expected[3], rtol=1e-5, atol=1e-6)
         got = _fwd_bwd(compiled, leaves, do)
 
 
