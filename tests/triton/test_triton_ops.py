@@ -131,6 +131,7 @@ def test_applies_to_the_triton_backend_with_static_sizes(monkeypatch):
                           backend="triton", seq=None, sink=None)
     assert triton_ops.applies(args)
     assert not triton_ops.applies(args._replace(backend="reference"))
+    assert not triton_ops.applies(args._replace(sink=torch.zeros(2)))
     monkeypatch.setattr(triton_ops, "ENABLED", False)
     assert not triton_ops.applies(args)
     monkeypatch.setattr(triton_ops, "ENABLED", True)
