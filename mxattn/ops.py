@@ -25,7 +25,6 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import triton_ops
 from .backends import get_backend
 from .layouts import dense_strides_bhsd, empty_bhsd
 from .op_args import BwdArgs, FwdArgs
@@ -225,11 +224,7 @@ class _Attention(torch.autograd.Function):
         for slot, index in zip(_TENSOR_SLOTS, where):
             values[slot] = None if index is None else tensors[index]
         args = FwdArgs(*values)
-        if torch.compiler.is_compiling():
-            ctx.triton_ops = triton_ops.applies(args)
-            o, stats, *saved = _traced_ops(ctx.triton_ops)[0](*args)
-        else:
-            o, stats, *saved = _fwd_impl(args)
+        o, stats, *saved = attention_fwd(*args) if torch.compiler.is_compiling() else _fwd_impl(args)
         ctx.options, ctx.where = options, where
         ctx.input_dtypes = (args.q.dtype, args.k.dtype, args.v.dtype)
         ctx.kv_shape = list(args.k.shape)
@@ -241,7 +236,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_o):
         o, stats, *rest = ctx.saved_tensors
-        sink = rest[-1] if ctx.has_sink else None
+        sink = rest[-1] if ctx.has_sink else None  # (not list.pop: Dynamo traces the saved tensors as a tuple)
         rest = rest[:-1] if ctx.has_sink else rest
         saved, cu = (rest[:-2], rest[-2:]) if ctx.has_seq else (rest, (None, None))
         fwd = ctx.options._replace(cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], sink=sink)
@@ -249,7 +244,7 @@ class _Attention(torch.autograd.Function):
         sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[2 + where[5]]
         args = fwd.backward_args(grad_o, o, stats, list(saved), ctx.kv_shape, sink_requires_grad)
         if torch.compiler.is_compiling():
-            dq, dk, dv, dsink = _traced_ops(ctx.triton_ops)[2](*args)
+            dq, dk, dv, dsink = attention_bwd(*args)
         else:  # gradients in the layout the backend wrote them (no copies)
             dq, dk, dv, dsink = _bwd_impl(args, promised=False)
         grads = [None] * (len(ctx.needs_input_grad) - 2)
@@ -277,13 +272,5 @@ def attention(args: FwdArgs) -> Tensor:
         tensors, where = _distinct_tensors(args)
         return _Attention.apply(args.without_tensors(), where, *tensors)
     if torch.compiler.is_compiling():
-        return _traced_ops(triton_ops.applies(args))[1](*args)
+        return attention_fwd_no_grad(*args)
     return _fwd_impl(args, needs_backward=False, eager=True)
-
-
-def _traced_ops(use_triton_ops: bool) -> tuple:
-    """(forward, forward without grad, backward) ops a traced call takes: the triton backend's `triton_op`s,
-    whose launches Inductor issues itself, where they apply (`mxattn.triton_ops.applies`), else the generic ops."""
-    if use_triton_ops:
-        return triton_ops.attention_fwd, triton_ops.attention_fwd_no_grad, triton_ops.attention_bwd
-    return attention_fwd, attention_fwd_no_grad, attention_bwd

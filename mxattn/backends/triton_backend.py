@@ -20,8 +20,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..checks import check_bhsd_tensor
 from ..constants import INPUT_DTYPES, KERNEL_OUT_DTYPES
@@ -48,12 +46,6 @@ def _kernels():
         from ..kernels import triton_attention_bwd, triton_attention_fwd, triton_quantize
         _KERNELS = (triton_quantize, triton_attention_fwd, triton_attention_bwd)
     return _KERNELS
-
-
-def _launch():
-    """mxattn.kernels.triton_launch (imports triton: on first use)."""
-    from ..kernels import triton_launch
-    return triton_launch
 
 
 def _inner_unit(x: torch.Tensor) -> torch.Tensor:
@@ -142,12 +134,6 @@ def _one_launch_key(roots, params: AttentionParams):
               for i, r in enumerate(roots)])
 
 
-def _traced(t: torch.Tensor) -> bool:
-    """True for a tensor of a trace (fake or functional: torch.compile running a triton op's body to record its
-    launches, `mxattn.triton_ops`): no launch plan (they read addresses), launches recorded, not issued."""
-    return isinstance(t, (FakeTensor, FunctionalTensor))
-
-
 def _seq_roots(params: AttentionParams) -> tuple:
     seq = params.seq
     return (None, None) if seq is None else (seq.cu_seqlens_q, seq.cu_seqlens_kv)
@@ -223,11 +209,7 @@ class TritonBackend(AttentionBackend):
         """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] bf16/fp16/fp32 CUDA (any strides; a packed batch as [1,H,T,D]
         views) -> (o [B,Hq,Sq,D] params.out_dtype, stats [B,Hq,Sq,1] fp32 log-sum-exp (-inf for rows that keep
         nothing, and for padding rows), SavedForBackward, or None when not params.needs_backward).
-        A call replays the launches recorded for its signature (`_PLANS`, `mxattn.kernels.launch_plan`); a
-        traced call (`_traced`) records its launches in the graph instead."""
-        if _traced(q):
-            with _launch().traced_launches(), device_guard(q.device):
-                return self._forward(q, k, v, params)
+        A call replays the launches recorded for its signature (`_PLANS`, `mxattn.kernels.launch_plan`)."""
         roots = (q, k, v, params.sink, *_seq_roots(params))
         body = lambda: self._forward_flat(q, k, v, params)  # noqa: E731
         with device_guard(q.device):
@@ -327,16 +309,11 @@ class TritonBackend(AttentionBackend):
         dk, dv [B,Hkv,Skv,D]) in params.out_dtype, then dsink [Hq] fp32 when params.sink_requires_grad (the
         kernels need nothing else for a sink: it lives in the stats). Deterministic (params.deterministic is
         always honoured)."""
-        body = lambda: self._grads(saved, o, stats, do, params)  # noqa: E731
-        if _traced(do):  # (`forward`)
-            with _launch().traced_launches(), device_guard(o.device):
-                *grads, delta = body()
-        else:
-            roots = (*saved.tensors(), o, stats, do, *_seq_roots(params)) \
-                if isinstance(saved, self.saved_format) else None
-            key = _backward_key(roots, params) if roots is not None else None
-            with device_guard(o.device):
-                *grads, delta = _PLANS.run(key, body, roots)
+        roots = (*saved.tensors(), o, stats, do, *_seq_roots(params)) if isinstance(saved, self.saved_format) \
+            else None
+        key = _backward_key(roots, params) if roots is not None else None
+        with device_guard(o.device):
+            *grads, delta = _PLANS.run(key, lambda: self._grads(saved, o, stats, do, params), roots)
         if params.sink_requires_grad:
             dsink = (sink_grad_from_delta(delta, stats, params.sink.float()) if delta is not None
                      else torch.zeros_like(params.sink, dtype=torch.float32))

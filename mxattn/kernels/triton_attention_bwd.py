@@ -225,7 +225,6 @@ def _dkdv_kernel(
     """Grid (KV tiles, sequences * HKV). All FP8 tensors have a unit stride along D. SQ, SKV: the tensors' row
     counts; len_q, len_kv: the sequence's. K and V are FP8 (row-wise); the query-side operands are FP8 or
     (PRE) their bf16 dequantizations."""
-    qk_scale, sm_scale = qk_scale.to(tl.float32), sm_scale.to(tl.float32)  # (as in _attn_fwd_kernel)
     tile, hk, _, bt, q0, kv0, len_q, len_kv, qb0, _, offset, n_out = program_prologue(
         CU_Q, CU_KV, HKV, 1, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, False, HAS_RB)
     n0 = tile * BN
@@ -327,7 +326,6 @@ def _dq_kernel(
         BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr,
         VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
     """Grid (query tiles, sequences * HQ)."""
-    qk_scale, sm_scale = qk_scale.to(tl.float32), sm_scale.to(tl.float32)  # (as in _attn_fwd_kernel)
     tile, hq, hk, bt, q0, kv0, len_q, len_kv, _, kvb0, offset, n_out = program_prologue(
         CU_Q, CU_KV, HQ, GROUP, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, True, HAS_RB)
     m0 = tile * BM
@@ -435,13 +433,8 @@ def _launch_dq(qr, kr, kc, vr, dor, stats, delta, dq, cfg, pre, args, common, sa
 
 def _heads(t, h0: int, h1: int):
     """Head slice [h0, h1) of an MXFP8Tensor (data and scale views, no copy; segments kept)."""
-    return SimpleNamespace(data=_head_range(t.data, h0, h1), scale=_head_range(t.scale, h0, h1), axis=t.axis,
+    return SimpleNamespace(data=t.data[:, h0:h1], scale=t.scale[:, h0:h1], axis=t.axis,
                            segments=getattr(t, "segments", None))
-
-
-def _head_range(t: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
-    """t[:, h0:h1], or t itself when that is every head (a traced graph then holds no view to write through)."""
-    return t if h0 == 0 and h1 == t.shape[1] else t[:, h0:h1]
 
 
 #: the bf16 scratch one head chunk of the "pre" backward aims at (chunks of more heads keep more programs in
@@ -589,12 +582,12 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     for h0, h1 in zip(bounds[:-1], bounds[1:]):  # a loop over head chunks, not elements
         q0, q1 = h0 * group, h1 * group
         do_r, do_c, q_r, q_c = bwd_prep(o, do, q_row, q_col, delta, q0, q1, sa)
-        st, de = _head_range(stats, q0, q1), _head_range(delta, q0, q1)
+        st, de = stats[:, q0:q1], delta[:, q0:q1]
         _launch_dkdv(q_r, q_c, _heads(k_row, h0, h1), _heads(v_row, h0, h1), do_r, do_c, st, de,
-                     _head_range(dk, h0, h1), _head_range(dv, h0, h1), cfg1, True, args, common, sa)
+                     dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args, common, sa)
         del q_c, do_c
         k_r, k_c, v_r = kv_prep(k_row, k_col, v_row, h0, h1, sa)
-        _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, _head_range(dq, q0, q1), cfg2, True, args, common, sa)
+        _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common, sa)
         del q_r, do_r, k_r, k_c, v_r
     return delta
 

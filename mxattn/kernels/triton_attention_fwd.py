@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import launch, lengths_arg, unread
+from .triton_launch import launch
 from .triton_common import (LN2, LOG2_P_SCALE, LOG2E, dequant_cols, dequant_rows, kv_block_range, load_tile,
                             program_prologue, quantize_cols, quantize_rows, round_p_to_bf16, seq_prologue,
                             softmax_block, softmax_start)
@@ -91,7 +91,6 @@ def _attn_fwd_kernel(
     SQ, SKV: the tensors' row counts;
     len_q, len_kv: the sequence's. HAS_SINK: SINK holds fp32 [HQ] sink logits; the online softmax starts from
     them (max = sink, sum = 1)."""
-    qk_scale = qk_scale.to(tl.float32)  # (a no-op from Triton's launcher; Inductor passes Python floats as fp64)
     tile, hq, hk, bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset, n_out = program_prologue(
         CU_Q, CU_KV, HQ, GROUP, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, True, HAS_RB)
     m0 = tile * BM
@@ -276,7 +275,7 @@ def _launch_fwd(q, qs, k, ks, v, vs, v_strides, out, stats, sink, sa, softmax_sc
     dp = padded_head_dim(D)
     launch(
         _attn_fwd_kernel, (sa.q_tiles(SQ, bm), sa.programs(B, HQ)), q, qs, k, ks, v, vs, out, stats,
-        sa.cu_q, sa.cu_kv, unread(stats) if sink is None else sink,
+        sa.cu_q, sa.cu_kv, stats if sink is None else sink,
         *q.stride()[:3], *qs.stride()[:3],
         *k.stride()[:3], *ks.stride()[:3],
         *v_strides, *vs.stride()[:3],
@@ -366,7 +365,7 @@ def check_seq(seq, q: torch.Tensor, k: torch.Tensor, stand_in: torch.Tensor, bot
         if bottom_right:
             raise ValueError("bottom_right=True is for variable-length calls (seq); a dense call passes its "
                              "offset (Skv - Sq)")
-        return SeqArgs(unread(stand_in), unread(stand_in), None, None, False, False)
+        return SeqArgs(stand_in, stand_in, None, None, False, False)
     packed = bool(seq.packed)
     check_cu_seqlens(seq.cu_seqlens_q, "seq.cu_seqlens_q", q, packed)
     check_cu_seqlens(seq.cu_seqlens_kv, "seq.cu_seqlens_kv", k, packed)
@@ -375,8 +374,7 @@ def check_seq(seq, q: torch.Tensor, k: torch.Tensor, stand_in: torch.Tensor, bot
                          f"{seq.cu_seqlens_q.numel() - 1} and {seq.cu_seqlens_kv.numel() - 1}")
     if bottom_right and offset != 0:
         raise ValueError(f"with bottom_right=True each sequence has its own offset; pass offset=0, got {offset}")
-    return SeqArgs(lengths_arg(seq.cu_seqlens_q), lengths_arg(seq.cu_seqlens_kv), seq.max_seqlen_q,
-                   seq.max_seqlen_kv, True, packed)
+    return SeqArgs(seq.cu_seqlens_q, seq.cu_seqlens_kv, seq.max_seqlen_q, seq.max_seqlen_kv, True, packed)
 
 
 __all__ = ["attention_fwd", "attention_fwd_quantizing", "quantizing_fwd_config", "fwd_streams_bf16", "check_seq", "SeqArgs", "kv_block_range", "load_tile",

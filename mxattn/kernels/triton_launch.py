@@ -14,13 +14,8 @@ type of float arguments, every keyword (constexprs and options such as num_warps
 everything Triton specializes on is fixed by it, so the compiled kernel reused is the one Triton's
 dispatcher would pick, also for new sizes (decode steps, new sequence lengths). Launch hooks (profilers) take
 the ordinary path.
-
-Traced launches: inside `traced_launches()` (a triton op's body traced by torch.compile, `mxattn.triton_ops`),
-`launch` hands the kernel to `torch.library.wrap_triton`, so the traced graph holds the launch itself and
-Inductor issues it from its generated code.
 """
 
-import contextlib
 import functools
 import threading
 from typing import Dict, Tuple
@@ -90,9 +85,6 @@ def launch(fn, grid, *args, **kwargs) -> None:
     parameters and are passed (with options such as num_warps) as keywords; args are tensors, ints, bools
     and floats. grid: tuple of 1 to 3 ints. While a recording (`mxattn.kernels.launch_plan`) is active on this thread, the launch is
     also reported to it (with the compiled kernel, or None when Triton's own dispatcher ran it)."""
-    if getattr(_LOCAL, "traced", 0):
-        torch.library.wrap_triton(fn)[grid](*args, **kwargs)
-        return
     recording = getattr(_LOCAL, "recording", None)
     rt = knobs.runtime
     if not FAST_PATH or _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
@@ -163,32 +155,5 @@ def set_recording(recording) -> None:
     _LOCAL.recording = recording
 
 
-def unread(t: torch.Tensor) -> torch.Tensor:
-    """What to pass for a pointer argument the kernel never dereferences: t itself (no allocation: host time),
-    or in a traced launch an empty tensor of t's dtype, since torch's analysis of a traced kernel takes an
-    argument sharing a tensor with a written one as written too, and the traced graph would then return the
-    unwritten copy for it."""
-    return t.new_empty(0) if getattr(_LOCAL, "traced", 0) else t
-
-
-def lengths_arg(t: torch.Tensor) -> torch.Tensor:
-    """What to pass for a lengths tensor (cu_seqlens) the kernel reads: t itself, or in a traced launch a copy:
-    torch's analysis of a traced kernel takes every tensor that a written address depends on as written too
-    (each store's offsets are read from the lengths), and the traced graph would then copy the lengths back into
-    the caller's tensor after the call."""
-    return t.clone() if getattr(_LOCAL, "traced", 0) else t
-
-
-@contextlib.contextmanager
-def traced_launches():
-    """Within this context (this thread), `launch` records each launch in the graph being traced
-    (`torch.library.wrap_triton`) instead of issuing it: for bodies traced on fake or functional tensors."""
-    _LOCAL.traced = getattr(_LOCAL, "traced", 0) + 1
-    try:
-        yield
-    finally:
-        _LOCAL.traced -= 1
-
-
-__all__ = ["launch", "traced_launches", "unread", "lengths_arg", "run_compiled", "current_stream", "fast_path_usable", "set_recording", "cdiv", "pow2_ceil",
+__all__ = ["launch", "run_compiled", "current_stream", "fast_path_usable", "set_recording", "cdiv", "pow2_ceil",
            "FAST_PATH", "MAX_ENTRIES"]

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..checks import check_bhsd_tensor
 from ..formats import MXFP8Tensor
-from .triton_launch import cdiv, launch, lengths_arg, pow2_ceil, unread
+from .triton_launch import cdiv, launch, pow2_ceil
 from ..constants import INPUT_DTYPES
 from .triton_common import (  # noqa: F401 -- the shared helpers, also importable from here
     LN2, LOG2_P_SCALE, LOG2E, MX_BLOCK, P_DESCALE, P_SCALE, block_amax_bits, dequant_cols, dequant_factors_bf16,
@@ -340,21 +340,20 @@ def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequan
     if col_seq_major:  # [B, H, D, L]: every element is written by the kernel (zeros after each sequence)
         qc = torch.empty((B, H, D, nc * MX_BLOCK.value), dtype=torch.float8_e4m3fn, device=dev).transpose(2, 3)
     else:
-        qc = _data_like(x) if col else unread(qr)
+        qc = _data_like(x) if col else qr
     # segmented scales: the rows between sequences belong to no block and hold byte 0
-    sc = (torch.zeros if packed else torch.empty)((B, H, nc, D), dtype=torch.uint8, device=dev) if col \
-        else unread(sr)
-    qr = unread(qc) if qr is None else qr
-    sr = unread(sc) if sr is None else sr
+    sc = (torch.zeros if packed else torch.empty)((B, H, nc, D), dtype=torch.uint8, device=dev) if col else sr
+    qr = qc if qr is None else qr
+    sr = sc if sr is None else sr
     # row-wise: one [Sp, D32p] F8_128x4 slab per (b, h); column-wise: cuDNN's order, the [B*H*S32p, D] matrix of
     # every slab's blocks (each padded to S32p) transposed and swizzled as one (M = D, K = B*H*S32p), so slab
     # (b, h) starts S32p / 4 atoms of 512 bytes further along K (`mxattn.cudnn_graphs.col_scale_bytes`)
     srz_kp, s32p = cdiv(nr, 4) * 4, cdiv(nc, 4) * 4
     srz_slab, scz_kp, scz_slab = cdiv(S, 128) * 128 * srz_kp, B * H * s32p, s32p * 128
     srz = torch.zeros((B, H, cdiv(S, 128) * 128, srz_kp), dtype=torch.uint8, device=dev) \
-        if (swizzle and row) else unread(sr)
+        if (swizzle and row) else sr
     scz = torch.zeros((cdiv(D, 128) * 128, scz_kp), dtype=torch.uint8, device=dev) \
-        if (swizzle and col) else unread(sc)
+        if (swizzle and col) else sc
     rdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if row_dequant else None
     cdq = torch.empty((B, H, S, D), dtype=torch.bfloat16, device=dev) if col_dequant else None
     bs, warps, *bd_ = tile if tile is not None else QUANT_TILE
@@ -365,7 +364,7 @@ def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequan
     qr_st = qr.stride() if row else (0, 0, 0, 0)
     qc_st = qc.stride() if col else (0, 0, 0, 0)
     args = (x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, x if rdq is None else rdq, x if cdq is None else cdq,
-            lengths_arg(cu_seqlens) if varlen else unread(sr), H, S, D, nr, nc, srz, scz, srz_kp, srz_slab, scz_kp, scz_slab)
+            cu_seqlens if varlen else sr, H, S, D, nr, nc, srz, scz, srz_kp, srz_slab, scz_kp, scz_slab)
     flags = dict(ROW=row, COL=col, SWZ=swizzle, ROW_DQ=row_dequant, COL_DQ=col_dequant, COL_SEQ_MAJOR=col_seq_major)
     e8 = torch.float8_e8m0fnu
     result = RowColQuantized(

@@ -194,3 +194,27 @@ def test_auto_routes_a_packed_sink_backward_away_from_an_old_cudnn(monkeypatch):
     with pytest.warns(RuntimeWarning, match="9.26"):
         assert backends.choose_backend("auto", p) == "reference"
     assert cb.known_refusal(dataclasses.replace(p, softmax_type="vanilla")) is None
+
+
+def test_learnable_sink_forward_and_backward_compile_fullgraph():
+    """torch.compile traces the backward of a learnable-sink call without a graph break (the autograd Function
+    reads the saved sink without list.pop: Dynamo holds the saved tensors as a tuple) and gives the eager
+    gradients, dSink included."""
+    torch._dynamo.reset()
+    q, k, v, do = _qkv(s=64)
+    offset = torch.randn(4)
+
+    def fwd_bwd(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, offset)]
+        o = fn(*leaves)
+        o.backward(do)
+        return [o.detach(), *(t.grad for t in leaves)]
+
+    def forward(q, k, v, offset):
+        return mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", softmax_type="learnable",
+                                      softmax_offset=offset, backend="reference")
+
+    expected = fwd_bwd(forward)
+    got = fwd_bwd(torch.compile(forward, backend="aot_eager", fullgraph=True))
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dsink"), got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

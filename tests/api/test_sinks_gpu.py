@@ -72,3 +72,34 @@ def test_triton_sink_packed_with_an_empty_kv_sequence():
     _, stats, _ = TritonBackend().forward(q, k, v, params)
     rows = slice(40, 340)  # the sequence with no keys: stats = its head's sink
     assert torch.allclose(stats[0, :, rows, 0], sink.view(-1, 1).expand(-1, 300))
+
+
+def test_compiled_learnable_sink_forward_and_backward_equal_eager():
+    """torch.compile(fullgraph) of a learnable-sink call on the triton backend, backward included (torch 2.11's
+    Dynamo holds the autograd Function's saved tensors as a tuple: no list.pop there): O and dQ, dK, dV equal the
+    eager call's bit for bit, dSink (torch ops Inductor fuses, its own summation order) to fp32 rounding."""
+    import mxattn
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 192, 8, 64, generator=gen).bfloat16().cuda()
+    k, v = (torch.randn(2, 192, 2, 64, generator=gen).bfloat16().cuda() for _ in range(2))
+    do = torch.randn(2, 192, 8, 64, generator=gen).bfloat16().cuda()
+    offset = torch.randn(8, generator=gen).cuda()
+
+    def forward(q, k, v, offset):
+        return mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", softmax_type="learnable",
+                                      softmax_offset=offset, backend="triton")
+
+    def fwd_bwd(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, offset)]
+        o = fn(*leaves)
+        o.backward(do)
+        return [o.detach(), *(t.grad for t in leaves)]
+
+    expected = fwd_bwd(forward)
+    compiled = torch.compile(forward, fullgraph=True)
+    for _ in range(2):
+        got = fwd_bwd(compiled)
+        for name, a, b in zip(("o", "dq", "dk", "dv"), got, expected):
+            assert torch.equal(a, b), name
+        torch.testing.assert_close(got[4], expected[4], rtol=1e-5, atol=1e-6)
