@@ -1,9 +1,10 @@
 """Tuning run of the paged decode kernel (issue 21): time per decode step of its configurations against torch
 SDPA over a bf16 cache, same GPU, same run. Rows: the exact single pass (num_splits=1: its tile, checked
-bit-equal to the dense path's 128-row / 8-warp tile), then the fast 16-row tile with the automatic split
-count under (num_warps, num_stages) variants, with 256-token pages (one page-table read per block) and 64-token
+bit-equal to the dense path's 128-row / 8-warp tile), the exact kernel's dequantizing code on the 16-row tile
+(the decode path before `triton_paged_decode`), then the decode kernel with the automatic split count under
+(num_warps, num_stages) variants, with 256-token pages (one page-table read per block) and 64-token
 pages (a gather per token); agreement of the default with the exact pass (max bf16 ulps, share equal).
-Heads as benchmarks/decode_bench.py. --ncu: one fast-tile call at batch 64 / 4k for Nsight Compute. --splits:
+Heads as benchmarks/decode_bench.py; GPU times of CUDA-graph replays (`decode_bench.graph_us`). --ncu: one fast-tile call at batch 64 (or $NCU_BATCH) / 4k for Nsight Compute. --splits:
 instead, the fast tile's time per split count (the automatic choice first) at batch 1, 8, 64 and contexts 1k-32k.
 Usage (CUDA machine): python benchmarks/paged_decode_tuning.py [--ncu | --splits]"""
 import os
@@ -12,14 +13,13 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_bench as db  # noqa: E402
 from mxattn.kernels import triton_paged_attention as tp  # noqa: E402
 from mxattn.metrics import bf16_ulps  # noqa: E402
 
-VARIANTS = [(4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 3)]
+VARIANTS = [(4, 1), (4, 2), (4, 3), (8, 2)]
 
 
 def setup(batch, context, page):
@@ -47,12 +47,12 @@ def split_sweep():
     for batch, context in ((1, 1024), (1, 4096), (1, 32768), (8, 1024), (8, 4096), (8, 16384), (64, 4096),
                            (64, 16384)):
         run, q, k, v = setup(batch, context, 256)
-        sdpa = do_bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)) * 1e3
+        sdpa = db.graph_us(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
         k = v = None
         programs = batch * db.HKV * triton.cdiv(db.HQ // db.HKV, tp.tile_heads(db.HQ // db.HKV, tp.FAST_TILE[0]))
         auto = tp.choose_splits(programs, triton.cdiv(context, tp.BLOCK_N), tp.sm_count(q.device))
-        t_auto = do_bench(lambda: run(0)) * 1e3
-        times = {n: do_bench(lambda: run(n)) * 1e3 for n in SPLITS if n * tp.BLOCK_N <= context}
+        t_auto = db.graph_us(lambda: run(0))
+        times = {n: db.graph_us(lambda: run(n)) for n in SPLITS if n * tp.BLOCK_N <= context}
         best = min(times, key=times.get)
         print(f"{batch:5d} {context:7d} | {sdpa:6.1f} | {t_auto:6.1f} ({auto}) | "
               + " | ".join(f"{times[n]:6.1f}" if n in times else "   -  " for n in SPLITS)
@@ -65,35 +65,39 @@ def main():
         split_sweep()
         return
     if "--ncu" in sys.argv:
-        run, *_ = setup(64, 4096, 256)
+        batch = int(os.environ.get("NCU_BATCH", 64))
+        run, *_ = setup(batch, 4096, 256)
         for _ in range(3):
             run(0)
         torch.cuda.synchronize()
         return
     print(f"{torch.cuda.get_device_name()}: decode step, Hq {db.HQ} Hkv {db.HKV} D {db.D}, us")
     real_exact, real_fast = tp.paged_config, tp.FAST_TILE
-    print("batch context | sdpa | exact (= 128x8 tile) | fast auto, (warps, stages): "
-          + " | ".join(map(str, VARIANTS)) + " | page 64 | default vs exact: max ulps, equal share")
+    print("batch context | sdpa | exact (= 128x8 tile) | dequantizing kernel on the decode tile | decode kernel, "
+          "(warps, stages): " + " | ".join(map(str, VARIANTS)) + " | page 64 | default vs exact: max ulps, equal share")
     for batch, context in ((1, 4096), (1, 32768), (8, 4096), (8, 32768), (64, 4096), (64, 16384)):
         run, q, k, v = setup(batch, context, 256)
-        sdpa = do_bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)) * 1e3
+        sdpa = db.graph_us(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
         tp.paged_config = lambda d, ex=True, rows=0: (128, 8, 2) if ex else real_exact(d, ex, rows)
         dense_tile = run(1).clone()
         tp.paged_config = real_exact
         exact = run(1).clone()
-        t_exact = do_bench(lambda: run(1)) * 1e3
+        t_exact = db.graph_us(lambda: run(1))
+        real_decode, tp._paged_decode_kernel = tp._paged_decode_kernel, tp._paged_attn_kernel
+        t_dequant = db.graph_us(lambda: run(0))  # the exact kernel's code on the fast tile (before the decode kernel)
+        tp._paged_decode_kernel = real_decode
         times = []
         for warps, stages in VARIANTS:
             tp.FAST_TILE = (16, warps, stages)
-            times.append(do_bench(lambda: run(0)) * 1e3)
+            times.append(db.graph_us(lambda: run(0)))
         tp.FAST_TILE = real_fast
         got = run(0).float()
         ulps = bf16_ulps(got, exact)
         k = v = None  # free the bf16 cache before the next one
         run, *_ = setup(batch, context, 64)
-        t64 = do_bench(lambda: run(0)) * 1e3
+        t64 = db.graph_us(lambda: run(0))
         print(f"{batch:5d} {context:7d} | {sdpa:6.1f} | {t_exact:7.1f} ({torch.equal(exact, dense_tile)}) | "
-              + " | ".join(f"{t:6.1f}" for t in times)
+              f"{t_dequant:6.1f} | " + " | ".join(f"{t:6.1f}" for t in times)
               + f" | {t64:6.1f} | {ulps.max().item():.0f}, {(got == exact.float()).float().mean().item():.4f}",
               flush=True)
         torch.cuda.empty_cache()

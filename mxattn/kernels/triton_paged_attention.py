@@ -47,6 +47,7 @@ from .triton_attention_fwd import BF16_FWD_CONFIGS, BLOCK_N
 from .triton_common import (LOG2E, block_max, dequant_cols, dequant_rows, kv_block_range, load_tile,
                             mask_logits, quantize_cols, quantize_rows, round_p_to_bf16, softmax_block, softmax_start)
 from .triton_launch import cdiv, launch, sm_count
+from .triton_paged_decode import _paged_decode_kernel
 from .triton_quantize import padded_head_dim
 
 # passes of _paged_attn_kernel
@@ -325,11 +326,13 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
     options = dict(HAS_LB=left_bound is not None, HAS_SINK=sink is not None, BM=bm, BN=BLOCK_N, DP=dp, GP=gp,
                    EVEN_D=dp == d, WHOLE_PAGES=cache.page_size % BLOCK_N == 0, num_warps=warps, num_stages=stages)
     grid = (tiles * num_splits, programs[1])
+    # the exact tile dequantizes as the dense path does; the decode tile feeds the FP8 bytes to the tensor cores
+    kernel = _paged_decode_kernel if (bm, warps, stages) == FAST_TILE else _paged_attn_kernel
     if num_splits == 1:
-        launch(_paged_attn_kernel, grid, q, out, *parts, *args, PASS=SINGLE.value, **options)
+        launch(kernel, grid, q, out, *parts, *args, PASS=SINGLE.value, **options)
         return
-    launch(_paged_attn_kernel, grid, q, out, *parts, *args, PASS=MAX_PASS.value, **options)
-    launch(_paged_attn_kernel, grid, q, out, *parts, *args, PASS=SPLIT_PASS.value, **options)
+    launch(kernel, grid, q, out, *parts, *args, PASS=MAX_PASS.value, **options)
+    launch(kernel, grid, q, out, *parts, *args, PASS=SPLIT_PASS.value, **options)
     launch(_combine_splits_kernel, (T, hq), out, parts[1], parts[2], parts[3], out.stride(0), out.stride(1),
            T, hq, d, num_splits, SP=triton.next_power_of_2(num_splits), DP=dp, num_warps=4)
 
