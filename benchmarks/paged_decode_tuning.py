@@ -19,7 +19,7 @@ import decode_bench as db  # noqa: E402
 from mxattn.kernels import triton_paged_attention as tp  # noqa: E402
 from mxattn.metrics import bf16_ulps  # noqa: E402
 
-VARIANTS = [(4, 1), (4, 2), (4, 3), (8, 2)]
+VARIANTS = [(4, 2, None), (4, 3, None), (4, 2, 128), (4, 3, 128), (4, 2, 168), (8, 2, 128)]
 
 
 def setup(batch, context, page):
@@ -74,7 +74,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}: decode step, Hq {db.HQ} Hkv {db.HKV} D {db.D}, us")
     real_exact, real_fast = tp.paged_config, tp.FAST_TILE
     print("batch context | sdpa | exact (= 128x8 tile) | dequantizing kernel on the decode tile | decode kernel, "
-          "(warps, stages): " + " | ".join(map(str, VARIANTS)) + " | page 64 | default vs exact: max ulps, equal share")
+          "(warps, stages, register cap): " + " | ".join(map(str, VARIANTS)) + " | page 64 | default vs exact: max ulps, equal share")
     for batch, context in ((1, 4096), (1, 32768), (8, 4096), (8, 32768), (64, 4096), (64, 16384)):
         run, q, k, v = setup(batch, context, 256)
         sdpa = db.graph_us(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
@@ -87,10 +87,10 @@ def main():
         t_dequant = db.graph_us(lambda: run(0))  # the exact kernel's code on the fast tile (before the decode kernel)
         tp._paged_decode_kernel = real_decode
         times = []
-        for warps, stages in VARIANTS:
-            tp.FAST_TILE = (16, warps, stages)
+        for warps, stages, maxnreg in VARIANTS:
+            tp.FAST_TILE, tp.DECODE_MAXNREG = (16, warps, stages), maxnreg
             times.append(db.graph_us(lambda: run(0)))
-        tp.FAST_TILE = real_fast
+        tp.FAST_TILE, tp.DECODE_MAXNREG = real_fast, None
         got = run(0).float()
         ulps = bf16_ulps(got, exact)
         k = v = None  # free the bf16 cache before the next one

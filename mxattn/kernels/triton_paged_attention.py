@@ -248,6 +248,9 @@ EXACT_TILES = {128: (64, 4)}
 #: the tile of the fast decode configuration: the fewest rows an MMA takes (mma.sync m16n8k16); three stages
 #: (H200, batch 1 / 4k: 65 us against 105 us with two; benchmarks/paged_decode_tuning.py)
 FAST_TILE = (16, 4, 3)
+#: register cap of the decode kernel (None: the compiler's choice); a lower cap fits more programs on a
+#: multiprocessor
+DECODE_MAXNREG = None
 
 
 def paged_config(head_dim: int, exact: bool = True, rows: int = 0):
@@ -327,7 +330,11 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
                    EVEN_D=dp == d, WHOLE_PAGES=cache.page_size % BLOCK_N == 0, num_warps=warps, num_stages=stages)
     grid = (tiles * num_splits, programs[1])
     # the exact tile dequantizes as the dense path does; the decode tile feeds the FP8 bytes to the tensor cores
-    kernel = _paged_decode_kernel if (bm, warps, stages) == FAST_TILE else _paged_attn_kernel
+    kernel = _paged_attn_kernel
+    if (bm, warps, stages) == FAST_TILE:
+        kernel = _paged_decode_kernel
+        if DECODE_MAXNREG is not None:
+            options["maxnreg"] = DECODE_MAXNREG
     if num_splits == 1:
         launch(kernel, grid, q, out, *parts, *args, PASS=SINGLE.value, **options)
         return

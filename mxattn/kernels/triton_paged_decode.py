@@ -52,15 +52,48 @@ def round_p_to_f16(p):
 
 
 @triton.jit
+def e4m3_to_f16(x):
+    """E4M3 tile -> f16 tile (exact), two elements per conversion instruction. Written as inline assembly so
+    the compiler keeps the conversion where it is written (before a tile goes through shared memory to the
+    tensor cores, which then read 16-bit rows, transposed where needed, instead of single bytes)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def e4m3_pairs_to_f16(w, R: tl.constexpr, C: tl.constexpr):
+    """int16 tile [R, C // 2] holding pairs of E4M3 bytes (a row of C bytes read two at a time) -> f16 [R, C]
+    (exact). The pairs are converted where they were loaded, a row-major tile, before any transposition: the
+    tensor cores' transposed operand loads move 16-bit values (ldmatrix .trans), never single bytes."""
+    lo, hi = tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t;
+        cvt.rn.f16x2.e4m3x2 t, $2;
+        mov.b32 {$0, $1}, t;
+        }""",
+        constraints="=h,=h,h", args=[w], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return tl.reshape(tl.join(lo, hi), (R, C))
+
+
+@triton.jit
 def _block_pages(j, slot, len_kv, PT, spt, PAGE, BN: tl.constexpr, WHOLE_PAGES: tl.constexpr):
-    """The page (int64) and in-page row of each token of KV block j [BN]; tokens at or past len_kv get page 0
-    (their loads are masked)."""
+    """KV block j's pages: (its page, int64, when the block lies in one page (WHOLE_PAGES), else 0; the page of
+    each token [BN] (the scalar page under WHOLE_PAGES), tokens at or past len_kv on page 0; the in-page row of
+    each token [BN])."""
     cols = j * BN + tl.arange(0, BN)
-    if WHOLE_PAGES:  # the block lies in one page: one page-table read
-        page = tl.zeros([BN], tl.int64) + tl.load(PT + slot * spt + (j * BN) // PAGE).to(tl.int64)
+    if WHOLE_PAGES:  # one page-table read for the block
+        pg = tl.load(PT + slot * spt + (j * BN) // PAGE).to(tl.int64)
+        page = pg
     else:
+        pg = tl.zeros([], tl.int64)
         page = tl.load(PT + slot * spt + cols // PAGE, mask=cols < len_kv, other=0).to(tl.int64)
-    return page, cols % PAGE
+    return pg, page, cols % PAGE
 
 
 @triton.jit
@@ -76,73 +109,99 @@ def _q_block(Q, tok, head, sq_t, sq_h, row_ok, b, D, BM: tl.constexpr):
 
 @triton.jit
 def _qk_part(qb, sqb, b, page, row, valid, hk, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, D,
-             BN: tl.constexpr):
-    """(Q8_b K8_b^T) * 2^eq_b * 2^ek_b fp32 [BM, BN]: D block b of Q K^T for one KV block (keys not valid: 0)."""
+             BN: tl.constexpr, TAIL: tl.constexpr, EVEN_D: tl.constexpr):
+    """(Q8_b K8_b^T) * 2^eq_b * 2^ek_b fp32 [BM, BN]: D block b of Q K^T for one KV block. TAIL: keys not
+    `valid` read as 0 (else every key is valid)."""
     d = b * 32 + tl.arange(0, 32)
     base = page * skd_p + row * skd_n + hk * skd_h                                 # [BN]
-    k = tl.load(KD + base[:, None] + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
-    ek = tl.load(KS + page * sks_p + row * sks_n + hk * sks_h + b, mask=valid & (b * 32 < D),
-                 other=127).to(tl.int32)
-    return tl.dot(qb, tl.trans(k.to(tl.float16))) * sqb[:, None] * e8m0_factor(ek)[None, :]
+    k_ptrs = KD + base[:, None] + d[None, :]
+    s_ptrs = KS + page * sks_p + row * sks_n + hk * sks_h + b
+    if TAIL:
+        k = tl.load(k_ptrs, mask=valid[:, None] & (d < D)[None, :], other=0.0)
+        ek = tl.load(s_ptrs, mask=valid & (b * 32 < D), other=127)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        ek = tl.load(s_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=(d < D)[None, :], other=0.0)
+        ek = tl.load(s_ptrs, mask=(tl.zeros([BN], tl.int32) + b * 32) < D, other=127)
+    return tl.dot(qb, tl.trans(e4m3_to_f16(k))) * sqb[:, None] * e8m0_factor(ek.to(tl.int32))[None, :]
 
 
 @triton.jit
 def _decode_scores(q0, q1, q2, q3, s0, s1, s2, s3, j, page, row, hk, len_kv, KD, skd_p, skd_h, skd_n,
-                   KS, sks_p, sks_h, sks_n, D, BN: tl.constexpr, NB: tl.constexpr):
+                   KS, sks_p, sks_h, sks_n, D, BN: tl.constexpr, NB: tl.constexpr, TAIL: tl.constexpr,
+                   EVEN_D: tl.constexpr):
     """S fp32 [BM, BN] = Q K^T of KV block j from Q's D blocks (q_b E4M3 values as f16 [BM, 32], s_b their
-    scales [BM]; NB of them used) and K's bytes and scales in the pages (keys at or past len_kv: 0)."""
+    scales [BM]; NB of them used) and K's bytes and scales in the pages (TAIL: keys at or past len_kv: 0)."""
     valid = j * BN + tl.arange(0, BN) < len_kv
     k_args = (page, row, valid, hk, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, D)
-    s = _qk_part(q0, s0, 0, *k_args, BN)
+    s = _qk_part(q0, s0, 0, *k_args, BN, TAIL, EVEN_D)
     if NB > 1:
-        s += _qk_part(q1, s1, 1, *k_args, BN)
+        s += _qk_part(q1, s1, 1, *k_args, BN, TAIL, EVEN_D)
     if NB > 2:
-        s += _qk_part(q2, s2, 2, *k_args, BN)
-        s += _qk_part(q3, s3, 3, *k_args, BN)
+        s += _qk_part(q2, s2, 2, *k_args, BN, TAIL, EVEN_D)
+        s += _qk_part(q3, s3, 3, *k_args, BN, TAIL, EVEN_D)
     return s
 
 
 @triton.jit
-def _pv_part(pc, c, j, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n,
-             VT, svt_s, svt_h, svt_n, D, BN: tl.constexpr, DP: tl.constexpr, OPEN: tl.constexpr):
+def _pv_part(pc, c, j, pg, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h,
+             svs_n, VT, svt_s, svt_h, svt_n, D, BN: tl.constexpr, DP: tl.constexpr, WHOLE_PAGES: tl.constexpr,
+             TAIL: tl.constexpr, EVEN_D: tl.constexpr):
     """(P8_c V8_c) * 2^ev_c fp32 [BM, DP]: 32-token block c of KV block j (pc: its E4M3 P * 256 as f16
-    [BM, 32]); sealed blocks from the pages, the open one (OPEN, tokens sealed .. len_kv) quantized here from
-    the rows the cache keeps; tokens past len_kv are zeros."""
+    [BM, 32]; pg: the block's page under WHOLE_PAGES). Sealed blocks come from the pages; TAIL: the block may
+    reach past the sealed ones: the open block (tokens sealed .. len_kv) is quantized here from the rows the
+    cache keeps, later tokens are zeros (else every token is sealed)."""
     blk = j * BN + c * 32
     t = blk + tl.arange(0, 32)
     offs_d = tl.arange(0, DP)
     d_ok = offs_d < D
-    page = tl.load(PT + slot * spt + blk // PAGE, mask=blk < sealed, other=0).to(tl.int64)
-    row = t % PAGE
-    v = tl.load(VD + page * svd_p + hk * svd_h + row[:, None] * svd_n + offs_d[None, :],
-                mask=(t < sealed)[:, None] & d_ok[None, :], other=0.0)
-    ev = tl.load(VS + page * svs_p + hk * svs_h + ((blk % PAGE) // 32) * svs_n + offs_d, mask=d_ok & (blk < sealed),
-                 other=127).to(tl.int32)
-    if OPEN:
+    if WHOLE_PAGES:
+        page = pg
+    elif TAIL:
+        page = tl.load(PT + slot * spt + blk // PAGE, mask=blk < sealed, other=0).to(tl.int64)
+    else:
+        page = tl.load(PT + slot * spt + blk // PAGE).to(tl.int64)
+    s_ptrs = VS + page * svs_p + hk * svs_h + ((blk % PAGE) // 32) * svs_n + offs_d
+    if TAIL:
+        v_ptrs = VD + page * svd_p + hk * svd_h + (t % PAGE)[:, None] * svd_n + offs_d[None, :]
+        v = e4m3_to_f16(tl.load(v_ptrs, mask=(t < sealed)[:, None] & d_ok[None, :], other=0.0))
+        ev = tl.load(s_ptrs, mask=d_ok & (blk < sealed), other=127).to(tl.int32)
         if blk == sealed:  # the open block: quantized column-wise from its rows, as the cache defines it
             raw = tl.load(VT + slot * svt_s + hk * svt_h + (t - sealed)[:, None] * svt_n + offs_d[None, :],
                           mask=(t < len_kv)[:, None] & d_ok[None, :], other=0.0)
             vq, vqe = quantize_cols(raw.to(tl.float32), 32, DP)
-            v = vq
+            v = e4m3_to_f16(vq)
             ev = tl.reshape(vqe, (DP,))
-    return tl.dot(pc, v.to(tl.float16)) * e8m0_factor(ev)[None, :]
+    elif EVEN_D:  # two bytes at a time (D even, every stride of the pages even)
+        offs_w = tl.arange(0, DP // 2)
+        w_ptrs = VD.to(tl.pointer_type(tl.int16), bitcast=True) + (page * svd_p + hk * svd_h) // 2 \
+            + ((t % PAGE) * (svd_n // 2))[:, None] + offs_w[None, :]
+        v = e4m3_pairs_to_f16(tl.load(w_ptrs), 32, DP)
+        ev = tl.load(s_ptrs).to(tl.int32)
+    else:
+        v_ptrs = VD + page * svd_p + hk * svd_h + (t % PAGE)[:, None] * svd_n + offs_d[None, :]
+        v = e4m3_to_f16(tl.load(v_ptrs, mask=d_ok[None, :], other=0.0))
+        ev = tl.load(s_ptrs, mask=d_ok, other=127).to(tl.int32)
+    return tl.dot(pc, v) * e8m0_factor(ev)[None, :]
 
 
 @triton.jit
-def _decode_values(p, j, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n,
-                   VT, svt_s, svt_h, svt_n, D, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
-                   OPEN: tl.constexpr):
+def _decode_values(p, j, pg, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h,
+                   svs_n, VT, svt_s, svt_h, svt_n, D, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
+                   WHOLE_PAGES: tl.constexpr, TAIL: tl.constexpr, EVEN_D: tl.constexpr):
     """P V of KV block j, fp32 [BM, DP]: p fp32 [BM, BN] (P * 256) rounded to E4M3, by 32-token blocks."""
     p4 = tl.permute(tl.reshape(round_p_to_f16(p), (BM, 2, 2, 32)), (0, 3, 1, 2))   # [BM, 32, c // 2, c % 2]
     even, odd = tl.split(p4)
     p0, p2 = tl.split(even)
     p1, p3 = tl.split(odd)
-    v_args = (j, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n,
+    v_args = (j, pg, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n,
               VT, svt_s, svt_h, svt_n, D)
-    o = _pv_part(p0, 0, *v_args, BN, DP, OPEN)
-    o += _pv_part(p1, 1, *v_args, BN, DP, OPEN)
-    o += _pv_part(p2, 2, *v_args, BN, DP, OPEN)
-    o += _pv_part(p3, 3, *v_args, BN, DP, OPEN)
+    o = _pv_part(p0, 0, *v_args, BN, DP, WHOLE_PAGES, TAIL, EVEN_D)
+    o += _pv_part(p1, 1, *v_args, BN, DP, WHOLE_PAGES, TAIL, EVEN_D)
+    o += _pv_part(p2, 2, *v_args, BN, DP, WHOLE_PAGES, TAIL, EVEN_D)
+    o += _pv_part(p3, 3, *v_args, BN, DP, WHOLE_PAGES, TAIL, EVEN_D)
     return o
 
 
@@ -151,22 +210,24 @@ def _decode_blocks(acc, m_i, l_i, qs, j0, j1, pos, slot, hk, len_kv, sealed, off
                    PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n,
                    VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE,
                    HAS_LB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, NB: tl.constexpr,
-                   WHOLE_PAGES: tl.constexpr, MAX_ONLY: tl.constexpr, OPEN: tl.constexpr):
-    """The online softmax over KV blocks j0 .. j1 (in order) for query positions pos [BM], every block masked
-    (length, causal bottom-right, window); qs: Q's D blocks and scales (`_q_block`); MAX_ONLY: only the running
-    max of the logits."""
+                   WHOLE_PAGES: tl.constexpr, EVEN_D: tl.constexpr, MAX_ONLY: tl.constexpr, MASK: tl.constexpr,
+                   TAIL: tl.constexpr):
+    """The online softmax over KV blocks j0 .. j1 (in order) for query positions pos [BM]; qs: Q's D blocks and
+    scales (`_q_block`). MASK: the logits need the band and length mask; TAIL: the blocks may reach past the
+    sealed V blocks (and past len_kv); MAX_ONLY: only the running max of the logits."""
     for j in range(j0, j1):
-        page, row = _block_pages(j, slot, len_kv, PT, spt, PAGE, BN, WHOLE_PAGES)
+        pg, page, row = _block_pages(j, slot, len_kv, PT, spt, PAGE, BN, WHOLE_PAGES)
         qk = _decode_scores(*qs, j, page, row, hk, len_kv, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, D,
-                            BN, NB)
+                            BN, NB, TAIL, EVEN_D)
         cols = j * BN + tl.arange(0, BN)
         if MAX_ONLY:
-            m_i = block_max(mask_logits(qk, pos, cols, len_kv, offset, LB, 0, True, HAS_LB, True), m_i, qk_scale)
+            m_i = block_max(mask_logits(qk, pos, cols, len_kv, offset, LB, 0, MASK, HAS_LB, True), m_i, qk_scale)
         else:
-            p, alpha, m_i, l_i = softmax_block(qk, m_i, l_i, pos, cols, len_kv, qk_scale, offset, LB, 0, True,
+            p, alpha, m_i, l_i = softmax_block(qk, m_i, l_i, pos, cols, len_kv, qk_scale, offset, LB, 0, MASK,
                                                HAS_LB, True)
-            pv = _decode_values(p, j, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p, svd_h, svd_n,
-                                VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, BM, BN, DP, OPEN)
+            pv = _decode_values(p, j, pg, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p, svd_h, svd_n,
+                                VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, BM, BN, DP, WHOLE_PAGES, TAIL,
+                                EVEN_D)
             acc = acc * alpha[:, None] + pv
     return acc, m_i, l_i
 
@@ -181,7 +242,7 @@ def _paged_decode_kernel(
         HAS_LB: tl.constexpr, HAS_SINK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
         GP: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr, PASS: tl.constexpr):
     """`_paged_attn_kernel`'s arguments, grid and passes (see it), computed on the FP8 operands (module
-    docstring). EVEN_D is accepted for the common launch and unused (every load is masked along D)."""
+    docstring). EVEN_D: D == DP (no mask along D)."""
     NB: tl.constexpr = DP // 32
     TQ: tl.constexpr = BM // GP
     tile = tl.program_id(0) // N_SPLITS
@@ -233,12 +294,18 @@ def _paged_decode_kernel(
     pages = (PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, VD, svd_p, svd_h, svd_n,
              VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE)
     max_only: tl.constexpr = PASS == MAX_PASS
-    # blocks wholly in sealed V blocks, then the block(s) reaching the open one
-    j_open = tl.maximum(tl.minimum(sealed // BN, je), js)
-    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, qs, js, j_open, pos, slot, hk, len_kv, sealed, offset, LB,
-                                   qk_scale, *pages, HAS_LB, BM, BN, DP, NB, WHOLE_PAGES, max_only, False)
-    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, qs, j_open, je, pos, slot, hk, len_kv, sealed, offset, LB,
-                                   qk_scale, *pages, HAS_LB, BM, BN, DP, NB, WHOLE_PAGES, max_only, True)
+    # the split's blocks [js, je) in three runs: the band's left edge (masked), blocks every query row keeps
+    # whole and whose V blocks are all sealed (no mask), the rest (masked; the open V block, keys past len_kv)
+    s_blk = sealed // BN
+    x1 = tl.maximum(js, tl.minimum(tl.minimum(full_lo // BN, s_blk), je))
+    x2 = tl.maximum(x1, tl.minimum(tl.minimum(full_hi // BN, s_blk), je))
+    run = (pos, slot, hk, len_kv, sealed, offset, LB, qk_scale)
+    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, qs, js, x1, *run, *pages, HAS_LB, BM, BN, DP, NB, WHOLE_PAGES,
+                                   EVEN_D, max_only, True, False)
+    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, qs, x1, x2, *run, *pages, HAS_LB, BM, BN, DP, NB, WHOLE_PAGES,
+                                   EVEN_D, max_only, False, False)
+    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, qs, x2, je, *run, *pages, HAS_LB, BM, BN, DP, NB, WHOLE_PAGES,
+                                   EVEN_D, max_only, True, True)
     if PASS == MAX_PASS:
         tl.store(MP + part, m_i, mask=row_ok)
     elif PASS == SPLIT_PASS:
