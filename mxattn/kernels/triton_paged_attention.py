@@ -31,8 +31,9 @@ a combine, so that every P is still rounded to E4M3 against the running max of t
 
 Only the fp32 additions across splits are ordered differently from the sequential pass: split results agree with
 one split to fp32 rounding (not bit for bit). A decode call that does not ask for one split (num_splits != 1) and
-packs at most 16 rows per tile also takes the 16-row FAST_TILE, whose MMA (mma.sync) sums products in another
-order than the dense path's wgmma: the same fp32-rounding agreement, a quarter of the rows' softmax work.
+packs at most 16 rows per tile runs the decode kernel instead (`triton_paged_decode`: the same passes on the
+16-row FAST_TILE, the FP8 bytes multiplied on the f16 tensor cores per 32-block and the power-of-two scales
+applied to the products): the same fp32-rounding agreement, without dequantizing K and V tiles.
 Masks: causal bottom-right per sequence (each sequence's own lengths), optionally a left window bound; attention sinks.
 """
 
@@ -245,9 +246,10 @@ def _combine_splits_kernel(O, MF, LP, OP, so_t, so_h, T, HQ, D, N_SPLITS, SP: tl
 #: (m64n128k16) with the same row layout as each warpgroup of the dense 128-row / 8-warp tile (measured bit-equal
 #: on an H200, benchmarks/paged_decode_tuning.py; tests/test_kvcache_gpu.py checks it), at half the rows
 EXACT_TILES = {128: (64, 4)}
-#: the tile of the fast decode configuration: the fewest rows an MMA takes (mma.sync m16n8k16); three stages
-#: (H200, batch 1 / 4k: 65 us against 105 us with two; benchmarks/paged_decode_tuning.py)
-FAST_TILE = (16, 4, 3)
+#: the tile of the decode kernel (`triton_paged_decode`): the fewest rows an MMA takes (mma.sync m16n8k16), one
+#: warp group, two stages (H100, CUDA-graph replays: batch 8 / 4k 109 us against 110 with three, batch 64 / 4k
+#: 448 against 458; benchmarks/results/nvidia-h100-80gb-hbm3/session17/)
+FAST_TILE = (16, 4, 2)
 #: register cap of the decode kernel (None: the compiler's choice); a lower cap fits more programs on a
 #: multiprocessor
 DECODE_MAXNREG = None
@@ -256,8 +258,9 @@ DECODE_MAXNREG = None
 def paged_config(head_dim: int, exact: bool = True, rows: int = 0):
     """(BLOCK_M, num_warps, num_stages) of the paged kernel; None above head dim 128. exact: the dense bf16 path's
     MMA instructions and row layout (its tile and warps, or EXACT_TILES), so both agree bit for bit; two stages. Not
-    exact and at most 16 packed rows (a decode step: query heads per KV head x query tokens): FAST_TILE, whose
-    MMA instructions (mma.sync) sum the products of QK^T and PV in another order: O agrees to fp32 rounding."""
+    exact and at most 16 packed rows (a decode step: query heads per KV head x query tokens): FAST_TILE, the
+    decode kernel's (`triton_paged_decode`), whose sums of the products of QK^T and PV run in another order: O
+    agrees to fp32 rounding."""
     dp = padded_head_dim(head_dim)
     if dp not in BF16_FWD_CONFIGS:
         return None

@@ -252,8 +252,9 @@ def test_num_splits_is_checked_before_any_work():
 
 def test_decode_takes_the_fast_tile_and_splits_only_long_sequences_on_an_idle_gpu(monkeypatch):
     """num_splits=0 (the default): a decode step (4 query heads per KV head, one token: 4 rows) takes the 16-row
-    FAST_TILE; with 2 sequences x 2 KV heads on a 132-SM GPU it splits a 4k-token sequence (max pass, split pass,
-    combine) but not a 1k-token one; num_splits=1 keeps the exact tile (launches recorded, not made)."""
+    FAST_TILE and the decode kernel; with 2 sequences x 2 KV heads on a 132-SM GPU it splits a 4k-token sequence
+    (max pass, split pass, combine) but not a 1k-token one; num_splits=1 keeps the exact tile and kernel (launches
+    recorded, not made)."""
     pytest.importorskip("triton")
     from mxattn.kernels import triton_paged_attention as tp
     launched = []
@@ -269,12 +270,16 @@ def test_decode_takes_the_fast_tile_and_splits_only_long_sequences_on_an_idle_gp
                                num_splits=0, max_seqlen_kv=max_kv)
         assert launched[0][2]["BM"] == tp.FAST_TILE[0] and launched[0][2]["num_warps"] == tp.FAST_TILE[1]
         assert launched[0][1] == (n, 2 * 2)
+        # the FP8-operand decode kernel runs every pass of the fast tile, the split combine stays the same
+        assert [fn for fn, _, _ in launched] == ([tp._paged_decode_kernel] if n == 1 else
+                                                 [tp._paged_decode_kernel] * 2 + [tp._combine_splits_kernel])
         assert [kw.get("PASS") for _, _, kw in launched] == ([tp.SINGLE.value] if n == 1 else
                                                              [tp.MAX_PASS.value, tp.SPLIT_PASS.value, None])
     launched.clear()
     tp.paged_attention_fwd(q, cu, 1, slots, cache, softmax_scale=0.1, left_bound=None, out=torch.empty_like(q),
                            num_splits=1, max_seqlen_kv=4096)
-    assert [(kw["BM"], kw["PASS"]) for _, _, kw in launched] == [(tp.paged_config(128)[0], tp.SINGLE.value)]
+    assert [(fn, kw["BM"], kw["PASS"]) for fn, _, kw in launched] == [
+        (tp._paged_attn_kernel, tp.paged_config(128)[0], tp.SINGLE.value)]
 
 
 def test_reference_backend_ignores_num_splits():

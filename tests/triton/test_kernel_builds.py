@@ -39,18 +39,33 @@ def test_paged_attention_kernel_builds_for_sm90(dp, window_sink, dtype, heads, p
         assert "cvt.rn.f16x2.e4m3x2" not in ptx  # the max pass rounds no P (and quantizes no open V block)
 
 
-@pytest.mark.parametrize("pass_", [0, 2])
-def test_paged_fast_tile_builds_for_sm90(pass_):
-    """The 16-row decode tile (mma.sync) of the fast path, pages of 256 tokens (one page-table read per block)."""
+@pytest.mark.parametrize("pass_,dp,page", [(0, 128, 256), (1, 128, 256), (2, 128, 256), (2, 64, 64), (2, 96, 32)])
+def test_paged_decode_kernel_builds_for_sm90(pass_, dp, page):
+    """The decode kernel of the 16-row tile (FAST_TILE): the FP8 bytes go to the f16 tensor cores (mma.sync
+    m16n8k16 on f16, E4M3 pairs converted with cvt.rn.f16x2.e4m3x2); the max pass reads K only; the sealed V
+    blocks are read two bytes at a time and converted before their transposition, so byte-wise shared-memory
+    loads appear at most in the run that reaches the open V block (128 per thread there)."""
+    import re
     from triton_compile import compile_for
     from mxattn.kernels import triton_paged_attention as tp
-    bm, warps, stages = tp.paged_config(128, exact=False, rows=4)
+    from mxattn.kernels import triton_paged_decode as td
+    bm, warps, stages = tp.paged_config(dp, exact=False, rows=4)
     assert (bm, warps, stages) == tp.FAST_TILE
-    kernel = compile_for(tp._paged_attn_kernel, PAGED_TYPES, dict(HAS_LB=False, HAS_SINK=True, BM=bm, BN=tp.BLOCK_N,
-                                                                  DP=128, GP=4, EVEN_D=True, WHOLE_PAGES=True,
-                                                                  PASS=pass_),
-                         num_warps=warps, num_stages=stages)
-    assert "mma.sync.aligned.m16n8k16" in kernel.asm["ptx"] and kernel.metadata.shared <= 227 * 1024
+    pdp = tp.padded_head_dim(dp)
+    fn = td._paged_decode_kernel
+    divisible = [p.name for p in fn.params if p.name.startswith("s") and p.name not in ("sks_n", "spt")
+                 and not p.is_constexpr] + ["D", "PAGE"] + [n for n, t in PAGED_TYPES.items() if t.startswith("*")]
+    kernel = compile_for(fn, PAGED_TYPES, dict(HAS_LB=dp == 64, HAS_SINK=True, BM=bm, BN=tp.BLOCK_N, DP=pdp, GP=4,
+                                               EVEN_D=pdp == dp, WHOLE_PAGES=page % tp.BLOCK_N == 0, PASS=pass_),
+                         num_warps=warps, num_stages=stages, divisible=divisible)
+    ptx = kernel.asm["ptx"]
+    assert "cubin" in kernel.asm and kernel.metadata.shared <= 227 * 1024
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
+    byte_loads = len(re.findall(r"ld\.shared(\.[a-z0-9]+)*\.(u8|b8|s8)\b", ptx))
+    if pass_ == 1:
+        assert byte_loads == 0  # K only (no V, no open block)
+    elif pdp == dp:
+        assert byte_loads <= 128, byte_loads
 
 
 def test_split_combine_kernel_builds_for_sm90():
