@@ -1,0 +1,130 @@
+"""What a Triton kernel costs per loop iteration, read off its sm_90 build on a machine without a GPU.
+
+Triton's compiler and the ptxas and cuobjdump it ships run on the CPU, so a kernel variant can be built for Hopper
+and inspected before any device time is spent: registers, stack frame (spills), shared memory, and for every loop
+of the SASS (a backward branch) its instruction count and the most frequent opcodes. A loop body's count per warp,
+times the cycles per issued instruction, bounds a latency-bound kernel's time per iteration; byte-wise shared
+memory loads (LDS.U8), barriers (BAR.SYNC) and register moves (IMAD.MOV) in a hot loop are the usual signs of
+operands shuffled rather than computed. (How this found the paged decode kernel's byte-wise V transposition:
+benchmarks/results/nvidia-h100-80gb-hbm3/session17/README.txt.)
+
+Usage: python benchmarks/sass_loops.py [--kernel decode|exact] [--pass 0|1|2] [--head-dim 128] [--warps 4]
+                                        [--stages 2] [--maxnreg N] [--top 12]
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+#: the paged kernels' pointer arguments and float scalars, as Triton's launcher types them for a bf16 call
+PAGED_TYPES = dict(Q="*bf16", O="*bf16", MP="*fp32", MF="*fp32", LP="*fp32", OP="*fp32", CU_Q="*i32",
+                   SLOTS="*i32", SEQ_LENS="*i32", SINK="*fp32", PT="*i32", KD="*fp8e4nv", KS="*u8", VD="*fp8e4nv",
+                   VS="*u8", VT="*bf16", qk_scale="fp32")
+
+
+def cuda_tool(name: str) -> str:
+    """Path of a CUDA binary shipped in Triton's wheel (ptxas, cuobjdump, nvdisasm)."""
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def instructions(sass: str):
+    """[(address, text)] of the SASS listing's instructions."""
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+def opcode(text: str) -> str:
+    words = text.split()
+    return words[1] if words[0].startswith("@") else words[0]
+
+
+def loops(ins):
+    """[(first address, last address, [opcodes])] of every backward branch's body, in address order."""
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    found = []
+    for i, (a, text) in enumerate(ins):
+        if "BRA" not in text:
+            continue
+        m = re.search(r"0x([0-9a-f]+)", text)
+        target = int(m.group(1), 16) if m else None
+        if target is not None and target < a and target in index:
+            found.append((target, a, [opcode(t) for _, t in ins[index[target]:i + 1]]))
+    return found
+
+
+def build_paged(kernel: str, pass_: int, head_dim: int, warps: int, stages: int, maxnreg=None):
+    """The sm_90 build of a paged attention kernel (decode: triton_paged_decode, exact: triton_paged_attention) for
+    a decode step's tile (16 rows, 4 query heads per KV head, pages of 256 tokens)."""
+    from triton_compile import compile_for
+    from mxattn.kernels import triton_paged_attention as tp
+    from mxattn.kernels import triton_paged_decode as td
+    fn = td._paged_decode_kernel if kernel == "decode" else tp._paged_attn_kernel
+    dp = tp.padded_head_dim(head_dim)
+    divisible = [p.name for p in fn.params if p.name.startswith("s") and p.name not in ("sks_n", "spt")
+                 and not p.is_constexpr] + ["D", "PAGE"] + [n for n, t in PAGED_TYPES.items() if t.startswith("*")]
+    constexprs = dict(HAS_LB=False, HAS_SINK=False, BM=16, BN=tp.BLOCK_N, DP=dp, GP=4, EVEN_D=dp == head_dim,
+                      WHOLE_PAGES=True, PASS=pass_)
+    options = {} if maxnreg is None else dict(maxnreg=maxnreg)
+    return compile_for(fn, PAGED_TYPES, constexprs, num_warps=warps, num_stages=stages, divisible=divisible,
+                       **options)
+
+
+def report(cubin: bytes, top: int) -> str:
+    """Resource usage and the per-loop instruction mix of a cubin."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        usage = subprocess.run([cuda_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([cuda_tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    resources = [line.strip() for line in usage.splitlines() if "REG:" in line]
+    ins = instructions(sass)
+    lines = [f"resources: {resources[-1] if resources else '?'}", f"SASS instructions: {len(ins)}"]
+    for first, last, ops in loops(ins):
+        counts = Counter(ops)
+        lines.append(f"loop {first:#x}-{last:#x}: {len(ops)} instructions per iteration and warp; "
+                     + ", ".join(f"{k} {v}" for k, v in counts.most_common(top)))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", choices=("decode", "exact"), default="decode",
+                    help="decode: triton_paged_decode (the 16-row tile's kernel); exact: triton_paged_attention's")
+    ap.add_argument("--pass", dest="pass_", type=int, choices=(0, 1, 2), default=2,
+                    help="0 single pass, 1 split maximum pass, 2 split pass (default)")
+    ap.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    ap.add_argument("--warps", type=int, default=4, help="num_warps (default 4)")
+    ap.add_argument("--stages", type=int, default=2, help="num_stages (default 2)")
+    ap.add_argument("--maxnreg", type=int, default=None, help="register cap (default: none)")
+    ap.add_argument("--top", type=int, default=12, help="opcodes listed per loop (default 12)")
+    args = ap.parse_args(argv)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("sass_loops needs triton (pip install triton on Linux x86-64)", file=sys.stderr)
+        return 2
+    kernel = build_paged(args.kernel, args.pass_, args.head_dim, args.warps, args.stages, args.maxnreg)
+    print(f"{args.kernel} kernel, pass {args.pass_}, D {args.head_dim}, {args.warps} warps, {args.stages} stages"
+          + ("" if args.maxnreg is None else f", maxnreg {args.maxnreg}") + f"; shared memory "
+          f"{kernel.metadata.shared} bytes")
+    print(report(kernel.asm["cubin"], args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
