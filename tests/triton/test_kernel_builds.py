@@ -105,3 +105,23 @@ def test_paged_append_kernel_builds_for_sm90(dtype, dp, tail_pass):
     assert "cubin" in kernel.asm and kernel.metadata.shared <= 227 * 1024
     ptx = kernel.asm["ptx"]
     assert ("cvt.rn.satfinite.e4m3x2.f32" not in ptx) == tail_pass
+
+
+def test_sass_loops_reports_the_decode_kernels_loop_bodies(capsys):
+    """benchmarks/sass_loops.py reads loop bodies off the sm_90 SASS: the decode kernel's maximum pass (K only) costs
+    fewer instructions per block than its split pass (K and V), and both report registers and loops."""
+    import importlib.util
+    import os
+    import re
+    from repo_paths import ROOT
+    spec = importlib.util.spec_from_file_location("sass_loops", os.path.join(ROOT, "benchmarks", "sass_loops.py"))
+    sass_loops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass_loops)
+    per_block = {}
+    for pass_ in (1, 2):
+        assert sass_loops.main(["--pass", str(pass_), "--head-dim", "64"]) == 0
+        out = capsys.readouterr().out
+        assert "REG:" in out
+        counts = [int(n) for n in re.findall(r"(\d+) instructions per iteration and warp", out)]
+        per_block[pass_] = max(counts)
+    assert per_block[1] < per_block[2]
