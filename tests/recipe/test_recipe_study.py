@@ -187,3 +187,30 @@ def test_skip_training_default_out_dir_and_bad_arguments(tmp_path, monkeypatch):
                  ["--size", "huge"]):
         with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
             rs.parse_args(argv)
+
+
+def test_hf_study_trains_llama_with_every_recipe_from_the_same_weights(tmp_path):
+    """samples/recipe_study_hf.py at --size tiny (2 seeds, 3 steps): a row for SDPA and every recipe, every recipe's
+    registered attention ran (the losses differ from SDPA's and v_operand=bf16's from the default's, on the same
+    weights and batches), a seed's first loss is the same for every attention (same weights, same first batch,
+    attention rounding aside), and the names it registered with transformers are gone afterwards."""
+    pytest.importorskip("transformers")
+    from transformers import AttentionInterface
+    spec = importlib.util.spec_from_file_location("recipe_study_hf_sample",
+                                                  os.path.join(ROOT, "samples", "recipe_study_hf.py"))
+    hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf)
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        result = hf.main(["--size", "tiny", "--seeds", "2", "--steps", "3", "--out-dir", str(tmp_path)])
+    assert list(result["summary"]) == ["sdpa"] + LABELS
+    runs = result["runs"]
+    for seed in ("0", "1"):
+        assert runs["default"][seed]["final"] != runs["sdpa"][seed]["final"]
+        assert runs["v_operand=bf16"][seed]["final"] != runs["default"][seed]["final"]
+        for label in LABELS:
+            assert abs(runs[label][seed]["first"] - runs["sdpa"][seed]["first"]) < 0.05, label
+    assert runs["sdpa"]["0"]["first"] != runs["sdpa"]["1"]["first"]   # seeds draw other weights
+    md = (tmp_path / "recipe_study_hf.md").read_text()
+    assert all(f"| {label} |" in md for label in ["sdpa"] + LABELS)
+    assert json.loads((tmp_path / "recipe_study_hf.json").read_text())["seeds"] == [0, 1]
+    assert not any(name.startswith("mxfp8study") for name in AttentionInterface._global_mapping)
