@@ -13,8 +13,8 @@ its decode step; the public calls are timed eagerly (host included), against SDP
   * mxfp8_call_us: the public mxfp8_attention_with_kvcache call (checks, then the kernel; no append), with
     cu_seqlens_q on the GPU (read back each call) and, mxfp8_call_host_cu_us, on the CPU; sdpa_call_us: SDPA's
     eager call.
-Ratios are mxfp8 / sdpa (time; target for the kernel: <= 1.0 at batch >= 8 and context >= 4k). Cache bytes per token: MXFP8
-pages (E4M3 + E8M0 scales, K and V) against bf16.
+Ratios are mxfp8 / sdpa (time; target for the kernel: <= 1.0 at batch >= 8 and context >= 4k). Cache bytes per
+token: MXFP8 pages (E4M3 + E8M0 scales, K and V) against bf16.
 Usage (CUDA machine): python benchmarks/decode_bench.py [--quick] [--out-dir DIR]"""
 import argparse
 import json

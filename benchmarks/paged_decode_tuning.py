@@ -4,8 +4,8 @@ bit-equal to the dense path's 128-row / 8-warp tile), the exact kernel's dequant
 (the decode path before `triton_paged_decode`), then the decode kernel with the automatic split count under
 (num_warps, num_stages) variants, with 256-token pages (one page-table read per block) and 64-token
 pages (a gather per token); agreement of the default with the exact pass (max bf16 ulps, share equal).
-Heads as benchmarks/decode_bench.py; GPU times of CUDA-graph replays (`decode_bench.graph_us`). --ncu: one fast-tile call at batch 64 (or $NCU_BATCH) / 4k for Nsight Compute. --splits:
-instead, the fast tile's time per split count (the automatic choice first) at batch 1, 8, 64 and contexts 1k-32k.
+Heads as benchmarks/decode_bench.py; GPU times of CUDA-graph replays (`decode_bench.graph_us`). --ncu: one
+fast-tile call at batch 64 (or $NCU_BATCH) / 4k for Nsight Compute. --splits: instead, the fast tile's time per split count (the automatic choice first) at batch 1, 8, 64 and contexts 1k-32k.
 Usage (CUDA machine): python benchmarks/paged_decode_tuning.py [--ncu | --splits]"""
 import os
 import sys

@@ -23,12 +23,6 @@ from collections import Counter
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-#: the paged kernels' pointer arguments and float scalars, as Triton's launcher types them for a bf16 call
-PAGED_TYPES = dict(Q="*bf16", O="*bf16", MP="*fp32", MF="*fp32", LP="*fp32", OP="*fp32", CU_Q="*i32",
-                   SLOTS="*i32", SEQ_LENS="*i32", SINK="*fp32", PT="*i32", KD="*fp8e4nv", KS="*u8", VD="*fp8e4nv",
-                   VS="*u8", VT="*bf16", qk_scale="fp32")
-
-
 def cuda_tool(name: str) -> str:
     """Path of a CUDA binary shipped in Triton's wheel (ptxas, cuobjdump, nvdisasm)."""
     import triton
@@ -67,18 +61,15 @@ def loops(ins):
 def build_paged(kernel: str, pass_: int, head_dim: int, warps: int, stages: int, maxnreg=None):
     """The sm_90 build of a paged attention kernel (decode: triton_paged_decode, exact: triton_paged_attention) for
     a decode step's tile (16 rows, 4 query heads per KV head, pages of 256 tokens)."""
-    from triton_compile import compile_for
+    from triton_compile import compile_paged
     from mxattn.kernels import triton_paged_attention as tp
     from mxattn.kernels import triton_paged_decode as td
     fn = td._paged_decode_kernel if kernel == "decode" else tp._paged_attn_kernel
     dp = tp.padded_head_dim(head_dim)
-    divisible = [p.name for p in fn.params if p.name.startswith("s") and p.name not in ("sks_n", "spt")
-                 and not p.is_constexpr] + ["D", "PAGE"] + [n for n, t in PAGED_TYPES.items() if t.startswith("*")]
     constexprs = dict(HAS_LB=False, HAS_SINK=False, BM=16, BN=tp.BLOCK_N, DP=dp, GP=4, EVEN_D=dp == head_dim,
                       WHOLE_PAGES=True, PASS=pass_)
     options = {} if maxnreg is None else dict(maxnreg=maxnreg)
-    return compile_for(fn, PAGED_TYPES, constexprs, num_warps=warps, num_stages=stages, divisible=divisible,
-                       **options)
+    return compile_paged(fn, constexprs, num_warps=warps, num_stages=stages, **options)
 
 
 def report(cubin: bytes, top: int) -> str:

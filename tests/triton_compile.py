@@ -7,11 +7,12 @@ from triton.compiler import ASTSource
 
 
 def compile_for(fn, types: dict, constexprs: dict, *, num_warps: int, num_stages: int, arch: int = 90,
-                divisible=None):
+                divisible=None, **options):
     """fn compiled for sm_<arch>: types maps each run-time parameter to a Triton type string ("*bf16", "i32",
     "fp32", ...; parameters left out are i32), constexprs each constexpr parameter to its value; divisible: the
     parameters known divisible by 16 (pointers aligned to 16 bytes, integers multiples of 16), as Triton's
-    launcher specialises them at run time (default: every pointer). Returns the compiled kernel (its .asm holds
+    launcher specialises them at run time (default: every pointer); options: further compile options (maxnreg).
+    Returns the compiled kernel (its .asm holds
     ttir .. cubin, its .metadata the shared memory)."""
     names = fn.arg_names
     signature = {}
@@ -26,4 +27,21 @@ def compile_for(fn, types: dict, constexprs: dict, *, num_warps: int, num_stages
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(c),): v for c, v in constexprs.items()},
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
+
+
+#: the paged attention kernels' pointer arguments and float scalars as Triton's launcher types them (bf16 queries)
+PAGED_TYPES = dict(Q="*bf16", O="*bf16", MP="*fp32", MF="*fp32", LP="*fp32", OP="*fp32", CU_Q="*i32",
+                   SLOTS="*i32", SEQ_LENS="*i32", SINK="*fp32", PT="*i32", KD="*fp8e4nv", KS="*u8", VD="*fp8e4nv",
+                   VS="*u8", VT="*bf16", qk_scale="fp32")
+
+
+def compile_paged(fn, constexprs: dict, *, num_warps: int, num_stages: int, types: dict = PAGED_TYPES, **options):
+    """A paged attention kernel (triton_paged_attention._paged_attn_kernel or triton_paged_decode's, same
+    arguments) compiled for sm_90 with the divisibility Triton's launcher sees for an MXFP8KVCache: every pointer,
+    D, PAGE and every stride a multiple of 16 except K's scale row stride (ceil(D / 32) bytes) and the page
+    table's."""
+    divisible = [p.name for p in fn.params if p.name.startswith("s") and p.name not in ("sks_n", "spt")
+                 and not p.is_constexpr] + ["D", "PAGE"] + [n for n, t in types.items() if t.startswith("*")]
+    return compile_for(fn, types, constexprs, num_warps=num_warps, num_stages=num_stages, divisible=divisible,
+                       **options)

@@ -8,9 +8,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
 
-PAGED_TYPES = dict(Q="*bf16", O="*bf16", MP="*fp32", MF="*fp32", LP="*fp32", OP="*fp32", CU_Q="*i32",
-                   SLOTS="*i32", SEQ_LENS="*i32", SINK="*fp32", PT="*i32", KD="*fp8e4nv", KS="*u8", VD="*fp8e4nv",
-                   VS="*u8", VT="*bf16", qk_scale="fp32")
+from triton_compile import PAGED_TYPES, compile_for, compile_paged  # noqa: E402
 
 
 @pytest.mark.parametrize("dp,window_sink,dtype,heads,pass_", [(64, False, "bf16", 4, 0), (128, True, "fp32", 8, 0),
@@ -18,17 +16,14 @@ PAGED_TYPES = dict(Q="*bf16", O="*bf16", MP="*fp32", MF="*fp32", LP="*fp32", OP=
 def test_paged_attention_kernel_builds_for_sm90(dp, window_sink, dtype, heads, pass_):
     """The paged kernel's passes (single, split max, split) load the FP8 pages 16 bytes at a time (ld.v4 / 16-byte
     cp.async) where D is a power of two: strides as Triton's launcher specialises them (multiples of 16)."""
-    from triton_compile import compile_for
     from mxattn.kernels import triton_paged_attention as tp
     bm, warps, stages = tp.paged_config(dp)
     pdp = tp.padded_head_dim(dp)
     types = dict(PAGED_TYPES, Q=f"*{dtype}", VT=f"*{dtype}", O="*fp16" if dtype == "fp16" else "*bf16")
-    fn = tp._paged_attn_kernel
-    divisible = [p.name for p in fn.params if p.name.startswith("s") and p.name not in ("sks_n", "spt")
-                 and not p.is_constexpr] + ["D", "PAGE"] + [n for n, t in types.items() if t.startswith("*")]
-    kernel = compile_for(fn, types, dict(HAS_LB=window_sink, HAS_SINK=window_sink, BM=bm, BN=tp.BLOCK_N, DP=pdp,
-                                         GP=heads, EVEN_D=pdp == dp, WHOLE_PAGES=pass_ != 2, PASS=pass_),
-                         num_warps=warps, num_stages=stages, divisible=divisible)
+    kernel = compile_paged(tp._paged_attn_kernel, dict(HAS_LB=window_sink, HAS_SINK=window_sink, BM=bm,
+                                                       BN=tp.BLOCK_N, DP=pdp, GP=heads, EVEN_D=pdp == dp,
+                                                       WHOLE_PAGES=pass_ != 2, PASS=pass_),
+                           num_warps=warps, num_stages=stages, types=types)
     assert "cubin" in kernel.asm and kernel.metadata.shared <= 227 * 1024
     ptx = kernel.asm["ptx"]
     if pdp == dp:
@@ -46,18 +41,15 @@ def test_paged_decode_kernel_builds_for_sm90(pass_, dp, page):
     blocks are read two bytes at a time and converted before their transposition, so byte-wise shared-memory
     loads appear at most in the run that reaches the open V block (128 per thread there)."""
     import re
-    from triton_compile import compile_for
     from mxattn.kernels import triton_paged_attention as tp
     from mxattn.kernels import triton_paged_decode as td
     bm, warps, stages = tp.paged_config(dp, exact=False, rows=4)
     assert (bm, warps, stages) == tp.FAST_TILE
     pdp = tp.padded_head_dim(dp)
-    fn = td._paged_decode_kernel
-    divisible = [p.name for p in fn.params if p.name.startswith("s") and p.name not in ("sks_n", "spt")
-                 and not p.is_constexpr] + ["D", "PAGE"] + [n for n, t in PAGED_TYPES.items() if t.startswith("*")]
-    kernel = compile_for(fn, PAGED_TYPES, dict(HAS_LB=dp == 64, HAS_SINK=True, BM=bm, BN=tp.BLOCK_N, DP=pdp, GP=4,
-                                               EVEN_D=pdp == dp, WHOLE_PAGES=page % tp.BLOCK_N == 0, PASS=pass_),
-                         num_warps=warps, num_stages=stages, divisible=divisible)
+    kernel = compile_paged(td._paged_decode_kernel,
+                           dict(HAS_LB=dp == 64, HAS_SINK=True, BM=bm, BN=tp.BLOCK_N, DP=pdp, GP=4, EVEN_D=pdp == dp,
+                                WHOLE_PAGES=page % tp.BLOCK_N == 0, PASS=pass_),
+                           num_warps=warps, num_stages=stages)
     ptx = kernel.asm["ptx"]
     assert "cubin" in kernel.asm and kernel.metadata.shared <= 227 * 1024
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
@@ -69,7 +61,6 @@ def test_paged_decode_kernel_builds_for_sm90(pass_, dp, page):
 
 
 def test_split_combine_kernel_builds_for_sm90():
-    from triton_compile import compile_for
     from mxattn.kernels import triton_paged_attention as tp
     kernel = compile_for(tp._combine_splits_kernel, dict(O="*bf16", MF="*fp32", LP="*fp32", OP="*fp32"),
                          dict(SP=64, DP=128), num_warps=4, num_stages=2)
@@ -79,7 +70,6 @@ def test_split_combine_kernel_builds_for_sm90():
 def test_one_launch_forward_builds_for_sm90():
     """The forward kernel with Q, K, V quantized on load (QDQ), a padded variable-length batch, GQA, a window."""
     import torch
-    from triton_compile import compile_for
     from mxattn.kernels import triton_attention_fwd as tf
     bm, warps, stages = tf.quantizing_fwd_config(1, 64, torch.bfloat16)
     types = dict(Q="*bf16", QS="*bf16", K="*bf16", KS="*bf16", V="*bf16", VS="*bf16", O="*bf16", LSE="*fp32",
@@ -96,7 +86,6 @@ def test_one_launch_forward_builds_for_sm90():
 def test_paged_append_kernel_builds_for_sm90(dtype, dp, tail_pass):
     """The KV cache's append (K quantized row-wise, V sealed column-wise or kept in the tail) for each cache dtype
     and head dim the launcher picks (8 warps above D 128); the tail pass stores no FP8 byte."""
-    from triton_compile import compile_for
     from mxattn.kernels import triton_paged_append as ta
     types = dict(META="*i32", K=f"*{dtype}", V=f"*{dtype}", PT="*i32", KD="*fp8e4nv", KS="*u8", VD="*fp8e4nv",
                  VS="*u8", VT=f"*{dtype}", SEQ_LENS="*i32")
