@@ -13,6 +13,7 @@ Usage: python benchmarks/sass_loops.py [--kernel decode|exact] [--pass 0|1|2] [-
 """
 
 import argparse
+import importlib.util
 import os
 import re
 import subprocess
@@ -104,9 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap (default: none)")
     ap.add_argument("--top", type=int, default=12, help="opcodes listed per loop (default 12)")
     args = ap.parse_args(argv)
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("triton") is None:
         print("sass_loops needs triton (pip install triton on Linux x86-64)", file=sys.stderr)
         return 2
     kernel = build_paged(args.kernel, args.pass_, args.head_dim, args.warps, args.stages, args.maxnreg)
