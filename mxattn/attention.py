@@ -93,8 +93,8 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     gradient is summed over batch and query rows). The sink is not quantized and adds nothing to O.
     backend: "auto" (the first of cudnn, triton, reference that supports the call), or one of them by name.
     recipe: None (the default, cuDNN's recipe) or an `mxattn.Recipe` variant (P, V and dS rounding, scale
-    rounding, per-tensor FP8); cudnn and triton run only the default, reference runs every recipe, "auto" picks
-    a backend that runs the one asked for. scaling="per_tensor" takes dense batches only (ValueError).
+    rounding, per-tensor FP8); cudnn runs only the default, triton every MXFP8 recipe (not per-tensor scaling),
+    reference every recipe; "auto" picks a backend that runs the one asked for. scaling="per_tensor" takes dense batches only (ValueError).
     NaN in an input gives NaN in the outputs that depend on it (the MXFP8 block holding it has a NaN scale);
     NaN in padding rows reaches no output. Infinities propagate as in torch SDPA: an infinity in Q or K gives
     an infinite logit and NaN in the query rows where it is the softmax's maximum (+inf - +inf); an infinity in

@@ -17,8 +17,8 @@ so the q, k, v projections (nn.Linear) hand bf16 tensors to the attention.
     python samples/train_gpt.py --backend reference --recipe p_quant=none,v_operand=bf16   # a recipe variant
 
 `--recipe` picks the MXFP8 model's numerics (`mxattn.Recipe`, a comma-separated field=value list; the default
-recipe when not given). cudnn and triton run only the default recipe, so a variant needs --backend reference
-(or auto, which picks it). `train_single` trains one model alone, as `main` trains it (samples/recipe_study.py
+recipe when not given). cudnn runs only the default recipe and triton every MXFP8 one (not per-tensor
+scaling); --backend auto picks a backend that runs the recipe asked for. `train_single` trains one model alone, as `main` trains it (samples/recipe_study.py
 uses it for many seeds and recipes).
 
 Prints both loss curves, the final training losses, the validation losses, and saves a plot

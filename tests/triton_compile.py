@@ -1,6 +1,8 @@
 """Compile a @triton.jit kernel for a GPU architecture without a GPU (Triton's own compiler and the ptxas it
 ships): CPU tests check that kernel variants build, and what they use (shared memory, registers)."""
 
+import inspect
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -9,7 +11,8 @@ from triton.compiler import ASTSource
 def compile_for(fn, types: dict, constexprs: dict, *, num_warps: int, num_stages: int, arch: int = 90,
                 divisible=None, **options):
     """fn compiled for sm_<arch>: types maps each run-time parameter to a Triton type string ("*bf16", "i32",
-    "fp32", ...; parameters left out are i32), constexprs each constexpr parameter to its value; divisible: the
+    "fp32", ...; parameters left out are i32), constexprs each constexpr parameter to its value (those left out
+    take their declared default); divisible: the
     parameters known divisible by 16 (pointers aligned to 16 bytes, integers multiples of 16), as Triton's
     launcher specialises them at run time (default: every pointer); options: further compile options (maxnreg).
     Returns the compiled kernel (its .asm holds
@@ -18,6 +21,11 @@ def compile_for(fn, types: dict, constexprs: dict, *, num_warps: int, num_stages
     signature = {}
     for p in fn.params:
         signature[p.name] = "constexpr" if p.is_constexpr else types.get(p.name, "i32")
+    defaults = inspect.signature(fn.fn).parameters
+    constexprs = dict(constexprs)
+    for p in fn.params:  # constexprs left out take their declared defaults (the default recipe's switches)
+        if p.is_constexpr and p.name not in constexprs and defaults[p.name].default is not inspect.Parameter.empty:
+            constexprs[p.name] = defaults[p.name].default
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise ValueError(f"constexprs missing: {missing}")

@@ -27,6 +27,7 @@ from ..devices import device_guard
 from ..errors import MXFP8NotSupportedError
 from ..kernels.affine_plan import AffinePlanCache
 from ..kernels.launch_plan import PlanCache, alias_key, root_key
+from ..kernels.recipe_flags import kernel_recipe, unsupported_reason
 from .base import AttentionBackend, AttentionParams, SavedForBackward, sink_grad_from_delta
 
 # q, k, v go only through the quantizer, which reads fp32 too; O and dO are the kernels' own output dtype
@@ -134,6 +135,24 @@ def _one_launch_key(roots, params: AttentionParams):
               for i, r in enumerate(roots)])
 
 
+class SavedWithBF16V(SavedForBackward):
+    """What the triton backend keeps for backward under the bf16-V recipe (`Recipe(v_operand="bf16")`): the
+    MXFP8 copies of Q and K as `SavedForBackward`, and in v_row V rounded to bfloat16 [B,Hkv,Skv,D] (a copy,
+    never quantized)."""
+
+    def tensors(self):
+        return (*super().tensors()[:8], self.v_row)
+
+    @classmethod
+    def from_tensors(cls, flat, seq=None) -> "SavedWithBF16V":
+        base = SavedForBackward.from_tensors((*flat[:8], flat[0], flat[1]), seq)
+        return cls(base.q_row, base.q_col, base.k_row, base.k_col, flat[8])
+
+    @classmethod
+    def fake_tensors(cls, q, k, v, seq=None):
+        return (*SavedForBackward.fake_tensors(q, k, v, seq)[:8], torch.empty_like(v, dtype=torch.bfloat16))
+
+
 def _seq_roots(params: AttentionParams) -> tuple:
     seq = params.seq
     return (None, None) if seq is None else (seq.cu_seqlens_q, seq.cu_seqlens_kv)
@@ -147,13 +166,17 @@ class TritonBackend(AttentionBackend):
     input_dtypes = INPUT_DTYPES
     @classmethod
     def supports_recipe(cls, recipe) -> Tuple[bool, str]:
-        """The kernels implement the default recipe only (variants were not built as constexpr specialisations:
-        Triton's CPU interpreter cannot run the kernels' inline PTX nor round E4M3 to nearest even, so they could
-        not be tested here); every variant is refused with the reason."""
-        if recipe.is_default:
-            return True, "the default recipe"
-        return False, (f"the Triton kernels implement only the default recipe; this call asks for "
-                       f"{recipe.differences()}: use backend='reference', or 'auto' to route it there")
+        """Every MXFP8 recipe runs as constexpr specialisations of the kernels (`kernels.recipe_flags`; the
+        default recipe's machine code is unchanged by them); scaling="per_tensor" is refused with the reason."""
+        reason = unsupported_reason(recipe)
+        if reason is None:
+            return True, "the default recipe" if recipe.is_default else f"the recipe {recipe.differences()}"
+        return False, f"{reason}: use backend='reference', or 'auto' to route it there"
+
+    @classmethod
+    def saved_format_for(cls, recipe) -> type:
+        """`SavedWithBF16V` under the bf16-V recipe, else `SavedForBackward`."""
+        return SavedWithBF16V if recipe.v_operand == "bf16" else cls.saved_format
 
     @classmethod
     def availability(cls, device: torch.device) -> Tuple[bool, str]:
@@ -218,7 +241,9 @@ class TritonBackend(AttentionBackend):
                                              lambda: _PLANS.run(_forward_key(roots, params), body, roots))
                 return o, stats, None
             o, stats, *saved = _PLANS.run(_forward_key(roots, params), body, roots)
-        return o, stats, SavedForBackward.from_tensors(saved, params.seq) if saved else None
+        if not saved:
+            return o, stats, None
+        return o, stats, self.saved_format_for(params.recipe).from_tensors(saved, params.seq)
 
     @staticmethod
     def _one_launch_config(q, k, v, params: AttentionParams):
@@ -258,6 +283,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
         tq, tf, _ = _kernels()
         bwd = params.needs_backward  # without a backward pass only the forward's copies are made
+        flags = kernel_recipe(params.recipe)
         config = self._one_launch_config(q, k, v, params)
         if config is not None:  # one query tile (decode steps): one launch that quantizes as it reads
             return (*self._forward_quantizing(q, k, v, params, config), None)
@@ -265,11 +291,15 @@ class TritonBackend(AttentionBackend):
         kv_args = _quant_args(params, "kv")
         # one launch for the three; V's row=kv_bf16 without a backward too: the quantizer refuses col_dequant
         # without row (a Triton 3.6 sm_90 miscompile of that one combination), so V's row-wise copy is written
-        # and dropped there
+        # and dropped there. The bf16-V recipe quantizes Q and K only; V is read in bf16 (a copy when kept).
+        v_bf16 = None
+        if flags.v_raw:
+            v_bf16 = _like(v, torch.bfloat16).copy_(v) if bwd or v.dtype != torch.bfloat16 else _inner_unit(v)
         qq, kq, vq = tq.quantize_qkv(
-            _inner_unit(q), _inner_unit(k), _inner_unit(v), dict(col=bwd, **_quant_args(params, "q")),
-            dict(col=bwd, row_dequant=kv_bf16, **kv_args),
-            dict(row=bwd or kv_bf16, col_seq_major=not kv_bf16, col_dequant=kv_bf16, **kv_args))
+            _inner_unit(q), _inner_unit(k), None if flags.v_raw else _inner_unit(v),
+            dict(col=bwd, **_quant_args(params, "q")), dict(col=bwd, row_dequant=kv_bf16, **kv_args),
+            None if flags.v_raw else dict(row=bwd or kv_bf16, col_seq_major=not kv_bf16, col_dequant=kv_bf16,
+                                          **kv_args), floor=flags.floor)
         o = _like(q, params.out_dtype)
         stats = torch.empty((B, hq, sq, 1), dtype=torch.float32, device=q.device)
         sink = None if params.sink is None else params.sink.float().contiguous()
@@ -280,12 +310,15 @@ class TritonBackend(AttentionBackend):
             else:
                 stats.copy_(sink.view(1, -1, 1, 1).expand_as(stats))
         elif sq > 0 and B * hq > 0:
-            k_args = (kq.row_dequant, None, vq.col_dequant) if kv_bf16 else \
-                (kq.row.data, kq.row.scale, vq.col_seq_major)
-            tf.attention_fwd(qq.row.data, qq.row.scale, *k_args,
-                             softmax_scale=params.softmax_scale, out=o, stats=stats, sink=sink,
+            v_arg = v_bf16 if flags.v_raw else vq.col_dequant if kv_bf16 else vq.col_seq_major
+            k_args = (kq.row_dequant, None) if kv_bf16 else (kq.row.data, kq.row.scale)
+            tf.attention_fwd(qq.row.data, qq.row.scale, *k_args, v_arg,
+                             softmax_scale=params.softmax_scale, out=o, stats=stats, sink=sink, flags=flags,
                              **_mask_args(params, sq, skv))
-        saved = SavedForBackward(q_row=qq.row, q_col=qq.col, k_row=kq.row, k_col=kq.col, v_row=vq.row) if bwd else None
+        if not bwd:
+            return o, stats, None
+        saved = self.saved_format_for(params.recipe)(q_row=qq.row, q_col=qq.col, k_row=kq.row, k_col=kq.col,
+                                                     v_row=v_bf16 if flags.v_raw else vq.row)
         return o, stats, saved
 
     def _forward_quantizing(self, q, k, v, params: AttentionParams, config) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +331,8 @@ class TritonBackend(AttentionBackend):
         sink = None if params.sink is None else params.sink.float().contiguous()
         tf.attention_fwd_quantizing(_inner_unit(q), _inner_unit(k), _inner_unit(v),
                                     softmax_scale=params.softmax_scale, out=o, stats=stats, sink=sink,
-                                    config=config, **_mask_args(params, sq, k.shape[2]))
+                                    config=config, flags=kernel_recipe(params.recipe),
+                                    **_mask_args(params, sq, k.shape[2]))
         return o, stats
 
     # ------------------------------------------------------------------ backward
@@ -344,19 +378,20 @@ class TritonBackend(AttentionBackend):
         dv = _like(saved.v_row.data, params.out_dtype)
         if sq == 0 or skv == 0 or B * hq == 0:
             return dq.zero_(), dk.zero_(), dv.zero_(), None
+        flags = kernel_recipe(params.recipe)
         parts = [saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row]
-        parts = [p if p.data.stride(3) == 1 else type(p)(p.data.contiguous(), p.scale, p.axis, p.segments)
-                 for p in parts]
+        parts = [_inner_unit(p) if isinstance(p, torch.Tensor) else p if p.data.stride(3) == 1 else
+                 type(p)(p.data.contiguous(), p.scale, p.axis, p.segments) for p in parts]
         do = _inner_unit(do)
         if tb.bwd_streams_bf16(B, hq, saved.k_row.data.shape[1], sq, skv, d):
             # bf16 scratch per chunk of heads; dO is quantized chunk by chunk inside
             delta = tb.attention_bwd(*parts, None, None, o, do, stats, softmax_scale=params.softmax_scale,
-                                     dq=dq, dk=dk, dv=dv, mode="pre", **_mask_args(params, sq, skv))
+                                     dq=dq, dk=dk, dv=dv, mode="pre", flags=flags, **_mask_args(params, sq, skv))
         else:
-            do_q = tq.quantize_rowcol(do, **_quant_args(params, "q"))
+            do_q = tq.quantize_rowcol(do, floor=flags.floor, **_quant_args(params, "q"))
             delta = tb.attention_bwd(*parts, do_q.row, do_q.col, o, do, stats, softmax_scale=params.softmax_scale,
-                                     dq=dq, dk=dk, dv=dv, mode="fp8", **_mask_args(params, sq, skv))
+                                     dq=dq, dk=dk, dv=dv, mode="fp8", flags=flags, **_mask_args(params, sq, skv))
         return dq, dk, dv, delta
 
 
-__all__ = ["TritonBackend", "MIN_CAPABILITY"]
+__all__ = ["TritonBackend", "SavedWithBF16V", "MIN_CAPABILITY"]

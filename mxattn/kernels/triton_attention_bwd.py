@@ -29,6 +29,7 @@ from .triton_attention_fwd import SCRATCH_BUDGET_BYTES, check_seq
 from .triton_common import (LOG2E, MX_BLOCK, P_DESCALE, P_SCALE, dequant_cols, dequant_rows, kv_block_range,
                             load_tile, program_prologue, qdq_rows, quantize_cols, quantize_rows, seq_span)
 from .triton_quantize import padded_head_dim
+from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 
 
 #: what `_bwd_prep_kernel` does (its KIND)
@@ -40,7 +41,7 @@ def _bwd_prep_kernel(A, B, DELTA, RD, RS, CD, CS, OUT_A, OUT_B, OUT_R, OUT_C, CU
                      sab, sah, sas, sbb, sbh, sbs, srdb, srdh, srds, srsb, srsh, srss, scsb, scsh, scss,
                      scdb, scdh, scds, HQ, H0, HC, S, D,
                      DP: tl.constexpr, BD: tl.constexpr, KIND: tl.constexpr, VARLEN: tl.constexpr,
-                     PACKED: tl.constexpr):
+                     PACKED: tl.constexpr, FLOOR: tl.constexpr = False, WITH_V: tl.constexpr = True):
     """The "pre" backward's operands for heads H0 .. H0 + HC, in one pass over 32 rows of one head (grid
     (32-row tiles, sequences * HC)); every input has a unit stride along D, scratch outputs are contiguous
     [B, HC, S, D] bf16, column-wise scales [.., blocks, D] (segmented for a packed batch).
@@ -50,7 +51,8 @@ def _bwd_prep_kernel(A, B, DELTA, RD, RS, CD, CS, OUT_A, OUT_B, OUT_R, OUT_C, CU
     KIND PREP_KV (key side): A/B = V's row-wise data and scales -> OUT_A; K's copies (RD/RS, CD/CS) -> OUT_R,
     OUT_C. KIND PREP_DELTA: delta alone (the FP8-streaming backward).
     Rows past a padded sequence's length get delta 0 and zeros; a packed batch's rows between sequences are
-    not written. delta sums BD-column slices in order (fp32)."""
+    not written. delta sums BD-column slices in order (fp32). FLOOR: dO quantized with the OCP scale rule;
+    WITH_V False: PREP_KV skips V (the bf16-V recipe reads V as it is)."""
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HC).to(tl.int64)
@@ -75,10 +77,11 @@ def _bwd_prep_kernel(A, B, DELTA, RD, RS, CD, CS, OUT_A, OUT_B, OUT_R, OUT_C, CU
         st = (offs_s < n_out)[:, None] & c_ok[None, :]
         out = ((bt * HC + hl) * S + rows)[:, None] * D + offs_d[None, :]
         if KIND == PREP_KV:
-            v_r = _row_tile(A + bt * sab + h * sah + rows[:, None] * sas + offs_d[None, :],
-                            B + bt * sbb + h * sbh + rows[:, None] * sbs + offs_k[None, :],
-                            row_ok, c_ok, kb_ok, True, False, MX_BLOCK, BD, False)
-            tl.store(OUT_A + out, v_r, mask=st)
+            if WITH_V:
+                v_r = _row_tile(A + bt * sab + h * sah + rows[:, None] * sas + offs_d[None, :],
+                                B + bt * sbb + h * sbh + rows[:, None] * sbs + offs_k[None, :],
+                                row_ok, c_ok, kb_ok, True, False, MX_BLOCK, BD, False)
+                tl.store(OUT_A + out, v_r, mask=st)
         else:
             o = load_tile(A + bt * sab + h * sah + rows[:, None] * sas + offs_d[None, :], row_ok, c_ok, 0.0, True,
                           False)
@@ -86,9 +89,9 @@ def _bwd_prep_kernel(A, B, DELTA, RD, RS, CD, CS, OUT_A, OUT_B, OUT_R, OUT_C, CU
                            False).to(tl.float32)
             delta += tl.sum(o.to(tl.float32) * do, axis=1)
             if KIND == PREP_Q:
-                q, e = quantize_rows(do, MX_BLOCK, BD)
+                q, e = quantize_rows(do, MX_BLOCK, BD, FLOOR)
                 tl.store(OUT_A + out, dequant_rows(q, e.to(tl.uint8), MX_BLOCK, BD), mask=st)
-                q, e = quantize_cols(do, MX_BLOCK, BD)
+                q, e = quantize_cols(do, MX_BLOCK, BD, FLOOR)
                 tl.store(OUT_B + out, dequant_cols(q, e.to(tl.uint8), MX_BLOCK, BD), mask=st)
         if KIND != PREP_DELTA:
             x_r = _row_tile(RD + bt * srdb + h * srdh + rows[:, None] * srds + offs_d[None, :],
@@ -142,8 +145,9 @@ def _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, d_ok, offs_kb, kb
                 sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls,
                 len_q, len_kv, qk_scale, sm_scale, offset, LB, RB,
                 MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr):
-    """The query block of rows [m0, m0 + BM) of the dK/dV accumulation; each operand at its head's base pointer
+                BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr,
+                P_BF16: tl.constexpr, DS_BF16: tl.constexpr, FLOOR: tl.constexpr):
+    """The query block of rows [m0, m0 + BM) of the dK/dV accumulation (recipe switches: `recipe_flags`); each operand at its head's base pointer
     (..h). MASK: the block needs the band/length mask. Unlike the dQ kernel's, the loads stay row-masked in
     every block and the loops run over m0 itself (not a block index): both alternatives made the compiler keep
     address tiles across the loop, which spills at this kernel's register pressure (the dK and dV accumulators
@@ -166,14 +170,20 @@ def _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, d_ok, offs_kb, kb
         p_t = tl.where(keep, p_t, 0.0)
     do_c = _col_tile(DOCh + rows[:, None] * sdocs + offs_d[None, :],
                      DOCSh + blks[:, None] * sdocss + offs_d[None, :], rmask, bmask, d_ok, True, EVEN_D, BM, DP, PRE)
-    pq_t = (p_t * P_SCALE).to(tl.float8e4nv).to(tl.bfloat16)
+    if P_BF16:
+        pq_t = (p_t * P_SCALE).to(tl.bfloat16)
+    else:
+        pq_t = (p_t * P_SCALE).to(tl.float8e4nv).to(tl.bfloat16)
     dv += tl.dot(pq_t, do_c)
     do_r = _row_tile(DOh + rows[:, None] * sdos + offs_d[None, :],
                      DOSh + rows[:, None] * sdoss + offs_kb[None, :], rmask, d_ok, kb_ok, True, EVEN_D, BM, DP, PRE)
     dp_t = tl.dot(v_dq, tl.trans(do_r))
     delta = tl.load(DELTAh + rows, mask=rmask, other=0.0)
     ds_t = p_t * (dp_t - delta[None, :]) * sm_scale
-    ds_c = qdq_rows(ds_t, BN, BM)  # blocks of 32 along s_q
+    if DS_BF16:
+        ds_c = ds_t.to(tl.bfloat16)
+    else:
+        ds_c = qdq_rows(ds_t, BN, BM, FLOOR)  # blocks of 32 along s_q
     q_c = _col_tile(QCh + rows[:, None] * sqcs + offs_d[None, :],
                     QCSh + blks[:, None] * sqcss + offs_d[None, :], rmask, bmask, d_ok, True, EVEN_D, BM, DP, PRE)
     dk += tl.dot(ds_c, q_c)
@@ -221,10 +231,13 @@ def _dkdv_kernel(
         HKV, GROUP, SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr,
-        VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+        VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+        P_BF16: tl.constexpr = False, DS_BF16: tl.constexpr = False, V_RAW: tl.constexpr = False,
+        FLOOR: tl.constexpr = False):
     """Grid (KV tiles, sequences * HKV). All FP8 tensors have a unit stride along D. SQ, SKV: the tensors' row
     counts; len_q, len_kv: the sequence's. K and V are FP8 (row-wise); the query-side operands are FP8 or
-    (PRE) their bf16 dequantizations."""
+    (PRE) their bf16 dequantizations. Recipe switches (`recipe_flags`): P_BF16 P rounded to bf16 for dV,
+    DS_BF16 dS rounded to bf16 for dK, V_RAW V a bf16 tensor (VS unread), FLOOR the OCP rule for dS's scales."""
     tile, hk, _, bt, q0, kv0, len_q, len_kv, qb0, _, offset, n_out = program_prologue(
         CU_Q, CU_KV, HKV, 1, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, False, HAS_RB)
     n0 = tile * BN
@@ -247,7 +260,7 @@ def _dkdv_kernel(
                      c_ok, d_ok, kb_ok, True, EVEN_D, BN, DP, False)
     v_dq = _row_tile(V + bt * svb + hk * svh + kv0 * svs + cols[:, None] * svs + offs_d[None, :],
                      VS + bt * svsb + hk * svsh + kv0 * svss + cols[:, None] * svss + offs_kb[None, :],
-                     c_ok, d_ok, kb_ok, True, EVEN_D, BN, DP, False)
+                     c_ok, d_ok, kb_ok, True, EVEN_D, BN, DP, V_RAW)
 
     # query rows that see this KV block, and the query blocks that see all of it
     lo, mask_hi, full_lo, full_hi, hi = q_block_range(n0, len_q, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
@@ -266,13 +279,16 @@ def _dkdv_kernel(
                  LSE + bt * slb + hq * slh + q0 * sls, DELTA + bt * sdelb + hq * SQ + q0)
         for m0 in range(lo, mask_hi, BM):
             dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, *tile, *heads, *strides,
-                                 True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE)
+                                 True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE,
+                                 P_BF16, DS_BF16, FLOOR)
         for m0 in range(full_lo, full_hi, BM):
             dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, *tile, *heads, *strides,
-                                 False, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE)
+                                 False, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE,
+                                 P_BF16, DS_BF16, FLOOR)
         for m0 in range(tl.maximum(full_hi, mask_hi), hi, BM):
             dk, dv = _dkdv_block(dk, dv, k_dq, v_dq, m0, *tile, *heads, *strides,
-                                 True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE)
+                                 True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE,
+                                 P_BF16, DS_BF16, FLOOR)
     if VARLEN:  # rows past the sequence (padding) get exact zeros even where a NaN of its own rows reached them
         dk = tl.where(c_ok[:, None], dk, 0.0)
         dv = tl.where(c_ok[:, None], dv, 0.0)
@@ -285,7 +301,8 @@ def _dq_block(dq, q_dq, do_r, lse, delta, j, offs_m, offs_n, d_ok, kb_ok,
               k_ptrs, ks_ptrs, kc_ptrs, kcs_ptrs, v_ptrs, vs_ptrs, sks, skss, skcs, skcss, svs, svss,
               len_kv, qk_scale, sm_scale, offset, LB, RB,
               MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr,
-              BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr):
+              BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr,
+              DS_BF16: tl.constexpr, V_RAW: tl.constexpr, FLOOR: tl.constexpr):
     """One KV block j (rows [n0, n0 + BN), n0 = j * BN) of the dQ accumulation from the pointer tiles of KV block
     0 (moved by a scalar per block). MASK: the block needs the band/length mask and masked loads; without it
     every key row exists and the loads are unmasked (16-byte loads, no predicates)."""
@@ -301,10 +318,16 @@ def _dq_block(dq, q_dq, do_r, lse, delta, j, offs_m, offs_n, d_ok, kb_ok,
         if HAS_LB:
             keep = keep & (cols[None, :] > offs_m[:, None] + offset - LB)
         p = tl.where(keep, p, 0.0)
-    v_dq = _row_tile(v_ptrs + n0 * svs, vs_ptrs + n0 * svss, c_ok, d_ok, kb_ok, MASK, EVEN_D, BN, DP, PRE)
+    if V_RAW:
+        v_dq = _row_tile(v_ptrs + n0 * svs, vs_ptrs, c_ok, d_ok, kb_ok, MASK, EVEN_D, BN, DP, True)
+    else:
+        v_dq = _row_tile(v_ptrs + n0 * svs, vs_ptrs + n0 * svss, c_ok, d_ok, kb_ok, MASK, EVEN_D, BN, DP, PRE)
     dp = tl.dot(do_r, tl.trans(v_dq))
     ds = p * (dp - delta[:, None]) * sm_scale
-    ds_r = qdq_rows(ds, BM, BN)  # blocks of 32 along s_kv
+    if DS_BF16:
+        ds_r = ds.to(tl.bfloat16)
+    else:
+        ds_r = qdq_rows(ds, BM, BN, FLOOR)  # blocks of 32 along s_kv
     bmask = (n0 // 32 + tl.arange(0, BN // 32)) * 32 < len_kv
     k_c = _col_tile(kc_ptrs + n0 * skcs, kcs_ptrs + (n0 // 32) * skcss, c_ok, bmask, d_ok, MASK, EVEN_D, BN, DP,
                     PRE)
@@ -324,8 +347,9 @@ def _dq_kernel(
         HQ, GROUP, SQ, SKV, D, qk_scale, sm_scale, offset, LB, RB,
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, EVEN_D: tl.constexpr, PRE: tl.constexpr,
-        VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
-    """Grid (query tiles, sequences * HQ)."""
+        VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+        DS_BF16: tl.constexpr = False, V_RAW: tl.constexpr = False, FLOOR: tl.constexpr = False):
+    """Grid (query tiles, sequences * HQ). Recipe switches as the dK/dV kernel's."""
     tile, hq, hk, bt, q0, kv0, len_q, len_kv, _, kvb0, offset, n_out = program_prologue(
         CU_Q, CU_KV, HQ, GROUP, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, True, HAS_RB)
     m0 = tile * BM
@@ -366,13 +390,16 @@ def _dq_kernel(
             len_kv, qk_scale, sm_scale, offset, LB, RB)
     for j in range(lo // BN, tl.cdiv(mask_hi, BN)):
         dq = _dq_block(dq, q_dq, do_r, lse, delta, j, offs_m, offs_n, d_ok, kb_ok, *args,
-                       True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE)
+                       True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE,
+                                 DS_BF16, V_RAW, FLOOR)
     for j in range(full_lo // BN, full_hi // BN):
         dq = _dq_block(dq, q_dq, do_r, lse, delta, j, offs_m, offs_n, d_ok, kb_ok, *args,
-                       False, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE)
+                       False, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE,
+                                 DS_BF16, V_RAW, FLOOR)
     for j in range(tl.cdiv(tl.maximum(full_hi, mask_hi), BN), tl.cdiv(hi, BN)):
         dq = _dq_block(dq, q_dq, do_r, lse, delta, j, offs_m, offs_n, d_ok, kb_ok, *args,
-                       True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE)
+                       True, HAS_LB, HAS_RB, BM, BN, DP, EVEN_D, PRE,
+                                 DS_BF16, V_RAW, FLOOR)
     if VARLEN:  # as in the dK/dV kernel
         dq = tl.where(rmask[:, None], dq, 0.0)
     _store_rows(DQ, bt, hq, q0, sdqb, sdqh, sdqs, offs_m, offs_d, n_out, D, dq)
@@ -406,7 +433,7 @@ def _op(t):
     return t.data, t.scale.view(torch.uint8)
 
 
-def _launch_dkdv(qr, qc, kr, vr, dor, doc, stats, delta, dk, dv, cfg, pre, args, common, sa):
+def _launch_dkdv(qr, qc, kr, vr, dor, doc, stats, delta, dk, dv, cfg, pre, args, common, sa, flags):
     (bm1, bn1, w1, st1) = cfg
     B, HKV, SKV = kr.data.shape[0], kr.data.shape[1], kr.data.shape[2]
     ops = [_op(t) for t in (qr, qc, kr, vr, dor, doc)]
@@ -415,10 +442,10 @@ def _launch_dkdv(qr, qc, kr, vr, dor, doc, stats, delta, dk, dv, cfg, pre, args,
     launch(
         _dkdv_kernel, (sa.kv_tiles(SKV, bn1), sa.programs(B, HKV)),
         *flat, stats, delta, dk, dv, sa.cu_q, sa.cu_kv, *strides, *_st3(stats), delta.stride(0), *_st3(dk),
-        *_st3(dv), HKV, *args, BM=bm1, BN=bn1, PRE=pre, num_warps=w1, num_stages=st1, **common)
+        *_st3(dv), HKV, *args, BM=bm1, BN=bn1, PRE=pre, **flags.bwd(), num_warps=w1, num_stages=st1, **common)
 
 
-def _launch_dq(qr, kr, kc, vr, dor, stats, delta, dq, cfg, pre, args, common, sa):
+def _launch_dq(qr, kr, kc, vr, dor, stats, delta, dq, cfg, pre, args, common, sa, flags):
     (bm2, bn2, w2, st2) = cfg
     qd = qr if isinstance(qr, torch.Tensor) else qr.data
     B, HQ, SQ = qd.shape[0], qd.shape[1], qd.shape[2]
@@ -428,11 +455,15 @@ def _launch_dq(qr, kr, kc, vr, dor, stats, delta, dq, cfg, pre, args, common, sa
     launch(
         _dq_kernel, (sa.q_tiles(SQ, bm2), sa.programs(B, HQ)),
         *flat, stats, delta, dq, sa.cu_q, sa.cu_kv, *strides, *_st3(stats), delta.stride(0), *_st3(dq),
-        HQ, *args, BM=bm2, BN=bn2, PRE=pre, num_warps=w2, num_stages=st2, **common)
+        HQ, *args, BM=bm2, BN=bn2, PRE=pre, DS_BF16=flags.ds_bf16, V_RAW=flags.v_raw, FLOOR=flags.floor,
+        num_warps=w2, num_stages=st2, **common)
 
 
 def _heads(t, h0: int, h1: int):
-    """Head slice [h0, h1) of an MXFP8Tensor (data and scale views, no copy; segments kept)."""
+    """Head slice [h0, h1) of an MXFP8Tensor (data and scale views, no copy; segments kept), or of a plain
+    tensor (the bf16-V recipe's V)."""
+    if isinstance(t, torch.Tensor):
+        return t[:, h0:h1]
     return SimpleNamespace(data=t.data[:, h0:h1], scale=t.scale[:, h0:h1], axis=t.axis,
                            segments=getattr(t, "segments", None))
 
@@ -461,9 +492,11 @@ def bwd_streams_bf16(B: int, HQ: int, HKV: int, SQ: int, SKV: int, D: int) -> bo
 PREP_TILES = {32: (32, 2), 64: (64, 4), 128: (128, 4), 256: (256, 8)}
 
 
-def _prep(kind: int, a, b_, delta, row, col, h0: int, h1: int, rows: int, n_tiles: int, sa, n_out: int):
+def _prep(kind: int, a, b_, delta, row, col, h0: int, h1: int, rows: int, n_tiles: int, sa, n_out: int,
+          floor: bool = False, with_v: bool = True):
     """One launch of `_bwd_prep_kernel` for heads h0 .. h1 of [B, H, rows, D] inputs -> its n_out bf16 scratch
-    tensors [B, h1 - h0, rows, D] (OUT_A, OUT_B, OUT_R, OUT_C order, the first n_out of them)."""
+    tensors [B, h1 - h0, rows, D] (OUT_A, OUT_B, OUT_R, OUT_C order, the first n_out of them; PREP_KV without
+    V: OUT_R, OUT_C). floor, with_v: the kernel's FLOOR and WITH_V."""
     B, D = a.shape[0], row.data.shape[3] if row is not None else a.shape[3]
     dp = padded_head_dim(D)
     bd, warps = PREP_TILES[dp]
@@ -474,37 +507,45 @@ def _prep(kind: int, a, b_, delta, row, col, h0: int, h1: int, rows: int, n_tile
         strides = (*row.data.stride()[:3], *rs.stride()[:3], *cs.stride()[:3], *col.data.stride()[:3])
     else:  # (stand-ins the kernel never reads)
         copies, strides = (a,) * 4, (0,) * 12
-    if kind == PREP_KV.value:  # OUT_A, then OUT_R, OUT_C
+    if kind == PREP_KV.value and not with_v:  # OUT_R, OUT_C (OUT_A unwritten)
+        outs = [a, a, out[0], out[1]]
+    elif kind == PREP_KV.value:  # OUT_A, then OUT_R, OUT_C
         outs = [out[0], a, out[1], out[2]]
     else:
         outs = out + [a] * (4 - n_out)
     cu = sa.cu_kv if kind == PREP_KV.value else sa.cu_q
     launch(_bwd_prep_kernel, (n_tiles, sa.programs(B, h1 - h0)), a, b_, delta, *copies, *outs, cu,
            *a.stride()[:3], *b_.stride()[:3], *strides, delta.shape[1], h0, h1 - h0, rows, D, DP=dp, BD=bd,
-           KIND=kind, VARLEN=sa.varlen, PACKED=sa.packed, num_warps=warps)
+           KIND=kind, VARLEN=sa.varlen, PACKED=sa.packed, FLOOR=bool(floor), WITH_V=bool(with_v), num_warps=warps)
     return out
 
 
-def bwd_prep(o, do, q_row, q_col, delta, h0: int, h1: int, sa, scratch: bool = True):
+def bwd_prep(o, do, q_row, q_col, delta, h0: int, h1: int, sa, scratch: bool = True, floor: bool = False):
     """The "pre" backward's query-side operands for query heads h0 .. h1 in one launch: writes delta[:, h0:h1]
     (fp32 [B, HQ, SQ]) and returns the bf16 [B, h1 - h0, SQ, D] scratch (dO row-wise, dO column-wise, Q
     row-wise, Q column-wise), each the exact dequantization of that MXFP8 copy. o, do [B, HQ, SQ, D] bf16/fp16
     and q_row, q_col (MXFP8Tensor, segmented column scales for a packed batch) with a unit stride along D; sa:
-    `check_seq`'s SeqArgs. scratch False: delta alone (q_row, q_col may be None; returns None)."""
+    `check_seq`'s SeqArgs. scratch False: delta alone (q_row, q_col may be None; returns None). floor: dO's
+    scales by the OCP rule."""
     SQ = o.shape[2]
     for name, t in (("o", o), ("do", do)):
         if t.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride along D")
     out = _prep((PREP_Q if scratch else PREP_DELTA).value, o, do, delta, q_row if scratch else None, q_col, h0, h1, SQ,
-                sa.q_tiles(SQ, MX_BLOCK.value), sa, 4 if scratch else 0)
+                sa.q_tiles(SQ, MX_BLOCK.value), sa, 4 if scratch else 0, floor)
     return out if scratch else None
 
 
 def kv_prep(k_row, k_col, v_row, h0: int, h1: int, sa):
     """The key-side operands of the "pre" backward's dQ kernel for KV heads h0 .. h1 in one launch: the bf16
     [B, h1 - h0, SKV, D] dequantizations of K row-wise, K column-wise and V row-wise (MXFP8Tensors with a unit
-    stride along D; K's column-wise scales segmented for a packed batch)."""
+    stride along D; K's column-wise scales segmented for a packed batch). v_row a bf16 tensor (the bf16-V
+    recipe): its head slice as it is."""
     SKV = k_row.data.shape[2]
+    if isinstance(v_row, torch.Tensor):
+        k_r, k_c = _prep(PREP_KV.value, k_row.data, k_row.data, k_row.data, k_row, k_col, h0, h1, SKV,
+                         sa.kv_tiles(SKV, MX_BLOCK.value), sa, 2, with_v=False)
+        return k_r, k_c, v_row[:, h0:h1]
     vs = v_row.scale.view(torch.uint8)
     v_r, k_r, k_c = _prep(PREP_KV.value, v_row.data, vs, vs, k_row, k_col, h0, h1, SKV,
                           sa.kv_tiles(SKV, MX_BLOCK.value), sa, 3)
@@ -513,7 +554,8 @@ def kv_prep(k_row, k_col, v_row, h0: int, h1: int, sa):
 
 def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stats, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                  config=None, mode: str = "fp8", seq=None, bottom_right: bool = False) -> torch.Tensor:
+                  config=None, mode: str = "fp8", seq=None, bottom_right: bool = False,
+                  flags: KernelRecipe = DEFAULT_FLAGS) -> torch.Tensor:
     """Launch the prep pass, dK/dV kernel and dQ kernel (per chunk of heads in mode "pre").
 
     q_row, q_col: MXFP8Tensor [B,Hq,Sq,D] (row: scales [B,H,S,ceil(D/32)], col: scales [B,H,ceil(S/32),D]);
@@ -529,6 +571,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     every block size a multiple of 32 (dS is quantized in blocks of 32 inside a tile).
     seq, bottom_right: variable lengths as in `attention_fwd` (a packed batch's column-wise copies q_col,
     k_col, do_col are segmented; a padded batch's copies were quantized with the padding rows read as zeros).
+    flags: the recipe's switches (`recipe_flags`); with flags.v_raw, v_row is V rounded to bf16 [B,Hkv,Skv,D]
+    (unit stride along D), and do_row/do_col (mode "fp8") must have been quantized with flags.floor's rule.
     """
     if mode not in ("fp8", "pre"):
         raise ValueError(f"mode must be 'fp8' or 'pre', got {mode!r}")
@@ -541,6 +585,12 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
         if t is None:
             if mode == "fp8":
                 raise ValueError(f"{name} is required in mode 'fp8'")
+            continue
+        if name == "v_row" and flags.v_raw:
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.shape != k_row.data.shape or \
+                    t.stride(3) != 1:
+                raise ValueError(f"with flags.v_raw, v_row must be a bf16 tensor of k_row's shape "
+                                 f"{tuple(k_row.data.shape)} with unit stride along D")
             continue
         if t.data.stride(3) != 1 or t.scale.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride along its last axis (data and scale)")
@@ -565,8 +615,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     if mode == "fp8":  # delta alone first (the "pre" path gets it with its scratch)
         bwd_prep(o, do, None, None, delta, 0, HQ, sa, scratch=False)
         _launch_dkdv(q_row, q_col, k_row, v_row, do_row, do_col, stats, delta, dk, dv, cfg1, False, args, common,
-                     sa)
-        _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, False, args, common, sa)
+                     sa, flags)
+        _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, False, args, common, sa, flags)
         return delta
     per_head = _pre_scratch_per_kv_head(B, group, SQ, SKV, D)
     sms = sm_count(o.device) if o.is_cuda else 132
@@ -581,13 +631,13 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     bounds = [HKV * i // n_chunks for i in range(n_chunks + 1)]
     for h0, h1 in zip(bounds[:-1], bounds[1:]):  # a loop over head chunks, not elements
         q0, q1 = h0 * group, h1 * group
-        do_r, do_c, q_r, q_c = bwd_prep(o, do, q_row, q_col, delta, q0, q1, sa)
+        do_r, do_c, q_r, q_c = bwd_prep(o, do, q_row, q_col, delta, q0, q1, sa, floor=flags.floor)
         st, de = stats[:, q0:q1], delta[:, q0:q1]
         _launch_dkdv(q_r, q_c, _heads(k_row, h0, h1), _heads(v_row, h0, h1), do_r, do_c, st, de,
-                     dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args, common, sa)
+                     dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args, common, sa, flags)
         del q_c, do_c
         k_r, k_c, v_r = kv_prep(k_row, k_col, v_row, h0, h1, sa)
-        _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common, sa)
+        _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common, sa, flags)
         del q_r, do_r, k_r, k_c, v_r
     return delta
 

@@ -19,9 +19,10 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
-from .triton_common import (LN2, LOG2_P_SCALE, LOG2E, dequant_cols, dequant_rows, kv_block_range, load_tile,
-                            program_prologue, quantize_cols, quantize_rows, round_p_to_bf16, seq_prologue,
+from .triton_common import (LN2, LOG2E, dequant_cols, dequant_rows, kv_block_range,
+                            load_tile, program_prologue, quantize_cols, quantize_rows, round_p, seq_prologue,
                             softmax_block, softmax_start)
+from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from .triton_quantize import check_cu_seqlens, padded_head_dim, row_tiles, seq_programs
 
 BLOCK_N = 128  # KV block of the online softmax: fixed by the recipe, not a tuning knob
@@ -33,29 +34,34 @@ BLOCK_N = 128  # KV block of the online softmax: fixed by the recipe, not a tuni
 def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, j, rows, offs_n, offs_d, offs_kb,
                      stride_kn, stride_ksn, stride_vn, stride_vsn, len_kv, D, qk_scale, offset, LB, RB,
                      MASK: tl.constexpr, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BN: tl.constexpr,
-                     DP: tl.constexpr, EVEN_D: tl.constexpr, KV_BF16: tl.constexpr, QDQ: tl.constexpr):
+                     DP: tl.constexpr, EVEN_D: tl.constexpr, KV_BF16: tl.constexpr, QDQ: tl.constexpr,
+                     P_MODE: tl.constexpr, LOG2_PS: tl.constexpr, V_RAW: tl.constexpr, FLOOR: tl.constexpr):
     """One step of the online softmax over KV block j, rows [n0, n0 + BN) with n0 = j * BN. K and V tiles are
     either FP8 (K row-wise, V column-wise seq-major) dequantized on chip, (KV_BF16) their exact bf16
     dequantizations read as they are, or (QDQ) the caller's K and V read as they are and quantized here, K
     row-wise and V column-wise in blocks of 32 rows from n0 (a multiple of 32 from the sequence's start, as the
     quantizer's blocks), then dequantized: the same bf16 tiles the quantizer's row_dequant / col_dequant hold.
     The softmax arithmetic is `softmax_block`'s. MASK: the block needs the band/length mask (else every element
-    is kept)."""
+    is kept). Recipe variants (`recipe_flags`): P_MODE / LOG2_PS how P is scaled and rounded, V_RAW V read as a
+    [B,H,S,D] tensor and rounded to bf16 (never quantized; the caller's in QDQ, a bf16 copy otherwise), FLOOR
+    the OCP scale rule where this kernel quantizes (QDQ)."""
     n0 = j * BN  # from the block index, so the compiler knows n0's alignment (16-byte loads along V's rows)
     cols = n0 + offs_n
     d_ok = offs_d < D
     kt = load_tile(k_ptrs + n0 * stride_kn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D)
     if QDQ:
-        kq, ke = quantize_rows(kt.to(tl.float32), BN, DP)
+        kq, ke = quantize_rows(kt.to(tl.float32), BN, DP, FLOOR)
         kt = dequant_rows(kq, ke.to(tl.uint8), BN, DP)
     elif not KV_BF16:
         ks = load_tile(ks_ptrs + n0 * stride_ksn, cols < len_kv, offs_kb * 32 < D, 127, MASK, EVEN_D)
         kt = dequant_rows(kt, ks, BN, DP)
     p, alpha, m_new, l_i = softmax_block(tl.dot(q, tl.trans(kt)), m_i, l_i, rows, cols, len_kv, qk_scale, offset,
-                                         LB, RB, MASK, HAS_LB, HAS_RB)
-    if QDQ:
+                                         LB, RB, MASK, HAS_LB, HAS_RB, P_MODE, LOG2_PS)
+    if V_RAW:
+        vt = load_tile(v_ptrs + n0 * stride_vn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D).to(tl.bfloat16)
+    elif QDQ:
         vt = load_tile(v_ptrs + n0 * stride_vn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D)
-        vq, ve = quantize_cols(vt.to(tl.float32), BN, DP)
+        vq, ve = quantize_cols(vt.to(tl.float32), BN, DP, FLOOR)
         vt = dequant_cols(vq, ve.to(tl.uint8), BN, DP)
     elif KV_BF16:
         vt = load_tile(v_ptrs + n0 * stride_vn, cols < len_kv, d_ok, 0.0, MASK, EVEN_D)
@@ -65,7 +71,7 @@ def _attend_kv_block(acc, m_i, l_i, q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, j, rows
         vs_blk = n0 // 32 + tl.arange(0, BN // 32)
         vs = load_tile(vs_ptrs + (n0 // 32) * stride_vsn, vs_blk * 32 < len_kv, d_ok, 127, MASK, EVEN_D)
         vt = dequant_cols(vt, vs, BN, DP)
-    acc = acc * alpha[:, None] + tl.dot(round_p_to_bf16(p), vt)
+    acc = acc * alpha[:, None] + tl.dot(round_p(p, P_MODE), vt)
     return acc, m_new, l_i
 
 
@@ -80,7 +86,9 @@ def _attn_fwd_kernel(
         HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
         EVEN_D: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
         HAS_SINK: tl.constexpr,
-        KV_BF16: tl.constexpr, QDQ: tl.constexpr):
+        KV_BF16: tl.constexpr, QDQ: tl.constexpr,
+        P_MODE: tl.constexpr = 0, LOG2_PS: tl.constexpr = 8.0, V_RAW: tl.constexpr = False,
+        FLOOR: tl.constexpr = False):
     """Grid (query tiles, sequences * HQ). Q row-wise FP8 with scales [B,H,S,DP/32-ish]. K, V: FP8 (K
     row-wise like Q; V column-wise, data seq-major [B,H,D,L] (`SeqMajorColumns`, strides svb, svh, svs = 1,
     svd), scales [B,H,L/32,D], segmented for a packed batch), or (KV_BF16) the exact bf16 dequantizations
@@ -90,7 +98,8 @@ def _attn_fwd_kernel(
     the numbers equal theirs bit for bit; worth it where one query tile covers the sequence (decode steps).
     SQ, SKV: the tensors' row counts;
     len_q, len_kv: the sequence's. HAS_SINK: SINK holds fp32 [HQ] sink logits; the online softmax starts from
-    them (max = sink, sum = 1)."""
+    them (max = sink, sum = 1). P_MODE, LOG2_PS, V_RAW, FLOOR: the recipe (`_attend_kv_block`; V_RAW: V
+    [B,H,S,D] like K, VS unread)."""
     tile, hq, hk, bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset, n_out = program_prologue(
         CU_Q, CU_KV, HQ, GROUP, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, True, HAS_RB)
     m0 = tile * BM
@@ -109,7 +118,7 @@ def _attn_fwd_kernel(
     q = tl.load(Q + bt * sqb + hq * sqh + q0 * sqs + rows[:, None] * sqs + offs_d[None, :],
                 mask=q_rows & ((offs_d < D) | EVEN_D)[None, :], other=0.0)
     if QDQ:
-        qq, qe = quantize_rows(q.to(tl.float32), BM, DP)
+        qq, qe = quantize_rows(q.to(tl.float32), BM, DP, FLOOR)
         q = dequant_rows(qq, qe.to(tl.uint8), BM, DP)
     else:
         qs = tl.load(QS + bt * sqsb + hq * sqsh + q0 * sqss + rows[:, None] * sqss + offs_kb[None, :],
@@ -118,7 +127,7 @@ def _attn_fwd_kernel(
 
     k_ptrs = K + bt * skb + hk * skh + kv0 * sks + offs_n[:, None] * sks + offs_d[None, :]
     ks_ptrs = KS + bt * sksb + hk * sksh + kv0 * skss + offs_n[:, None] * skss + offs_kb[None, :]
-    if KV_BF16 or QDQ:  # [B,H,S,D] like K
+    if KV_BF16 or QDQ or V_RAW:  # [B,H,S,D] like K
         v_row0 = kv0
     else:  # seq-major FP8 (svs = 1): each sequence from its first block's column
         v_row0 = kvb0 * 32
@@ -128,25 +137,25 @@ def _attn_fwd_kernel(
     # KV range touched by rows [m0, m0 + BM) and the sub-range where no element is masked
     lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
 
-    m_i, l_i, acc = softmax_start(SINK, hq, HAS_SINK, BM, DP)
+    m_i, l_i, acc = softmax_start(SINK, hq, HAS_SINK, BM, DP, LOG2_PS)
     args = (q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs)
     strides = (sks, skss, svs, svss, len_kv, D, qk_scale, offset, LB, RB)
     for j in range(lo // BN, tl.cdiv(mask_hi, BN)):
         acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, *strides,
-                                         True, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16, QDQ)
+                                         True, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16, QDQ, P_MODE, LOG2_PS, V_RAW, FLOOR)
     for j in range(full_lo // BN, full_hi // BN):
         acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, *strides,
-                                         False, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16, QDQ)
+                                         False, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16, QDQ, P_MODE, LOG2_PS, V_RAW, FLOOR)
     for j in range(tl.cdiv(tl.maximum(full_hi, mask_hi), BN), tl.cdiv(hi, BN)):  # (start: a multiple of BN, or hi)
         acc, m_i, l_i = _attend_kv_block(acc, m_i, l_i, *args, j, rows, offs_n, offs_d, offs_kb, *strides,
-                                         True, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16, QDQ)
+                                         True, HAS_LB, HAS_RB, BN, DP, EVEN_D, KV_BF16, QDQ, P_MODE, LOG2_PS, V_RAW, FLOOR)
 
     has = l_i != 0.0  # a NaN row (l_i NaN) stays NaN
     if VARLEN:
         has = has & (rows < len_q)  # padding rows of a padded tile saw zero queries, not no keys
     denom = tl.where(has, l_i, 1.0)  # both acc and l_i carry the factor P_SCALE
     o = tl.where(has[:, None], acc / denom[:, None], 0.0)
-    lse = tl.where(has, (m_i + tl.math.log2(denom) - LOG2_P_SCALE) * LN2, float("-inf"))
+    lse = tl.where(has, (m_i + tl.math.log2(denom) - LOG2_PS) * LN2, float("-inf"))
     _store_out(O, LSE, bt, hq, q0, rows, offs_d, sob, soh, sos, slb, slh, sls, n_out, D, o, lse)
 
 
@@ -218,7 +227,8 @@ def _unit_d(name: str, t: torch.Tensor) -> None:
 
 def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, out: torch.Tensor, stats: torch.Tensor,
-                  config=None, seq=None, bottom_right: bool = False, sink: Optional[torch.Tensor] = None) -> None:
+                  config=None, seq=None, bottom_right: bool = False, sink: Optional[torch.Tensor] = None,
+                  flags: KernelRecipe = DEFAULT_FLAGS) -> None:
     """Launch the forward kernel.
 
     q_data [B,Hq,Sq,D] e4m3, q_scale [B,Hq,Sq,ceil(D/32)] e8m0 (row-wise). K and V in one of two forms:
@@ -236,6 +246,8 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
     bottom_right=True takes each sequence's len_kv - len_q as its offset (offset must then be 0), else offset is used (0 = top_left).
     sink: optional fp32 [Hq] contiguous sink logits (attention sinks): they join every row's softmax
     denominator and the stats; a row with no key then gets O = 0 and stats = sink.
+    flags: the recipe's switches (`recipe_flags`); with flags.v_raw, v is V rounded to bf16 [B,Hkv,Skv,D] (unit
+    stride along D) with K in either form.
     """
     _check_sink(sink, q_data)
     B, HQ, SQ, D = q_data.shape
@@ -254,20 +266,26 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
         v_strides = v.stride()[:3] + (1,)
         bm, warps, stages = config if config is not None else BF16_FWD_CONFIGS[dp]
     else:
-        v_data, vs = _check_seq_major_v(v, B, HKV, SKV, D)
         ks = k_scale.view(u8)
+        if flags.v_raw:
+            if not isinstance(v, torch.Tensor) or v.dtype != torch.bfloat16 or v.shape != k_data.shape:
+                raise ValueError(f"with flags.v_raw, v must be a bf16 tensor of k_data's shape {tuple(k_data.shape)}, "
+                                 f"got {getattr(v, 'dtype', type(v).__name__)} {tuple(getattr(v, 'shape', ()))}")
+            v_data, vs, v_strides = v, ks, v.stride()[:3] + (1,)  # (vs unread)
+        else:
+            v_data, vs = _check_seq_major_v(v, B, HKV, SKV, D)
+            v_strides = v_data.stride()[:2] + (1, v_data.stride(2))
         bm, warps, stages = config if config is not None else _fwd_config(dp)
-        v_strides = v_data.stride()[:2] + (1, v_data.stride(2))
     qs = q_scale.view(u8)
     for name, t in (("q_data", q_data), ("k_data", k_data), ("v.data", v_data), ("out", out), ("q_scale", qs),
                     ("k_scale", ks), ("v.scale", vs)):
         _unit_d(name, t)
     _launch_fwd(q_data, qs, k_data, ks, v_data, vs, v_strides, out, stats, sink, sa, softmax_scale, offset,
-                left_bound, right_bound, bottom_right, (bm, warps, stages), kv_bf16=kv_bf16, qdq=False)
+                left_bound, right_bound, bottom_right, (bm, warps, stages), kv_bf16=kv_bf16, qdq=False, flags=flags)
 
 
 def _launch_fwd(q, qs, k, ks, v, vs, v_strides, out, stats, sink, sa, softmax_scale, offset, left_bound,
-                right_bound, bottom_right, config, *, kv_bf16: bool, qdq: bool) -> None:
+                right_bound, bottom_right, config, *, kv_bf16: bool, qdq: bool, flags: KernelRecipe) -> None:
     """The forward kernel's launch (arguments checked by the callers)."""
     bm, warps, stages = config
     B, HQ, SQ, D = q.shape
@@ -284,7 +302,7 @@ def _launch_fwd(q, qs, k, ks, v, vs, v_strides, out, stats, sink, sa, softmax_sc
         0 if left_bound is None else int(left_bound), 0 if right_bound is None else int(right_bound),
         HAS_LB=left_bound is not None, HAS_RB=right_bound is not None,
         BM=bm, BN=BLOCK_N, DP=dp, EVEN_D=dp == D, **sa.constexprs(bottom_right), HAS_SINK=sink is not None,
-        KV_BF16=kv_bf16, QDQ=qdq, num_warps=warps, num_stages=stages)
+        KV_BF16=kv_bf16, QDQ=qdq, **flags.fwd(), num_warps=warps, num_stages=stages)
 
 
 def quantizing_fwd_config(rows_q: int, head_dim: int, dtype: torch.dtype):
@@ -304,13 +322,14 @@ def quantizing_fwd_config(rows_q: int, head_dim: int, dtype: torch.dtype):
 def attention_fwd_quantizing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                              offset: int, left_bound, right_bound, out: torch.Tensor, stats: torch.Tensor,
                              seq=None, bottom_right: bool = False, sink: Optional[torch.Tensor] = None,
-                             config=None) -> None:
+                             config=None, flags: KernelRecipe = DEFAULT_FLAGS) -> None:
     """The forward in one launch, without the quantizer: q [B,Hq,Sq,D], k and v [B,Hkv,Skv,D] bf16/fp16/fp32
     (the caller's tensors, unit stride along D, any other strides) are quantized inside the kernel (Q row-wise,
     K row-wise, V column-wise in blocks of 32 rows from each sequence's start) into exactly the bf16 tiles
     `attention_fwd` reads from the quantizer, so out and stats equal its results bit for bit. Meant for calls
     without a backward whose queries fit one tile (`quantizing_fwd_config`: decode steps, short chunks); other
-    arguments as `attention_fwd`'s. Raises ValueError where the path does not apply."""
+    arguments as `attention_fwd`'s (flags: the recipe; with flags.v_raw V is rounded to bf16 as it is read).
+    Raises ValueError where the path does not apply."""
     B, HQ, SQ, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or HQ % max(k.shape[1], 1):
         raise ValueError(f"k and v must be [B={B}, Hkv, Skv, D={D}] with Hkv dividing {HQ}, got "
@@ -327,7 +346,7 @@ def attention_fwd_quantizing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              f"query rows of one tile per sequence ({tile} at D={D}), got D={D} and {rows} rows")
     _check_sink(sink, q)
     _launch_fwd(q, q, k, k, v, v, v.stride()[:3] + (1,), out, stats, sink, sa, softmax_scale, offset, left_bound,
-                right_bound, bottom_right, config, kv_bf16=False, qdq=True)
+                right_bound, bottom_right, config, kv_bf16=False, qdq=True, flags=flags)
 
 
 class SeqArgs(NamedTuple):

@@ -24,6 +24,14 @@ LOG2_P_SCALE = tl.constexpr(8.0)
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
+# --------------------------------------------------------------------------- recipe variants (`mxattn.Recipe`)
+# Each variant is a constexpr specialisation: the default values below compile to the default recipe's code.
+#: the forward's P rounding (P_MODE): E4M3(P * 256) | E4M3(P * 16) with a lazy running max | bf16(P)
+P_FIXED256, P_LAZY16, P_BF16 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+#: the lazy16 forward moves its running max only when a block's max exceeds it by more than this (log2 units,
+#: i.e. 4 * ln 2 in the logits' units: P then reaches up to 2^4)
+LAZY_THRESHOLD = tl.constexpr(4.0)
+
 
 @triton.jit
 def seq_span(CU, b, S, VARLEN: tl.constexpr, PACKED: tl.constexpr):
@@ -52,8 +60,10 @@ def seq_span(CU, b, S, VARLEN: tl.constexpr, PACKED: tl.constexpr):
 
 
 @triton.jit
-def scale_exponent_from_bits(abits):
+def scale_exponent_from_bits(abits, FLOOR: tl.constexpr = False):
     """Bits (int32) of amax = max |x| (NaN patterns compare above inf) -> E8M0 biased exponent, int32.
+    FLOOR (`Recipe.scale_rounding="floor"`, the OCP rule): the exponent field of amax minus 8, clamped to
+    [0, 254], NaN 255 (+inf: 247); the default is the round-up rule below.
 
     Division-free: for FP32 amax = M * 2^E, RN(amax / 448) <= 2^k exactly when amax <= 448 * 2^k (the next FP32
     above 448 * 2^k already exceeds the rounding threshold 448 * 2^k * (1 + 2^-24)), so the round-up exponent
@@ -63,8 +73,12 @@ def scale_exponent_from_bits(abits):
     """
     expo = (abits >> 23) & 0xFF
     mant = abits & 0x7FFFFF
-    e = tl.minimum(tl.maximum(expo - 8 + (mant > 0x600000).to(tl.int32), 0), 254)
-    e = tl.where(expo == 255, tl.where(mant != 0, 255, 254), e)
+    if FLOOR:
+        e = tl.minimum(tl.maximum(expo - 8, 0), 254)
+        e = tl.where((expo == 255) & (mant != 0), 255, e)
+    else:
+        e = tl.minimum(tl.maximum(expo - 8 + (mant > 0x600000).to(tl.int32), 0), 254)
+        e = tl.where(expo == 255, tl.where(mant != 0, 255, 254), e)
     return e
 
 
@@ -131,6 +145,16 @@ def round_p_to_bf16(p):
 
 
 @triton.jit
+def round_p(p, P_MODE: tl.constexpr = 0):
+    """The forward's P (times its power-of-two scale, fp32 [BM, BN]) as the P V product takes it, bf16: E4M3
+    (`round_p_to_bf16`) for the fixed256 and lazy16 recipes, rounded to bf16 (RNE) for P_BF16 (`p_quant="none"`:
+    bf16(P * 2^k) = bf16(P) * 2^k)."""
+    if P_MODE == P_BF16:
+        return p.to(tl.bfloat16)
+    return round_p_to_bf16(p)
+
+
+@triton.jit
 def dequant_factors_bf16(s):
     """uint8 tile of E8M0 bytes -> (f1, f2), bf16 tiles with e4m3_to_bf16_biased(x) * f1 * f2 == x * 2^(e - 127)
     exactly (f1 = 2^(min(e, 134) - 7) carries the 2^120 back, f2 = 2^(max(e, 134) - 134) the rest; both normal
@@ -163,30 +187,31 @@ def dequant_cols(x, s, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def quantize_rows(x, R: tl.constexpr, C: tl.constexpr):
+def quantize_rows(x, R: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr = False):
     """fp32 [R, C] -> (E4M3 [R, C], int32 E8M0 exponents [R, C // 32]), blocks of 32 along axis 1; a block
-    holding a NaN gets exponent 255 and NaN elements."""
+    holding a NaN gets exponent 255 and NaN elements. FLOOR: the OCP scale rule (elements then saturate)."""
     x3 = tl.reshape(x, (R, C // 32, 32))
-    e = scale_exponent_from_bits(block_amax_bits(x3, 2))
+    e = scale_exponent_from_bits(block_amax_bits(x3, 2), FLOOR)
     y = tl.where((e == 255)[:, :, None], float("nan"), x3 * inv_pow2_of_biased(e)[:, :, None])
     return tl.reshape(y.to(tl.float8e4nv), (R, C)), e
 
 
 @triton.jit
-def quantize_cols(x, R: tl.constexpr, C: tl.constexpr):
+def quantize_cols(x, R: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr = False):
     """fp32 [R, C] -> (E4M3 [R, C], int32 E8M0 exponents [R // 32, C]), blocks of 32 along axis 0 (as
     quantize_rows)."""
     x3 = tl.reshape(x, (R // 32, 32, C))
-    e = scale_exponent_from_bits(block_amax_bits(x3, 1))
+    e = scale_exponent_from_bits(block_amax_bits(x3, 1), FLOOR)
     y = tl.where((e == 255)[:, None, :], float("nan"), x3 * inv_pow2_of_biased(e)[:, None, :])
     return tl.reshape(y.to(tl.float8e4nv), (R, C)), e
 
 
 @triton.jit
-def qdq_rows(x, R: tl.constexpr, C: tl.constexpr):
-    """fp32 [R, C] -> MXFP8 (E4M3, blocks of 32 along axis 1) and back, as bf16 [R, C]."""
+def qdq_rows(x, R: tl.constexpr, C: tl.constexpr, FLOOR: tl.constexpr = False):
+    """fp32 [R, C] -> MXFP8 (E4M3, blocks of 32 along axis 1) and back, as bf16 [R, C] (FLOOR: the OCP scale
+    rule)."""
     x3 = tl.reshape(x, (R, C // 32, 32))
-    e = scale_exponent_from_bits(block_amax_bits(x3, 2))
+    e = scale_exponent_from_bits(block_amax_bits(x3, 2), FLOOR)
     q = (x3 * inv_pow2_of_biased(e)[:, :, None]).to(tl.float8e4nv)
     y = q.to(tl.float32) * pow2_of_biased(e)[:, :, None]
     return tl.reshape(y, (R, C)).to(tl.bfloat16)
@@ -270,13 +295,14 @@ def kv_block_range(m0, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.con
 
 
 @triton.jit
-def softmax_start(SINK, h, HAS_SINK: tl.constexpr, BM: tl.constexpr, DP: tl.constexpr):
+def softmax_start(SINK, h, HAS_SINK: tl.constexpr, BM: tl.constexpr, DP: tl.constexpr,
+                  LOG2_PS: tl.constexpr = 8.0):
     """The forward's online softmax before any key -> (m_i, l_i, acc): max -inf, sum 0 and a zero accumulator
     [BM, DP]; with a sink (HAS_SINK: SINK holds fp32 logits per query head, h this program's) the sink joins
-    first: max = its logit (log2 units), sum = 1 (P_SCALE units)."""
+    first: max = its logit (log2 units), sum = 1 (units of P's scale 2^LOG2_PS)."""
     if HAS_SINK:
         m_i = tl.zeros([BM], tl.float32) + tl.load(SINK + h) * LOG2E
-        l_i = tl.full([BM], P_SCALE, tl.float32)
+        l_i = tl.full([BM], 2.0 ** LOG2_PS, tl.float32)
     else:
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
@@ -307,17 +333,24 @@ def block_max(qk, m_i, qk_scale):
 
 @triton.jit
 def softmax_block(qk, m_i, l_i, rows, cols, len_kv, qk_scale, offset, LB, RB, MASK: tl.constexpr,
-                  HAS_LB: tl.constexpr, HAS_RB: tl.constexpr):
+                  HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, P_MODE: tl.constexpr = 0,
+                  LOG2_PS: tl.constexpr = 8.0):
     """One KV block's step of the forward's online softmax (spec section 6), shared by the attention kernels:
     qk fp32 [BM, BN] = Q K^T of query rows `rows` and key rows `cols` (positions in the sequence), m_i the
-    running max (log2 units) and l_i the running sum (P_SCALE units) -> (p, alpha, m_new, l_i): p = P * 256
-    for the E4M3 rounding of P, alpha the factor that rescales the accumulator, the new max and sum. MASK:
-    keys at or past len_kv and outside the band (offset, LB, RB) count as -inf."""
+    running max (log2 units) and l_i the running sum (units of P's scale 2^LOG2_PS) -> (p, alpha, m_new, l_i):
+    p = P * 2^LOG2_PS (256 by default) for the rounding of P, alpha the factor that rescales the accumulator,
+    the new max and sum. MASK: keys at or past len_kv and outside the band (offset, LB, RB) count as -inf.
+    P_LAZY16: the running max becomes the block's max only where none was set yet or the block's exceeds it
+    by more than LAZY_THRESHOLD (else it stays, and P reaches up to 2^LAZY_THRESHOLD)."""
     qk = mask_logits(qk, rows, cols, len_kv, offset, LB, RB, MASK, HAS_LB, HAS_RB)
-    m_new = block_max(qk, m_i, qk_scale)
+    if P_MODE == P_LAZY16:
+        m_blk = tl.max(qk, axis=1) * qk_scale
+        m_new = tl.where((m_i == float("-inf")) | (m_blk - m_i > LAZY_THRESHOLD), m_blk, m_i)
+    else:
+        m_new = block_max(qk, m_i, qk_scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(qk * qk_scale - (m_use - LOG2_P_SCALE)[:, None])  # P * 256
+    p = tl.math.exp2(qk * qk_scale - (m_use - LOG2_PS)[:, None])  # P * 2^LOG2_PS
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return p, alpha, m_new, l_i
 

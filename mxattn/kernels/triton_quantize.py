@@ -56,12 +56,13 @@ def _quantize_tile(
         SRZ, SCZ, SRZ_KP, SRZ_SLAB, SCZ_KP, SCZ_SLAB,
         BS: tl.constexpr, BD: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SWZ: tl.constexpr,
         ROW_DQ: tl.constexpr, COL_DQ: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr,
-        COL_SEQ_MAJOR: tl.constexpr):
+        COL_SEQ_MAJOR: tl.constexpr, FLOOR: tl.constexpr):
     """Tile (pid_s, pid_d) of sequence * head pid_bh: a [BS, BD] tile of x read once -> row-wise and/or
     column-wise E4M3 data and E8M0 scales, and on request their exact BF16 dequantizations (contiguous
     [B, H, S, D]; the backward's bf16 scratch). offs_s are rows of the program's sequence (`seq_span`).
     COL_SEQ_MAJOR: the column-wise data goes to QC = [B, H, D, L] (strides sqc*: unit along L) with sequence row
-    n at column blk0 * 32 + n, zeros up to the end of its last block (`SeqMajorColumns`)."""
+    n at column blk0 * 32 + n, zeros up to the end of its last block (`SeqMajorColumns`). FLOOR: the OCP scale
+    rule (`Recipe.scale_rounding="floor"`)."""
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     bt, start, length, blk0 = seq_span(CU, b, S, VARLEN, PACKED)
@@ -80,7 +81,7 @@ def _quantize_tile(
     x = tl.load(X + bt * sxb + h * sxh + start * sxs + offs_s[:, None] * sxs + offs_d[None, :] * sxd,
                 mask=(offs_s < length)[:, None] & dmask, other=0.0).to(tl.float32)
     if ROW:
-        q, e = quantize_rows(x, BS, BD)
+        q, e = quantize_rows(x, BS, BD, FLOOR)
         tl.store(QR + bt * sqrb + h * sqrh + start * sqrs + offs_s[:, None] * sqrs + offs_d[None, :] * sqrd, q,
                  mask=mask)
         if ROW_DQ:
@@ -93,7 +94,7 @@ def _quantize_tile(
             off = _swizzle_offset(offs_s[:, None], offs_k[None, :], SRZ_KP)
             tl.store(SRZ + pid_bh.to(tl.int64) * SRZ_SLAB + off, e.to(tl.uint8), mask=smask)
     if COL:
-        q, e = quantize_cols(x, BS, BD)
+        q, e = quantize_cols(x, BS, BD, FLOOR)
         if COL_SEQ_MAJOR:  # whole blocks, the rows past the sequence's end zeros (also in a NaN block)
             q = tl.where((offs_s < length)[:, None], q, 0.0)
             tl.store(QC + bt * sqcb + h * sqch + (blk0 * MX_BLOCK + offs_s)[:, None] * sqcs + offs_d[None, :] * sqcd,
@@ -122,12 +123,12 @@ def _quantize_rowcol_kernel(
         RDQ, CDQ, CU, H, S, D, NR, NC, SRZ, SCZ, SRZ_KP, SRZ_SLAB, SCZ_KP, SCZ_SLAB,
         BS: tl.constexpr, BD: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, SWZ: tl.constexpr,
         ROW_DQ: tl.constexpr, COL_DQ: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr,
-        COL_SEQ_MAJOR: tl.constexpr):
+        COL_SEQ_MAJOR: tl.constexpr, FLOOR: tl.constexpr = False):
     """`_quantize_tile` for one tensor. Grid (row tiles, D tiles, sequences * H)."""
     _quantize_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2),
                    X, sxb, sxh, sxs, sxd, QR, sqrb, sqrh, sqrs, sqrd, SR, QC, sqcb, sqch, sqcs, sqcd, SC,
                    RDQ, CDQ, CU, H, S, D, NR, NC, SRZ, SCZ, SRZ_KP, SRZ_SLAB, SCZ_KP, SCZ_SLAB,
-                   BS, BD, ROW, COL, SWZ, ROW_DQ, COL_DQ, VARLEN, PACKED, COL_SEQ_MAJOR)
+                   BS, BD, ROW, COL, SWZ, ROW_DQ, COL_DQ, VARLEN, PACKED, COL_SEQ_MAJOR, FLOOR)
 
 
 @triton.jit
@@ -142,25 +143,27 @@ def _quantize_qkv_kernel(
         BS: tl.constexpr, BD: tl.constexpr, VARLEN: tl.constexpr, PACKED: tl.constexpr,
         ROW0: tl.constexpr, COL0: tl.constexpr, ROW_DQ0: tl.constexpr, COL_DQ0: tl.constexpr, CSM0: tl.constexpr,
         ROW1: tl.constexpr, COL1: tl.constexpr, ROW_DQ1: tl.constexpr, COL_DQ1: tl.constexpr, CSM1: tl.constexpr,
-        ROW2: tl.constexpr, COL2: tl.constexpr, ROW_DQ2: tl.constexpr, COL_DQ2: tl.constexpr, CSM2: tl.constexpr):
+        ROW2: tl.constexpr, COL2: tl.constexpr, ROW_DQ2: tl.constexpr, COL_DQ2: tl.constexpr, CSM2: tl.constexpr,
+        FLOOR: tl.constexpr = False):
     """`_quantize_tile` for three tensors (the forward's Q, K, V) in one launch, each with its own outputs
     (ROWi, COLi, ROW_DQi, COL_DQi, CSMi = COL_SEQ_MAJOR) and no swizzled scales. Grid (row tiles of the
-    longest, D tiles, N0 + N1 + N2 = the three tensors' sequences * heads, in that order)."""
+    longest, D tiles, N0 + N1 + N2 = the three tensors' sequences * heads, in that order; N2 may be 0: Q and K
+    alone). FLOOR: the OCP scale rule for all three."""
     pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_z = tl.program_id(2)
     if pid_z < N0:
         _quantize_tile(pid_s, pid_d, pid_z, X0, s0xb, s0xh, s0xs, s0xd, QR0, s0rb, s0rh, s0rs, s0rd, SR0,
                        QC0, s0cb, s0ch, s0cs, s0cd, SC0, RDQ0, CDQ0, CU0, H0, S0, D0, NR0, NC0, SR0, SR0, 0, 0, 0, 0,
-                       BS, BD, ROW0, COL0, False, ROW_DQ0, COL_DQ0, VARLEN, PACKED, CSM0)
+                       BS, BD, ROW0, COL0, False, ROW_DQ0, COL_DQ0, VARLEN, PACKED, CSM0, FLOOR)
     elif pid_z < N0 + N1:
         _quantize_tile(pid_s, pid_d, pid_z - N0, X1, s1xb, s1xh, s1xs, s1xd, QR1, s1rb, s1rh, s1rs, s1rd, SR1,
                        QC1, s1cb, s1ch, s1cs, s1cd, SC1, RDQ1, CDQ1, CU1, H1, S1, D1, NR1, NC1, SR1, SR1, 0, 0, 0, 0,
-                       BS, BD, ROW1, COL1, False, ROW_DQ1, COL_DQ1, VARLEN, PACKED, CSM1)
+                       BS, BD, ROW1, COL1, False, ROW_DQ1, COL_DQ1, VARLEN, PACKED, CSM1, FLOOR)
     else:
         _quantize_tile(pid_s, pid_d, pid_z - N0 - N1, X2, s2xb, s2xh, s2xs, s2xd, QR2, s2rb, s2rh, s2rs, s2rd,
                        SR2, QC2, s2cb, s2ch, s2cs, s2cd, SC2, RDQ2, CDQ2, CU2, H2, S2, D2, NR2, NC2, SR2, SR2, 0, 0,
-                       0, 0, BS, BD, ROW2, COL2, False, ROW_DQ2, COL_DQ2, VARLEN, PACKED, CSM2)
+                       0, 0, BS, BD, ROW2, COL2, False, ROW_DQ2, COL_DQ2, VARLEN, PACKED, CSM2, FLOOR)
 
 
 
@@ -266,7 +269,7 @@ QUANT_TILE = (32, 2, 64)
 def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swizzle: bool = False,
                     row_dequant: bool = False, col_dequant: bool = False, tile=None,
                     cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
-                    packed: bool = False, col_seq_major: bool = False) -> RowColQuantized:
+                    packed: bool = False, col_seq_major: bool = False, floor: bool = False) -> RowColQuantized:
     """Fused MXFP8 quantizer: x [B, H, S, D] bf16/fp16/fp32 (any strides, CUDA) read once ->
     row-wise (blocks of 32 along D) and/or column-wise (blocks of 32 along S) E4M3 data with compact E8M0
     scales, and on request the scales also in F8_128x4 order and the exact bf16 dequantizations.
@@ -277,10 +280,11 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
     (x [1, H, T, D]; the column-wise copy is segmented, = quantize_mxfp8(x, axis=2, segments=cu_seqlens)).
     max_seqlen bounds the longest sequence of a packed batch (sizes the grid; default T). swizzle is not
     available for a packed batch. col_seq_major: return the column-wise copy as `SeqMajorColumns` (the forward
-    kernel's V layout) in the col_seq_major field instead of an MXFP8Tensor in col (not with col_dequant)."""
+    kernel's V layout) in the col_seq_major field instead of an MXFP8Tensor in col (not with col_dequant).
+    floor: the OCP scale rule (`Recipe.scale_rounding="floor"`; equal to quantize_mxfp8's) instead of round-up."""
     call = _prepare(x, row=row, col=col, swizzle=swizzle, row_dequant=row_dequant, col_dequant=col_dequant,
                     tile=tile, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, packed=packed,
-                    col_seq_major=col_seq_major)
+                    col_seq_major=col_seq_major, floor=floor)
     if x.numel() > 0:
         _launch_one(call)
     return call.result
@@ -309,7 +313,7 @@ class _QuantizeCall(NamedTuple):
 
 def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequant: bool, col_dequant: bool, tile,
              cu_seqlens: Optional[torch.Tensor], max_seqlen: Optional[int], packed: bool,
-             col_seq_major: bool) -> _QuantizeCall:
+             col_seq_major: bool, floor: bool = False) -> _QuantizeCall:
     """`quantize_rowcol`'s checks and output allocations (its arguments), without the launch."""
     if not (row or col):
         raise ValueError("quantize_rowcol: at least one of row, col must be True")
@@ -365,7 +369,8 @@ def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequan
     qc_st = qc.stride() if col else (0, 0, 0, 0)
     args = (x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, x if rdq is None else rdq, x if cdq is None else cdq,
             cu_seqlens if varlen else sr, H, S, D, nr, nc, srz, scz, srz_kp, srz_slab, scz_kp, scz_slab)
-    flags = dict(ROW=row, COL=col, SWZ=swizzle, ROW_DQ=row_dequant, COL_DQ=col_dequant, COL_SEQ_MAJOR=col_seq_major)
+    flags = dict(ROW=row, COL=col, SWZ=swizzle, ROW_DQ=row_dequant, COL_DQ=col_dequant, COL_SEQ_MAJOR=col_seq_major,
+                 FLOOR=bool(floor))
     e8 = torch.float8_e8m0fnu
     result = RowColQuantized(
         MXFP8Tensor.unchecked(qr, sr.view(e8), 3) if row else None,
@@ -379,12 +384,19 @@ def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequan
     return _QuantizeCall(args, grid, flags, bs, bd, warps, varlen, packed, result)
 
 
-def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_kw: dict, k_kw: dict, v_kw: dict
-                 ) -> Tuple[RowColQuantized, RowColQuantized, RowColQuantized]:
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], q_kw: dict, k_kw: dict,
+                 v_kw: Optional[dict], floor: bool = False
+                 ) -> Tuple[RowColQuantized, RowColQuantized, Optional[RowColQuantized]]:
     """`quantize_rowcol(q, **q_kw)`, `(k, **k_kw)` and `(v, **v_kw)` in one launch (the forward's three
     quantizations; the same bytes as three calls). q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D]; the keyword sets
-    must agree on the tile and on whether the batch is packed or padded, and exclude swizzle."""
-    c0, c1, c2 = calls = [_prepare(x, **{**_QUANT_DEFAULTS, **kw}) for x, kw in ((q, q_kw), (k, k_kw), (v, v_kw))]
+    must agree on the tile and on whether the batch is packed or padded, and exclude swizzle. v None (with
+    v_kw None): Q and K alone (the bf16-V recipe), and None in V's place. floor: the OCP scale rule for all."""
+    if v is None:
+        c0, c1 = calls = [_prepare(x, **{**_QUANT_DEFAULTS, **kw}, floor=floor) for x, kw in ((q, q_kw), (k, k_kw))]
+        c2 = c1._replace(grid=(0, c1.grid[1], 0), result=None)  # no programs: its arguments are K's, never read
+    else:
+        c0, c1, c2 = calls = [_prepare(x, **{**_QUANT_DEFAULTS, **kw}, floor=floor)
+                              for x, kw in ((q, q_kw), (k, k_kw), (v, v_kw))]
     common = (c0.bs, c0.bd, c0.warps, c0.varlen, c0.packed)
     if c0.flags["SWZ"] or c1.flags["SWZ"] or c2.flags["SWZ"] or \
             (c1.bs, c1.bd, c1.warps, c1.varlen, c1.packed) != common or \
@@ -397,13 +409,13 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_kw: dict, 
                 _launch_one(c)
     elif rows and c0.grid[1]:
         flags = {}
-        for names, c in zip(_QKV_FLAG_NAMES, calls):
+        for names, c in zip(_QKV_FLAG_NAMES, (c0, c1, c2)):
             f = c.flags
             flags.update(zip(names, (f["ROW"], f["COL"], f["ROW_DQ"], f["COL_DQ"], f["COL_SEQ_MAJOR"])))
         n = TILE_ARGS_NO_SWIZZLE
         launch(_quantize_qkv_kernel, (rows, c0.grid[1], programs),
                *c0.args[:n], *c1.args[:n], *c2.args[:n], c0.grid[2], c1.grid[2], BS=c0.bs, BD=c0.bd,
-               VARLEN=c0.varlen, PACKED=c0.packed, **flags, num_warps=c0.warps)
+               VARLEN=c0.varlen, PACKED=c0.packed, **flags, FLOOR=bool(floor), num_warps=c0.warps)
     return c0.result, c1.result, c2.result
 
 

@@ -6,7 +6,8 @@
   and ref quantizes with its own quantizers (floor rounding and per-tensor FP8 are checked against mxattn's too).
 - FP64 autograd oracles for each variant; P in bf16 and bf16 V come closer to FP64 than the default.
 - The causal coupling through V's column-wise scale: measured for the default, absent (bit for bit) with bf16 V.
-- cudnn and triton refuse variants with the reason; "auto" routes a variant to a backend that runs it.
+- cudnn refuses variants with the reason, triton refuses per-tensor scaling; "auto" routes a variant to a
+  backend that runs it.
 - `DotProductAttention`, the transformers registration and torch.compile carry the recipe through.
 """
 
@@ -417,17 +418,38 @@ def test_default_depends_on_future_tokens_through_v_scale():
 # --------------------------------------------------------------------------- backends: refusal and routing
 
 
-@pytest.mark.parametrize("backend,words", [("cudnn", "cuDNN's MXFP8 SDPA graphs implement only the default"),
-                                           ("triton", "Triton kernels implement only the default recipe")])
-def test_cudnn_and_triton_refuse_variants_with_the_reason(backend, words):
+def test_cudnn_refuses_variants_with_the_reason():
     q, k, v, _ = _bhsd(b=1, hq=2, hkv=2, sq=32, skv=32, d=64)
-    with pytest.raises(MXFP8NotSupportedError, match=words) as info:
-        mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend=backend, recipe=VARIANTS["v_bf16"])
+    with pytest.raises(MXFP8NotSupportedError, match="cuDNN's MXFP8 SDPA graphs implement only the default") as info:
+        mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="cudnn", recipe=VARIANTS["v_bf16"])
     assert "v_operand='bf16'" in str(info.value) and "backend='reference'" in str(info.value)
-    cls = backends.backend_class(backend)
+    cls = backends.backend_class("cudnn")
     assert cls.supports_recipe(Recipe())[0]
     for name, recipe in VARIANTS.items():
         assert cls.supports_recipe(recipe)[0] == (name == "default")
+
+
+def test_triton_runs_every_mxfp8_recipe_and_refuses_per_tensor_with_the_reason():
+    """The Triton kernels run each MXFP8 variant as constexpr specialisations (`kernels.recipe_flags`, checked
+    on the GPU against the reference backend in test_recipe_triton_gpu.py); per-tensor scaling has no kernel."""
+    from mxattn.kernels.recipe_flags import DEFAULT_FLAGS, kernel_recipe
+    cls = backends.backend_class("triton")
+    for name, recipe in VARIANTS.items():
+        ok, reason = cls.supports_recipe(recipe)
+        assert ok == (recipe.scaling == "mxfp8"), (name, reason)
+        if not ok:
+            assert "per_tensor" in reason and "backend='reference'" in reason
+            with pytest.raises(ValueError, match="recipe: scaling='per_tensor' has no Triton kernel"):
+                kernel_recipe(recipe)
+    assert kernel_recipe(Recipe()) == DEFAULT_FLAGS == kernel_recipe(None)
+    flags = kernel_recipe(Recipe(p_quant="lazy16", v_operand="bf16", ds_quant="bf16", scale_rounding="floor"))
+    assert flags.fwd() == dict(P_MODE=1, LOG2_PS=4.0, V_RAW=True, FLOOR=True)
+    assert flags.bwd() == dict(P_BF16=False, DS_BF16=True, V_RAW=True, FLOOR=True)  # lazy16's backward: fixed256
+    assert kernel_recipe(Recipe(p_quant="none")).bwd()["P_BF16"] and kernel_recipe(Recipe(p_quant="none")).fwd() \
+        == dict(P_MODE=2, LOG2_PS=8.0, V_RAW=False, FLOOR=False)
+    q, k, v, _ = _bhsd(b=1, hq=2, hkv=2, sq=32, skv=32, d=64)
+    with pytest.raises(MXFP8NotSupportedError, match="per_tensor' has no Triton kernel"):
+        mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", backend="triton", recipe=VARIANTS["per_tensor"])
 
 
 def _pretend_available(monkeypatch):
@@ -438,8 +460,9 @@ def _pretend_available(monkeypatch):
 
 
 def test_auto_routes_each_recipe_to_a_backend_that_runs_it(monkeypatch):
-    """With cudnn and triton pretending to be available, the default recipe goes to cudnn and every variant to
-    reference (sizes unknown, as under torch.compile, so no cuDNN planning runs); the warning names why."""
+    """With cudnn and triton pretending to be available, the default recipe goes to cudnn, every MXFP8 variant
+    to triton and per-tensor scaling to reference (sizes unknown, as under torch.compile, so no cuDNN planning
+    runs); the warning names why."""
     _pretend_available(monkeypatch)
     problem = Problem(device=torch.device("cpu"), dtype=torch.bfloat16, batch=None, heads_q=4, heads_kv=2,
                       seqlen_q=None, seqlen_kv=None, head_dim=64, mask=MaskSpec(causal=True), needs_backward=True)
@@ -451,9 +474,10 @@ def test_auto_routes_each_recipe_to_a_backend_that_runs_it(monkeypatch):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             backends._WARNED.clear()
-            assert backends.pick_backend("auto", p) == "reference"
+            expected = "reference" if recipe.scaling == "per_tensor" else "triton"
+            assert backends.pick_backend("auto", p) == expected, name
         assert any("cudnn: cuDNN's MXFP8 SDPA graphs" in str(w.message) for w in caught), name
-        for refused in ("cudnn", "triton"):
+        for refused in ("cudnn", "triton") if recipe.scaling == "per_tensor" else ("cudnn",):
             with pytest.raises(MXFP8NotSupportedError, match=recipe.differences().replace("'", ".")):
                 backends.pick_backend(refused, p)
 

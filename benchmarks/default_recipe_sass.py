@@ -1,0 +1,139 @@
+"""The default recipe's kernels as the GPU runs them, fingerprinted without a GPU: every dense-attention Triton
+kernel (fused quantizer, forward on each data path, backward prep, dK/dV and dQ kernels) is compiled for sm_90
+with the default recipe's constexprs and one configuration per head dim the backend picks, and the sha256 of
+its SASS instruction listing (addresses and instructions, no file names) is printed, one line per kernel.
+
+Run it before and after a change to the kernels: equal fingerprints mean the default recipe's machine code,
+hence its speed, did not change (recipe variants are constexpr specialisations that must not touch it).
+
+Usage: python benchmarks/default_recipe_sass.py [--out FILE]
+"""
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks")]
+
+from sass_loops import cuda_tool, instructions  # noqa: E402
+from triton_compile import compile_for  # noqa: E402
+
+#: the pointer arguments of the dense kernels as Triton's launcher types them for bf16 inputs (FP8 data and
+#: E8M0 bytes; every other parameter is an i32 or, for the scales, fp32)
+FLOATS = dict(qk_scale="fp32", sm_scale="fp32")
+
+
+def sass_digest(kernel) -> str:
+    """sha256 of the cubin's SASS instructions (cuobjdump), 16 hex digits."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([cuda_tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    text = "\n".join(f"{a:x} {t}" for a, t in instructions(sass))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _types(fn, fp8: set, u8: set, bf16: set, fp32: set, i32: set = frozenset()) -> dict:
+    out = dict(FLOATS)
+    for p in fn.params:
+        if p.is_constexpr:
+            continue
+        n = p.name
+        if n in fp8:
+            out[n] = "*fp8e4nv"
+        elif n in u8:
+            out[n] = "*u8"
+        elif n in bf16:
+            out[n] = "*bf16"
+        elif n in fp32:
+            out[n] = "*fp32"
+        elif n in i32:
+            out[n] = "*i32"
+    return {k: v for k, v in out.items() if k in fn.arg_names}
+
+
+def builds():
+    """[(name, fn, types, constexprs, warps, stages)] of the default recipe's kernels."""
+    from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf, triton_quantize as tq
+    out = []
+    common = dict(HAS_LB=False, HAS_RB=True, VARLEN=False, PACKED=False, BOTTOM_RIGHT=False)
+    cu = {"CU_Q", "CU_KV"}
+    # forward: bf16 K/V scratch (D 64, 128), FP8 on chip (D 128, 256), quantizing one-tile path (D 64)
+    for dp, kv_bf16 in ((64, True), (128, True), (128, False), (256, False)):
+        bm, warps, stages = (tf.BF16_FWD_CONFIGS if kv_bf16 else tf.FWD_CONFIGS)[dp]
+        types = _types(tf._attn_fwd_kernel, fp8=set() if kv_bf16 else {"Q", "K", "V"},
+                       u8={"QS", "KS", "VS"}, bf16={"O"} | ({"K", "V"} if kv_bf16 else set()),
+                       fp32={"LSE", "SINK"}, i32=cu)
+        types["Q"] = "*fp8e4nv"
+        out.append((f"fwd d{dp} {'bf16-kv' if kv_bf16 else 'fp8-kv'}", tf._attn_fwd_kernel, types,
+                    dict(common, BM=bm, BN=tf.BLOCK_N, DP=dp, EVEN_D=True, HAS_SINK=False, KV_BF16=kv_bf16,
+                         QDQ=False), warps, stages))
+    import torch
+    bm, warps, stages = tf.quantizing_fwd_config(1, 64, torch.bfloat16)
+    types = _types(tf._attn_fwd_kernel, fp8=set(), u8=set(), bf16={"Q", "QS", "K", "KS", "V", "VS", "O"},
+                   fp32={"LSE", "SINK"}, i32=cu)
+    out.append(("fwd d64 quantizing", tf._attn_fwd_kernel, types,
+                dict(common, BM=bm, BN=tf.BLOCK_N, DP=64, EVEN_D=True, HAS_SINK=False, KV_BF16=False, QDQ=True),
+                warps, stages))
+    # backward: "pre" (bf16 scratch) at D 64 and 128, "fp8" at D 128
+    for dp, pre in ((64, True), (128, True), (128, False)):
+        (bm1, bn1, w1, s1), (bm2, bn2, w2, s2) = tb._bwd_config(dp, "pre" if pre else "fp8")
+        q_side = {"Q", "QC", "DO", "DOC"}
+        types = _types(tb._dkdv_kernel, fp8=({"K", "V"} | (set() if pre else q_side)),
+                       u8={"QS", "QCS", "KS", "VS", "DOS", "DOCS"}, bf16=({"DK", "DV"} | (q_side if pre else set())),
+                       fp32={"LSE", "DELTA"}, i32=cu)
+        out.append((f"dkdv d{dp} {'pre' if pre else 'fp8'}", tb._dkdv_kernel, types,
+                    dict(common, BM=bm1, BN=bn1, DP=dp, EVEN_D=True, PRE=pre), w1, s1))
+        kv_side = {"Q", "K", "KC", "V", "DO"}
+        types = _types(tb._dq_kernel, fp8=set() if pre else kv_side, u8={"QS", "KS", "KCS", "VS", "DOS"},
+                       bf16={"DQ"} | (kv_side if pre else set()), fp32={"LSE", "DELTA"}, i32=cu)
+        out.append((f"dq d{dp} {'pre' if pre else 'fp8'}", tb._dq_kernel, types,
+                    dict(common, BM=bm2, BN=bn2, DP=dp, EVEN_D=True, PRE=pre), w2, s2))
+    for kind, name in ((tb.PREP_DELTA, "delta"), (tb.PREP_Q, "q"), (tb.PREP_KV, "kv")):
+        fp8 = {"RD", "CD"} | ({"A"} if kind == tb.PREP_KV else set())
+        types = _types(tb._bwd_prep_kernel, fp8=fp8, u8={"RS", "CS"} | ({"B"} if kind == tb.PREP_KV else set()),
+                       bf16={"OUT_A", "OUT_B", "OUT_R", "OUT_C"} | (set() if kind == tb.PREP_KV else {"A", "B"}),
+                       fp32={"DELTA"}, i32={"CU"})
+        bd, warps = tb.PREP_TILES[128]
+        out.append((f"prep {name} d128", tb._bwd_prep_kernel, types,
+                    dict(DP=128, BD=bd, KIND=kind.value, VARLEN=False, PACKED=False), warps, 1))
+    # the fused quantizer: one tensor (dO's two copies) and Q, K, V in one launch (the forward's bf16-KV path)
+    bs, warps, bd = tq.QUANT_TILE
+    types = _types(tq._quantize_rowcol_kernel, fp8={"QR", "QC"}, u8={"SR", "SC", "SRZ", "SCZ"},
+                   bf16={"X", "RDQ", "CDQ"}, fp32=set(), i32={"CU"})
+    out.append(("quantize rowcol", tq._quantize_rowcol_kernel, types,
+                dict(BS=bs, BD=bd, ROW=True, COL=True, SWZ=False, ROW_DQ=False, COL_DQ=False, VARLEN=False,
+                     PACKED=False, COL_SEQ_MAJOR=False), warps, 1))
+    names = {f"{p}{i}" for i in range(3) for p in ("X", "RDQ", "CDQ")}
+    types = _types(tq._quantize_qkv_kernel, fp8={f"{p}{i}" for i in range(3) for p in ("QR", "QC")},
+                   u8={f"{p}{i}" for i in range(3) for p in ("SR", "SC")}, bf16=names, fp32=set(),
+                   i32={f"CU{i}" for i in range(3)})
+    flags = dict(ROW0=True, COL0=True, ROW_DQ0=False, COL_DQ0=False, CSM0=False,
+                 ROW1=True, COL1=True, ROW_DQ1=True, COL_DQ1=False, CSM1=False,
+                 ROW2=True, COL2=True, ROW_DQ2=False, COL_DQ2=True, CSM2=False)
+    out.append(("quantize qkv", tq._quantize_qkv_kernel, types,
+                dict(BS=bs, BD=bd, VARLEN=False, PACKED=False, **flags), warps, 1))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the lines to this file")
+    args = parser.parse_args()
+    lines = []
+    for name, fn, types, constexprs, warps, stages in builds():
+        kernel = compile_for(fn, types, constexprs, num_warps=warps, num_stages=stages)
+        lines.append(f"{name:24s} {sass_digest(kernel)}  smem {kernel.metadata.shared}")
+        print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

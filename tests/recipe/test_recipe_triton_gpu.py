@@ -1,0 +1,177 @@
+"""Recipe variants on the triton backend (CUDA GPU): every MXFP8 variant against the reference backend (ref's
+numerics, independent code) through the public API, on each of the kernels' data paths: the forward on bf16 K/V
+scratch and on FP8 dequantized on chip, the one-launch forward that quantizes as it reads (no grad, one query
+tile), the backward on bf16 scratch ("pre") and on FP8 ("fp8"); padded and packed batches with a learnable
+sink; fp32 inputs (the bf16-V variant rounds V itself).
+
+Tolerances are the triton backend's against ref (tests/triton/test_triton_gpu.py): O within one bf16 ulp in
+>= 99% of elements and max abs diff <= 1e-2, dQ/dK/dV relative RMS <= 1e-2. Each variant must also land far
+closer to the reference backend's run of that variant than to the default recipe's run (so a variant switch
+that did nothing, or did something else, fails); the measured errors are printed (pytest -s)."""
+
+import math
+
+import pytest
+import torch
+
+import mxattn
+from mxattn import Recipe
+from mxattn.recipe import all_variants
+
+pytestmark = pytest.mark.gpu
+
+#: every MXFP8 variant (per-tensor scaling has no kernel: the triton backend refuses it, tests/recipe/test_recipe.py)
+RECIPES = tuple(r for r in all_variants() if r.scaling == "mxfp8" and not r.is_default) + (
+    Recipe(p_quant="none", v_operand="bf16", ds_quant="bf16"),
+    Recipe(p_quant="lazy16", v_operand="bf16", ds_quant="bf16", scale_rounding="floor"))
+IDS = [r.differences().replace("'", "") for r in RECIPES]
+
+O_ULP_FRACTION = 0.99
+O_MAX_ABS = 1e-2
+GRAD_REL_RMS = 1e-2
+#: a variant's distance to its reference run, as a fraction of its distance to the default recipe's run, at most
+DISCRIMINATION = 0.2
+
+
+def _bf16_ulp(r: torch.Tensor) -> torch.Tensor:
+    _, e = torch.frexp(r.float())
+    return torch.ldexp(torch.ones_like(r, dtype=torch.float32), (e - 8).clamp(min=-133))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _inputs(b, hq, hkv, sq, skv, d, dtype=torch.bfloat16, seed=0, scale=2.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda h, s: (torch.randn(b, s, h, d, device="cuda", generator=g) * scale).to(dtype)  # noqa: E731
+    return mk(hq, sq), mk(hkv, skv), mk(hkv, skv), mk(hq, sq).to(torch.bfloat16 if dtype == torch.float32 else dtype)
+
+
+def _run(backend, recipe, q, k, v, do=None, **kw):
+    """O and (with do) dQ, dK, dV of mxfp8_attention on bshd views (fresh leaves)."""
+    leaves = [t.detach().clone().requires_grad_(do is not None) for t in (q, k, v)]
+    with torch.set_grad_enabled(do is not None):
+        o = mxattn.mxfp8_attention(*leaves, qkv_format="bshd", backend=backend, recipe=recipe, **kw)
+    if do is None:
+        return [o]
+    return [o, *torch.autograd.grad(o, leaves, do)]
+
+
+def _check(got, want, default, label):
+    """got (triton, the variant) against want (reference backend, the variant); default: the reference
+    backend's run of the default recipe."""
+    o, wo = got[0].float(), want[0].float()
+    diff = (o - wo).abs()
+    within = (diff <= _bf16_ulp(wo)).float().mean().item()
+    errs = [_rel(g, w) for g, w in zip(got[1:], want[1:])]
+    to_default = [_rel(g, d) for g, d in zip(got, default)]
+    print(f"{label}: O within 1 ulp {within:.5f}, max abs {diff.max().item():.3g}; grads rel-RMS "
+          f"{['%.2e' % e for e in errs]}; distance to the default recipe {['%.2e' % e for e in to_default]}")
+    assert torch.isfinite(o).all()
+    assert within >= O_ULP_FRACTION and diff.max().item() <= O_MAX_ABS, (within, diff.max().item())
+    for e in errs:
+        assert e <= GRAD_REL_RMS, errs
+    own = [_rel(got[0], want[0])] + errs
+    for mine, other in zip(own, to_default):
+        assert mine <= DISCRIMINATION * other, (own, to_default)
+
+
+@pytest.mark.parametrize("path", ["bf16_scratch", "fp8_on_chip"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_triton_variant_matches_the_reference_backend(recipe, path, monkeypatch):
+    """Forward and backward, causal GQA at D 64 (bf16 scratch paths) or with the forward on FP8 K/V and the
+    backward streaming FP8 (forced: the paths a large problem or D > 128 takes), sequence lengths not multiples
+    of the tiles."""
+    if path == "fp8_on_chip":
+        from mxattn.backends import triton_backend as backend_module
+        from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf
+        monkeypatch.setattr(tf, "fwd_streams_bf16", lambda *a: False)
+        monkeypatch.setattr(tb, "bwd_streams_bf16", lambda *a: False)
+        # launch plans key on the signature, not on these module-level choices
+        monkeypatch.setattr(backend_module, "_forward_key", lambda roots, params: None)
+        monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
+    q, k, v, do = _inputs(2, 8, 2, 300, 300, 64, seed=1)
+    kw = dict(attn_mask_type="causal")
+    got = _run("triton", recipe, q, k, v, do, **kw)
+    want = _run("reference", recipe, q, k, v, do, **kw)
+    default = _run("reference", None, q, k, v, do, **kw)
+    _check(got, want, default, f"{recipe.differences()} {path}")
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_triton_variant_head_dim_256_and_a_window(recipe):
+    """D 256 (forward always on FP8 K/V on chip, the widest backward tiles), a sliding window, bottom-right
+    alignment with Sq < Skv."""
+    q, k, v, do = _inputs(1, 4, 4, 96, 200, 256, seed=2)
+    kw = dict(attn_mask_type="causal_bottom_right", window_size=(70, 0))
+    got = _run("triton", recipe, q, k, v, do, **kw)
+    want = _run("reference", recipe, q, k, v, do, **kw)
+    default = _run("reference", None, q, k, v, do, **kw)
+    _check(got, want, default, f"{recipe.differences()} d256 window")
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_triton_variant_decode_step_one_launch(recipe):
+    """No grad, one query row per sequence over 333 keys (the forward that quantizes Q, K, V as it reads, or
+    rounds V to bf16): O against the reference backend, and fp32 inputs."""
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v, _ = _inputs(4, 8, 2, 1, 333, 128, dtype=dtype, seed=3)
+        kw = dict(attn_mask_type="causal_bottom_right")
+        got = _run("triton", recipe, q, k, v, **kw)
+        want = _run("reference", recipe, q, k, v, **kw)
+        default = _run("reference", None, q, k, v, **kw)
+        assert got[0].dtype == dtype
+        _check(got, want, default, f"{recipe.differences()} decode {dtype}")
+
+
+@pytest.mark.parametrize("recipe", [RECIPES[-1], Recipe(p_quant="lazy16"), Recipe(p_quant="none")],
+                         ids=["all_fields", "lazy16", "p_none"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_triton_variant_varlen_with_a_learnable_sink(recipe, packed):
+    """Padded (bshd + cu_seqlens) and packed (thd) batches of lengths 1..300 with a learnable sink (the lazy
+    running max starts from it): O, dQ, dK, dV and dSink against the reference backend."""
+    lens = [300, 1, 77, 160]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    hq, hkv, d = 4, 2, 64
+    g = torch.Generator(device="cuda").manual_seed(5)
+    sink = torch.randn(hq, device="cuda", generator=g)
+    if packed:
+        t = sum(lens)
+        q, k, v, do = ((torch.randn(t, h, d, device="cuda", generator=g) * 2).bfloat16() for h in (hq, hkv, hkv, hq))
+        kw = dict(qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                  max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+    else:
+        q, k, v, do = _inputs(len(lens), hq, hkv, max(lens), max(lens), d, seed=6)
+        kw = dict(qkv_format="bshd", attn_mask_type="padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                  max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+
+    def run(backend, r):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        s = sink.detach().clone().requires_grad_()
+        o = mxattn.mxfp8_attention(*leaves, backend=backend, recipe=r, softmax_type="learnable",
+                                   softmax_offset=s, **kw)
+        grads = torch.autograd.grad(o, leaves + [s], do)
+        if not packed:  # compare real rows only (padding rows are zeros in both)
+            mask = torch.arange(max(lens), device="cuda")[None, :] < torch.tensor(lens, device="cuda")[:, None]
+            o = o[mask]
+            grads = [x[mask] for x in grads[:3]] + [grads[3]]
+        return [o, *grads]
+
+    got, want, default = run("triton", recipe), run("reference", recipe), run("reference", None)
+    _check(got[:4], want[:4], default[:4], f"{recipe.differences()} {'packed' if packed else 'padded'}")
+    assert _rel(got[4], want[4]) <= 1e-3, (got[4], want[4])
+
+
+def test_default_recipe_still_matches_after_variants_ran():
+    """Variants and the default share launch plans' families only through the recipe key: the default's bits
+    are the same before and after variant calls of the same signature."""
+    q, k, v, do = _inputs(1, 4, 2, 130, 130, 64, seed=7)
+    first = _run("triton", None, q, k, v, do, attn_mask_type="causal")
+    for r in RECIPES:
+        _run("triton", r, q, k, v, do, attn_mask_type="causal")
+    again = _run("triton", None, q, k, v, do, attn_mask_type="causal")
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    assert math.isfinite(first[0].float().sum().item())

@@ -1,0 +1,65 @@
+"""The recipe variants' kernel specialisations build for sm_90 without a GPU (Triton's compiler and ptxas on the
+CPU): each switch of `mxattn.kernels.recipe_flags` on the kernels it reaches, one configuration each. Their
+numbers are checked on the GPU (tests/recipe/test_recipe_triton_gpu.py); the default recipe's machine code is
+fingerprinted by benchmarks/default_recipe_sass.py."""
+
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+from repo_paths import ROOT  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from default_recipe_sass import builds  # noqa: E402
+from triton_compile import compile_for  # noqa: E402
+
+from mxattn import Recipe  # noqa: E402
+from mxattn.kernels.recipe_flags import kernel_recipe  # noqa: E402
+
+#: (recipe, the default_recipe_sass builds it reaches)
+CASES = [
+    (Recipe(scale_rounding="floor"), ["quantize qkv", "prep q d128", "dkdv d64 pre", "dq d128 fp8", "fwd d64 quantizing"]),
+    (Recipe(p_quant="none"), ["fwd d64 bf16-kv", "dkdv d64 pre"]),
+    (Recipe(p_quant="lazy16"), ["fwd d128 fp8-kv", "fwd d256 fp8-kv"]),
+    (Recipe(v_operand="bf16"), ["fwd d256 fp8-kv", "fwd d64 quantizing", "dkdv d128 fp8", "dq d64 pre", "prep kv d128"]),
+    (Recipe(ds_quant="bf16"), ["dkdv d128 fp8", "dq d128 fp8"]),
+]
+
+
+def _switches(recipe, name: str, fn) -> dict:
+    flags = kernel_recipe(recipe)
+    if name.startswith("fwd"):
+        out = flags.fwd()
+    elif name.startswith(("dkdv", "dq")):
+        out = flags.bwd()
+    elif name.startswith("prep"):
+        out = dict(FLOOR=flags.floor, WITH_V=not flags.v_raw)
+    else:
+        out = dict(FLOOR=flags.floor)
+    return {k: v for k, v in out.items() if k in fn.arg_names}
+
+
+@pytest.mark.parametrize("recipe,names", CASES, ids=[r.differences() for r, _ in CASES])
+def test_variant_kernels_build_for_sm90(recipe, names):
+    table = {b[0]: b for b in builds()}
+    for name in names:
+        _, fn, types, constexprs, warps, stages = table[name]
+        switches = _switches(recipe, name, fn)
+        assert switches, name
+        if switches.get("V_RAW"):  # V is then a bf16 tensor (the kernels read it as it is)
+            types = {**types, "V": "*bf16"}
+        kernel = compile_for(fn, types, {**constexprs, **switches}, num_warps=warps, num_stages=stages)
+        assert "cubin" in kernel.asm and kernel.metadata.shared <= 227 * 1024, name
+        ptx = kernel.asm["ptx"]
+        if name == "fwd d64 bf16-kv":  # P rounded to bf16: no E4M3 conversion left in a kernel fed bf16 K/V
+            assert "cvt.rn.satfinite.e4m3x2.f32" not in ptx
+
+
+def test_default_fwd_rounds_p_to_e4m3():
+    """The counterpart of the p_quant="none" check above: the default forward on bf16 K/V converts P to E4M3."""
+    table = {b[0]: b for b in builds()}
+    _, fn, types, constexprs, warps, stages = table["fwd d64 bf16-kv"]
+    kernel = compile_for(fn, types, constexprs, num_warps=warps, num_stages=stages)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"]
