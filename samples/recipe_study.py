@@ -7,7 +7,7 @@ future tokens, and training loss over seeds. Writes a markdown table file and a 
 
 Recipes: every entry of `mxattn.recipe.all_variants()` (the default cuDNN recipe and each single-field variant,
 `scaling=per_tensor`, FP8 with one FP32 scale per tensor, among them), each run on the `reference` backend
-(--backend; cudnn and triton run only the default recipe), and BF16 attention (torch SDPA) as the baseline.
+(--backend: triton runs every MXFP8 recipe on a GPU, cudnn only the default), and BF16 attention (torch SDPA) as the baseline.
 
 1. Error: relative RMS error (||x - x64|| / ||x64||) of O, dQ, dK and dV against FP64 attention (torch SDPA in
    float64 through autograd on the same bf16-rounded inputs and the same bf16 dO), causal and not, for inputs
@@ -57,6 +57,8 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     import mxattn
 from mxattn import Recipe, quantize_mxfp8  # noqa: E402
 from mxattn.recipe import all_variants  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from recipe_study_plots import save_plots  # noqa: E402  (samples/recipe_study_plots.py: the PNG plots)
 
 TRAIN_GPT = os.path.join(ROOT, "samples", "train_gpt.py")
 BF16 = "bf16 (torch SDPA)"   # the baseline's row label
@@ -305,7 +307,8 @@ def run_training(size: dict, steps: int, seeds: Sequence[int], recipes, device: 
                  progress: Progress) -> dict:
     """Part 3: final and validation losses per attention and seed, their spreads, and paired differences."""
     tg = load_train_gpt()
-    data = tg.load_splits(tg.parse_args(train_argv(size["train"], steps, seeds[0], device, backend)))
+    args = tg.parse_args(train_argv(size["train"], steps, seeds[0], device, backend))
+    data = tg.load_splits(args)
     runs: Dict[str, Dict[int, dict]] = {}
     labels = [BF16] + [label for label, _ in recipes]
     for seed in seeds:
@@ -326,7 +329,6 @@ def run_training(size: dict, steps: int, seeds: Sequence[int], recipes, device: 
             row[f"{key}_minus_default"] = spread([runs[label][s][key] - runs["default"][s][key] for s in seeds])
         row["seconds"] = spread([runs[label][s]["seconds"] for s in seeds])
         summary[label] = row
-    args = tg.parse_args(train_argv(size["train"], steps, seeds[0], device, backend))
     config = {k: v for k, v in vars(args).items() if k not in ("seed", "out", "recipe", "log_every")}
     return dict(config=config, seeds=list(seeds), runs={label: {str(s): r for s, r in by_seed.items()}
                                                          for label, by_seed in runs.items()}, summary=summary)
@@ -448,54 +450,6 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save_plots(result: dict, out_dir: str) -> str:
-    """PNG plots of the O errors and the final losses if matplotlib imports; returns what was done."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no PNG plots written"
-    written = []
-    try:
-        if "errors" in result:
-            cases = result["errors"]
-            labels = list(cases[0]["errors"])
-            fig, ax = plt.subplots(figsize=(11, 4.5))
-            width = 0.8 / len(labels)
-            for j, label in enumerate(labels):
-                means = [100 * c["errors"][label]["O"]["mean"] for c in cases]
-                ax.bar([x + j * width for x in range(len(cases))], means, width, label=label)
-            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cases))])
-            ax.set_xticklabels([f"{c['distribution']}\n{c['mask']}" for c in cases], fontsize=7)
-            ax.set_ylabel("O rel-RMS error vs FP64 (%)")
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            path = os.path.join(out_dir, "recipe_study_errors.png")
-            fig.savefig(path, dpi=120)
-            plt.close(fig)
-            written.append(os.path.basename(path))
-        if "training" in result:
-            summary = result["training"]["summary"]
-            labels = list(summary)
-            means = [summary[lb]["final"]["mean"] for lb in labels]
-            lo = [m - summary[lb]["final"]["min"] for m, lb in zip(means, labels)]
-            hi = [summary[lb]["final"]["max"] - m for m, lb in zip(means, labels)]
-            fig, ax = plt.subplots(figsize=(8, 4.5))
-            ax.errorbar(range(len(labels)), means, yerr=[lo, hi], fmt="o", capsize=4)
-            ax.set_xticks(range(len(labels)))
-            ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
-            ax.set_ylabel("final training loss (mean, min-max over seeds)")
-            fig.tight_layout()
-            path = os.path.join(out_dir, "recipe_study_training.png")
-            fig.savefig(path, dpi=120)
-            plt.close(fig)
-            written.append(os.path.basename(path))
-    except Exception as exc:  # a plot must not lose the study's numbers
-        return f"plotting failed ({type(exc).__name__}: {exc}); wrote {written or 'nothing'}"
-    return "written: " + ", ".join(written) if written else "nothing to plot"
-
-
 def write_outputs(result: dict, out_dir: str) -> Dict[str, str]:
     """recipe_study.json, recipe_study.md and the plots in `out_dir`; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
@@ -536,12 +490,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None,
                    help="output directory (None: benchmarks/results/<device name>/recipe_study/ of this repository)")
     args = p.parse_args(argv)
-    if args.seeds < 1:
-        p.error(f"--seeds must be >= 1, got {args.seeds}")
-    if args.steps is not None and args.steps < 1:
-        p.error(f"--steps must be >= 1, got {args.steps}")
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
+    for name, value in (("seeds", args.seeds), ("steps", args.steps), ("threads", args.threads)):
+        if value is not None and value < 1:
+            p.error(f"--{name} must be >= 1, got {value}")
     try:
         args.magnitudes = [float(x) for x in args.future_magnitudes.split(",") if x.strip()]
     except ValueError:

@@ -141,10 +141,14 @@ class SavedWithBF16V(SavedForBackward):
     never quantized)."""
 
     def tensors(self):
-        return (*super().tensors()[:8], self.v_row)
+        out = []
+        for t in (self.q_row, self.q_col, self.k_row, self.k_col):
+            out += [t.data, t.scale]
+        return (*out, self.v_row)
 
     @classmethod
     def from_tensors(cls, flat, seq=None) -> "SavedWithBF16V":
+        # the base class's inverse on the eight MXFP8 tensors (its v_row slot filled with q_row's, then replaced)
         base = SavedForBackward.from_tensors((*flat[:8], flat[0], flat[1]), seq)
         return cls(base.q_row, base.q_col, base.k_row, base.k_col, flat[8])
 

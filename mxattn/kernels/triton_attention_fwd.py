@@ -192,9 +192,12 @@ def fwd_streams_bf16(batch: int, heads_kv: int, rows_kv: int, head_dim: int) -> 
     return dp <= max(BF16_FWD_CONFIGS) and 2 * 2 * batch * heads_kv * rows_kv * head_dim <= SCRATCH_BUDGET_BYTES
 
 
-def _fwd_config(dp: int):
-    """(BLOCK_M, num_warps, num_stages) for padded head dim dp."""
-    return FWD_CONFIGS[dp]
+def _fwd_config(dp: int, v_raw: bool = False):
+    """(BLOCK_M, num_warps, num_stages) for padded head dim dp (v_raw: V read in bf16, twice the FP8 tile's
+    bytes; above D 128 its tiles then take one stage: two of 128 x 256 bf16 V and FP8 K tiles exceed the H100's
+    shared memory)."""
+    bm, warps, stages = FWD_CONFIGS[dp]
+    return (bm, warps, 1) if v_raw and dp > 128 else (bm, warps, stages)
 
 
 def _check_seq_major_v(v, batch: int, heads: int, rows: int, d: int):
@@ -275,7 +278,7 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
         else:
             v_data, vs = _check_seq_major_v(v, B, HKV, SKV, D)
             v_strides = v_data.stride()[:2] + (1, v_data.stride(2))
-        bm, warps, stages = config if config is not None else _fwd_config(dp)
+        bm, warps, stages = config if config is not None else _fwd_config(dp, flags.v_raw)
     qs = q_scale.view(u8)
     for name, t in (("q_data", q_data), ("k_data", k_data), ("v.data", v_data), ("out", out), ("q_scale", qs),
                     ("k_scale", ks), ("v.scale", vs)):

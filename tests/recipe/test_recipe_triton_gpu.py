@@ -5,9 +5,10 @@ tile), the backward on bf16 scratch ("pre") and on FP8 ("fp8"); padded and packe
 sink; fp32 inputs (the bf16-V variant rounds V itself).
 
 Tolerances are the triton backend's against ref (tests/triton/test_triton_gpu.py): O within one bf16 ulp in
->= 99% of elements and max abs diff <= 1e-2, dQ/dK/dV relative RMS <= 1e-2. Each variant must also land far
-closer to the reference backend's run of that variant than to the default recipe's run (so a variant switch
-that did nothing, or did something else, fails); the measured errors are printed (pytest -s)."""
+>= 99% of elements and no element further than one ulp of O's largest magnitude, dQ/dK/dV relative RMS <= 1e-2.
+Each variant must also land far closer to the reference backend's run of that variant than to the default
+recipe's run in what the variant changes (O for forward fields, dQ and dK for dS's rounding), so a switch that
+did nothing, or something else, fails; the measured errors are printed (pytest -s)."""
 
 import math
 
@@ -27,7 +28,6 @@ RECIPES = tuple(r for r in all_variants() if r.scaling == "mxfp8" and not r.is_d
 IDS = [r.differences().replace("'", "") for r in RECIPES]
 
 O_ULP_FRACTION = 0.99
-O_MAX_ABS = 1e-2
 GRAD_REL_RMS = 1e-2
 #: a variant's distance to its reference run, as a fraction of its distance to the default recipe's run, at most
 DISCRIMINATION = 0.2
@@ -59,7 +59,15 @@ def _run(backend, recipe, q, k, v, do=None, **kw):
     return [o, *torch.autograd.grad(o, leaves, do)]
 
 
-def _check(got, want, default, label):
+def _changed(recipe: Recipe, n: int) -> list:
+    """Indices of [O, dQ, dK, dV][:n] that the recipe changes against the default (forward fields change O
+    and everything after it; dS's rounding changes dQ and dK only)."""
+    if recipe.p_quant != "fixed256" or recipe.v_operand != "fp8" or recipe.scale_rounding != "ceil":
+        return [0]
+    return [1, 2][:max(0, n - 1)]
+
+
+def _check(got, want, default, label, recipe):
     """got (triton, the variant) against want (reference backend, the variant); default: the reference
     backend's run of the default recipe."""
     o, wo = got[0].float(), want[0].float()
@@ -70,12 +78,13 @@ def _check(got, want, default, label):
     print(f"{label}: O within 1 ulp {within:.5f}, max abs {diff.max().item():.3g}; grads rel-RMS "
           f"{['%.2e' % e for e in errs]}; distance to the default recipe {['%.2e' % e for e in to_default]}")
     assert torch.isfinite(o).all()
-    assert within >= O_ULP_FRACTION and diff.max().item() <= O_MAX_ABS, (within, diff.max().item())
+    assert within >= O_ULP_FRACTION, within
+    assert diff.max().item() <= _bf16_ulp(wo.abs().max()).item(), diff.max().item()
     for e in errs:
         assert e <= GRAD_REL_RMS, errs
     own = [_rel(got[0], want[0])] + errs
-    for mine, other in zip(own, to_default):
-        assert mine <= DISCRIMINATION * other, (own, to_default)
+    for i in _changed(recipe, len(got)):  # (none for dS's rounding in a call without backward)
+        assert own[i] <= DISCRIMINATION * to_default[i], (i, own, to_default)
 
 
 @pytest.mark.parametrize("path", ["bf16_scratch", "fp8_on_chip"])
@@ -97,7 +106,7 @@ def test_triton_variant_matches_the_reference_backend(recipe, path, monkeypatch)
     got = _run("triton", recipe, q, k, v, do, **kw)
     want = _run("reference", recipe, q, k, v, do, **kw)
     default = _run("reference", None, q, k, v, do, **kw)
-    _check(got, want, default, f"{recipe.differences()} {path}")
+    _check(got, want, default, f"{recipe.differences()} {path}", recipe)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
@@ -109,7 +118,7 @@ def test_triton_variant_head_dim_256_and_a_window(recipe):
     got = _run("triton", recipe, q, k, v, do, **kw)
     want = _run("reference", recipe, q, k, v, do, **kw)
     default = _run("reference", None, q, k, v, do, **kw)
-    _check(got, want, default, f"{recipe.differences()} d256 window")
+    _check(got, want, default, f"{recipe.differences()} d256 window", recipe)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
@@ -123,7 +132,7 @@ def test_triton_variant_decode_step_one_launch(recipe):
         want = _run("reference", recipe, q, k, v, **kw)
         default = _run("reference", None, q, k, v, **kw)
         assert got[0].dtype == dtype
-        _check(got, want, default, f"{recipe.differences()} decode {dtype}")
+        _check(got, want, default, f"{recipe.differences()} decode {dtype}", recipe)
 
 
 @pytest.mark.parametrize("recipe", [RECIPES[-1], Recipe(p_quant="lazy16"), Recipe(p_quant="none")],
@@ -160,7 +169,7 @@ def test_triton_variant_varlen_with_a_learnable_sink(recipe, packed):
         return [o, *grads]
 
     got, want, default = run("triton", recipe), run("reference", recipe), run("reference", None)
-    _check(got[:4], want[:4], default[:4], f"{recipe.differences()} {'packed' if packed else 'padded'}")
+    _check(got[:4], want[:4], default[:4], f"{recipe.differences()} {'packed' if packed else 'padded'}", recipe)
     assert _rel(got[4], want[4]) <= 1e-3, (got[4], want[4])
 
 

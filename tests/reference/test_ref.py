@@ -11,6 +11,7 @@ import torch
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from ref import cores as ref_cores  # noqa: E402
 from ref import mxfp8_ref as R  # noqa: E402
 from ref import dequantize, keep_mask, quantize, sdpa_bwd, sdpa_bwd_quantized, sdpa_fwd, sdpa_fwd_quantized  # noqa: E402
 
@@ -366,15 +367,15 @@ def test_chunking_does_not_change_results(monkeypatch):
     full = sdpa_fwd(q, k, v, causal=True, out_dtype=torch.float32)
     gfull = sdpa_bwd(q, k, v, full[0], do, full[1], causal=True, out_dtype=torch.float32)
     calls = []
-    orig = R._group_chunks
+    orig = ref_cores._group_chunks
 
     def spy(*args):
         chunks = list(orig(*args))
         calls.extend(chunks)
         return iter(chunks)
 
-    monkeypatch.setattr(R, "_group_chunks", spy)
-    monkeypatch.setattr(R, "CHUNK_ELEMS", 64 * 180)  # forces 1 head and 64-row chunks
+    monkeypatch.setattr(ref_cores, "_group_chunks", spy)
+    monkeypatch.setattr(ref_cores, "CHUNK_ELEMS", 64 * 180)  # forces 1 head and 64-row chunks
     part = sdpa_fwd(q, k, v, causal=True, out_dtype=torch.float32)
     gpart = sdpa_bwd(q, k, v, full[0], do, full[1], causal=True, out_dtype=torch.float32)
     assert all(h1 - h0 == 1 for _, h0, h1 in calls) and len(calls) == 8  # 4 heads, forward and backward

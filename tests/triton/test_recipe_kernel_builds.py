@@ -63,3 +63,21 @@ def test_default_fwd_rounds_p_to_e4m3():
     _, fn, types, constexprs, warps, stages = table["fwd d64 bf16-kv"]
     kernel = compile_for(fn, types, constexprs, num_warps=warps, num_stages=stages)
     assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"]
+
+
+def test_bf16_v_forward_at_d256_fits_shared_memory():
+    """The bf16-V forward above D 128 takes one pipeline stage (`_fwd_config`): on the H100 the two-stage build
+    asked for 256 KiB of shared memory (OutOfResources in a device run; this offline build, whose integer
+    specialisations differ, reports less), and one stage needs less than two here too."""
+    from mxattn.kernels import triton_attention_fwd as tf
+    _, fn, types, constexprs, warps, _ = {b[0]: b for b in builds()}["fwd d256 fp8-kv"]
+    types = {**types, "V": "*bf16"}
+    divisible = [p.name for p in fn.params if not p.is_constexpr and
+                 (types.get(p.name, "").startswith("*") or p.name.startswith("s") or p.name == "D")]
+    shared = {}
+    for stages in (2, tf._fwd_config(256, v_raw=True)[2]):
+        kernel = compile_for(fn, types, {**constexprs, **kernel_recipe(Recipe(v_operand="bf16")).fwd()},
+                             num_warps=warps, num_stages=stages, divisible=divisible)
+        shared[stages] = kernel.metadata.shared
+    assert shared[1] <= 227 * 1024 and shared[1] < shared[2], shared
+    assert tf._fwd_config(256) == tf.FWD_CONFIGS[256]  # the default recipe keeps its stages
