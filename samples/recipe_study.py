@@ -475,8 +475,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         "tiny (for tests)")
     p.add_argument("--device", default="cpu", help="torch device for every part (cpu, cuda, cuda:1, ...)")
     p.add_argument("--backend", default="reference", choices=("reference", "auto"),
-                   help="mxattn backend: reference runs every recipe; auto runs the default recipe on cudnn or "
-                        "triton where available and the variants on reference (cudnn and triton refuse variants)")
+                   help="mxattn backend: reference runs every recipe; auto runs each recipe on the fastest "
+                        "backend that runs it (triton on a CUDA GPU for every MXFP8 recipe, reference for "
+                        "per-tensor scaling)")
     p.add_argument("--seeds", type=int, default=3, help="number of seeds (inputs and training runs)")
     p.add_argument("--seed", type=int, default=0, help="first seed; seeds are seed, seed+1, ...")
     p.add_argument("--steps", type=int, default=None,
