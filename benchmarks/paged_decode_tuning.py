@@ -5,8 +5,9 @@ bit-equal to the dense path's 128-row / 8-warp tile), the exact kernel's dequant
 (num_warps, num_stages) variants, with 256-token pages (one page-table read per block) and 64-token
 pages (a gather per token); agreement of the default with the exact pass (max bf16 ulps, share equal).
 Heads as benchmarks/decode_bench.py; GPU times of CUDA-graph replays (`decode_bench.graph_us`). --ncu: one
-fast-tile call at batch 64 (or $NCU_BATCH) / 4k for Nsight Compute. --splits: instead, the fast tile's time per split count (the automatic choice first) at batch 1, 8, 64 and contexts 1k-32k.
-Usage (CUDA machine): python benchmarks/paged_decode_tuning.py [--ncu | --splits]"""
+fast-tile call at batch 64 (or $NCU_BATCH) / 4k for Nsight Compute. --splits: instead, the fast tile's time per split count (the automatic choice first) at batch 1, 8, 64 and contexts 1k-32k; --cap N
+adds a register cap of N per thread to the decode kernel's build (`DECODE_MAXNREG`) for that sweep.
+Usage (CUDA machine): python benchmarks/paged_decode_tuning.py [--ncu | --splits [--cap N]]"""
 import os
 import sys
 
@@ -40,9 +41,13 @@ def setup(batch, context, page):
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def split_sweep():
-    """Time per decode step of the fast tile per split count, against the automatic choice and SDPA."""
-    print(f"{torch.cuda.get_device_name()}: decode step, Hq {db.HQ} Hkv {db.HKV} D {db.D}, page 256, us")
+def split_sweep(cap=None):
+    """Time per decode step of the fast tile per split count, against the automatic choice and SDPA (cap: the
+    decode kernel's register cap, None for the library's)."""
+    if cap is not None:
+        tp.DECODE_MAXNREG = cap
+    print(f"{torch.cuda.get_device_name()}: decode step, Hq {db.HQ} Hkv {db.HKV} D {db.D}, page 256, "
+          f"register cap {tp.DECODE_MAXNREG}, us")
     print("batch context | sdpa | auto (splits) | " + " | ".join(f"{n} splits" for n in SPLITS) + " | best")
     for batch, context in ((1, 1024), (1, 4096), (1, 32768), (8, 1024), (8, 4096), (8, 16384), (64, 4096),
                            (64, 16384)):
@@ -62,7 +67,7 @@ def split_sweep():
 
 def main():
     if "--splits" in sys.argv:
-        split_sweep()
+        split_sweep(int(sys.argv[sys.argv.index("--cap") + 1]) if "--cap" in sys.argv else None)
         return
     if "--ncu" in sys.argv:
         batch = int(os.environ.get("NCU_BATCH", 64))

@@ -1,9 +1,12 @@
 """Speed of each recipe on the triton backend against the default recipe and torch SDPA (bf16, cuDNN), measured in
 the same run: forward and forward+backward of the public API (`mxfp8_attention`, quantization included), bshd
-bf16, median of CUDA-event timings; ratios are time / the default recipe's time.
+bf16; each figure the median over --rounds interleaved rounds (every recipe once per round, in a rotated order) of
+a median of CUDA-event timings; ratios are time / the default recipe's time. --profile adds, per recipe, the
+GPU time of each kernel in one forward+backward (torch.profiler).
 
 Usage: python benchmarks/recipe_throughput.py [--batch 2 --heads 16 --seq 4096 --head-dim 128] [--out DIR]
 Writes DIR/recipe_throughput.json and .md (DIR default benchmarks/results/<gpu>/)."""
+import statistics
 import argparse
 import json
 import os
@@ -26,7 +29,9 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     dev = torch.cuda.get_device_name()
@@ -44,13 +49,27 @@ def main() -> None:
     def sdpa(*t):
         return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in t), is_causal=True).transpose(1, 2)
 
+    runs = [("sdpa_bf16", sdpa)] + [(r.differences(), mx(r)) for r in recipes]
+    fwd, fb = {n: [] for n, _ in runs}, {n: [] for n, _ in runs}
+    for rnd in range(a.rounds):
+        for name, fn in runs[rnd % len(runs):] + runs[:rnd % len(runs)]:
+            with torch.no_grad():
+                fwd[name].append(time_cuda(lambda: fn(q, k, v), 2, a.iters))
+            fb[name].append(time_cuda(lambda: torch.autograd.grad(fn(*leaves), leaves, do), 2, a.iters))
     rows = []
-    for name, fn in [("sdpa_bf16", sdpa)] + [(r.differences(), mx(r)) for r in recipes]:
-        with torch.no_grad():
-            fwd = time_cuda(lambda: fn(q, k, v), 3, a.iters)
-        fb = time_cuda(lambda: torch.autograd.grad(fn(*leaves), leaves, do), 3, a.iters)
-        rows.append(dict(recipe=name, fwd_ms=fwd, fwd_bwd_ms=fb))
-        print(f"{name:60s} fwd {fwd:7.3f} ms  fwd+bwd {fb:7.3f} ms", flush=True)
+    for name, _ in runs:
+        rows.append(dict(recipe=name, fwd_ms=statistics.median(fwd[name]), fwd_bwd_ms=statistics.median(fb[name]),
+                         fwd_rounds=fwd[name], fwd_bwd_rounds=fb[name]))
+        print(f"{name:60s} fwd {rows[-1]['fwd_ms']:7.3f} ms  fwd+bwd {rows[-1]['fwd_bwd_ms']:7.3f} ms", flush=True)
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+        for name, fn in runs:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                torch.autograd.grad(fn(*leaves), leaves, do)
+                torch.cuda.synchronize()
+            print(f"--- {name}: GPU time per kernel, us")
+            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
+                print(f"  {e.device_time_total:9.1f}  x{e.count}  {e.key[:90]}")
     base = next(r for r in rows if r["recipe"] == "default")
     for r in rows:
         r["fwd_vs_default"] = r["fwd_ms"] / base["fwd_ms"]
@@ -62,8 +81,9 @@ def main() -> None:
         json.dump(res, f, indent=1)
     md = [f"# Recipe throughput on the triton backend ({dev})", "",
           f"torch {torch.__version__}; `python benchmarks/recipe_throughput.py`: B{a.batch} H{a.heads} S{a.seq} "
-          f"D{a.head_dim} causal, bshd bf16, public API (quantization included), median of {a.iters} CUDA-event "
-          "timings; ratios against the default recipe in the same run.", "",
+          f"D{a.head_dim} causal, bshd bf16, public API (quantization included), median over {a.rounds} interleaved "
+          f"rounds of the median of {a.iters} CUDA-event timings; ratios against the default recipe in the same "
+          "run.", "",
           "| recipe | fwd ms | fwd+bwd ms | fwd / default | fwd+bwd / default |", "|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['recipe']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['fwd_vs_default']:.2f} | "
