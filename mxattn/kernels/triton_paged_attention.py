@@ -53,9 +53,10 @@ from .triton_quantize import padded_head_dim
 
 # passes of _paged_attn_kernel
 SINGLE, MAX_PASS, SPLIT_PASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-#: 1k tokens per split at least: shorter splits gain less than their two extra launches cost (H200, 1k tokens:
-#: two splits 173 us, one split 72 us)
-MIN_BLOCKS_PER_SPLIT = 8
+#: programs per multiprocessor the split count aims at (four fit under DECODE_MAXNREG's cap): the fastest of a
+#: split sweep of CUDA-graph replays on the H100 at batch 1 and 8, contexts 1k-32k (one 128-token block per
+#: split is not too short there; benchmarks/results/nvidia-h100-80gb-hbm3/session18/splits_cap128.txt)
+PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -250,9 +251,10 @@ EXACT_TILES = {128: (64, 4)}
 #: warp group, two stages (H100, CUDA-graph replays: batch 8 / 4k 109 us against 110 with three, batch 64 / 4k
 #: 448 against 458; benchmarks/results/nvidia-h100-80gb-hbm3/session17/)
 FAST_TILE = (16, 4, 2)
-#: register cap of the decode kernel (None: the compiler's choice); a lower cap fits more programs on a
-#: multiprocessor
-DECODE_MAXNREG = None
+#: register cap of the decode kernel (None: the compiler's choice, 255 per thread and one or two programs per
+#: multiprocessor): 128 fits four, and with PROGRAMS_PER_SM's splits the H100 ran batch 8 / 4k in 92 us against
+#: 103 (16k: 244 against 316, the best split count of each; session18/splits_cap128.txt, splits_default.txt)
+DECODE_MAXNREG = 128
 
 
 def paged_config(head_dim: int, exact: bool = True, rows: int = 0):
@@ -278,11 +280,13 @@ def tile_heads(group: int, block_m: int) -> int:
 
 def choose_splits(programs: int, kv_blocks: int, sms: int) -> int:
     """Splits of each sequence's KV blocks for `programs` programs (sequences x KV heads x tiles) over at most
-    kv_blocks blocks on a GPU of `sms` multiprocessors: 1 when the programs already fill the GPU, else enough to
-    reach about two programs per multiprocessor, each split keeping at least MIN_BLOCKS_PER_SPLIT blocks."""
-    if programs >= sms or kv_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
+    kv_blocks blocks on a GPU of `sms` multiprocessors: 1 when the programs already fill the GPU, else the largest
+    power of two that reaches at most about PROGRAMS_PER_SM programs per multiprocessor, with a block per split
+    at least (and at most MAX_KV_SPLITS)."""
+    if programs >= sms or kv_blocks < 2:
         return 1
-    return max(1, min(cdiv(2 * sms, programs), kv_blocks // MIN_BLOCKS_PER_SPLIT, MAX_KV_SPLITS))
+    want = min(cdiv(PROGRAMS_PER_SM * sms, programs), kv_blocks, MAX_KV_SPLITS)
+    return 1 << (want.bit_length() - 1)
 
 
 def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, slots: torch.Tensor,

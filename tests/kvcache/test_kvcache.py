@@ -227,14 +227,17 @@ def test_append_kernel_launch_plan_without_a_gpu(monkeypatch):
 
 def test_split_count_fills_the_gpu_and_keeps_blocks_per_split():
     pytest.importorskip("triton")
-    from mxattn.kernels.triton_paged_attention import MIN_BLOCKS_PER_SPLIT, choose_splits
-    assert MIN_BLOCKS_PER_SPLIT == 8
+    from mxattn.kernels.triton_paged_attention import PROGRAMS_PER_SM, choose_splits
+    assert PROGRAMS_PER_SM == 4
     assert choose_splits(programs=132, kv_blocks=256, sms=132) == 1          # the programs fill the GPU
-    assert choose_splits(programs=8, kv_blocks=256, sms=132) == 32           # <= 2 programs per SM, 8+ blocks each
-    assert choose_splits(programs=64, kv_blocks=32, sms=132) == 4            # batch 8 / 4k tokens
-    assert choose_splits(programs=64, kv_blocks=1024, sms=132) == 5
-    assert choose_splits(programs=8, kv_blocks=20, sms=132) == 2
-    assert choose_splits(programs=8, kv_blocks=15, sms=132) == 1             # under 2k tokens: never split
+    assert choose_splits(programs=8, kv_blocks=256, sms=132) == 64           # batch 1 / 32k: 66 wanted, pow2 64
+    assert choose_splits(programs=8, kv_blocks=32, sms=132) == 32            # batch 1 / 4k: a block per split
+    assert choose_splits(programs=8, kv_blocks=8, sms=132) == 8              # batch 1 / 1k
+    assert choose_splits(programs=64, kv_blocks=32, sms=132) == 8            # batch 8 / 4k: 9 wanted
+    assert choose_splits(programs=64, kv_blocks=1024, sms=132) == 8
+    assert choose_splits(programs=128, kv_blocks=1024, sms=132) == 4         # batch 16: 5 wanted
+    assert choose_splits(programs=8, kv_blocks=20, sms=132) == 16
+    assert choose_splits(programs=8, kv_blocks=1, sms=132) == 1              # one block: nothing to split
     assert choose_splits(programs=1, kv_blocks=10 ** 6, sms=132) == 64       # at most MAX_KV_SPLITS
 
 
@@ -250,11 +253,12 @@ def test_num_splits_is_checked_before_any_work():
         assert cache.length(s) == 0
 
 
-def test_decode_takes_the_fast_tile_and_splits_only_long_sequences_on_an_idle_gpu(monkeypatch):
+def test_decode_takes_the_fast_tile_and_splits_on_an_idle_gpu(monkeypatch):
     """num_splits=0 (the default): a decode step (4 query heads per KV head, one token: 4 rows) takes the 16-row
-    FAST_TILE and the decode kernel; with 2 sequences x 2 KV heads on a 132-SM GPU it splits a 4k-token sequence
-    (max pass, split pass, combine) but not a 1k-token one; num_splits=1 keeps the exact tile and kernel (launches
-    recorded, not made)."""
+    FAST_TILE and the decode kernel; with 2 sequences x 2 KV heads on a 132-SM GPU it splits a 1k- or 4k-token sequence
+    (max pass, split pass, combine); num_splits=1 keeps the exact tile and kernel (launches
+    recorded, not made). With the rule's four programs per SM, 4 programs want 132 splits: 8 blocks of 128 tokens
+    give 8 splits at 1k, 32 at 4k; a 128-token sequence (one block) is not split."""
     pytest.importorskip("triton")
     from mxattn.kernels import triton_paged_attention as tp
     launched = []
@@ -264,7 +268,7 @@ def test_decode_takes_the_fast_tile_and_splits_only_long_sequences_on_an_idle_gp
     q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
     slots = torch.tensor([0, 1], dtype=torch.int32)
-    for max_kv, n in ((1024, 1), (4096, 4)):  # 32 blocks of 128 tokens: 4 splits of 8
+    for max_kv, n in ((128, 1), (1024, 8), (4096, 32)):
         launched.clear()
         tp.paged_attention_fwd(q, cu, 1, slots, cache, softmax_scale=0.1, left_bound=None, out=torch.empty_like(q),
                                num_splits=0, max_seqlen_kv=max_kv)
