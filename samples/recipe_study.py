@@ -382,8 +382,11 @@ def render_markdown(result: dict) -> str:
              f"- seeds: {', '.join(map(str, result['seeds']))}; runtime: "
              + ", ".join(f"{k} {v:.1f} s" for k, v in result["seconds"].items()),
              f"- plots: {result['plots']}", "",
-             "Recipes (all run on the reference backend; `default` is the cuDNN recipe, the others change one "
-             "field of it; `bf16 (torch SDPA)` is BF16 attention, the baseline):", ""]
+             ("Recipes (all run on the reference backend; " if result["backend"] == "reference" else
+              f"Recipes (each on the backend `{result['backend']}` picks for it: triton on a CUDA GPU for every MXFP8 "
+              "recipe, reference for per-tensor scaling; ")
+             + "`default` is the cuDNN recipe, the others change one field of it; `bf16 (torch SDPA)` is BF16 "
+             "attention, the baseline):", ""]
     lines += [f"- `{label}`: {fields}" for label, fields in result["recipes"].items()]
     if "errors" in result:
         lines += ["", "## 1. Error against FP64 attention", "",
