@@ -345,3 +345,59 @@ def test_launch_cache_keys_ints_by_tritons_own_specialization():
             assert (ours[a] == ours[b]) == (triton_class[a] == triton_class[b]), (a, b)
     # bools, floats and tensors keep their own entries
     assert len({_args_key((x,)) for x in (True, False, 1, 0.5)}) == 4
+
+
+@pytest.mark.parametrize("recipe_fields", [dict(v_operand="bf16"), dict(scale_rounding="floor"),
+                                           dict(p_quant="lazy16", ds_quant="bf16"),
+                                           dict(p_quant="none", v_operand="bf16", ds_quant="bf16",
+                                                scale_rounding="floor")],
+                         ids=["v_bf16", "floor", "lazy16_ds_bf16", "all"])
+@pytest.mark.parametrize("path", ["bf16_scratch", "fp8"])
+def test_recipe_switches_reach_every_launch_without_a_gpu(monkeypatch, request, recipe_fields, path):
+    """A recipe variant's host path on CPU tensors (launches recorded, not made), forward and backward through
+    the public API: every launch carries the recipe's switches (`kernels.recipe_flags`), the bf16-V recipe
+    quantizes Q and K only (no V programs in the fused quantizer's grid) and keeps V in bf16 for the backward
+    (`SavedWithBF16V`), whose key-side prep skips V. The numbers are checked on the GPU
+    (tests/recipe/test_recipe_triton_gpu.py)."""
+    import mxattn
+    from mxattn import Recipe
+    from mxattn.backends import triton_backend as backend_module
+    from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf, triton_quantize as tq
+    from mxattn.kernels.recipe_flags import kernel_recipe
+
+    _record_launches(monkeypatch, request)
+    launched = []
+    for module in (tq, tf, tb):
+        monkeypatch.setattr(module, "launch", lambda fn, grid, *a, **k: launched.append((fn.__name__.strip("_"),
+                                                                                          grid, k)))
+    if path == "fp8":
+        monkeypatch.setattr(tf, "fwd_streams_bf16", lambda *a: False)
+        monkeypatch.setattr(tb, "bwd_streams_bf16", lambda *a: False)
+        monkeypatch.setattr(backend_module, "_forward_key", lambda roots, params: None)
+        monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
+    recipe = Recipe(**recipe_fields)
+    flags = kernel_recipe(recipe)
+    q = torch.randn(1, 96, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 96, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    o = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton", recipe=recipe)
+    names = [name for name, _, _ in launched]
+    assert names == ["quantize_qkv_kernel", "attn_fwd_kernel"]
+    (_, qkv_grid, qkv_kw), (_, _, fwd_kw) = launched
+    assert qkv_kw["FLOOR"] == flags.floor
+    assert qkv_grid[2] == 4 + 2 + (0 if flags.v_raw else 2)  # (sequence, head) programs of Q, K (and V)
+    assert {n: fwd_kw[n] for n in flags.fwd()} == flags.fwd()
+    launched.clear()
+    o.backward(torch.ones_like(o))
+    by_name = {}
+    for name, _, kw in launched:
+        by_name.setdefault(name, []).append(kw)
+    assert {n: by_name["dkdv_kernel"][0][n] for n in flags.bwd()} == flags.bwd()
+    dq_switches = {n: v for n, v in flags.bwd().items() if n != "P_BF16"}
+    assert {n: by_name["dq_kernel"][0][n] for n in dq_switches} == dq_switches
+    if path == "fp8":  # dO quantized by the fused quantizer: its scale rule is the recipe's
+        assert by_name["quantize_rowcol_kernel"][0]["FLOOR"] == flags.floor
+    else:
+        kinds = {kw["KIND"]: kw for kw in by_name["bwd_prep_kernel"]}
+        assert kinds[tb.PREP_Q.value]["FLOOR"] == flags.floor
+        assert kinds[tb.PREP_KV.value]["WITH_V"] == (not flags.v_raw)
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape
