@@ -91,9 +91,23 @@ def recipe_label(recipe: Recipe) -> str:
     return ",".join(part.replace("'", "") for part in recipe.differences().split(", "))
 
 
-def study_recipes() -> List[Tuple[str, Recipe]]:
-    """(label, recipe) for every entry of `all_variants()`, the default first."""
-    return [(recipe_label(r), r) for r in all_variants()]
+def study_recipes(only: Optional[Sequence[str]] = None) -> List[Tuple[str, Recipe]]:
+    """(label, recipe) for every entry of `all_variants()`, the default first; only: the labels to keep besides
+    the default (which always runs: the paired differences are taken against it)."""
+    out = [(recipe_label(r), r) for r in all_variants()]
+    return out if only is None else [(label, r) for label, r in out if label == "default" or label in only]
+
+
+def parse_recipe_labels(text: Optional[str], error) -> Optional[List[str]]:
+    """--recipes "label,label" -> the labels (None for every recipe); error(message) for an unknown label."""
+    if text is None:
+        return None
+    known = [label for label, _ in study_recipes()]
+    labels = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in labels if x not in known]
+    if unknown or not labels:
+        error(f"--recipes: unknown recipe label(s) {unknown or [text]}; known: {', '.join(known)}")
+    return labels
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -491,12 +505,16 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="comma-separated |v| of the outlier value row in part 2 (a plain redraw always runs)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for the study, restored after it (None: torch's choice)")
+    p.add_argument("--recipes", default=None,
+                   help="comma-separated recipe labels to run besides the default (e.g. 'p_quant=none,"
+                        "v_operand=bf16'; default: every recipe): a long study split over several runs")
     p.add_argument("--out-dir", default=None,
                    help="output directory (None: benchmarks/results/<device name>/recipe_study/ of this repository)")
     args = p.parse_args(argv)
     for name, value in (("seeds", args.seeds), ("steps", args.steps), ("threads", args.threads)):
         if value is not None and value < 1:
             p.error(f"--{name} must be >= 1, got {value}")
+    args.recipe_labels = parse_recipe_labels(args.recipes, p.error)
     try:
         args.magnitudes = [float(x) for x in args.future_magnitudes.split(",") if x.strip()]
     except ValueError:
@@ -526,7 +544,7 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> dic
     size = SIZES[args.size]
     steps = args.steps if args.steps is not None else size["steps"]
     seeds = list(range(args.seed, args.seed + args.seeds))
-    recipes = study_recipes()
+    recipes = study_recipes(args.recipe_labels)
     out_dir = args.out_dir or os.path.join(ROOT, "benchmarks", "results", device_name(device), "recipe_study")
 
     total = (0 if args.skip_errors else len(error_cases(size)) * len(seeds)) + len(seeds) \

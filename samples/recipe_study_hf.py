@@ -99,14 +99,15 @@ def train_one(size: dict, steps: int, seed: int, attention: str, state: dict, da
 
 
 def run(size: dict, steps: int, seeds: Sequence[int], device: torch.device, backend: str,
-        progress: rs.Progress) -> dict:
-    """Every recipe and SDPA for every seed -> runs and the summary (spreads, paired differences)."""
+        progress: rs.Progress, only: Optional[Sequence[str]] = None) -> dict:
+    """Every recipe (or the default and those labelled in `only`) and SDPA for every seed -> runs and the
+    summary (spreads, paired differences)."""
     import mxattn.integrations.transformers as mx_hf
     tg = rs.load_train_gpt()
     data_bytes = tg.load_stdlib_bytes(size["data_bytes"])
     split = int(0.9 * data_bytes.numel())
     data = (data_bytes[:split], data_bytes[split:])
-    recipes = rs.study_recipes()
+    recipes = rs.study_recipes(only)
     names = {label: mx_hf.register(f"mxfp8study{i}", backend=backend, recipe=r)
              for i, (label, r) in enumerate(recipes)}
     labels = [SDPA] + [label for label, _ in recipes]
@@ -165,7 +166,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the size's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out-dir", default=None, help="default benchmarks/results/<device>/recipe_study/")
+    p.add_argument("--recipes", default=None,
+                   help="comma-separated recipe labels to run besides the default (default: every recipe)")
     args = p.parse_args(argv)
+    args.recipe_labels = rs.parse_recipe_labels(args.recipes, p.error)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
     if args.steps is not None and args.steps < 1:
@@ -182,7 +186,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     size = SIZES[args.size]
     steps = args.steps if args.steps is not None else size["steps"]
     seeds = list(range(args.seed, args.seed + args.seeds))
-    progress = rs.Progress(len(seeds) * (1 + len(rs.study_recipes())))
+    progress = rs.Progress(len(seeds) * (1 + len(rs.study_recipes(args.recipe_labels))))
     import transformers
     result = dict(command=shlex.join(["python", "samples/recipe_study_hf.py"] + argv), device=rs.device_name(device),
                   torch=torch.__version__, transformers=transformers.__version__, backend=args.backend,
@@ -191,7 +195,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                   model="LlamaForCausalLM " + ", ".join(f"{k}={v}" for k, v in size["model"].items()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)   # backend="auto" notes
-        result.update(run(size, steps, seeds, device, args.backend, progress))
+        result.update(run(size, steps, seeds, device, args.backend, progress, args.recipe_labels))
     out_dir = args.out_dir or os.path.join(rs.ROOT, "benchmarks", "results", rs.device_name(device), "recipe_study")
     os.makedirs(out_dir, exist_ok=True)
     md, js = os.path.join(out_dir, "recipe_study_hf.md"), os.path.join(out_dir, "recipe_study_hf.json")

@@ -214,3 +214,19 @@ def test_hf_study_trains_llama_with_every_recipe_from_the_same_weights(tmp_path)
     assert all(f"| {label} |" in md for label in ["sdpa"] + LABELS)
     assert json.loads((tmp_path / "recipe_study_hf.json").read_text())["seeds"] == [0, 1]
     assert not any(name.startswith("mxfp8study") for name in AttentionInterface._global_mapping)
+
+
+def test_recipes_option_runs_a_subset_with_the_default(tmp_path):
+    """--recipes keeps the default (the paired differences' baseline) and the labels given, in the study and in
+    the transformers study; unknown labels are refused naming the known ones."""
+    assert [label for label, _ in rs.study_recipes(["v_operand=bf16"])] == ["default", "v_operand=bf16"]
+    with contextlib.redirect_stderr(io.StringIO()):
+        result = rs.main(["--size", "tiny", "--seeds", "1", "--steps", "2", "--skip-errors", "--threads", "1",
+                          "--recipes", "p_quant=none", "--out-dir", str(tmp_path)])
+    assert set(result["future"]["changes"]) == {"default", "p_quant=none"}
+    assert list(result["training"]["runs"]) == list(result["training"]["summary"]) == \
+        ["bf16 (torch SDPA)", "default", "p_quant=none"]
+    err = io.StringIO()
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(err):
+        rs.parse_args(["--recipes", "p_quant=sometimes"])
+    assert "unknown recipe label" in err.getvalue() and "v_operand=bf16" in err.getvalue()
