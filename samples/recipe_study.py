@@ -318,8 +318,9 @@ def train_argv(config: dict, steps: int, seed: int, device: torch.device, backen
 
 
 def run_training(size: dict, steps: int, seeds: Sequence[int], recipes, device: torch.device, backend: str,
-                 progress: Progress) -> dict:
-    """Part 3: final and validation losses per attention and seed, their spreads, and paired differences."""
+                 progress: Progress, on_run=None) -> dict:
+    """Part 3: final and validation losses per attention and seed, their spreads, and paired differences.
+    on_run: called after every run with the runs so far ({label: {seed: result}})."""
     tg = load_train_gpt()
     args = tg.parse_args(train_argv(size["train"], steps, seeds[0], device, backend))
     data = tg.load_splits(args)
@@ -334,6 +335,8 @@ def run_training(size: dict, steps: int, seeds: Sequence[int], recipes, device: 
                                                 "seconds": res["seconds"], "first": res["loss"][0]}
             progress.step(f"train {label} seed {seed}: final {res['final']:.4f}, val {res['val']:.4f}, "
                           f"{res['seconds']:.0f} s")
+            if on_run is not None:
+                on_run(runs)
     summary = {}
     for label in labels:
         row = {}
@@ -467,6 +470,13 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _dump(obj, path: str) -> None:
+    """obj as JSON at path (written whole, then moved into place)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def write_outputs(result: dict, out_dir: str) -> Dict[str, str]:
     """recipe_study.json, recipe_study.md and the plots in `out_dir`; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
@@ -567,9 +577,15 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> dic
         result["future"] = run_future(size, seeds, recipes, args.magnitudes, device, args.backend, progress)
         result["seconds"]["future"] = time.perf_counter() - start
         if not args.skip_training:
+            # parts 1 and 2 written first, and every training run as it ends: a run cut short (a time limit)
+            # keeps what it measured (recipe_study_training_runs.json, replaced by the tables at the end)
+            write_outputs(result, out_dir)
+            runs_path = os.path.join(out_dir, "recipe_study_training_runs.json")
             start = time.perf_counter()
-            result["training"] = run_training(size, steps, seeds, recipes, device, args.backend, progress)
+            result["training"] = run_training(size, steps, seeds, recipes, device, args.backend, progress,
+                                              on_run=lambda runs: _dump(runs, runs_path))
             result["seconds"]["training"] = time.perf_counter() - start
+            os.remove(runs_path)
     result["paths"] = write_outputs(result, out_dir)
     print(f"wrote {result['paths']['md']} and {result['paths']['json']} ({result['plots']})", file=sys.stderr)
     return result

@@ -230,3 +230,31 @@ def test_recipes_option_runs_a_subset_with_the_default(tmp_path):
     with pytest.raises(SystemExit), contextlib.redirect_stderr(err):
         rs.parse_args(["--recipes", "p_quant=sometimes"])
     assert "unknown recipe label" in err.getvalue() and "v_operand=bf16" in err.getvalue()
+
+
+def test_a_study_cut_during_training_keeps_what_it_measured(tmp_path, monkeypatch):
+    """Parts 1 and 2 are written before training starts, and each training run as it ends (a device call's time
+    limit cut session 18's GPU study in its last run and left no file); a finished study removes the runs file."""
+    real = rs.run_training
+    seen = []
+
+    def cut_after_two(*args, on_run=None, **kw):
+        def hook(runs):
+            on_run(runs)
+            seen.append(json.loads((tmp_path / "recipe_study_training_runs.json").read_text()))
+            if len(seen) == 2:
+                raise KeyboardInterrupt
+        return real(*args, on_run=hook, **kw)
+
+    monkeypatch.setattr(rs, "run_training", cut_after_two)
+    with pytest.raises(KeyboardInterrupt), contextlib.redirect_stderr(io.StringIO()):
+        rs.main(["--size", "tiny", "--seeds", "1", "--steps", "2", "--skip-errors", "--threads", "1",
+                 "--recipes", "p_quant=none", "--out-dir", str(tmp_path)])
+    assert list(seen[-1]) == ["bf16 (torch SDPA)", "default"] and "final" in seen[-1]["default"]["0"]
+    assert "## 2. Future-token sensitivity" in (tmp_path / "recipe_study.md").read_text()
+    monkeypatch.setattr(rs, "run_training", real)
+    with contextlib.redirect_stderr(io.StringIO()):
+        rs.main(["--size", "tiny", "--seeds", "1", "--steps", "2", "--skip-errors", "--threads", "1",
+                 "--recipes", "p_quant=none", "--out-dir", str(tmp_path)])
+    assert not (tmp_path / "recipe_study_training_runs.json").exists()
+    assert "## 3." in (tmp_path / "recipe_study.md").read_text()
