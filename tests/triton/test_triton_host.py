@@ -401,3 +401,33 @@ def test_recipe_switches_reach_every_launch_without_a_gpu(monkeypatch, request, 
         assert kinds[tb.PREP_Q.value]["FLOOR"] == flags.floor
         assert kinds[tb.PREP_KV.value]["WITH_V"] == (not flags.v_raw)
     assert q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
+@pytest.mark.parametrize("recipe_fields", [dict(v_operand="bf16"), dict(p_quant="lazy16", scale_rounding="floor")],
+                         ids=["v_bf16", "lazy16_floor"])
+def test_compiled_recipe_variant_host_path_without_a_gpu(monkeypatch, request, recipe_fields):
+    """torch.compile (aot_eager, fullgraph) of a forward and backward with a recipe variant on the triton backend,
+    on CPU tensors with the launches recorded: the custom ops' fake kernels promise what the backend saves (the
+    bf16-V recipe's `SavedWithBF16V`: nine tensors, V in bf16) and the same launches run as in eager. The GPU
+    compile tests check the numbers of the default recipe (tests/api/test_api_gpu.py)."""
+    import mxattn
+    from mxattn import Recipe
+    torch._dynamo.reset()
+    launched = _record_launches(monkeypatch, request)
+    recipe = Recipe(**recipe_fields)
+    q = torch.randn(1, 96, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 96, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    do = torch.randn(1, 96, 4, 64, dtype=torch.bfloat16)
+
+    def forward(q, k, v):
+        return mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton", recipe=recipe)
+
+    forward(q, k, v).backward(do)
+    eager = [name for name, _ in launched]
+    launched.clear()
+    q.grad = k.grad = v.grad = None
+    torch.compile(forward, backend="aot_eager", fullgraph=True)(q, k, v).backward(do)
+    assert [name for name, _ in launched] == eager == ["quantize_qkv_kernel", "attn_fwd_kernel", "bwd_prep_kernel",
+                                                       "dkdv_kernel", "bwd_prep_kernel", "dq_kernel"]
+    assert [t.grad.shape for t in (q, k, v)] == [q.shape, k.shape, v.shape]
+    torch._dynamo.reset()
