@@ -20,3 +20,15 @@ def as_bytes(t):
 def same_values(a, b):
     """Equal values, NaN where the other has NaN (NaN bit patterns may differ)."""
     return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def force_fp8_data_paths(monkeypatch):
+    """Make the triton backend take its FP8 data paths (the forward dequantizing K and V on chip, the backward
+    streaming FP8), as a large problem or D > 128 does, and keep launch plans out of the way: they key on the
+    call's signature, not on these module-level choices."""
+    from mxattn.backends import triton_backend as backend_module
+    from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf
+    monkeypatch.setattr(tf, "fwd_streams_bf16", lambda *a: False)
+    monkeypatch.setattr(tb, "bwd_streams_bf16", lambda *a: False)
+    monkeypatch.setattr(backend_module, "_forward_key", lambda roots, params: None)
+    monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)

@@ -18,6 +18,7 @@ import torch
 import mxattn
 from mxattn import Recipe
 from mxattn.recipe import all_variants
+from triton_helpers import force_fp8_data_paths
 
 pytestmark = pytest.mark.gpu
 
@@ -67,6 +68,15 @@ def _changed(recipe: Recipe, n: int) -> list:
     return [1, 2][:max(0, n - 1)]
 
 
+def _compare(recipe, label, q, k, v, do=None, **kw):
+    """The triton run of `recipe` checked (`_check`) against the reference backend's runs of it and of the
+    default recipe, on the same inputs; returns the triton run's [O, dQ, dK, dV] (O alone without do)."""
+    got = _run("triton", recipe, q, k, v, do, **kw)
+    _check(got, _run("reference", recipe, q, k, v, do, **kw), _run("reference", None, q, k, v, do, **kw),
+           f"{recipe.differences()} {label}", recipe)
+    return got
+
+
 def _check(got, want, default, label, recipe):
     """got (triton, the variant) against want (reference backend, the variant); default: the reference
     backend's run of the default recipe."""
@@ -94,31 +104,16 @@ def test_triton_variant_matches_the_reference_backend(recipe, path, monkeypatch)
     backward streaming FP8 (forced: the paths a large problem or D > 128 takes), sequence lengths not multiples
     of the tiles."""
     if path == "fp8_on_chip":
-        from mxattn.backends import triton_backend as backend_module
-        from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf
-        monkeypatch.setattr(tf, "fwd_streams_bf16", lambda *a: False)
-        monkeypatch.setattr(tb, "bwd_streams_bf16", lambda *a: False)
-        # launch plans key on the signature, not on these module-level choices
-        monkeypatch.setattr(backend_module, "_forward_key", lambda roots, params: None)
-        monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
-    q, k, v, do = _inputs(2, 8, 2, 300, 300, 64, seed=1)
-    kw = dict(attn_mask_type="causal")
-    got = _run("triton", recipe, q, k, v, do, **kw)
-    want = _run("reference", recipe, q, k, v, do, **kw)
-    default = _run("reference", None, q, k, v, do, **kw)
-    _check(got, want, default, f"{recipe.differences()} {path}", recipe)
+        force_fp8_data_paths(monkeypatch)
+    _compare(recipe, path, *_inputs(2, 8, 2, 300, 300, 64, seed=1), attn_mask_type="causal")
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
 def test_triton_variant_head_dim_256_and_a_window(recipe):
     """D 256 (forward always on FP8 K/V on chip, the widest backward tiles), a sliding window, bottom-right
     alignment with Sq < Skv."""
-    q, k, v, do = _inputs(1, 4, 4, 96, 200, 256, seed=2)
-    kw = dict(attn_mask_type="causal_bottom_right", window_size=(70, 0))
-    got = _run("triton", recipe, q, k, v, do, **kw)
-    want = _run("reference", recipe, q, k, v, do, **kw)
-    default = _run("reference", None, q, k, v, do, **kw)
-    _check(got, want, default, f"{recipe.differences()} d256 window", recipe)
+    _compare(recipe, "d256 window", *_inputs(1, 4, 4, 96, 200, 256, seed=2), attn_mask_type="causal_bottom_right",
+             window_size=(70, 0))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
@@ -127,12 +122,8 @@ def test_triton_variant_decode_step_one_launch(recipe):
     rounds V to bf16): O against the reference backend, and fp32 inputs."""
     for dtype in (torch.bfloat16, torch.float32):
         q, k, v, _ = _inputs(4, 8, 2, 1, 333, 128, dtype=dtype, seed=3)
-        kw = dict(attn_mask_type="causal_bottom_right")
-        got = _run("triton", recipe, q, k, v, **kw)
-        want = _run("reference", recipe, q, k, v, **kw)
-        default = _run("reference", None, q, k, v, **kw)
+        got = _compare(recipe, f"decode {dtype}", q, k, v, attn_mask_type="causal_bottom_right")
         assert got[0].dtype == dtype
-        _check(got, want, default, f"{recipe.differences()} decode {dtype}", recipe)
 
 
 @pytest.mark.parametrize("recipe", [RECIPES[-1], Recipe(p_quant="lazy16"), Recipe(p_quant="none")],

@@ -199,9 +199,10 @@ def test_quantizer_refuses_col_dequant_without_row():
         quantize_rowcol(x.cuda() if torch.cuda.is_available() else x, row=False, col_dequant=True)
 
 
-def _record_launches(monkeypatch, request) -> list:
+def _record_launches(monkeypatch, request, keep_kwargs: bool = False) -> list:
     """Run the triton backend's host path on CPU tensors: the CUDA checks relaxed and every launch recorded as
-    (kernel name, grid) instead of made. Returns the list the launches are appended to."""
+    (kernel name, grid), with keep_kwargs (kernel name, grid, keywords: constexprs and options), instead of made.
+    Returns the list the launches are appended to."""
     from mxattn import checks
     from mxattn.backends import pick_backend, triton_backend as backend_module
     from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf, triton_quantize as tq
@@ -213,8 +214,8 @@ def _record_launches(monkeypatch, request) -> list:
     request.addfinalizer(pick_backend.cache_clear)  # (the stubbed answer must not outlive the test)
     launched = []
     for module in (tq, tf, tb):
-        monkeypatch.setattr(module, "launch", lambda fn, grid, *a, **k: launched.append((fn.__name__.strip("_"),
-                                                                                          grid)))
+        monkeypatch.setattr(module, "launch", lambda fn, grid, *a, **k: launched.append(
+            (fn.__name__.strip("_"), grid, k) if keep_kwargs else (fn.__name__.strip("_"), grid)))
     return launched
 
 
@@ -361,20 +362,13 @@ def test_recipe_switches_reach_every_launch_without_a_gpu(monkeypatch, request, 
     (tests/recipe/test_recipe_triton_gpu.py)."""
     import mxattn
     from mxattn import Recipe
-    from mxattn.backends import triton_backend as backend_module
-    from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf, triton_quantize as tq
+    from mxattn.kernels import triton_attention_bwd as tb
     from mxattn.kernels.recipe_flags import kernel_recipe
+    from triton_helpers import force_fp8_data_paths
 
-    _record_launches(monkeypatch, request)
-    launched = []
-    for module in (tq, tf, tb):
-        monkeypatch.setattr(module, "launch", lambda fn, grid, *a, **k: launched.append((fn.__name__.strip("_"),
-                                                                                          grid, k)))
+    launched = _record_launches(monkeypatch, request, keep_kwargs=True)
     if path == "fp8":
-        monkeypatch.setattr(tf, "fwd_streams_bf16", lambda *a: False)
-        monkeypatch.setattr(tb, "bwd_streams_bf16", lambda *a: False)
-        monkeypatch.setattr(backend_module, "_forward_key", lambda roots, params: None)
-        monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
+        force_fp8_data_paths(monkeypatch)
     recipe = Recipe(**recipe_fields)
     flags = kernel_recipe(recipe)
     q = torch.randn(1, 96, 4, 64, dtype=torch.bfloat16, requires_grad=True)
