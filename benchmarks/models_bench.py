@@ -383,6 +383,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=512, help="prefill tokens (default 512)")
     ap.add_argument("--new-tokens", type=int, default=128, help="greedy decode steps (default 128)")
     ap.add_argument("--models", default="gpt2,llama", help="comma-separated subset of gpt2,llama")
+    ap.add_argument("--calls-only", action="store_true",
+                    help="only the one-call figures (tiny call wall time, host time of a large forward)")
     ap.add_argument("--out-dir", default=None, help="default benchmarks/results/<gpu-name>/")
     ap.add_argument("--hf-extras", action="store_true",
                     help="also left-padded batch-8 generation (prompts 256-1024) and padding-free vs padded "
@@ -401,7 +403,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     mx_hf.register(NAME, backend=args.backend)
     factories = {"gpt2": gpt2_config, "llama": llama_config}
-    chosen = [] if args.hf_extras_only else [factories[m] for m in args.models.split(",")]
+    chosen = [] if args.hf_extras_only or args.calls_only else [factories[m] for m in args.models.split(",")]
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     res = dict(device=device, torch=torch.__version__, transformers=transformers.__version__,
                backend=args.backend, train=[], generate=[], calls={})

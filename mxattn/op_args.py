@@ -96,7 +96,8 @@ class FwdArgs(NamedTuple):
 
     def without_tensors(self) -> "FwdArgs":
         """The options alone (what an autograd context keeps beside its saved tensors)."""
-        return self._replace(q=None, k=None, v=None, cu_seqlens_q=None, cu_seqlens_kv=None, sink=None)
+        return tuple.__new__(FwdArgs, (None, None, None, *self[3:_CU_Q], None, None, *self[_CU_KV + 1:_SINK], None,
+                                       *self[_SINK + 1:]))
 
     def problem(self, softmax_type: str, needs_backward: bool) -> Problem:
         """The backend choice's Problem of this call (softmax_type: TE's name for what the sink is)."""
@@ -111,11 +112,15 @@ class FwdArgs(NamedTuple):
                        recipe=self.recipe)
 
     def backward_args(self, do: Tensor, o: Tensor, stats: Tensor, saved: List[Tensor], kv_shape: List[int],
-                      sink_requires_grad: bool) -> "BwdArgs":
-        """The backward op's arguments for this forward call's options (and its lengths and sink)."""
+                      sink_requires_grad: bool, cu_seqlens: Optional[tuple] = None,
+                      sink: Optional[Tensor] = None) -> "BwdArgs":
+        """The backward op's arguments for this forward call's options and its lengths and sink: this call's
+        own, or, given cu_seqlens (cu_seqlens_q, cu_seqlens_kv) and sink, those (options kept without their
+        tensors, `without_tensors`)."""
+        cu_q, cu_kv = (self.cu_seqlens_q, self.cu_seqlens_kv) if cu_seqlens is None else cu_seqlens
         return BwdArgs(do, o, stats, saved, kv_shape, self.softmax_scale, self.bottom_right, self.left_bound,
-                       self.right_bound, self.out_dtype, self.qkv_format, self.backend, self.cu_seqlens_q,
-                       self.cu_seqlens_kv, self.max_seqlen_q, self.max_seqlen_kv, self.packed, self.sink,
+                       self.right_bound, self.out_dtype, self.qkv_format, self.backend, cu_q, cu_kv,
+                       self.max_seqlen_q, self.max_seqlen_kv, self.packed, self.sink if sink is None else sink,
                        sink_requires_grad, self.recipe)
 
 
@@ -152,5 +157,6 @@ class BwdArgs(NamedTuple):
 
 #: where the sink sits among the forward op's arguments (its gradient's slot)
 SINK_INDEX = _SINK = FwdArgs._fields.index("sink")
+_CU_Q, _CU_KV = FwdArgs._fields.index("cu_seqlens_q"), FwdArgs._fields.index("cu_seqlens_kv")
 
 __all__ = ["FwdArgs", "BwdArgs", "SINK_INDEX"]

@@ -25,6 +25,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from . import op_plans
 from .backends import get_backend
 from .layouts import dense_strides_bhsd, empty_bhsd
 from .op_args import BwdArgs, FwdArgs
@@ -106,14 +107,24 @@ def _grad_strides(args: BwdArgs) -> Tuple[tuple, tuple]:
 def _fwd_impl(args: FwdArgs, needs_backward: bool = True, eager: bool = False):
     """The forward op's body: [o, stats, *saved] (needs_backward=False: O alone, the backend skipping what only a
     backward pass needs). O is dense in qkv_format order, with exactly the strides the fake kernels promise;
-    eager: the strides of size-1 axes may differ (a decode step's O needs no copy for them)."""
+    eager: the strides of size-1 axes may differ (a decode step's O needs no copy for them). Replayed per
+    signature where the backend allows it (`op_plans`)."""
+    out = op_plans.run_forward(args, (needs_backward, eager), lambda: _fwd_body(args, needs_backward, eager))
+    return out if needs_backward else out[0]
+
+
+def _fwd_body(args: FwdArgs, needs_backward: bool, eager: bool) -> list:
+    """`_fwd_impl`'s work, always as a flat list ([o] without a backward)."""
     o, stats, saved = get_backend(args.backend).forward(args.q, args.k, args.v, args.params(needs_backward))
     dense = dense_strides_bhsd(tuple(o.shape), args.qkv_format)
-    if o.stride() != dense and not (eager and all(a == b or n == 1 for a, b, n in zip(o.stride(), dense, o.shape))):
-        # backends that ignore q's layout
-        o = empty_bhsd(tuple(o.shape), args.qkv_format, args.out_dtype, o.device).copy_(o)
+    if o.stride() != dense:
+        if all(a == b or n == 1 for a, b, n in zip(o.stride(), dense, o.shape)):
+            if not eager:  # only size-1 axes differ (a packed batch's B, a decode step's S): a free view
+                o = o.as_strided(o.shape, dense)
+        else:  # backends that ignore q's layout
+            o = empty_bhsd(tuple(o.shape), args.qkv_format, args.out_dtype, o.device).copy_(o)
     if not needs_backward:
-        return o
+        return [o]
     return [o, stats.contiguous(), *saved.tensors()]
 
 
@@ -122,6 +133,10 @@ def _fwd_kernel(*inputs) -> List[Tensor]:
     dense in qkv_format order, stats [B,Hq,Sq,1] fp32, then the backend's saved tensors
     (`saved_format_for(recipe).tensors()`)]."""
     args = FwdArgs(*inputs)
+    return op_plans.run_forward(args, "op", lambda: _fwd_op_body(args))
+
+
+def _fwd_op_body(args: FwdArgs) -> List[Tensor]:
     o, stats, *saved = _fwd_impl(args)
     return [o, stats, *_as_faked(saved, _saved_format(args.backend, args.recipe), args.q, args.k, args.v,
                                  args.seq())]
@@ -145,7 +160,12 @@ def _fwd_no_grad_fake(*inputs) -> Tensor:
 
 def _bwd_impl(args: BwdArgs, promised: bool = True):
     """The backward op's body: (dq, dk, dv, dsink). promised: dq, dk, dv laid out as `_grad_strides` says (the
-    op's promise); False leaves them in the layout the backend wrote, which the eager path hands to autograd."""
+    op's promise); False leaves them in the layout the backend wrote, which the eager path hands to autograd.
+    Replayed per signature where the backend allows it (`op_plans`)."""
+    return tuple(op_plans.run_backward(args, promised, lambda: _bwd_body(args, promised)))
+
+
+def _bwd_body(args: BwdArgs, promised: bool):
     params = args.params(sink_requires_grad=args.sink_requires_grad)
     be = get_backend(args.backend)
     saved_format = be.saved_format_for(params.recipe)
@@ -194,10 +214,17 @@ attention_bwd = torch.ops.mxattn.attention_bwd.default
 _TENSOR_SLOTS = tuple(FwdArgs._fields.index(n) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_kv", "sink"))
 
 
+#: `_distinct_tensors`' answer for three distinct q, k, v without lengths or sink
+_PLAIN = (0, 1, 2, None, None, None)
+
+
 def _distinct_tensors(args: FwdArgs) -> Tuple[list, tuple]:
     """(the distinct tensors among args' tensor arguments, for each tensor slot the index of its tensor there
     or None): Dynamo traces no autograd.Function given one tensor twice (k is v, cu_seqlens_kv is
     cu_seqlens_q), so `_Attention` takes each tensor once."""
+    q, k, v = args.q, args.k, args.v
+    if args.cu_seqlens_q is None and args.sink is None and q is not k and q is not v and k is not v:
+        return [q, k, v], _PLAIN  # the common call, without the general walk below
     distinct, where = [], []
     for slot in _TENSOR_SLOTS:
         t = args[slot]
@@ -220,10 +247,13 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, options: FwdArgs, where: tuple, *tensors):
-        values = list(options)
-        for slot, index in zip(_TENSOR_SLOTS, where):
-            values[slot] = None if index is None else tensors[index]
-        args = FwdArgs(*values)
+        if where == _PLAIN:
+            args = options.with_tensors(*tensors, None)
+        else:
+            values = list(options)
+            for slot, index in zip(_TENSOR_SLOTS, where):
+                values[slot] = None if index is None else tensors[index]
+            args = FwdArgs(*values)
         o, stats, *saved = attention_fwd(*args) if torch.compiler.is_compiling() else _fwd_impl(args)
         ctx.options, ctx.where = options, where
         ctx.input_dtypes = (args.q.dtype, args.k.dtype, args.v.dtype)
@@ -239,10 +269,10 @@ class _Attention(torch.autograd.Function):
         sink = rest[-1] if ctx.has_sink else None  # (not list.pop: Dynamo traces the saved tensors as a tuple)
         rest = rest[:-1] if ctx.has_sink else rest
         saved, cu = (rest[:-2], rest[-2:]) if ctx.has_seq else (rest, (None, None))
-        fwd = ctx.options._replace(cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], sink=sink)
         where = ctx.where
         sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[2 + where[5]]
-        args = fwd.backward_args(grad_o, o, stats, list(saved), ctx.kv_shape, sink_requires_grad)
+        args = ctx.options.backward_args(grad_o, o, stats, list(saved), ctx.kv_shape, sink_requires_grad,
+                                         cu_seqlens=cu, sink=sink)
         if torch.compiler.is_compiling():
             dq, dk, dv, dsink = attention_bwd(*args)
         else:  # gradients in the layout the backend wrote them (no copies)

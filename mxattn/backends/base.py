@@ -190,6 +190,10 @@ class AttentionBackend(abc.ABC):
     #: the class of what forward() keeps for backward() (see SavedForBackward, the default, for the three methods
     #: that carry it through autograd and torch.compile)
     saved_format: type = SavedForBackward
+    #: True when every kernel of forward() and backward() launches through `mxattn.kernels.triton_launch` and
+    #: their host paths read no tensor contents: the ops' bodies may then be recorded once per signature and
+    #: replayed (`mxattn.op_plans`). Work issued any other way (a cuDNN graph) would be missing from a replay.
+    replays_ops: bool = False
 
     @classmethod
     @abc.abstractmethod

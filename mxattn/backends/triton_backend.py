@@ -26,7 +26,7 @@ from ..constants import INPUT_DTYPES, KERNEL_OUT_DTYPES
 from ..devices import device_guard
 from ..errors import MXFP8NotSupportedError
 from ..kernels.affine_plan import AffinePlanCache
-from ..kernels.launch_plan import PlanCache, alias_key, root_key
+from ..kernels.launch_plan import PlanCache, plan_key
 from ..kernels.recipe_flags import kernel_recipe, unsupported_reason
 from .base import AttentionBackend, AttentionParams, SavedForBackward, sink_grad_from_delta
 
@@ -108,12 +108,10 @@ def _key(kind: str, roots, params: AttentionParams, *extra):
     """(family: what every call of a layer shares, sizes: the roots' shapes and strides, how they share
     storage, the longest sequences). Variable-length calls are keyed like dense ones: their host path reads
     the lengths' shapes and the longest sequences, never the lengths themselves (their tensors are roots)."""
-    keys = [root_key(r) for r in roots]
     seq = params.seq
-    family = (kind, params.softmax_scale, params.mask, params.out_dtype, params.recipe, *extra,
-              None if seq is None else seq.packed, *[None if k is None else k[2:] for k in keys])
-    sizes = tuple(None if k is None else k[:2] for k in keys)
-    return family, (sizes, alias_key(roots), None if seq is None else (seq.max_seqlen_q, seq.max_seqlen_kv))
+    return plan_key((kind, params.softmax_scale, params.mask, params.out_dtype, params.recipe, *extra,
+                     None if seq is None else seq.packed), roots,
+                    None if seq is None else (seq.max_seqlen_q, seq.max_seqlen_kv))
 
 
 def _one_launch_key(roots, params: AttentionParams):
@@ -168,6 +166,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supported_head_dims = (32, 64, 96, 128, 192, 256)
     input_dtypes = INPUT_DTYPES
+    replays_ops = True
     @classmethod
     def supports_recipe(cls, recipe) -> Tuple[bool, str]:
         """Every MXFP8 recipe runs as constexpr specialisations of the kernels (`kernels.recipe_flags`; the

@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .launch_plan import LaunchPlan, _launcher, alias_key, record
+from .launch_plan import LaunchPlan, _launcher, alias_key, record, recording_active
 
 #: marks an integer's place in a structure split by `_split`
 _INT = object()
@@ -231,7 +231,9 @@ class AffinePlanCache:
     def run(self, key, n: int, body, roots: Sequence[Optional[torch.Tensor]], otherwise=None):
         """body()'s outputs (a flat list) for these roots at length n: replayed, or recorded, or else from
         otherwise() (e.g. the signature's own `PlanCache` path, for calls repeated at one length before a
-        fit is trusted) or body()."""
+        fit is trusted) or body(). Inside a recorded body (`recording_active`): body() alone."""
+        if recording_active():
+            return body()
         aliases = alias_key(roots)
         full = (key, tuple([None if a is None else a[0] for a in aliases]))
         plan = self._plans.get(full)

@@ -25,6 +25,7 @@ alignment because workspace offsets are multiples of 256).
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -243,17 +244,32 @@ class LaunchPlan:
         return outputs
 
 
+#: per-thread: whether a recording is under way (a plan cache called inside a recorded body runs the body itself:
+#: a replay there would launch past the recorder, which would then miss those launches)
+_STATE = threading.local()
+
+
+def recording_active() -> bool:
+    """True while `record` runs a body on this thread."""
+    return getattr(_STATE, "active", False)
+
+
 def record(body, roots: Sequence[Optional[torch.Tensor]]):
     """Run body() (returning a flat list of tensors or None) once while recording -> (its outputs, LaunchPlan
     or None, reason). The outputs are body()'s own, computed normally; the plan is None (with the reason)
-    when the body did something a replay cannot repeat."""
+    when the body did something a replay cannot repeat. Inside a recorded body, plan caches run their bodies
+    (nested plans are not replayed, so every launch passes the recorder)."""
+    if recording_active():
+        raise RecordingRefused("record() called inside a recorded body")
     recorder = _Recorder(roots)
     launcher = _launcher()
     launcher.set_recording(recorder)
+    _STATE.active = True
     try:
         with recorder:
             outputs = body()
     finally:
+        _STATE.active = False
         launcher.set_recording(None)
     if recorder.refusal is not None:
         return outputs, None, recorder.refusal
@@ -319,6 +335,25 @@ def root_key(t: Optional[torch.Tensor]):
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
 
 
+def plan_key(options: tuple, roots: Sequence[Optional[torch.Tensor]], extra=None) -> tuple:
+    """A `PlanCache` key: (family, sizes). family: `options` (what the body reads besides the roots, hashable)
+    and each root's dtype, device and address mod 16; sizes: each root's shape and strides, how the roots share
+    storage (`alias_key`), and `extra` (further integers the body reads, such as the longest sequences)."""
+    family, sizes, aliases, seen = list(options), [], [], {}
+    for i, r in enumerate(roots):  # root_key and alias_key in one pass (a backward call has 16 roots)
+        if r is None:
+            family.append(None)
+            sizes.append(None)
+            aliases.append(None)
+            continue
+        ptr = r.data_ptr()
+        family.append((r.dtype, r.device, ptr & 15))
+        sizes.append((r.shape, r.stride()))
+        first = seen.setdefault(r.untyped_storage().data_ptr(), (i, ptr))
+        aliases.append(None if first[0] == i else (first[0], ptr - first[1]))
+    return tuple(family), (tuple(sizes), tuple(aliases), extra)
+
+
 def alias_key(roots: Sequence[Optional[torch.Tensor]]) -> tuple:
     """How roots share storage: per root, (index of the first earlier root in its storage, byte distance) or
     None. A plan recorded with q, k, v unbound from one tensor (or one tensor passed twice) must not replay
@@ -356,13 +391,14 @@ class PlanCache:
     def run(self, key, body, roots):
         """body()'s outputs for these roots: replayed when the key has a plan, else body() run (and recorded
         on the key's second call). A key of None runs body() alone."""
-        if key is None:
+        if key is None or recording_active():
             return body()
         plan = self._plans.get(key)
         if plan is None:
-            if len(self._plans) >= self.max_entries:
+            if len(self._plans) >= self.max_entries:  # the families' statistics outlive the plans
                 self._plans.clear()
-                self._families.clear()
+                if len(self._families) >= self.max_entries:
+                    self._families.clear()
             self._plans[key] = self._SEEN
             return body()
         if plan is self._REFUSED:
@@ -391,4 +427,5 @@ class PlanCache:
         self._families.clear()
 
 
-__all__ = ["LaunchPlan", "PlanCache", "record", "root_key", "alias_key", "RecordingRefused"]
+__all__ = ["LaunchPlan", "PlanCache", "record", "recording_active", "plan_key", "root_key", "alias_key",
+           "RecordingRefused"]

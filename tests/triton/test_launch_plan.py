@@ -235,9 +235,11 @@ def test_plan_cache_stops_recording_a_family_whose_plans_are_not_replayed(launch
     assert cache.plan(("train", 0)) is not None
 
 
-def _stub_backend(monkeypatch, request):
-    """The triton backend on CPU tensors: CUDA checks relaxed, a fresh plan cache."""
-    from mxattn import checks
+def _stub_backend(monkeypatch, request, ops_replay: bool = False):
+    """The triton backend on CPU tensors: CUDA checks relaxed, fresh plan caches; the ops' bodies recorded
+    (`mxattn.op_plans`) when ops_replay, else only the backend's own launches. Returns (the backend module, the
+    plan cache that records: op_plans.PLANS or the backend's)."""
+    from mxattn import checks, op_plans
     from mxattn.backends import pick_backend, triton_backend as backend_module
     from mxattn.kernels import triton_quantize as tq
     from mxattn.kernels.affine_plan import AffinePlanCache
@@ -248,17 +250,21 @@ def _stub_backend(monkeypatch, request):
     monkeypatch.setattr(backend_module.TritonBackend, "availability", classmethod(lambda cls, d: (True, "stub")))
     monkeypatch.setattr(backend_module, "_PLANS", PlanCache())
     monkeypatch.setattr(backend_module, "_AFFINE_PLANS", AffinePlanCache())
+    monkeypatch.setattr(op_plans, "PLANS", PlanCache(min_replays=16))
+    monkeypatch.setattr(op_plans, "_REPLAYS", {"triton": ops_replay})
     request.addfinalizer(pick_backend.cache_clear)
-    return backend_module
+    return backend_module, op_plans.PLANS if ops_replay else backend_module._PLANS
 
 
+@pytest.mark.parametrize("ops_replay", [False, True], ids=["backend_plans", "op_plans"])
 @pytest.mark.parametrize("layout", ["bshd", "unbind", "sbhd"])
-def test_triton_backend_replays_its_ordinary_launches(launcher, monkeypatch, request, layout):
+def test_triton_backend_replays_its_ordinary_launches(launcher, monkeypatch, request, layout, ops_replay):
     """A second call of one signature replays the first call's launches: the same kernels, grids and
     non-pointer arguments, every input pointer at the same offset of the new inputs, O written where the
-    returned O lies; the backward likewise (forward with grad, GQA, causal, window)."""
+    returned O lies; the backward likewise (forward with grad, GQA, causal, window). Recorded at the level of
+    the ops' bodies (`mxattn.op_plans`, what calls use) and of the backend alone."""
     import mxattn
-    backend_module = _stub_backend(monkeypatch, request)
+    _, plans = _stub_backend(monkeypatch, request, ops_replay)
 
     def inputs():
         if layout == "unbind":
@@ -279,7 +285,7 @@ def test_triton_backend_replays_its_ordinary_launches(launcher, monkeypatch, req
         launcher.clear()
         o.backward(torch.ones_like(o))
         runs.append((q, k, v, o, fwd, list(launcher)))
-    assert backend_module._PLANS.last_reason == "recorded"
+    assert plans.last_reason == "recorded"
     (q1, k1, v1, o1, fwd1, bwd1), _, (q2, k2, v2, o2, fwd2, bwd2) = runs  # ordinary, recorded, replayed
     assert [n for n, _, _ in fwd2] == ["_quantize_qkv_kernel", "_attn_fwd_kernel"]
     assert [n for n, _, _ in bwd2] == ["_bwd_prep_kernel", "_dkdv_kernel", "_bwd_prep_kernel", "_dq_kernel"]
@@ -298,16 +304,17 @@ def test_triton_backend_replays_its_ordinary_launches(launcher, monkeypatch, req
     assert fwd2[1][2][6] == o2.data_ptr() and fwd1[1][2][6] == ("ptr", o1.data_ptr())
 
 
+@pytest.mark.parametrize("ops_replay", [False, True], ids=["backend_plans", "op_plans"])
 @pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("packed", [False, True])
-def test_triton_backend_replays_variable_length_calls(launcher, monkeypatch, request, packed, grad):
+def test_triton_backend_replays_variable_length_calls(launcher, monkeypatch, request, packed, grad, ops_replay):
     """Padded and packed batches are planned too: their lengths are roots (re-based like q, k, v), the
     longest sequences part of the key; a packed batch's zero-filled segmented scales are zeroed per replay.
     With a gradient the call quantizes then attends; without one its 64 query rows fit one tile, so the
     attention kernel quantizes as it reads (one launch, planned alike; its first call is recorded for an
     affine plan, so the signature's plan replays from the fourth call)."""
     import mxattn
-    backend_module = _stub_backend(monkeypatch, request)
+    _, plans = _stub_backend(monkeypatch, request, ops_replay)
     logs = []
     for _ in range(3 if grad else 4):
         if packed:
@@ -319,7 +326,7 @@ def test_triton_backend_replays_variable_length_calls(launcher, monkeypatch, req
         mxattn.mxfp8_attention(q, k, v, qkv_format="thd" if packed else "bshd", attn_mask_type="padding_causal",
                                cu_seqlens_q=cu, backend="triton", max_seqlen_q=64, max_seqlen_kv=64)
         logs.append((cu, list(launcher)))
-    assert backend_module._PLANS.last_reason == "recorded"
+    assert plans.last_reason == "recorded"
     (cu1, first), *_, (cu3, third) = logs
     kernels = ["_quantize_qkv_kernel", "_attn_fwd_kernel"] if grad else ["_attn_fwd_kernel"]
     assert [n for n, _, _ in first] == [n for n, _, _ in third] == kernels
@@ -336,3 +343,60 @@ def test_aliasing_of_roots_is_part_of_the_key():
     assert alias_key((q, k, v, None)) == (None, (0, 16), (0, 32), None)
     assert alias_key((a, b, b)) == (None, None, (1, 0))
     assert alias_key((a, b, a.clone())) == (None, None, None)
+
+
+def test_plan_caches_inside_a_recorded_body_run_their_bodies(launcher):
+    """A plan cache called inside a recorded body runs the body itself (a nested replay would launch past the
+    recorder, and the outer plan would miss those launches): the outer plan then holds every launch."""
+    from mxattn.kernels.launch_plan import PlanCache, record, recording_active
+    from mxattn.kernels.triton_launch import launch
+    inner = PlanCache()
+    x = torch.randn(4, 8)
+    seen = []
+
+    def inner_body():
+        seen.append(recording_active())
+        out = torch.empty_like(x)
+        launch(_fn("inner", 2), (1,), x, out, BLOCK=8)
+        return [out]
+
+    for _ in range(3):  # the inner cache has a plan for this key now
+        inner.run("key", inner_body, (x,))
+    assert isinstance(inner.plan("key"), object) and inner.plan("key") is not None
+    seen.clear()
+    _, outer, reason = record(lambda: inner.run("key", inner_body, (x,)), (x,))
+    assert reason == "recorded" and seen == [True] and outer.launch_count == 1
+    assert not recording_active()
+
+
+def test_op_bodies_are_recorded_only_for_backends_that_launch_through_triton_launch():
+    """`op_plans` records the ops' bodies on the triton backend only: a cuDNN graph's execution or the
+    reference backend's torch arithmetic would not be in a replay."""
+    from mxattn import op_plans
+    assert op_plans.replays("triton") is True
+    assert op_plans.replays("reference") is False
+    assert op_plans.replays("cudnn") is False
+
+
+def test_the_compiled_graphs_forward_op_replays_its_body(launcher, monkeypatch, request):
+    """`mxattn::attention_fwd` (what a compiled graph calls) is recorded once per signature with its layout
+    promise (`_as_faked`) inside and replayed after: the same launches, outputs laid out as the fake kernel
+    promises."""
+    from mxattn import ops
+    from mxattn.mask import MaskSpec
+    from mxattn.op_args import FwdArgs
+    _, plans = _stub_backend(monkeypatch, request, ops_replay=True)
+    runs = []
+    for _ in range(3):
+        x = torch.randn(2, 96, 3 * 4 * 64, dtype=torch.bfloat16)  # a fused projection's q, k, v views
+        q, k, v = (t.view(2, 96, 4, 64).permute(0, 2, 1, 3) for t in x.split(4 * 64, dim=2))
+        args = FwdArgs.encode(q, k, v, softmax_scale=0.125, mask=MaskSpec(causal=True), out_dtype=torch.bfloat16,
+                              qkv_format="bshd", backend="triton", seq=None, sink=None)
+        launcher.clear()
+        outputs = ops.attention_fwd(*args)
+        fakes = ops._fwd_fake(*args)
+        runs.append(([n for n, _, _ in launcher], outputs, fakes))
+    assert plans.last_reason == "recorded"
+    assert runs[0][0] == runs[2][0] == ["_quantize_qkv_kernel", "_attn_fwd_kernel"]
+    for _, outputs, fakes in runs:
+        assert [(t.shape, t.stride(), t.dtype) for t in outputs] == [(t.shape, t.stride(), t.dtype) for t in fakes]
