@@ -383,6 +383,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=512, help="prefill tokens (default 512)")
     ap.add_argument("--new-tokens", type=int, default=128, help="greedy decode steps (default 128)")
     ap.add_argument("--models", default="gpt2,llama", help="comma-separated subset of gpt2,llama")
+    ap.add_argument("--generate-only", action="store_true", help="only the inference rows (no training steps)")
     ap.add_argument("--calls-only", action="store_true",
                     help="only the one-call figures (tiny call wall time, host time of a large forward)")
     ap.add_argument("--out-dir", default=None, help="default benchmarks/results/<gpu-name>/")
@@ -408,10 +409,11 @@ def main(argv=None) -> int:
     res = dict(device=device, torch=torch.__version__, transformers=transformers.__version__,
                backend=args.backend, train=[], generate=[], calls={})
     res["calls"] = tiny_call_figures(args.backend) if DEVICE == "cuda" and not (args.hf_extras_only or
-                                                                                  args.train_only) else {}
+                                                                                  args.train_only or
+                                                                                  args.generate_only) else {}
     print(json.dumps(res["calls"], indent=1), flush=True)
     for factory in chosen:
-        for compiled in ((False,) if args.no_compile else (False, True)):
+        for compiled in (() if args.generate_only else (False,) if args.no_compile else (False, True)):
             try:
                 row = train_pair(factory, compiled, args.quick)
             except Exception as exc:  # a failure is a result too: recorded, and the other rows still run
