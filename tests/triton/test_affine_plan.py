@@ -142,17 +142,19 @@ def _symbolic(args, tensors):
     return out
 
 
+@pytest.mark.parametrize("ops_replay", [False, True], ids=["backend_plans", "op_plans"])
 @pytest.mark.parametrize("case", ["hf_cache", "bshd_views", "gqa_window_sink"])
-def test_triton_backend_decode_steps_replay_the_ordinary_launch(launcher, monkeypatch, request, case):
+def test_triton_backend_decode_steps_replay_the_ordinary_launch(launcher, monkeypatch, request, case, ops_replay):
     """Decode steps (one query, a new KV length each) through the public API: once the affine plan is trusted
     every step replays, and its launch equals the ordinary path's at that length (kernel, grid, every integer,
     float and flag, each address at the same offset of the same tensor). Layouts: transformers' cache
     ([B, H, S, D] contiguous, strides that grow with S), bshd views of a preallocated buffer, GQA with a
-    sliding window and a learnable sink."""
+    sliding window and a learnable sink. With the ops' bodies recorded too (`mxattn.op_plans`, as calls run),
+    each length's second call is recorded there and the affine plan still serves the first."""
     import mxattn
     from mxattn.kernels.affine_plan import AffinePlanCache
     from mxattn.kernels.launch_plan import PlanCache
-    backend_module = _stub_backend(monkeypatch, request)
+    backend_module, _ = _stub_backend(monkeypatch, request, ops_replay)
     planned = (backend_module._AFFINE_PLANS, backend_module._PLANS)
     hq, hkv = (8, 2) if case == "gqa_window_sink" else (4, 4)
     buffer = torch.randn(2, 300, 2 * hkv, 64, dtype=torch.bfloat16)
