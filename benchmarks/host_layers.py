@@ -1,0 +1,80 @@
+"""Host time per layer of the eager call path on a CUDA machine: each layer of a planned tiny call (B1 S128 H8 D64,
+bshd, causal, triton) called directly, from the public API down to one compiled kernel's launch and one
+allocation, so the differences say what each layer costs on that host. Wall time per call (the kernels are tiny:
+the host is the bottleneck), min over interleaved rounds of the mean of 300 calls; torch SDPA's call in the same
+rounds. Usage: python benchmarks/host_layers.py [--grad]"""
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import mxattn
+from mxattn import op_plans, ops
+from mxattn.attention import _PLANS, _run_dense
+from mxattn.kernels import triton_launch
+from mxattn.layouts import to_bhsd
+
+
+def mean_us(fn, n=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def _without_launches(fn):
+    """fn() with the compiled kernels' launches skipped (what the replay costs besides issuing them)."""
+    real = triton_launch.run_compiled
+    triton_launch.run_compiled = lambda entry, grid, stream, args: None
+    try:
+        return fn()
+    finally:
+        triton_launch.run_compiled = real
+
+
+def main():
+    grad = "--grad" in sys.argv
+    q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+               for _ in range(3))
+
+    def call():
+        return mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton")
+
+    with torch.set_grad_enabled(grad):
+        for _ in range(5):
+            call()
+        plan = next(p for p in _PLANS.values() if p.args.backend == "triton")
+        qb, kb, vb = (to_bhsd(t, "bshd") for t in (q, k, v))
+        args = plan.args.with_tensors(qb, kb, vb, None)
+        roots = (qb, kb, vb, None, None, None)
+        replay = next(p for p in op_plans.PLANS._plans.values() if hasattr(p, "replay"))
+        qt, kt, vt = (t.detach().transpose(1, 2) for t in (q, k, v))
+        layers = {
+            "torch SDPA (bhsd views)": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+            "mxfp8_attention (public API)": call,
+            "_run_dense (planned call)": lambda: _run_dense(plan, q, k, v, None),
+            "ops.attention": lambda: ops.attention(args),
+            "ops._fwd_impl (op plan lookup + replay)": lambda: ops._fwd_impl(args, needs_backward=grad,
+                                                                             eager=True),
+            "LaunchPlan.replay": lambda: replay.replay(roots),
+            "LaunchPlan.replay, launches not issued": lambda: _without_launches(lambda: replay.replay(roots)),
+            "torch.empty_strided on cuda": lambda: torch.empty_strided((1, 8, 128, 64), (65536, 64, 512, 1),
+                                                                        dtype=torch.bfloat16, device="cuda"),
+            "torch.cuda.current_device": torch.cuda.current_device,
+        }
+        best = {name: float("inf") for name in layers}
+        for _ in range(5):
+            for name, fn in layers.items():
+                best[name] = min(best[name], mean_us(fn))
+    print(f"{torch.cuda.get_device_name()}, grad={grad}, op plan replays {replay.launch_count} launch(es)")
+    for name, us in best.items():
+        print(f"{name:45s} {us:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
