@@ -11,7 +11,8 @@ Python, per signature.
 
 The key holds every non-tensor argument and each tensor argument's shape, strides, dtype, device, address
 alignment and aliasing (`launch_plan.plan_key`): a call with anything new runs (and checks) the body.
-Decode-like families whose sizes change at every call stop recording by themselves (`PlanCache`'s rule, with a
+Replays run with the tensors' device current (as the backend's own launches do: a compiled kernel launches on the
+current device, e.g. for a layer that `device_map="auto"` put on another GPU). Decode-like families whose sizes change at every call stop recording by themselves (`PlanCache`'s rule, with a
 higher bar here: the backend's own per-length plans serve those calls better).
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List
 
 from .backends import backend_class
+from .devices import device_guard
 from .kernels.launch_plan import PlanCache, plan_key
 from .op_args import BwdArgs, FwdArgs
 
@@ -46,7 +48,8 @@ def run_forward(args: FwdArgs, tag, body: Callable[[], List]) -> List:
     key = plan_key(("fwd", tag, args.softmax_scale, args.bottom_right, args.left_bound, args.right_bound,
                     args.out_dtype, args.qkv_format, args.backend, args.packed, args.recipe), roots,
                    (args.max_seqlen_q, args.max_seqlen_kv))
-    return PLANS.run(key, body, roots)
+    with device_guard(args.q.device):  # a replay launches on the current device: make it the tensors' one
+        return PLANS.run(key, body, roots)
 
 
 def run_backward(args: BwdArgs, tag, body: Callable[[], List]) -> List:
@@ -57,7 +60,8 @@ def run_backward(args: BwdArgs, tag, body: Callable[[], List]) -> List:
     key = plan_key(("bwd", tag, len(args.saved), tuple(args.kv_shape), args.softmax_scale, args.bottom_right,
                     args.left_bound, args.right_bound, args.out_dtype, args.qkv_format, args.backend, args.packed,
                     args.sink_requires_grad, args.recipe), roots, (args.max_seqlen_q, args.max_seqlen_kv))
-    return PLANS.run(key, body, roots)
+    with device_guard(args.do.device):
+        return PLANS.run(key, body, roots)
 
 
 __all__ = ["PLANS", "replays", "run_forward", "run_backward"]
