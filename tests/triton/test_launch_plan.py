@@ -348,7 +348,7 @@ def test_aliasing_of_roots_is_part_of_the_key():
 def test_plan_caches_inside_a_recorded_body_run_their_bodies(launcher):
     """A plan cache called inside a recorded body runs the body itself (a nested replay would launch past the
     recorder, and the outer plan would miss those launches): the outer plan then holds every launch."""
-    from mxattn.kernels.launch_plan import PlanCache, record, recording_active
+    from mxattn.kernels.launch_plan import LaunchPlan, PlanCache, record, recording_active
     from mxattn.kernels.triton_launch import launch
     inner = PlanCache()
     x = torch.randn(4, 8)
@@ -362,7 +362,7 @@ def test_plan_caches_inside_a_recorded_body_run_their_bodies(launcher):
 
     for _ in range(3):  # the inner cache has a plan for this key now
         inner.run("key", inner_body, (x,))
-    assert isinstance(inner.plan("key"), object) and inner.plan("key") is not None
+    assert isinstance(inner.plan("key"), LaunchPlan)
     seen.clear()
     _, outer, reason = record(lambda: inner.run("key", inner_body, (x,)), (x,))
     assert reason == "recorded" and seen == [True] and outer.launch_count == 1
