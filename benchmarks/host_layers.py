@@ -52,8 +52,11 @@ def main():
         qb, kb, vb = (to_bhsd(t, "bshd") for t in (q, k, v))
         args = plan.args.with_tensors(qb, kb, vb, None)
         roots = (qb, kb, vb, None, None, None)
+        for _ in range(3):  # (without grad the public call replays whole: the op body's plan is recorded here)
+            ops._fwd_impl(args, needs_backward=grad, eager=True)
         replay = next(p for p in op_plans.PLANS._plans.values() if hasattr(p, "replay"))
-        qt, kt, vt = (t.detach().transpose(1, 2) for t in (q, k, v))
+        qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_(grad) for t in (q, k, v))
+        do = torch.randn_like(qt)
         layers = {
             "torch SDPA (bhsd views)": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
             "mxfp8_attention (public API)": call,
@@ -61,17 +64,24 @@ def main():
             "ops.attention": lambda: ops.attention(args),
             "ops._fwd_impl (op plan lookup + replay)": lambda: ops._fwd_impl(args, needs_backward=grad,
                                                                              eager=True),
-            "LaunchPlan.replay": lambda: replay.replay(roots),
+            "LaunchPlan.replay (op body)": lambda: replay.replay(roots),
             "LaunchPlan.replay, launches not issued": lambda: _without_launches(lambda: replay.replay(roots)),
             "torch.empty_strided on cuda": lambda: torch.empty_strided((1, 8, 128, 64), (65536, 64, 512, 1),
                                                                         dtype=torch.bfloat16, device="cuda"),
+            "Tensor.as_strided on cuda": lambda: do.as_strided((1, 8, 128, 64), (65536, 64, 512, 1), 0),
             "torch.cuda.current_device": torch.cuda.current_device,
         }
+        if grad:
+            do_bshd = do.transpose(1, 2)
+            layers["torch SDPA forward+backward"] = lambda: F.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=True).backward(do)
+            layers["mxfp8_attention forward+backward"] = lambda: call().backward(do_bshd)
         best = {name: float("inf") for name in layers}
         for _ in range(5):
             for name, fn in layers.items():
                 best[name] = min(best[name], mean_us(fn))
-    print(f"{torch.cuda.get_device_name()}, grad={grad}, op plan replays {replay.launch_count} launch(es)")
+    print(f"{torch.cuda.get_device_name()}, grad={grad}, op plan replays {replay.launch_count} launch(es), "
+          f"{getattr(replay, 'allocations_per_replay', '?')} allocation(s)")
     for name, us in best.items():
         print(f"{name:45s} {us:8.1f} us")
 

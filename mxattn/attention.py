@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from . import ops
+from . import op_plans, ops
 from .backends import choice_reads_sizes, choose_backend
 from .constants import INPUT_DTYPES, KERNEL_OUT_DTYPES, SOFTMAX_TYPES
 from .errors import MXFP8NotSupportedError
@@ -151,9 +151,10 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     if seq is None and not torch.compiler.is_compiling():
         # the plan serves every KV length unless the backend choice read it
         kv_len = kb.shape[2] if choice_reads_sizes(backend, name, problem) else None
-        plan = _DensePlan(args._replace(q=None, k=None, v=None, sink=None), out_dtype, softmax_type, kv_len)
+        plan = _DensePlan(args._replace(q=None, k=None, v=None, sink=None), out_dtype, softmax_type, kv_len,
+                          op_plans.call_replay(args, problem.needs_backward), op_plans.new_call_id())
         _remember(key, plan)
-        return _run_dense(plan, q, k, v, sink)
+        return _run_dense(plan, q, k, v, _sink_of(plan, softmax_offset))  # (as the plan's later calls pass it)
     o = ops.attention(args)
     o = o[0].transpose(0, 1) if packed else from_bhsd(o, qkv_format)
     return o if o.dtype == out_dtype else o.to(out_dtype)
@@ -170,6 +171,10 @@ class _DensePlan(NamedTuple):
     softmax_type: str
     #: the KV length the plan is for, None for any (the backend choice did not read it)
     kv_len: Optional[int]
+    #: how the whole call replays (`op_plans.call_replay`: None, or per signature, or over every KV length)
+    replay: Optional[str]
+    #: the plan's identity in the replays' keys
+    ident: int
 
 
 #: plans of dense eager calls by signature (`_signature`); bounded, cleared when full. Reads and writes of a
@@ -232,7 +237,16 @@ def _sink_of(plan: _DensePlan, softmax_offset):
 
 
 def _run_dense(plan: _DensePlan, q, k, v, sink):
-    """The forward op of a planned dense call; O in q's layout and plan.out_dtype."""
+    """O of a planned dense call, in q's layout and plan.out_dtype: a call without a backward replays its whole
+    body where the backend allows it (`op_plans.run_call`)."""
+    if plan.replay is None:
+        return _dense_body(plan, q, k, v, sink)
+    return op_plans.run_call(plan.ident, plan.replay, _SEQ_AXIS[plan.args.qkv_format], (q, k, v, sink),
+                             lambda: _dense_body(plan, q, k, v, sink))
+
+
+def _dense_body(plan: _DensePlan, q, k, v, sink):
+    """`_run_dense`'s work: the forward op on bhsd views, O back in q's layout."""
     fmt = plan.args.qkv_format
     if plan.softmax_type == "off-by-one":
         sink = torch.zeros(bhsd_shape(q, fmt)[1], dtype=torch.float32, device=q.device)

@@ -12,21 +12,34 @@ Python, per signature.
 The key holds every non-tensor argument and each tensor argument's shape, strides, dtype, device, address
 alignment and aliasing (`launch_plan.plan_key`): a call with anything new runs (and checks) the body.
 Replays run with the tensors' device current (as the backend's own launches do: a compiled kernel launches on the
-current device, e.g. for a layer that `device_map="auto"` put on another GPU). Decode-like families whose sizes change at every call stop recording by themselves (`PlanCache`'s rule, with a
-higher bar here: the backend's own per-length plans serve those calls better).
+current device, e.g. for a layer that `device_map="auto"` put on another GPU). Decode-like families whose sizes
+change at every call stop recording by themselves (`PlanCache`'s rule, with a higher bar here: the backend's own
+per-length plans serve those calls better).
+
+One level up, an eager dense call without a backward (inference: prefill, decode steps) replays the public call's
+whole body (`run_call`: the layout views, the op, O back in the caller's layout) with the caller's own tensors as
+roots. Where the backend says its forward is affine in the KV length (`forward_affine_in_kv_length`: the
+one-launch decode forward), one `affine_plan` serves every length, so generation, whose every step attends one more
+key, replays too.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+import itertools
+from typing import Callable, Dict, List, Optional, Sequence
 
-from .backends import backend_class
+import torch
+
+from .backends import backend_class, get_backend
 from .devices import device_guard
+from .kernels.affine_plan import AffinePlanCache, layout_free_of
 from .kernels.launch_plan import PlanCache, plan_key
 from .op_args import BwdArgs, FwdArgs
 
-#: recordings of op bodies; a family must replay 16 times per recording to keep recording new sizes
-PLANS = PlanCache(max_entries=512, min_replays=16)
+#: recordings of op bodies; a family must replay 16 times per recording to keep recording new sizes. Outputs after
+#: the first (the forward's stats and saved copies, freed together after its backward; the backward's dK, dV)
+#: are carved from one allocation per replay
+PLANS = PlanCache(max_entries=512, min_replays=16, carve_from=1)
 #: backend name -> whether its op bodies may be recorded
 _REPLAYS: Dict[str, bool] = {}
 
@@ -42,26 +55,98 @@ def replays(backend: str) -> bool:
 def run_forward(args: FwdArgs, tag, body: Callable[[], List]) -> List:
     """body()'s flat list of tensors for the forward op's arguments `args` (tag: what else the body reads,
     hashable), replayed when this signature has a plan."""
+    return run_forward_traced(args, tag, body)[0]
+
+
+def run_forward_traced(args: FwdArgs, tag, body: Callable[[], List]):
+    """(`run_forward`'s list [o, stats, *saved], its trace: None, or what lets the backward of these very
+    tensors find its plan without keying its 16 roots (`run_backward`'s after))."""
     if not replays(args.backend):
-        return body()
+        return body(), None
     roots = (args.q, args.k, args.v, args.sink, args.cu_seqlens_q, args.cu_seqlens_kv)
     key = plan_key(("fwd", tag, args.softmax_scale, args.bottom_right, args.left_bound, args.right_bound,
                     args.out_dtype, args.qkv_format, args.backend, args.packed, args.recipe), roots,
                    (args.max_seqlen_q, args.max_seqlen_kv))
     with device_guard(args.q.device):  # a replay launches on the current device: make it the tensors' one
-        return PLANS.run(key, body, roots)
+        outputs, plan = PLANS.run_with_plan(key, body, roots)
+    if plan is None or len(outputs) < 2:
+        return outputs, None
+    o, stats, *saved = outputs
+    return outputs, (plan, _addresses((o, stats, args.sink, args.cu_seqlens_q, args.cu_seqlens_kv, *saved)))
 
 
-def run_backward(args: BwdArgs, tag, body: Callable[[], List]) -> List:
-    """body()'s flat list of tensors for the backward op's arguments `args`, as `run_forward`."""
+def _addresses(tensors) -> tuple:
+    return tuple([0 if t is None else t.data_ptr() for t in tensors])
+
+
+def run_backward(args: BwdArgs, tag, body: Callable[[], List], after=None) -> List:
+    """body()'s flat list of tensors for the backward op's arguments `args`, as `run_forward`. after: the
+    forward's trace (`run_forward_traced`) when args hold that forward's own outputs: if every kept tensor is
+    still at its address (no saved-tensor hook moved it), the key is the forward's plan and dO's layout alone
+    (the forward's signature fixes every other root's); else all roots are keyed."""
     if not replays(args.backend):
         return body()
     roots = (args.do, args.o, args.stats, args.sink, args.cu_seqlens_q, args.cu_seqlens_kv, *args.saved)
-    key = plan_key(("bwd", tag, len(args.saved), tuple(args.kv_shape), args.softmax_scale, args.bottom_right,
-                    args.left_bound, args.right_bound, args.out_dtype, args.qkv_format, args.backend, args.packed,
-                    args.sink_requires_grad, args.recipe), roots, (args.max_seqlen_q, args.max_seqlen_kv))
-    with device_guard(args.do.device):
+    do, o = args.do, args.o
+    if after is not None and _addresses(roots[1:]) == after[1]:
+        shared = do.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()
+        key = (("bwd after", after[0], tag, args.sink_requires_grad, do.dtype, do.device, do.data_ptr() & 15),
+               (do.shape, do.stride(), do.data_ptr() - o.data_ptr() if shared else None))
+    else:
+        key = plan_key(("bwd", tag, len(args.saved), tuple(args.kv_shape), args.softmax_scale, args.bottom_right,
+                        args.left_bound, args.right_bound, args.out_dtype, args.qkv_format, args.backend,
+                        args.packed, args.sink_requires_grad, args.recipe), roots,
+                       (args.max_seqlen_q, args.max_seqlen_kv))
+    with device_guard(do.device):
         return PLANS.run(key, body, roots)
 
 
-__all__ = ["PLANS", "replays", "run_forward", "run_backward"]
+# --------------------------------------------------------------------------- whole calls without a backward
+
+#: recordings of public calls' bodies (eager, dense, no backward) by call plan and the roots' layouts
+CALLS = PlanCache(max_entries=512, min_replays=16)
+#: the same for calls whose forward is affine in the KV length: one plan per layer over every length
+CALLS_AFFINE = AffinePlanCache(max_entries=256)
+#: identities of call plans (keys hold this small integer, not the plan)
+_CALL_IDS = itertools.count(1)
+
+#: `call_replay`'s answers
+FIXED, AFFINE = "fixed", "affine"
+
+
+def call_replay(args: FwdArgs, needs_backward: bool) -> Optional[str]:
+    """How an eager dense call on args (bhsd views, backend chosen) may replay its whole body: None (not: a
+    backward is needed or the backend's work is not all Triton launches), FIXED (per signature) or AFFINE
+    (one plan for every KV length: the backend's forward is affine in it)."""
+    if needs_backward or not replays(args.backend):
+        return None
+    affine = get_backend(args.backend).forward_affine_in_kv_length(args.q, args.k, args.v, args.params(False))
+    return AFFINE if affine else FIXED
+
+
+def new_call_id() -> int:
+    """A fresh identity for a call plan (`run_call`'s plan_id)."""
+    return next(_CALL_IDS)
+
+
+def run_call(plan_id: int, kind: str, kv_axis: int, roots: Sequence[Optional[torch.Tensor]],
+             body: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """body()'s tensor (O of an eager dense call without a backward) for roots (q, k, v, sink in the caller's
+    layout; k's and v's length along kv_axis), replayed per signature (kind FIXED), or over every KV length
+    (AFFINE), once recorded; plan_id identifies everything else body() reads (`new_call_id`)."""
+    flat = lambda: [body()]  # noqa: E731
+    with device_guard(roots[0].device):
+        if kind == AFFINE:
+            n = roots[1].shape[kv_axis]
+            key = (plan_id, *[None if r is None else
+                              layout_free_of(r, kv_axis, n) if i in (1, 2) else
+                              (r.dtype, r.device, r.data_ptr() & 15, r.shape, r.stride())
+                              for i, r in enumerate(roots)])
+            return CALLS_AFFINE.run(key, n, flat, roots,
+                                    lambda: CALLS.run(plan_key((plan_id,), roots), flat, roots))[0]
+        return CALLS.run(plan_key((plan_id,), roots), flat, roots)[0]
+
+
+__all__ = ["PLANS", "CALLS", "CALLS_AFFINE", "FIXED", "AFFINE", "replays", "run_forward", "run_forward_traced",
+           "run_backward",
+           "call_replay", "new_call_id", "run_call"]

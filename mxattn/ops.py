@@ -158,11 +158,11 @@ def _fwd_no_grad_fake(*inputs) -> Tensor:
     return empty_bhsd(tuple(args.q.shape), args.qkv_format, args.out_dtype, args.q.device)
 
 
-def _bwd_impl(args: BwdArgs, promised: bool = True):
+def _bwd_impl(args: BwdArgs, promised: bool = True, after=None):
     """The backward op's body: (dq, dk, dv, dsink). promised: dq, dk, dv laid out as `_grad_strides` says (the
     op's promise); False leaves them in the layout the backend wrote, which the eager path hands to autograd.
-    Replayed per signature where the backend allows it (`op_plans`)."""
-    return tuple(op_plans.run_backward(args, promised, lambda: _bwd_body(args, promised)))
+    Replayed per signature where the backend allows it (`op_plans`; after: the eager forward's trace)."""
+    return tuple(op_plans.run_backward(args, promised, lambda: _bwd_body(args, promised), after))
 
 
 def _bwd_body(args: BwdArgs, promised: bool):
@@ -254,7 +254,11 @@ class _Attention(torch.autograd.Function):
             for slot, index in zip(_TENSOR_SLOTS, where):
                 values[slot] = None if index is None else tensors[index]
             args = FwdArgs(*values)
-        o, stats, *saved = attention_fwd(*args) if torch.compiler.is_compiling() else _fwd_impl(args)
+        if torch.compiler.is_compiling():
+            (o, stats, *saved), ctx.trace = attention_fwd(*args), None
+        else:  # the trace lets the backward find its plan from the forward's (`op_plans.run_backward`)
+            (o, stats, *saved), ctx.trace = op_plans.run_forward_traced(args, (True, False),
+                                                                        lambda: _fwd_body(args, True, False))
         ctx.options, ctx.where = options, where
         ctx.input_dtypes = (args.q.dtype, args.k.dtype, args.v.dtype)
         ctx.kv_shape = list(args.k.shape)
@@ -276,7 +280,7 @@ class _Attention(torch.autograd.Function):
         if torch.compiler.is_compiling():
             dq, dk, dv, dsink = attention_bwd(*args)
         else:  # gradients in the layout the backend wrote them (no copies)
-            dq, dk, dv, dsink = _bwd_impl(args, promised=False)
+            dq, dk, dv, dsink = _bwd_impl(args, promised=False, after=ctx.trace)
         grads = [None] * (len(ctx.needs_input_grad) - 2)
         pairs = [(where[0], dq, ctx.input_dtypes[0]), (where[1], dk, ctx.input_dtypes[1]),
                  (where[2], dv, ctx.input_dtypes[2])]

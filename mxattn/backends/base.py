@@ -240,6 +240,14 @@ class AttentionBackend(abc.ABC):
                            f"{', '.join(map(str, cls.supported_head_dims))})")
         return True, reason
 
+    def forward_affine_in_kv_length(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    params: AttentionParams) -> bool:
+        """Whether forward(q, k, v, params)'s host path depends on the KV length n (k's dim 2) only through
+        integers affine in n (sizes, strides, offsets, grids; no choice that changes with n), so that three
+        recorded calls predict every other length's launches (`mxattn.kernels.affine_plan`; decode steps).
+        Reads shapes only, never n beyond its being non-zero. The base class: False."""
+        return False
+
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams
                 ) -> Tuple[torch.Tensor, torch.Tensor, object]:

@@ -25,7 +25,7 @@ from ..checks import check_bhsd_tensor
 from ..constants import INPUT_DTYPES, KERNEL_OUT_DTYPES
 from ..devices import device_guard
 from ..errors import MXFP8NotSupportedError
-from ..kernels.affine_plan import AffinePlanCache
+from ..kernels.affine_plan import AffinePlanCache, layout_free_of
 from ..kernels.launch_plan import PlanCache, plan_key
 from ..kernels.recipe_flags import kernel_recipe, unsupported_reason
 from .base import AttentionBackend, AttentionParams, SavedForBackward, sink_grad_from_delta
@@ -128,9 +128,7 @@ def _one_launch_key(roots, params: AttentionParams):
             None if seq is None else (seq.packed, seq.max_seqlen_q),
             *[None if r is None else
               (r.dtype, r.device, r.data_ptr() & 15, r.shape, r.stride()) if not 1 <= i <= 2 else
-              (r.dtype, r.device, r.data_ptr() & 15, (*r.shape[:2], *r.shape[3:]),
-               tuple([("n", st // n) if st % n == 0 else st for st in r.stride()]))
-              for i, r in enumerate(roots)])
+              layout_free_of(r, 2, n) for i, r in enumerate(roots)])
 
 
 class SavedWithBF16V(SavedForBackward):
@@ -247,6 +245,10 @@ class TritonBackend(AttentionBackend):
         if not saved:
             return o, stats, None
         return o, stats, self.saved_format_for(params.recipe).from_tensors(saved, params.seq)
+
+    def forward_affine_in_kv_length(self, q, k, v, params: AttentionParams) -> bool:
+        """True for the one-launch forward (`_one_launch_config`): its integers are affine in the KV length."""
+        return self._one_launch_config(q, k, v, params) is not None
 
     @staticmethod
     def _one_launch_config(q, k, v, params: AttentionParams):

@@ -69,6 +69,15 @@ def root_facts(roots: Sequence[Optional[torch.Tensor]], aliases: tuple) -> tuple
     return tuple(out)
 
 
+def layout_free_of(r: torch.Tensor, axis: int, n: int) -> tuple:
+    """What an affine plan's key holds of a root whose `axis` has the free length n: dtype, device, address mod
+    16, the shape without that axis, and the strides with each multiple of n written as ("n", multiple) (a
+    cache re-made at every length has strides that grow with n; views of a preallocated buffer keep theirs):
+    roots that differ only in n share it; the plan checks every integer itself."""
+    return (r.dtype, r.device, r.data_ptr() & 15, (*r.shape[:axis], *r.shape[axis + 1:]),
+            tuple([("n", st // n) if st % n == 0 else st for st in r.stride()]))
+
+
 class _Recording:
     """One recording's integers (the roots' facts first, then each part's), structure and compiled kernels. The
     parts: each launch's grid, template and pointer slots, then the outputs, the output allocations and the
@@ -261,4 +270,4 @@ class AffinePlanCache:
         self._plans.clear()
 
 
-__all__ = ["AffinePlan", "AffinePlanCache", "root_facts", "TRUST_AFTER"]
+__all__ = ["AffinePlan", "AffinePlanCache", "root_facts", "layout_free_of", "TRUST_AFTER"]

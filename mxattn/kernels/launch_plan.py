@@ -6,7 +6,8 @@ allocations, Triton's argument handling. `record(body, roots)` runs such a body 
 operation (a `TorchDispatchMode`) and every `triton_launch.launch`, and returns a `LaunchPlan` when the body did
 nothing but allocate (empty or zero-filled memory), take views and launch compiled kernels.
 `LaunchPlan.replay(roots)` then does the same work for new tensors of the same signature: it allocates the
-outputs, carves the scratch from one workspace (offsets planned from the recorded lifetimes, so the peak is no
+outputs (those from `carve_from` on as views of one allocation: each CUDA allocation costs microseconds of host
+time), carves the scratch from one workspace (offsets planned from the recorded lifetimes, so the peak is no
 higher than the recorded run's; zero fills at their recorded place in the sequence), and launches each compiled
 kernel with the recorded arguments, pointers re-based onto the new tensors' addresses.
 
@@ -176,13 +177,15 @@ def _plan_workspace(allocations: List[_Allocation], scratch: List[int]) -> Tuple
 class LaunchPlan:
     """A recorded body, replayable for new roots of the same signature (module docstring)."""
 
-    def __init__(self, device: torch.device, launches, outputs, out_allocs, workspace_bytes: int):
+    def __init__(self, device: torch.device, launches, outputs, out_allocs, workspace_bytes: int,
+                 block_bytes: int = 0):
         self.device = device
         self.index = device.index if device.index is not None else 0
         self._launches = launches
         self._outputs = outputs
         self._out_allocs = out_allocs
         self._workspace_bytes = workspace_bytes
+        self._block_bytes = block_bytes
 
     @property
     def launch_count(self) -> int:
@@ -191,6 +194,12 @@ class LaunchPlan:
     @property
     def workspace_bytes(self) -> int:
         return self._workspace_bytes
+
+    @property
+    def allocations_per_replay(self) -> int:
+        """The allocations one replay makes (outputs, the carved outputs' block, the workspace)."""
+        return (sum(kind == "whole" for kind, _ in self._outputs) + len(self._out_allocs)
+                + bool(self._block_bytes) + bool(self._workspace_bytes))
 
     def replay(self, roots: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
         """The body's outputs for new roots (same signature as recorded), its launches issued on the current
@@ -202,9 +211,21 @@ class LaunchPlan:
         dev = self.device
         bases = [None if r is None else r.data_ptr() for r in roots]
         alloc_base, raws = {}, {}
+        if self._block_bytes:  # the carved outputs' one allocation, and typed views of it
+            block = torch.empty(self._block_bytes, dtype=torch.uint8, device=dev)
+            block_ptr, typed = block.data_ptr(), {}
         outputs: List[Optional[torch.Tensor]] = []
         for kind, spec in self._outputs:
-            if kind == "whole":  # the output is its allocation
+            if kind == "carved":  # an output carved from the block at a 256-byte boundary
+                j, nbytes_offset, shape, stride, dtype, zero = spec
+                base = typed.get(dtype)
+                if base is None:
+                    base = typed[dtype] = block.view(dtype)
+                t = base.as_strided(shape, stride, nbytes_offset // base.element_size())
+                if zero:
+                    t.zero_()
+                alloc_base[j] = block_ptr + nbytes_offset
+            elif kind == "whole":  # the output is its allocation
                 j, shape, stride, dtype, zero = spec
                 t = torch.empty_strided(shape, stride, dtype=dtype, device=dev)
                 if zero:
@@ -254,11 +275,13 @@ def recording_active() -> bool:
     return getattr(_STATE, "active", False)
 
 
-def record(body, roots: Sequence[Optional[torch.Tensor]]):
+def record(body, roots: Sequence[Optional[torch.Tensor]], carve_from: Optional[int] = None):
     """Run body() (returning a flat list of tensors or None) once while recording -> (its outputs, LaunchPlan
     or None, reason). The outputs are body()'s own, computed normally; the plan is None (with the reason)
     when the body did something a replay cannot repeat. Inside a recorded body, plan caches run their bodies
-    (nested plans are not replayed, so every launch passes the recorder)."""
+    (nested plans are not replayed, so every launch passes the recorder). carve_from: the outputs from this
+    index on that are whole allocations share one allocation in replays (they then live as long as the
+    longest-lived of them: for outputs freed together, such as what a forward keeps for its backward)."""
     if recording_active():
         raise RecordingRefused("record() called inside a recorded body")
     recorder = _Recorder(roots)
@@ -274,14 +297,14 @@ def record(body, roots: Sequence[Optional[torch.Tensor]]):
     if recorder.refusal is not None:
         return outputs, None, recorder.refusal
     try:
-        plan = _build(recorder, outputs, roots)
+        plan = _build(recorder, outputs, roots, carve_from)
     except RecordingRefused as exc:
         return outputs, None, str(exc)
     return outputs, plan, "recorded"
 
 
-def _build(rec: _Recorder, outputs, roots) -> LaunchPlan:
-    """The LaunchPlan of a finished recording and the body's outputs."""
+def _build(rec: _Recorder, outputs, roots, carve_from: Optional[int] = None) -> LaunchPlan:
+    """The LaunchPlan of a finished recording and the body's outputs (carve_from: `record`'s)."""
     device = next((r.device for r in roots if r is not None), None)
     if device is None:
         raise RecordingRefused("no root tensor")
@@ -307,6 +330,13 @@ def _build(rec: _Recorder, outputs, roots) -> LaunchPlan:
                 raise RecordingRefused("an output starts inside an element of its dtype")
             out_allocs[j] = (a.nbytes, a.zero)
             out_specs.append(("view", (j, offset // t.element_size(), tuple(t.shape), tuple(t.stride()), t.dtype)))
+    block_bytes = 0
+    if carve_from is not None:  # whole outputs from carve_from on: views of one block, at 256-byte boundaries
+        for i, (kind, spec) in enumerate(out_specs):
+            if i >= carve_from and kind == "whole":
+                j, shape, stride, dtype, zero = spec
+                out_specs[i] = ("carved", (j, block_bytes, shape, stride, dtype, zero))
+                block_bytes += ceil_div(max(rec.allocations[j].nbytes, 1), _ALIGN) * _ALIGN
     out_set = set(whole) | set(out_allocs)
     used = sorted({index for *_, slots, _e in rec.launches for _p, kind, index, _o in slots if kind == "alloc"})
     scratch = [j for j in used if j not in out_set]
@@ -325,7 +355,7 @@ def _build(rec: _Recorder, outputs, roots) -> LaunchPlan:
             else:
                 new_slots.append((pos, kind, index, offset))
         launches.append((entry, grid, template, tuple(new_slots)))
-    return LaunchPlan(device, launches, out_specs, out_allocs, ws_bytes)
+    return LaunchPlan(device, launches, out_specs, out_allocs, ws_bytes, block_bytes)
 
 
 def root_key(t: Optional[torch.Tensor]):
@@ -381,18 +411,23 @@ class PlanCache:
     _REFUSED = object()
     _SEEN = object()
 
-    def __init__(self, max_entries: int = 256, min_replays: int = 4):
+    def __init__(self, max_entries: int = 256, min_replays: int = 4, carve_from: Optional[int] = None):
         self._plans: dict = {}
         self._families: dict = {}  # family -> [recordings, replays]
         self.max_entries = max_entries
         self.min_replays = min_replays
+        self.carve_from = carve_from  # `record`'s
         self.last_reason: Optional[str] = None
 
     def run(self, key, body, roots):
         """body()'s outputs for these roots: replayed when the key has a plan, else body() run (and recorded
         on the key's second call). A key of None runs body() alone."""
+        return self.run_with_plan(key, body, roots)[0]
+
+    def run_with_plan(self, key, body, roots):
+        """(`run`'s outputs, the LaunchPlan that made them or whose recording they are, else None)."""
         if key is None or recording_active():
-            return body()
+            return body(), None
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= self.max_entries:  # the families' statistics outlive the plans
@@ -400,22 +435,22 @@ class PlanCache:
                 if len(self._families) >= self.max_entries:
                     self._families.clear()
             self._plans[key] = self._SEEN
-            return body()
+            return body(), None
         if plan is self._REFUSED:
-            return body()
+            return body(), None
         stats = self._families.setdefault(key[0], [0, 0])
         if plan is self._SEEN:
             if stats[0] >= self.min_replays and stats[1] < self.min_replays * stats[0]:
-                return body()  # a volatile family: recordings would cost more than their replays save
-            outputs, plan, self.last_reason = record(body, roots)
+                return body(), None  # a volatile family: recordings would cost more than their replays save
+            outputs, plan, self.last_reason = record(body, roots, self.carve_from)
             self._plans[key] = self._REFUSED if plan is None else plan
             stats[0] += 1
-            return outputs
+            return outputs, plan
         outputs = plan.replay(roots)
         if outputs is None:  # launch hooks installed: Triton's own path
-            return body()
+            return body(), None
         stats[1] += 1
-        return outputs
+        return outputs, plan
 
     def plan(self, key) -> Optional[LaunchPlan]:
         """The plan stored for key (None if none, refused or seen once)."""

@@ -142,20 +142,21 @@ def _symbolic(args, tensors):
     return out
 
 
-@pytest.mark.parametrize("ops_replay", [False, True], ids=["backend_plans", "op_plans"])
+@pytest.mark.parametrize("ops_replay", [False, True], ids=["backend_plans", "call_plans"])
 @pytest.mark.parametrize("case", ["hf_cache", "bshd_views", "gqa_window_sink"])
 def test_triton_backend_decode_steps_replay_the_ordinary_launch(launcher, monkeypatch, request, case, ops_replay):
     """Decode steps (one query, a new KV length each) through the public API: once the affine plan is trusted
     every step replays, and its launch equals the ordinary path's at that length (kernel, grid, every integer,
     float and flag, each address at the same offset of the same tensor). Layouts: transformers' cache
     ([B, H, S, D] contiguous, strides that grow with S), bshd views of a preallocated buffer, GQA with a
-    sliding window and a learnable sink. With the ops' bodies recorded too (`mxattn.op_plans`, as calls run),
-    each length's second call is recorded there and the affine plan still serves the first."""
+    sliding window and a learnable sink. With whole calls recorded (`mxattn.op_plans.run_call`, as calls run),
+    the affine plan serves the public call's whole body; else the backend's forward."""
     import mxattn
+    from mxattn import op_plans
     from mxattn.kernels.affine_plan import AffinePlanCache
     from mxattn.kernels.launch_plan import PlanCache
     backend_module, _ = _stub_backend(monkeypatch, request, ops_replay)
-    planned = (backend_module._AFFINE_PLANS, backend_module._PLANS)
+    planned = (backend_module._AFFINE_PLANS, backend_module._PLANS, op_plans.CALLS_AFFINE, op_plans.CALLS)
     hq, hkv = (8, 2) if case == "gqa_window_sink" else (4, 4)
     buffer = torch.randn(2, 300, 2 * hkv, 64, dtype=torch.bfloat16)
     sink = torch.randn(hq) if case == "gqa_window_sink" else None
@@ -166,6 +167,8 @@ def test_triton_backend_decode_steps_replay_the_ordinary_launch(launcher, monkey
     def step(n, caches):
         monkeypatch.setattr(backend_module, "_AFFINE_PLANS", caches[0])
         monkeypatch.setattr(backend_module, "_PLANS", caches[1])
+        monkeypatch.setattr(op_plans, "CALLS_AFFINE", caches[2])
+        monkeypatch.setattr(op_plans, "CALLS", caches[3])
         q = torch.randn(2, 1, hq, 64, dtype=torch.bfloat16)
         if case == "hf_cache":
             k = buffer[:, :n, :hkv].transpose(1, 2).contiguous().transpose(1, 2)
@@ -182,12 +185,14 @@ def test_triton_backend_decode_steps_replay_the_ordinary_launch(launcher, monkey
 
     for n in range(100, 140):
         replayed = step(n, planned)
-        ordinary = step(n, (AffinePlanCache(), PlanCache()))  # fresh caches: the body itself
+        ordinary = step(n, (AffinePlanCache(), PlanCache(), AffinePlanCache(), PlanCache()))  # the body itself
         assert replayed == ordinary, n
         assert [name for name, _, _ in replayed] == ["_attn_fwd_kernel"]
-    # one trusted plan (3 recordings, then one per new specialization class); a length dividing a buffer
-    # view's stride (128 here) is keyed apart and runs the signature's own path
-    plans = list(planned[0]._plans.values())
+    # one trusted plan (3 recordings, then one per new specialization class) at the level that serves the calls;
+    # a length dividing a buffer view's stride (128 here) is keyed apart and runs the signature's own path
+    serving, idle = (planned[2], planned[0]) if ops_replay else (planned[0], planned[2])
+    assert not idle._plans  # (the backend's plan caches run their bodies inside the call's recording)
+    plans = list(serving._plans.values())
     trusted = [p for p in plans if p.trusted]
     assert len(trusted) == 1 and len(trusted[0].recordings) < 8
     assert all(len(p.recordings) == 1 for p in plans if not p.trusted)

@@ -39,8 +39,12 @@ def _steps(case, lengths):
     return outs
 
 
+@pytest.mark.parametrize("level", ["backend", "call"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_affine_replays_equal_the_ordinary_path(name, monkeypatch):
+def test_affine_replays_equal_the_ordinary_path(name, level, monkeypatch):
+    """level: the affine plan of the backend's forward, or of the whole public call (`op_plans.run_call`,
+    what eager inference uses)."""
+    from mxattn import attention, op_plans
     from mxattn.backends import triton_backend as tb
     from mxattn.kernels import affine_plan
     from mxattn.kernels.affine_plan import AffinePlanCache
@@ -50,10 +54,19 @@ def test_affine_replays_equal_the_ordinary_path(name, monkeypatch):
     monkeypatch.setattr(tb, "_AFFINE_PLANS", AffinePlanCache())
     monkeypatch.setattr(affine_plan, "TRUST_AFTER", 10 ** 9)  # observes, never replays
     monkeypatch.setattr(tb, "_forward_key", lambda roots, params: None)
+    monkeypatch.setattr(op_plans, "_REPLAYS", {"triton": False})
+    monkeypatch.setattr(attention, "_PLANS", {})
     expected = _steps(CASES[name], lengths)
     monkeypatch.undo()
     fresh = AffinePlanCache()
-    monkeypatch.setattr(tb, "_AFFINE_PLANS", fresh)
+    monkeypatch.setattr(attention, "_PLANS", {})
+    if level == "backend":
+        monkeypatch.setattr(op_plans, "_REPLAYS", {"triton": False})
+        monkeypatch.setattr(tb, "_AFFINE_PLANS", fresh)
+    else:
+        monkeypatch.setattr(op_plans, "_REPLAYS", {})
+        monkeypatch.setattr(op_plans, "CALLS_AFFINE", fresh)
+        monkeypatch.setattr(op_plans, "CALLS", PlanCache(min_replays=16))
     got = _steps(CASES[name], lengths)
     # one trusted plan; a length dividing a buffer view's stride is keyed apart (one recording, then its own path)
     trusted = [p for p in fresh._plans.values() if p.trusted]

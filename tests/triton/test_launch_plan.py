@@ -91,6 +91,40 @@ def test_replay_rebases_every_pointer(launcher):
     assert all(p % 256 == a_ptr % 256 for p in (b_ptr, c_ptr))
 
 
+def test_outputs_from_carve_from_on_are_views_of_one_allocation(launcher):
+    """record(..., carve_from=1): the first output keeps its own allocation, the later whole outputs are views
+    of one block at 256-byte boundaries (their recorded shapes, strides, dtypes; a zero-filled one zeroed), and
+    each launch writes where the returned view lies."""
+    from mxattn.kernels.launch_plan import record
+    from mxattn.kernels.triton_launch import launch
+    x = torch.randn(4, 8)
+
+    def body():
+        out = torch.empty_like(x)
+        stats = torch.empty((3, 5), dtype=torch.float32).t()
+        fp8 = torch.empty((7, 9), dtype=torch.float8_e4m3fn)
+        count = torch.zeros(5, dtype=torch.int32)
+        launch(_fn("k", 5), (1,), x, out, stats, fp8, count, BLOCK=8)
+        return [out, stats, fp8, count]
+
+    _, plan, reason = record(body, (x,), carve_from=1)
+    assert reason == "recorded" and plan.allocations_per_replay == 2
+    _, uncarved, _ = record(body, (x,))
+    assert uncarved.allocations_per_replay == 4
+    launcher.clear()
+    x2 = torch.randn(4, 8)
+    out, stats, fp8, count = plan.replay((x2,))
+    block = stats.untyped_storage()
+    assert out.untyped_storage().data_ptr() != block.data_ptr()
+    assert fp8.untyped_storage().data_ptr() == count.untyped_storage().data_ptr() == block.data_ptr()
+    assert [t.data_ptr() - block.data_ptr() for t in (stats, fp8, count)] == [0, 256, 512]
+    assert (stats.shape, stats.stride(), fp8.shape, fp8.dtype, count.dtype) == (
+        (5, 3), (1, 5), (7, 9), torch.float8_e4m3fn, torch.int32)
+    assert torch.equal(count, torch.zeros(5, dtype=torch.int32))
+    (_, _, args), = launcher
+    assert args[:5] == [x2.data_ptr(), out.data_ptr(), stats.data_ptr(), fp8.data_ptr(), count.data_ptr()]
+
+
 def test_zero_filled_scratch_is_zeroed_where_it_was_allocated(launcher):
     """A zero-filled scratch buffer sharing bytes with an earlier one is zeroed after that one's last launch."""
     from mxattn.kernels.launch_plan import record
@@ -236,10 +270,11 @@ def test_plan_cache_stops_recording_a_family_whose_plans_are_not_replayed(launch
 
 
 def _stub_backend(monkeypatch, request, ops_replay: bool = False):
-    """The triton backend on CPU tensors: CUDA checks relaxed, fresh plan caches; the ops' bodies recorded
-    (`mxattn.op_plans`) when ops_replay, else only the backend's own launches. Returns (the backend module, the
+    """The triton backend on CPU tensors: CUDA checks relaxed, fresh plan caches; the ops' bodies and the
+    whole calls without a backward recorded (`mxattn.op_plans`) when ops_replay, else only the backend's own
+    launches. Returns (the backend module, the
     plan cache that records: op_plans.PLANS or the backend's)."""
-    from mxattn import checks, op_plans
+    from mxattn import attention, checks, op_plans
     from mxattn.backends import pick_backend, triton_backend as backend_module
     from mxattn.kernels import triton_quantize as tq
     from mxattn.kernels.affine_plan import AffinePlanCache
@@ -251,7 +286,10 @@ def _stub_backend(monkeypatch, request, ops_replay: bool = False):
     monkeypatch.setattr(backend_module, "_PLANS", PlanCache())
     monkeypatch.setattr(backend_module, "_AFFINE_PLANS", AffinePlanCache())
     monkeypatch.setattr(op_plans, "PLANS", PlanCache(min_replays=16))
+    monkeypatch.setattr(op_plans, "CALLS", PlanCache(min_replays=16))
+    monkeypatch.setattr(op_plans, "CALLS_AFFINE", AffinePlanCache())
     monkeypatch.setattr(op_plans, "_REPLAYS", {"triton": ops_replay})
+    monkeypatch.setattr(attention, "_PLANS", {})  # call plans remember whether their calls replay
     request.addfinalizer(pick_backend.cache_clear)
     return backend_module, op_plans.PLANS if ops_replay else backend_module._PLANS
 
@@ -333,6 +371,99 @@ def test_triton_backend_replays_variable_length_calls(launcher, monkeypatch, req
     attn1, attn3 = first[-1][2], third[-1][2]
     cu_arg = 8  # q, q scale, k, k scale, v, v scale, out, stats, then cu_seqlens_q
     assert attn1[cu_arg] == ("ptr", cu1.data_ptr()) and attn3[cu_arg] == cu3.data_ptr()
+
+
+@pytest.mark.parametrize("case", ["bshd", "unbind", "sbhd_fp32_out", "off_by_one"])
+def test_calls_without_a_backward_replay_their_whole_body(launcher, monkeypatch, request, case):
+    """An eager dense call without a backward (a prefill, no grad) is recorded whole on its signature's second
+    call (`op_plans.run_call`: the caller's own q, k, v as roots) and replayed from its third: the launches the
+    body makes (kernels, grids, every non-pointer argument, each input pointer at the same offset of the new
+    inputs, O written where the returned O lies), O in the caller's layout. A call whose body computes with
+    torch (O cast to fp32) is refused and keeps its ordinary path."""
+    import mxattn
+    from mxattn import op_plans
+    _stub_backend(monkeypatch, request, ops_replay=True)
+    fmt = "sbhd" if case.startswith("sbhd") else "bshd"
+    opts = dict(qkv_format=fmt, attn_mask_type="causal", backend="triton")
+    if case == "sbhd_fp32_out":
+        opts["out_dtype"] = torch.float32
+    if case == "off_by_one":
+        opts["softmax_type"] = "off-by-one"
+
+    def inputs():
+        if case == "unbind":
+            qkv = torch.randn(2, 300, 3, 4, 64, dtype=torch.bfloat16)
+            return qkv.unbind(2)
+        shape = (300, 2) if fmt == "sbhd" else (2, 300)
+        return [torch.randn(*shape, 4, 64, dtype=torch.bfloat16) for _ in range(3)]
+
+    runs = []
+    with torch.no_grad():
+        for _ in range(3):
+            q, k, v = inputs()
+            launcher.clear()
+            o = mxattn.mxfp8_attention(q, k, v, **opts)
+            runs.append((q, k, v, o, list(launcher)))
+    expected = "refused" if case == "sbhd_fp32_out" else "recorded"
+    assert op_plans.CALLS.last_reason.split(":")[0].startswith("the body ran") == (expected == "refused")
+    (q1, k1, v1, o1, log1), _, (q2, k2, v2, o2, log2) = runs
+    assert o2.shape == q2.shape and o2.stride() == o1.stride()
+    assert o2.dtype == (torch.float32 if case == "sbhd_fp32_out" else torch.bfloat16)
+    assert [n for n, _, _ in log1] == [n for n, _, _ in log2] == ["_quantize_qkv_kernel", "_attn_fwd_kernel"]
+    replayed = all(not isinstance(a, tuple) for _, _, args in log2 for a in args)
+    assert replayed == (expected == "recorded")  # (a replay passes addresses as ints, the ordinary path tensors)
+    for (n1, g1, a1), (n2, g2, a2) in zip(log1, log2):
+        assert (g1, len(a1)) == (g2, len(a2))
+        for x1, x2 in zip(a1, a2):
+            if not isinstance(x1, tuple):
+                assert x1 == x2
+                continue
+            x1, x2 = x1[1], x2[1] if isinstance(x2, tuple) else x2
+            for t1, t2 in ((q1, q2), (k1, k2), (v1, v2)):
+                off = x1 - t1.data_ptr()
+                if 0 <= off < t1.untyped_storage().nbytes() - t1.storage_offset() * 2:
+                    assert x2 == t2.data_ptr() + off
+    if expected == "recorded":  # the attention kernel's `out` is the O returned
+        assert log2[1][2][6] == o2.data_ptr() and log1[1][2][6] == ("ptr", o1.data_ptr())
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["plain", "saved_tensor_hooks"])
+def test_the_eager_backward_is_keyed_on_its_forwards_plan(launcher, monkeypatch, request, hooks):
+    """An eager backward whose kept tensors are the forward's own (at the addresses its forward returned) finds
+    its plan from the forward's plan and dO's layout alone; when a saved-tensor hook hands back copies (activation
+    offloading), every root is keyed as before. Either way the replayed backward launches what the first made,
+    each pointer into the tensors the backward was given."""
+    import mxattn
+    from mxattn import op_plans
+    _stub_backend(monkeypatch, request, ops_replay=True)
+    unpacked = []
+
+    def unpack(t):
+        unpacked.append(t)
+        return t
+
+    def call():
+        q, k, v = (torch.randn(2, 96, 4, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        if hooks:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), unpack):
+                o = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton")
+        else:
+            o = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton")
+        launcher.clear()
+        unpacked.clear()
+        o.backward(torch.ones_like(o))
+        return list(launcher), list(unpacked)
+
+    runs = [call() for _ in range(4)]
+    kinds = {key[0][0] for key in op_plans.PLANS._plans}
+    assert ("bwd after" in kinds) != hooks  # (the first call's backward, before the forward had a plan: "bwd")
+    (first, _), (last, kept) = runs[0], runs[-1]
+    assert [(n, g) for n, g, _ in first] == [(n, g) for n, g, _ in last]
+    assert all(not isinstance(a, tuple) for _, _, args in last for a in args)  # replayed
+    if hooks:  # the kernels read the copies the hook handed back
+        starts = {t.data_ptr() for t in kept}
+        read = {a for _, _, args in last for a in args if isinstance(a, int) and a in starts}
+        assert len(read) >= 8
 
 
 def test_aliasing_of_roots_is_part_of_the_key():
