@@ -115,7 +115,14 @@ def choice_reads_sizes(name: str, chosen: str, problem: Problem) -> bool:
     another batch size or other sequence lengths: some backend it asked reads them (`support_reads_sizes`).
     For "auto" those are the backends before the chosen one and the chosen one."""
     asked = BACKEND_NAMES[:BACKEND_NAMES.index(chosen) + 1] if name == "auto" else (chosen,)
-    return any(backend_class(n).support_reads_sizes(problem) for n in asked)
+    return any(_reads_sizes(n, problem) for n in asked)
+
+
+def _reads_sizes(name: str, problem: Problem) -> bool:
+    try:
+        return backend_class(name).support_reads_sizes(problem)
+    except MXFP8NotSupportedError:  # not importable here (no frontend, no triton): unusable at every size
+        return False
 
 
 def get_backend(name: str) -> AttentionBackend:

@@ -46,3 +46,38 @@ assert old_backend.CudnnBackend is backend.CudnnBackend
 import mxattn
 assert callable(mxattn.cudnn_support) and mxattn.cudnn_support is support.cudnn_support
 """)
+
+
+def test_a_cudnn_module_that_is_not_the_frontend_makes_the_backend_unavailable_with_the_reason(tmp_path):
+    """A package named `cudnn` without the frontend's graph API (some images ship one) makes the cudnn backend
+    unavailable with a reason saying what was found, instead of an error at the first call: `backend="auto"`
+    moves on to the reference backend (with its one warning; the choice's cache asks every backend before it
+    whether sizes matter), naming the backend raises MXFP8NotSupportedError with the reason."""
+    import os
+    import textwrap
+    from repo_paths import ROOT
+    (tmp_path / "cudnn").mkdir()
+    (tmp_path / "cudnn" / "__init__.py").write_text("version = 'not the frontend'\n")
+    script = textwrap.dedent("""
+        import warnings
+        import torch
+        import mxattn
+        from mxattn.backends import availability
+        ok, reason = availability("cudnn", torch.device("cpu"))
+        assert not ok and "is not the cuDNN frontend" in reason and "pip install nvidia-cudnn-frontend" in reason
+        q = torch.randn(1, 64, 2, 64, dtype=torch.bfloat16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            o = mxattn.mxfp8_attention(q, q, q, attn_mask_type="causal")
+        assert o.shape == q.shape and any("'reference'" in str(w.message) for w in caught)
+        try:
+            mxattn.mxfp8_attention(q, q, q, backend="cudnn")
+        except mxattn.MXFP8NotSupportedError as exc:
+            assert "is not the cuDNN frontend" in str(exc), exc
+        else:
+            raise AssertionError("the backend ran")
+        print("OK")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]

@@ -11,7 +11,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-import cudnn
+from .frontend import cudnn
 
 from ...constants import MX_BLOCK, ceil_div
 from ...mask import MaskSpec

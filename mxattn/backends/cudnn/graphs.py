@@ -16,7 +16,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-import cudnn
+from .frontend import cudnn
 
 from ...errors import MXFP8NotSupportedError
 from .config import FP8_DTYPES, OUT_DTYPES, SCALE_DTYPE, VARLEN_UIDS, BwdUid, FwdUid, GraphConfig

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-import cudnn
+from .frontend import cudnn
 
 from ...constants import MX_BLOCK
 from ...errors import MXFP8NotSupportedError

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple
 
-import cudnn
+from .frontend import cudnn
 
 from ...errors import MXFP8NotSupportedError
 from ..base import Problem

@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-import cudnn
+from .frontend import cudnn
 
 from ...errors import MXFP8NotSupportedError
 from ...formats import MXFP8Tensor
