@@ -73,9 +73,16 @@ def main():
         }
         if grad:
             do_bshd = do.transpose(1, 2)
+            o_sdpa, o_mx = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), call()
             layers["torch SDPA forward+backward"] = lambda: F.scaled_dot_product_attention(
                 qt, kt, vt, is_causal=True).backward(do)
             layers["mxfp8_attention forward+backward"] = lambda: call().backward(do_bshd)
+            layers["torch SDPA backward alone"] = lambda: o_sdpa.backward(do, retain_graph=True)
+            layers["mxfp8_attention backward alone"] = lambda: o_mx.backward(do_bshd, retain_graph=True)
+            node = o_mx.grad_fn  # (the layout view's node; its next is _Attention's)
+            while node is not None and "_Attention" not in type(node).__name__:
+                node = node.next_functions[0][0]
+            layers["_Attention.backward called directly"] = lambda: node.apply(do)
         best = {name: float("inf") for name in layers}
         for _ in range(5):
             for name, fn in layers.items():
