@@ -225,16 +225,16 @@ def test_eager_paths_agree_with_the_library_ops(monkeypatch):
     o_op, stats, *saved = ops.attention_fwd(*args)
     assert torch.equal(ops.attention_fwd_no_grad(*args), o_op)
     calls = []
-    real = ops._fwd_impl
-    monkeypatch.setattr(ops, "_fwd_impl", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    real = ops._fwd_body  # (args, needs_backward, eager)
+    monkeypatch.setattr(ops, "_fwd_body", lambda *a: calls.append(a[1:]) or real(*a))
     with torch.no_grad():
         o_inf = mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", attn_mask_type="causal_bottom_right",
                                        softmax_scale=0.125, backend="reference")
-    assert calls[-1] == {"needs_backward": False, "eager": True}
+    assert calls[-1] == (False, True)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     o_grad = mxattn.mxfp8_attention(qg, kg, vg, qkv_format="bhsd", attn_mask_type="causal_bottom_right",
                                     softmax_scale=0.125, backend="reference")
-    assert calls[-1] == {} and o_grad.grad_fn is not None
+    assert calls[-1] == (True, False) and o_grad.grad_fn is not None
     assert torch.equal(o_inf, o_op) and torch.equal(o_grad.detach(), o_op)
     do = torch.randn_like(o_grad)
     grads = torch.autograd.grad(o_grad, (qg, kg, vg), do)
