@@ -60,6 +60,7 @@ def _types(fn, fp8: set, u8: set, bf16: set, fp32: set, i32: set = frozenset()) 
 def builds():
     """[(name, fn, types, constexprs, warps, stages)] of the default recipe's kernels."""
     from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf, triton_quantize as tq
+    from mxattn.kernels import triton_bwd_prep as tp
     out = []
     common = dict(HAS_LB=False, HAS_RB=True, VARLEN=False, PACKED=False, BOTTOM_RIGHT=False)
     cu = {"CU_Q", "CU_KV"}
@@ -94,13 +95,13 @@ def builds():
                        bf16={"DQ"} | (kv_side if pre else set()), fp32={"LSE", "DELTA"}, i32=cu)
         out.append((f"dq d{dp} {'pre' if pre else 'fp8'}", tb._dq_kernel, types,
                     dict(common, BM=bm2, BN=bn2, DP=dp, EVEN_D=True, PRE=pre), w2, s2))
-    for kind, name in ((tb.PREP_DELTA, "delta"), (tb.PREP_Q, "q"), (tb.PREP_KV, "kv")):
-        fp8 = {"RD", "CD"} | ({"A"} if kind == tb.PREP_KV else set())
-        types = _types(tb._bwd_prep_kernel, fp8=fp8, u8={"RS", "CS"} | ({"B"} if kind == tb.PREP_KV else set()),
-                       bf16={"OUT_A", "OUT_B", "OUT_R", "OUT_C"} | (set() if kind == tb.PREP_KV else {"A", "B"}),
+    for kind, name in ((tp.PREP_DELTA, "delta"), (tp.PREP_Q, "q"), (tp.PREP_KV, "kv")):
+        fp8 = {"RD", "CD"} | ({"A"} if kind == tp.PREP_KV else set())
+        types = _types(tp._bwd_prep_kernel, fp8=fp8, u8={"RS", "CS"} | ({"B"} if kind == tp.PREP_KV else set()),
+                       bf16={"OUT_A", "OUT_B", "OUT_R", "OUT_C"} | (set() if kind == tp.PREP_KV else {"A", "B"}),
                        fp32={"DELTA"}, i32={"CU"})
-        bd, warps = tb.PREP_TILES[128]
-        out.append((f"prep {name} d128", tb._bwd_prep_kernel, types,
+        bd, warps = tp.PREP_TILES[128]
+        out.append((f"prep {name} d128", tp._bwd_prep_kernel, types,
                     dict(DP=128, BD=bd, KIND=kind.value, VARLEN=False, PACKED=False), warps, 1))
     # the fused quantizer: one tensor (dO's two copies) and Q, K, V in one launch (the forward's bf16-KV path)
     bs, warps, bd = tq.QUANT_TILE

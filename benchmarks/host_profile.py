@@ -42,6 +42,7 @@ with torch.no_grad():
     print("custom op registered:", hasattr(ops, "attention_fwd"))
 
 from mxattn.kernels import triton_attention_bwd as tb  # noqa: E402
+from mxattn.kernels import triton_bwd_prep as tp  # noqa: E402
 from mxattn.kernels.triton_attention_fwd import check_seq  # noqa: E402
 
 o, st, saved = be.forward(qb, kb, vb, params)
@@ -54,9 +55,9 @@ bwd_rows = {
                                                     saved.v_row, None, None, o, do, st, dq=grads[0],
                                                     dk=grads[1], dv=grads[2], softmax_scale=0.088, offset=0,
                                                     left_bound=None, right_bound=0, mode="pre"),
-    "bwd_prep (heads 0-12)": lambda: tb.bwd_prep(o, do, saved.q_row, saved.q_col, delta, 0, 12,
+    "bwd_prep (heads 0-12)": lambda: tp.bwd_prep(o, do, saved.q_row, saved.q_col, delta, 0, 12,
                                                  check_seq(None, saved.q_row.data, saved.k_row.data, st)),
-    "kv_prep (KV heads 0-12)": lambda: tb.kv_prep(saved.k_row, saved.k_col, saved.v_row, 0, 12,
+    "kv_prep (KV heads 0-12)": lambda: tp.kv_prep(saved.k_row, saved.k_col, saved.v_row, 0, 12,
                                                   check_seq(None, saved.q_row.data, saved.k_row.data, st)),
     "torch.cuda.get_device_properties": lambda: torch.cuda.get_device_properties(o.device),
 }

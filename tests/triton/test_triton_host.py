@@ -206,6 +206,7 @@ def _record_launches(monkeypatch, request, keep_kwargs: bool = False) -> list:
     from mxattn import checks
     from mxattn.backends import pick_backend, triton_backend as backend_module
     from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf, triton_quantize as tq
+    from mxattn.kernels import triton_bwd_prep as tp
 
     real = checks.check_bhsd_tensor
     for module in (checks, backend_module, tq):
@@ -213,7 +214,7 @@ def _record_launches(monkeypatch, request, keep_kwargs: bool = False) -> list:
     monkeypatch.setattr(backend_module.TritonBackend, "availability", classmethod(lambda cls, d: (True, "stub")))
     request.addfinalizer(pick_backend.cache_clear)  # (the stubbed answer must not outlive the test)
     launched = []
-    for module in (tq, tf, tb):
+    for module in (tq, tf, tb, tp):
         monkeypatch.setattr(module, "launch", lambda fn, grid, *a, **k: launched.append(
             (fn.__name__.strip("_"), grid, k) if keep_kwargs else (fn.__name__.strip("_"), grid)))
     return launched
@@ -362,7 +363,7 @@ def test_recipe_switches_reach_every_launch_without_a_gpu(monkeypatch, request, 
     (tests/recipe/test_recipe_triton_gpu.py)."""
     import mxattn
     from mxattn import Recipe
-    from mxattn.kernels import triton_attention_bwd as tb
+    from mxattn.kernels import triton_bwd_prep as tp
     from mxattn.kernels.recipe_flags import kernel_recipe
     from triton_helpers import force_fp8_data_paths
 
@@ -392,8 +393,8 @@ def test_recipe_switches_reach_every_launch_without_a_gpu(monkeypatch, request, 
         assert by_name["quantize_rowcol_kernel"][0]["FLOOR"] == flags.floor
     else:
         kinds = {kw["KIND"]: kw for kw in by_name["bwd_prep_kernel"]}
-        assert kinds[tb.PREP_Q.value]["FLOOR"] == flags.floor
-        assert kinds[tb.PREP_KV.value]["WITH_V"] == (not flags.v_raw)
+        assert kinds[tp.PREP_Q.value]["FLOOR"] == flags.floor
+        assert kinds[tp.PREP_KV.value]["WITH_V"] == (not flags.v_raw)
     assert q.grad.shape == q.shape and v.grad.shape == v.shape
 
 

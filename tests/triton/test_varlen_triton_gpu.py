@@ -170,7 +170,7 @@ def _check_against_reference(bt: Batch, mask, out_dtype):
 @pytest.mark.parametrize("d", [64, 96, 128])
 def test_quantizer_packed_bit_identical(dtype, d):
     triton_backend()
-    from mxattn.kernels import triton_attention_bwd as tb
+    from mxattn.kernels import triton_bwd_prep as tp
     from mxattn.kernels.triton_attention_fwd import check_seq
     from mxattn.kernels.triton_quantize import quantize_rowcol
     lens = LENS_Q + [64, 2]
@@ -188,7 +188,7 @@ def test_quantizer_packed_bit_identical(dtype, d):
     assert got.col.segments is cu and got.row.data.stride() == want_r.data.stride()
     # the backward's on-chip dequantization of these copies (its key-side prep pass) equals torch's
     sa = check_seq(SeqInfo(cu, cu, max(lens), max(lens), True), got.row.data, got.row.data, got.row.data)
-    k_r, k_c, _ = tb.kv_prep(got.row, got.col, got.row, 0, 3, sa)
+    k_r, k_c, _ = tp.kv_prep(got.row, got.col, got.row, 0, 3, sa)
     assert same_values(k_r, want_r.dequantize(torch.bfloat16))
     assert same_values(k_c, want_c.dequantize(torch.bfloat16))
 
@@ -442,7 +442,7 @@ def test_backward_prep_equals_the_separate_kernels(kind, d):
     bit for bit (NaN and inf blocks included), and delta = rowsum(O * dO) to fp32 rounding (zero on padding rows),
     for a head range that does not start at 0 and leaves the other heads' delta alone; `kv_prep` likewise
     writes torch's dequantization of K's two copies and V's row-wise one."""
-    from mxattn.kernels import triton_attention_bwd as tb
+    from mxattn.kernels import triton_bwd_prep as tp
     from mxattn.kernels.triton_attention_fwd import check_seq
     from mxattn.formats import MXFP8Tensor
     from mxattn.kernels.triton_quantize import quantize_rowcol
@@ -470,7 +470,7 @@ def test_backward_prep_equals_the_separate_kernels(kind, d):
     qq = quantize_rowcol(q, **quant_seq)
     sa = check_seq(seq, qq.row.data, qq.row.data, o)
     delta = torch.full((B, hq, S), float("nan"), device="cuda")
-    got = tb.bwd_prep(o, do, qq.row, qq.col, delta, h0, h1, sa)
+    got = tp.bwd_prep(o, do, qq.row, qq.col, delta, h0, h1, sa)
     exp_do = quantize_rowcol(do[:, h0:h1], row_dequant=True, col_dequant=True, **quant_seq)
     expected = (exp_do.row_dequant, exp_do.col_dequant, dequantized(qq.row, h0, h1), dequantized(qq.col, h0, h1))
     exp_delta = (o.float() * do.float()).sum(-1)
@@ -504,7 +504,7 @@ def test_backward_prep_equals_the_separate_kernels(kind, d):
     kq, vq = quantize_rowcol(k, **kv_seq), quantize_rowcol(v, col=False, **kv_seq)
     sa = check_seq(seq, qq.row.data, kq.row.data, o)
     h1 = 3 if bt is None else 2
-    got = tb.kv_prep(kq.row, kq.col, vq.row, 1, h1, sa)
+    got = tp.kv_prep(kq.row, kq.col, vq.row, 1, h1, sa)
     expected = (dequantized(kq.row, 1, h1), dequantized(kq.col, 1, h1), dequantized(vq.row, 1, h1))
     for rows in kv_pieces:
         for name, a, e in zip(("K row", "K col", "V row"), got, expected):

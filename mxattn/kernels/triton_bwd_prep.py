@@ -1,0 +1,158 @@
+"""The backward's prep pass (spec section 7): delta = rowsum(O * dO) in FP32 and, for the bf16-scratch data
+path (mode "pre"), the streamed operands dequantized exactly to bf16 scratch: dO quantized to MXFP8 both ways
+and Q's copies (`bwd_prep`, before the dK/dV kernel), K's and V's copies (`kv_prep`, before the dQ kernel).
+One kernel (`_bwd_prep_kernel`, its KIND choosing the side) and its host-side launches; the dK/dV and dQ
+kernels that read what it writes are in `triton_attention_bwd`.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_launch import launch
+from .triton_bwd_tiles import _col_tile, _row_tile
+from .triton_common import MX_BLOCK, dequant_cols, dequant_rows, load_tile, quantize_cols, quantize_rows, seq_span
+from .triton_quantize import padded_head_dim
+
+
+#: what `_bwd_prep_kernel` does (its KIND)
+PREP_DELTA, PREP_Q, PREP_KV = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def _bwd_prep_kernel(A, B, DELTA, RD, RS, CD, CS, OUT_A, OUT_B, OUT_R, OUT_C, CU,
+                     sab, sah, sas, sbb, sbh, sbs, srdb, srdh, srds, srsb, srsh, srss, scsb, scsh, scss,
+                     scdb, scdh, scds, HQ, H0, HC, S, D,
+                     DP: tl.constexpr, BD: tl.constexpr, KIND: tl.constexpr, VARLEN: tl.constexpr,
+                     PACKED: tl.constexpr, FLOOR: tl.constexpr = False, WITH_V: tl.constexpr = True):
+    """The "pre" backward's operands for heads H0 .. H0 + HC, in one pass over 32 rows of one head (grid
+    (32-row tiles, sequences * HC)); every input has a unit stride along D, scratch outputs are contiguous
+    [B, HC, S, D] bf16, column-wise scales [.., blocks, D] (segmented for a packed batch).
+    KIND PREP_Q (query side): A = O, B = dO: delta = rowsum(O * dO) fp32 into DELTA [B, HQ, S]; dO quantized
+    both ways (as `quantize_rowcol` does) and dequantized into OUT_A (row-wise), OUT_B (column-wise); Q's saved
+    copies (RD/RS row-wise, CD/CS column-wise) dequantized into OUT_R, OUT_C.
+    KIND PREP_KV (key side): A/B = V's row-wise data and scales -> OUT_A; K's copies (RD/RS, CD/CS) -> OUT_R,
+    OUT_C. KIND PREP_DELTA: delta alone (the FP8-streaming backward).
+    Rows past a padded sequence's length get delta 0 and zeros; a packed batch's rows between sequences are
+    not written. delta sums BD-column slices in order (fp32). FLOOR: dO quantized with the OCP scale rule;
+    WITH_V False: PREP_KV skips V (the bf16-V recipe reads V as it is)."""
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HC).to(tl.int64)
+    hl = (pid_bh % HC).to(tl.int64)  # head within the chunk (scratch)
+    h = hl + H0  # head of the full tensors
+    bt, start, length, blk0 = seq_span(CU, b, S, VARLEN, PACKED)
+    if PACKED:
+        if pid_s * MX_BLOCK >= length:
+            return
+        n_out = length
+    else:
+        n_out = S
+    offs_s = pid_s * MX_BLOCK + tl.arange(0, MX_BLOCK)
+    rows = start + offs_s
+    row_ok = offs_s < length
+    delta = tl.zeros((MX_BLOCK,), dtype=tl.float32)
+    blk_ok = pid_s * MX_BLOCK + tl.arange(0, 1) < length  # this tile's one column-wise block
+    for d0 in range(0, DP, BD):  # D in slices of BD columns (whole MXFP8 blocks): fewer live registers
+        offs_d = d0 + tl.arange(0, BD)
+        offs_k = d0 // MX_BLOCK + tl.arange(0, BD // MX_BLOCK)
+        c_ok, kb_ok = offs_d < D, offs_k * MX_BLOCK < D
+        st = (offs_s < n_out)[:, None] & c_ok[None, :]
+        out = ((bt * HC + hl) * S + rows)[:, None] * D + offs_d[None, :]
+        if KIND == PREP_KV:
+            if WITH_V:
+                v_r = _row_tile(A + bt * sab + h * sah + rows[:, None] * sas + offs_d[None, :],
+                                B + bt * sbb + h * sbh + rows[:, None] * sbs + offs_k[None, :],
+                                row_ok, c_ok, kb_ok, True, False, MX_BLOCK, BD, False)
+                tl.store(OUT_A + out, v_r, mask=st)
+        else:
+            o = load_tile(A + bt * sab + h * sah + rows[:, None] * sas + offs_d[None, :], row_ok, c_ok, 0.0, True,
+                          False)
+            do = load_tile(B + bt * sbb + h * sbh + rows[:, None] * sbs + offs_d[None, :], row_ok, c_ok, 0.0, True,
+                           False).to(tl.float32)
+            delta += tl.sum(o.to(tl.float32) * do, axis=1)
+            if KIND == PREP_Q:
+                q, e = quantize_rows(do, MX_BLOCK, BD, FLOOR)
+                tl.store(OUT_A + out, dequant_rows(q, e.to(tl.uint8), MX_BLOCK, BD), mask=st)
+                q, e = quantize_cols(do, MX_BLOCK, BD, FLOOR)
+                tl.store(OUT_B + out, dequant_cols(q, e.to(tl.uint8), MX_BLOCK, BD), mask=st)
+        if KIND != PREP_DELTA:
+            x_r = _row_tile(RD + bt * srdb + h * srdh + rows[:, None] * srds + offs_d[None, :],
+                            RS + bt * srsb + h * srsh + rows[:, None] * srss + offs_k[None, :],
+                            row_ok, c_ok, kb_ok, True, False, MX_BLOCK, BD, False)
+            tl.store(OUT_R + out, x_r, mask=st)
+            x_c = _col_tile(CD + bt * scdb + h * scdh + rows[:, None] * scds + offs_d[None, :],
+                            CS + bt * scsb + h * scsh + (blk0 + pid_s) * scss + offs_d[None, :],
+                            row_ok, blk_ok, c_ok, True, False, MX_BLOCK, BD, False)
+            tl.store(OUT_C + out, x_c, mask=st)
+    if KIND != PREP_KV:
+        tl.store(DELTA + (bt * HQ + h) * S + rows, delta, mask=offs_s < n_out)
+
+
+#: (BD, num_warps) of `_bwd_prep_kernel` by padded head dim: whole rows up to 128 columns (0.072 ms against
+#: 0.087 for 64-column slices at B2 H12 S4096 D128 on the H100;
+#: benchmarks/results/nvidia-h100-80gb-hbm3/experiments/prep_tiles.txt)
+PREP_TILES = {32: (32, 2), 64: (64, 4), 128: (128, 4), 256: (256, 8)}
+
+
+def _prep(kind: int, a, b_, delta, row, col, h0: int, h1: int, rows: int, n_tiles: int, sa, n_out: int,
+          floor: bool = False, with_v: bool = True):
+    """One launch of `_bwd_prep_kernel` for heads h0 .. h1 of [B, H, rows, D] inputs -> its n_out bf16 scratch
+    tensors [B, h1 - h0, rows, D] (OUT_A, OUT_B, OUT_R, OUT_C order, the first n_out of them; PREP_KV without
+    V: OUT_R, OUT_C). floor, with_v: the kernel's FLOOR and WITH_V."""
+    B, D = a.shape[0], row.data.shape[3] if row is not None else a.shape[3]
+    dp = padded_head_dim(D)
+    bd, warps = PREP_TILES[dp]
+    out = [torch.empty((B, h1 - h0, rows, D), dtype=torch.bfloat16, device=a.device) for _ in range(n_out)]
+    if row is not None:
+        rs, cs = row.scale.view(torch.uint8), col.scale.view(torch.uint8)
+        copies = (row.data, rs, col.data, cs)
+        strides = (*row.data.stride()[:3], *rs.stride()[:3], *cs.stride()[:3], *col.data.stride()[:3])
+    else:  # (stand-ins the kernel never reads)
+        copies, strides = (a,) * 4, (0,) * 12
+    if kind == PREP_KV.value and not with_v:  # OUT_R, OUT_C (OUT_A unwritten)
+        outs = [a, a, out[0], out[1]]
+    elif kind == PREP_KV.value:  # OUT_A, then OUT_R, OUT_C
+        outs = [out[0], a, out[1], out[2]]
+    else:
+        outs = out + [a] * (4 - n_out)
+    cu = sa.cu_kv if kind == PREP_KV.value else sa.cu_q
+    launch(_bwd_prep_kernel, (n_tiles, sa.programs(B, h1 - h0)), a, b_, delta, *copies, *outs, cu,
+           *a.stride()[:3], *b_.stride()[:3], *strides, delta.shape[1], h0, h1 - h0, rows, D, DP=dp, BD=bd,
+           KIND=kind, VARLEN=sa.varlen, PACKED=sa.packed, FLOOR=bool(floor), WITH_V=bool(with_v), num_warps=warps)
+    return out
+
+
+def bwd_prep(o, do, q_row, q_col, delta, h0: int, h1: int, sa, scratch: bool = True, floor: bool = False):
+    """The "pre" backward's query-side operands for query heads h0 .. h1 in one launch: writes delta[:, h0:h1]
+    (fp32 [B, HQ, SQ]) and returns the bf16 [B, h1 - h0, SQ, D] scratch (dO row-wise, dO column-wise, Q
+    row-wise, Q column-wise), each the exact dequantization of that MXFP8 copy. o, do [B, HQ, SQ, D] bf16/fp16
+    and q_row, q_col (MXFP8Tensor, segmented column scales for a packed batch) with a unit stride along D; sa:
+    `check_seq`'s SeqArgs. scratch False: delta alone (q_row, q_col may be None; returns None). floor: dO's
+    scales by the OCP rule."""
+    SQ = o.shape[2]
+    for name, t in (("o", o), ("do", do)):
+        if t.stride(3) != 1:
+            raise ValueError(f"{name} must have unit stride along D")
+    out = _prep((PREP_Q if scratch else PREP_DELTA).value, o, do, delta, q_row if scratch else None, q_col, h0, h1, SQ,
+                sa.q_tiles(SQ, MX_BLOCK.value), sa, 4 if scratch else 0, floor)
+    return out if scratch else None
+
+
+def kv_prep(k_row, k_col, v_row, h0: int, h1: int, sa):
+    """The key-side operands of the "pre" backward's dQ kernel for KV heads h0 .. h1 in one launch: the bf16
+    [B, h1 - h0, SKV, D] dequantizations of K row-wise, K column-wise and V row-wise (MXFP8Tensors with a unit
+    stride along D; K's column-wise scales segmented for a packed batch). v_row a bf16 tensor (the bf16-V
+    recipe): its head slice as it is."""
+    SKV = k_row.data.shape[2]
+    if isinstance(v_row, torch.Tensor):
+        k_r, k_c = _prep(PREP_KV.value, k_row.data, k_row.data, k_row.data, k_row, k_col, h0, h1, SKV,
+                         sa.kv_tiles(SKV, MX_BLOCK.value), sa, 2, with_v=False)
+        return k_r, k_c, v_row[:, h0:h1]
+    vs = v_row.scale.view(torch.uint8)
+    v_r, k_r, k_c = _prep(PREP_KV.value, v_row.data, vs, vs, k_row, k_col, h0, h1, SKV,
+                          sa.kv_tiles(SKV, MX_BLOCK.value), sa, 3)
+    return k_r, k_c, v_r
+
+
+__all__ = ["bwd_prep", "kv_prep"]
