@@ -4,11 +4,13 @@ Q, K, V (and dO in backward) are FP8 E4M3 with one E8M0 power-of-two scale per 3
 cuDNN / Transformer Engine MXFP8 recipe. Backends: `cudnn` (Blackwell), `triton` (other CUDA GPUs, exact
 emulation), `reference` (pure PyTorch, any device). Variable lengths (padded and packed `thd` batches) and
 attention sinks follow Transformer Engine's arguments; `mxattn.integrations.transformers` plugs into Hugging Face;
-`MXFP8KVCache` with `mxfp8_attention_with_kvcache` serves decode steps from a paged MXFP8 cache. `Recipe` selects
+`MXFP8KVCache` with `mxfp8_attention_with_kvcache` serves decode steps from a paged MXFP8 cache;
+`mxfp8_attention_quantized` runs the forward on inputs that arrive already quantized (`MXFP8Tensor`). `Recipe` selects
 numerics variants (P, V and dS rounding, scale rounding, per-tensor FP8) for studies; `reference` runs them all.
 """
 
 from .attention import mxfp8_attention
+from .attention_quantized import mxfp8_attention_quantized, quantize_attention_inputs
 from .backends import BACKEND_NAMES, availability as backend_availability
 # through the old module path `mxattn.cudnn_support` (a re-export): importing it here binds the package's
 # `cudnn_support` to the function after the submodule, so a later `import mxattn.cudnn_support` cannot
@@ -37,7 +39,9 @@ __all__ = [
     "cu_seqlens_from_padding_mask",
     "cudnn_support",
     "mxfp8_attention",
+    "mxfp8_attention_quantized",
     "mxfp8_attention_with_kvcache",
+    "quantize_attention_inputs",
     "quantize_mxfp8",
     "swizzle_128x4",
     "unswizzle_128x4",

@@ -11,7 +11,7 @@ from . import op_plans, ops
 from .backends import choice_reads_sizes, choose_backend
 from .constants import INPUT_DTYPES, KERNEL_OUT_DTYPES, SOFTMAX_TYPES
 from .errors import MXFP8NotSupportedError
-from .layouts import bhsd_shape, check_format, from_bhsd, to_bhsd
+from .layouts import bhsd_shape, check_format, check_qkv_shapes, from_bhsd, to_bhsd
 from .mask import resolve_mask
 from .op_args import FwdArgs
 from .recipe import Recipe, check_recipe_varlen, recipe_key
@@ -30,11 +30,6 @@ def _check_tensor(name: str, x, ndim: int, qkv_format: str) -> None:
         raise ValueError(f"{name} must be {ndim}-D for qkv_format={qkv_format!r}, got shape {tuple(x.shape)}")
 
 
-def _thd_to_bhsd(x: torch.Tensor) -> torch.Tensor:
-    """[T, H, D] -> a [1, H, T, D] view."""
-    return x.permute(1, 0, 2).unsqueeze(0)
-
-
 def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format: str) -> None:
     """Check q, k, v given in `qkv_format` (4-D bshd/sbhd/bhsd, 3-D thd); raise TypeError/ValueError naming
     the argument."""
@@ -44,23 +39,7 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_forma
         _check_tensor(name, x, ndim, qkv_format)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    (b, hq, sq, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = (bhsd_shape(x, qkv_format) for x in (q, k, v))
-    where = ("(shapes read as [T, H, D] for qkv_format='thd')" if qkv_format == "thd"
-             else f"(shapes read as [B, H, S, D] from qkv_format={qkv_format!r})")
-    if not (b == bk == bv):
-        raise ValueError(f"batch size mismatch: q {b}, k {bk}, v {bv} {where}")
-    if sk != sv:
-        raise ValueError(f"sequence length mismatch: k {sk}, v {sv} {where}")
-    if not (d == dk == dv):
-        raise ValueError(f"head_dim mismatch: q {d}, k {dk}, v {dv} {where}")
-    if hk != hv:
-        raise ValueError(f"k and v must have the same number of heads, got k {hk}, v {hv} {where}")
-    if hq % hk:
-        raise ValueError(f"query heads ({hq}) must be divisible by key/value heads ({hk}) {where}")
-    if d == 0 or hq == 0:
-        raise ValueError(f"empty input: head_dim {d}, heads {hq} {where}")
+    check_qkv_shapes(q, k, v, qkv_format)
 
 
 def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_format: str = "bshd",
@@ -107,6 +86,36 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
         if plan is not None and (plan.kv_len is None or plan.kv_len == _kv_len(k, qkv_format)):
             return _run_dense(plan, q, k, v, _sink_of(plan, softmax_offset))
     validate_inputs(q, k, v, qkv_format)
+    qb, kb, vb = to_bhsd(q, qkv_format), to_bhsd(k, qkv_format), to_bhsd(v, qkv_format)
+    args, out_dtype = encode_call(qb, kb, vb, qkv_format=qkv_format, attn_mask_type=attn_mask_type,
+                                  window_size=window_size, softmax_scale=softmax_scale, backend=backend,
+                                  out_dtype=q.dtype if out_dtype is None else out_dtype, cu_seqlens_q=cu_seqlens_q,
+                                  cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                                  max_seqlen_kv=max_seqlen_kv, softmax_type=softmax_type,
+                                  softmax_offset=softmax_offset, recipe=recipe)
+    if is_empty(qb, kb, qkv_format):
+        return _empty_attention(q, k, v, out_dtype, softmax_offset)
+    problem = args.problem(softmax_type, ops.needs_backward(q, k, v, softmax_offset))
+    name = choose_backend(backend, problem)
+    args = args._replace(backend=name)
+    if args.cu_seqlens_q is None and not torch.compiler.is_compiling():
+        # the plan serves every KV length unless the backend choice read it
+        kv_len = kb.shape[2] if choice_reads_sizes(backend, name, problem) else None
+        plan = _DensePlan(args._replace(q=None, k=None, v=None, sink=None), out_dtype, softmax_type, kv_len,
+                          op_plans.call_replay(args, problem.needs_backward), op_plans.new_call_id())
+        _remember(key, plan)
+        return _run_dense(plan, q, k, v, _sink_of(plan, softmax_offset))  # (as the plan's later calls pass it)
+    o = from_bhsd(ops.attention(args), qkv_format)
+    return o if o.dtype == out_dtype else o.to(out_dtype)
+
+
+def encode_call(qb, kb, vb, *, qkv_format: str, attn_mask_type: str, window_size, softmax_scale, backend: str,
+                out_dtype, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_type: str,
+                softmax_offset, recipe) -> Tuple[FwdArgs, torch.dtype]:
+    """The checks and defaults of `mxfp8_attention`'s options (its docstring) for a call on qb, kb, vb, its
+    [B, H, S, D] views (a packed batch [1, H, T, D]) whose shapes were checked: (the forward op's arguments on
+    them, with the kernels' output dtype, and the dtype the caller gets). out_dtype: the caller's, or its
+    default. Raises TypeError/ValueError naming the argument."""
     recipe = recipe_key(recipe)
     band, padding_type = resolve_mask(attn_mask_type, window_size)
     if not padding_type and (cu_seqlens_q is not None or cu_seqlens_kv is not None) and qkv_format != "thd":
@@ -114,50 +123,35 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
                          f"attn_mask_type ('padding', 'padding_causal', 'padding_causal_bottom_right') with them, "
                          f"got attn_mask_type={attn_mask_type!r}")
     packed = qkv_format == "thd"
-    if packed:
-        qb, kb, vb = _thd_to_bhsd(q), _thd_to_bhsd(k), _thd_to_bhsd(v)
-    else:
-        qb, kb, vb = to_bhsd(q, qkv_format), to_bhsd(k, qkv_format), to_bhsd(v, qkv_format)
     seq: Optional[SeqInfo] = None
     if packed or padding_type or cu_seqlens_q is not None or cu_seqlens_kv is not None:
         if cu_seqlens_q is None:
             why = "qkv_format='thd'" if packed else f"attn_mask_type={attn_mask_type!r}"
             raise ValueError(f"{why} needs cu_seqlens_q (int32 [batch + 1] cumulative sequence lengths)")
         seq = make_seqinfo(packed=packed, batch=None if packed else qb.shape[0], rows_q=qb.shape[2],
-                           rows_kv=kb.shape[2], device=q.device, cu_seqlens_q=cu_seqlens_q,
+                           rows_kv=kb.shape[2], device=qb.device, cu_seqlens_q=cu_seqlens_q,
                            cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
         check_recipe_varlen(recipe, "packed" if packed else "padded")
-    sink = _sink(softmax_type, softmax_offset, qb.shape[1], q.device)
-    head_dim = q.shape[-1]
+    sink = _sink(softmax_type, softmax_offset, qb.shape[1], qb.device)
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)  # (symbolic under torch.compile with a dynamic head dim)
+        softmax_scale = 1.0 / math.sqrt(qb.shape[3])  # (symbolic under torch.compile with a dynamic head dim)
     elif isinstance(softmax_scale, bool) or not (isinstance(softmax_scale, (int, float))
                                                  and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
-    if out_dtype is None:
-        out_dtype = q.dtype
     if out_dtype not in OUTPUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
-    if qkv_format != "thd" and 0 in (qb.shape[0], qb.shape[2], kb.shape[2]):
-        return _empty_attention(q, k, v, out_dtype, softmax_offset)
     kernel_dtype = out_dtype if out_dtype in KERNEL_OUT_DTYPES else (
-        q.dtype if q.dtype in KERNEL_OUT_DTYPES else torch.bfloat16)
+        qb.dtype if qb.dtype in KERNEL_OUT_DTYPES else torch.bfloat16)
     args = FwdArgs.encode(qb, kb, vb, softmax_scale=softmax_scale, mask=band, out_dtype=kernel_dtype,
                           qkv_format="bshd" if packed else qkv_format, backend=backend, seq=seq, sink=sink,
                           recipe=recipe)
-    problem = args.problem(softmax_type, ops.needs_backward(q, k, v, softmax_offset))
-    name = choose_backend(backend, problem)
-    args = args._replace(backend=name)
-    if seq is None and not torch.compiler.is_compiling():
-        # the plan serves every KV length unless the backend choice read it
-        kv_len = kb.shape[2] if choice_reads_sizes(backend, name, problem) else None
-        plan = _DensePlan(args._replace(q=None, k=None, v=None, sink=None), out_dtype, softmax_type, kv_len,
-                          op_plans.call_replay(args, problem.needs_backward), op_plans.new_call_id())
-        _remember(key, plan)
-        return _run_dense(plan, q, k, v, _sink_of(plan, softmax_offset))  # (as the plan's later calls pass it)
-    o = ops.attention(args)
-    o = o[0].transpose(0, 1) if packed else from_bhsd(o, qkv_format)
-    return o if o.dtype == out_dtype else o.to(out_dtype)
+    return args, out_dtype
+
+
+def is_empty(qb, kb, qkv_format: str) -> bool:
+    """Whether a dense or padded call on [B, H, S, D] views has nothing to compute (B = 0, S_q = 0 or
+    S_kv = 0; a packed batch's empty sequences are the kernels' business)."""
+    return qkv_format != "thd" and 0 in (qb.shape[0], qb.shape[2], kb.shape[2])
 
 
 # --------------------------------------------------------------------------- per-signature plans (eager, dense)

@@ -12,6 +12,8 @@ MX_BLOCK = 32
 SF_TILE = 128
 #: high-precision dtypes mxattn takes in and quantizes (q, k, v; the quantizers' inputs)
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: element dtype of the MXFP8 operands attention takes, already quantized (E4M3; E5M2 is a gradient format)
+ATTENTION_FP8_DTYPE = torch.float8_e4m3fn
 #: dtypes the kernels write O and the gradients in; fp32 callers get a cast at the end
 KERNEL_OUT_DTYPES = (torch.bfloat16, torch.float16)
 #: Transformer Engine's softmax_type values: plain softmax, a zero sink logit, a learned sink logit per head

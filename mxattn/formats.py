@@ -84,7 +84,9 @@ __all__ = [
     "swizzle_128x4",
     "unswizzle_128x4",
     "swizzled_scale_shape",
+    "scale_shape",
     "segment_block_start",
+    "segment_rows",
     "segmented_scale_rows",
 ]
 
@@ -126,6 +128,27 @@ def segment_block_start(offset: int, index: int) -> int:
 def segmented_scale_rows(n: int, n_segments: int) -> int:
     """Scale rows of a segmented axis of length n split into n_segments segments."""
     return n // BLOCK_SIZE + n_segments
+
+
+def scale_shape(shape, axis: int, segments: Optional[torch.Tensor] = None) -> tuple:
+    """The compact scale shape of data of `shape` blocked along `axis` (non-negative): the axis's length n
+    replaced by ceil(n / 32), or by `segmented_scale_rows` with `segments`."""
+    out = list(shape)
+    out[axis] = segmented_scale_rows(out[axis], segments.numel() - 1) if segments is not None else \
+        ceil_div(out[axis], BLOCK_SIZE)
+    return tuple(out)
+
+
+def segment_rows(segments: torch.Tensor, n: int):
+    """(segment, the segment's first block row, position in the segment) of each of the n elements of an axis
+    split by `segments` (int32 [B+1], 0 .. n), as int64 tensors [n] on the segments' device: element i lies in
+    segment b (segments[b] <= i < segments[b+1]), whose blocks start at scale row
+    `segment_block_start(segments[b], b)`; its own block is that row + (i - segments[b]) // 32. No host copy."""
+    cu = segments.to(torch.int64)
+    rows = torch.arange(n, device=cu.device)
+    seg = torch.searchsorted(cu, rows, right=True) - 1
+    start = cu[seg]
+    return seg, segment_block_start(start, seg), rows - start
 
 
 def _is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
@@ -196,12 +219,8 @@ class MXFP8Tensor:
         if self.data.dim() == 0:
             raise ValueError("data must have rank >= 1")
         self.axis = _normalize_axis(self.axis, self.data.dim())
-        expected = list(self.data.shape)
-        if self.segments is not None:
-            expected[self.axis] = segmented_scale_rows(expected[self.axis], self.segments.numel() - 1)
-        else:
-            expected[self.axis] = ceil_div(expected[self.axis], BLOCK_SIZE)
-        if list(self.scale.shape) != expected:
+        expected = scale_shape(self.data.shape, self.axis, self.segments)
+        if tuple(self.scale.shape) != expected:
             raise ValueError(
                 f"scale shape {tuple(self.scale.shape)} does not match data shape "
                 f"{tuple(self.data.shape)} blocked along axis {self.axis}: expected {tuple(expected)}"
@@ -234,14 +253,11 @@ class MXFP8Tensor:
         """data * 2**(scale - 127) as ``dtype`` (computed exactly in FP32, then cast), data's shape."""
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype}")
-        if self.segments is not None:
-            out = torch.empty(self.data.shape, dtype=dtype, device=self.data.device)
-            offsets = self.segments.tolist()
-            for b in range(len(offsets) - 1):
-                if offsets[b + 1] > offsets[b]:
-                    out.narrow(self.axis, offsets[b], offsets[b + 1] - offsets[b]).copy_(
-                        self.segment(b, offsets).dequantize(dtype))
-            return out
+        if self.segments is not None:  # each element's scale row gathered (no host copy of the segments)
+            ax, n = self.axis, self.data.shape[self.axis]
+            _, block0, within = segment_rows(self.segments.to(self.data.device), n)
+            s = e8m0_to_float(self.scale).index_select(ax, block0 + within // BLOCK_SIZE)
+            return (self.data.float() * s).to(dtype)
         ax, n = self.axis, self.data.shape[self.axis]
         s = e8m0_to_float(self.scale)
         if n % BLOCK_SIZE == 0:

@@ -1,10 +1,13 @@
-"""qkv_format handling: every layout becomes a [B, H, S, D] *view* (never a copy), and back."""
+"""qkv_format handling: every layout becomes a [B, H, S, D] *view* (never a copy), and back (a packed thd
+tensor [T, H, D] as [1, H, T, D]); MXFP8 tensors likewise (data and scales viewed alike)."""
 
 from __future__ import annotations
 
 from typing import Tuple
 
 import torch
+
+from .formats import MXFP8Tensor
 
 QKV_FORMATS = ("bshd", "sbhd", "bhsd", "thd")
 # permutation taking a tensor in `format` order to [B, H, S, D]
@@ -20,8 +23,22 @@ def check_format(qkv_format: str) -> None:
 
 
 def to_bhsd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
-    """View a 4-D tensor given in `qkv_format` as [B, H, S, D]."""
+    """View a 4-D tensor given in `qkv_format` as [B, H, S, D] (a thd tensor [T, H, D] as [1, H, T, D])."""
+    if qkv_format == "thd":
+        return x.permute(1, 0, 2).unsqueeze(0)
     return x.permute(_TO_BHSD[qkv_format])
+
+
+def mx_to_bhsd(x: MXFP8Tensor, qkv_format: str) -> MXFP8Tensor:
+    """`to_bhsd` of an MXFP8Tensor: its data and scales viewed alike, its block axis renumbered (segments kept)."""
+    axis = (2, 1, 3)[x.axis] if qkv_format == "thd" else _TO_BHSD[qkv_format].index(x.axis)
+    return MXFP8Tensor.unchecked(to_bhsd(x.data, qkv_format), to_bhsd(x.scale, qkv_format), axis, x.segments)
+
+
+def mx_from_bhsd(x: MXFP8Tensor, qkv_format: str) -> MXFP8Tensor:
+    """The inverse of `mx_to_bhsd`."""
+    axis = (None, 1, 0, 2)[x.axis] if qkv_format == "thd" else _FROM_BHSD[qkv_format].index(x.axis)
+    return MXFP8Tensor.unchecked(from_bhsd(x.data, qkv_format), from_bhsd(x.scale, qkv_format), axis, x.segments)
 
 
 def bhsd_shape(x: torch.Tensor, qkv_format: str) -> Tuple[int, ...]:
@@ -34,8 +51,38 @@ def bhsd_shape(x: torch.Tensor, qkv_format: str) -> Tuple[int, ...]:
 
 
 def from_bhsd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
-    """View a [B, H, S, D] tensor in `qkv_format` order."""
+    """View a [B, H, S, D] tensor in `qkv_format` order (thd: [1, H, T, D] as [T, H, D])."""
+    if qkv_format == "thd":
+        return x[0].transpose(0, 1)
     return x.permute(_FROM_BHSD[qkv_format])
+
+
+def seq_axis(qkv_format: str) -> int:
+    """The sequence (S or T) axis of a tensor given in `qkv_format`."""
+    return 0 if qkv_format == "thd" else _TO_BHSD[qkv_format][2]
+
+
+def check_qkv_shapes(q, k, v, qkv_format: str) -> None:
+    """Check that q, k, v given in `qkv_format` agree (one device; batch, head dim; k and v: heads and
+    length; query heads a multiple of key heads; nothing empty but batch and lengths); raise ValueError naming
+    them. q, k, v: anything with `shape` and `device` (tensors, `MXFP8Tensor`s), of the layout's rank."""
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    (b, hq, sq, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = (bhsd_shape(x, qkv_format) for x in (q, k, v))
+    where = ("(shapes read as [T, H, D] for qkv_format='thd')" if qkv_format == "thd"
+             else f"(shapes read as [B, H, S, D] from qkv_format={qkv_format!r})")
+    if not (b == bk == bv):
+        raise ValueError(f"batch size mismatch: q {b}, k {bk}, v {bv} {where}")
+    if sk != sv:
+        raise ValueError(f"sequence length mismatch: k {sk}, v {sv} {where}")
+    if not (d == dk == dv):
+        raise ValueError(f"head_dim mismatch: q {d}, k {dk}, v {dv} {where}")
+    if hk != hv:
+        raise ValueError(f"k and v must have the same number of heads, got k {hk}, v {hv} {where}")
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) must be divisible by key/value heads ({hk}) {where}")
+    if d == 0 or hq == 0:
+        raise ValueError(f"empty input: head_dim {d}, heads {hq} {where}")
 
 
 def dense_strides_bhsd(shape_bhsd: Tuple[int, int, int, int], qkv_format: str) -> Tuple[int, ...]:

@@ -99,8 +99,9 @@ class FwdArgs(NamedTuple):
         return tuple.__new__(FwdArgs, (None, None, None, *self[3:_CU_Q], None, None, *self[_CU_KV + 1:_SINK], None,
                                        *self[_SINK + 1:]))
 
-    def problem(self, softmax_type: str, needs_backward: bool) -> Problem:
-        """The backend choice's Problem of this call (softmax_type: TE's name for what the sink is)."""
+    def problem(self, softmax_type: str, needs_backward: bool, quantized: bool = False) -> Problem:
+        """The backend choice's Problem of this call (softmax_type: TE's name for what the sink is; quantized:
+        q, k, v are the data of already-quantized inputs, `AttentionBackend.forward_quantized`)."""
         q, k, seq = self.q, self.k, self.seq()
         packed = seq is not None and seq.packed
         return Problem(device=q.device, dtype=q.dtype, batch=seq.batch if seq is not None else q.shape[0],
@@ -109,7 +110,7 @@ class FwdArgs(NamedTuple):
                        seqlen_kv=seq.max_seqlen_kv if packed else k.shape[2], head_dim=q.shape[3],
                        mask=self.mask(), varlen=None if seq is None else ("packed" if packed else "padded"),
                        needs_backward=needs_backward, out_dtype=self.out_dtype, softmax_type=softmax_type,
-                       recipe=self.recipe)
+                       recipe=self.recipe, quantized=quantized)
 
     def backward_args(self, do: Tensor, o: Tensor, stats: Tensor, saved: List[Tensor], kv_shape: List[int],
                       sink_requires_grad: bool, cu_seqlens: Optional[tuple] = None,

@@ -1,4 +1,4 @@
-"""Shared by the Triton GPU tests."""
+"""Shared by the Triton tests: the GPU tests, and the host-path tests that record launches on the CPU."""
 
 import pytest
 import torch
@@ -32,3 +32,30 @@ def force_fp8_data_paths(monkeypatch):
     monkeypatch.setattr(tb, "bwd_streams_bf16", lambda *a: False)
     monkeypatch.setattr(backend_module, "_forward_key", lambda roots, params: None)
     monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
+
+
+def record_launches(monkeypatch, request, keep_kwargs: bool = False, keep_args: bool = False) -> list:
+    """Run the triton backend's host path on CPU tensors: the CUDA checks relaxed and every launch recorded as
+    (kernel name, grid), with keep_kwargs (kernel name, grid, keywords: constexprs and options), with keep_args
+    (kernel name, grid, keywords, positional arguments), instead of made. Returns the list the launches are
+    appended to."""
+    from mxattn import checks
+    from mxattn.backends import pick_backend, triton_backend as backend_module
+    from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf, triton_quantize as tq
+    from mxattn.kernels import triton_bwd_prep as tp
+
+    real = checks.check_bhsd_tensor
+    for module in (checks, backend_module, tq):
+        monkeypatch.setattr(module, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))
+    monkeypatch.setattr(backend_module.TritonBackend, "availability", classmethod(lambda cls, d: (True, "stub")))
+    request.addfinalizer(pick_backend.cache_clear)  # (the stubbed answer must not outlive the test)
+    launched = []
+
+    def record(fn, grid, *args, **kwargs):
+        name = fn.__name__.strip("_")
+        launched.append((name, grid, kwargs, args) if keep_args else (name, grid, kwargs) if keep_kwargs else
+                        (name, grid))
+
+    for module in (tq, tf, tb, tp):
+        monkeypatch.setattr(module, "launch", record)
+    return launched

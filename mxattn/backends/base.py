@@ -2,10 +2,11 @@
 
 Tensors cross this interface as [B, H, S, D] views (any strides); a packed (thd) batch arrives as a
 [1, H, T, D] view with its sequences described by `AttentionParams.seq` (`mxattn.seqinfo.SeqInfo`). A backend
-quantizes its own inputs, so it can use a fused quantizer, and hands back exactly what its backward pass
-needs, in a format of its own (`AttentionBackend.saved_format`; the default `SavedForBackward` holds the MXFP8
-copies every backend here keeps). `supports(problem)` sees the whole call before any work is done, so `auto` can
-pick a backend that will run it, forward and backward.
+quantizes its own inputs, so it can use a fused quantizer (`forward`); inputs that arrive already quantized
+(`MXFP8Tensor`s: a KV cache, FP8 from the previous GEMM) take `forward_quantized`, an inference path. A backend
+hands back exactly what its backward pass needs, in a format of its own (`AttentionBackend.saved_format`; the
+default `SavedForBackward` holds the MXFP8 copies every backend here keeps). `supports(problem)` sees the whole
+call before any work is done, so `auto` can pick a backend that will run it, forward and backward.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..constants import INPUT_DTYPES, ceil_div
+from ..checks import check_quantized_inputs, check_quantized_segments
+from ..constants import ATTENTION_FP8_DTYPE, INPUT_DTYPES, ceil_div
+from ..errors import MXFP8NotSupportedError
 from ..formats import BLOCK_SIZE, MXFP8Tensor, segmented_scale_rows
 from ..mask import MaskSpec
 from ..recipe import DEFAULT_RECIPE, DEFAULT_RECIPE_KEY, Recipe
@@ -69,6 +72,9 @@ class Problem:
     softmax_type: str = "vanilla"
     #: the numerics asked for, as `Recipe.encode` gives it (a string: Problem is built in traced code)
     recipe: str = DEFAULT_RECIPE_KEY
+    #: True when q, k, v arrive already quantized (`AttentionBackend.forward_quantized`; dtype is then their
+    #: elements' FP8 dtype, and there is no backward)
+    quantized: bool = False
 
     def encode(self, without_sizes: bool = False) -> tuple:
         """Every field, in declaration order, as a flat tuple of Python constants (the device as its string,
@@ -225,15 +231,22 @@ class AttentionBackend(abc.ABC):
     def supports(cls, problem: Problem) -> Tuple[bool, str]:
         """(can run this whole call, forward and, if problem.needs_backward, backward; reason). Never raises.
 
-        The base class checks the recipe (`supports_recipe`), the device, the input dtype and the head dim;
-        backends add their own limits."""
+        The base class checks the recipe (`supports_recipe`), the device, the input dtype (for already-quantized
+        inputs: that the backend has `forward_quantized`, and E4M3 elements) and the head dim; backends add their
+        own limits."""
         ok, reason = cls.supports_recipe(Recipe.decode(problem.recipe))
         if not ok:
             return False, reason
         ok, reason = cls.availability(problem.device)
         if not ok:
             return False, reason
-        if problem.dtype not in cls.input_dtypes:
+        if problem.quantized:
+            if cls.forward_quantized is AttentionBackend.forward_quantized:
+                return False, cls._no_quantized_inputs()
+            if problem.dtype != ATTENTION_FP8_DTYPE:
+                return False, (f"takes already-quantized q, k, v with {ATTENTION_FP8_DTYPE} elements, got "
+                               f"{problem.dtype}")
+        elif problem.dtype not in cls.input_dtypes:
             return False, (f"takes q, k, v in {', '.join(map(str, cls.input_dtypes))}, got {problem.dtype}")
         if cls.supported_head_dims is not None and problem.head_dim not in cls.supported_head_dims:
             return False, (f"head_dim {problem.head_dim} is not supported (supported: "
@@ -260,3 +273,39 @@ class AttentionBackend(abc.ABC):
         """saved (what forward returned, a `saved_format` instance), o, do [B,Hq,Sq,D] (bf16/fp16), stats
         [B,Hq,Sq,1] fp32 -> (dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D]) in params.out_dtype, followed by dsink [Hq]
         fp32 when params.sink_requires_grad (a backend without its own may use `sink_grad`)."""
+
+    def forward_quantized(self, q: MXFP8Tensor, k: MXFP8Tensor, v, params: AttentionParams
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The forward on already-quantized inputs, without autograd (an inference path: nothing is kept for a
+        backward; params.needs_backward is ignored).
+
+        q [B,Hq,Sq,D], k [B,Hkv,Skv,D]: `MXFP8Tensor`s with E4M3 elements blocked along D (axis 3, row-wise: the
+        Q K^T product's operands); v [B,Hkv,Skv,D]: blocked along S (axis 2, column-wise: P V's operand), or
+        under the bf16-V recipe (`Recipe(v_operand="bf16")`) a bfloat16 tensor. Views as `forward` gets them
+        (any strides); a packed batch's v has its blocks restart at every sequence (`MXFP8Tensor.segments` equal
+        to params.seq.cu_seqlens_kv), a padded batch's rows past each length are read as they are given (the
+        last block's scale included: quantize them as zeros, as `forward` does, for the same numbers).
+        `check_quantized_inputs` / `check_quantized_segments` are the argument checks.
+        Returns (o [B,Hq,Sq,D] params.out_dtype, stats [B,Hq,Sq,1] fp32), equal bit for bit to `forward`'s on
+        the inputs these bytes are the quantization of (`mxattn.quantize_attention_inputs`). The recipe's
+        scale_rounding and ds_quant play no part (the inputs are quantized; no backward).
+
+        The base class refuses (MXFP8NotSupportedError naming the backend); `supports` refuses problems with
+        `quantized` set for a backend that does not override it."""
+        raise MXFP8NotSupportedError(f"backend {self.name!r}: {self._no_quantized_inputs()}")
+
+    @classmethod
+    def _no_quantized_inputs(cls) -> str:
+        return ("has no entry point for already-quantized inputs (AttentionBackend.forward_quantized is not "
+                "implemented there): pass the high-precision tensors to mxfp8_attention, or use a backend that "
+                "takes MXFP8Tensor inputs")
+
+
+def check_forward_quantized(q, k, v, params: AttentionParams) -> None:
+    """`AttentionBackend.forward_quantized`'s argument checks on [B, H, S, D] views (`mxattn.checks`), before any
+    kernel: raises TypeError/ValueError naming the argument."""
+    if not isinstance(params, AttentionParams):
+        raise TypeError(f"params must be an AttentionParams, got {type(params).__name__}")
+    check_quantized_inputs(q, k, v, "bhsd", params.recipe)
+    seq = params.seq
+    check_quantized_segments(v, seq.cu_seqlens_kv if seq is not None and seq.packed else None)

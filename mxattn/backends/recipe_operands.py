@@ -41,19 +41,37 @@ def quantize_rowcol(x: torch.Tensor, seq: Optional[SeqInfo], which: str, recipe:
     if recipe.scaling == "per_tensor":
         both = quantize_per_tensor(x)
         return both, both
-    rounding = recipe.scale_rounding
+    return _mxfp8(x, -1, recipe), _mxfp8(x, -2, recipe, seq, which)
+
+
+def _mxfp8(x: torch.Tensor, axis: int, recipe: Recipe, seq: Optional[SeqInfo] = None, which: str = "q"
+           ) -> MXFP8Tensor:
+    """MXFP8 copy of x (padding already zeroed) blocked along `axis` with the recipe's scale rounding; with seq,
+    blocks along S restart at the sequences of side `which` of a packed batch."""
     segments = seq.segments(which) if seq is not None else None
-    return (quantize_mxfp8(x, axis=-1, scale_rounding=rounding),
-            quantize_mxfp8(x, axis=-2, segments=segments, scale_rounding=rounding))
+    return quantize_mxfp8(x, axis=axis, segments=segments, scale_rounding=recipe.scale_rounding)
 
 
 def v_operands(v: torch.Tensor, seq: Optional[SeqInfo], recipe: Recipe) -> Tuple[Operand, Operand]:
     """(V for dO V^T, V for P V): quantized row-wise and column-wise, or (bf16-V variant) V rounded to bfloat16
     for both."""
     if recipe.v_operand == "bf16":
-        vb = zero_padding(v, seq, "kv").to(torch.bfloat16)
+        vb = _bf16_v(v, seq)
         return vb, vb
     return quantize_rowcol(v, seq, "kv", recipe)
+
+
+def _bf16_v(v: torch.Tensor, seq: Optional[SeqInfo]) -> torch.Tensor:
+    return zero_padding(v, seq, "kv").to(torch.bfloat16)
+
+
+def forward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: Optional[SeqInfo], recipe: Recipe
+                     ) -> Tuple[MXFP8Tensor, MXFP8Tensor, Operand]:
+    """The forward's operands alone, as `quantize_rowcol` / `v_operands` make them (the same bytes): Q and K
+    row-wise (Q K^T), V column-wise or, under the bf16-V variant, in bfloat16 (P V). MXFP8 scaling only."""
+    v_col = _bf16_v(v, seq) if recipe.v_operand == "bf16" else \
+        _mxfp8(zero_padding(v, seq, "kv"), -2, recipe, seq, "kv")
+    return _mxfp8(zero_padding(q, seq, "q"), -1, recipe), _mxfp8(zero_padding(k, seq, "kv"), -1, recipe), v_col
 
 
 def pair(x: Operand) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -111,5 +129,5 @@ class SavedInputs:
         return cls(*(zero_padding(x, seq, w).clone() for x, w in ((q, "q"), (k, "kv"), (v, "kv"))))
 
 
-__all__ = ["Operand", "SavedInputs", "pair", "quantize_rowcol", "ref_backward_options", "ref_forward_options",
-           "v_operands", "zero_padding"]
+__all__ = ["Operand", "SavedInputs", "forward_operands", "pair", "quantize_rowcol", "ref_backward_options",
+           "ref_forward_options", "v_operands", "zero_padding"]

@@ -22,7 +22,7 @@ from ..constants import ceil_div
 from ..formats import BLOCK_SIZE, MXFP8Tensor
 from ..recipe import Recipe, check_recipe_varlen
 from ..seqinfo import SeqInfo
-from .base import AttentionBackend, AttentionParams, SavedForBackward
+from .base import AttentionBackend, AttentionParams, SavedForBackward, check_forward_quantized
 from .recipe_operands import (Operand, SavedInputs, pair, quantize_rowcol, ref_backward_options,
                               ref_forward_options, v_operands)
 
@@ -109,13 +109,25 @@ class ReferenceBackend(AttentionBackend):
             saved = SavedForBackward(q_row=q_row, q_col=q_col, k_row=k_row, k_col=k_col, v_row=v_row)
         else:
             saved = SavedInputs.of(q, k, v, seq) if params.needs_backward else None
-        opts = dict(_ref_mask_kwargs(params), **ref_forward_options(recipe))
+        return (*self._forward_on(q_row, k_row, v_col, params), saved)
+
+    def forward_quantized(self, q, k, v, params: AttentionParams):
+        """`forward`'s emulation on the given bytes (`AttentionBackend.forward_quantized`)."""
+        check_forward_quantized(q, k, v, params)
+        return self._forward_on(q, k, v, params)
+
+    def _forward_on(self, q_row: Operand, k_row: Operand, v_col: Operand, params: AttentionParams
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(o, stats) of `ref`'s forward on the operands of Q K^T (row-wise Q, K) and P V (column-wise V, or V in
+        bf16), [B, H, S, D], sequence by sequence for a padded or packed batch."""
+        seq = params.seq
+        opts = dict(_ref_mask_kwargs(params), **ref_forward_options(params.recipe))
         if seq is None:
-            o, stats = mxfp8_ref.sdpa_fwd_quantized(*pair(q_row), *pair(k_row), *pair(v_col), **opts)
-            return o, stats, saved
-        B, H, S, D = q.shape
-        o = torch.zeros((B, H, S, v.shape[3]), dtype=params.out_dtype, device=q.device)
-        stats = torch.full((B, H, S, 1), float("-inf"), dtype=torch.float32, device=q.device)
+            return mxfp8_ref.sdpa_fwd_quantized(*pair(q_row), *pair(k_row), *pair(v_col), **opts)
+        B, H, S, _ = q_row.shape
+        device = q_row.data.device
+        o = torch.zeros((B, H, S, v_col.shape[3]), dtype=params.out_dtype, device=device)
+        stats = torch.full((B, H, S, 1), float("-inf"), dtype=torch.float32, device=device)
 
         def one(seqs: _Sequences, b: int) -> None:
             o_b, stats_b = mxfp8_ref.sdpa_fwd_quantized(*seqs.mx(q_row, "q", b), *seqs.mx(k_row, "kv", b),
@@ -128,7 +140,7 @@ class ReferenceBackend(AttentionBackend):
             rows.copy_(params.sink.view(1, -1, 1, 1).expand_as(rows))
 
         _per_sequence(seq, one, only_sink if params.sink is not None else None)
-        return o, stats, saved
+        return o, stats
 
     def backward(self, saved, o, stats, do, params: AttentionParams):
         seq, recipe = params.seq, params.recipe

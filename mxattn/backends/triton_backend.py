@@ -11,6 +11,9 @@ and dequantizes it and Q's copies to bf16 scratch; then the dK/dV kernel and the
 no atomics, fixed summation order, also for GQA). See mxattn/kernels/.
 Variable lengths (`params.seq`, padded or packed): every kernel reads the per-sequence offsets and lengths
 itself (grids sized by the longest sequence); results equal the reference backend's sequence-by-sequence run.
+Already-quantized inputs (`forward_quantized`): the forward kernel alone, on the given bytes in the form the
+problem's data path reads (no quantizer launch; K and V dequantized to bf16 with torch ops, or V laid out
+seq-major), equal to `forward` bit for bit.
 
 This module imports without triton or a GPU; the kernels are imported on first use.
 """
@@ -22,13 +25,16 @@ from typing import Optional, Tuple
 import torch
 
 from ..checks import check_bhsd_tensor
-from ..constants import INPUT_DTYPES, KERNEL_OUT_DTYPES
+from ..constants import INPUT_DTYPES, KERNEL_OUT_DTYPES, MX_BLOCK
 from ..devices import device_guard
 from ..errors import MXFP8NotSupportedError
+from ..formats import MXFP8Tensor, segment_rows
+from ..seqinfo import SeqInfo
 from ..kernels.affine_plan import AffinePlanCache, layout_free_of
 from ..kernels.launch_plan import PlanCache, plan_key
 from ..kernels.recipe_flags import kernel_recipe, unsupported_reason
-from .base import AttentionBackend, AttentionParams, SavedForBackward, sink_grad_from_delta
+from .base import (AttentionBackend, AttentionParams, SavedForBackward, check_forward_quantized,
+                   sink_grad_from_delta)
 
 # q, k, v go only through the quantizer, which reads fp32 too; O and dO are the kernels' own output dtype
 #: lowest compute capability whose Triton supports E4M3 conversions (float8e4nv)
@@ -84,6 +90,55 @@ def _quant_args(params: AttentionParams, which: str) -> dict:
     if which == "q":
         return dict(cu_seqlens=seq.cu_seqlens_q, max_seqlen=seq.max_seqlen_q, packed=seq.packed)
     return dict(cu_seqlens=seq.cu_seqlens_kv, max_seqlen=seq.max_seqlen_kv, packed=seq.packed)
+
+
+def _attend(like: torch.Tensor, q_data: torch.Tensor, q_scale: torch.Tensor, kv_operands, skv: int,
+            params: AttentionParams, flags) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(o, stats) of the forward kernel on Q's row-wise bytes and scales [B,Hq,Sq,*] and kv_operands() = (k, k
+    scales or None, v) in a form `attention_fwd` takes (called only when there is something to compute); O laid
+    out like `like`. No key anywhere (skv = 0): O = 0, stats = the sink alone (or -inf)."""
+    B, hq, sq, _ = q_data.shape
+    o = _like(like, params.out_dtype)
+    stats = torch.empty((B, hq, sq, 1), dtype=torch.float32, device=q_data.device)
+    sink = None if params.sink is None else params.sink.float().contiguous()
+    if skv == 0:
+        o.zero_()
+        if sink is None:
+            stats.fill_(float("-inf"))
+        else:
+            stats.copy_(sink.view(1, -1, 1, 1).expand_as(stats))
+    elif sq > 0 and B * hq > 0:
+        _kernels()[1].attention_fwd(q_data, q_scale, *kv_operands(), softmax_scale=params.softmax_scale, out=o,
+                                    stats=stats, sink=sink, flags=flags, **_mask_args(params, sq, skv))
+    return o, stats
+
+
+def _bf16_scratch(x: MXFP8Tensor) -> torch.Tensor:
+    """x's exact bf16 dequantization, contiguous [B, H, S, D] (what the quantizer's row_dequant / col_dequant
+    hold for the same bytes)."""
+    return x.dequantize(torch.bfloat16).contiguous()
+
+
+def seq_major_columns(v: MXFP8Tensor, seq: Optional[SeqInfo]):
+    """V's column-wise copy [B,H,S,D] (blocks along S; segmented for a packed batch) as the forward kernel's
+    FP8 V operand, `SeqMajorColumns` (data [B,H,D,L], unit stride along L = 32 * the scale rows; sequence b's
+    row n at column 32 * its first block row + n; zeros after each sequence's end up to its last block's end,
+    and in a padded batch on the padding rows, which are never read as values): the bytes the fused quantizer
+    writes with col_seq_major=True. Torch ops, no host copy."""
+    from ..kernels.triton_quantize import SeqMajorColumns
+    B, H, S, D = v.shape
+    n_blocks = v.scale.shape[2]
+    buf = torch.zeros((B, H, D, n_blocks * MX_BLOCK), dtype=torch.uint8, device=v.data.device)
+    rows = buf.transpose(2, 3)  # [B, H, L, D] view
+    data = v.data.view(torch.uint8)
+    if seq is not None and seq.packed:
+        _, block0, within = segment_rows(v.segments, S)
+        rows.index_copy_(2, block0 * MX_BLOCK + within, data)
+    else:
+        if seq is not None:
+            data = data.masked_fill(~seq.valid_rows("kv", S), 0)
+        rows[:, :, :S].copy_(data)
+    return SeqMajorColumns(buf.view(torch.float8_e4m3fn), _inner_unit(v.scale))
 
 
 #: launch plans by call signature (`launch_plan`: checks, choices and allocations done once, the
@@ -305,21 +360,9 @@ class TritonBackend(AttentionBackend):
             dict(col=bwd, **_quant_args(params, "q")), dict(col=bwd, row_dequant=kv_bf16, **kv_args),
             None if flags.v_raw else dict(row=bwd or kv_bf16, col_seq_major=not kv_bf16, col_dequant=kv_bf16,
                                           **kv_args), floor=flags.floor)
-        o = _like(q, params.out_dtype)
-        stats = torch.empty((B, hq, sq, 1), dtype=torch.float32, device=q.device)
-        sink = None if params.sink is None else params.sink.float().contiguous()
-        if skv == 0:  # no key anywhere: O = 0, stats = the sink alone (or -inf)
-            o.zero_()
-            if sink is None:
-                stats.fill_(float("-inf"))
-            else:
-                stats.copy_(sink.view(1, -1, 1, 1).expand_as(stats))
-        elif sq > 0 and B * hq > 0:
-            v_arg = v_bf16 if flags.v_raw else vq.col_dequant if kv_bf16 else vq.col_seq_major
-            k_args = (kq.row_dequant, None) if kv_bf16 else (kq.row.data, kq.row.scale)
-            tf.attention_fwd(qq.row.data, qq.row.scale, *k_args, v_arg,
-                             softmax_scale=params.softmax_scale, out=o, stats=stats, sink=sink, flags=flags,
-                             **_mask_args(params, sq, skv))
+        v_arg = v_bf16 if flags.v_raw else vq.col_dequant if kv_bf16 else vq.col_seq_major
+        k_args = (kq.row_dequant, None) if kv_bf16 else (kq.row.data, kq.row.scale)
+        o, stats = _attend(q, qq.row.data, qq.row.scale, lambda: (*k_args, v_arg), skv, params, flags)
         if not bwd:
             return o, stats, None
         saved = self.saved_format_for(params.recipe)(q_row=qq.row, q_col=qq.col, k_row=kq.row, k_col=kq.col,
@@ -339,6 +382,38 @@ class TritonBackend(AttentionBackend):
                                     config=config, flags=kernel_recipe(params.recipe),
                                     **_mask_args(params, sq, k.shape[2]))
         return o, stats
+
+    # ------------------------------------------------------------------ already-quantized inputs
+
+    def forward_quantized(self, q: MXFP8Tensor, k: MXFP8Tensor, v, params: AttentionParams
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`AttentionBackend.forward_quantized` on CUDA tensors: the forward kernel (`attention_fwd`) takes Q's
+        bytes and scales as they are, and K and V in the form `forward` would give them for the problem
+        (`fwd_streams_bf16`): their exact bf16 dequantizations (`MXFP8Tensor.dequantize`, the values the
+        quantizer's row_dequant / col_dequant hold) or their FP8 bytes dequantized on chip (K as it is, V laid
+        out seq-major: `seq_major_columns`); under the bf16-V recipe V as it is. So O and stats equal `forward`'s
+        bit for bit on the inputs these bytes are the quantization of (no quantizer launch: one kernel, plus the
+        torch ops of the dequantization or the seq-major copy)."""
+        check_forward_quantized(q, k, v, params)
+        _, _, _, d = q.shape
+        self._check_common(params, d)
+        for t, n in ((q.data, "q.data"), (k.data, "k.data"), (v.data if isinstance(v, MXFP8Tensor) else v, "v")):
+            check_bhsd_tensor(t, n, (t.dtype,), "cuda")
+        flags = kernel_recipe(params.recipe)
+        B, hkv, skv, _ = k.shape
+        kv_bf16 = _kernels()[1].fwd_streams_bf16(B, hkv, skv, d)  # the data path `forward` takes
+
+        def kv_operands():
+            if flags.v_raw:
+                v_arg = _inner_unit(v)
+            else:
+                v_arg = _bf16_scratch(v) if kv_bf16 else seq_major_columns(v, params.seq)
+            if kv_bf16:
+                return _bf16_scratch(k), None, v_arg
+            return _inner_unit(k.data), _inner_unit(k.scale), v_arg
+
+        with device_guard(q.device):
+            return _attend(q.data, _inner_unit(q.data), _inner_unit(q.scale), kv_operands, skv, params, flags)
 
     # ------------------------------------------------------------------ backward
 
@@ -399,4 +474,4 @@ class TritonBackend(AttentionBackend):
         return dq, dk, dv, delta
 
 
-__all__ = ["TritonBackend", "SavedWithBF16V", "MIN_CAPABILITY"]
+__all__ = ["TritonBackend", "SavedWithBF16V", "MIN_CAPABILITY", "seq_major_columns"]

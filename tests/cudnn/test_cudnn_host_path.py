@@ -8,6 +8,8 @@ compiled, dense and padded:
 * the saved format's fake tensors (torch.compile) are shaped, typed and strided as the real ones.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -165,3 +167,43 @@ def test_fused_quantizer_sends_the_torch_path_bytes(padded, captured_packs, monk
                 if uid.name.startswith("SF_"):
                     assert a[uid].stride() == b[uid].stride(), uid
                 assert torch.equal(_bytes(a[uid]), _bytes(b[uid])), uid
+
+
+def _thd_inputs(seed=4):
+    g = torch.Generator().manual_seed(seed)
+    len_q, len_kv = [100, 1, 60], [130, 40, 200]
+    q = torch.randn(sum(len_q), 4, 64, generator=g).bfloat16()
+    k, v = (torch.randn(sum(len_kv), 2, 64, generator=g).bfloat16() for _ in range(2))
+    cu = [torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32) for n in (len_q, len_kv)]
+    return q, k, v, dict(qkv_format="thd", attn_mask_type="padding_causal_bottom_right", cu_seqlens_q=cu[0],
+                         cu_seqlens_kv=cu[1], softmax_type="learnable", softmax_offset=torch.tensor([0., 1, -1, 2]))
+
+
+@pytest.mark.parametrize("kind", ["dense", "padded", "packed"])
+def test_quantized_inputs_reach_the_forward_graph_as_the_unquantized_call_sends_them(kind, captured_packs):
+    """`mxfp8_attention_quantized` (`CudnnBackend.forward_quantized`) on `quantize_attention_inputs`' bytes sends
+    the forward graph the config and, in every input slot (data, F8_128x4 scales, lengths, ragged offsets, sink),
+    the bytes of the unquantized call: cuDNN then computes the same O. (Padded: the FP8 data may be laid out
+    otherwise, as on the fused quantizer's route: the unquantized call's zeroed copies are contiguous [B, H, S, D],
+    quantize_attention_inputs keeps q's layout; the config follows the data's strides.)"""
+    if kind == "packed":
+        q, k, v, kw = _thd_inputs()
+    else:
+        q, k, v, _, kw = _inputs("cpu", kind == "padded", seed=5)
+    quantized_kw = {n: kw[n] for n in ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv") if n in kw}
+    with torch.no_grad():
+        mxattn.mxfp8_attention(q, k, v, backend="cudnn", **kw)
+        mxattn.mxfp8_attention_quantized(*mxattn.quantize_attention_inputs(q, k, v, **quantized_kw), backend="cudnn",
+                                         **kw)
+    (kind_a, cfg_a, want), (kind_b, cfg_b, got) = captured_packs
+    assert kind_a == kind_b == "forward"
+    layouts_may_differ = kind == "padded"
+    facts = [f.name for f in dataclasses.fields(cfg_a) if not (layouts_may_differ and f.name.endswith("_stride"))]
+    assert [getattr(cfg_a, f) for f in facts] == [getattr(cfg_b, f) for f in facts]
+    outputs = (FwdUid.O, FwdUid.STATS, FwdUid.AMAX_O)
+    assert set(got) == set(want) and len(set(got) - set(outputs)) >= (8 if kind == "packed" else 6)
+    for uid in set(got) - set(outputs):
+        assert got[uid].shape == want[uid].shape, uid
+        if not (layouts_may_differ and uid in (FwdUid.Q, FwdUid.K, FwdUid.V)):
+            assert got[uid].stride() == want[uid].stride(), uid
+        assert torch.equal(_bytes(got[uid]), _bytes(want[uid])), uid

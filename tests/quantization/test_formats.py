@@ -558,3 +558,34 @@ def test_property_requantize_is_identity(x, fp8, rounding):
     same = ~expand_blocks(half, 0, x.shape[0])
     assert torch.equal(u8(q2.data)[same], u8(q.data)[same])
     assert torch.equal(q2.data.float()[~same], 2 * q.data.float()[~same])
+
+
+@pytest.mark.parametrize("axis", [0, 2])
+def test_segmented_tensors_restart_blocks_at_every_segment(axis):
+    """Blocks of a segmented axis restart at each segment start (empty segments included): every segment's data,
+    scales (from row `segment_block_start`) and dequantization are those of the segment quantized alone, the
+    scale rows no segment uses hold byte 0, and `dequantize` (which gathers each element's scale row on the
+    device, `segment_rows`) equals the segments' dequantizations side by side."""
+    from mxattn.formats import segment_block_start, segment_rows
+    lengths = [0, 5, 40, 0, 33, 1, 64]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    t = int(cu[-1])
+    shape = (t, 3, 64) if axis == 0 else (1, 3, t, 64)
+    x = wide_random(shape, torch.float32, seed=11)
+    q = quantize_mxfp8(x, axis=axis, segments=cu)
+    assert q.scale.shape[axis] == t // 32 + len(lengths) and q.segments.dtype == torch.int32
+    used = torch.zeros(q.scale.shape[axis], dtype=torch.bool)
+    pieces = []
+    for b, n in enumerate(lengths):
+        start = int(cu[b])
+        alone = quantize_mxfp8(x.narrow(axis, start, n), axis=axis) if n else None
+        part = q.segment(b)
+        if alone is not None:
+            assert torch.equal(u8(part.data), u8(alone.data)) and torch.equal(u8(part.scale), u8(alone.scale))
+            pieces.append(alone.dequantize())
+            used[segment_block_start(start, b):segment_block_start(start, b) + alone.scale.shape[axis]] = True
+    assert (u8(q.scale).movedim(axis, 0)[~used] == 0).all()
+    assert torch.equal(q.dequantize(), torch.cat(pieces, dim=axis))
+    seg, block0, within = segment_rows(cu, t)
+    assert seg.tolist() == [b for b, n in enumerate(lengths) for _ in range(n)]
+    assert torch.equal(cu.long()[seg] + within, torch.arange(t)) and torch.equal(block0, cu.long()[seg] // 32 + seg)

@@ -11,6 +11,7 @@ from mxattn.backends.base import AttentionParams, Problem
 from mxattn.errors import MXFP8NotSupportedError
 from mxattn.mask import MaskSpec
 from mxattn.seqinfo import SeqInfo
+from triton_helpers import record_launches as _record_launches
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
 
@@ -197,27 +198,6 @@ def test_quantizer_refuses_col_dequant_without_row():
     x = torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="col_dequant needs row=True"):
         quantize_rowcol(x.cuda() if torch.cuda.is_available() else x, row=False, col_dequant=True)
-
-
-def _record_launches(monkeypatch, request, keep_kwargs: bool = False) -> list:
-    """Run the triton backend's host path on CPU tensors: the CUDA checks relaxed and every launch recorded as
-    (kernel name, grid), with keep_kwargs (kernel name, grid, keywords: constexprs and options), instead of made.
-    Returns the list the launches are appended to."""
-    from mxattn import checks
-    from mxattn.backends import pick_backend, triton_backend as backend_module
-    from mxattn.kernels import triton_attention_bwd as tb, triton_attention_fwd as tf, triton_quantize as tq
-    from mxattn.kernels import triton_bwd_prep as tp
-
-    real = checks.check_bhsd_tensor
-    for module in (checks, backend_module, tq):
-        monkeypatch.setattr(module, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))
-    monkeypatch.setattr(backend_module.TritonBackend, "availability", classmethod(lambda cls, d: (True, "stub")))
-    request.addfinalizer(pick_backend.cache_clear)  # (the stubbed answer must not outlive the test)
-    launched = []
-    for module in (tq, tf, tb, tp):
-        monkeypatch.setattr(module, "launch", lambda fn, grid, *a, **k: launched.append(
-            (fn.__name__.strip("_"), grid, k) if keep_kwargs else (fn.__name__.strip("_"), grid)))
-    return launched
 
 
 def test_launches_per_call_without_a_gpu(monkeypatch, request):

@@ -22,7 +22,7 @@ from ...formats import MXFP8Tensor, quantize_mxfp8
 from ...formats import _is_non_overlapping_and_dense as _is_dense
 from ...recipe import Recipe
 from ...seqinfo import SeqInfo
-from ..base import AttentionBackend, AttentionParams, Problem, SavedForBackward
+from ..base import AttentionBackend, AttentionParams, Problem, SavedForBackward, check_forward_quantized
 from .buffers import col_scale_bytes, row_scale_buffer
 from .config import col_scale_dims, row_scale_dims
 from .refusals import check_problem, known_refusal
@@ -64,6 +64,11 @@ def _zero_padding(x: torch.Tensor, seq: SeqInfo, which: str) -> torch.Tensor:
     """x with the padding rows of a padded batch set to 0 (the reference backend's rule: padding values reach
     no scale), in x's layout."""
     return x.masked_fill(~seq.valid_rows(which, x.shape[2]), 0)
+
+
+def _with_data(x: MXFP8Tensor, data: torch.Tensor) -> MXFP8Tensor:
+    """x with its data replaced by `data` (the same values in another layout; x itself when it is x's)."""
+    return x if data is x.data else MXFP8Tensor.unchecked(data, x.scale, x.axis, x.segments, x.scale_f8_128x4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,6 +217,26 @@ class CudnnBackend(AttentionBackend):
                                     out_dtype=params.out_dtype, seq=seq, sink=params.sink)
         saved = SavedWithScaleBuffers(q_row=q_row, q_col=q_col, k_row=k_row, k_col=k_col, v_row=v_row)
         return o, stats, saved
+
+    def forward_quantized(self, q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, params: AttentionParams):
+        """`AttentionBackend.forward_quantized`: the given bytes go to the forward graph (`cudnn_forward`, which
+        takes MXFP8Tensors and makes the F8_128x4 scale buffers from their compact scales) as `forward` hands
+        it its own, in a layout the graph takes (dense, D innermost; token-major for a packed batch: copies
+        otherwise). A padded batch's V padding rows are zeroed (never read as values, as the other backends).
+        The default recipe only (bf16-V and every other variant: MXFP8NotSupportedError)."""
+        check_forward_quantized(q, k, v, params)
+        ok, reason = self.supports_recipe(params.recipe)
+        if not ok:
+            raise MXFP8NotSupportedError(f"backend 'cudnn': {reason}")
+        _supported_state(q.data.device)
+        seq = params.seq
+        if seq is not None and not seq.packed:
+            v = _with_data(v, _zero_padding(v.data.view(torch.uint8), seq, "kv").view(v.data.dtype))
+        layout = _thd_layout if seq is not None and seq.packed else _graph_layout
+        q, k, v = (_with_data(x, layout(x.data)) for x in (q, k, v))
+        o, stats, _ = cudnn_forward(q, k, v, attn_scale=params.softmax_scale, mask=params.mask,
+                                    out_dtype=params.out_dtype, seq=seq, sink=params.sink)
+        return o, stats
 
     def backward(self, saved: SavedForBackward, o, stats, do, params: AttentionParams):
         _supported_state(o.device)
