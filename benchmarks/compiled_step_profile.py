@@ -10,14 +10,13 @@ Usage (CUDA machine): python benchmarks/compiled_step_profile.py [--eager | --de
 [--llama]] [--cprofile]"""
 import os
 import sys
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models_bench as mb  # noqa: E402
-from profiling import cprofile_steps  # noqa: E402
+from profiling import cprofile_steps, wall_per_call  # noqa: E402
 
 
 def training_step(attn: str, compiled: bool):
@@ -80,11 +79,7 @@ def main():
             else ("compiled" if compiled else "eager"))
     for attn in ("sdpa", mb.NAME):
         step = make(attn)
-        t0 = time.perf_counter()
-        for _ in range(10):
-            step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / 10 * 1e3
+        wall = wall_per_call(step, 10, unit=1e3)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 step()

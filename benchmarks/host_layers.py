@@ -3,8 +3,8 @@ bshd, causal, triton) called directly, from the public API down to one compiled 
 allocation, so the differences say what each layer costs on that host. Wall time per call (the kernels are tiny:
 the host is the bottleneck), min over interleaved rounds of the mean of 300 calls; torch SDPA's call in the same
 rounds. Usage: python benchmarks/host_layers.py [--grad]"""
+import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -15,16 +15,12 @@ from mxattn.attention import _PLANS, _run_dense
 from mxattn.kernels import triton_launch
 from mxattn.layouts import to_bhsd
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profiling import wall_per_call  # noqa: E402
+
 
 def mean_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+    return wall_per_call(fn, n, warmup=20)
 
 
 def _without_launches(fn):

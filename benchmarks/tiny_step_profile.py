@@ -3,13 +3,17 @@
 GPU's busy time per call (sum of kernel times) and the top kernels by GPU time. Where the GPU's time per call
 is near the wall time, host work is hidden behind the kernels. Usage (CUDA machine):
 python benchmarks/tiny_step_profile.py"""
-import time
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import mxattn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profiling import wall_per_call  # noqa: E402
 
 
 def main():
@@ -22,14 +26,7 @@ def main():
     }
     n = 20
     for name, fn in calls.items():
-        for _ in range(30):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(200):
-            fn()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / 200 * 1e6
+        wall = wall_per_call(fn, 200, warmup=30)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(n):
                 fn()
