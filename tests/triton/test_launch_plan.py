@@ -294,6 +294,25 @@ def _stub_backend(monkeypatch, request, ops_replay: bool = False):
     return backend_module, op_plans.PLANS if ops_replay else backend_module._PLANS
 
 
+def _assert_rebased(log1, log2, pairs) -> None:
+    """Two launch logs of one signature made the same launches (kernel, grid, every non-pointer argument), and
+    each pointer that lay in an input of the first call lies at the same offset of the matching input of the
+    second (pairs: (first call's tensor, second call's)). A recording or an ordinary launch logs ("ptr",
+    address), a replay the address itself."""
+    assert len(log1) == len(log2)
+    for (n1, g1, a1), (n2, g2, a2) in zip(log1, log2):
+        assert (n1, g1, len(a1)) == (n2, g2, len(a2))
+        for x1, x2 in zip(a1, a2):
+            if not isinstance(x1, tuple):
+                assert x1 == x2
+                continue
+            x1, x2 = x1[1], x2[1] if isinstance(x2, tuple) else x2
+            for t1, t2 in pairs:
+                off = x1 - t1.data_ptr()
+                if 0 <= off < t1.untyped_storage().nbytes() - t1.storage_offset() * t1.element_size():
+                    assert x2 == t2.data_ptr() + off
+
+
 @pytest.mark.parametrize("ops_replay", [False, True], ids=["backend_plans", "op_plans"])
 @pytest.mark.parametrize("layout", ["bshd", "unbind", "sbhd"])
 def test_triton_backend_replays_its_ordinary_launches(launcher, monkeypatch, request, layout, ops_replay):
@@ -327,17 +346,7 @@ def test_triton_backend_replays_its_ordinary_launches(launcher, monkeypatch, req
     (q1, k1, v1, o1, fwd1, bwd1), _, (q2, k2, v2, o2, fwd2, bwd2) = runs  # ordinary, recorded, replayed
     assert [n for n, _, _ in fwd2] == ["_quantize_qkv_kernel", "_attn_fwd_kernel"]
     assert [n for n, _, _ in bwd2] == ["_bwd_prep_kernel", "_dkdv_kernel", "_bwd_prep_kernel", "_dq_kernel"]
-    for (n1, g1, a1), (n2, g2, a2) in zip(fwd1 + bwd1, fwd2 + bwd2):
-        assert (n1, g1, len(a1)) == (n2, g2, len(a2))
-        for x1, x2 in zip(a1, a2):
-            if not isinstance(x1, tuple):
-                assert x1 == x2
-                continue
-            x1, x2 = x1[1], x2[1] if isinstance(x2, tuple) else x2  # (replays pass addresses as ints)
-            for t1, t2 in ((q1, q2), (k1, k2), (v1, v2)):  # inputs map to the same offsets of the new inputs
-                off = x1 - t1.data_ptr()
-                if 0 <= off < t1.numel() * 2:
-                    assert x2 == t2.data_ptr() + off
+    _assert_rebased(fwd1 + bwd1, fwd2 + bwd2, ((q1, q2), (k1, k2), (v1, v2)))
     # the forward kernel's `out` (after q, q scale, k, k scale, v, v scale) is the O returned
     assert fwd2[1][2][6] == o2.data_ptr() and fwd1[1][2][6] == ("ptr", o1.data_ptr())
 
@@ -412,17 +421,7 @@ def test_calls_without_a_backward_replay_their_whole_body(launcher, monkeypatch,
     assert [n for n, _, _ in log1] == [n for n, _, _ in log2] == ["_quantize_qkv_kernel", "_attn_fwd_kernel"]
     replayed = all(not isinstance(a, tuple) for _, _, args in log2 for a in args)
     assert replayed == (expected == "recorded")  # (a replay passes addresses as ints, the ordinary path tensors)
-    for (n1, g1, a1), (n2, g2, a2) in zip(log1, log2):
-        assert (g1, len(a1)) == (g2, len(a2))
-        for x1, x2 in zip(a1, a2):
-            if not isinstance(x1, tuple):
-                assert x1 == x2
-                continue
-            x1, x2 = x1[1], x2[1] if isinstance(x2, tuple) else x2
-            for t1, t2 in ((q1, q2), (k1, k2), (v1, v2)):
-                off = x1 - t1.data_ptr()
-                if 0 <= off < t1.untyped_storage().nbytes() - t1.storage_offset() * 2:
-                    assert x2 == t2.data_ptr() + off
+    _assert_rebased(log1, log2, ((q1, q2), (k1, k2), (v1, v2)))
     if expected == "recorded":  # the attention kernel's `out` is the O returned
         assert log2[1][2][6] == o2.data_ptr() and log1[1][2][6] == ("ptr", o1.data_ptr())
 
