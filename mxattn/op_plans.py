@@ -36,10 +36,13 @@ from .kernels.affine_plan import AffinePlanCache, layout_free_of
 from .kernels.launch_plan import PlanCache, plan_key
 from .op_args import BwdArgs, FwdArgs
 
-#: recordings of op bodies; a family must replay 16 times per recording to keep recording new sizes. Outputs after
-#: the first (the forward's stats and saved copies, freed together after its backward; the backward's dK, dV)
-#: are carved from one allocation per replay
-PLANS = PlanCache(max_entries=512, min_replays=16, carve_from=1)
+#: recordings of op bodies; a family must replay 16 times per recording to keep recording new sizes. For eager
+#: callers (`carve`), outputs after the first (the forward's stats and saved copies, freed together after its
+#: backward; the backward's dK, dV) are carved from one allocation per replay; never for what an op returns (a
+#: custom op's returns must not share storage: torch warns, and will refuse)
+PLANS = PlanCache(max_entries=512, min_replays=16)
+#: `record`'s carve_from for eager callers
+_CARVE_FROM = 1
 #: backend name -> whether its op bodies may be recorded
 _REPLAYS: Dict[str, bool] = {}
 
@@ -58,17 +61,18 @@ def run_forward(args: FwdArgs, tag, body: Callable[[], List]) -> List:
     return run_forward_traced(args, tag, body)[0]
 
 
-def run_forward_traced(args: FwdArgs, tag, body: Callable[[], List]):
+def run_forward_traced(args: FwdArgs, tag, body: Callable[[], List], carve: bool = False):
     """(`run_forward`'s list [o, stats, *saved], its trace: None, or what lets the backward of these very
-    tensors find its plan without keying its 16 roots (`run_backward`'s after))."""
+    tensors find its plan without keying its 16 roots (`run_backward`'s after)). carve: the caller keeps the
+    outputs itself (the eager autograd path), so those after O may share one allocation."""
     if not replays(args.backend):
         return body(), None
     roots = (args.q, args.k, args.v, args.sink, args.cu_seqlens_q, args.cu_seqlens_kv)
-    key = plan_key(("fwd", tag, args.softmax_scale, args.bottom_right, args.left_bound, args.right_bound,
+    key = plan_key(("fwd", tag, carve, args.softmax_scale, args.bottom_right, args.left_bound, args.right_bound,
                     args.out_dtype, args.qkv_format, args.backend, args.packed, args.recipe), roots,
                    (args.max_seqlen_q, args.max_seqlen_kv))
     with device_guard(args.q.device):  # a replay launches on the current device: make it the tensors' one
-        outputs, plan = PLANS.run_with_plan(key, body, roots)
+        outputs, plan = PLANS.run_with_plan(key, body, roots, _CARVE_FROM if carve else None)
     if plan is None or len(outputs) < 2:
         return outputs, None
     o, stats, *saved = outputs
@@ -79,26 +83,29 @@ def _addresses(tensors) -> tuple:
     return tuple([0 if t is None else t.data_ptr() for t in tensors])
 
 
-def run_backward(args: BwdArgs, tag, body: Callable[[], List], after=None) -> List:
+def run_backward(args: BwdArgs, tag, body: Callable[[], List], after=None, carve: bool = False) -> List:
     """body()'s flat list of tensors for the backward op's arguments `args`, as `run_forward`. after: the
     forward's trace (`run_forward_traced`) when args hold that forward's own outputs: if every kept tensor is
     still at its address (no saved-tensor hook moved it), the key is the forward's plan and dO's layout alone
-    (the forward's signature fixes every other root's); else all roots are keyed."""
+    (the forward's signature fixes every other root's); else all roots are keyed. carve: as
+    `run_forward_traced`'s (dK, dV and dSink then share one allocation)."""
     if not replays(args.backend):
         return body()
     roots = (args.do, args.o, args.stats, args.sink, args.cu_seqlens_q, args.cu_seqlens_kv, *args.saved)
     do, o = args.do, args.o
     if after is not None and _addresses(roots[1:]) == after[1]:
         shared = do.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()
-        key = (("bwd after", after[0], tag, args.sink_requires_grad, do.dtype, do.device, do.data_ptr() & 15),
+        key = (("bwd after", after[0], tag, carve, args.sink_requires_grad, do.dtype, do.device,
+                do.data_ptr() & 15),
                (do.shape, do.stride(), do.data_ptr() - o.data_ptr() if shared else None))
     else:
-        key = plan_key(("bwd", tag, len(args.saved), tuple(args.kv_shape), args.softmax_scale, args.bottom_right,
+        key = plan_key(("bwd", tag, carve, len(args.saved), tuple(args.kv_shape), args.softmax_scale,
+                        args.bottom_right,
                         args.left_bound, args.right_bound, args.out_dtype, args.qkv_format, args.backend,
                         args.packed, args.sink_requires_grad, args.recipe), roots,
                        (args.max_seqlen_q, args.max_seqlen_kv))
     with device_guard(do.device):
-        return PLANS.run(key, body, roots)
+        return PLANS.run_with_plan(key, body, roots, _CARVE_FROM if carve else None)[0]
 
 
 # --------------------------------------------------------------------------- whole calls without a backward

@@ -162,7 +162,8 @@ def _bwd_impl(args: BwdArgs, promised: bool = True, after=None):
     """The backward op's body: (dq, dk, dv, dsink). promised: dq, dk, dv laid out as `_grad_strides` says (the
     op's promise); False leaves them in the layout the backend wrote, which the eager path hands to autograd.
     Replayed per signature where the backend allows it (`op_plans`; after: the eager forward's trace)."""
-    return tuple(op_plans.run_backward(args, promised, lambda: _bwd_body(args, promised), after))
+    return tuple(op_plans.run_backward(args, promised, lambda: _bwd_body(args, promised), after,
+                                       carve=not promised))  # (unpromised: eager, not returned by an op)
 
 
 def _bwd_body(args: BwdArgs, promised: bool):
@@ -258,7 +259,8 @@ class _Attention(torch.autograd.Function):
             (o, stats, *saved), ctx.trace = attention_fwd(*args), None
         else:  # the trace lets the backward find its plan from the forward's (`op_plans.run_backward`)
             (o, stats, *saved), ctx.trace = op_plans.run_forward_traced(args, (True, False),
-                                                                        lambda: _fwd_body(args, True, False))
+                                                                        lambda: _fwd_body(args, True, False),
+                                                                        carve=True)
         ctx.options, ctx.where = options, where
         ctx.input_dtypes = (args.q.dtype, args.k.dtype, args.v.dtype)
         ctx.kv_shape = list(args.k.shape)

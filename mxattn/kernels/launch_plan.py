@@ -424,8 +424,9 @@ class PlanCache:
         on the key's second call). A key of None runs body() alone."""
         return self.run_with_plan(key, body, roots)[0]
 
-    def run_with_plan(self, key, body, roots):
-        """(`run`'s outputs, the LaunchPlan that made them or whose recording they are, else None)."""
+    def run_with_plan(self, key, body, roots, carve_from: Optional[int] = None):
+        """(`run`'s outputs, the LaunchPlan that made them or whose recording they are, else None). carve_from:
+        `record`'s for this call (default the cache's own); the key must tell carving callers apart."""
         if key is None or recording_active():
             return body(), None
         plan = self._plans.get(key)
@@ -442,7 +443,8 @@ class PlanCache:
         if plan is self._SEEN:
             if stats[0] >= self.min_replays and stats[1] < self.min_replays * stats[0]:
                 return body(), None  # a volatile family: recordings would cost more than their replays save
-            outputs, plan, self.last_reason = record(body, roots, self.carve_from)
+            outputs, plan, self.last_reason = record(body, roots,
+                                                     self.carve_from if carve_from is None else carve_from)
             self._plans[key] = self._REFUSED if plan is None else plan
             stats[0] += 1
             return outputs, plan

@@ -456,6 +456,9 @@ def test_the_eager_backward_is_keyed_on_its_forwards_plan(launcher, monkeypatch,
     runs = [call() for _ in range(4)]
     kinds = {key[0][0] for key in op_plans.PLANS._plans}
     assert ("bwd after" in kinds) != hooks  # (the first call's backward, before the forward had a plan: "bwd")
+    # the eager forward's stats and saved copies are carved from one allocation: O, that block, the workspace
+    fwd_plans = [p for key, p in op_plans.PLANS._plans.items() if key[0][0] == "fwd" and hasattr(p, "replay")]
+    assert [p.allocations_per_replay for p in fwd_plans] == [3]
     (first, _), (last, kept) = runs[0], runs[-1]
     assert [(n, g) for n, g, _ in first] == [(n, g) for n, g, _ in last]
     assert all(not isinstance(a, tuple) for _, _, args in last for a in args)  # replayed
@@ -530,3 +533,9 @@ def test_the_compiled_graphs_forward_op_replays_its_body(launcher, monkeypatch, 
     assert runs[0][0] == runs[2][0] == ["_quantize_qkv_kernel", "_attn_fwd_kernel"]
     for _, outputs, fakes in runs:
         assert [(t.shape, t.stride(), t.dtype) for t in outputs] == [(t.shape, t.stride(), t.dtype) for t in fakes]
+        # a custom op's returns must not share storage (torch warns, and will refuse): no carving for ops
+        assert len({t.untyped_storage().data_ptr() for t in outputs}) == len(outputs)
+    o, stats, *saved = runs[2][1]
+    grads = [ops.attention_bwd(*args.backward_args(torch.randn_like(o), o, stats, saved, list(k.shape), False))
+             for _ in range(3)]
+    assert all(len({t.untyped_storage().data_ptr() for t in g[:3]}) == 3 for g in grads)

@@ -93,7 +93,7 @@ def test_replayed_calls_equal_the_ordinary_path(name, grad, monkeypatch):
     if name == "d256_fp8_on_chip" and grad:  # the FP8-streaming backward too (scratch over a tiny budget)
         from mxattn.kernels import triton_attention_bwd as tbwd
         monkeypatch.setattr(tbwd, "SCRATCH_BUDGET_BYTES", 1)
-    fresh, fresh_ops, fresh_calls = PlanCache(), PlanCache(min_replays=16, carve_from=1), PlanCache(min_replays=16)
+    fresh, fresh_ops, fresh_calls = PlanCache(), PlanCache(min_replays=16), PlanCache(min_replays=16)
     monkeypatch.setattr(tb, "_PLANS", fresh)
     monkeypatch.setattr(op_plans, "PLANS", fresh_ops)
     monkeypatch.setattr(op_plans, "CALLS", fresh_calls)
