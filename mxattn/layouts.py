@@ -26,6 +26,8 @@ def to_bhsd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
     """View a 4-D tensor given in `qkv_format` as [B, H, S, D] (a thd tensor [T, H, D] as [1, H, T, D])."""
     if qkv_format == "thd":
         return x.permute(1, 0, 2).unsqueeze(0)
+    if qkv_format == "bhsd":  # already in order: no view (a view is an autograd node per input, each call)
+        return x
     return x.permute(_TO_BHSD[qkv_format])
 
 
@@ -54,6 +56,8 @@ def from_bhsd(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
     """View a [B, H, S, D] tensor in `qkv_format` order (thd: [1, H, T, D] as [T, H, D])."""
     if qkv_format == "thd":
         return x[0].transpose(0, 1)
+    if qkv_format == "bhsd":
+        return x
     return x.permute(_FROM_BHSD[qkv_format])
 
 

@@ -398,3 +398,18 @@ def test_unhashable_options_get_the_checks_error(kwargs, exc):
     q = torch.randn(1, 32, 2, 32)
     with pytest.raises(exc):
         mxattn.mxfp8_attention(q, q, q, backend="reference", **kwargs)
+
+
+def test_bhsd_inputs_add_no_layout_nodes_to_the_autograd_graph():
+    """bhsd is the kernels' own order: the call makes no permute views of q, k, v or O (each would be an autograd
+    node, and host time, per call), so O's grad_fn is the attention's own node and its inputs are the leaves'."""
+    q, k, v = (torch.randn(1, 2, 64, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    o = mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", attn_mask_type="causal", backend="reference")
+    assert "_Attention" in type(o.grad_fn).__name__
+    assert [type(n).__name__ for n, _ in o.grad_fn.next_functions if n is not None] == ["AccumulateGrad"] * 3
+    bshd = mxattn.mxfp8_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask_type="causal",
+                                  backend="reference")
+    assert torch.equal(bshd.transpose(1, 2), o)
+    k_is_v = mxattn.mxfp8_attention(q, k, k, qkv_format="bhsd", backend="reference")  # one tensor twice
+    k_is_v.sum().backward()
+    assert k.grad is not None and q.grad is not None
