@@ -88,6 +88,33 @@ def test_compile_forward_and_backward_on_gpu(mode):
             assert torch.equal(a, b), (mode, s, name)
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_reduce_overhead_replays_follow_new_values(grad):
+    """Under "reduce-overhead" the compiled calls replay CUDA graphs: mxattn's launches must be captured in them
+    (on the capture stream), so calls with new values at one shape give new results, each equal to the eager
+    call's bit for bit (a launch left out of the graph would hand back the recorded call's stale O); training
+    (forward and backward) and inference (no grad)."""
+    torch._dynamo.reset()
+
+    def train(q, k, v, do):
+        o = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal")
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    def infer(q, k, v, do):
+        return (mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal"),)
+
+    step = train if grad else infer
+    compiled = torch.compile(step, mode="reduce-overhead")
+    with torch.set_grad_enabled(grad):
+        for seed in range(5):  # warm-up, recording, then replays, each on new values
+            q, k, v, do = (t.cuda() for t in _inputs(s=256, seed=10 + seed))
+            leaves = [t.requires_grad_(grad) for t in (q, k, v)]
+            expected = [t.clone() for t in step(*leaves, do)]
+            got = [t.clone() for t in compiled(*leaves, do)]
+            for name, a, b in zip(("o", "dq", "dk", "dv"), got, expected):
+                assert torch.equal(a, b), (seed, name)
+
+
 @pytest.mark.parametrize("mask,hkv", [("no_mask", 8), ("causal", 2)])
 def test_reference_backend_on_cuda_equals_cpu_bit_for_bit(mask, hkv):
     q, k, v, do = _inputs(s=200, hkv=hkv)
