@@ -294,6 +294,13 @@ class _Attention(torch.autograd.Function):
         return (None, None, *grads)
 
 
+#: eager calls enter `_Attention` through autograd's C entry point (what `Function.apply` calls after its Python
+#: checks, which serve functorch transforms and Dynamo: both keep `_Attention.apply`); a few us less per call
+_apply_attention = super(torch.autograd.Function, _Attention).apply
+_are_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
 def needs_backward(*tensors: Optional[Tensor]) -> bool:
     """True when autograd will want gradients of a call on these tensors (grad mode on and one of them, None
     allowed, requires grad): the one rule the backend choice and the eager path both use."""
@@ -306,7 +313,9 @@ def attention(args: FwdArgs) -> Tensor:
     directly; under torch.compile the ops are traced."""
     if needs_backward(args.q, args.k, args.v, args.sink):
         tensors, where = _distinct_tensors(args)
-        return _Attention.apply(args.without_tensors(), where, *tensors)
+        if torch.compiler.is_compiling() or _are_functorch_transforms_active():
+            return _Attention.apply(args.without_tensors(), where, *tensors)
+        return _apply_attention(args.without_tensors(), where, *map(_unwrap_if_dead, tensors))
     if torch.compiler.is_compiling():
         return attention_fwd_no_grad(*args)
     return _fwd_impl(args, needs_backward=False, eager=True)

@@ -358,19 +358,12 @@ def _build(rec: _Recorder, outputs, roots, carve_from: Optional[int] = None) -> 
     return LaunchPlan(device, launches, out_specs, out_allocs, ws_bytes, block_bytes)
 
 
-def root_key(t: Optional[torch.Tensor]):
-    """What a plan key holds of one root: None, or (shape, strides, dtype, device, address mod 16)."""
-    if t is None:
-        return None
-    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
-
-
 def plan_key(options: tuple, roots: Sequence[Optional[torch.Tensor]], extra=None) -> tuple:
     """A `PlanCache` key: (family, sizes). family: `options` (what the body reads besides the roots, hashable)
     and each root's dtype, device and address mod 16; sizes: each root's shape and strides, how the roots share
     storage (`alias_key`), and `extra` (further integers the body reads, such as the longest sequences)."""
     family, sizes, aliases, seen = list(options), [], [], {}
-    for i, r in enumerate(roots):  # root_key and alias_key in one pass (a backward call has 16 roots)
+    for i, r in enumerate(roots):  # each root's key and alias_key in one pass (a backward call has 16 roots)
         if r is None:
             family.append(None)
             sizes.append(None)
@@ -464,5 +457,5 @@ class PlanCache:
         self._families.clear()
 
 
-__all__ = ["LaunchPlan", "PlanCache", "record", "recording_active", "plan_key", "root_key", "alias_key",
+__all__ = ["LaunchPlan", "PlanCache", "record", "recording_active", "plan_key", "alias_key",
            "RecordingRefused"]
