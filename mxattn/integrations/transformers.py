@@ -239,8 +239,50 @@ def register(name: str = "mxfp8", backend: str = "auto", recipe: Optional[Recipe
     function = make_attention_function(backend, recipe)
     AttentionInterface.register(name, function)
     # transformers' boolean SDPA masks (None where SDPA would use is_causal / no mask): what we translate above
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, _mask_builder(sdpa_mask))
     return name
+
+
+def _mask_builder(sdpa_mask):
+    """transformers' `sdpa_mask`, except that under torch.compile it also answers None (no mask) where it would
+    in eager mode without reading a value: no padding mask, a plain causal or bidirectional pattern
+    (`allow_is_causal_skip`: no cache that needs the mask, no packed sequences, no overlays), as many keys as
+    queries or one query, and no sliding window that bites. transformers skips only in eager mode there (it
+    cannot tell exporting from compiling on torch < 2.14), so a compiled model would otherwise hand every layer
+    a dense [B, 1, Sq, Skv] mask, whose translation (`plan_attention_mask_traced`: checks, row gathers and their
+    scatter-adds in the backward) costs far more than the attention it describes. The attention function reads
+    None as SDPA reads it (`_plan_without_mask`)."""
+
+    def mxattn_mask(*args, **kwargs):
+        if not args and torch.compiler.is_compiling() and _skippable(**kwargs):
+            return None
+        return sdpa_mask(*args, **kwargs)
+
+    mxattn_mask.__wrapped__ = sdpa_mask
+    return mxattn_mask
+
+
+#: what a size argument of the mask builders may be
+_SIZE = (int, torch.SymInt)
+
+
+def _skippable(kv_length=None, attention_mask=None, allow_is_causal_skip=True, local_size=None, q_length=None,
+               q_offset=0, cache_position=None, **_) -> bool:
+    """Whether `sdpa_mask`'s keyword arguments describe a mask the attention function rebuilds from None without
+    reading a tensor's values (`_mask_builder`). Older transformers versions pass cache_position (a tensor of
+    the query positions) where later ones pass q_length and q_offset. Sizes may be symbolic (dynamic shapes:
+    the comparisons below then become guards)."""
+    if not allow_is_causal_skip or attention_mask is not None or not isinstance(kv_length, _SIZE):
+        return False
+    if q_length is None:
+        if cache_position is None:
+            return False
+        q_length = cache_position.shape[0]
+    if isinstance(q_offset, torch.Tensor) or not isinstance(q_length, _SIZE):
+        return False
+    if local_size is not None and kv_length >= local_size:
+        return False
+    return q_length == 1 or q_length == kv_length
 
 
 def unregister(name: str = "mxfp8") -> None:

@@ -162,6 +162,60 @@ def test_compiled_model_has_no_graph_breaks_and_no_recompiles():
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def _traced_targets(model, **inputs):
+    """(the model's output under torch.compile with fullgraph=True, the names of every op in Dynamo's graphs)."""
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=keep_graph, fullgraph=True)(**inputs)
+    return out, {str(n.target) for gm in graphs for n in gm.graph.nodes}
+
+
+def test_compiled_model_without_padding_translates_no_mask():
+    """transformers builds the causal mask of a batch without padding only eagerly-skipped (under torch.compile it
+    hands every layer a dense mask); mxattn's mask builder answers None there as in eager mode, so the compiled
+    model has no mask translation in its graph (no row gathers, no device-side checks) and equals eager bit for
+    bit. With padding the mask still arrives and is translated on the device."""
+    model = build(llama, attn=NAME)
+    ids, am = batch(lengths=(20, 20, 20))
+    out, targets = _traced_targets(model, input_ids=ids)
+    assert not any("gather" in t or "_assert_async" in t for t in targets), sorted(targets)
+    assert torch.equal(out.logits, model(input_ids=ids).logits)
+    ids, am = batch()
+    out, targets = _traced_targets(model, input_ids=ids, attention_mask=am)
+    assert any("_assert_async" in t for t in targets)
+    valid = am.bool()
+    assert torch.equal(out.logits[valid], model(input_ids=ids, attention_mask=am).logits[valid])
+
+
+@pytest.mark.parametrize("kwargs,skips", [
+    (dict(q_length=9, kv_length=9), True),                          # training batch, no padding
+    (dict(q_length=1, kv_length=12, q_offset=11), True),            # decode step over a dynamic cache
+    (dict(q_length=4, kv_length=12, q_offset=8), False),            # chunked prefill: the band needs the mask
+    (dict(q_length=9, kv_length=9, attention_mask=torch.ones(2, 9, dtype=torch.bool)), False),   # padding mask
+    (dict(q_length=9, kv_length=9, allow_is_causal_skip=False), False),      # packed sequences, static caches
+    (dict(q_length=1, kv_length=12, q_offset=torch.tensor(11)), False),     # a static cache's traced offset
+    (dict(q_length=9, kv_length=9, local_size=4), False),           # a window that bites
+    (dict(q_length=9, kv_length=9, local_size=16), True),           # one that cannot
+    (dict(cache_position=torch.arange(9), kv_length=9), True),      # older transformers' arguments
+    (dict(cache_position=torch.arange(8, 12), kv_length=12), False),
+])
+def test_mask_builder_skips_under_compile_only_what_none_describes(kwargs, skips):
+    """mxattn's mask builder under torch.compile answers None (no mask) exactly where transformers' eager rule
+    would, without reading values, whatever transformers itself does while compiling (here: a builder that
+    always builds); eagerly it is transformers' builder."""
+    built = torch.ones(1, dtype=torch.bool)
+    builder = mx_hf._mask_builder(lambda **kw: built)
+    compiled = torch.compile(lambda: builder(batch_size=2, **kwargs), backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    assert (compiled() is None) == skips
+    assert builder(batch_size=2, **kwargs) is built
+
+
 def _left_padded_prompts(lengths, seed=7):
     """(ids, attention_mask, position_ids) [B, S]: prompts of `lengths` random tokens, left-padded with 0."""
     g = torch.Generator().manual_seed(seed)
