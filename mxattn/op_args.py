@@ -55,27 +55,23 @@ def _seq_fields(seq: Optional[SeqInfo]) -> tuple:
     return seq.cu_seqlens_q, seq.cu_seqlens_kv, seq.max_seqlen_q, seq.max_seqlen_kv, seq.packed
 
 
+#: the fields both ops take, in this order, after their own leading ones: the forward's options (qkv_format:
+#: the layout the op returns its tensors in), lengths and sink. Each op class below spells its fields as the
+#: `__annotations__` dict that `NamedTuple` reads (fields in insertion order; a class attribute named like a
+#: field is its default), so this run is written once and both classes stay plain NamedTuples.
+_OPTIONS = {"softmax_scale": float, "bottom_right": bool, "left_bound": Optional[int],
+            "right_bound": Optional[int], "out_dtype": torch.dtype, "qkv_format": str, "backend": str,
+            "cu_seqlens_q": Optional[Tensor], "cu_seqlens_kv": Optional[Tensor], "max_seqlen_q": int,
+            "max_seqlen_kv": int, "packed": bool, "sink": Optional[Tensor]}
+
+
 class FwdArgs(NamedTuple):
     """`mxattn::attention_fwd`'s arguments, in order. q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] views (a packed batch
     [1,H,T,D]); qkv_format: the layout O is written in; sink None or fp32 [Hq]."""
 
-    q: Optional[Tensor]
-    k: Optional[Tensor]
-    v: Optional[Tensor]
-    softmax_scale: float
-    bottom_right: bool
-    left_bound: Optional[int]
-    right_bound: Optional[int]
-    out_dtype: torch.dtype
-    qkv_format: str
-    backend: str
-    cu_seqlens_q: Optional[Tensor]
-    cu_seqlens_kv: Optional[Tensor]
-    max_seqlen_q: int
-    max_seqlen_kv: int
-    packed: bool
-    sink: Optional[Tensor]
-    recipe: str = DEFAULT_RECIPE_KEY
+    __annotations__ = {"q": Optional[Tensor], "k": Optional[Tensor], "v": Optional[Tensor], **_OPTIONS,
+                       "recipe": str}
+    recipe = DEFAULT_RECIPE_KEY
 
     mask = _mask
     seq = _seq
@@ -130,26 +126,9 @@ class BwdArgs(NamedTuple):
     tensors, K's shape, then the forward's options (qkv_format: the layout dQ, dK, dV are returned in), lengths and
     sink, and whether the sink needs a gradient."""
 
-    do: Tensor
-    o: Tensor
-    stats: Tensor
-    saved: List[Tensor]
-    kv_shape: List[int]
-    softmax_scale: float
-    bottom_right: bool
-    left_bound: Optional[int]
-    right_bound: Optional[int]
-    out_dtype: torch.dtype
-    qkv_format: str
-    backend: str
-    cu_seqlens_q: Optional[Tensor]
-    cu_seqlens_kv: Optional[Tensor]
-    max_seqlen_q: int
-    max_seqlen_kv: int
-    packed: bool
-    sink: Optional[Tensor]
-    sink_requires_grad: bool
-    recipe: str = DEFAULT_RECIPE_KEY
+    __annotations__ = {"do": Tensor, "o": Tensor, "stats": Tensor, "saved": List[Tensor], "kv_shape": List[int],
+                       **_OPTIONS, "sink_requires_grad": bool, "recipe": str}
+    recipe = DEFAULT_RECIPE_KEY
 
     mask = _mask
     seq = _seq

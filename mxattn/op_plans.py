@@ -32,7 +32,7 @@ import torch
 
 from .backends import backend_class, get_backend
 from .devices import device_guard
-from .kernels.affine_plan import AffinePlanCache, layout_free_of
+from .kernels.affine_plan import AffinePlanCache, roots_key
 from .kernels.launch_plan import PlanCache, plan_key
 from .op_args import BwdArgs, FwdArgs
 
@@ -145,10 +145,7 @@ def run_call(plan_id: int, kind: str, kv_axis: int, roots: Sequence[Optional[tor
     with device_guard(roots[0].device):
         if kind == AFFINE:
             n = roots[1].shape[kv_axis]
-            key = (plan_id, *[None if r is None else
-                              layout_free_of(r, kv_axis, n) if i in (1, 2) else
-                              (r.dtype, r.device, r.data_ptr() & 15, r.shape, r.stride())
-                              for i, r in enumerate(roots)])
+            key = (plan_id, *roots_key(roots, kv_axis, n))
             return CALLS_AFFINE.run(key, n, flat, roots,
                                     lambda: CALLS.run(plan_key((plan_id,), roots), flat, roots))[0]
         return CALLS.run(plan_key((plan_id,), roots), flat, roots)[0]

@@ -30,7 +30,7 @@ from ..devices import device_guard
 from ..errors import MXFP8NotSupportedError
 from ..formats import MXFP8Tensor, segment_rows
 from ..seqinfo import SeqInfo
-from ..kernels.affine_plan import AffinePlanCache, layout_free_of
+from ..kernels.affine_plan import AffinePlanCache, roots_key
 from ..kernels.launch_plan import PlanCache, plan_key
 from ..kernels.recipe_flags import kernel_recipe, unsupported_reason
 from .base import (AttentionBackend, AttentionParams, SavedForBackward, check_forward_quantized,
@@ -181,9 +181,7 @@ def _one_launch_key(roots, params: AttentionParams):
     n = roots[1].shape[2]
     return ("fwd1", params.softmax_scale, params.mask, params.out_dtype, params.recipe,
             None if seq is None else (seq.packed, seq.max_seqlen_q),
-            *[None if r is None else
-              (r.dtype, r.device, r.data_ptr() & 15, r.shape, r.stride()) if not 1 <= i <= 2 else
-              layout_free_of(r, 2, n) for i, r in enumerate(roots)])
+            *roots_key(roots, 2, n))
 
 
 class SavedWithBF16V(SavedForBackward):

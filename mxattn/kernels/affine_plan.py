@@ -78,6 +78,14 @@ def layout_free_of(r: torch.Tensor, axis: int, n: int) -> tuple:
             tuple([("n", st // n) if st % n == 0 else st for st in r.stride()]))
 
 
+def roots_key(roots: Sequence[Optional[torch.Tensor]], axis: int, n: int) -> list:
+    """What an affine plan's key holds of roots (q, k, v, then any others; None where absent): K's and V's
+    (roots 1 and 2, whose `axis` has the free length n) as `layout_free_of`, every other root as its dtype,
+    device, address mod 16, shape and strides."""
+    return [None if r is None else layout_free_of(r, axis, n) if i in (1, 2) else
+            (r.dtype, r.device, r.data_ptr() & 15, r.shape, r.stride()) for i, r in enumerate(roots)]
+
+
 class _Recording:
     """One recording's integers (the roots' facts first, then each part's), structure and compiled kernels. The
     parts: each launch's grid, template and pointer slots, then the outputs, the output allocations and the
@@ -270,4 +278,4 @@ class AffinePlanCache:
         self._plans.clear()
 
 
-__all__ = ["AffinePlan", "AffinePlanCache", "root_facts", "layout_free_of", "TRUST_AFTER"]
+__all__ = ["AffinePlan", "AffinePlanCache", "root_facts", "layout_free_of", "roots_key", "TRUST_AFTER"]

@@ -140,6 +140,14 @@ def _view(shape, layout, gen, dtype):
     return physical.permute([perm.index(i) for i in range(4)])
 
 
+def _gqa_bshd(seed):
+    """A CUDA generator seeded with seed, then drawn from it in this order: q [2,8,384,128], k and v
+    [2,2,384,128], do [2,8,384,128], bfloat16 bshd views (`_view`); the generator is returned for more draws."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q_shape, kv_shape = (2, 8, 384, 128), (2, 2, 384, 128)
+    return (gen, *[_view(shape, "bshd", gen, torch.bfloat16) for shape in (q_shape, kv_shape, kv_shape, q_shape)])
+
+
 def _cudnn_rejects_backward(s_q, s_kv, mask):
     """cuDNN 9.28's rule (see test_cudnn_graphs): a bottom-right band with a right bound needs s % 64 == 0."""
     return mask.diagonal_alignment == "bottom_right" and mask.right_bound is not None \
@@ -218,11 +226,7 @@ def test_backend_class_is_the_typed_functions_and_the_cache_is_reused():
     ok, reason = _blackwell_ready()
     if not ok:
         pytest.skip(reason)
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    q = _view((2, 8, 384, 128), "bshd", gen, torch.bfloat16)
-    k = _view((2, 2, 384, 128), "bshd", gen, torch.bfloat16)
-    v = _view((2, 2, 384, 128), "bshd", gen, torch.bfloat16)
-    do = _view((2, 8, 384, 128), "bshd", gen, torch.bfloat16)
+    gen, q, k, v, do = _gqa_bshd(7)
     params = AttentionParams(softmax_scale=0.1, mask=MaskSpec(causal=True))
     backend = CudnnBackend()
     assert backend.availability(q.device)[0]
@@ -423,11 +427,7 @@ def test_cudnn_dsink_is_the_gradient_of_its_own_forward():
     if not ok:
         pytest.skip(reason)
     from mxattn.backends.base import sink_grad
-    gen = torch.Generator(device="cuda").manual_seed(13)
-    q = _view((2, 8, 384, 128), "bshd", gen, torch.bfloat16)
-    k = _view((2, 2, 384, 128), "bshd", gen, torch.bfloat16)
-    v = _view((2, 2, 384, 128), "bshd", gen, torch.bfloat16)
-    do = _view((2, 8, 384, 128), "bshd", gen, torch.bfloat16)
+    gen, q, k, v, do = _gqa_bshd(13)
     sink = torch.linspace(-2.0, 3.0, 8, device="cuda")
     backend = CudnnBackend()
     base = AttentionParams(softmax_scale=128 ** -0.5, mask=MaskSpec(causal=True))

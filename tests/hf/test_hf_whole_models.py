@@ -139,18 +139,25 @@ def test_backward_runs_with_finite_grads():
     assert rel_rms(w, w_ref) < 0.2
 
 
+def _chunked_logits(model, ids, ends):
+    """model's logits over ids [B, S] (no grad) fed in consecutive chunks ending at ends (a prefill, then decode
+    chunks and steps) against one fresh DynamicCache, concatenated along the sequence."""
+    cache = DynamicCache(config=model.config)
+    out, start = [], 0
+    with torch.no_grad():
+        for end in ends:
+            out.append(model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits)
+            start = end
+    return torch.cat(out, dim=1)
+
+
 def test_decode_with_kv_cache_bottom_right():
     """Prefill, then a 3-token chunk and a 1-token step against a DynamicCache: bottom-right alignment."""
     logits = {}
     for attn in ("eager", NAME):
         model = build(llama, attn=attn)
         ids, _ = batch(lengths=(14, 14), seed=3)
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            out = [model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True).logits]
-            out.append(model(input_ids=ids[:, 10:13], past_key_values=cache, use_cache=True).logits)
-            out.append(model(input_ids=ids[:, 13:14], past_key_values=cache, use_cache=True).logits)
-        logits[attn] = torch.cat(out, dim=1)
+        logits[attn] = _chunked_logits(model, ids, (10, 13, 14))
     assert rel_rms(logits[NAME], logits["eager"]) < 0.1
     plan = mx_hf.plan_attention_mask(torch.ones(2, 1, 3, 13, dtype=torch.bool).tril(10), batch=2, q_len=3,
                                      kv_len=13)
@@ -163,13 +170,8 @@ def test_sliding_window_decode_and_generate():
     for attn in ("eager", CAPTURE):
         model = build(mistral_sliding, attn=attn)
         ids, _ = batch(lengths=(16, 16), seed=5)
-        cache = DynamicCache(config=model.config)
         calls = _calls()
-        with torch.no_grad():
-            out = [model(input_ids=ids[:, :12], past_key_values=cache, use_cache=True).logits]
-            out.append(model(input_ids=ids[:, 12:15], past_key_values=cache, use_cache=True).logits)
-            out.append(model(input_ids=ids[:, 15:16], past_key_values=cache, use_cache=True).logits)
-        logits[attn] = torch.cat(out, dim=1)
+        logits[attn] = _chunked_logits(model, ids, (12, 15, 16))
     chunk = calls[2]                                       # first layer, 3-token chunk
     assert chunk["q"].shape[2] == 3 and chunk["k"].shape[2] > 3
     plan = mx_hf.plan_attention_mask(chunk["mask"], batch=2, q_len=3, kv_len=chunk["k"].shape[2],

@@ -60,20 +60,26 @@ def _rand(shape, dtype, g):
     return torch.randn(*shape, device="cuda", dtype=torch.float32, generator=g).to(dtype)
 
 
-CASES = [  # (hq, hkv, sq, skv, d, dtype, mask)
-    (8, 2, 1, 1, 64, torch.bfloat16, "causal_bottom_right"),
-    (8, 2, 1, 33, 64, torch.bfloat16, "causal_bottom_right"),
-    (8, 2, 1, 700, 64, torch.bfloat16, "causal_bottom_right"),
-    (4, 4, 1, 129, 128, torch.bfloat16, "none"),
-    (4, 1, 1, 300, 32, torch.float16, "causal_bottom_right"),
-    (4, 2, 1, 257, 96, torch.bfloat16, "window_bottom_right"),
-    (4, 2, 1, 200, 64, torch.float32, "causal_bottom_right"),
-    (4, 2, 5, 131, 64, torch.bfloat16, "causal_bottom_right"),
-    (4, 2, 16, 128, 128, torch.bfloat16, "causal_top_left"),
-    (4, 2, 17, 640, 64, torch.float16, "window_bottom_right"),
-    (2, 2, 64, 64, 64, torch.bfloat16, "causal_top_left"),
-    (2, 1, 100, 400, 128, torch.bfloat16, "causal_bottom_right"),
-    (2, 2, 128, 128, 32, torch.bfloat16, "none"),
+def _case(hq, hkv, sq, skv, d, dtype=torch.bfloat16, mask="causal_bottom_right"):
+    """A CASES row (hq, hkv, sq, skv, d, dtype, mask): bfloat16 inputs under a bottom-right causal mask unless
+    told otherwise."""
+    return hq, hkv, sq, skv, d, dtype, mask
+
+
+CASES = [
+    _case(8, 2, 1, 1, 64),
+    _case(8, 2, 1, 33, 64),
+    _case(8, 2, 1, 700, 64),
+    _case(4, 4, 1, 129, 128, mask="none"),
+    _case(4, 1, 1, 300, 32, torch.float16),
+    _case(4, 2, 1, 257, 96, mask="window_bottom_right"),
+    _case(4, 2, 1, 200, 64, torch.float32),
+    _case(4, 2, 5, 131, 64),
+    _case(4, 2, 16, 128, 128, mask="causal_top_left"),
+    _case(4, 2, 17, 640, 64, torch.float16, "window_bottom_right"),
+    _case(2, 2, 64, 64, 64, mask="causal_top_left"),
+    _case(2, 1, 100, 400, 128),
+    _case(2, 2, 128, 128, 32, mask="none"),
 ]
 
 
