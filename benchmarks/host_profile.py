@@ -44,6 +44,7 @@ with torch.no_grad():
 from mxattn.kernels import triton_attention_bwd as tb  # noqa: E402
 from mxattn.kernels import triton_bwd_prep as tp  # noqa: E402
 from mxattn.kernels.triton_attention_fwd import check_seq  # noqa: E402
+from mxattn.seqinfo import kernel_cu_seqlens  # noqa: E402
 
 o, st, saved = be.forward(qb, kb, vb, params)
 do = torch.randn_like(qb)
@@ -56,9 +57,11 @@ bwd_rows = {
                                                     dk=grads[1], dv=grads[2], softmax_scale=0.088, offset=0,
                                                     left_bound=None, right_bound=0, mode="pre"),
     "bwd_prep (heads 0-12)": lambda: tp.bwd_prep(o, do, saved.q_row, saved.q_col, delta, 0, 12,
-                                                 check_seq(None, saved.q_row.data, saved.k_row.data, st)),
+                                                 check_seq(None, saved.q_row.data, saved.k_row.data),
+                                                 kernel_cu_seqlens(None, st)),
     "kv_prep (KV heads 0-12)": lambda: tp.kv_prep(saved.k_row, saved.k_col, saved.v_row, 0, 12,
-                                                  check_seq(None, saved.q_row.data, saved.k_row.data, st)),
+                                                  check_seq(None, saved.q_row.data, saved.k_row.data),
+                                                  kernel_cu_seqlens(None, st)),
     "torch.cuda.get_device_properties": lambda: torch.cuda.get_device_properties(o.device),
 }
 for name, fn in bwd_rows.items():

@@ -40,26 +40,105 @@ class SeqInfo:
     def batch(self) -> int:
         return self.cu_seqlens_q.numel() - 1
 
+    @property
+    def kind(self) -> str:
+        """The lengths' kind, "packed" or "padded" (as `Problem.varlen`, cuDNN's configs and the recipes name it)."""
+        return "packed" if self.packed else "padded"
+
+    def cu_seqlens(self, which: str) -> torch.Tensor:
+        """cu_seqlens_q (which "q") or cu_seqlens_kv (which "kv"): int32 [B+1]."""
+        return self.cu_seqlens_q if which == "q" else self.cu_seqlens_kv
+
+    def max_seqlen(self, which: str) -> int:
+        """max_seqlen_q (which "q") or max_seqlen_kv (which "kv")."""
+        return self.max_seqlen_q if which == "q" else self.max_seqlen_kv
+
     def host_offsets(self) -> Tuple[List[int], List[int]]:
         """(cu_seqlens_q, cu_seqlens_kv) as Python lists (one device-to-host copy; for the reference path)."""
         both = torch.stack([self.cu_seqlens_q, self.cu_seqlens_kv]).cpu().tolist()
         return both[0], both[1]
 
+    def rows_of(self, t: torch.Tensor, b: int, cu: List[int]) -> torch.Tensor:
+        """The [1, H, len, *] view of sequence b's rows of t ([B, H, S, *] padded, [1, H, T, *] packed); cu: the
+        cu_seqlens of t's side as a Python list (`host_offsets`), len = cu[b + 1] - cu[b]."""
+        if self.packed:
+            return t[:, :, cu[b]:cu[b + 1]]
+        return t[b:b + 1, :, :cu[b + 1] - cu[b]]
+
     def segments(self, which: str) -> Optional[torch.Tensor]:
         """The cu_seqlens that split the S axis of `which` ("q" or "kv") into MXFP8 segments (packed), else None."""
         if not self.packed:
             return None
-        return self.cu_seqlens_q if which == "q" else self.cu_seqlens_kv
+        return self.cu_seqlens(which)
 
     def valid_rows(self, which: str, n_rows: int) -> torch.Tensor:
         """Bool [B, 1, n_rows, 1] (padded) / [1, 1, n_rows, 1] (packed): True on the rows of real tokens."""
-        cu = (self.cu_seqlens_q if which == "q" else self.cu_seqlens_kv).to(torch.int64)
+        cu = self.cu_seqlens(which).to(torch.int64)
         rows = torch.arange(n_rows, device=cu.device)
         if self.packed:
             valid = (rows >= cu[0]) & (rows < cu[-1])
             return valid.view(1, 1, n_rows, 1)
         lengths = (cu[1:] - cu[:-1]).unsqueeze(1)
         return (rows.unsqueeze(0) < lengths).view(-1, 1, n_rows, 1)
+
+    def result_rows(self, which: str, n_rows: int) -> torch.Tensor:
+        """Bool [B, 1, n_rows, 1] (padded) / [1, 1, n_rows, 1] (packed): True on the rows that have an attention
+        result: real tokens of sequences whose other side is not empty (a query with no key gives O = 0, stats
+        -inf, zero gradients; a key with no query zero gradients). No host copy."""
+        cu = self.cu_seqlens(which).to(torch.int64)
+        other = self.cu_seqlens("kv" if which == "q" else "q").to(torch.int64)
+        has_other = (other[1:] - other[:-1]) > 0
+        rows = torch.arange(n_rows, device=cu.device)
+        if self.packed:
+            b = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=self.batch - 1)
+            return (has_other[b] & (rows < cu[-1])).view(1, 1, n_rows, 1)
+        lengths = (cu[1:] - cu[:-1]).unsqueeze(1)
+        return ((rows.unsqueeze(0) < lengths) & has_other.unsqueeze(1)).view(-1, 1, n_rows, 1)
+
+
+# --------------------------------------------------------------------------- kernel launches (seq None: dense)
+
+
+def grid_rows(seq: Optional[SeqInfo], which: str, n_rows: int) -> int:
+    """Rows along S a kernel grid covers on side `which` of [B, H, n_rows, D] tensors: the longest sequence of
+    a packed batch (at most n_rows; programs past their own sequence's end exit at once), else n_rows (dense,
+    or padded: padding rows get their zeros from the kernels)."""
+    if seq is None or not seq.packed:
+        return n_rows
+    return min(n_rows, seq.max_seqlen_q if which == "q" else seq.max_seqlen_kv)
+
+
+def grid_sequences(seq: Optional[SeqInfo], batch: int) -> int:
+    """Sequences along a kernel grid's (sequence, head) axis: B of cu_seqlens for a packed batch, else the
+    tensors' batch size `batch` (dense or padded)."""
+    return seq.cu_seqlens_q.numel() - 1 if seq is not None and seq.packed else batch
+
+
+def quantizer_args(seq: Optional[SeqInfo], which: str) -> dict:
+    """Length keywords of the fused quantizer (`triton_quantize.quantize_rowcol`) for side `which` ("q" or
+    "kv"): cu_seqlens (int32 [B+1]), max_seqlen (int), packed (bool); empty for a dense call (seq None)."""
+    if seq is None:
+        return {}
+    if which == "q":  # (the fields themselves: this runs per call)
+        return dict(cu_seqlens=seq.cu_seqlens_q, max_seqlen=seq.max_seqlen_q, packed=seq.packed)
+    return dict(cu_seqlens=seq.cu_seqlens_kv, max_seqlen=seq.max_seqlen_kv, packed=seq.packed)
+
+
+def kernel_cu_seqlens(seq: Optional[SeqInfo], stand_in: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(cu_seqlens_q, cu_seqlens_kv) as the kernels' pointer arguments: seq's int32 [B+1] tensors, or for a
+    dense call (seq None) `stand_in` (any tensor) twice, a pointer the kernels never read."""
+    if seq is None:
+        return stand_in, stand_in
+    return seq.cu_seqlens_q, seq.cu_seqlens_kv
+
+
+def kernel_flags(seq: Optional[SeqInfo], bottom_right: Optional[bool] = None) -> dict:
+    """The kernels' length constexprs (Python bools): VARLEN (seq given), PACKED, and unless bottom_right is
+    None BOTTOM_RIGHT (each sequence's own diagonal offset; variable-length calls only)."""
+    varlen = seq is not None
+    if bottom_right is None:
+        return dict(VARLEN=varlen, PACKED=varlen and bool(seq.packed))
+    return dict(VARLEN=varlen, PACKED=varlen and bool(seq.packed), BOTTOM_RIGHT=varlen and bool(bottom_right))
 
 
 # --------------------------------------------------------------------------- argument checks

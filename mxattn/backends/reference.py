@@ -12,7 +12,7 @@ inputs (`SavedInputs`) and quantizes them again in the backward.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -33,50 +33,33 @@ def _ref_mask_kwargs(params: AttentionParams) -> dict:
                 window=(mask.left_bound, mask.right_bound), out_dtype=params.out_dtype, sink=params.sink)
 
 
-class _Sequences:
-    """Views of one sequence of a padded or packed batch (host offsets read once)."""
-
-    def __init__(self, seq: SeqInfo):
-        self.seq = seq
-        self.cu = dict(zip(("q", "kv"), seq.host_offsets()))
-
-    def __iter__(self) -> Iterator[Tuple[int, int, int]]:
-        for b in range(self.seq.batch):
-            yield b, self.length("q", b), self.length("kv", b)
-
-    def length(self, which: str, b: int) -> int:
-        return self.cu[which][b + 1] - self.cu[which][b]
-
-    def rows(self, t: torch.Tensor, which: str, b: int) -> torch.Tensor:
-        """The [1, H, len, *] rows of sequence b of a plain [B, H, S, *] tensor."""
-        if self.seq.packed:
-            return t[:, :, self.cu[which][b]:self.cu[which][b + 1]]
-        return t[b:b + 1, :, :self.length(which, b)]
-
-    def mx(self, x: Operand, which: str, b: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(data, scale) of sequence b of an MXFP8 copy (row- or column-wise), or (rows, None) of a bfloat16
-        operand (the bf16-V variant). Per-tensor operands have no sequences (`check_recipe_varlen`)."""
-        if not isinstance(x, MXFP8Tensor):
-            return self.rows(x, which, b), None
-        if x.axis == 3:
-            return self.rows(x.data, which, b), self.rows(x.scale, which, b)
-        if self.seq.packed:
-            part = x.segment(b, self.cu[which])
-            return part.data, part.scale
-        n = self.length(which, b)
-        return x.data[b:b + 1, :, :n], x.scale[b:b + 1, :, :ceil_div(n, BLOCK_SIZE)]
+def _mx(seq: SeqInfo, x: Operand, b: int, cu: List[int]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(data, scale) of sequence b of an MXFP8 copy (row- or column-wise) [B, H, S, D], or (rows, None) of a
+    bfloat16 operand (the bf16-V variant); cu: the cu_seqlens of x's side as a Python list (`host_offsets`).
+    Per-tensor operands have no sequences (`check_recipe_varlen`)."""
+    if not isinstance(x, MXFP8Tensor):
+        return seq.rows_of(x, b, cu), None
+    if x.axis == 3:
+        return seq.rows_of(x.data, b, cu), seq.rows_of(x.scale, b, cu)
+    if seq.packed:
+        part = x.segment(b, cu)
+        return part.data, part.scale
+    n = cu[b + 1] - cu[b]
+    return x.data[b:b + 1, :, :n], x.scale[b:b + 1, :, :ceil_div(n, BLOCK_SIZE)]
 
 
-def _per_sequence(seq: SeqInfo, body: Callable[[_Sequences, int], None],
-                  no_keys: Optional[Callable[[_Sequences, int], None]] = None) -> None:
-    """body(seqs, b) for every sequence with queries and keys; no_keys(seqs, b) for those with queries only.
-    Outputs start as zeros / -inf stats, which is what an empty sequence keeps."""
-    seqs = _Sequences(seq)
-    for b, len_q, len_kv in seqs:
+def _per_sequence(seq: SeqInfo, body: Callable[[int, List[int], List[int]], None],
+                  no_keys: Optional[Callable[[int, List[int], List[int]], None]] = None) -> None:
+    """body(b, cu_q, cu_kv) for every sequence b with queries and keys, no_keys(b, cu_q, cu_kv) for those with
+    queries only (cu_q, cu_kv: `SeqInfo.host_offsets`, read once). Outputs start as zeros / -inf stats, which is
+    what an empty sequence keeps."""
+    cu_q, cu_kv = seq.host_offsets()
+    for b in range(seq.batch):
+        len_q, len_kv = cu_q[b + 1] - cu_q[b], cu_kv[b + 1] - cu_kv[b]
         if len_q > 0 and len_kv > 0:
-            body(seqs, b)
+            body(b, cu_q, cu_kv)
         elif len_q > 0 and no_keys is not None:
-            no_keys(seqs, b)
+            no_keys(b, cu_q, cu_kv)
 
 
 class ReferenceBackend(AttentionBackend):
@@ -100,8 +83,7 @@ class ReferenceBackend(AttentionBackend):
 
     def forward(self, q, k, v, params: AttentionParams):
         seq, recipe = params.seq, params.recipe
-        check_recipe_varlen(recipe.encode(), None if seq is None else ("packed" if seq.packed else "padded"),
-                            "params.recipe")
+        check_recipe_varlen(recipe.encode(), None if seq is None else seq.kind, "params.recipe")
         q_row, q_col = quantize_rowcol(q, seq, "q", recipe)
         k_row, k_col = quantize_rowcol(k, seq, "kv", recipe)
         v_row, v_col = v_operands(v, seq, recipe)
@@ -129,14 +111,14 @@ class ReferenceBackend(AttentionBackend):
         o = torch.zeros((B, H, S, v_col.shape[3]), dtype=params.out_dtype, device=device)
         stats = torch.full((B, H, S, 1), float("-inf"), dtype=torch.float32, device=device)
 
-        def one(seqs: _Sequences, b: int) -> None:
-            o_b, stats_b = mxfp8_ref.sdpa_fwd_quantized(*seqs.mx(q_row, "q", b), *seqs.mx(k_row, "kv", b),
-                                                        *seqs.mx(v_col, "kv", b), **opts)
-            seqs.rows(o, "q", b).copy_(o_b)
-            seqs.rows(stats, "q", b).copy_(stats_b)
+        def one(b: int, cu_q: List[int], cu_kv: List[int]) -> None:
+            o_b, stats_b = mxfp8_ref.sdpa_fwd_quantized(*_mx(seq, q_row, b, cu_q), *_mx(seq, k_row, b, cu_kv),
+                                                        *_mx(seq, v_col, b, cu_kv), **opts)
+            seq.rows_of(o, b, cu_q).copy_(o_b)
+            seq.rows_of(stats, b, cu_q).copy_(stats_b)
 
-        def only_sink(seqs: _Sequences, b: int) -> None:  # no keys: the sink alone, O = 0, stats = sink
-            rows = seqs.rows(stats, "q", b)
+        def only_sink(b: int, cu_q: List[int], cu_kv: List[int]) -> None:  # no keys: sink alone, O = 0, stats = sink
+            rows = seq.rows_of(stats, b, cu_q)
             rows.copy_(params.sink.view(1, -1, 1, 1).expand_as(rows))
 
         _per_sequence(seq, one, only_sink if params.sink is not None else None)
@@ -162,15 +144,15 @@ class ReferenceBackend(AttentionBackend):
         dv = torch.zeros(v_row.shape, dtype=params.out_dtype, device=do.device)
         dsink = None if params.sink is None else torch.zeros_like(params.sink, dtype=torch.float32)
 
-        def one(seqs: _Sequences, b: int) -> None:
+        def one(b: int, cu_q: List[int], cu_kv: List[int]) -> None:
             grads = mxfp8_ref.sdpa_bwd_quantized(
-                q_row=seqs.mx(q_row, "q", b), q_col=seqs.mx(q_col, "q", b),
-                k_row=seqs.mx(k_row, "kv", b), k_col=seqs.mx(k_col, "kv", b),
-                v_row=seqs.mx(v_row, "kv", b), o=seqs.rows(o, "q", b), do=seqs.rows(do, "q", b),
-                do_row=seqs.mx(do_row, "q", b), do_col=seqs.mx(do_col, "q", b), stats=seqs.rows(stats, "q", b),
-                **opts)
-            for out, g, which in zip((dq, dk, dv), grads, ("q", "kv", "kv")):
-                seqs.rows(out, which, b).copy_(g)
+                q_row=_mx(seq, q_row, b, cu_q), q_col=_mx(seq, q_col, b, cu_q),
+                k_row=_mx(seq, k_row, b, cu_kv), k_col=_mx(seq, k_col, b, cu_kv),
+                v_row=_mx(seq, v_row, b, cu_kv), o=seq.rows_of(o, b, cu_q), do=seq.rows_of(do, b, cu_q),
+                do_row=_mx(seq, do_row, b, cu_q), do_col=_mx(seq, do_col, b, cu_q),
+                stats=seq.rows_of(stats, b, cu_q), **opts)
+            for out, g, cu in zip((dq, dk, dv), grads, (cu_q, cu_kv, cu_kv)):
+                seq.rows_of(out, b, cu).copy_(g)
             if dsink is not None:
                 dsink.add_(grads[3])
 

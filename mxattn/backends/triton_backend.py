@@ -29,7 +29,7 @@ from ..constants import INPUT_DTYPES, KERNEL_OUT_DTYPES, MX_BLOCK
 from ..devices import device_guard
 from ..errors import MXFP8NotSupportedError
 from ..formats import MXFP8Tensor, segment_rows
-from ..seqinfo import SeqInfo
+from ..seqinfo import SeqInfo, grid_rows, quantizer_args
 from ..kernels.affine_plan import AffinePlanCache, roots_key
 from ..kernels.launch_plan import PlanCache, plan_key
 from ..kernels.recipe_flags import kernel_recipe, unsupported_reason
@@ -74,22 +74,6 @@ def _mask_args(params: AttentionParams, s_q: int, s_kv: int):
         return dict(offset=0, bottom_right=m.bottom_right, left_bound=m.left_bound, right_bound=m.right_bound,
                     seq=params.seq)
     return dict(offset=m.offset(s_q, s_kv), left_bound=m.left_bound, right_bound=m.right_bound)
-
-
-def _query_rows(params: AttentionParams, sq: int) -> int:
-    """Query rows one kernel program covers per sequence: the longest sequence of a packed batch, else Sq."""
-    seq = params.seq
-    return min(sq, seq.max_seqlen_q) if seq is not None and seq.packed else sq
-
-
-def _quant_args(params: AttentionParams, which: str) -> dict:
-    """quantize_rowcol's length arguments for the "q" or "kv" side (empty for a dense call)."""
-    seq = params.seq
-    if seq is None:
-        return {}
-    if which == "q":
-        return dict(cu_seqlens=seq.cu_seqlens_q, max_seqlen=seq.max_seqlen_q, packed=seq.packed)
-    return dict(cu_seqlens=seq.cu_seqlens_kv, max_seqlen=seq.max_seqlen_kv, packed=seq.packed)
 
 
 def _attend(like: torch.Tensor, q_data: torch.Tensor, q_scale: torch.Tensor, kv_operands, skv: int,
@@ -313,7 +297,7 @@ class TritonBackend(AttentionBackend):
         B, hq, sq, d = q.shape
         if k.shape[2] == 0 or sq == 0 or B * hq == 0:
             return None
-        return _kernels()[1].quantizing_fwd_config(_query_rows(params, sq), d, max(q.dtype, k.dtype, v.dtype,
+        return _kernels()[1].quantizing_fwd_config(grid_rows(params.seq, "q", sq), d, max(q.dtype, k.dtype, v.dtype,
                                                                                    key=lambda t: t.itemsize))
 
     def _forward_flat(self, q, k, v, params: AttentionParams) -> list:
@@ -346,7 +330,7 @@ class TritonBackend(AttentionBackend):
         if config is not None:  # one query tile (decode steps): one launch that quantizes as it reads
             return (*self._forward_quantizing(q, k, v, params, config), None)
         kv_bf16 = tf.fwd_streams_bf16(B, hkv, skv, d)  # the problem's data path: bf16 scratch or FP8 on chip
-        kv_args = _quant_args(params, "kv")
+        kv_args = quantizer_args(params.seq, "kv")
         # one launch for the three; V's row=kv_bf16 without a backward too: the quantizer refuses col_dequant
         # without row (a Triton 3.6 sm_90 miscompile of that one combination), so V's row-wise copy is written
         # and dropped there. The bf16-V recipe quantizes Q and K only; V is read in bf16 (a copy when kept).
@@ -355,7 +339,7 @@ class TritonBackend(AttentionBackend):
             v_bf16 = _like(v, torch.bfloat16).copy_(v) if bwd or v.dtype != torch.bfloat16 else _inner_unit(v)
         qq, kq, vq = tq.quantize_qkv(
             _inner_unit(q), _inner_unit(k), None if flags.v_raw else _inner_unit(v),
-            dict(col=bwd, **_quant_args(params, "q")), dict(col=bwd, row_dequant=kv_bf16, **kv_args),
+            dict(col=bwd, **quantizer_args(params.seq, "q")), dict(col=bwd, row_dequant=kv_bf16, **kv_args),
             None if flags.v_raw else dict(row=bwd or kv_bf16, col_seq_major=not kv_bf16, col_dequant=kv_bf16,
                                           **kv_args), floor=flags.floor)
         v_arg = v_bf16 if flags.v_raw else vq.col_dequant if kv_bf16 else vq.col_seq_major
@@ -466,7 +450,7 @@ class TritonBackend(AttentionBackend):
             delta = tb.attention_bwd(*parts, None, None, o, do, stats, softmax_scale=params.softmax_scale,
                                      dq=dq, dk=dk, dv=dv, mode="pre", flags=flags, **_mask_args(params, sq, skv))
         else:
-            do_q = tq.quantize_rowcol(do, floor=flags.floor, **_quant_args(params, "q"))
+            do_q = tq.quantize_rowcol(do, floor=flags.floor, **quantizer_args(params.seq, "q"))
             delta = tb.attention_bwd(*parts, do_q.row, do_q.col, o, do, stats, softmax_scale=params.softmax_scale,
                                      dq=dq, dk=dk, dv=dv, mode="fp8", flags=flags, **_mask_args(params, sq, skv))
         return dq, dk, dv, delta

@@ -29,7 +29,8 @@ from .triton_attention_fwd import SCRATCH_BUDGET_BYTES, check_seq
 from .triton_bwd_prep import bwd_prep, kv_prep
 from .triton_bwd_tiles import _col_tile, _row_tile, _store_rows
 from .triton_common import LOG2E, P_DESCALE, P_SCALE, kv_block_range, program_prologue, qdq_rows
-from .triton_quantize import padded_head_dim
+from .triton_quantize import padded_head_dim, row_tiles, seq_programs
+from ..seqinfo import grid_rows, grid_sequences, kernel_cu_seqlens, kernel_flags
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 
 
@@ -327,19 +328,19 @@ def _op(t):
     return t.data, t.scale.view(torch.uint8)
 
 
-def _launch_dkdv(qr, qc, kr, vr, dor, doc, stats, delta, dk, dv, cfg, pre, args, common, sa, flags):
+def _launch_dkdv(qr, qc, kr, vr, dor, doc, stats, delta, dk, dv, cfg, pre, args, common, seq, cu, flags):
     (bm1, bn1, w1, st1) = cfg
     B, HKV, SKV = kr.data.shape[0], kr.data.shape[1], kr.data.shape[2]
     ops = [_op(t) for t in (qr, qc, kr, vr, dor, doc)]
     flat = [x for pair in ops for x in pair]
     strides = [st for pair in ops for x in pair for st in _st3(x)]
     launch(
-        _dkdv_kernel, (sa.kv_tiles(SKV, bn1), sa.programs(B, HKV)),
-        *flat, stats, delta, dk, dv, sa.cu_q, sa.cu_kv, *strides, *_st3(stats), delta.stride(0), *_st3(dk),
+        _dkdv_kernel, (row_tiles(grid_rows(seq, "kv", SKV), bn1), seq_programs(grid_sequences(seq, B), HKV)),
+        *flat, stats, delta, dk, dv, *cu, *strides, *_st3(stats), delta.stride(0), *_st3(dk),
         *_st3(dv), HKV, *args, BM=bm1, BN=bn1, PRE=pre, **flags.bwd(), num_warps=w1, num_stages=st1, **common)
 
 
-def _launch_dq(qr, kr, kc, vr, dor, stats, delta, dq, cfg, pre, args, common, sa, flags):
+def _launch_dq(qr, kr, kc, vr, dor, stats, delta, dq, cfg, pre, args, common, seq, cu, flags):
     (bm2, bn2, w2, st2) = cfg
     qd = qr if isinstance(qr, torch.Tensor) else qr.data
     B, HQ, SQ = qd.shape[0], qd.shape[1], qd.shape[2]
@@ -347,8 +348,8 @@ def _launch_dq(qr, kr, kc, vr, dor, stats, delta, dq, cfg, pre, args, common, sa
     flat = [x for pair in ops for x in pair]
     strides = [st for pair in ops for x in pair for st in _st3(x)]
     launch(
-        _dq_kernel, (sa.q_tiles(SQ, bm2), sa.programs(B, HQ)),
-        *flat, stats, delta, dq, sa.cu_q, sa.cu_kv, *strides, *_st3(stats), delta.stride(0), *_st3(dq),
+        _dq_kernel, (row_tiles(grid_rows(seq, "q", SQ), bm2), seq_programs(grid_sequences(seq, B), HQ)),
+        *flat, stats, delta, dq, *cu, *strides, *_st3(stats), delta.stride(0), *_st3(dq),
         HQ, *args, BM=bm2, BN=bn2, PRE=pre, DS_BF16=flags.ds_bf16, V_RAW=flags.v_raw, FLOOR=flags.floor,
         num_warps=w2, num_stages=st2, **common)
 
@@ -425,8 +426,9 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
         if t.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride along D")
-    sa = check_seq(seq, q_row.data, k_row.data, stats, bottom_right, offset)
-    if sa.packed:
+    seq = check_seq(seq, q_row.data, k_row.data, bottom_right, offset)
+    cu = kernel_cu_seqlens(seq, stats)  # (the full stats stand in for a dense call's lengths, in every launch)
+    if seq is not None and seq.packed:
         for name, t in (("q_col", q_col), ("k_col", k_col), ("do_col", do_col)):
             if t is not None and getattr(t, "segments", None) is None:
                 raise ValueError(f"{name} of a packed batch must be segmented (MXFP8Tensor segments=cu_seqlens)")
@@ -437,19 +439,19 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     lb = 0 if left_bound is None else int(left_bound)
     rb = 0 if right_bound is None else int(right_bound)
     common = dict(HAS_LB=left_bound is not None, HAS_RB=right_bound is not None, DP=dp, EVEN_D=dp == D,
-                  **sa.constexprs(bottom_right))
+                  **kernel_flags(seq, bottom_right))
     args = (group, SQ, SKV, D, float(softmax_scale) * LOG2E.value, float(softmax_scale), int(offset), lb, rb)
     cfg1, cfg2 = (bm1, bn1, w1, st1), (bm2, bn2, w2, st2)
     if mode == "fp8":  # delta alone first (the "pre" path gets it with its scratch)
-        bwd_prep(o, do, None, None, delta, 0, HQ, sa, scratch=False)
+        bwd_prep(o, do, None, None, delta, 0, HQ, seq, cu, scratch=False)
         _launch_dkdv(q_row, q_col, k_row, v_row, do_row, do_col, stats, delta, dk, dv, cfg1, False, args, common,
-                     sa, flags)
-        _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, False, args, common, sa, flags)
+                     seq, cu, flags)
+        _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, False, args, common, seq, cu, flags)
         return delta
     per_head = _pre_scratch_per_kv_head(B, group, SQ, SKV, D)
     sms = sm_count(o.device) if o.is_cuda else 132
     # heads for about two waves of programs
-    want = cdiv(2 * sms, max(1, sa.kv_tiles(SKV, bn1) * sa.programs(B, 1)))
+    want = cdiv(2 * sms, max(1, row_tiles(grid_rows(seq, "kv", SKV), bn1) * seq_programs(grid_sequences(seq, B), 1)))
     hc = max(1, min(HKV, max(want, PRE_BUDGET_BYTES // max(1, per_head))))
     if hc * per_head > SCRATCH_BUDGET_BYTES:
         hc = max(1, SCRATCH_BUDGET_BYTES // per_head)
@@ -459,13 +461,13 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     bounds = [HKV * i // n_chunks for i in range(n_chunks + 1)]
     for h0, h1 in zip(bounds[:-1], bounds[1:]):  # a loop over head chunks, not elements
         q0, q1 = h0 * group, h1 * group
-        do_r, do_c, q_r, q_c = bwd_prep(o, do, q_row, q_col, delta, q0, q1, sa, floor=flags.floor)
+        do_r, do_c, q_r, q_c = bwd_prep(o, do, q_row, q_col, delta, q0, q1, seq, cu, floor=flags.floor)
         st, de = stats[:, q0:q1], delta[:, q0:q1]
         _launch_dkdv(q_r, q_c, _heads(k_row, h0, h1), _heads(v_row, h0, h1), do_r, do_c, st, de,
-                     dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args, common, sa, flags)
+                     dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args, common, seq, cu, flags)
         del q_c, do_c
-        k_r, k_c, v_r = kv_prep(k_row, k_col, v_row, h0, h1, sa)
-        _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common, sa, flags)
+        k_r, k_c, v_r = kv_prep(k_row, k_col, v_row, h0, h1, seq, cu)
+        _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common, seq, cu, flags)
         del q_r, do_r, k_r, k_c, v_r
     return delta
 

@@ -12,7 +12,7 @@ padded batch after writing O = 0 and stats = -inf on the padding rows of their t
 are those of a dense call on that sequence alone, bit for bit.
 """
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -23,6 +23,7 @@ from .triton_common import (LN2, LOG2E, dequant_cols, dequant_rows, kv_block_ran
                             load_tile, program_prologue, quantize_cols, quantize_rows, round_p, seq_prologue,
                             softmax_block, softmax_start)
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
+from ..seqinfo import SeqInfo, grid_rows, grid_sequences, kernel_cu_seqlens, kernel_flags
 from .triton_quantize import check_cu_seqlens, padded_head_dim, row_tiles, seq_programs
 
 BLOCK_N = 128  # KV block of the online softmax: fixed by the recipe, not a tuning knob
@@ -255,7 +256,7 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
     _check_sink(sink, q_data)
     B, HQ, SQ, D = q_data.shape
     HKV, SKV = k_data.shape[1], k_data.shape[2]
-    sa = check_seq(seq, q_data, k_data, stats, bottom_right, offset)
+    seq = check_seq(seq, q_data, k_data, bottom_right, offset)
     dp = padded_head_dim(D)
     u8 = torch.uint8
     kv_bf16 = k_scale is None
@@ -283,20 +284,21 @@ def attention_fwd(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
     for name, t in (("q_data", q_data), ("k_data", k_data), ("v.data", v_data), ("out", out), ("q_scale", qs),
                     ("k_scale", ks), ("v.scale", vs)):
         _unit_d(name, t)
-    _launch_fwd(q_data, qs, k_data, ks, v_data, vs, v_strides, out, stats, sink, sa, softmax_scale, offset,
+    _launch_fwd(q_data, qs, k_data, ks, v_data, vs, v_strides, out, stats, sink, seq, softmax_scale, offset,
                 left_bound, right_bound, bottom_right, (bm, warps, stages), kv_bf16=kv_bf16, qdq=False, flags=flags)
 
 
-def _launch_fwd(q, qs, k, ks, v, vs, v_strides, out, stats, sink, sa, softmax_scale, offset, left_bound,
+def _launch_fwd(q, qs, k, ks, v, vs, v_strides, out, stats, sink, seq, softmax_scale, offset, left_bound,
                 right_bound, bottom_right, config, *, kv_bf16: bool, qdq: bool, flags: KernelRecipe) -> None:
-    """The forward kernel's launch (arguments checked by the callers)."""
+    """The forward kernel's launch (arguments checked by the callers; seq: `check_seq`'s, stats stands in for
+    the lengths of a dense call)."""
     bm, warps, stages = config
     B, HQ, SQ, D = q.shape
     HKV, SKV = k.shape[1], k.shape[2]
     dp = padded_head_dim(D)
     launch(
-        _attn_fwd_kernel, (sa.q_tiles(SQ, bm), sa.programs(B, HQ)), q, qs, k, ks, v, vs, out, stats,
-        sa.cu_q, sa.cu_kv, stats if sink is None else sink,
+        _attn_fwd_kernel, (row_tiles(grid_rows(seq, "q", SQ), bm), seq_programs(grid_sequences(seq, B), HQ)),
+        q, qs, k, ks, v, vs, out, stats, *kernel_cu_seqlens(seq, stats), stats if sink is None else sink,
         *q.stride()[:3], *qs.stride()[:3],
         *k.stride()[:3], *ks.stride()[:3],
         *v_strides, *vs.stride()[:3],
@@ -304,7 +306,7 @@ def _launch_fwd(q, qs, k, ks, v, vs, v_strides, out, stats, sink, sa, softmax_sc
         HQ, HQ // HKV, SQ, SKV, D, float(softmax_scale) * LOG2E.value, int(offset),
         0 if left_bound is None else int(left_bound), 0 if right_bound is None else int(right_bound),
         HAS_LB=left_bound is not None, HAS_RB=right_bound is not None,
-        BM=bm, BN=BLOCK_N, DP=dp, EVEN_D=dp == D, **sa.constexprs(bottom_right), HAS_SINK=sink is not None,
+        BM=bm, BN=BLOCK_N, DP=dp, EVEN_D=dp == D, **kernel_flags(seq, bottom_right), HAS_SINK=sink is not None,
         KV_BF16=kv_bf16, QDQ=qdq, **flags.fwd(), num_warps=warps, num_stages=stages)
 
 
@@ -339,8 +341,8 @@ def attention_fwd_quantizing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         _unit_d(name, t)
-    sa = check_seq(seq, q, k, stats, bottom_right, offset)
-    rows = SQ if sa.max_q is None or not sa.packed else min(SQ, sa.max_q)
+    seq = check_seq(seq, q, k, bottom_right, offset)
+    rows = grid_rows(seq, "q", SQ)
     if config is None:
         config = quantizing_fwd_config(rows, D, max(q.dtype, k.dtype, v.dtype, key=lambda t: t.itemsize))
         if config is None:
@@ -348,46 +350,21 @@ def attention_fwd_quantizing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             raise ValueError(f"attention_fwd_quantizing takes head dims up to {max(BF16_FWD_CONFIGS)} and the "
                              f"query rows of one tile per sequence ({tile} at D={D}), got D={D} and {rows} rows")
     _check_sink(sink, q)
-    _launch_fwd(q, q, k, k, v, v, v.stride()[:3] + (1,), out, stats, sink, sa, softmax_scale, offset, left_bound,
+    _launch_fwd(q, q, k, k, v, v, v.stride()[:3] + (1,), out, stats, sink, seq, softmax_scale, offset, left_bound,
                 right_bound, bottom_right, config, kv_bf16=False, qdq=True, flags=flags)
 
 
-class SeqArgs(NamedTuple):
-    """Variable-length arguments as the launches take them. Dense: varlen False, cu_q/cu_kv stand-in tensors
-    the kernels never read, max_q/max_kv None (grids then cover the tensors' rows)."""
-
-    cu_q: torch.Tensor
-    cu_kv: torch.Tensor
-    max_q: Optional[int]
-    max_kv: Optional[int]
-    varlen: bool
-    packed: bool
-
-    def q_tiles(self, n_rows: int, block: int) -> int:
-        return row_tiles(n_rows, block, self.max_q, self.packed)
-
-    def kv_tiles(self, n_rows: int, block: int) -> int:
-        return row_tiles(n_rows, block, self.max_kv, self.packed)
-
-    def programs(self, batch: int, heads: int) -> int:
-        """Programs along the (sequence, head) grid axis."""
-        return seq_programs(batch, heads, self.cu_q if self.varlen else None, self.packed)
-
-    def constexprs(self, bottom_right: bool) -> dict:
-        return dict(VARLEN=self.varlen, PACKED=self.packed, BOTTOM_RIGHT=self.varlen and bool(bottom_right))
-
-
-def check_seq(seq, q: torch.Tensor, k: torch.Tensor, stand_in: torch.Tensor, bottom_right: bool = False,
-              offset: int = 0) -> SeqArgs:
-    """Host checks of an attention kernel's variable-length arguments -> SeqArgs. seq: None or a SeqInfo-like
-    object (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed); q [B,Hq,Sq,D], k [B,Hkv,Skv,D]
-    (data tensors); stand_in: any tensor to pass for the unread cu pointers of a dense call. Raises
-    ValueError/TypeError before any launch."""
+def check_seq(seq: Optional[SeqInfo], q: torch.Tensor, k: torch.Tensor, bottom_right: bool = False,
+              offset: int = 0) -> Optional[SeqInfo]:
+    """Host checks of an attention kernel's variable-length arguments; returns seq. seq: None (dense) or a
+    SeqInfo-like object (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed); q [B,Hq,Sq,D],
+    k [B,Hkv,Skv,D] (data tensors). The launches read it through `mxattn.seqinfo`'s grid_rows, grid_sequences,
+    kernel_cu_seqlens and kernel_flags. Raises ValueError/TypeError before any launch."""
     if seq is None:
         if bottom_right:
             raise ValueError("bottom_right=True is for variable-length calls (seq); a dense call passes its "
                              "offset (Skv - Sq)")
-        return SeqArgs(stand_in, stand_in, None, None, False, False)
+        return None
     packed = bool(seq.packed)
     check_cu_seqlens(seq.cu_seqlens_q, "seq.cu_seqlens_q", q, packed)
     check_cu_seqlens(seq.cu_seqlens_kv, "seq.cu_seqlens_kv", k, packed)
@@ -396,8 +373,8 @@ def check_seq(seq, q: torch.Tensor, k: torch.Tensor, stand_in: torch.Tensor, bot
                          f"{seq.cu_seqlens_q.numel() - 1} and {seq.cu_seqlens_kv.numel() - 1}")
     if bottom_right and offset != 0:
         raise ValueError(f"with bottom_right=True each sequence has its own offset; pass offset=0, got {offset}")
-    return SeqArgs(seq.cu_seqlens_q, seq.cu_seqlens_kv, seq.max_seqlen_q, seq.max_seqlen_kv, True, packed)
+    return seq
 
 
-__all__ = ["attention_fwd", "attention_fwd_quantizing", "quantizing_fwd_config", "fwd_streams_bf16", "check_seq", "SeqArgs", "kv_block_range", "load_tile",
+__all__ = ["attention_fwd", "attention_fwd_quantizing", "quantizing_fwd_config", "fwd_streams_bf16", "check_seq", "kv_block_range", "load_tile",
            "program_prologue", "SCRATCH_BUDGET_BYTES", "seq_prologue", "BLOCK_N", "LOG2E"]

@@ -12,7 +12,8 @@ import triton.language as tl
 from .triton_launch import launch
 from .triton_bwd_tiles import _col_tile, _row_tile
 from .triton_common import MX_BLOCK, dequant_cols, dequant_rows, load_tile, quantize_cols, quantize_rows, seq_span
-from .triton_quantize import padded_head_dim
+from .triton_quantize import padded_head_dim, row_tiles, seq_programs
+from ..seqinfo import grid_rows, grid_sequences, kernel_flags
 
 
 #: what `_bwd_prep_kernel` does (its KIND)
@@ -95,11 +96,12 @@ def _bwd_prep_kernel(A, B, DELTA, RD, RS, CD, CS, OUT_A, OUT_B, OUT_R, OUT_C, CU
 PREP_TILES = {32: (32, 2), 64: (64, 4), 128: (128, 4), 256: (256, 8)}
 
 
-def _prep(kind: int, a, b_, delta, row, col, h0: int, h1: int, rows: int, n_tiles: int, sa, n_out: int,
+def _prep(kind: int, a, b_, delta, row, col, h0: int, h1: int, rows: int, n_tiles: int, seq, cu, n_out: int,
           floor: bool = False, with_v: bool = True):
     """One launch of `_bwd_prep_kernel` for heads h0 .. h1 of [B, H, rows, D] inputs -> its n_out bf16 scratch
     tensors [B, h1 - h0, rows, D] (OUT_A, OUT_B, OUT_R, OUT_C order, the first n_out of them; PREP_KV without
-    V: OUT_R, OUT_C). floor, with_v: the kernel's FLOOR and WITH_V."""
+    V: OUT_R, OUT_C). seq, cu: the lengths (`check_seq`) and (cu_q, cu_kv) as the launch passes them
+    (`kernel_cu_seqlens`). floor, with_v: the kernel's FLOOR and WITH_V."""
     B, D = a.shape[0], row.data.shape[3] if row is not None else a.shape[3]
     dp = padded_head_dim(D)
     bd, warps = PREP_TILES[dp]
@@ -116,30 +118,30 @@ def _prep(kind: int, a, b_, delta, row, col, h0: int, h1: int, rows: int, n_tile
         outs = [out[0], a, out[1], out[2]]
     else:
         outs = out + [a] * (4 - n_out)
-    cu = sa.cu_kv if kind == PREP_KV.value else sa.cu_q
-    launch(_bwd_prep_kernel, (n_tiles, sa.programs(B, h1 - h0)), a, b_, delta, *copies, *outs, cu,
+    launch(_bwd_prep_kernel, (n_tiles, seq_programs(grid_sequences(seq, B), h1 - h0)), a, b_, delta, *copies,
+           *outs, cu[1] if kind == PREP_KV.value else cu[0],
            *a.stride()[:3], *b_.stride()[:3], *strides, delta.shape[1], h0, h1 - h0, rows, D, DP=dp, BD=bd,
-           KIND=kind, VARLEN=sa.varlen, PACKED=sa.packed, FLOOR=bool(floor), WITH_V=bool(with_v), num_warps=warps)
+           KIND=kind, **kernel_flags(seq), FLOOR=bool(floor), WITH_V=bool(with_v), num_warps=warps)
     return out
 
 
-def bwd_prep(o, do, q_row, q_col, delta, h0: int, h1: int, sa, scratch: bool = True, floor: bool = False):
+def bwd_prep(o, do, q_row, q_col, delta, h0: int, h1: int, seq, cu, scratch: bool = True, floor: bool = False):
     """The "pre" backward's query-side operands for query heads h0 .. h1 in one launch: writes delta[:, h0:h1]
     (fp32 [B, HQ, SQ]) and returns the bf16 [B, h1 - h0, SQ, D] scratch (dO row-wise, dO column-wise, Q
     row-wise, Q column-wise), each the exact dequantization of that MXFP8 copy. o, do [B, HQ, SQ, D] bf16/fp16
-    and q_row, q_col (MXFP8Tensor, segmented column scales for a packed batch) with a unit stride along D; sa:
-    `check_seq`'s SeqArgs. scratch False: delta alone (q_row, q_col may be None; returns None). floor: dO's
-    scales by the OCP rule."""
+    and q_row, q_col (MXFP8Tensor, segmented column scales for a packed batch) with a unit stride along D; seq:
+    `check_seq`'s (None: dense), cu: (cu_seqlens_q, cu_seqlens_kv) as the kernels take them (`kernel_cu_seqlens`).
+    scratch False: delta alone (q_row, q_col may be None; returns None). floor: dO's scales by the OCP rule."""
     SQ = o.shape[2]
     for name, t in (("o", o), ("do", do)):
         if t.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride along D")
     out = _prep((PREP_Q if scratch else PREP_DELTA).value, o, do, delta, q_row if scratch else None, q_col, h0, h1, SQ,
-                sa.q_tiles(SQ, MX_BLOCK.value), sa, 4 if scratch else 0, floor)
+                row_tiles(grid_rows(seq, "q", SQ), MX_BLOCK.value), seq, cu, 4 if scratch else 0, floor)
     return out if scratch else None
 
 
-def kv_prep(k_row, k_col, v_row, h0: int, h1: int, sa):
+def kv_prep(k_row, k_col, v_row, h0: int, h1: int, seq, cu):
     """The key-side operands of the "pre" backward's dQ kernel for KV heads h0 .. h1 in one launch: the bf16
     [B, h1 - h0, SKV, D] dequantizations of K row-wise, K column-wise and V row-wise (MXFP8Tensors with a unit
     stride along D; K's column-wise scales segmented for a packed batch). v_row a bf16 tensor (the bf16-V
@@ -147,11 +149,11 @@ def kv_prep(k_row, k_col, v_row, h0: int, h1: int, sa):
     SKV = k_row.data.shape[2]
     if isinstance(v_row, torch.Tensor):
         k_r, k_c = _prep(PREP_KV.value, k_row.data, k_row.data, k_row.data, k_row, k_col, h0, h1, SKV,
-                         sa.kv_tiles(SKV, MX_BLOCK.value), sa, 2, with_v=False)
+                         row_tiles(grid_rows(seq, "kv", SKV), MX_BLOCK.value), seq, cu, 2, with_v=False)
         return k_r, k_c, v_row[:, h0:h1]
     vs = v_row.scale.view(torch.uint8)
     v_r, k_r, k_c = _prep(PREP_KV.value, v_row.data, vs, vs, k_row, k_col, h0, h1, SKV,
-                          sa.kv_tiles(SKV, MX_BLOCK.value), sa, 3)
+                          row_tiles(grid_rows(seq, "kv", SKV), MX_BLOCK.value), seq, cu, 3)
     return k_r, k_c, v_r
 
 

@@ -135,23 +135,26 @@ def test_grid_helpers():
 
 def test_attention_kernels_check_seq_before_any_kernel():
     from mxattn.kernels.triton_attention_fwd import check_seq
+    from mxattn.kernels.triton_quantize import row_tiles, seq_programs
+    from mxattn.seqinfo import grid_rows, grid_sequences, kernel_cu_seqlens, kernel_flags
     q = torch.zeros(1, 4, 70, 64)
     k = torch.zeros(1, 2, 90, 64)
     with pytest.raises(ValueError, match="bottom_right=True is for variable-length calls"):
-        check_seq(None, q, k, q, bottom_right=True)
-    dense = check_seq(None, q, k, q)
-    assert not dense.varlen and dense.q_tiles(70, 64) == 2 and dense.programs(1, 4) == 4
+        check_seq(None, q, k, bottom_right=True)
+    assert check_seq(None, q, k) is None
+    assert row_tiles(grid_rows(None, "q", 70), 64) == 2 and seq_programs(grid_sequences(None, 1), 4) == 4
+    assert kernel_flags(None, False) == dict(VARLEN=False, PACKED=False, BOTTOM_RIGHT=False)
     seq = SeqInfo(_cu([30, 40]), _cu([50, 40]), 40, 50, True)
-    sa = check_seq(seq, q, k, q, bottom_right=True)
-    assert sa.varlen and sa.packed and sa.q_tiles(70, 32) == 2 and sa.kv_tiles(90, 32) == 2
-    assert sa.programs(1, 4) == 8
-    assert sa.constexprs(True) == dict(VARLEN=True, PACKED=True, BOTTOM_RIGHT=True)
+    assert check_seq(seq, q, k, bottom_right=True) is seq
+    assert row_tiles(grid_rows(seq, "q", 70), 32) == 2 and row_tiles(grid_rows(seq, "kv", 90), 32) == 2
+    assert seq_programs(grid_sequences(seq, 1), 4) == 8
+    assert kernel_flags(seq, True) == dict(VARLEN=True, PACKED=True, BOTTOM_RIGHT=True)
     with pytest.raises(ValueError, match="pass offset=0"):
-        check_seq(seq, q, k, q, bottom_right=True, offset=3)
+        check_seq(seq, q, k, bottom_right=True, offset=3)
     with pytest.raises(ValueError, match="different batch sizes"):
-        check_seq(SeqInfo(_cu([30, 40]), _cu([90]), 40, 90, True), q, k, q)
+        check_seq(SeqInfo(_cu([30, 40]), _cu([90]), 40, 90, True), q, k)
     with pytest.raises(ValueError, match="seq.cu_seqlens_kv has 3 entries"):
-        check_seq(SeqInfo(_cu([30]), _cu([50, 40]), 30, 50, False), q, k, q)
+        check_seq(SeqInfo(_cu([30]), _cu([50, 40]), 30, 50, False), q, k)
 
 
 def test_backend_argument_checks_before_any_kernel():

@@ -172,6 +172,7 @@ def test_quantizer_packed_bit_identical(dtype, d):
     triton_backend()
     from mxattn.kernels import triton_bwd_prep as tp
     from mxattn.kernels.triton_attention_fwd import check_seq
+    from mxattn.seqinfo import kernel_cu_seqlens
     from mxattn.kernels.triton_quantize import quantize_rowcol
     lens = LENS_Q + [64, 2]
     cu = _cu(lens)
@@ -187,8 +188,8 @@ def test_quantizer_packed_bit_identical(dtype, d):
     assert torch.equal(as_bytes(got.col.data), as_bytes(want_c.data)) and torch.equal(as_bytes(got.col.scale), as_bytes(want_c.scale))
     assert got.col.segments is cu and got.row.data.stride() == want_r.data.stride()
     # the backward's on-chip dequantization of these copies (its key-side prep pass) equals torch's
-    sa = check_seq(SeqInfo(cu, cu, max(lens), max(lens), True), got.row.data, got.row.data, got.row.data)
-    k_r, k_c, _ = tp.kv_prep(got.row, got.col, got.row, 0, 3, sa)
+    seq = check_seq(SeqInfo(cu, cu, max(lens), max(lens), True), got.row.data, got.row.data)
+    k_r, k_c, _ = tp.kv_prep(got.row, got.col, got.row, 0, 3, seq, kernel_cu_seqlens(seq, got.row.data))
     assert same_values(k_r, want_r.dequantize(torch.bfloat16))
     assert same_values(k_c, want_c.dequantize(torch.bfloat16))
 
@@ -444,6 +445,7 @@ def test_backward_prep_equals_the_separate_kernels(kind, d):
     writes torch's dequantization of K's two copies and V's row-wise one."""
     from mxattn.kernels import triton_bwd_prep as tp
     from mxattn.kernels.triton_attention_fwd import check_seq
+    from mxattn.seqinfo import kernel_cu_seqlens
     from mxattn.formats import MXFP8Tensor
     from mxattn.kernels.triton_quantize import quantize_rowcol
     triton_backend()
@@ -468,9 +470,9 @@ def test_backward_prep_equals_the_separate_kernels(kind, d):
     do[0, 4, row + 1, :] *= 1e30
     q[0, 2, row, 2] = float("inf")
     qq = quantize_rowcol(q, **quant_seq)
-    sa = check_seq(seq, qq.row.data, qq.row.data, o)
+    cu = kernel_cu_seqlens(check_seq(seq, qq.row.data, qq.row.data), o)
     delta = torch.full((B, hq, S), float("nan"), device="cuda")
-    got = tp.bwd_prep(o, do, qq.row, qq.col, delta, h0, h1, sa)
+    got = tp.bwd_prep(o, do, qq.row, qq.col, delta, h0, h1, seq, cu)
     exp_do = quantize_rowcol(do[:, h0:h1], row_dequant=True, col_dequant=True, **quant_seq)
     expected = (exp_do.row_dequant, exp_do.col_dequant, dequantized(qq.row, h0, h1), dequantized(qq.col, h0, h1))
     exp_delta = (o.float() * do.float()).sum(-1)
@@ -502,9 +504,9 @@ def test_backward_prep_equals_the_separate_kernels(kind, d):
             [slice(bt.ckv[b], bt.ckv[b + 1]) for b in range(len(bt.lens_kv))]
     k[0, 1, 7, 3] = float("nan")
     kq, vq = quantize_rowcol(k, **kv_seq), quantize_rowcol(v, col=False, **kv_seq)
-    sa = check_seq(seq, qq.row.data, kq.row.data, o)
+    cu = kernel_cu_seqlens(check_seq(seq, qq.row.data, kq.row.data), o)
     h1 = 3 if bt is None else 2
-    got = tp.kv_prep(kq.row, kq.col, vq.row, 1, h1, sa)
+    got = tp.kv_prep(kq.row, kq.col, vq.row, 1, h1, seq, cu)
     expected = (dequantized(kq.row, 1, h1), dequantized(kq.col, 1, h1), dequantized(vq.row, 1, h1))
     for rows in kv_pieces:
         for name, a, e in zip(("K row", "K col", "V row"), got, expected):

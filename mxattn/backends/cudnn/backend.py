@@ -100,7 +100,7 @@ def quantize_operand(x: torch.Tensor, seq: Optional[SeqInfo], which: str
         row, col = quantize_mxfp8(x, axis=-1), quantize_mxfp8(x, axis=-2)
         row.scale_f8_128x4, col.scale_f8_128x4 = row_scale_buffer(row.scale), col_scale_bytes(col.scale)
         return row, col
-    cu = None if seq is None else (seq.cu_seqlens_q if which == "q" else seq.cu_seqlens_kv)
+    cu = None if seq is None else seq.cu_seqlens(which)
     with device_guard(x.device):
         out = quantize(x, swizzle=True, cu_seqlens=cu)
     return (MXFP8Tensor.unchecked(out.row.data, out.row.scale, 3, None, out.row_swizzled),

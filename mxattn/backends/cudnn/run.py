@@ -164,7 +164,8 @@ def _check_seq(seq) -> Optional[SeqInfo]:
 
 
 def _seq_facts(seq: Optional[SeqInfo]) -> tuple:
-    """Cache-key part of the lengths: their kind and, packed, the graph capacity; never the values."""
+    """Cache-key part of the lengths: their kind (`SeqInfo.kind`, spelled out: this runs per call), batch and
+    device and, packed, the graph capacity of max_seqlen_q/kv; never the lengths' values."""
     if seq is None:
         return (None,)
     if not seq.packed:
@@ -253,7 +254,7 @@ def _varlen_config(seq: Optional[SeqInfo], b: int) -> dict:
         return {}
     if seq.batch != b:
         raise ValueError(f"seq describes {seq.batch} sequences but the padded batch has {b}")
-    return dict(varlen="padded")
+    return dict(varlen=seq.kind)
 
 
 def forward_config(q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, *, attn_scale: float,
@@ -300,8 +301,8 @@ def _scales(cfg: GraphConfig, seq: Optional[SeqInfo], named):
         return [operand(x) for x, _ in named]
     out = []
     for x, which in named:
-        cu, s = (seq.cu_seqlens_q, cfg.s_q) if which == "q" else (seq.cu_seqlens_kv, cfg.s_kv)
-        out.append((x.data, thd_scale_buffer(x, cu, cfg.b, s)))
+        s = cfg.s_q if which == "q" else cfg.s_kv
+        out.append((x.data, thd_scale_buffer(x, seq.cu_seqlens(which), cfg.b, s)))
     return out
 
 
@@ -329,19 +330,9 @@ def forward_buffers(cfg: GraphConfig, q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Te
     return pack, (o, stats, amax_o)
 
 
-def valid_rows(seq: SeqInfo, which: str, n_rows: int) -> torch.Tensor:
-    """Bool [B, 1, n_rows, 1] (padded) / [1, 1, n_rows, 1] (packed): True on the rows that cuDNN computes and
-    the reference defines as attention results: real tokens of sequences whose other side is not empty (a query
-    with no key gives O = 0, stats -inf, zero gradients; mxattn's rule, enforced after cuDNN ran)."""
-    cu, other = ((seq.cu_seqlens_q, seq.cu_seqlens_kv) if which == "q" else (seq.cu_seqlens_kv, seq.cu_seqlens_q))
-    cu, other = cu.to(torch.int64), other.to(torch.int64)
-    has_other = (other[1:] - other[:-1]) > 0
-    rows = torch.arange(n_rows, device=cu.device)
-    if seq.packed:
-        b = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=seq.batch - 1)
-        return (has_other[b] & (rows < cu[-1])).view(1, 1, n_rows, 1)
-    lengths = (cu[1:] - cu[:-1]).unsqueeze(1)
-    return ((rows.unsqueeze(0) < lengths) & has_other.unsqueeze(1)).view(-1, 1, n_rows, 1)
+#: `SeqInfo.result_rows` under the name this module has always exported: bool [B or 1, 1, n_rows, 1], True on
+#: the rows cuDNN computes and the reference defines as attention results (mxattn's rule, enforced after cuDNN ran)
+valid_rows = SeqInfo.result_rows
 
 
 def cudnn_forward(q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, *, attn_scale: float,
@@ -375,7 +366,7 @@ def cudnn_forward(q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, *, attn_scale:
         return outputs
     execute(plan, pack, device)
     if seq is not None:
-        keep = valid_rows(seq, "q", q.data.shape[2])
+        keep = seq.result_rows("q", q.data.shape[2])
         o.masked_fill_(~keep, 0)
         stats.masked_fill_(~keep, float("-inf"))
     return outputs
@@ -530,5 +521,5 @@ def cudnn_backward(q_row: MXFP8Tensor, q_col: MXFP8Tensor, k_row: MXFP8Tensor, k
     execute(plan, pack, device)
     if seq is not None:
         for g, which in zip(outputs[:3], ("q", "kv", "kv")):
-            g.masked_fill_(~valid_rows(seq, which, g.shape[2]), 0)
+            g.masked_fill_(~seq.result_rows(which, g.shape[2]), 0)
     return outputs
