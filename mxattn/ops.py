@@ -107,7 +107,9 @@ def _grad_strides(args: BwdArgs) -> Tuple[tuple, tuple]:
 def _fwd_impl(args: FwdArgs, needs_backward: bool = True, eager: bool = False):
     """The forward op's body: [o, stats, *saved] (needs_backward=False: O alone, the backend skipping what only a
     backward pass needs). O is dense in qkv_format order, with exactly the strides the fake kernels promise;
-    eager: the strides of size-1 axes may differ (a decode step's O needs no copy for them). Replayed per
+    eager: O as the backend wrote it when that is q's layout (the triton kernels follow q's, e.g. bhsd views of
+    a bshd tensor, as torch SDPA's output does: no copy, so the call stays replayable) or when only the strides of
+    size-1 axes differ. Replayed per
     signature where the backend allows it (`op_plans`)."""
     out = op_plans.run_forward(args, (needs_backward, eager), lambda: _fwd_body(args, needs_backward, eager))
     return out if needs_backward else out[0]
@@ -117,7 +119,7 @@ def _fwd_body(args: FwdArgs, needs_backward: bool, eager: bool) -> list:
     """`_fwd_impl`'s work, always as a flat list ([o] without a backward)."""
     o, stats, saved = get_backend(args.backend).forward(args.q, args.k, args.v, args.params(needs_backward))
     dense = dense_strides_bhsd(tuple(o.shape), args.qkv_format)
-    if o.stride() != dense:
+    if o.stride() != dense and not (eager and _follows(o, args.q)):  # (eager: O in q's layout, as SDPA's)
         if all(a == b or n == 1 for a, b, n in zip(o.stride(), dense, o.shape)):
             if not eager:  # only size-1 axes differ (a packed batch's B, a decode step's S): a free view
                 o = o.as_strided(o.shape, dense)
@@ -126,6 +128,20 @@ def _fwd_body(args: FwdArgs, needs_backward: bool, eager: bool) -> list:
     if not needs_backward:
         return [o]
     return [o, stats.contiguous(), *saved.tensors()]
+
+
+def _follows(o: Tensor, q: Tensor) -> bool:
+    """Whether O [B,H,S,D] is laid out as q is: dense, its axes in the order of q's strides (the triton kernels
+    write O so for bhsd views of a bshd tensor, as torch SDPA returns them)."""
+    order = sorted(range(4), key=lambda i: (-q.stride(i), i))
+    if sorted(range(4), key=lambda i: (-o.stride(i), i)) != order:
+        return False
+    expected = 1
+    for i in reversed(order):
+        if o.shape[i] != 1 and o.stride(i) != expected:
+            return False
+        expected *= o.shape[i]
+    return True
 
 
 def _fwd_kernel(*inputs) -> List[Tensor]:
@@ -258,8 +274,8 @@ class _Attention(torch.autograd.Function):
         if torch.compiler.is_compiling():
             (o, stats, *saved), ctx.trace = attention_fwd(*args), None
         else:  # the trace lets the backward find its plan from the forward's (`op_plans.run_backward`)
-            (o, stats, *saved), ctx.trace = op_plans.run_forward_traced(args, (True, False),
-                                                                        lambda: _fwd_body(args, True, False),
+            (o, stats, *saved), ctx.trace = op_plans.run_forward_traced(args, (True, True),
+                                                                        lambda: _fwd_body(args, True, True),
                                                                         carve=True)
         ctx.options, ctx.where = options, where
         ctx.input_dtypes = (args.q.dtype, args.k.dtype, args.v.dtype)

@@ -314,7 +314,7 @@ def _assert_rebased(log1, log2, pairs) -> None:
 
 
 @pytest.mark.parametrize("ops_replay", [False, True], ids=["backend_plans", "op_plans"])
-@pytest.mark.parametrize("layout", ["bshd", "unbind", "sbhd"])
+@pytest.mark.parametrize("layout", ["bshd", "unbind", "sbhd", "bhsd_views"])
 def test_triton_backend_replays_its_ordinary_launches(launcher, monkeypatch, request, layout, ops_replay):
     """A second call of one signature replays the first call's launches: the same kernels, grids and
     non-pointer arguments, every input pointer at the same offset of the new inputs, O written where the
@@ -328,10 +328,13 @@ def test_triton_backend_replays_its_ordinary_launches(launcher, monkeypatch, req
             qkv = torch.randn(2, 96, 3, 4, 64, dtype=torch.bfloat16)
             q, k, v = (t.requires_grad_() for t in (qkv[:, :, 0], qkv[:, :, 1, :2], qkv[:, :, 2, :2]))
             return q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()
+        if layout == "bhsd_views":  # torch SDPA's usual inputs: bhsd views of projections laid out bshd
+            return [torch.randn(2, 96, h, 64, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+                    for h in (4, 2, 2)]
         shape = (96, 2) if layout == "sbhd" else (2, 96)
         return [torch.randn(*shape, h, 64, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2)]
 
-    fmt = "sbhd" if layout == "sbhd" else "bshd"
+    fmt = {"sbhd": "sbhd", "bhsd_views": "bhsd"}.get(layout, "bshd")
     runs = []
     for _ in range(3):
         q, k, v = inputs()
@@ -349,6 +352,8 @@ def test_triton_backend_replays_its_ordinary_launches(launcher, monkeypatch, req
     _assert_rebased(fwd1 + bwd1, fwd2 + bwd2, ((q1, q2), (k1, k2), (v1, v2)))
     # the forward kernel's `out` (after q, q scale, k, k scale, v, v scale) is the O returned
     assert fwd2[1][2][6] == o2.data_ptr() and fwd1[1][2][6] == ("ptr", o1.data_ptr())
+    if layout == "bhsd_views":  # O in q's layout, as torch SDPA returns it (no copy into dense bhsd)
+        assert o2.stride() == q2.stride()
 
 
 @pytest.mark.parametrize("ops_replay", [False, True], ids=["backend_plans", "op_plans"])
@@ -382,7 +387,7 @@ def test_triton_backend_replays_variable_length_calls(launcher, monkeypatch, req
     assert attn1[cu_arg] == ("ptr", cu1.data_ptr()) and attn3[cu_arg] == cu3.data_ptr()
 
 
-@pytest.mark.parametrize("case", ["bshd", "unbind", "sbhd_fp32_out", "off_by_one"])
+@pytest.mark.parametrize("case", ["bshd", "unbind", "sbhd_fp32_out", "off_by_one", "bhsd_views"])
 def test_calls_without_a_backward_replay_their_whole_body(launcher, monkeypatch, request, case):
     """An eager dense call without a backward (a prefill, no grad) is recorded whole on its signature's second
     call (`op_plans.run_call`: the caller's own q, k, v as roots) and replayed from its third: the launches the
@@ -392,7 +397,7 @@ def test_calls_without_a_backward_replay_their_whole_body(launcher, monkeypatch,
     import mxattn
     from mxattn import op_plans
     _stub_backend(monkeypatch, request, ops_replay=True)
-    fmt = "sbhd" if case.startswith("sbhd") else "bshd"
+    fmt = "sbhd" if case.startswith("sbhd") else "bhsd" if case == "bhsd_views" else "bshd"
     opts = dict(qkv_format=fmt, attn_mask_type="causal", backend="triton")
     if case == "sbhd_fp32_out":
         opts["out_dtype"] = torch.float32
@@ -403,6 +408,8 @@ def test_calls_without_a_backward_replay_their_whole_body(launcher, monkeypatch,
         if case == "unbind":
             qkv = torch.randn(2, 300, 3, 4, 64, dtype=torch.bfloat16)
             return qkv.unbind(2)
+        if case == "bhsd_views":
+            return [torch.randn(2, 300, 4, 64, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
         shape = (300, 2) if fmt == "sbhd" else (2, 300)
         return [torch.randn(*shape, 4, 64, dtype=torch.bfloat16) for _ in range(3)]
 

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.gpu
 
 CASES = {
     "bshd_causal_gqa_d64": dict(shape=(2, 200, 8, 2, 64), layout="bshd", mask="causal"),
+    "bhsd_views_gqa": dict(shape=(2, 200, 8, 2, 64), layout="bhsd_views", mask="causal"),
     "unbind_window_d128": dict(shape=(2, 300, 4, 4, 128), layout="unbind", mask="causal", window=(64, 0)),
     "sbhd_fp16_nomask": dict(shape=(2, 130, 4, 2, 64), layout="sbhd", dtype=torch.float16),
     "fp32_inputs": dict(shape=(1, 96, 2, 2, 64), dtype=torch.float32, mask="causal"),
@@ -68,7 +69,9 @@ def _run(case, seed, grad=True):
     else:
         seq = {}
     layout = case.get("layout")
-    kwargs = dict(qkv_format=layout if layout in ("sbhd", "thd") else "bshd", **seq,
+    if layout == "bhsd_views":  # torch SDPA's usual inputs: bhsd views of bshd tensors, O in q's layout
+        q, k, v, do = (t.transpose(1, 2) for t in (q, k, v, do))
+    kwargs = dict(qkv_format={"sbhd": "sbhd", "thd": "thd", "bhsd_views": "bhsd"}.get(layout, "bshd"), **seq,
                   attn_mask_type=case.get("mask", "no_mask"), window_size=case.get("window"), backend="triton",
                   softmax_type=case.get("softmax", "vanilla"), softmax_offset=sink)
     if not grad:
@@ -122,3 +125,25 @@ def test_replayed_calls_equal_the_ordinary_path(name, grad, monkeypatch):
         for e, o in zip(exp, out):
             assert e.dtype == o.dtype and e.shape == o.shape and e.stride() == o.stride()
             assert torch.equal(e, o)
+
+
+def test_bhsd_views_give_the_bshd_calls_bytes_in_qs_layout():
+    """bhsd views of bshd tensors (as models hand torch SDPA) give the bshd call's O and gradients bit for bit,
+    O in q's layout (no copy into dense bhsd), eager with and without grad."""
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(2, 160, h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2, 8))
+    runs = []
+    for views in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        args = [t.transpose(1, 2) for t in leaves] if views else leaves
+        fmt = "bhsd" if views else "bshd"
+        o = mxattn.mxfp8_attention(*args, qkv_format=fmt, attn_mask_type="causal", backend="triton")
+        o.backward(do.transpose(1, 2) if views else do)
+        with torch.no_grad():
+            o_inference = mxattn.mxfp8_attention(*args, qkv_format=fmt, attn_mask_type="causal", backend="triton")
+        if views:
+            assert o.stride() == args[0].stride() and o_inference.stride() == args[0].stride()
+            o, o_inference = o.transpose(1, 2), o_inference.transpose(1, 2)
+        runs.append([o.detach(), o_inference] + [t.grad for t in leaves])
+    for name, a, b in zip(("O", "O without grad", "dQ", "dK", "dV"), *runs):
+        assert torch.equal(a, b), name
