@@ -15,7 +15,7 @@ from .cudnn.graphs import (GRAPH_CACHE, PlannedGraph, build_backward_graph, buil
                            planned_graph)
 from .cudnn.refusals import SINK_PACKED_BACKWARD_VERSION, check_problem, known_refusal, problem_config
 from .cudnn.run import (backward_buffers, backward_config, backward_key, cudnn_backward, cudnn_forward, execute,
-                        forward_buffers, forward_config, forward_key, planned, valid_rows)
+                        forward_buffers, forward_config, forward_key, planned)
 from .cudnn.support import cudnn_support
 
 __all__ = ["GRAPH_CACHE", "OUT_DTYPES", "SOFTMAX_TYPES", "GraphConfig", "PlannedGraph", "axis_order", "backward_pack",
@@ -25,6 +25,6 @@ __all__ = ["GRAPH_CACHE", "OUT_DTYPES", "SOFTMAX_TYPES", "GraphConfig", "Planned
            "MXFP8NotSupportedError", "MXFP8Tensor", "quantize_mxfp8", "MaskSpec", "Recipe", "SeqInfo",
            "AttentionBackend", "AttentionParams", "Problem", "SavedForBackward", "planned", "execute",
            "PACKED_CAPACITY", "packed_capacity", "forward_key", "backward_key", "forward_config", "forward_buffers",
-           "valid_rows", "cudnn_forward", "backward_config", "backward_buffers", "cudnn_backward",
+           "cudnn_forward", "backward_config", "backward_buffers", "cudnn_backward",
            "SINK_PACKED_BACKWARD_VERSION", "known_refusal", "problem_config", "check_problem", "clear_support_cache",
            "quantize_operand", "SavedWithScaleBuffers", "CudnnBackend"]

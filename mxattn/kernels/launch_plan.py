@@ -404,12 +404,11 @@ class PlanCache:
     _REFUSED = object()
     _SEEN = object()
 
-    def __init__(self, max_entries: int = 256, min_replays: int = 4, carve_from: Optional[int] = None):
+    def __init__(self, max_entries: int = 256, min_replays: int = 4):
         self._plans: dict = {}
         self._families: dict = {}  # family -> [recordings, replays]
         self.max_entries = max_entries
         self.min_replays = min_replays
-        self.carve_from = carve_from  # `record`'s
         self.last_reason: Optional[str] = None
 
     def run(self, key, body, roots):
@@ -419,7 +418,7 @@ class PlanCache:
 
     def run_with_plan(self, key, body, roots, carve_from: Optional[int] = None):
         """(`run`'s outputs, the LaunchPlan that made them or whose recording they are, else None). carve_from:
-        `record`'s for this call (default the cache's own); the key must tell carving callers apart."""
+        `record`'s for this call; the key must tell carving callers apart."""
         if key is None or recording_active():
             return body(), None
         plan = self._plans.get(key)
@@ -436,8 +435,7 @@ class PlanCache:
         if plan is self._SEEN:
             if stats[0] >= self.min_replays and stats[1] < self.min_replays * stats[0]:
                 return body(), None  # a volatile family: recordings would cost more than their replays save
-            outputs, plan, self.last_reason = record(body, roots,
-                                                     self.carve_from if carve_from is None else carve_from)
+            outputs, plan, self.last_reason = record(body, roots, carve_from)
             self._plans[key] = self._REFUSED if plan is None else plan
             stats[0] += 1
             return outputs, plan

@@ -364,8 +364,8 @@ def test_rows_without_a_result_are_zero_and_minus_inf(fake_device):
     o, stats, _ = cb.cudnn_forward(qr, kr, vc, attn_scale=0.1, seq=seq)
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.equal(o[1, :, 5:], torch.zeros_like(o[1, :, 5:]))
     assert bool((stats[0] == float("-inf")).all()) and bool((stats[1, :, 5:] == float("-inf")).all())
-    keep = cb.valid_rows(SeqInfo(torch.tensor([0, 2, 2, 5], dtype=torch.int32),
-                                 torch.tensor([0, 1, 3, 3], dtype=torch.int32), 3, 2, True), "q", 5)
+    keep = SeqInfo(torch.tensor([0, 2, 2, 5], dtype=torch.int32),
+                   torch.tensor([0, 1, 3, 3], dtype=torch.int32), 3, 2, True).result_rows("q", 5)
     assert keep.flatten().tolist() == [True, True, False, False, False]
 
 

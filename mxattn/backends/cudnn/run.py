@@ -330,11 +330,6 @@ def forward_buffers(cfg: GraphConfig, q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Te
     return pack, (o, stats, amax_o)
 
 
-#: `SeqInfo.result_rows` under the name this module has always exported: bool [B or 1, 1, n_rows, 1], True on
-#: the rows cuDNN computes and the reference defines as attention results (mxattn's rule, enforced after cuDNN ran)
-valid_rows = SeqInfo.result_rows
-
-
 def cudnn_forward(q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, *, attn_scale: float,
                   mask: Optional[MaskSpec] = None, out_dtype: torch.dtype = torch.bfloat16,
                   seq: Optional[SeqInfo] = None, sink: Optional[torch.Tensor] = None
