@@ -51,6 +51,22 @@ def seal_value_blocks(open_rows: torch.Tensor, new_rows: torch.Tensor
     return sealed, rows[..., full:, :]
 
 
+#: int32 device copies of host int tuples by (values, device): `_device_ints`
+_DEVICE_INTS: dict = {}
+
+
+def _device_ints(values: tuple, device: torch.device) -> torch.Tensor:
+    """int32 [len(values)] on `device`, shared by every call with the same values (read only: kernels never
+    write it). A decode step hands each layer's cache the same offsets and lengths, so one copy serves them all."""
+    key = (values, device)
+    t = _DEVICE_INTS.get(key)
+    if t is None:
+        if len(_DEVICE_INTS) >= 32:
+            _DEVICE_INTS.clear()
+        t = _DEVICE_INTS[key] = host_to_device(list(values), torch.int32, device)
+    return t
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_importable() -> bool:
     try:
@@ -100,6 +116,11 @@ class MXFP8KVCache:
         self._lens = [0] * max_sequences
         self._free = list(range(num_pages - 1, -1, -1))
         self._slot_tensors: dict = {}
+        #: the storage tensors and what a replayed step's key needs of them (fixed for the cache's life)
+        self.storage = (self.k_data, self.k_scale, self.v_data, self.v_scale, self.v_tail, self.page_table,
+                        self.seq_lens)
+        self.storage_key = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in self.storage) + (
+            self.page_size, self.device)
         #: appends run the Triton kernel (CUDA with Triton); the torch path otherwise (the same bytes)
         self._append_kernel = self.device.type == "cuda" and _triton_importable()
 
@@ -145,6 +166,15 @@ class MXFP8KVCache:
             raise ValueError(f"slot {slot} holds no sequence (new_sequence() first)")
         return self._pages[slot]
 
+    def _check_slots(self, slots: List[int]) -> None:
+        """Raise unless slots are distinct slots holding sequences."""
+        pages = self._pages
+        for slot in slots:
+            if slot.__class__ is not int or not 0 <= slot < len(pages) or pages[slot] is None:
+                self._checked_slot(slot)   # (raises, naming what is wrong)
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots must be distinct, got {slots}")
+
     def _spans(self, slot: int, start: int, n: int):
         """(page, offset in page, offset in the written rows, count) pieces of tokens start .. start + n."""
         pages, done = self._pages[slot], 0
@@ -171,15 +201,11 @@ class MXFP8KVCache:
         another behind rows already open), elsewhere a few batched torch kernels; the bytes are the same."""
         self._append(slots, k, v, cu)
 
-    def _append(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor, cu: Sequence[int]
-                ) -> Optional[torch.Tensor]:
-        """`append_batch`; returns the Triton path's int32 metadata on the device ([cu (B+1), slots (B), lengths
-        before the call (B)], one host-to-device copy the attention call reuses), None on the torch path."""
+    def _reserve(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor, cu: Sequence[int]):
+        """Check an `append_batch` (raising before anything changes) and map the pages its tokens need ->
+        (slots, cu, lengths before the call, new tokens per sequence) as lists of host ints."""
         slots = list(slots)
-        for slot in slots:
-            self._checked_slot(slot)
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"slots must be distinct, got {slots}")
+        self._check_slots(slots)
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (self.kv_heads,
                                                                                           self.head_dim):
@@ -200,8 +226,6 @@ class MXFP8KVCache:
         if need > len(self._free):
             raise RuntimeError(f"the cache is out of pages: these sequences need {need} more, {len(self._free)} are "
                                f"free (num_pages={self.k_data.shape[0]})")
-        if k.shape[0] == 0:
-            return None
         table = []                                   # (slot, index, page) of the pages taken now
         for s, st, n in zip(slots, starts, counts):
             pages = self._pages[s]
@@ -211,8 +235,41 @@ class MXFP8KVCache:
         if table:
             entries = host_to_device(table, torch.int64, self.device)
             self.page_table[entries[:, 0], entries[:, 1]] = entries[:, 2].to(torch.int32)
+        return slots, cu, starts, counts
+
+    def _step_meta(self, cu: List[int], slots: List[int], starts: List[int]) -> torch.Tensor:
+        """int32 [3 * B + 1] on the device: cu, slots, lengths before the call (what the append kernel reads;
+        the attention kernels read its first two parts). The copy is shared by calls with the same values (every
+        layer of a model's decode step), so most calls make no host-to-device copy."""
+        return _device_ints(tuple(cu + slots + starts), self.device)
+
+    def _commit(self, slots: List[int], starts: List[int], counts: List[int]) -> None:
+        """Record on the host the lengths the append's kernel (or torch path) wrote to `seq_lens`."""
+        for s, st, n in zip(slots, starts, counts):
+            self._lens[s] = st + n
+
+    @staticmethod
+    def _append_shape(starts: List[int], counts: List[int]) -> Optional[Tuple[int, bool]]:
+        """`paged_append`'s (blocks, deferred tails) for these lengths and new tokens; None if nothing is new."""
+        live = [(st, n) for st, n in zip(starts, counts) if n]
+        if not live:
+            return None
+        blocks = max((st + n - 1) // BLOCK_SIZE - st // BLOCK_SIZE + 1 for st, n in live)
+        deferred = any((st + n - 1) // BLOCK_SIZE != st // BLOCK_SIZE and st % BLOCK_SIZE and (st + n) % BLOCK_SIZE
+                       for st, n in live)
+        return blocks, deferred
+
+    def _append(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor, cu: Sequence[int]) -> None:
+        """`append_batch`."""
+        slots, cu, starts, counts = self._reserve(slots, k, v, cu)
+        if k.shape[0] == 0:
+            return
         if self._append_kernel:
-            return self._append_on_device(slots, k, v, cu, starts, counts)
+            from .kernels.triton_paged_append import paged_append
+            paged_append(self, k if k.stride(2) == 1 else k.contiguous(), v if v.stride(2) == 1 else v.contiguous(),
+                         self._step_meta(cu, slots, starts), len(slots), *self._append_shape(starts, counts))
+            self._commit(slots, starts, counts)
+            return
         # K, row-wise: each token's bytes land in its page once
         pos_page, pos_off = [], []
         for s, st, n in zip(slots, starts, counts):
@@ -256,26 +313,9 @@ class MXFP8KVCache:
         if rest_rows:
             rest = host_to_device([rest_rows, rest_slot, rest_pos], torch.int64, self.device)
             self.v_tail[rest[1], :, rest[2]] = src[rest[0]]
-        for s, st, n in zip(slots, starts, counts):
-            self._lens[s] = st + n
+        self._commit(slots, starts, counts)
         self.seq_lens[slot_index] = host_to_device([st + n for st, n in zip(starts, counts)], torch.int32,
                                                    self.device)
-        return None
-
-    def _append_on_device(self, slots: List[int], k: torch.Tensor, v: torch.Tensor, cu: List[int],
-                          starts: List[int], counts: List[int]) -> torch.Tensor:
-        """The Triton path of `_append` (pages already taken and mapped)."""
-        from .kernels.triton_paged_append import paged_append
-        meta = host_to_device(cu + slots + starts, torch.int32, self.device)
-        live = [(st, n) for st, n in zip(starts, counts) if n]
-        blocks = max((st + n - 1) // BLOCK_SIZE - st // BLOCK_SIZE + 1 for st, n in live)
-        deferred = any((st + n - 1) // BLOCK_SIZE != st // BLOCK_SIZE and st % BLOCK_SIZE and (st + n) % BLOCK_SIZE
-                       for st, n in live)
-        paged_append(self, k if k.stride(2) == 1 else k.contiguous(), v if v.stride(2) == 1 else v.contiguous(),
-                     meta, len(slots), blocks, deferred)
-        for s, st, n in zip(slots, starts, counts):
-            self._lens[s] = st + n
-        return meta
 
     # ------------------------------------------------------------------ reading
 
@@ -378,10 +418,8 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     if k_new is not None and (k_new.dim() != 3 or k_new.shape[0] != q.shape[0]):
         raise ValueError(f"k_new must be [T={q.shape[0]}, {cache.kv_heads}, {cache.head_dim}], got "
                          f"{tuple(k_new.shape)}")
-    for slot in slots:
-        cache._checked_slot(slot)
-    if len(set(slots)) != len(slots):
-        raise ValueError(f"slots must be distinct, got {slots}")
+    if k_new is None:   # (else the append checks them)
+        cache._check_slots(slots)
     band = resolve_mask("causal_bottom_right", window_size).band
     out_dtype = q.dtype if out_dtype is None else out_dtype
     sink = _sink(softmax_type, softmax_offset, hq, q.device)
@@ -400,27 +438,12 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
                                                           left_bound=band.left_bound, right_bound=0),
                           sink=sink is not None, out_dtype=kernel_dtype)
         _require_cudnn(q, cu, cache, slots, **cudnn_args)
-    meta = cache._append(slots, k_new, v_new, cu) if k_new is not None else None
-    for slot, a, b in zip(slots, cu, cu[1:]):
-        if cache._lens[slot] < b - a:
-            raise ValueError(f"sequence in slot {slot} holds {cache._lens[slot]} tokens, fewer than its "
-                             f"{b - a} queries")
     if name == "triton":
-        from .kernels.triton_paged_attention import paged_attention_fwd
-        o = torch.empty(q.shape, dtype=kernel_dtype, device=q.device)
-        n = len(slots)
-        if meta is not None:        # the append's copy of cu and the slots
-            cu_dev, slot_dev = meta[:n + 1], meta[n + 1:2 * n + 1]
-        else:
-            cu_dev = host_to_device(cu_seqlens_q, torch.int32, q.device) if cu_seqlens_q.device != q.device \
-                else cu_seqlens_q
-            slot_dev = cache.slot_tensor(slots)
-        paged_attention_fwd(q if q.stride(2) == 1 else q.contiguous(), cu_dev,
-                            max(b - a for a, b in zip(cu, cu[1:])) if slots else 0,
-                            slot_dev, cache, softmax_scale=scale,
-                            left_bound=band.left_bound, out=o, sink=None if sink is None else sink.contiguous(),
-                            num_splits=num_splits, max_seqlen_kv=max((cache._lens[s] for s in slots), default=0))
-        return o if o.dtype == out_dtype else o.to(out_dtype)
+        return _triton_call(q, cache, slots, cu, cu_seqlens_q, k_new, v_new, scale, band.left_bound, sink,
+                            num_splits, kernel_dtype, out_dtype)
+    if k_new is not None:
+        cache._append(slots, k_new, v_new, cu)
+    _check_queries(cache, slots, cu, [cache._lens[s] for s in slots])
     if name == "cudnn":
         from .backends.cudnn.paged import cudnn_paged_forward
         o = cudnn_paged_forward(q, cu, cache, slots, **dict(cudnn_args, sink=sink))
@@ -437,6 +460,47 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
                                             sink=sink)
         out[a:b] = o[0].transpose(0, 1).to(out_dtype)
     return out
+
+
+def _check_queries(cache: MXFP8KVCache, slots: List[int], cu: List[int], lengths: List[int]) -> None:
+    for slot, a, b, n in zip(slots, cu, cu[1:], lengths):
+        if n < b - a:
+            raise ValueError(f"sequence in slot {slot} holds {n} tokens, fewer than its {b - a} queries")
+
+
+def _triton_call(q, cache: MXFP8KVCache, slots: List[int], cu: List[int], cu_seqlens_q: torch.Tensor, k_new,
+                 v_new, scale: float, left_bound: Optional[int], sink, num_splits: int, kernel_dtype, out_dtype
+                 ) -> torch.Tensor:
+    """`mxfp8_attention_with_kvcache` on the triton backend (arguments checked): the append's and the attention's
+    launches as one replayed step (`mxattn.kernels.paged_step`)."""
+    from .kernels.paged_step import paged_step
+    from .kernels.triton_paged_attention import split_count
+    n = len(slots)
+    if k_new is not None:
+        slots, cu, starts, counts = cache._reserve(slots, k_new, v_new, cu)
+        lengths = [st + c for st, c in zip(starts, counts)]
+        _check_queries(cache, slots, cu, lengths)   # (holds: each sequence gains its queries' tokens)
+        append_shape = cache._append_shape(starts, counts)
+        meta = cache._step_meta(cu, slots, starts)
+        cu_dev, slot_dev = meta[:n + 1], meta[n + 1:2 * n + 1]
+        k_new = k_new if k_new.stride(2) == 1 else k_new.contiguous()
+        v_new = v_new if v_new.stride(2) == 1 else v_new.contiguous()
+    else:
+        lengths = [cache._lens[s] for s in slots]
+        _check_queries(cache, slots, cu, lengths)
+        append_shape = meta = None
+        cu_dev = cu_seqlens_q if cu_seqlens_q.device == q.device else _device_ints(tuple(cu), q.device)
+        slot_dev = cache.slot_tensor(slots)
+    max_q = max(b - a for a, b in zip(cu, cu[1:])) if slots else 0
+    max_kv = max(lengths, default=0)
+    q = q if q.stride(2) == 1 else q.contiguous()
+    splits = split_count(q, cache.kv_heads, n, max_q, num_splits, max_kv) if q.shape[0] and n and max_q else 1
+    o = paged_step(cache, q, k_new, v_new, cu_dev, slot_dev, meta, n, max_q, append_shape, softmax_scale=scale,
+                   left_bound=left_bound, sink=None if sink is None else sink.contiguous(), num_splits=splits,
+                   max_seqlen_kv=max_kv, out_dtype=kernel_dtype)
+    if k_new is not None:
+        cache._commit(slots, starts, counts)
+    return o if o.dtype == out_dtype else o.to(out_dtype)
 
 
 _WARNED = set()

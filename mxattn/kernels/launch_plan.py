@@ -186,6 +186,9 @@ class LaunchPlan:
         self._out_allocs = out_allocs
         self._workspace_bytes = workspace_bytes
         self._block_bytes = block_bytes
+        #: the allocations behind outputs, in the order their addresses follow the roots' and the workspace's in
+        #: a replay's address list (the launch slots' sources, `_build`)
+        self._out_order = _output_allocations(outputs)
 
     @property
     def launch_count(self) -> int:
@@ -245,7 +248,9 @@ class LaunchPlan:
         workspace = None
         if self._workspace_bytes:
             workspace = torch.empty(self._workspace_bytes, dtype=torch.uint8, device=dev)
-            ws = workspace.data_ptr()
+        bases.append(0 if workspace is None else workspace.data_ptr())   # the sources a slot names (`_build`)
+        for j in self._out_order:
+            bases.append(alloc_base[j])
         stream = launcher.current_stream(self.index)
         run = launcher.run_compiled
         for entry, grid, template, slots in self._launches:
@@ -253,13 +258,8 @@ class LaunchPlan:
                 workspace[grid[0]:grid[0] + grid[1]].zero_()
                 continue
             args = template.copy()
-            for pos, kind, index, offset in slots:
-                if kind == "root":
-                    args[pos] = bases[index] + offset
-                elif kind == "out":
-                    args[pos] = alloc_base[index] + offset
-                else:  # scratch: index is its workspace offset
-                    args[pos] = ws + index + offset
+            for pos, source, offset in slots:
+                args[pos] = bases[source] + offset
             run(entry, grid, stream, args)
         del workspace  # the caching allocator keeps it from other streams' reuse until the launches ran
         return outputs
@@ -343,19 +343,27 @@ def _build(rec: _Recorder, outputs, roots, carve_from: Optional[int] = None) -> 
     offsets, ws_bytes = _plan_workspace(rec.allocations, scratch)
     steps = [(a.event, None, (offsets[j], a.nbytes), None, ()) for j, a in enumerate(rec.allocations)
              if a.zero and j in offsets]  # zero fills of scratch, at their allocation's place in the sequence
+    # a replay's addresses: the roots', the workspace's, then the output allocations' (`_output_allocations`);
+    # each pointer argument becomes (position, index of its source there, byte offset from it)
+    out_source = {j: len(roots) + 1 + i for i, j in enumerate(_output_allocations(out_specs))}
     launches = []
     for event, entry, grid, template, slots in sorted(steps + [(e, en, g, t, sl) for en, g, t, sl, e in rec.launches],
                                                       key=lambda step: step[0]):
         new_slots = []
         for pos, kind, index, offset in slots:
             if kind == "alloc" and index in out_set:
-                new_slots.append((pos, "out", index, offset))
+                new_slots.append((pos, out_source[index], offset))
             elif kind == "alloc":
-                new_slots.append((pos, "scratch", offsets[index], offset))
+                new_slots.append((pos, len(roots), offsets[index] + offset))
             else:
-                new_slots.append((pos, kind, index, offset))
+                new_slots.append((pos, index, offset))
         launches.append((entry, grid, template, tuple(new_slots)))
     return LaunchPlan(device, launches, out_specs, out_allocs, ws_bytes, block_bytes)
+
+
+def _output_allocations(out_specs) -> List[int]:
+    """The recorded allocations behind a plan's outputs (`LaunchPlan._outputs`), sorted."""
+    return sorted({spec[0] for kind, spec in out_specs if kind != "none"})
 
 
 def plan_key(options: tuple, roots: Sequence[Optional[torch.Tensor]], extra=None) -> tuple:

@@ -37,6 +37,7 @@ applied to the products): the same fp32-rounding agreement, without dequantizing
 Masks: causal bottom-right per sequence (each sequence's own lengths), optionally a left window bound; attention sinks.
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -289,6 +290,33 @@ def choose_splits(programs: int, kv_blocks: int, sms: int) -> int:
     return 1 << (want.bit_length() - 1)
 
 
+def _config(d: int, group: int, max_seqlen_q: int, num_splits: int):
+    """`paged_config` of a call (raises above head dim 128)."""
+    config = paged_config(d, num_splits == 1, triton.next_power_of_2(group) * max_seqlen_q)
+    if config is None:
+        raise ValueError(f"the paged kernel takes head dims up to {max(BF16_FWD_CONFIGS)}, got {d}")
+    return config
+
+
+def split_count(q: torch.Tensor, hkv: int, n_seq: int, max_seqlen_q: int, num_splits: int,
+                max_seqlen_kv: int) -> int:
+    """The split count `paged_attention_fwd` runs for q [T, Hq, D] over n_seq sequences of at most
+    max_seqlen_q queries and max_seqlen_kv cached tokens: num_splits itself unless 0 (choose: `choose_splits`)."""
+    if num_splits:
+        return num_splits
+    return _chosen_splits(q.shape[1], q.shape[2], hkv, n_seq, max_seqlen_q, cdiv(max_seqlen_kv, BLOCK_N),
+                          sm_count(q.device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _chosen_splits(hq: int, d: int, hkv: int, n_seq: int, max_seqlen_q: int, kv_blocks: int, sms: int) -> int:
+    group = hq // hkv
+    bm, _, _ = _config(d, group, max_seqlen_q, 0)
+    gp = tile_heads(group, bm)
+    programs = cdiv(max_seqlen_q, bm // gp) * n_seq * hkv * cdiv(group, gp)
+    return choose_splits(programs, kv_blocks, sms)
+
+
 def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, slots: torch.Tensor,
                         cache, *, softmax_scale: float, left_bound: Optional[int], out: torch.Tensor,
                         sink: Optional[torch.Tensor] = None, num_splits: int = 1, max_seqlen_kv: int = 0) -> None:
@@ -304,11 +332,8 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
     T, hq, d = q.shape
     hkv = cache.kv_heads
     group = hq // hkv
-    config = paged_config(d, num_splits == 1, triton.next_power_of_2(group) * max_seqlen_q)
-    if config is None:
-        raise ValueError(f"the paged kernel takes head dims up to {max(BF16_FWD_CONFIGS)}, got {d}")
-    bm, warps, stages = config
     n_seq = slots.numel()
+    bm, warps, stages = _config(d, group, max_seqlen_q, num_splits)
     if T == 0 or n_seq == 0 or max_seqlen_q == 0:
         return
     gp = tile_heads(group, bm)
@@ -316,7 +341,7 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
     tiles = cdiv(max_seqlen_q, bm // gp)
     programs = (tiles, n_seq * hkv * cdiv(group, gp))
     if num_splits == 0:
-        num_splits = choose_splits(programs[0] * programs[1], cdiv(max_seqlen_kv, BLOCK_N), sm_count(q.device))
+        num_splits = split_count(q, hkv, n_seq, max_seqlen_q, 0, max_seqlen_kv)
     kd, ks = cache.k_data, cache.k_scale.view(torch.uint8)
     vd, vs = cache.v_data, cache.v_scale.view(torch.uint8)
     vt, pt = cache.v_tail, cache.page_table
@@ -351,4 +376,4 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
            T, hq, d, num_splits, SP=triton.next_power_of_2(num_splits), DP=dp, num_warps=4)
 
 
-__all__ = ["paged_attention_fwd", "paged_config", "choose_splits", "tile_heads"]
+__all__ = ["paged_attention_fwd", "paged_config", "choose_splits", "split_count", "tile_heads"]

@@ -240,21 +240,20 @@ def test_padding_free_training_each_document_as_its_own_call_on_triton():
 
 
 def test_generate_over_the_paged_mxfp8_cache_reads_the_pages_on_triton(monkeypatch):
-    """MXFP8PagedCache on CUDA: every attention call of generate goes through the Triton paged kernel (no bf16
+    """MXFP8PagedCache on CUDA: every attention call of generate goes through the Triton paged step (no bf16
     copy of the cache), and each left-padded prompt's greedy tokens and logits agree with a bf16 DynamicCache
     under the same attention (the paged kernel's split-KV and 16-row decode tiles sum in another fp32 order)."""
     from transformers import DynamicCache
 
     from mxattn.integrations.hf_cache import MXFP8PagedCache
-    from mxattn.kernels import triton_paged_attention
+    from mxattn.kernels import paged_step
     model = _llama(torch.float32)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 97, (n,), generator=g).cuda() for n in (45, 12, 30)]
     ids, am = _left_padded(prompts)
     launches = []
-    real = triton_paged_attention.paged_attention_fwd
-    monkeypatch.setattr(triton_paged_attention, "paged_attention_fwd",
-                        lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    real = paged_step.paged_step
+    monkeypatch.setattr(paged_step, "paged_step", lambda *a, **kw: launches.append(1) or real(*a, **kw))
     cache = MXFP8PagedCache(max_cache_len=ids.shape[1] + 12, page_size=32)
     with torch.no_grad():
         got = _greedy(model, ids, am, 12, past_key_values=cache)

@@ -268,3 +268,48 @@ def test_a_decode_step_is_one_append_launch_and_the_attention(monkeypatch):
                                               backend="triton")
     assert len(launches) == 1 and len(copies) == 1 and torch.isfinite(out).all()
     assert cache.seq_lens[:4].tolist() == [31, 32, 33, 34]
+
+
+@pytest.mark.parametrize("hq,hkv,d,window,sink,num_splits", [(8, 2, 64, None, False, 0), (4, 4, 128, 70, True, 0),
+                                                             (6, 2, 80, None, True, 1), (8, 1, 64, None, False, 4)])
+@torch.no_grad()
+def test_replayed_steps_equal_the_steps_run_through_the_launchers(hq, hkv, d, window, sink, num_splits):
+    """A decode loop (one token per sequence and step, then a 3-token speculative chunk) replays its steps
+    (`mxattn.kernels.paged_step`: the append and attention launches recorded once per signature). A second cache
+    fed the same tokens runs every step through Triton's launchers (the step plans cleared before each call), a
+    third replays the plans the first recorded (as a model's layers share them): outputs and every byte of the
+    caches are equal at every step, across V's 32-token seals, page boundaries, split counts and the sink and
+    window options; most steps were replays."""
+    _needs_triton()
+    from mxattn.kernels import paged_step
+    n = 3
+    caches = [mxattn.MXFP8KVCache(num_pages=24, page_size=64, kv_heads=hkv, head_dim=d, max_sequences=n,
+                                  device="cuda") for _ in range(3)]
+    slots = [[c.new_sequence() for _ in range(n)] for c in caches]
+    for c, s in zip(caches, slots):
+        for i, slot in enumerate(s):
+            c.append(slot, _tokens(20 + 13 * i, hkv, d, i), _tokens(20 + 13 * i, hkv, d, 10 + i))
+    kw = dict(window_size=None if window is None else (window, 0), num_splits=num_splits, backend="triton")
+    if sink:
+        kw.update(softmax_type="learnable", softmax_offset=torch.linspace(-1, 2, hq, device="cuda"))
+    paged_step.STEPS.clear()
+    replays_before = sum(s[1] for s in paged_step.STEPS._families.values())
+    for step in range(60):
+        per_seq = 3 if step == 59 else 1
+        t = n * per_seq
+        q, k, v = _tokens(t, hq, d, 100 + step), _tokens(t, hkv, d, 200 + step), _tokens(t, hkv, d, 300 + step)
+        cu = torch.arange(0, t + 1, per_seq, dtype=torch.int32)
+        got = mxattn.mxfp8_attention_with_kvcache(q, caches[0], slots[0], cu_seqlens_q=cu, k_new=k, v_new=v, **kw)
+        shared = mxattn.mxfp8_attention_with_kvcache(q, caches[2], slots[2], cu_seqlens_q=cu, k_new=k, v_new=v,
+                                                     **kw)
+        saved = dict(paged_step.STEPS._plans), dict(paged_step.STEPS._families)
+        paged_step.STEPS.clear()
+        want = mxattn.mxfp8_attention_with_kvcache(q, caches[1], slots[1], cu_seqlens_q=cu, k_new=k, v_new=v,
+                                                   **kw)
+        paged_step.STEPS._plans.update(saved[0]), paged_step.STEPS._families.update(saved[1])
+        assert torch.equal(got, want) and torch.equal(shared, want), step
+        a, b, c = (_cache_bytes(x) for x in caches)
+        for name in a:
+            assert torch.equal(a[name], b[name]) and torch.equal(c[name], b[name]), (step, name)
+    replays = sum(s[1] for s in paged_step.STEPS._families.values()) - replays_before
+    assert replays >= 80, replays

@@ -546,3 +546,48 @@ def test_the_compiled_graphs_forward_op_replays_its_body(launcher, monkeypatch, 
     grads = [ops.attention_bwd(*args.backward_args(torch.randn_like(o), o, stats, saved, list(k.shape), False))
              for _ in range(3)]
     assert all(len({t.untyped_storage().data_ptr() for t in g[:3]}) == 3 for g in grads)
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_paged_cache_steps_replay_their_launches(launcher, monkeypatch, sink):
+    """Decode steps of `mxattn.mxfp8_attention_with_kvcache` (triton) on three caches of one geometry (a model's
+    layers): the first step of a signature runs the launchers, the second records, later ones replay
+    (`mxattn.kernels.paged_step`): the same kernels (the append, the split passes, the combine), grids and
+    non-pointer arguments, every pointer into the step's q, k, v, offsets and the cache's own storage rebased
+    onto the replaying call's, O written where the returned O lies."""
+    import mxattn
+    from mxattn import kvcache
+    from mxattn.backends.triton_backend import TritonBackend
+    from mxattn.kernels import paged_step, triton_paged_attention
+    monkeypatch.setattr(TritonBackend, "availability", classmethod(lambda cls, device: (True, "")))
+    monkeypatch.setattr(triton_paged_attention, "sm_count", lambda device: 132)
+    monkeypatch.setattr(paged_step, "STEPS", paged_step.PlanCache(min_replays=16))
+    hq, hkv, d, n = 8, 2, 64, 3
+    caches = [mxattn.MXFP8KVCache(num_pages=24, page_size=64, kv_heads=hkv, head_dim=d, max_sequences=n)
+              for _ in range(3)]
+    g = torch.Generator().manual_seed(0)
+    for c in caches:
+        c._append_kernel = True
+        for i in range(n):      # 300 tokens each (the stubs write nothing: only the host's bookkeeping counts)
+            c.append(c.new_sequence(), *(torch.randn(300, hkv, d, generator=g, dtype=torch.bfloat16)
+                                         for _ in range(2)))
+    extra = {}
+    if sink:
+        extra = dict(softmax_type="learnable", softmax_offset=torch.randn(hq, generator=g))
+    runs = []
+    for c in caches:
+        q = torch.randn(n, hq, d, generator=g, dtype=torch.bfloat16)
+        k, v = (torch.randn(n, hkv, d, generator=g, dtype=torch.bfloat16) for _ in range(2))
+        launcher.clear()
+        o = mxattn.mxfp8_attention_with_kvcache(q, c, [0, 1, 2], cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32),
+                                                k_new=k, v_new=v, backend="triton", **extra)
+        meta = kvcache._DEVICE_INTS[((0, 1, 2, 3, 0, 1, 2, 300, 300, 300), torch.device("cpu"))]
+        runs.append((c, q, k, v, meta, o, list(launcher)))
+        assert [c.length(s) for s in range(n)] == [301] * n
+    assert paged_step.STEPS.last_reason == "recorded"
+    (c1, q1, k1, v1, m1, o1, log1), _, (c3, q3, k3, v3, m3, o3, log3) = runs
+    assert [name for name, _, _ in log3] == ["_paged_append_kernel", "_paged_decode_kernel", "_paged_decode_kernel",
+                                             "_combine_splits_kernel"]
+    assert m1 is m3        # one copy of the step's offsets serves every layer
+    _assert_rebased(log1, log3, [(q1, q3), (k1, k3), (v1, v3), (m1, m3)] + list(zip(c1.storage, c3.storage)))
+    assert log3[-1][2][0] == o3.data_ptr() and log1[-1][2][0] == ("ptr", o1.data_ptr())
