@@ -150,10 +150,10 @@ def test_paged_kernel_agrees_with_the_reference_cache_call():
 
 def test_auto_takes_the_paged_kernel_on_cuda(monkeypatch):
     _needs_triton()
-    from mxattn.kernels import triton_paged_attention as tp
+    from mxattn.kernels import paged_step
     calls = []
-    real = tp.paged_attention_fwd
-    monkeypatch.setattr(tp, "paged_attention_fwd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = paged_step.paged_step
+    monkeypatch.setattr(paged_step, "paged_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     cache = mxattn.MXFP8KVCache(num_pages=4, page_size=32, kv_heads=1, head_dim=64, max_sequences=1, device="cuda")
     s = cache.new_sequence()
     cache.append(s, _tokens(40, 1, 64, 1), _tokens(40, 1, 64, 2))
@@ -254,6 +254,9 @@ def test_a_decode_step_is_one_append_launch_and_the_attention(monkeypatch):
     from mxattn import kvcache
     from mxattn.kernels import triton_paged_append
     launches, copies = [], []
+    from mxattn.kernels import paged_step
+    monkeypatch.setattr(paged_step, "STEPS", paged_step.PlanCache())     # (this step runs the launchers)
+    monkeypatch.setattr(kvcache, "_DEVICE_INTS", {})
     real_append, real_copy = triton_paged_append.launch, kvcache.host_to_device
     monkeypatch.setattr(triton_paged_append, "launch", lambda *a, **kw: launches.append(1) or real_append(*a, **kw))
     monkeypatch.setattr(kvcache, "host_to_device", lambda *a: copies.append(1) or real_copy(*a))
