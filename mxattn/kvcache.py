@@ -216,13 +216,18 @@ class MXFP8KVCache:
         if k.shape[0] != v.shape[0]:
             raise ValueError(f"k and v must hold the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
         cu = [int(c) for c in cu]
-        if len(cu) != len(slots) + 1 or cu[0] != 0 or cu[-1] != k.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
+        if len(cu) != len(slots) + 1 or cu[0] != 0 or cu[-1] != k.shape[0]:
             raise ValueError(f"cu must rise from 0 to T={k.shape[0]} in len(slots) + 1 = {len(slots) + 1} offsets, "
                              f"got {cu}")
-        counts = [b - a for a, b in zip(cu, cu[1:])]
-        starts = [self._lens[s] for s in slots]
-        need = sum(max(0, ceil_div(st + n, self.page_size) - len(self._pages[s]))
-                   for s, st, n in zip(slots, starts, counts))
+        counts, starts, need, page = [], [], 0, self.page_size
+        for s, a, b in zip(slots, cu, cu[1:]):      # (one pass: a decode step runs this for every layer)
+            if b < a:
+                raise ValueError(f"cu must rise from 0 to T={k.shape[0]}, got {cu}")
+            st, held = self._lens[s], len(self._pages[s]) * page
+            counts.append(b - a)
+            starts.append(st)
+            if st + b - a > held:
+                need += ceil_div(st + b - a - held, page)
         if need > len(self._free):
             raise RuntimeError(f"the cache is out of pages: these sequences need {need} more, {len(self._free)} are "
                                f"free (num_pages={self.k_data.shape[0]})")
@@ -251,13 +256,13 @@ class MXFP8KVCache:
     @staticmethod
     def _append_shape(starts: List[int], counts: List[int]) -> Optional[Tuple[int, bool]]:
         """`paged_append`'s (blocks, deferred tails) for these lengths and new tokens; None if nothing is new."""
-        live = [(st, n) for st, n in zip(starts, counts) if n]
-        if not live:
-            return None
-        blocks = max((st + n - 1) // BLOCK_SIZE - st // BLOCK_SIZE + 1 for st, n in live)
-        deferred = any((st + n - 1) // BLOCK_SIZE != st // BLOCK_SIZE and st % BLOCK_SIZE and (st + n) % BLOCK_SIZE
-                       for st, n in live)
-        return blocks, deferred
+        blocks, deferred = 0, False
+        for st, n in zip(starts, counts):
+            if n:
+                first, last = st // BLOCK_SIZE, (st + n - 1) // BLOCK_SIZE
+                blocks = max(blocks, last - first + 1)
+                deferred = deferred or (last != first and st % BLOCK_SIZE != 0 and (st + n) % BLOCK_SIZE != 0)
+        return (blocks, deferred) if blocks else None
 
     def _append(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor, cu: Sequence[int]) -> None:
         """`append_batch`."""
@@ -358,7 +363,18 @@ class MXFP8KVCache:
         return 2 * self.k_data.numel() * 2
 
 
-@torch.no_grad()
+def _inference(fn):
+    """fn run without autograd (grad mode switched off only where it is on: generation already runs without)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
+
+
+@_inference
 def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Sequence[int], *,
                                  cu_seqlens_q: torch.Tensor, k_new: Optional[torch.Tensor] = None,
                                  v_new: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
@@ -478,8 +494,7 @@ def _triton_call(q, cache: MXFP8KVCache, slots: List[int], cu: List[int], cu_seq
     n = len(slots)
     if k_new is not None:
         slots, cu, starts, counts = cache._reserve(slots, k_new, v_new, cu)
-        lengths = [st + c for st, c in zip(starts, counts)]
-        _check_queries(cache, slots, cu, lengths)   # (holds: each sequence gains its queries' tokens)
+        lengths = [st + c for st, c in zip(starts, counts)]   # (>= each sequence's queries: they are its new tokens)
         append_shape = cache._append_shape(starts, counts)
         meta = cache._step_meta(cu, slots, starts)
         cu_dev, slot_dev = meta[:n + 1], meta[n + 1:2 * n + 1]
