@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..checks import check_bhsd_tensor
 from ..formats import MXFP8Tensor
+from ..seqinfo import covered_rows
 from .triton_launch import cdiv, launch, pow2_ceil
 from ..constants import INPUT_DTYPES
 from .triton_common import (  # noqa: F401 -- the shared helpers, also importable from here
@@ -222,12 +223,8 @@ def seq_programs(batch: int, heads: int, cu_seqlens: Optional[torch.Tensor] = No
     return n
 
 
-def row_tiles(n_rows: int, block: int, max_seqlen: Optional[int] = None, packed: bool = False) -> int:
-    """Programs along S for tiles of `block` rows: a packed batch needs enough for its longest sequence
-    (max_seqlen; programs past their own sequence's end exit at once), a dense or padded one covers all
-    n_rows (the padding rows of a padded batch get their zeros from the kernels)."""
-    if packed and max_seqlen is not None:
-        n_rows = min(n_rows, max_seqlen)
+def row_tiles(n_rows: int, block: int) -> int:
+    """Programs along S for tiles of `block` rows over the n_rows a grid covers (`mxattn.seqinfo.covered_rows`)."""
     return cdiv(n_rows, block)
 
 
@@ -364,7 +361,7 @@ def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequan
     if bs < 32 or bs % 32:
         raise ValueError(f"tile BLOCK_S must be a positive multiple of 32, got {bs}")
     bd = min(bd_[0] if bd_ else 128, padded_head_dim(D))
-    grid = (row_tiles(S, bs, max_seqlen, packed), cdiv(D, bd), seq_programs(B, H, cu_seqlens, packed))
+    grid = (row_tiles(covered_rows(S, max_seqlen, packed), bs), cdiv(D, bd), seq_programs(B, H, cu_seqlens, packed))
     qr_st = qr.stride() if row else (0, 0, 0, 0)
     qc_st = qc.stride() if col else (0, 0, 0, 0)
     args = (x, *x.stride(), qr, *qr_st, sr, qc, *qc_st, sc, x if rdq is None else rdq, x if cdq is None else cdq,

@@ -74,7 +74,7 @@ def test_quantizer_varlen_shapes_without_a_kernel(monkeypatch):
     assert got.row.scale.shape == (1, 3, 334, 2) and got.row.segments is None
     assert torch.all(got.col.scale.view(torch.uint8) == 0)  # unused rows are byte 0 (zeros allocation)
     (grid, kw), = grids
-    assert grid == (tq.row_tiles(334, tq.QUANT_TILE[0], 300, True), 1, 4 * 3) == (10, 1, 12)
+    assert grid == (tq.row_tiles(300, tq.QUANT_TILE[0]), 1, 4 * 3) == (10, 1, 12)
     assert kw["VARLEN"] and kw["PACKED"]
     grids.clear()
     xp = torch.zeros(4, 3, 300, 64)
@@ -116,11 +116,12 @@ def test_quantize_qkv_is_one_launch_unless_the_grid_overflows(monkeypatch):
 
 def test_grid_helpers():
     from mxattn.kernels.triton_quantize import MAX_GRID_YZ, col_scale_rows, row_tiles, seq_programs
+    from mxattn.seqinfo import covered_rows
     # packed: tiles for the longest sequence only (4096 + 128 + 128 costs about its tokens)
-    assert row_tiles(4096 + 256, 128, max_seqlen=4096, packed=True) == 32
-    assert row_tiles(4096 + 256, 128, max_seqlen=None, packed=True) == 34
+    assert row_tiles(covered_rows(4096 + 256, 4096, True), 128) == 32
+    assert row_tiles(covered_rows(4096 + 256, None, True), 128) == 34
     # dense and padded: every row of the tensor (padding rows get their zeros from the kernels)
-    assert row_tiles(1000, 128) == 8 and row_tiles(1000, 128, max_seqlen=10, packed=False) == 8
+    assert row_tiles(1000, 128) == 8 and row_tiles(covered_rows(1000, 10, False), 128) == 8
     assert seq_programs(2, 8) == 16
     assert seq_programs(1, 8, _cu([5, 0, 7]), packed=True) == 24
     assert seq_programs(3, 8, _cu([5, 0, 7]), packed=False) == 24
