@@ -33,6 +33,17 @@ def _tokens(n, h, d, seed, dtype=torch.bfloat16):
     return torch.randn(n, h, d, generator=g, device="cuda").to(dtype)
 
 
+def _filled_caches(count, num_pages, hkv, d, lengths):
+    """(count caches of pages of 64 tokens holding the same sequences, of these lengths; their slots)."""
+    caches = [mxattn.MXFP8KVCache(num_pages=num_pages, page_size=64, kv_heads=hkv, head_dim=d,
+                                  max_sequences=len(lengths), device="cuda") for _ in range(count)]
+    slots = [[c.new_sequence() for _ in lengths] for c in caches]
+    for c, s in zip(caches, slots):
+        for i, (slot, n) in enumerate(zip(s, lengths)):
+            c.append(slot, _tokens(n, hkv, d, i), _tokens(n, hkv, d, 10 + i))
+    return caches, slots
+
+
 def _dense(q, k, v, **kw):
     """mxfp8_attention of q [n, Hq, D] (the last n tokens) over k, v [L, Hkv, D], causal bottom-right, triton."""
     return mxattn.mxfp8_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
@@ -170,12 +181,7 @@ def test_a_decode_step_with_host_offsets_never_waits_for_the_gpu():
     _needs_triton()
     from mxattn.devices import host_to_device
     hq, hkv, d, n = 8, 2, 64, 4
-    caches = [mxattn.MXFP8KVCache(num_pages=32, page_size=64, kv_heads=hkv, head_dim=d, max_sequences=n,
-                                  device="cuda") for _ in range(2)]
-    slots = [[c.new_sequence() for _ in range(n)] for c in caches]
-    for c, s in zip(caches, slots):
-        for i, slot in enumerate(s):
-            c.append(slot, _tokens(40 + 9 * i, hkv, d, i), _tokens(40 + 9 * i, hkv, d, 10 + i))
+    caches, slots = _filled_caches(2, 32, hkv, d, [40 + 9 * i for i in range(n)])
     cu_cpu = torch.arange(n + 1, dtype=torch.int32)
     outs = []
     for step in range(3):                       # the first steps compile and record; the last one is timed
@@ -286,12 +292,7 @@ def test_replayed_steps_equal_the_steps_run_through_the_launchers(hq, hkv, d, wi
     _needs_triton()
     from mxattn.kernels import paged_step
     n = 3
-    caches = [mxattn.MXFP8KVCache(num_pages=24, page_size=64, kv_heads=hkv, head_dim=d, max_sequences=n,
-                                  device="cuda") for _ in range(3)]
-    slots = [[c.new_sequence() for _ in range(n)] for c in caches]
-    for c, s in zip(caches, slots):
-        for i, slot in enumerate(s):
-            c.append(slot, _tokens(20 + 13 * i, hkv, d, i), _tokens(20 + 13 * i, hkv, d, 10 + i))
+    caches, slots = _filled_caches(3, 24, hkv, d, [20 + 13 * i for i in range(n)])
     kw = dict(window_size=None if window is None else (window, 0), num_splits=num_splits, backend="triton")
     if sink:
         kw.update(softmax_type="learnable", softmax_offset=torch.linspace(-1, 2, hq, device="cuda"))
