@@ -5,6 +5,10 @@ its SASS instruction listing (addresses and instructions, no file names) is prin
 
 Run it before and after a change to the kernels: equal fingerprints mean the default recipe's machine code,
 hence its speed, did not change (recipe variants are constexpr specialisations that must not touch it).
+Moving kernel code into a new `@triton.jit` helper can change the SASS although the PTX instructions stay the
+same: the helper's inlined debug scope adds `$L__tmp` labels at its boundaries, and ptxas schedules around labels
+(issue 23: helpers for the paged kernels' shared prologue and epilogue kept 11 of the 12 paged fingerprints and
+changed the 12th); check every kernel.
 
 --kernels paged fingerprints the paged KV cache's kernels instead (`paged_builds`: the exact and decode attention
 kernels in each pass, the split combine and the append, at head dims 128 and 64 over bf16 inputs, as
