@@ -5,8 +5,16 @@ its SASS instruction listing (addresses and instructions, no file names) is prin
 
 Run it before and after a change to the kernels: equal fingerprints mean the default recipe's machine code,
 hence its speed, did not change (recipe variants are constexpr specialisations that must not touch it).
+Moving kernel code into a new `@triton.jit` helper can change the SASS although the PTX instructions stay the
+same: the helper's inlined debug scope adds `$L__tmp` labels at its boundaries, and ptxas schedules around labels
+(issue 23: helpers for the paged kernels' shared prologue and epilogue kept 11 of the 12 paged fingerprints and
+changed the 12th); check every kernel.
 
-Usage: python benchmarks/default_recipe_sass.py [--out FILE]
+--kernels paged fingerprints the paged KV cache's kernels instead (`paged_builds`: the exact and decode attention
+kernels in each pass, the split combine and the append, at head dims 128 and 64 over bf16 inputs, as
+`paged_attention_fwd` and `paged_append` launch them); --kernels all, both sets.
+
+Usage: python benchmarks/default_recipe_sass.py [--kernels dense|paged|all] [--out FILE]
 """
 import argparse
 import hashlib
@@ -19,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks")]
 
 from sass_loops import cuda_tool, instructions  # noqa: E402
-from triton_compile import compile_for  # noqa: E402
+from triton_compile import PAGED_TYPES, compile_for, paged_divisible  # noqa: E402
 
 #: the pointer arguments of the dense kernels as Triton's launcher types them for bf16 inputs (FP8 data and
 #: E8M0 bytes; every other parameter is an i32 or, for the scales, fp32)
@@ -122,13 +130,71 @@ def builds():
     return out
 
 
+#: the paged kernels' fixed launch choices: a group of 4 query heads per KV head (GP 4), pages of 256 tokens
+#: (whole KV blocks), no window and no sink (their unused SINK argument is the query tensor, as the launcher passes)
+PAGED_GROUP, PAGE_TOKENS = 4, 256
+#: the split count the combine kernel is fingerprinted for (SP, its power-of-two ceiling)
+COMBINE_SPLITS = 8
+
+
+def _paged_attention_builds(dp: int) -> list:
+    """[(name, fn, types, constexprs, warps, stages, options)] of the exact and decode kernels' passes at head dim
+    dp: the tiles `paged_config` picks (exact; decode: FAST_TILE with DECODE_MAXNREG), the split passes' scratch in
+    fp32, the single pass's unused scratch arguments the query tensor (bf16)."""
+    from mxattn.kernels import triton_paged_attention as tp
+    out = []
+    for label, fn, config in (("exact", tp._paged_attn_kernel, tp.paged_config(dp)),
+                              ("decode", tp._paged_decode_kernel, tp.paged_config(dp, exact=False, rows=PAGED_GROUP))):
+        bm, warps, stages = config
+        options = {} if fn is tp._paged_attn_kernel or tp.DECODE_MAXNREG is None else dict(maxnreg=tp.DECODE_MAXNREG)
+        for pass_ in (tp.SINGLE.value, tp.MAX_PASS.value, tp.SPLIT_PASS.value):
+            scratch = "*bf16" if pass_ == tp.SINGLE.value else "*fp32"
+            types = dict(PAGED_TYPES, MP=scratch, MF=scratch, LP=scratch, OP=scratch, SINK="*bf16")
+            constexprs = dict(HAS_LB=False, HAS_SINK=False, BM=bm, BN=tp.BLOCK_N, DP=dp,
+                              GP=tp.tile_heads(PAGED_GROUP, bm), EVEN_D=True,
+                              WHOLE_PAGES=PAGE_TOKENS % tp.BLOCK_N == 0, PASS=pass_)
+            out.append((f"paged {label} d{dp} pass{pass_}", fn, types, constexprs, warps, stages,
+                        dict(options, divisible=paged_divisible(fn, types))))
+    return out
+
+
+def paged_builds() -> list:
+    """[(name, fn, types, constexprs, warps, stages, options)] of the paged KV cache's kernels (bf16 queries and
+    cache, head dims 128 and 64); options: `compile_for`'s divisible (as the launcher sees an MXFP8KVCache's
+    strides) and maxnreg."""
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from mxattn.kernels import triton_paged_append as ta, triton_paged_attention as tp
+    stages = CUDAOptions.num_stages  # the launcher's default: these two kernels are launched without num_stages
+    out = []
+    for dp in (128, 64):
+        out += _paged_attention_builds(dp)
+        types = dict(O="*bf16", MF="*fp32", LP="*fp32", OP="*fp32")
+        out.append((f"combine d{dp} sp{COMBINE_SPLITS}", tp._combine_splits_kernel, types,
+                    dict(SP=COMBINE_SPLITS, DP=dp), 4, stages, dict(divisible=[*types, "so_t", "so_h", "D"])))
+        types = dict(META="*i32", K="*bf16", V="*bf16", PT="*i32", KD="*fp8e4nv", KS="*u8", VD="*fp8e4nv",
+                     VS="*u8", VT="*bf16", SEQ_LENS="*i32")
+        for tail_pass in (False, True):
+            out.append((f"append d{dp}{' tail' if tail_pass else ''}", ta._paged_append_kernel, types,
+                        dict(DP=dp, TAIL_PASS=tail_pass), 4 if dp <= 128 else 8, stages,
+                        dict(divisible=paged_divisible(ta._paged_append_kernel, types))))
+    return out
+
+
+def selected(kernels: str) -> list:
+    """The builds of a --kernels choice, each with its compile options (none for the dense kernels)."""
+    out = [b + ({},) for b in builds()] if kernels in ("dense", "all") else []
+    return out + (paged_builds() if kernels in ("paged", "all") else [])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", choices=("dense", "paged", "all"), default="dense",
+                        help="which kernels to fingerprint (default: the dense ones)")
     parser.add_argument("--out", help="also write the lines to this file")
     args = parser.parse_args()
     lines = []
-    for name, fn, types, constexprs, warps, stages in builds():
-        kernel = compile_for(fn, types, constexprs, num_warps=warps, num_stages=stages)
+    for name, fn, types, constexprs, warps, stages, options in selected(args.kernels):
+        kernel = compile_for(fn, types, constexprs, num_warps=warps, num_stages=stages, **options)
         lines.append(f"{name:24s} {sass_digest(kernel)}  smem {kernel.metadata.shared}")
         print(lines[-1], flush=True)
     if args.out:

@@ -44,12 +44,17 @@ PAGED_TYPES = dict(Q="*bf16", O="*bf16", MP="*fp32", MF="*fp32", LP="*fp32", OP=
                    VS="*u8", VT="*bf16", qk_scale="fp32")
 
 
+def paged_divisible(fn, types: dict) -> list:
+    """The parameters of a kernel over an MXFP8KVCache that Triton's launcher sees divisible by 16: every pointer
+    (those typed in `types`), D, PAGE and every stride except K's scale row stride (ceil(D / 32) bytes) and the
+    page table's."""
+    return [p.name for p in fn.params if p.name.startswith("s") and p.name not in ("sks_n", "spt")
+            and not p.is_constexpr] + ["D", "PAGE"] + [n for n, t in types.items() if t.startswith("*")]
+
+
 def compile_paged(fn, constexprs: dict, *, num_warps: int, num_stages: int, types: dict = PAGED_TYPES, **options):
     """A paged attention kernel (triton_paged_attention._paged_attn_kernel or triton_paged_decode's, same
-    arguments) compiled for sm_90 with the divisibility Triton's launcher sees for an MXFP8KVCache: every pointer,
-    D, PAGE and every stride a multiple of 16 except K's scale row stride (ceil(D / 32) bytes) and the page
-    table's."""
-    divisible = [p.name for p in fn.params if p.name.startswith("s") and p.name not in ("sks_n", "spt")
-                 and not p.is_constexpr] + ["D", "PAGE"] + [n for n, t in types.items() if t.startswith("*")]
-    return compile_for(fn, types, constexprs, num_warps=num_warps, num_stages=num_stages, divisible=divisible,
-                       **options)
+    arguments) compiled for sm_90 with the divisibility Triton's launcher sees for an MXFP8KVCache
+    (`paged_divisible`)."""
+    return compile_for(fn, types, constexprs, num_warps=num_warps, num_stages=num_stages,
+                       divisible=paged_divisible(fn, types), **options)

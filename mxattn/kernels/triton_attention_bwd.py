@@ -28,7 +28,7 @@ from .triton_launch import cdiv, launch, sm_count
 from .triton_attention_fwd import SCRATCH_BUDGET_BYTES, check_seq
 from .triton_bwd_prep import bwd_prep, kv_prep
 from .triton_bwd_tiles import _col_tile, _row_tile, _store_rows
-from .triton_common import LOG2E, P_DESCALE, P_SCALE, kv_block_range, program_prologue, qdq_rows
+from .triton_common import LOG2E, P_DESCALE, P_SCALE, band_block_range, program_prologue, qdq_rows
 from .triton_quantize import padded_head_dim, row_tiles, seq_programs
 from ..seqinfo import grid_rows, grid_sequences, kernel_cu_seqlens, kernel_flags
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
@@ -86,33 +86,6 @@ def _dkdv_block(dk, dv, k_dq, v_dq, m0, cols, offs_mb, offs_d, d_ok, offs_kb, kb
 
 
 @triton.jit
-def q_block_range(n0, SQ, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr):
-    """Query blocks that see KV rows [n0, n0 + BN) under the band mask (the transpose of kv_block_range) ->
-    (lo, mask_hi, full_lo, full_hi, hi): blocks [lo, mask_hi) and [max(full_hi, mask_hi), hi) need the mask,
-    [full_lo, full_hi) lie inside the SQ rows and see all of the KV block."""
-    zero = n0 * 0  # keeps every bound a run-time i32 (both branches of the `if`s below agree in type)
-    lo = zero
-    hi = zero + SQ
-    full_lo = zero
-    full_hi = zero + (SQ // BM) * BM
-    if HAS_RB:
-        lo = (tl.maximum(n0 - offset - RB, 0) // BM) * BM
-        full_lo = ((tl.maximum(n0 + BN - 1 - offset - RB, 0) + BM - 1) // BM) * BM
-    if HAS_LB:
-        hi = tl.minimum(SQ, tl.maximum(n0 + BN - 1 - offset + LB, 0))
-        full_hi = tl.minimum(full_hi, (tl.maximum(n0 - offset + LB - 1, 0) // BM) * BM)
-    if n0 + BN > SKV:
-        full_hi = zero
-    full_lo = tl.maximum(full_lo, lo)
-    if full_hi <= full_lo:
-        full_lo = hi
-        full_hi = hi
-    mask_hi = tl.minimum(full_lo, hi)
-    return lo, mask_hi, full_lo, full_hi, hi
-
-
-@triton.jit
 def _dkdv_kernel(
         Q, QS, QC, QCS, K, KS, V, VS, DO, DOS, DOC, DOCS, LSE, DELTA, DK, DV, CU_Q, CU_KV,
         sqb, sqh, sqs, sqsb, sqsh, sqss,
@@ -158,7 +131,8 @@ def _dkdv_kernel(
                      c_ok, d_ok, kb_ok, True, EVEN_D, BN, DP, V_RAW)
 
     # query rows that see this KV block, and the query blocks that see all of it
-    lo, mask_hi, full_lo, full_hi, hi = q_block_range(n0, len_q, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
+    lo, mask_hi, full_lo, full_hi, hi = band_block_range(n0, len_q, offset, LB, RB, HAS_LB, HAS_RB, BM, BN,
+                                                          True, len_kv)
 
     tile = (cols, offs_mb, offs_d, d_ok, offs_kb, kb_ok)
     strides = (sqs, sqss, sqcs, sqcss, sdos, sdoss, sdocs, sdocss, sls, len_q, len_kv, qk_scale, sm_scale,
@@ -278,7 +252,7 @@ def _dq_kernel(
     v_ptrs = V + bt * svb + hk * svh + kv0 * svs + offs_n[:, None] * svs + offs_d[None, :]
     vs_ptrs = VS + bt * svsb + hk * svsh + kv0 * svss + offs_n[:, None] * svss + offs_kb[None, :]
 
-    lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
+    lo, mask_hi, full_lo, full_hi, hi = band_block_range(m0, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
 
     dq = tl.zeros([BM, DP], tl.float32)
     args = (k_ptrs, ks_ptrs, kc_ptrs, kcs_ptrs, v_ptrs, vs_ptrs, sks, skss, skcs, skcss, svs, svss,

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
-from .triton_common import (LN2, LOG2E, dequant_cols, dequant_rows, kv_block_range,
+from .triton_common import (LN2, LOG2E, band_block_range, dequant_cols, dequant_rows,
                             load_tile, program_prologue, quantize_cols, quantize_rows, round_p, seq_prologue,
                             softmax_block, softmax_start)
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
@@ -136,7 +136,7 @@ def _attn_fwd_kernel(
     vs_ptrs = VS + bt * svsb + hk * svsh + kvb0 * svss + tl.arange(0, BN // 32)[:, None] * svss + offs_d[None, :]
 
     # KV range touched by rows [m0, m0 + BM) and the sub-range where no element is masked
-    lo, mask_hi, full_lo, full_hi, hi = kv_block_range(m0, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
+    lo, mask_hi, full_lo, full_hi, hi = band_block_range(m0, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
 
     m_i, l_i, acc = softmax_start(SINK, hq, HAS_SINK, BM, DP, LOG2_PS)
     args = (q, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs)
@@ -376,5 +376,5 @@ def check_seq(seq: Optional[SeqInfo], q: torch.Tensor, k: torch.Tensor, bottom_r
     return seq
 
 
-__all__ = ["attention_fwd", "attention_fwd_quantizing", "quantizing_fwd_config", "fwd_streams_bf16", "check_seq", "kv_block_range", "load_tile",
+__all__ = ["attention_fwd", "attention_fwd_quantizing", "quantizing_fwd_config", "fwd_streams_bf16", "check_seq", "band_block_range", "load_tile",
            "program_prologue", "SCRATCH_BUDGET_BYTES", "seq_prologue", "BLOCK_N", "LOG2E"]

@@ -1,6 +1,6 @@
 """The `@triton.jit` device helpers and recipe constants that mxattn's Triton kernels share (the fused quantizer,
 the attention forward and backward): per-sequence spans and kernel prologues, E8M0 arithmetic, tile
-dequantization, quantization and quantize-dequantize, the KV-block range of the band mask and masked tile loads.
+dequantization, quantization and quantize-dequantize, the block ranges of the band mask and masked tile loads.
 
 Scale rule (spec section 2, round-up): ``e = biased_exponent(amax / 448) + (mantissa != 0)``, clamped to
 [0, 254]; ``e = 0`` when ``amax / 448 <= 2^-127``; ``e = 255`` for NaN (the whole block becomes NaN).
@@ -271,21 +271,35 @@ def program_prologue(CU_Q, CU_KV, H, GROUP, SQ, SKV, offset, VARLEN: tl.constexp
 
 
 @triton.jit
-def kv_block_range(m0, SKV, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr):
-    """KV blocks touched by query rows [m0, m0 + BM) under the band mask -> (lo, mask_hi, full_lo, full_hi, hi):
-    blocks [lo, mask_hi) and [max(full_hi, mask_hi), hi) need the mask, [full_lo, full_hi) are fully kept."""
-    zero = m0 * 0  # keeps every bound a run-time i32 (both branches of the `if` below agree in type)
+def band_block_range(t0, S, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, KV_TILE: tl.constexpr = False, SKV=0):
+    """The blocks of the other side that a tile meets under the band mask -> (lo, mask_hi, full_lo, full_hi, hi),
+    int32 row bounds: blocks [lo, mask_hi) and [max(full_hi, mask_hi), hi) need the mask, [full_lo, full_hi) are
+    fully kept. A query tile (rows [t0, t0 + BM)): the KV blocks (BN rows) among S keys. KV_TILE (key rows
+    [t0, t0 + BN) of a sequence of SKV keys): the query blocks (BM rows) among S queries that see them, fully kept
+    only when the tile lies inside the SKV keys."""
+    zero = t0 * 0  # keeps every bound a run-time i32 (both branches of the `if`s below agree in type)
     lo = zero
-    hi = zero + SKV
+    hi = zero + S
     full_lo = zero
-    full_hi = zero + (SKV // BN) * BN
-    if HAS_RB:
-        hi = tl.minimum(SKV, tl.maximum(m0 + BM + offset + RB, 0))
-        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + offset + RB + 1, 0) // BN) * BN)
-    if HAS_LB:
-        lo = (tl.maximum(m0 + offset - LB + 1, 0) // BN) * BN
-        full_lo = ((tl.maximum(m0 + BM + offset - LB, 0) + BN - 1) // BN) * BN
+    if KV_TILE:
+        full_hi = zero + (S // BM) * BM
+        if HAS_RB:
+            lo = (tl.maximum(t0 - offset - RB, 0) // BM) * BM
+            full_lo = ((tl.maximum(t0 + BN - 1 - offset - RB, 0) + BM - 1) // BM) * BM
+        if HAS_LB:
+            hi = tl.minimum(S, tl.maximum(t0 + BN - 1 - offset + LB, 0))
+            full_hi = tl.minimum(full_hi, (tl.maximum(t0 - offset + LB - 1, 0) // BM) * BM)
+        if t0 + BN > SKV:
+            full_hi = zero
+    else:
+        full_hi = zero + (S // BN) * BN
+        if HAS_RB:
+            hi = tl.minimum(S, tl.maximum(t0 + BM + offset + RB, 0))
+            full_hi = tl.minimum(full_hi, (tl.maximum(t0 + offset + RB + 1, 0) // BN) * BN)
+        if HAS_LB:
+            lo = (tl.maximum(t0 + offset - LB + 1, 0) // BN) * BN
+            full_lo = ((tl.maximum(t0 + BM + offset - LB, 0) + BN - 1) // BN) * BN
     full_lo = tl.maximum(full_lo, lo)
     if full_hi <= full_lo:
         full_lo = hi

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ..constants import MAX_KV_SPLITS
 from .triton_attention_fwd import BF16_FWD_CONFIGS, BLOCK_N
-from .triton_common import (LOG2E, block_max, dequant_cols, dequant_rows, kv_block_range, load_tile,
+from .triton_common import (LOG2E, band_block_range, block_max, dequant_cols, dequant_rows, load_tile,
                             mask_logits, quantize_cols, quantize_rows, round_p_to_bf16, softmax_block, softmax_start)
 from .triton_launch import cdiv, launch, sm_count
 from .triton_paged_decode import _paged_decode_kernel
@@ -182,7 +182,7 @@ def _paged_attn_kernel(
     qq, qe = quantize_rows(q.to(tl.float32), BM, DP)
     q = dequant_rows(qq, qe.to(tl.uint8), BM, DP)
 
-    lo, mask_hi, full_lo, full_hi, hi = kv_block_range(t0, len_kv, offset, LB, 0, HAS_LB, True, TQ, BN)
+    lo, mask_hi, full_lo, full_hi, hi = band_block_range(t0, len_kv, offset, LB, 0, HAS_LB, True, TQ, BN)
     js = lo // BN
     je = tl.cdiv(hi, BN)
     if PASS != SINGLE:  # this split's blocks

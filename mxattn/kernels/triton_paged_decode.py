@@ -24,8 +24,8 @@ docstring says why split KV needs the maximum pass): this kernel is its drop-in 
 import triton
 import triton.language as tl
 
-from .triton_common import (block_max, kv_block_range, mask_logits, quantize_cols, quantize_rows, softmax_block,
-                            softmax_start)
+from .triton_common import (band_block_range, block_max, mask_logits, quantize_cols, quantize_rows,
+                            softmax_block, softmax_start)
 
 SINGLE, MAX_PASS, SPLIT_PASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
@@ -275,7 +275,7 @@ def _paged_decode_kernel(
     q3, s3 = _q_block(Q, tok, head, sq_t, sq_h, row_ok & (NB > 2), 3, D, BM)
     qs = (q0, q1, q2, q3, s0, s1, s2, s3)
 
-    lo, mask_hi, full_lo, full_hi, hi = kv_block_range(t0, len_kv, offset, LB, 0, HAS_LB, True, TQ, BN)
+    lo, mask_hi, full_lo, full_hi, hi = band_block_range(t0, len_kv, offset, LB, 0, HAS_LB, True, TQ, BN)
     js = lo // BN
     je = tl.cdiv(hi, BN)
     if PASS != SINGLE:  # this split's blocks
