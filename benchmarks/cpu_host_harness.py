@@ -14,7 +14,10 @@ K/V views of a preallocated cache, a new KV length each step, 8 layers' calls pe
 models_bench.py, no mask) against transformers' own
 `sdpa_attention_forward` on a one-element problem (B1 H1 D8, two keys: torch SDPA's CPU kernel then costs next to
 nothing, so its figure is the function's host path).
-Usage: python benchmarks/cpu_host_harness.py [--profile] [--decode | --ops | --hf-decode]"""
+--hf-paged: instead, the same decode steps over `MXFP8PagedCache` (each layer's update and attention: the cache's
+checks and page bookkeeping, the append and attention launches replayed by `mxattn.kernels.paged_step`) against
+transformers' `DynamicCache.update` and `sdpa_attention_forward` on the one-element problem; --profile adds cProfile.
+Usage: python benchmarks/cpu_host_harness.py [--profile] [--decode | --ops | --hf-decode | --hf-paged]"""
 import statistics
 import sys
 import time
@@ -104,6 +107,17 @@ def decode_calls() -> None:
     print(f"ratio new / repeated: {fresh / same:.2f}")
 
 
+def _hf_module(name: str):
+    """A stand-in for a transformers attention module whose config names attn_implementation `name`."""
+    class Module(torch.nn.Module):
+        is_causal = True
+
+        class config:
+            _attn_implementation = name
+
+    return Module()
+
+
 def hf_decode_calls() -> None:
     """The HF attention function's host time per decode call (see the module docstring)."""
     import mxattn.integrations.transformers as mx_hf
@@ -112,13 +126,7 @@ def hf_decode_calls() -> None:
     name = mx_hf.register("mxfp8_harness", backend="triton")
     mxfp8_forward = AttentionInterface._global_mapping[name]
 
-    class Module(torch.nn.Module):
-        is_causal = True
-
-        class config:
-            _attn_implementation = name
-
-    module = Module()
+    module = _hf_module(name)
 
     def median_us(fn, b, hq, hkv, d, lengths, layers=8):
         cache = torch.randn(b, hkv, max(lengths) + 1, d, dtype=torch.bfloat16)
@@ -138,6 +146,61 @@ def hf_decode_calls() -> None:
     print(f"mxattn's HF attention function, decode B8 Hq16 Hkv4 D64, new KV lengths  {mx:6.0f} us per call")
     print(f"transformers' sdpa_attention_forward, B1 H1 D8 (host path)              {sdpa:6.0f} us")
     print(f"ratio: {mx / sdpa:.2f}")
+
+
+def hf_paged_calls() -> None:
+    """Host time per layer and decode step over `MXFP8PagedCache` (see the module docstring)."""
+    import mxattn.integrations.transformers as mx_hf
+    from mxattn.backends.triton_backend import TritonBackend
+    from mxattn.integrations.hf_cache import MXFP8PagedCache
+    from mxattn.kernels import triton_paged_attention
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    TritonBackend.availability = classmethod(lambda cls, device: (True, ""))   # (launches are stubbed)
+    triton_paged_attention.sm_count = lambda device: 132
+    name = mx_hf.register("mxfp8_harness", backend="triton")
+    mxfp8_forward = AttentionInterface._global_mapping[name]
+    module = _hf_module(name)
+    b, hq, hkv, d, layers = 8, 16, 4, 64, 8
+    cache = MXFP8PagedCache(max_cache_len=2048)
+    prompt = torch.randn(b, hkv, 512, d, dtype=torch.bfloat16)
+    q_prompt = torch.randn(b, hq, 512, d, dtype=torch.bfloat16)
+    q, kv = torch.randn(b, hq, 1, d, dtype=torch.bfloat16), torch.randn(b, hkv, 1, d, dtype=torch.bfloat16)
+    tiny, tiny_q = torch.randn(1, 1, 2, 8, dtype=torch.bfloat16), torch.randn(1, 1, 1, 8, dtype=torch.bfloat16)
+    dynamic = DynamicCache()
+
+    def paged_step():
+        for layer in range(layers):
+            k, v = cache.update(kv, kv, layer)
+            mxfp8_forward(module, q, k, v, None, scaling=d ** -0.5)
+
+    def sdpa_step():
+        for layer in range(layers):
+            dynamic.update(tiny[:, :, :1], tiny[:, :, :1], layer)
+            sdpa_attention_forward(module, tiny_q, tiny, tiny, None, scaling=0.3)
+
+    def median_per_layer_us(step, n=60):
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) / layers)
+        return statistics.median(times[5:]) * 1e6
+
+    with torch.no_grad():
+        for layer in range(layers):       # the prefill: each layer's cache made on the CPU, appends "on device"
+            k, v = cache.update(prompt, prompt, layer)
+            cache.layers[layer].store._append_kernel = True
+            mxfp8_forward(module, q_prompt, k, v, None, scaling=d ** -0.5)
+        paged = min(median_per_layer_us(paged_step) for _ in range(5))
+        sdpa = min(median_per_layer_us(sdpa_step) for _ in range(5))
+    print(f"MXFP8PagedCache update + mxattn's attention, decode B{b} Hq{hq} Hkv{hkv} D{d}   {paged:6.0f} us per layer")
+    print(f"DynamicCache.update + transformers' sdpa_attention_forward, B1 H1 D8    {sdpa:6.0f} us")
+    print(f"ratio: {paged / sdpa:.2f}")
+    if "--profile" in sys.argv:
+        import cProfile
+        with torch.no_grad():
+            cProfile.runctx("for _ in range(100): paged_step()", globals(), locals(), sort="cumulative")
 
 
 def op_calls() -> None:
@@ -178,6 +241,9 @@ def main():
         return
     if "--hf-decode" in sys.argv:
         hf_decode_calls()
+        return
+    if "--hf-paged" in sys.argv:
+        hf_paged_calls()
         return
     q, k, v = (torch.randn(1, 128, 2, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 
