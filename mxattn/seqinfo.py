@@ -106,14 +106,6 @@ def grid_rows(seq: Optional[SeqInfo], which: str, n_rows: int) -> int:
     return covered_rows(n_rows, seq.max_seqlen_q if which == "q" else seq.max_seqlen_kv, True)
 
 
-def zero_padding(x: torch.Tensor, seq: Optional[SeqInfo], which: str) -> torch.Tensor:
-    """x [B, H, S, D] with the padding rows of a padded batch set to 0 on side `which` ("q" or "kv"), in x's
-    layout (padding values reach no scale); x itself for a dense or packed batch."""
-    if seq is None or seq.packed:
-        return x
-    return x.masked_fill(~seq.valid_rows(which, x.shape[2]), 0)
-
-
 def covered_rows(n_rows: int, max_seqlen: Optional[int], packed: bool) -> int:
     """Rows along S a kernel grid covers in [B, H, n_rows, D] tensors: the longest sequence (max_seqlen, when
     known) of a packed batch, at most n_rows (programs past their own sequence's end exit at once), else n_rows

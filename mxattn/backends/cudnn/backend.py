@@ -21,7 +21,7 @@ from ...errors import MXFP8NotSupportedError
 from ...formats import MXFP8Tensor, quantize_mxfp8
 from ...formats import _is_non_overlapping_and_dense as _is_dense
 from ...recipe import Recipe
-from ...seqinfo import SeqInfo, zero_padding
+from ...seqinfo import SeqInfo
 from ..base import AttentionBackend, AttentionParams, Problem, SavedForBackward, check_forward_quantized
 from .buffers import col_scale_bytes, row_scale_buffer
 from .config import col_scale_dims, row_scale_dims
@@ -60,6 +60,12 @@ def _thd_layout(x: torch.Tensor) -> torch.Tensor:
     return x[0].transpose(0, 1).contiguous().transpose(0, 1).unsqueeze(0)
 
 
+def _zero_padding(x: torch.Tensor, seq: SeqInfo, which: str) -> torch.Tensor:
+    """x with the padding rows of a padded batch set to 0 (the reference backend's rule: padding values reach
+    no scale), in x's layout."""
+    return x.masked_fill(~seq.valid_rows(which, x.shape[2]), 0)
+
+
 def _with_data(x: MXFP8Tensor, data: torch.Tensor) -> MXFP8Tensor:
     """x with its data replaced by `data` (the same values in another layout; x itself when it is x's)."""
     return x if data is x.data else MXFP8Tensor.unchecked(data, x.scale, x.axis, x.segments, x.scale_f8_128x4)
@@ -90,7 +96,7 @@ def quantize_operand(x: torch.Tensor, seq: Optional[SeqInfo], which: str
     quantize = _quantizer_for(x)
     if quantize is None:
         if seq is not None:
-            x = zero_padding(x, seq, which)
+            x = _zero_padding(x, seq, which)
         row, col = quantize_mxfp8(x, axis=-1), quantize_mxfp8(x, axis=-2)
         row.scale_f8_128x4, col.scale_f8_128x4 = row_scale_buffer(row.scale), col_scale_bytes(col.scale)
         return row, col
@@ -225,7 +231,7 @@ class CudnnBackend(AttentionBackend):
         _supported_state(q.data.device)
         seq = params.seq
         if seq is not None and not seq.packed:
-            v = _with_data(v, zero_padding(v.data.view(torch.uint8), seq, "kv").view(v.data.dtype))
+            v = _with_data(v, _zero_padding(v.data.view(torch.uint8), seq, "kv").view(v.data.dtype))
         layout = _thd_layout if seq is not None and seq.packed else _graph_layout
         q, k, v = (_with_data(x, layout(x.data)) for x in (q, k, v))
         o, stats, _ = cudnn_forward(q, k, v, attn_scale=params.softmax_scale, mask=params.mask,
@@ -242,7 +248,7 @@ class CudnnBackend(AttentionBackend):
         else:
             o, do = _graph_layout(o), _graph_layout(do)
             if seq is not None:  # cuDNN reads the bf16 dO too: its padding rows must be zeros
-                do = _graph_layout(zero_padding(do, seq, "q"))
+                do = _graph_layout(_zero_padding(do, seq, "q"))
             do_row, do_col = quantize_operand(do, None, "q")
         out = cudnn_backward(saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row, o, do, do_row, do_col,
                              stats, attn_scale=params.softmax_scale, mask=params.mask,
