@@ -115,7 +115,6 @@ class MXFP8KVCache:
         self._pages: List[Optional[List[int]]] = [None] * max_sequences     # host copy of the table
         self._lens = [0] * max_sequences
         self._free = list(range(num_pages - 1, -1, -1))
-        self._slot_tensors: dict = {}
         #: the storage tensors and what a replayed step's key needs of them (fixed for the cache's life)
         self.storage = (self.k_data, self.k_scale, self.v_data, self.v_scale, self.v_tail, self.page_table,
                         self.seq_lens)
@@ -144,15 +143,9 @@ class MXFP8KVCache:
         self.seq_lens[slot] = 0
 
     def slot_tensor(self, slots: Sequence[int]) -> torch.Tensor:
-        """int32 [len(slots)] of the slots on the cache's device (kept per slots list: a decode loop asks for the
-        same one every step)."""
-        key = tuple(slots)
-        t = self._slot_tensors.get(key)
-        if t is None:
-            if len(self._slot_tensors) >= 64:
-                self._slot_tensors.clear()
-            t = self._slot_tensors[key] = host_to_device(list(key), torch.int32, self.device)
-        return t
+        """int32 [len(slots)] of the slots on the cache's device (one copy per slots list: a decode loop asks for
+        the same one every step, `_device_ints`)."""
+        return _device_ints(tuple(slots), self.device)
 
     def length(self, slot: int) -> int:
         """Tokens held by the sequence in `slot`."""
