@@ -54,7 +54,7 @@ from .triton_attention_fwd import BF16_FWD_CONFIGS, BLOCK_N
 from .triton_common import (LOG2E, band_block_range, block_max, dequant_cols, dequant_rows, load_tile,
                             mask_logits, quantize_cols, quantize_rows, round_p_to_bf16, softmax_block, softmax_start)
 from .triton_launch import cdiv, launch, sm_count
-from .triton_paged_decode import _decode_blocks, _q_block
+from .triton_paged_decode import _block_pages, _decode_scores, _decode_values, _q_block
 from .triton_quantize import padded_head_dim
 
 # passes of _paged_attn_kernel
@@ -120,23 +120,36 @@ def _paged_blocks(acc, m_i, l_i, q, j0, j1, pos, slot, hk, len_kv, sealed, offse
                   PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n,
                   VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE,
                   MASK: tl.constexpr, HAS_LB: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
-                  EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr, MAX_ONLY: tl.constexpr):
+                  EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr, MAX_ONLY: tl.constexpr, DECODE: tl.constexpr,
+                  BM: tl.constexpr, NB: tl.constexpr, TAIL: tl.constexpr):
     """The online softmax over KV blocks j0 .. j1 (in order) for query positions pos [BM]; MAX_ONLY: only the
-    running max of the logits (acc and l_i unchanged)."""
+    running max of the logits (acc and l_i unchanged). q: Q dequantized to bf16, or under DECODE its D blocks and
+    scales (`_q_block`; TAIL: the blocks may reach past the sealed V blocks and past len_kv)."""
     for j in range(j0, j1):
-        kt, page, row = _paged_keys(j, slot, hk, len_kv, PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n,
-                                    D, PAGE, BN, DP, EVEN_D, WHOLE_PAGES)
-        qk = tl.dot(q, tl.trans(kt))
+        if DECODE:
+            pg, page, row = _block_pages(j, slot, len_kv, PT, spt, PAGE, BN, WHOLE_PAGES)
+            qk = _decode_scores(*q, j, page, row, hk, len_kv, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, D,
+                                BN, NB, TAIL, EVEN_D)
+        else:
+            kt, page, row = _paged_keys(j, slot, hk, len_kv, PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h,
+                                        sks_n, D, PAGE, BN, DP, EVEN_D, WHOLE_PAGES)
+            qk = tl.dot(q, tl.trans(kt))
         cols = j * BN + tl.arange(0, BN)
         if MAX_ONLY:
             m_i = block_max(mask_logits(qk, pos, cols, len_kv, offset, LB, 0, MASK, HAS_LB, True), m_i, qk_scale)
         else:
             p, alpha, m_i, l_i = softmax_block(qk, m_i, l_i, pos, cols, len_kv, qk_scale, offset, LB, 0, MASK,
                                                HAS_LB, True)
-            vt = _paged_values(j, page, row, slot, hk, len_kv, sealed, PT, spt, VD, svd_p, svd_h, svd_n,
-                               VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE, BN, DP, EVEN_D,
-                               WHOLE_PAGES)
-            acc = acc * alpha[:, None] + tl.dot(round_p_to_bf16(p), vt)
+            if DECODE:
+                pv = _decode_values(p, j, pg, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p, svd_h, svd_n,
+                                    VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, BM, BN, DP, WHOLE_PAGES,
+                                    TAIL, EVEN_D)
+                acc = acc * alpha[:, None] + pv
+            else:
+                vt = _paged_values(j, page, row, slot, hk, len_kv, sealed, PT, spt, VD, svd_p, svd_h, svd_n,
+                                   VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE, BN, DP, EVEN_D,
+                                   WHOLE_PAGES)
+                acc = acc * alpha[:, None] + tl.dot(round_p_to_bf16(p), vt)
     return acc, m_i, l_i
 
 
@@ -223,22 +236,25 @@ def _paged_attn_kernel(
         x1 = tl.maximum(js, tl.minimum(tl.minimum(full_lo // BN, s_blk), je))
         x2 = tl.maximum(x1, tl.minimum(tl.minimum(full_hi // BN, s_blk), je))
         run = (pos, slot, hk, len_kv, sealed, offset, LB, qk_scale)
-        acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, qs, js, x1, *run, *pages, HAS_LB, BM, BN, DP, NB, WHOLE_PAGES,
-                                       EVEN_D, max_only, True, False)
-        acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, qs, x1, x2, *run, *pages, HAS_LB, BM, BN, DP, NB, WHOLE_PAGES,
-                                       EVEN_D, max_only, False, False)
-        acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, qs, x2, je, *run, *pages, HAS_LB, BM, BN, DP, NB, WHOLE_PAGES,
-                                       EVEN_D, max_only, True, True)
+        acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, qs, js, x1, *run, *pages, True, HAS_LB, BN, DP, EVEN_D,
+                                      WHOLE_PAGES, max_only, True, BM, NB, False)
+        acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, qs, x1, x2, *run, *pages, False, HAS_LB, BN, DP, EVEN_D,
+                                      WHOLE_PAGES, max_only, True, BM, NB, False)
+        acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, qs, x2, je, *run, *pages, True, HAS_LB, BN, DP, EVEN_D,
+                                      WHOLE_PAGES, max_only, True, BM, NB, True)
     else:  # the band's masked left edge, the unmasked blocks, the masked rest
         acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(lo // BN, js),
                                       tl.minimum(tl.cdiv(mask_hi, BN), je), pos, slot, hk, len_kv, sealed, offset,
-                                      LB, qk_scale, *pages, True, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only)
+                                      LB, qk_scale, *pages, True, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only,
+                                      False, BM, NB, False)
         acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(full_lo // BN, js),
                                       tl.minimum(full_hi // BN, je), pos, slot, hk, len_kv, sealed, offset,
-                                      LB, qk_scale, *pages, False, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only)
+                                      LB, qk_scale, *pages, False, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only,
+                                      False, BM, NB, False)
         acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(tl.cdiv(tl.maximum(full_hi, mask_hi), BN), js),
                                       tl.minimum(tl.cdiv(hi, BN), je), pos, slot, hk, len_kv, sealed, offset,
-                                      LB, qk_scale, *pages, True, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only)
+                                      LB, qk_scale, *pages, True, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only,
+                                      False, BM, NB, False)
     if PASS == MAX_PASS:
         tl.store(MP + part, m_i, mask=row_ok)
     elif PASS == SPLIT_PASS:

@@ -5,8 +5,8 @@ cores as they are.
 lengths, query rows, split ranges, stores). The exact one dequantizes every K and V tile to bf16 before its two
 products, the dense forward's data path: at decode sizes (a few query rows per KV head) that costs far more
 than the products, about 32 element operations per query row and key. The decode path (DECODE, the 16-row
-decode tile), whose per-block work is here (`_q_block`, `_decode_blocks`), keeps the recipe and changes only
-where the power-of-two scales are applied:
+decode tile), whose per-block work is here (`_q_block`, `_block_pages`, `_decode_scores`, `_decode_values`),
+keeps the recipe and changes only where the power-of-two scales are applied:
 
 * Q K^T: for each 32-wide block b along D, S_b = Q8_b K8_b^T on the f16 tensor cores (E4M3 -> F16 is exact
   and so is every product of two E4M3 values; sums in fp32), then S = sum_b S_b * 2^eq_b * 2^ek_b, with Q's
@@ -26,7 +26,7 @@ KV needs the maximum pass).
 import triton
 import triton.language as tl
 
-from .triton_common import block_max, mask_logits, quantize_cols, quantize_rows, softmax_block
+from .triton_common import quantize_cols, quantize_rows
 
 
 @triton.jit
@@ -202,33 +202,6 @@ def _decode_values(p, j, pg, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p,
     o += _pv_part(p2, 2, *v_args, BN, DP, WHOLE_PAGES, TAIL, EVEN_D)
     o += _pv_part(p3, 3, *v_args, BN, DP, WHOLE_PAGES, TAIL, EVEN_D)
     return o
-
-
-@triton.jit
-def _decode_blocks(acc, m_i, l_i, qs, j0, j1, pos, slot, hk, len_kv, sealed, offset, LB, qk_scale,
-                   PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n,
-                   VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE,
-                   HAS_LB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, NB: tl.constexpr,
-                   WHOLE_PAGES: tl.constexpr, EVEN_D: tl.constexpr, MAX_ONLY: tl.constexpr, MASK: tl.constexpr,
-                   TAIL: tl.constexpr):
-    """The online softmax over KV blocks j0 .. j1 (in order) for query positions pos [BM]; qs: Q's D blocks and
-    scales (`_q_block`). MASK: the logits need the band and length mask; TAIL: the blocks may reach past the
-    sealed V blocks (and past len_kv); MAX_ONLY: only the running max of the logits."""
-    for j in range(j0, j1):
-        pg, page, row = _block_pages(j, slot, len_kv, PT, spt, PAGE, BN, WHOLE_PAGES)
-        qk = _decode_scores(*qs, j, page, row, hk, len_kv, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, D,
-                            BN, NB, TAIL, EVEN_D)
-        cols = j * BN + tl.arange(0, BN)
-        if MAX_ONLY:
-            m_i = block_max(mask_logits(qk, pos, cols, len_kv, offset, LB, 0, MASK, HAS_LB, True), m_i, qk_scale)
-        else:
-            p, alpha, m_i, l_i = softmax_block(qk, m_i, l_i, pos, cols, len_kv, qk_scale, offset, LB, 0, MASK,
-                                               HAS_LB, True)
-            pv = _decode_values(p, j, pg, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p, svd_h, svd_n,
-                                VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, BM, BN, DP, WHOLE_PAGES, TAIL,
-                                EVEN_D)
-            acc = acc * alpha[:, None] + pv
-    return acc, m_i, l_i
 
 
 __all__ = ["e8m0_factor", "round_p_to_f16"]
