@@ -10,8 +10,8 @@ same: the helper's inlined debug scope adds `$L__tmp` labels at its boundaries, 
 (issue 23: helpers for the paged kernels' shared prologue and epilogue kept 11 of the 12 paged fingerprints and
 changed the 12th); check every kernel.
 
---kernels paged fingerprints the paged KV cache's kernels instead (`paged_builds`: the exact and decode attention
-kernels in each pass, the split combine and the append, at head dims 128 and 64 over bf16 inputs, as
+--kernels paged fingerprints the paged KV cache's kernels instead (`paged_builds`: the attention kernel's exact
+and decode data paths in each pass, the split combine and the append, at head dims 128 and 64 over bf16 inputs, as
 `paged_attention_fwd` and `paged_append` launch them); --kernels all, both sets.
 
 Usage: python benchmarks/default_recipe_sass.py [--kernels dense|paged|all] [--out FILE]
@@ -138,21 +138,24 @@ COMBINE_SPLITS = 8
 
 
 def _paged_attention_builds(dp: int) -> list:
-    """[(name, fn, types, constexprs, warps, stages, options)] of the exact and decode kernels' passes at head dim
-    dp: the tiles `paged_config` picks (exact; decode: FAST_TILE with DECODE_MAXNREG), the split passes' scratch in
-    fp32, the single pass's unused scratch arguments the query tensor (bf16)."""
+    """[(name, fn, types, constexprs, warps, stages, options)] of the paged attention kernel's passes on its exact
+    and decode data paths (DECODE) at head dim dp: the tiles `paged_config` picks (exact; decode: FAST_TILE with
+    DECODE_MAXNREG), the split passes' scratch in fp32, the single pass's unused scratch arguments the query
+    tensor (bf16)."""
     from mxattn.kernels import triton_paged_attention as tp
     out = []
-    for label, fn, config in (("exact", tp._paged_attn_kernel, tp.paged_config(dp)),
-                              ("decode", tp._paged_decode_kernel, tp.paged_config(dp, exact=False, rows=PAGED_GROUP))):
+    fn = tp._paged_attn_kernel
+    for label, config in (("exact", tp.paged_config(dp)),
+                          ("decode", tp.paged_config(dp, exact=False, rows=PAGED_GROUP))):
         bm, warps, stages = config
-        options = {} if fn is tp._paged_attn_kernel or tp.DECODE_MAXNREG is None else dict(maxnreg=tp.DECODE_MAXNREG)
+        decode = label == "decode"
+        options = dict(maxnreg=tp.DECODE_MAXNREG) if decode and tp.DECODE_MAXNREG is not None else {}
         for pass_ in (tp.SINGLE.value, tp.MAX_PASS.value, tp.SPLIT_PASS.value):
             scratch = "*bf16" if pass_ == tp.SINGLE.value else "*fp32"
             types = dict(PAGED_TYPES, MP=scratch, MF=scratch, LP=scratch, OP=scratch, SINK="*bf16")
             constexprs = dict(HAS_LB=False, HAS_SINK=False, BM=bm, BN=tp.BLOCK_N, DP=dp,
                               GP=tp.tile_heads(PAGED_GROUP, bm), EVEN_D=True,
-                              WHOLE_PAGES=PAGE_TOKENS % tp.BLOCK_N == 0, PASS=pass_)
+                              WHOLE_PAGES=PAGE_TOKENS % tp.BLOCK_N == 0, PASS=pass_, DECODE=decode)
             out.append((f"paged {label} d{dp} pass{pass_}", fn, types, constexprs, warps, stages,
                         dict(options, divisible=paged_divisible(fn, types))))
     return out

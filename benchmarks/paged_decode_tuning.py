@@ -1,12 +1,14 @@
-"""Tuning run of the paged decode kernel (issue 21): time per decode step of its configurations against torch
-SDPA over a bf16 cache, same GPU, same run. Rows: the exact single pass (num_splits=1: its tile, checked
-bit-equal to the dense path's 128-row / 8-warp tile), the exact kernel's dequantizing code on the 16-row tile
-(the decode path before `triton_paged_decode`), then the decode kernel with the automatic split count under
+"""Tuning run of the paged kernel's decode path (issue 21): time per decode step of its configurations against
+torch SDPA over a bf16 cache, same GPU, same run. Rows: the exact single pass (num_splits=1: its tile, checked
+bit-equal to the dense path's 128-row / 8-warp tile), the exact (dequantizing) path on the 16-row tile (the
+decode path before `triton_paged_decode`), then the decode path (DECODE) with the automatic split count under
 (num_warps, num_stages) variants, with 256-token pages (one page-table read per block) and 64-token
 pages (a gather per token); agreement of the default with the exact pass (max bf16 ulps, share equal).
 Heads as benchmarks/decode_bench.py; GPU times of CUDA-graph replays (`decode_bench.graph_us`). --ncu: one
-fast-tile call at batch 64 (or $NCU_BATCH) / 4k for Nsight Compute. --splits: instead, the fast tile's time per split count (the automatic choice first) at batch 1, 8, 64 and contexts 1k-32k; --cap N
-adds a register cap of N per thread to the decode kernel's build (`DECODE_MAXNREG`) for that sweep.
+fast-tile call at batch 64 (or $NCU_BATCH) / 4k for Nsight Compute (`-k regex:_paged_attn`: both data paths
+are `_paged_attn_kernel`; `_paged` alone also catches the append kernel). --splits: instead, the fast tile's
+time per split count (the automatic choice first) at batch 1, 8, 64 and contexts 1k-32k; --cap N adds a register
+cap of N per thread to the decode path's build (`DECODE_MAXNREG`) for that sweep.
 Usage (CUDA machine): python benchmarks/paged_decode_tuning.py [--ncu | --splits [--cap N]]"""
 import os
 import sys
@@ -43,7 +45,7 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 def split_sweep(cap=None):
     """Time per decode step of the fast tile per split count, against the automatic choice and SDPA (cap: the
-    decode kernel's register cap, None for the library's)."""
+    decode path's register cap, None for the library's)."""
     if cap is not None:
         tp.DECODE_MAXNREG = cap
     print(f"{torch.cuda.get_device_name()}: decode step, Hq {db.HQ} Hkv {db.HKV} D {db.D}, page 256, "
@@ -78,7 +80,7 @@ def main():
         return
     print(f"{torch.cuda.get_device_name()}: decode step, Hq {db.HQ} Hkv {db.HKV} D {db.D}, us")
     real_exact, real_fast = tp.paged_config, tp.FAST_TILE
-    print("batch context | sdpa | exact (= 128x8 tile) | dequantizing kernel on the decode tile | decode kernel, "
+    print("batch context | sdpa | exact (= 128x8 tile) | dequantizing path on the decode tile | decode path, "
           "(warps, stages, register cap): " + " | ".join(map(str, VARIANTS)) + " | page 64 | default vs exact: max ulps, equal share")
     for batch, context in ((1, 4096), (1, 32768), (8, 4096), (8, 32768), (64, 4096), (64, 16384)):
         run, q, k, v = setup(batch, context, 256)
@@ -88,9 +90,11 @@ def main():
         tp.paged_config = real_exact
         exact = run(1).clone()
         t_exact = db.graph_us(lambda: run(1))
-        real_decode, tp._paged_decode_kernel = tp._paged_decode_kernel, tp._paged_attn_kernel
-        t_dequant = db.graph_us(lambda: run(0))  # the exact kernel's code on the fast tile (before the decode kernel)
-        tp._paged_decode_kernel = real_decode
+        real_launch = tp.launch  # the exact (dequantizing) path on the fast tile: the decode path before DECODE
+        tp.launch = lambda fn, grid, *a, **kw: real_launch(
+            fn, grid, *a, **(dict(kw, DECODE=False) if fn is tp._paged_attn_kernel else kw))
+        t_dequant = db.graph_us(lambda: run(0))
+        tp.launch = real_launch
         times = []
         for warps, stages, maxnreg in VARIANTS:
             tp.FAST_TILE, tp.DECODE_MAXNREG = (16, warps, stages), maxnreg

@@ -5,7 +5,7 @@ and inspected before any device time is spent: registers, stack frame (spills), 
 of the SASS (a backward branch) its instruction count and the most frequent opcodes. A loop body's count per warp,
 times the cycles per issued instruction, bounds a latency-bound kernel's time per iteration; byte-wise shared
 memory loads (LDS.U8), barriers (BAR.SYNC) and register moves (IMAD.MOV) in a hot loop are the usual signs of
-operands shuffled rather than computed. (How this found the paged decode kernel's byte-wise V transposition:
+operands shuffled rather than computed. (How this found the paged decode path's byte-wise V transposition:
 benchmarks/results/nvidia-h100-80gb-hbm3/session17/README.txt.)
 
 Usage: python benchmarks/sass_loops.py [--kernel decode|exact] [--pass 0|1|2] [--head-dim 128] [--warps 4]
@@ -60,17 +60,15 @@ def loops(ins):
 
 
 def build_paged(kernel: str, pass_: int, head_dim: int, warps: int, stages: int, maxnreg=None):
-    """The sm_90 build of a paged attention kernel (decode: triton_paged_decode, exact: triton_paged_attention) for
-    a decode step's tile (16 rows, 4 query heads per KV head, pages of 256 tokens)."""
+    """The sm_90 build of the paged attention kernel's data path (decode: DECODE, triton_paged_decode; exact: the
+    dequantizing path) for a decode step's tile (16 rows, 4 query heads per KV head, pages of 256 tokens)."""
     from triton_compile import compile_paged
     from mxattn.kernels import triton_paged_attention as tp
-    from mxattn.kernels import triton_paged_decode as td
-    fn = td._paged_decode_kernel if kernel == "decode" else tp._paged_attn_kernel
     dp = tp.padded_head_dim(head_dim)
     constexprs = dict(HAS_LB=False, HAS_SINK=False, BM=16, BN=tp.BLOCK_N, DP=dp, GP=4, EVEN_D=dp == head_dim,
-                      WHOLE_PAGES=True, PASS=pass_)
+                      WHOLE_PAGES=True, PASS=pass_, DECODE=kernel == "decode")
     options = {} if maxnreg is None else dict(maxnreg=maxnreg)
-    return compile_paged(fn, constexprs, num_warps=warps, num_stages=stages, **options)
+    return compile_paged(tp._paged_attn_kernel, constexprs, num_warps=warps, num_stages=stages, **options)
 
 
 def report(cubin: bytes, top: int) -> str:
@@ -96,7 +94,8 @@ def report(cubin: bytes, top: int) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("decode", "exact"), default="decode",
-                    help="decode: triton_paged_decode (the 16-row tile's kernel); exact: triton_paged_attention's")
+                    help="the paged kernel's data path: decode (DECODE, triton_paged_decode; the 16-row tile's) "
+                         "or exact (dequantizing)")
     ap.add_argument("--pass", dest="pass_", type=int, choices=(0, 1, 2), default=2,
                     help="0 single pass, 1 split maximum pass, 2 split pass (default)")
     ap.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
@@ -109,7 +108,7 @@ def main(argv=None) -> int:
         print("sass_loops needs triton (pip install triton on Linux x86-64)", file=sys.stderr)
         return 2
     kernel = build_paged(args.kernel, args.pass_, args.head_dim, args.warps, args.stages, args.maxnreg)
-    print(f"{args.kernel} kernel, pass {args.pass_}, D {args.head_dim}, {args.warps} warps, {args.stages} stages"
+    print(f"{args.kernel} path, pass {args.pass_}, D {args.head_dim}, {args.warps} warps, {args.stages} stages"
           + ("" if args.maxnreg is None else f", maxnreg {args.maxnreg}") + f"; shared memory "
           f"{kernel.metadata.shared} bytes")
     print(report(kernel.asm["cubin"], args.top))

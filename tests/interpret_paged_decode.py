@@ -1,6 +1,6 @@
-"""Run the paged decode kernel (`mxattn.kernels.triton_paged_decode`) under Triton's interpreter on the CPU and
-compare it with the reference backend: the kernel's logic (page tables, GQA packing, masks, windows, sinks, the
-open V block, split passes and their combine) checked where CI runs, without a GPU. The kernel's arithmetic is
+"""Run the paged kernel's decode path (DECODE, `mxattn.kernels.triton_paged_decode`) under Triton's interpreter on
+the CPU and compare it with the reference backend: the path's logic (page tables, GQA packing, masks, windows,
+sinks, the open V block, split passes and their combine) checked where CI runs, without a GPU. Its arithmetic is
 checked on the GPU (tests/kvcache/test_kvcache_gpu.py); here only what it computes.
 
 Run as a script with TRITON_INTERPRET=1 (set before triton decorates the kernels); prints one JSON line per

@@ -53,8 +53,8 @@ def paged_divisible(fn, types: dict) -> list:
 
 
 def compile_paged(fn, constexprs: dict, *, num_warps: int, num_stages: int, types: dict = PAGED_TYPES, **options):
-    """A paged attention kernel (triton_paged_attention._paged_attn_kernel or triton_paged_decode's, same
-    arguments) compiled for sm_90 with the divisibility Triton's launcher sees for an MXFP8KVCache
+    """The paged attention kernel (triton_paged_attention._paged_attn_kernel; constexprs choose its pass and data
+    path) compiled for sm_90 with the divisibility Triton's launcher sees for an MXFP8KVCache
     (`paged_divisible`)."""
     return compile_for(fn, types, constexprs, num_warps=num_warps, num_stages=num_stages,
                        divisible=paged_divisible(fn, types), **options)

@@ -1,10 +1,15 @@
 """Triton attention over the paged MXFP8 KV cache (`mxattn.MXFP8KVCache`): decode steps and chunks.
 
+One kernel, `_paged_attn_kernel`, with two data paths behind one prologue and epilogue (program ids to sequence,
+KV head and tile, lengths, query rows, split ranges, the stores): the exact path below, and the decode path
+(DECODE: `triton_paged_decode`) for decode steps on the 16-row tile.
+
 One program takes one KV head of one sequence and packs the query heads that share it (GQA) with the query
 tokens of a tile into the rows of the dense forward's query tile: row r holds token ``r // GP`` and group head
 ``r % GP`` (GP: the group, rounded up to a power of two). The pages are read once per KV head, not once per
 query head, and a decode step (one token, four query heads per KV head) fills four rows instead of one. The
-program walks the sequence's pages in KV blocks of BLOCK_N = 128 tokens (the recipe's softmax block):
+program walks the sequence's pages in KV blocks of BLOCK_N = 128 tokens (the recipe's softmax block); on the exact
+path:
 
 * K: E4M3 bytes and row-wise E8M0 scales gathered from the pages (page table lookups per token), dequantized
   on chip (`dequant_rows`);
@@ -23,7 +28,7 @@ Split KV (flash-decoding): when the programs would leave multiprocessors idle (f
 each sequence's KV blocks are cut into `n_splits` contiguous ranges run by separate programs, in two passes and
 a combine, so that every P is still rounded to E4M3 against the running max of the sequential pass:
 
-1. each split's row maximum of the logits (K only: `_paged_attn_kernel` with PASS = 1);
+1. each split's row maximum of the logits (K only: PASS = 1);
 2. each split starts its online softmax from the maximum over the sink and the earlier splits (what the
    sequential pass's running max is when it reaches the split's first block), so each block's P is the
    sequential pass's P; it writes its unnormalised O, final max and sum (PASS = 2);
@@ -31,8 +36,8 @@ a combine, so that every P is still rounded to E4M3 against the running max of t
 
 Only the fp32 additions across splits are ordered differently from the sequential pass: split results agree with
 one split to fp32 rounding (not bit for bit). A decode call that does not ask for one split (num_splits != 1) and
-packs at most 16 rows per tile runs the decode kernel instead (`triton_paged_decode`: the same passes on the
-16-row FAST_TILE, the FP8 bytes multiplied on the f16 tensor cores per 32-block and the power-of-two scales
+packs at most 16 rows per tile runs the decode path instead (DECODE, `triton_paged_decode`: the same passes on
+the 16-row FAST_TILE, the FP8 bytes multiplied on the f16 tensor cores per 32-block and the power-of-two scales
 applied to the products): the same fp32-rounding agreement, without dequantizing K and V tiles.
 Masks: causal bottom-right per sequence (each sequence's own lengths), optionally a left window bound; attention sinks.
 """
@@ -49,7 +54,7 @@ from .triton_attention_fwd import BF16_FWD_CONFIGS, BLOCK_N
 from .triton_common import (LOG2E, band_block_range, block_max, dequant_cols, dequant_rows, load_tile,
                             mask_logits, quantize_cols, quantize_rows, round_p_to_bf16, softmax_block, softmax_start)
 from .triton_launch import cdiv, launch, sm_count
-from .triton_paged_decode import _paged_decode_kernel
+from .triton_paged_decode import _block_pages, _decode_scores, _decode_values, _q_block
 from .triton_quantize import padded_head_dim
 
 # passes of _paged_attn_kernel
@@ -115,23 +120,36 @@ def _paged_blocks(acc, m_i, l_i, q, j0, j1, pos, slot, hk, len_kv, sealed, offse
                   PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n,
                   VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE,
                   MASK: tl.constexpr, HAS_LB: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
-                  EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr, MAX_ONLY: tl.constexpr):
+                  EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr, MAX_ONLY: tl.constexpr, DECODE: tl.constexpr,
+                  BM: tl.constexpr, NB: tl.constexpr, TAIL: tl.constexpr):
     """The online softmax over KV blocks j0 .. j1 (in order) for query positions pos [BM]; MAX_ONLY: only the
-    running max of the logits (acc and l_i unchanged)."""
+    running max of the logits (acc and l_i unchanged). q: Q dequantized to bf16, or under DECODE its D blocks and
+    scales (`_q_block`; TAIL: the blocks may reach past the sealed V blocks and past len_kv)."""
     for j in range(j0, j1):
-        kt, page, row = _paged_keys(j, slot, hk, len_kv, PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n,
-                                    D, PAGE, BN, DP, EVEN_D, WHOLE_PAGES)
-        qk = tl.dot(q, tl.trans(kt))
+        if DECODE:
+            pg, page, row = _block_pages(j, slot, len_kv, PT, spt, PAGE, BN, WHOLE_PAGES)
+            qk = _decode_scores(*q, j, page, row, hk, len_kv, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, D,
+                                BN, NB, TAIL, EVEN_D)
+        else:
+            kt, page, row = _paged_keys(j, slot, hk, len_kv, PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h,
+                                        sks_n, D, PAGE, BN, DP, EVEN_D, WHOLE_PAGES)
+            qk = tl.dot(q, tl.trans(kt))
         cols = j * BN + tl.arange(0, BN)
         if MAX_ONLY:
             m_i = block_max(mask_logits(qk, pos, cols, len_kv, offset, LB, 0, MASK, HAS_LB, True), m_i, qk_scale)
         else:
             p, alpha, m_i, l_i = softmax_block(qk, m_i, l_i, pos, cols, len_kv, qk_scale, offset, LB, 0, MASK,
                                                HAS_LB, True)
-            vt = _paged_values(j, page, row, slot, hk, len_kv, sealed, PT, spt, VD, svd_p, svd_h, svd_n,
-                               VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE, BN, DP, EVEN_D,
-                               WHOLE_PAGES)
-            acc = acc * alpha[:, None] + tl.dot(round_p_to_bf16(p), vt)
+            if DECODE:
+                pv = _decode_values(p, j, pg, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p, svd_h, svd_n,
+                                    VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, BM, BN, DP, WHOLE_PAGES,
+                                    TAIL, EVEN_D)
+                acc = acc * alpha[:, None] + pv
+            else:
+                vt = _paged_values(j, page, row, slot, hk, len_kv, sealed, PT, spt, VD, svd_p, svd_h, svd_n,
+                                   VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE, BN, DP, EVEN_D,
+                                   WHOLE_PAGES)
+                acc = acc * alpha[:, None] + tl.dot(round_p_to_bf16(p), vt)
     return acc, m_i, l_i
 
 
@@ -143,7 +161,8 @@ def _paged_attn_kernel(
         svd_p, svd_h, svd_n, svs_p, svs_h, svs_n, svt_s, svt_h, svt_n,
         T, HQ, HKV, GROUP, D, PAGE, qk_scale, LB, N_SPLITS,
         HAS_LB: tl.constexpr, HAS_SINK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
-        GP: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr, PASS: tl.constexpr):
+        GP: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr, PASS: tl.constexpr,
+        DECODE: tl.constexpr):
     """Grid (query tiles of the longest query run * N_SPLITS, sequences * HKV * head chunks). Q, O: [T, HQ, D]
     (thd, unit stride along D), sequence b's queries at rows CU_Q[b] .. CU_Q[b+1]; SLOTS[b]: its cache slot;
     SEQ_LENS[slot]: its cached tokens (the new ones included); PT: the page table [slots, pages]; KD/KS, VD/VS:
@@ -152,7 +171,9 @@ def _paged_attn_kernel(
     chunk c: the group's heads c * GP .. c * GP + GP). PASS: SINGLE (the whole sequence, writes O), MAX_PASS
     (split s's row maxima of the logits to MP [N_SPLITS, T, HQ]), SPLIT_PASS (split s from the maximum of the
     sink and MP's earlier splits; its unnormalised O to OP [N_SPLITS, T, HQ, DP], final max to MF and sum to
-    LP [N_SPLITS, T, HQ])."""
+    LP [N_SPLITS, T, HQ]). DECODE: the decode data path (`triton_paged_decode`: FP8 operands on the f16 tensor
+    cores), else the exact one (tiles dequantized to bf16, the dense path's products)."""
+    NB: tl.constexpr = DP // 32
     TQ: tl.constexpr = BM // GP
     tile = tl.program_id(0) // N_SPLITS
     split = tl.program_id(0) % N_SPLITS
@@ -178,9 +199,16 @@ def _paged_attn_kernel(
     tok = first.to(tl.int64) + pos
     offs_d = tl.arange(0, DP)
     q_ok = row_ok[:, None] & (offs_d < D)[None, :]
-    q = tl.load(Q + tok[:, None] * sq_t + head[:, None] * sq_h + offs_d[None, :], mask=q_ok, other=0.0)
-    qq, qe = quantize_rows(q.to(tl.float32), BM, DP)
-    q = dequant_rows(qq, qe.to(tl.uint8), BM, DP)
+    if DECODE:  # Q's 32-wide D blocks quantized row-wise: E4M3 values as f16 and their scales
+        q0, s0 = _q_block(Q, tok, head, sq_t, sq_h, row_ok, 0, D, BM)
+        q1, s1 = _q_block(Q, tok, head, sq_t, sq_h, row_ok & (NB > 1), 1, D, BM)
+        q2, s2 = _q_block(Q, tok, head, sq_t, sq_h, row_ok & (NB > 2), 2, D, BM)
+        q3, s3 = _q_block(Q, tok, head, sq_t, sq_h, row_ok & (NB > 2), 3, D, BM)
+        qs = (q0, q1, q2, q3, s0, s1, s2, s3)
+    else:  # Q quantized row-wise and dequantized to bf16
+        q = tl.load(Q + tok[:, None] * sq_t + head[:, None] * sq_h + offs_d[None, :], mask=q_ok, other=0.0)
+        qq, qe = quantize_rows(q.to(tl.float32), BM, DP)
+        q = dequant_rows(qq, qe.to(tl.uint8), BM, DP)
 
     lo, mask_hi, full_lo, full_hi, hi = band_block_range(t0, len_kv, offset, LB, 0, HAS_LB, True, TQ, BN)
     js = lo // BN
@@ -201,15 +229,32 @@ def _paged_attn_kernel(
     pages = (PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, VD, svd_p, svd_h, svd_n,
              VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE)
     max_only: tl.constexpr = PASS == MAX_PASS
-    acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(lo // BN, js), tl.minimum(tl.cdiv(mask_hi, BN), je),
-                                  pos, slot, hk, len_kv, sealed, offset, LB, qk_scale, *pages,
-                                  True, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only)
-    acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(full_lo // BN, js), tl.minimum(full_hi // BN, je),
-                                  pos, slot, hk, len_kv, sealed, offset, LB, qk_scale, *pages,
-                                  False, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only)
-    acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(tl.cdiv(tl.maximum(full_hi, mask_hi), BN), js),
-                                  tl.minimum(tl.cdiv(hi, BN), je), pos, slot, hk, len_kv, sealed, offset, LB,
-                                  qk_scale, *pages, True, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only)
+    if DECODE:
+        # the split's blocks [js, je) in three runs: the band's left edge (masked), blocks every query row keeps
+        # whole and whose V blocks are all sealed (no mask), the rest (masked; the open V block, keys past len_kv)
+        s_blk = sealed // BN
+        x1 = tl.maximum(js, tl.minimum(tl.minimum(full_lo // BN, s_blk), je))
+        x2 = tl.maximum(x1, tl.minimum(tl.minimum(full_hi // BN, s_blk), je))
+        run = (pos, slot, hk, len_kv, sealed, offset, LB, qk_scale)
+        acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, qs, js, x1, *run, *pages, True, HAS_LB, BN, DP, EVEN_D,
+                                      WHOLE_PAGES, max_only, True, BM, NB, False)
+        acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, qs, x1, x2, *run, *pages, False, HAS_LB, BN, DP, EVEN_D,
+                                      WHOLE_PAGES, max_only, True, BM, NB, False)
+        acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, qs, x2, je, *run, *pages, True, HAS_LB, BN, DP, EVEN_D,
+                                      WHOLE_PAGES, max_only, True, BM, NB, True)
+    else:  # the band's masked left edge, the unmasked blocks, the masked rest
+        acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(lo // BN, js),
+                                      tl.minimum(tl.cdiv(mask_hi, BN), je), pos, slot, hk, len_kv, sealed, offset,
+                                      LB, qk_scale, *pages, True, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only,
+                                      False, BM, NB, False)
+        acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(full_lo // BN, js),
+                                      tl.minimum(full_hi // BN, je), pos, slot, hk, len_kv, sealed, offset,
+                                      LB, qk_scale, *pages, False, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only,
+                                      False, BM, NB, False)
+        acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(tl.cdiv(tl.maximum(full_hi, mask_hi), BN), js),
+                                      tl.minimum(tl.cdiv(hi, BN), je), pos, slot, hk, len_kv, sealed, offset,
+                                      LB, qk_scale, *pages, True, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only,
+                                      False, BM, NB, False)
     if PASS == MAX_PASS:
         tl.store(MP + part, m_i, mask=row_ok)
     elif PASS == SPLIT_PASS:
@@ -248,11 +293,11 @@ def _combine_splits_kernel(O, MF, LP, OP, so_t, so_h, T, HQ, D, N_SPLITS, SP: tl
 #: (m64n128k16) with the same row layout as each warpgroup of the dense 128-row / 8-warp tile (measured bit-equal
 #: on an H200, benchmarks/paged_decode_tuning.py; tests/test_kvcache_gpu.py checks it), at half the rows
 EXACT_TILES = {128: (64, 4)}
-#: the tile of the decode kernel (`triton_paged_decode`): the fewest rows an MMA takes (mma.sync m16n8k16), one
+#: the tile of the decode path (`triton_paged_decode`): the fewest rows an MMA takes (mma.sync m16n8k16), one
 #: warp group, two stages (H100, CUDA-graph replays: batch 8 / 4k 109 us against 110 with three, batch 64 / 4k
 #: 448 against 458; benchmarks/results/nvidia-h100-80gb-hbm3/session17/)
 FAST_TILE = (16, 4, 2)
-#: register cap of the decode kernel (None: the compiler's choice, 255 per thread and one or two programs per
+#: register cap of the decode path's builds (None: the compiler's choice, 255 per thread and one or two programs per
 #: multiprocessor): 128 fits four, and with PROGRAMS_PER_SM's splits the H100 ran batch 8 / 4k in 92 us against
 #: 103 (16k: 244 against 316, the best split count of each; session18/splits_cap128.txt, splits_default.txt)
 DECODE_MAXNREG = 128
@@ -262,7 +307,7 @@ def paged_config(head_dim: int, exact: bool = True, rows: int = 0):
     """(BLOCK_M, num_warps, num_stages) of the paged kernel; None above head dim 128. exact: the dense bf16 path's
     MMA instructions and row layout (its tile and warps, or EXACT_TILES), so both agree bit for bit; two stages. Not
     exact and at most 16 packed rows (a decode step: query heads per KV head x query tokens): FAST_TILE, the
-    decode kernel's (`triton_paged_decode`), whose sums of the products of QK^T and PV run in another order: O
+    decode path's (`triton_paged_decode`), whose sums of the products of QK^T and PV run in another order: O
     agrees to fp32 rounding."""
     dp = padded_head_dim(head_dim)
     if dp not in BF16_FWD_CONFIGS:
@@ -358,15 +403,15 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
             vt.stride(0), vt.stride(1), vt.stride(2),
             T, hq, hkv, group, d, cache.page_size, float(softmax_scale) * LOG2E.value,
             0 if left_bound is None else int(left_bound), num_splits)
-    options = dict(HAS_LB=left_bound is not None, HAS_SINK=sink is not None, BM=bm, BN=BLOCK_N, DP=dp, GP=gp,
-                   EVEN_D=dp == d, WHOLE_PAGES=cache.page_size % BLOCK_N == 0, num_warps=warps, num_stages=stages)
-    grid = (tiles * num_splits, programs[1])
     # the exact tile dequantizes as the dense path does; the decode tile feeds the FP8 bytes to the tensor cores
+    decode = (bm, warps, stages) == FAST_TILE
+    options = dict(HAS_LB=left_bound is not None, HAS_SINK=sink is not None, BM=bm, BN=BLOCK_N, DP=dp, GP=gp,
+                   EVEN_D=dp == d, WHOLE_PAGES=cache.page_size % BLOCK_N == 0, DECODE=decode, num_warps=warps,
+                   num_stages=stages)
+    if decode and DECODE_MAXNREG is not None:
+        options["maxnreg"] = DECODE_MAXNREG
+    grid = (tiles * num_splits, programs[1])
     kernel = _paged_attn_kernel
-    if (bm, warps, stages) == FAST_TILE:
-        kernel = _paged_decode_kernel
-        if DECODE_MAXNREG is not None:
-            options["maxnreg"] = DECODE_MAXNREG
     if num_splits == 1:
         launch(kernel, grid, q, out, *parts, *args, PASS=SINGLE.value, **options)
         return

@@ -1,9 +1,12 @@
-"""Triton decode kernel over the paged MXFP8 KV cache: the FP8 bytes go to the tensor cores as they are.
+"""The decode data path of the paged attention kernel over the MXFP8 KV cache: the FP8 bytes go to the tensor
+cores as they are.
 
-The exact paged kernel (`triton_paged_attention._paged_attn_kernel`) dequantizes every K and V tile to bf16
-before its two products, the dense forward's data path: at decode sizes (a few query rows per KV head) that
-costs far more than the products, about 32 element operations per query row and key. This kernel keeps the
-recipe and changes only where the power-of-two scales are applied:
+`triton_paged_attention._paged_attn_kernel` has two data paths behind one prologue and epilogue (programs,
+lengths, query rows, split ranges, stores). The exact one dequantizes every K and V tile to bf16 before its two
+products, the dense forward's data path: at decode sizes (a few query rows per KV head) that costs far more
+than the products, about 32 element operations per query row and key. The decode path (DECODE, the 16-row
+decode tile), whose per-block work is here (`_q_block`, `_block_pages`, `_decode_scores`, `_decode_values`),
+keeps the recipe and changes only where the power-of-two scales are applied:
 
 * Q K^T: for each 32-wide block b along D, S_b = Q8_b K8_b^T on the f16 tensor cores (E4M3 -> F16 is exact
   and so is every product of two E4M3 values; sums in fp32), then S = sum_b S_b * 2^eq_b * 2^ek_b, with Q's
@@ -12,22 +15,18 @@ recipe and changes only where the power-of-two scales are applied:
   O_c = P8_c V8_c on the tensor cores, then O += sum_c O_c * 2^ev_c with V's column-wise scales per column;
 * the softmax step is the shared `softmax_block` on S.
 
-Every product is exact in both kernels and each runs the same softmax and P rounding, so the two agree to the
+Every product is exact on both paths and each runs the same softmax and P rounding, so the two agree to the
 order of the fp32 additions (a partial sum per 32-block here), the agreement the split passes already have with
 the single pass (tests: `tests/kvcache/test_kvcache_gpu.py`). Scales: 2^(e - 127) in fp32 (E8M0 0 as the
-subnormal 2^-127, 255 as NaN: a NaN block gives NaN as on the dequantizing path).
-
-Passes, grid and split-KV bookkeeping are the exact kernel's (`SINGLE`, `MAX_PASS`, `SPLIT_PASS`; its module
-docstring says why split KV needs the maximum pass): this kernel is its drop-in for the 16-row decode tile.
+subnormal 2^-127, 255 as NaN: a NaN block gives NaN as on the dequantizing path). Passes, grid and split-KV
+bookkeeping are the kernel's, the same on both paths (`triton_paged_attention`'s module docstring says why split
+KV needs the maximum pass).
 """
 
 import triton
 import triton.language as tl
 
-from .triton_common import (band_block_range, block_max, mask_logits, quantize_cols, quantize_rows,
-                            softmax_block, softmax_start)
-
-SINGLE, MAX_PASS, SPLIT_PASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+from .triton_common import quantize_cols, quantize_rows
 
 
 @triton.jit
@@ -203,121 +202,6 @@ def _decode_values(p, j, pg, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p,
     o += _pv_part(p2, 2, *v_args, BN, DP, WHOLE_PAGES, TAIL, EVEN_D)
     o += _pv_part(p3, 3, *v_args, BN, DP, WHOLE_PAGES, TAIL, EVEN_D)
     return o
-
-
-@triton.jit
-def _decode_blocks(acc, m_i, l_i, qs, j0, j1, pos, slot, hk, len_kv, sealed, offset, LB, qk_scale,
-                   PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n,
-                   VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE,
-                   HAS_LB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, NB: tl.constexpr,
-                   WHOLE_PAGES: tl.constexpr, EVEN_D: tl.constexpr, MAX_ONLY: tl.constexpr, MASK: tl.constexpr,
-                   TAIL: tl.constexpr):
-    """The online softmax over KV blocks j0 .. j1 (in order) for query positions pos [BM]; qs: Q's D blocks and
-    scales (`_q_block`). MASK: the logits need the band and length mask; TAIL: the blocks may reach past the
-    sealed V blocks (and past len_kv); MAX_ONLY: only the running max of the logits."""
-    for j in range(j0, j1):
-        pg, page, row = _block_pages(j, slot, len_kv, PT, spt, PAGE, BN, WHOLE_PAGES)
-        qk = _decode_scores(*qs, j, page, row, hk, len_kv, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, D,
-                            BN, NB, TAIL, EVEN_D)
-        cols = j * BN + tl.arange(0, BN)
-        if MAX_ONLY:
-            m_i = block_max(mask_logits(qk, pos, cols, len_kv, offset, LB, 0, MASK, HAS_LB, True), m_i, qk_scale)
-        else:
-            p, alpha, m_i, l_i = softmax_block(qk, m_i, l_i, pos, cols, len_kv, qk_scale, offset, LB, 0, MASK,
-                                               HAS_LB, True)
-            pv = _decode_values(p, j, pg, slot, hk, len_kv, sealed, PT, spt, PAGE, VD, svd_p, svd_h, svd_n,
-                                VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, BM, BN, DP, WHOLE_PAGES, TAIL,
-                                EVEN_D)
-            acc = acc * alpha[:, None] + pv
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _paged_decode_kernel(
-        Q, O, MP, MF, LP, OP, CU_Q, SLOTS, SEQ_LENS, SINK, PT, KD, KS, VD, VS, VT,
-        sq_t, sq_h, so_t, so_h, spt,
-        skd_p, skd_h, skd_n, sks_p, sks_h, sks_n,
-        svd_p, svd_h, svd_n, svs_p, svs_h, svs_n, svt_s, svt_h, svt_n,
-        T, HQ, HKV, GROUP, D, PAGE, qk_scale, LB, N_SPLITS,
-        HAS_LB: tl.constexpr, HAS_SINK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
-        GP: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr, PASS: tl.constexpr):
-    """`_paged_attn_kernel`'s arguments, grid and passes (see it), computed on the FP8 operands (module
-    docstring). EVEN_D: D == DP (no mask along D)."""
-    NB: tl.constexpr = DP // 32
-    TQ: tl.constexpr = BM // GP
-    tile = tl.program_id(0) // N_SPLITS
-    split = tl.program_id(0) % N_SPLITS
-    pid = tl.program_id(1)
-    chunks = tl.cdiv(GROUP, GP)
-    b = (pid // (HKV * chunks)).to(tl.int64)
-    hk = ((pid // chunks) % HKV).to(tl.int64)
-    chunk = pid % chunks
-    first = tl.load(CU_Q + b)
-    len_q = tl.load(CU_Q + b + 1) - first
-    t0 = tile * TQ
-    if t0 >= len_q:
-        return
-    slot = tl.load(SLOTS + b).to(tl.int64)
-    len_kv = tl.load(SEQ_LENS + slot)
-    sealed = len_kv - len_kv % 32
-    offset = len_kv - len_q  # causal, bottom-right: the last query sees every key
-    r = tl.arange(0, BM)
-    pos = t0 + r // GP
-    g = chunk * GP + r % GP
-    row_ok = (pos < len_q) & (g < GROUP)
-    head = hk * GROUP + tl.where(g < GROUP, g, 0)
-    tok = first.to(tl.int64) + pos
-    offs_d = tl.arange(0, DP)
-    q_ok = row_ok[:, None] & (offs_d < D)[None, :]
-    q0, s0 = _q_block(Q, tok, head, sq_t, sq_h, row_ok, 0, D, BM)
-    q1, s1 = _q_block(Q, tok, head, sq_t, sq_h, row_ok & (NB > 1), 1, D, BM)
-    q2, s2 = _q_block(Q, tok, head, sq_t, sq_h, row_ok & (NB > 2), 2, D, BM)
-    q3, s3 = _q_block(Q, tok, head, sq_t, sq_h, row_ok & (NB > 2), 3, D, BM)
-    qs = (q0, q1, q2, q3, s0, s1, s2, s3)
-
-    lo, mask_hi, full_lo, full_hi, hi = band_block_range(t0, len_kv, offset, LB, 0, HAS_LB, True, TQ, BN)
-    js = lo // BN
-    je = tl.cdiv(hi, BN)
-    if PASS != SINGLE:  # this split's blocks
-        per = tl.cdiv(je - js, N_SPLITS)
-        js = js + split * per
-        je = tl.minimum(js + per, je)
-    m_i, l_i, acc = softmax_start(SINK, head, HAS_SINK, BM, DP)
-    part = (split * T + tok) * HQ + head     # [BM] index into MP / MF / LP
-    if PASS == MAX_PASS:
-        m_i = tl.full([BM], float("-inf"), tl.float32)
-    if PASS == SPLIT_PASS:
-        for s in range(0, split):
-            m_i = tl.maximum(m_i, tl.load(MP + part - (split - s) * T * HQ, mask=row_ok, other=float("-inf")))
-        if split > 0:
-            l_i = tl.zeros([BM], tl.float32)
-    pages = (PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, VD, svd_p, svd_h, svd_n,
-             VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE)
-    max_only: tl.constexpr = PASS == MAX_PASS
-    # the split's blocks [js, je) in three runs: the band's left edge (masked), blocks every query row keeps
-    # whole and whose V blocks are all sealed (no mask), the rest (masked; the open V block, keys past len_kv)
-    s_blk = sealed // BN
-    x1 = tl.maximum(js, tl.minimum(tl.minimum(full_lo // BN, s_blk), je))
-    x2 = tl.maximum(x1, tl.minimum(tl.minimum(full_hi // BN, s_blk), je))
-    run = (pos, slot, hk, len_kv, sealed, offset, LB, qk_scale)
-    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, qs, js, x1, *run, *pages, HAS_LB, BM, BN, DP, NB, WHOLE_PAGES,
-                                   EVEN_D, max_only, True, False)
-    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, qs, x1, x2, *run, *pages, HAS_LB, BM, BN, DP, NB, WHOLE_PAGES,
-                                   EVEN_D, max_only, False, False)
-    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, qs, x2, je, *run, *pages, HAS_LB, BM, BN, DP, NB, WHOLE_PAGES,
-                                   EVEN_D, max_only, True, True)
-    if PASS == MAX_PASS:
-        tl.store(MP + part, m_i, mask=row_ok)
-    elif PASS == SPLIT_PASS:
-        tl.store(MF + part, m_i, mask=row_ok)
-        tl.store(LP + part, l_i, mask=row_ok)
-        tl.store(OP + part[:, None] * DP + offs_d[None, :], acc, mask=row_ok[:, None])
-    else:
-        has = (l_i != 0.0) & row_ok
-        denom = tl.where(has, l_i, 1.0)
-        o = tl.where(has[:, None], acc / denom[:, None], 0.0)
-        tl.store(O + tok[:, None] * so_t + head[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
-                 mask=q_ok)
 
 
 __all__ = ["e8m0_factor", "round_p_to_f16"]

@@ -168,6 +168,7 @@ def test_paged_kernel_launch_arguments_without_a_gpu(monkeypatch):
     bm = tp.paged_config(128)[0]
     assert bm == 64 and kw["GP"] == 4  # 4 query heads per KV head: 16 query tokens per 64-row tile
     assert fn is tp._paged_attn_kernel and grid == (9, 3 * 2)  # 129 queries need nine tiles
+    assert not kw["DECODE"] and "maxnreg" not in kw  # the exact data path
     assert kw["BM"] == bm and kw["DP"] == 128 and kw["EVEN_D"] and not kw["HAS_LB"] and not kw["HAS_SINK"]
     assert kw["PASS"] == tp.SINGLE.value
     assert args[10] is cache.page_table and args[11] is cache.k_data
@@ -255,9 +256,9 @@ def test_num_splits_is_checked_before_any_work():
 
 def test_decode_takes_the_fast_tile_and_splits_on_an_idle_gpu(monkeypatch):
     """num_splits=0 (the default): a decode step (4 query heads per KV head, one token: 4 rows) takes the 16-row
-    FAST_TILE and the decode kernel; with 2 sequences x 2 KV heads on a 132-SM GPU it splits a 1k- or 4k-token sequence
-    (max pass, split pass, combine); num_splits=1 keeps the exact tile and kernel (launches
-    recorded, not made). With the rule's four programs per SM, 4 programs want 132 splits: 8 blocks of 128 tokens
+    FAST_TILE and the decode data path (DECODE, with DECODE_MAXNREG); with 2 sequences x 2 KV heads on a 132-SM
+    GPU it splits a 1k- or 4k-token sequence (max pass, split pass, combine); num_splits=1 keeps the exact tile and
+    path (launches recorded, not made). With the rule's four programs per SM, 4 programs want 132 splits: 8 blocks of 128 tokens
     give 8 splits at 1k, 32 at 4k; a 128-token sequence (one block) is not split."""
     pytest.importorskip("triton")
     from mxattn.kernels import triton_paged_attention as tp
@@ -274,16 +275,18 @@ def test_decode_takes_the_fast_tile_and_splits_on_an_idle_gpu(monkeypatch):
                                num_splits=0, max_seqlen_kv=max_kv)
         assert launched[0][2]["BM"] == tp.FAST_TILE[0] and launched[0][2]["num_warps"] == tp.FAST_TILE[1]
         assert launched[0][1] == (n, 2 * 2)
-        # the FP8-operand decode kernel runs every pass of the fast tile, the split combine stays the same
-        assert [fn for fn, _, _ in launched] == ([tp._paged_decode_kernel] if n == 1 else
-                                                 [tp._paged_decode_kernel] * 2 + [tp._combine_splits_kernel])
+        # the FP8-operand decode path runs every pass of the fast tile, the split combine stays the same
+        assert [fn for fn, _, _ in launched] == ([tp._paged_attn_kernel] if n == 1 else
+                                                 [tp._paged_attn_kernel] * 2 + [tp._combine_splits_kernel])
+        assert [(kw["DECODE"], kw["maxnreg"]) for _, _, kw in launched[:2 if n > 1 else 1]] == (
+            [(True, tp.DECODE_MAXNREG)] * (2 if n > 1 else 1))
         assert [kw.get("PASS") for _, _, kw in launched] == ([tp.SINGLE.value] if n == 1 else
                                                              [tp.MAX_PASS.value, tp.SPLIT_PASS.value, None])
     launched.clear()
     tp.paged_attention_fwd(q, cu, 1, slots, cache, softmax_scale=0.1, left_bound=None, out=torch.empty_like(q),
                            num_splits=1, max_seqlen_kv=4096)
-    assert [(fn, kw["BM"], kw["PASS"]) for fn, _, kw in launched] == [
-        (tp._paged_attn_kernel, tp.paged_config(128)[0], tp.SINGLE.value)]
+    assert [(fn, kw["BM"], kw["PASS"], kw["DECODE"]) for fn, _, kw in launched] == [
+        (tp._paged_attn_kernel, tp.paged_config(128)[0], tp.SINGLE.value, False)]
 
 
 def test_reference_backend_ignores_num_splits():

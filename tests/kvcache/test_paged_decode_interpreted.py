@@ -1,5 +1,5 @@
-"""The paged decode kernel's logic on the CPU: tests/interpret_paged_decode.py runs `_paged_decode_kernel` under
-Triton's interpreter (page tables of 32-256 tokens, GQA up to 16:1, sliding windows, learnable and off-by-one
+"""The paged decode path's logic on the CPU: tests/interpret_paged_decode.py runs `_paged_attn_kernel` with DECODE
+under Triton's interpreter (page tables of 32-256 tokens, GQA up to 16:1, sliding windows, learnable and off-by-one
 sinks, the open V block, multi-token queries, the single pass and 2-5 splits with their combine) and compares O
 with the reference backend on the same cache. The interpreter's exponentials are exact where the GPU's are
 approximate, so outputs may differ by one bf16 ulp, not more; a wrong page, mask, scale or split start moves

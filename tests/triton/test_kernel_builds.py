@@ -22,7 +22,7 @@ def test_paged_attention_kernel_builds_for_sm90(dp, window_sink, dtype, heads, p
     types = dict(PAGED_TYPES, Q=f"*{dtype}", VT=f"*{dtype}", O="*fp16" if dtype == "fp16" else "*bf16")
     kernel = compile_paged(tp._paged_attn_kernel, dict(HAS_LB=window_sink, HAS_SINK=window_sink, BM=bm,
                                                        BN=tp.BLOCK_N, DP=pdp, GP=heads, EVEN_D=pdp == dp,
-                                                       WHOLE_PAGES=pass_ != 2, PASS=pass_),
+                                                       WHOLE_PAGES=pass_ != 2, PASS=pass_, DECODE=False),
                            num_warps=warps, num_stages=stages, types=types)
     assert "cubin" in kernel.asm and kernel.metadata.shared <= 227 * 1024
     ptx = kernel.asm["ptx"]
@@ -35,20 +35,19 @@ def test_paged_attention_kernel_builds_for_sm90(dp, window_sink, dtype, heads, p
 
 
 @pytest.mark.parametrize("pass_,dp,page", [(0, 128, 256), (1, 128, 256), (2, 128, 256), (2, 64, 64), (2, 96, 32)])
-def test_paged_decode_kernel_builds_for_sm90(pass_, dp, page):
-    """The decode kernel of the 16-row tile (FAST_TILE): the FP8 bytes go to the f16 tensor cores (mma.sync
+def test_paged_decode_path_builds_for_sm90(pass_, dp, page):
+    """The paged kernel's decode path on the 16-row tile (FAST_TILE): the FP8 bytes go to the f16 tensor cores (mma.sync
     m16n8k16 on f16, E4M3 pairs converted with cvt.rn.f16x2.e4m3x2); the max pass reads K only; the sealed V
     blocks are read two bytes at a time and converted before their transposition, so byte-wise shared-memory
     loads appear at most in the run that reaches the open V block (128 per thread there)."""
     import re
     from mxattn.kernels import triton_paged_attention as tp
-    from mxattn.kernels import triton_paged_decode as td
     bm, warps, stages = tp.paged_config(dp, exact=False, rows=4)
     assert (bm, warps, stages) == tp.FAST_TILE
     pdp = tp.padded_head_dim(dp)
-    kernel = compile_paged(td._paged_decode_kernel,
+    kernel = compile_paged(tp._paged_attn_kernel,
                            dict(HAS_LB=dp == 64, HAS_SINK=True, BM=bm, BN=tp.BLOCK_N, DP=pdp, GP=4, EVEN_D=pdp == dp,
-                                WHOLE_PAGES=page % tp.BLOCK_N == 0, PASS=pass_),
+                                WHOLE_PAGES=page % tp.BLOCK_N == 0, PASS=pass_, DECODE=True),
                            num_warps=warps, num_stages=stages)
     ptx = kernel.asm["ptx"]
     assert "cubin" in kernel.asm and kernel.metadata.shared <= 227 * 1024

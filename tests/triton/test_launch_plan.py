@@ -586,7 +586,7 @@ def test_paged_cache_steps_replay_their_launches(launcher, monkeypatch, sink):
         assert [c.length(s) for s in range(n)] == [301] * n
     assert paged_step.STEPS.last_reason == "recorded"
     (c1, q1, k1, v1, m1, o1, log1), _, (c3, q3, k3, v3, m3, o3, log3) = runs
-    assert [name for name, _, _ in log3] == ["_paged_append_kernel", "_paged_decode_kernel", "_paged_decode_kernel",
+    assert [name for name, _, _ in log3] == ["_paged_append_kernel", "_paged_attn_kernel", "_paged_attn_kernel",
                                              "_combine_splits_kernel"]
     assert m1 is m3        # one copy of the step's offsets serves every layer
     _assert_rebased(log1, log3, [(q1, q3), (k1, k3), (v1, v3), (m1, m3)] + list(zip(c1.storage, c3.storage)))
