@@ -120,10 +120,22 @@ class MXFP8KVCache:
                         self.seq_lens)
         self.storage_key = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in self.storage) + (
             self.page_size, self.device)
+        #: the cache's state: a hash of its geometry and of every change of its slots, pages and lengths since it
+        #: was made (`_advance`), so caches made alike and changed alike (the layers of a model) have equal states
+        self._state = hash(("MXFP8KVCache", num_pages, max_sequences, dtype, self.storage_key))
         #: appends run the Triton kernel (CUDA with Triton); the torch path otherwise (the same bytes)
         self._append_kernel = self.device.type == "cuda" and _triton_importable()
 
     # ------------------------------------------------------------------ slots and pages
+
+    @property
+    def state(self) -> int:
+        """A hash of the cache's geometry and of the history of its slots, pages and lengths: two caches with equal
+        states hold the same sequences at the same lengths in the same pages (`PagedStep.run`)."""
+        return self._state
+
+    def _advance(self, *event) -> None:
+        self._state = hash((self._state,) + event)
 
     def new_sequence(self) -> int:
         """A free slot for a new, empty sequence."""
@@ -131,6 +143,7 @@ class MXFP8KVCache:
             if pages is None:
                 self._pages[slot], self._lens[slot] = [], 0
                 self.seq_lens[slot] = 0
+                self._advance("new", slot)
                 return slot
         raise RuntimeError(f"all {len(self._pages)} sequence slots are in use; release one first")
 
@@ -141,6 +154,7 @@ class MXFP8KVCache:
         self._pages[slot], self._lens[slot] = None, 0
         self.page_table[slot] = -1
         self.seq_lens[slot] = 0
+        self._advance("release", slot)
 
     def slot_tensor(self, slots: Sequence[int]) -> torch.Tensor:
         """int32 [len(slots)] of the slots on the cache's device (one copy per slots list: a decode loop asks for
@@ -197,6 +211,13 @@ class MXFP8KVCache:
     def _reserve(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor, cu: Sequence[int]):
         """Check an `append_batch` (raising before anything changes) and map the pages its tokens need ->
         (slots, cu, lengths before the call, new tokens per sequence) as lists of host ints."""
+        slots, cu, starts, counts, table = self._plan_pages(slots, k, v, cu)
+        self._map_pages(table)
+        return slots, cu, starts, counts
+
+    def _plan_pages(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor, cu: Sequence[int]):
+        """`_reserve`'s checks and page choice, changing nothing -> (slots, cu, lengths before the call, new
+        tokens per sequence, the pages to map: [(slot, index in its table, page)])."""
         slots = list(slots)
         self._check_slots(slots)
         for name, x in (("k", k), ("v", v)):
@@ -224,16 +245,30 @@ class MXFP8KVCache:
         if need > len(self._free):
             raise RuntimeError(f"the cache is out of pages: these sequences need {need} more, {len(self._free)} are "
                                f"free (num_pages={self.k_data.shape[0]})")
-        table = []                                   # (slot, index, page) of the pages taken now
+        table, taken = [], len(self._free)           # (slot, index, page) of the pages to take, last free first
         for s, st, n in zip(slots, starts, counts):
-            pages = self._pages[s]
-            while len(pages) * self.page_size < st + n:
-                table.append((s, len(pages), self._free[-1]))
-                pages.append(self._free.pop())
-        if table:
+            held = len(self._pages[s])
+            while held * page < st + n:
+                taken -= 1
+                table.append((s, held, self._free[taken]))
+                held += 1
+        return slots, cu, starts, counts, table
+
+    def _map_pages(self, table: List[Tuple[int, int, int]], entries: Optional[torch.Tensor] = None
+                   ) -> Optional[torch.Tensor]:
+        """Take the pages `_plan_pages` chose (table; entries: the same as an int64 [n, 3] device tensor, made
+        here when None) -> entries (None for an empty table)."""
+        if not table:
+            return None
+        for s, index, page in table:
+            if self._free[-1] != page or len(self._pages[s]) != index:
+                raise RuntimeError("the cache changed since these pages were chosen")
+            self._pages[s].append(self._free.pop())
+        if entries is None:
             entries = host_to_device(table, torch.int64, self.device)
-            self.page_table[entries[:, 0], entries[:, 1]] = entries[:, 2].to(torch.int32)
-        return slots, cu, starts, counts
+        self.page_table[entries[:, 0], entries[:, 1]] = entries[:, 2].to(torch.int32)
+        self._advance("map", tuple(table))
+        return entries
 
     def _step_meta(self, cu: List[int], slots: List[int], starts: List[int]) -> torch.Tensor:
         """int32 [3 * B + 1] on the device: cu, slots, lengths before the call (what the append kernel reads;
@@ -245,6 +280,7 @@ class MXFP8KVCache:
         """Record on the host the lengths the append's kernel (or torch path) wrote to `seq_lens`."""
         for s, st, n in zip(slots, starts, counts):
             self._lens[s] = st + n
+        self._advance("commit", tuple(slots), tuple(counts))
 
     @staticmethod
     def _append_shape(starts: List[int], counts: List[int]) -> Optional[Tuple[int, bool]]:
@@ -367,7 +403,6 @@ def _inference(fn):
     return run
 
 
-@_inference
 def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Sequence[int], *,
                                  cu_seqlens_q: torch.Tensor, k_new: Optional[torch.Tensor] = None,
                                  v_new: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
@@ -402,6 +437,22 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     step (at most 16 query rows per KV head) also takes a 16-row tile whose MMA sums in another order: the same
     fp32-rounding agreement (at most one bf16 ulp apart in the GPU tests). The reference backend is always
     sequential."""
+    return attend_with_kvcache(q, cache, slots, cu_seqlens_q=cu_seqlens_q, k_new=k_new, v_new=v_new,
+                               softmax_scale=softmax_scale, window_size=window_size, softmax_type=softmax_type,
+                               softmax_offset=softmax_offset, out_dtype=out_dtype, num_splits=num_splits,
+                               backend=backend)[0]
+
+
+@_inference
+def attend_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Sequence[int], *,
+                        cu_seqlens_q: torch.Tensor, k_new: Optional[torch.Tensor] = None,
+                        v_new: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+                        window_size: Optional[Tuple[int, int]] = None, softmax_type: str = "vanilla",
+                        softmax_offset: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+                        num_splits: int = 0, backend: str = "auto") -> Tuple[torch.Tensor, Optional["PagedStep"]]:
+    """`mxfp8_attention_with_kvcache` -> (O, the `PagedStep` it ran on the triton backend, else None). A caller
+    that makes the same call on other caches in the same state (the layers of a model in one decode step) runs
+    that step on them (`PagedStep.run`) instead of working it out again."""
     if backend not in ("auto", "reference", "triton", "cudnn"):
         raise ValueError(f"backend must be one of ('auto', 'cudnn', 'triton', 'reference'), got {backend!r}")
     if not isinstance(cache, MXFP8KVCache):
@@ -448,15 +499,16 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
                           sink=sink is not None, out_dtype=kernel_dtype)
         _require_cudnn(q, cu, cache, slots, **cudnn_args)
     if name == "triton":
-        return _triton_call(q, cache, slots, cu, cu_seqlens_q, k_new, v_new, scale, band.left_bound, sink,
-                            num_splits, kernel_dtype, out_dtype)
+        step = PagedStep(q, cache, slots, cu, cu_seqlens_q, k_new, v_new, scale, band.left_bound, num_splits,
+                         kernel_dtype, out_dtype)
+        return step.run(cache, q, k_new, v_new, sink), step
     if k_new is not None:
         cache._append(slots, k_new, v_new, cu)
     _check_queries(cache, slots, cu, [cache._lens[s] for s in slots])
     if name == "cudnn":
         from .backends.cudnn.paged import cudnn_paged_forward
         o = cudnn_paged_forward(q, cu, cache, slots, **dict(cudnn_args, sink=sink))
-        return o if o.dtype == out_dtype else o.to(out_dtype)
+        return (o if o.dtype == out_dtype else o.to(out_dtype)), None
     out = torch.zeros(q.shape, dtype=out_dtype, device=q.device)
     for slot, a, b in zip(slots, cu, cu[1:]):
         if b == a:
@@ -468,7 +520,7 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
                                             window=(band.left_bound, band.right_bound), out_dtype=kernel_dtype,
                                             sink=sink)
         out[a:b] = o[0].transpose(0, 1).to(out_dtype)
-    return out
+    return out, None
 
 
 def _check_queries(cache: MXFP8KVCache, slots: List[int], cu: List[int], lengths: List[int]) -> None:
@@ -477,38 +529,63 @@ def _check_queries(cache: MXFP8KVCache, slots: List[int], cu: List[int], lengths
             raise ValueError(f"sequence in slot {slot} holds {n} tokens, fewer than its {b - a} queries")
 
 
-def _triton_call(q, cache: MXFP8KVCache, slots: List[int], cu: List[int], cu_seqlens_q: torch.Tensor, k_new,
-                 v_new, scale: float, left_bound: Optional[int], sink, num_splits: int, kernel_dtype, out_dtype
-                 ) -> torch.Tensor:
-    """`mxfp8_attention_with_kvcache` on the triton backend (arguments checked): the append's and the attention's
-    launches as one replayed step (`mxattn.kernels.paged_step`)."""
-    from .kernels.paged_step import paged_step
-    from .kernels.triton_paged_attention import split_count
-    n = len(slots)
-    if k_new is not None:
-        slots, cu, starts, counts = cache._reserve(slots, k_new, v_new, cu)
-        lengths = [st + c for st, c in zip(starts, counts)]   # (>= each sequence's queries: they are its new tokens)
-        append_shape = cache._append_shape(starts, counts)
-        meta = cache._step_meta(cu, slots, starts)
-        cu_dev, slot_dev = meta[:n + 1], meta[n + 1:2 * n + 1]
-        k_new = k_new if k_new.stride(2) == 1 else k_new.contiguous()
-        v_new = v_new if v_new.stride(2) == 1 else v_new.contiguous()
-    else:
-        lengths = [cache._lens[s] for s in slots]
-        _check_queries(cache, slots, cu, lengths)
-        append_shape = meta = None
-        cu_dev = cu_seqlens_q if cu_seqlens_q.device == q.device else _device_ints(tuple(cu), q.device)
-        slot_dev = cache.slot_tensor(slots)
-    max_q = max(b - a for a, b in zip(cu, cu[1:])) if slots else 0
-    max_kv = max(lengths, default=0)
-    q = q if q.stride(2) == 1 else q.contiguous()
-    splits = split_count(q, cache.kv_heads, n, max_q, num_splits, max_kv) if q.shape[0] and n and max_q else 1
-    o = paged_step(cache, q, k_new, v_new, cu_dev, slot_dev, meta, n, max_q, append_shape, softmax_scale=scale,
-                   left_bound=left_bound, sink=None if sink is None else sink.contiguous(), num_splits=splits,
-                   max_seqlen_kv=max_kv, out_dtype=kernel_dtype)
-    if k_new is not None:
-        cache._commit(slots, starts, counts)
-    return o if o.dtype == out_dtype else o.to(out_dtype)
+class PagedStep:
+    """One triton-backend call of `mxfp8_attention_with_kvcache`, worked out once from checked arguments and the
+    cache's state: the pages its new tokens take, the lengths, the append's launch shape and the split count.
+    `run` carries it out on that cache, or on any other cache in the same state (`MXFP8KVCache.state`: the same
+    geometry, sequences, pages and lengths) with arguments of the same shapes, dtypes and device: every layer of
+    a model updates its cache alike in a decode step, so one step serves them all
+    (`mxattn.integrations.hf_cache.MXFP8PagedCache`)."""
+
+    def __init__(self, q: torch.Tensor, cache: MXFP8KVCache, slots: List[int], cu: List[int],
+                 cu_seqlens_q: torch.Tensor, k_new, v_new, scale: float, left_bound: Optional[int], num_splits: int,
+                 kernel_dtype: torch.dtype, out_dtype: torch.dtype):
+        from .kernels.triton_paged_attention import split_count
+        n = len(slots)
+        self.before = cache.state
+        self.table, self.entries, self.commit = [], None, None
+        if k_new is not None:
+            slots, cu, starts, counts, self.table = cache._plan_pages(slots, k_new, v_new, cu)
+            lengths = [st + c for st, c in zip(starts, counts)]  # (>= each sequence's queries: its new tokens)
+            self.append_shape = cache._append_shape(starts, counts)
+            self.meta = cache._step_meta(cu, slots, starts)
+            self.cu_dev, self.slot_dev = self.meta[:n + 1], self.meta[n + 1:2 * n + 1]
+            self.commit = (slots, starts, counts)
+        else:
+            lengths = [cache._lens[s] for s in slots]
+            _check_queries(cache, slots, cu, lengths)
+            self.append_shape = self.meta = None
+            self.cu_dev = cu_seqlens_q if cu_seqlens_q.device == q.device else _device_ints(tuple(cu), q.device)
+            self.slot_dev = cache.slot_tensor(slots)
+        self.n = n
+        self.max_q = max(b - a for a, b in zip(cu, cu[1:])) if slots else 0
+        self.max_kv = max(lengths, default=0)
+        self.splits = split_count(q, cache.kv_heads, n, self.max_q, num_splits, self.max_kv) \
+            if q.shape[0] and n and self.max_q else 1
+        self.scale, self.left_bound = scale, left_bound
+        self.kernel_dtype, self.out_dtype = kernel_dtype, out_dtype
+
+    def run(self, cache: MXFP8KVCache, q: torch.Tensor, k_new: Optional[torch.Tensor],
+            v_new: Optional[torch.Tensor], sink: Optional[torch.Tensor]) -> torch.Tensor:
+        """Append and attend on `cache` (in the state the step was worked out from; q [T, Hq, D], k_new/v_new
+        [T, Hkv, D] or None as then, sink fp32 [Hq] or None as then) -> O [T, Hq, D] in out_dtype: the append's and
+        the attention's launches as one replayed step (`mxattn.kernels.paged_step`)."""
+        from .kernels.paged_step import paged_step
+        if cache.state != self.before:
+            raise RuntimeError("PagedStep.run: the cache is not in the state this step was worked out from")
+        if self.table:
+            self.entries = cache._map_pages(self.table, self.entries)
+        if k_new is not None:
+            k_new = k_new if k_new.stride(2) == 1 else k_new.contiguous()
+            v_new = v_new if v_new.stride(2) == 1 else v_new.contiguous()
+        q = q if q.stride(2) == 1 else q.contiguous()
+        o = paged_step(cache, q, k_new, v_new, self.cu_dev, self.slot_dev, self.meta, self.n, self.max_q,
+                       self.append_shape, softmax_scale=self.scale, left_bound=self.left_bound,
+                       sink=None if sink is None else sink.contiguous(), num_splits=self.splits,
+                       max_seqlen_kv=self.max_kv, out_dtype=self.kernel_dtype)
+        if self.commit is not None:
+            cache._commit(*self.commit)
+        return o if o.dtype == self.out_dtype else o.to(self.out_dtype)
 
 
 _WARNED = set()
@@ -548,4 +625,4 @@ def _cache_backend(backend: str, q: torch.Tensor, cache: MXFP8KVCache) -> str:
     return "reference"
 
 
-__all__ = ["MXFP8KVCache", "mxfp8_attention_with_kvcache"]
+__all__ = ["MXFP8KVCache", "PagedStep", "attend_with_kvcache", "mxfp8_attention_with_kvcache"]

@@ -38,7 +38,8 @@ from typing import Optional
 from ..constants import MX_BLOCK, ceil_div
 from ..devices import host_to_device
 from ..formats import MXFP8Tensor, cat_bytes, quantize_mxfp8
-from ..kvcache import MXFP8KVCache, mxfp8_attention_with_kvcache, seal_value_blocks
+from ..attention import _sink
+from ..kvcache import MXFP8KVCache, attend_with_kvcache, seal_value_blocks
 from ..tensor_cache import TensorValueCache
 from .hf_masks import UnsupportedMaskError
 
@@ -141,9 +142,12 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
 
     cache_name = "MXFP8PagedCache"
 
-    def __init__(self, page_size: int, max_cache_len: int):
+    def __init__(self, page_size: int, max_cache_len: int, steps: Optional[dict] = None):
         super().__init__()
         self.page_size, self.max_cache_len = page_size, max_cache_len
+        #: the current step's work shared by the model's layers (`attend`): {call signature: (mask, new tokens,
+        #: PagedStep)}, one dict per `MXFP8PagedCache`
+        self.steps = {} if steps is None else steps
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -191,29 +195,55 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
         if self.pending is None or key is not self.pending[0]:
             raise RuntimeError("MXFP8PagedCache: these keys are not the ones this layer's update returned")
         b, hq, sq, d = query.shape
-        new = _new_tokens_per_row(attention_mask, b, sq, self.positions, sliding_window, query.device,
-                                  self.first_real)
-        lengths = [self.store._lens[slot] for slot in self.slots]     # (slots checked when taken)
-        for row, (n, real) in enumerate(zip(new.counts, new.lengths)):
-            if lengths[row] + n != real:
-                raise UnsupportedMaskError(
-                    f"row {row}: the mask gives it {real} real positions, the cache holds {lengths[row]} and this "
-                    f"step adds {n}: MXFP8PagedCache reads left padding only (padding before each row's first "
-                    "token, as generate builds it)")
-        self.pending, self.first_real = None, new.first
-        rows = new.rows
+        sink_offset = softmax_kwargs.get("softmax_offset")
 
-        def real(x):    # [B, H, Sq, D] -> the real tokens [T, H, D] (a view for a decode step without padding rows)
+        def real(x, rows):  # [B, H, Sq, D] -> the real tokens [T, H, D] (a view for a decode step without padding)
             x = x.transpose(1, 2).reshape(b * sq, x.shape[1], x.shape[3])
             return x if rows is None else x.index_select(0, rows)
 
-        window = None if not sliding_window else (int(sliding_window) - 1, 0)
-        o = mxfp8_attention_with_kvcache(
-            real(query), self.store, self.slots, cu_seqlens_q=new.cu_seqlens, k_new=real(key), v_new=real(value),
-            softmax_scale=scaling, window_size=window, backend=backend, **softmax_kwargs)
+        # every layer of a step makes this call on a cache in the same state: the first works out the step
+        # (checks, new tokens, pages, launch shape), the others run it (`mxattn.kvcache.PagedStep`)
+        signature = (self.positions, id(attention_mask), sliding_window, scaling, backend, sink_offset is None,
+                     query.shape, query.dtype, query.device, key.shape, key.dtype)
+        shared = self.steps.get(signature)
+        if shared is not None and shared[0] is attention_mask and shared[2].before == self.store.state:
+            _, new, step = shared
+            self.pending, self.first_real = None, new.first
+            sink = None if sink_offset is None else _sink("learnable", sink_offset, hq, query.device)
+            o = step.run(self.store, real(query, new.rows), real(key, new.rows), real(value, new.rows), sink)
+        else:
+            new, o, step = self._attend_first(query, key, value, attention_mask, real, scaling, sliding_window,
+                                              softmax_kwargs, backend)
+            if step is not None:
+                if self.steps and next(iter(self.steps))[0] != self.positions:
+                    self.steps.clear()   # (an earlier step's)
+                self.steps[signature] = (attention_mask, new, step)
+        rows = new.rows
         if rows is not None:
             o = o.new_zeros((b * sq, hq, d)).index_copy(0, rows, o)
         return o.view(b, sq, hq, d)
+
+    def _attend_first(self, query, key, value, attention_mask, real, scaling, sliding_window, softmax_kwargs,
+                      backend):
+        """`attend` worked out from the mask and the cache -> (the step's new tokens, O [T, Hq, D], the
+        `PagedStep` the other layers can run, or None)."""
+        b, hq, sq, d = query.shape
+        new = _new_tokens_per_row(attention_mask, b, sq, self.positions, sliding_window, query.device,
+                                  self.first_real)
+        lengths = [self.store._lens[slot] for slot in self.slots]     # (slots checked when taken)
+        for row, (n, real_len) in enumerate(zip(new.counts, new.lengths)):
+            if lengths[row] + n != real_len:
+                raise UnsupportedMaskError(
+                    f"row {row}: the mask gives it {real_len} real positions, the cache holds {lengths[row]} and "
+                    f"this step adds {n}: MXFP8PagedCache reads left padding only (padding before each row's first "
+                    "token, as generate builds it)")
+        self.pending, self.first_real = None, new.first
+        window = None if not sliding_window else (int(sliding_window) - 1, 0)
+        o, step = attend_with_kvcache(
+            real(query, new.rows), self.store, self.slots, cu_seqlens_q=new.cu_seqlens,
+            k_new=real(key, new.rows), v_new=real(value, new.rows), softmax_scale=scaling, window_size=window,
+            backend=backend, **softmax_kwargs)
+        return new, o, step
 
 
 
@@ -285,7 +315,7 @@ class MXFP8PagedCache(Cache):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if page_size % MX_BLOCK:
             raise ValueError(f"page_size must be a multiple of {MX_BLOCK}, got {page_size}")
-        super().__init__(layer_class_to_replicate=functools.partial(MXFP8PagedLayer, page_size, max_cache_len))
+        super().__init__(layer_class_to_replicate=functools.partial(MXFP8PagedLayer, page_size, max_cache_len, {}))
 
     def nbytes(self) -> int:
         """Bytes held by all layers (pages allocated for max_cache_len positions per row)."""

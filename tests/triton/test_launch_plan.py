@@ -591,3 +591,126 @@ def test_paged_cache_steps_replay_their_launches(launcher, monkeypatch, sink):
     assert m1 is m3        # one copy of the step's offsets serves every layer
     _assert_rebased(log1, log3, [(q1, q3), (k1, k3), (v1, v3), (m1, m3)] + list(zip(c1.storage, c3.storage)))
     assert log3[-1][2][0] == o3.data_ptr() and log1[-1][2][0] == ("ptr", o1.data_ptr())
+
+
+def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, monkeypatch):
+    """A decode step worked out on one layer's cache (`mxattn.kvcache.PagedStep`: checks, new pages, lengths,
+    split count) runs on the other layers' caches, made and filled alike: the same launches as each cache's own
+    public call (pointers rebased onto its q, k, v and storage), the same pages taken (here each sequence's next
+    page), equal states after. A cache in another state is refused before anything changes."""
+    import mxattn
+    from mxattn import kvcache
+    from mxattn.backends.triton_backend import TritonBackend
+    from mxattn.kernels import paged_step, triton_paged_attention
+    monkeypatch.setattr(TritonBackend, "availability", classmethod(lambda cls, device: (True, "")))
+    monkeypatch.setattr(triton_paged_attention, "sm_count", lambda device: 132)
+    monkeypatch.setattr(paged_step, "STEPS", paged_step.PlanCache(min_replays=16))
+    hq, hkv, d, n = 8, 2, 64, 3
+    g = torch.Generator().manual_seed(1)
+
+    def filled(tokens=320):   # 320 tokens: five full pages, the next token takes a new one
+        c = mxattn.MXFP8KVCache(num_pages=24, page_size=64, kv_heads=hkv, head_dim=d, max_sequences=n)
+        c._append_kernel = True
+        for _ in range(n):
+            c.append(c.new_sequence(), *(torch.randn(tokens, hkv, d, generator=g, dtype=torch.bfloat16)
+                                         for _ in range(2)))
+        return c
+
+    caches = [filled() for _ in range(4)]
+    assert len({c.state for c in caches}) == 1
+    other = filled(319)
+    assert other.state != caches[0].state
+    cu = torch.arange(n + 1, dtype=torch.int32)
+
+    def inputs():
+        return (torch.randn(n, hq, d, generator=g, dtype=torch.bfloat16),
+                *(torch.randn(n, hkv, d, generator=g, dtype=torch.bfloat16) for _ in range(2)))
+
+    logs = []
+    for c in caches[:3]:      # the public call on each cache records, then replays, the step's launches
+        q, k, v = inputs()
+        launcher.clear()
+        mxattn.mxfp8_attention_with_kvcache(q, c, [0, 1, 2], cu_seqlens_q=cu, k_new=k, v_new=v, backend="triton")
+        logs.append((list(launcher), [q, k, v] + list(c.storage)))
+    assert paged_step.STEPS.last_reason == "recorded"
+    twins = [filled() for _ in range(3)]
+    q, k, v = inputs()
+    o, step = kvcache.attend_with_kvcache(q, twins[0], [0, 1, 2], cu_seqlens_q=cu, k_new=k, v_new=v,
+                                          backend="triton")
+    assert isinstance(step, kvcache.PagedStep) and step.before == twins[1].state != twins[0].state == caches[0].state
+    for t in twins[1:]:
+        q2, k2, v2 = inputs()
+        launcher.clear()
+        o2 = step.run(t, q2, k2, v2, None)
+        recorded, tensors = logs[1]    # (a recording logs its pointers as ("ptr", address))
+        _assert_rebased(recorded, list(launcher), list(zip(tensors, [q2, k2, v2] + list(t.storage))))
+        assert o2.shape == (n, hq, d) and launcher[-1][2][0] == o2.data_ptr()
+        assert t.state == twins[0].state == caches[0].state
+        assert torch.equal(t.page_table, twins[0].page_table) and t._pages == twins[0]._pages
+        assert [t.length(s) for s in range(n)] == [321] * n
+    assert [len(p) for p in twins[0]._pages] == [6] * n
+    before, lens = other.state, list(other._lens)
+    with pytest.raises(RuntimeError, match="not in the state"):
+        step.run(other, q, k, v, None)
+    assert other.state == before and other._lens == lens
+
+
+def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher, monkeypatch):
+    """transformers' decode steps over `MXFP8PagedCache` (4 layers, two with a sliding window): the first layer of
+    each kind works the step out (`PagedStep`), the others run it; every layer's cache ends in the same state,
+    with the same lengths, as when each layer works its own step out."""
+    pytest.importorskip("transformers")
+    import warnings
+
+    import mxattn.integrations.transformers as mx_hf
+    from mxattn import kvcache
+    from mxattn.backends.triton_backend import TritonBackend
+    from mxattn.integrations.hf_cache import MXFP8PagedCache
+    from mxattn.kernels import paged_step, triton_paged_attention
+    from transformers import AttentionInterface
+    monkeypatch.setattr(TritonBackend, "availability", classmethod(lambda cls, device: (True, "")))
+    monkeypatch.setattr(triton_paged_attention, "sm_count", lambda device: 132)
+    monkeypatch.setattr(paged_step, "STEPS", paged_step.PlanCache(min_replays=16))
+    planned = []
+
+    class CountedStep(kvcache.PagedStep):
+        def __init__(self, *args, **kwargs):
+            planned.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(kvcache, "PagedStep", CountedStep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        name = mx_hf.register("mxfp8_shared_steps_test", backend="triton")
+    try:
+        fn = AttentionInterface._global_mapping[name]
+        module = torch.nn.Module()
+        module.is_causal = True
+        module.config = SimpleNamespace(_attn_implementation=name)
+        b, hq, hkv, d, layers = 3, 4, 2, 32, 4
+        windows = [None, 40, None, 40]
+        g = torch.Generator().manual_seed(3)
+
+        def run(share: bool, steps: int = 6):
+            planned.clear()
+            cache = MXFP8PagedCache(max_cache_len=128, page_size=32)
+            for step in range(steps):
+                s = 30 if step == 0 else 1
+                for layer in range(layers):
+                    q = torch.randn(b, hq, s, d, generator=g, dtype=torch.bfloat16)
+                    k, v = (torch.randn(b, hkv, s, d, generator=g, dtype=torch.bfloat16) for _ in range(2))
+                    k, v = cache.update(k, v, layer)
+                    cache.layers[layer].store._append_kernel = True
+                    if not share:
+                        cache.layers[layer].steps = {}
+                    fn(module, q, k, v, None, scaling=d ** -0.5, sliding_window=windows[layer])
+            return cache, len(planned)
+
+        shared, n_shared = run(True)
+        alone, n_alone = run(False)
+        assert n_alone == 6 * layers and n_shared == 6 * 2      # one per step and window
+        for a, c in zip(alone.layers, shared.layers):
+            assert c.store.state == a.store.state == shared.layers[0].store.state
+            assert [c.store.length(s) for s in c.slots] == [35] * b
+    finally:
+        mx_hf.unregister(name)
