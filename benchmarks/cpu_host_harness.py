@@ -200,7 +200,7 @@ def hf_paged_calls() -> None:
     if "--profile" in sys.argv:
         import cProfile
         with torch.no_grad():
-            cProfile.runctx("for _ in range(100): paged_step()", globals(), locals(), sort="cumulative")
+            cProfile.runctx("for _ in range(100): paged_step()", globals(), locals(), sort=("tottime" if "--tottime" in sys.argv else "cumulative"))
 
 
 def op_calls() -> None:

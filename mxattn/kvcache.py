@@ -540,6 +540,7 @@ class PagedStep:
     def __init__(self, q: torch.Tensor, cache: MXFP8KVCache, slots: List[int], cu: List[int],
                  cu_seqlens_q: torch.Tensor, k_new, v_new, scale: float, left_bound: Optional[int], num_splits: int,
                  kernel_dtype: torch.dtype, out_dtype: torch.dtype):
+        from .kernels.paged_step import step_key
         from .kernels.triton_paged_attention import split_count
         n = len(slots)
         self.before = cache.state
@@ -551,12 +552,14 @@ class PagedStep:
             self.meta = cache._step_meta(cu, slots, starts)
             self.cu_dev, self.slot_dev = self.meta[:n + 1], self.meta[n + 1:2 * n + 1]
             self.commit = (slots, starts, counts)
+            self.step_key = step_key(self.cu_dev, self.slot_dev, self.meta)
         else:
             lengths = [cache._lens[s] for s in slots]
             _check_queries(cache, slots, cu, lengths)
             self.append_shape = self.meta = None
             self.cu_dev = cu_seqlens_q if cu_seqlens_q.device == q.device else _device_ints(tuple(cu), q.device)
             self.slot_dev = cache.slot_tensor(slots)
+            self.step_key = None      # (cu_seqlens_q may be the caller's tensor: each call's key reads it)
         self.n = n
         self.max_q = max(b - a for a, b in zip(cu, cu[1:])) if slots else 0
         self.max_kv = max(lengths, default=0)
@@ -582,7 +585,7 @@ class PagedStep:
         o = paged_step(cache, q, k_new, v_new, self.cu_dev, self.slot_dev, self.meta, self.n, self.max_q,
                        self.append_shape, softmax_scale=self.scale, left_bound=self.left_bound,
                        sink=None if sink is None else sink.contiguous(), num_splits=self.splits,
-                       max_seqlen_kv=self.max_kv, out_dtype=self.kernel_dtype)
+                       max_seqlen_kv=self.max_kv, out_dtype=self.kernel_dtype, step_key=self.step_key)
         if self.commit is not None:
             cache._commit(*self.commit)
         return o if o.dtype == self.out_dtype else o.to(self.out_dtype)

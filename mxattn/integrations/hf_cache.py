@@ -128,11 +128,20 @@ _EAGER_ONLY = ("MXFP8PagedCache runs eagerly: its pages are updated in place wit
 
 
 def _eager_only(fn):
-    """`fn` run outside torch.compile's graphs, with _EAGER_ONLY as the reason Dynamo prints under fullgraph."""
+    """`fn` run outside torch.compile's graphs, with _EAGER_ONLY as the reason Dynamo prints under fullgraph. In
+    eager code it is called directly (Dynamo's disabled-function wrapper costs several microseconds per call, and a
+    decode step makes two such calls per layer); under compilation, through that wrapper (a graph break)."""
     try:
-        return torch.compiler.disable(fn, reason=_EAGER_ONLY)
+        disabled = torch.compiler.disable(fn, reason=_EAGER_ONLY)
     except TypeError:                       # torch before `reason=`
-        return torch.compiler.disable(fn)
+        disabled = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
 
 
 class MXFP8PagedLayer(_AppendOnlyLayer):

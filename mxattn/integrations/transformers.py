@@ -30,6 +30,7 @@ bias (T5-like), transformers' paged KV caches (continuous batching). mxattn's ow
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -56,8 +57,14 @@ def _masks_registered(module) -> Optional[str]:
     name = getattr(getattr(module, "config", None), "_attn_implementation", None)
     if name is None:
         return None
+    return None if name in _mask_functions() else name
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_functions():
+    """transformers' registry of mask builders by attn_implementation (imported once: a decode step asks per layer)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    return None if name in ALL_MASK_ATTENTION_FUNCTIONS else name
+    return ALL_MASK_ATTENTION_FUNCTIONS
 
 
 def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = None):
