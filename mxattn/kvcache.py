@@ -76,6 +76,11 @@ def _triton_importable() -> bool:
     return True
 
 
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] itself when its head dim has unit stride (what the paged kernels read), else a contiguous copy."""
+    return x if x.stride(2) == 1 else x.contiguous()
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-byte tensor (FP8 data, E8M0 scales) viewed as uint8: index_put has no float8 kernels."""
     return t.view(torch.uint8)
@@ -300,7 +305,7 @@ class MXFP8KVCache:
             return
         if self._append_kernel:
             from .kernels.triton_paged_append import paged_append
-            paged_append(self, k if k.stride(2) == 1 else k.contiguous(), v if v.stride(2) == 1 else v.contiguous(),
+            paged_append(self, _unit_stride(k), _unit_stride(v),
                          self._step_meta(cu, slots, starts), len(slots), *self._append_shape(starts, counts))
             self._commit(slots, starts, counts)
             return
@@ -579,9 +584,8 @@ class PagedStep:
         if self.table:
             self.entries = cache._map_pages(self.table, self.entries)
         if k_new is not None:
-            k_new = k_new if k_new.stride(2) == 1 else k_new.contiguous()
-            v_new = v_new if v_new.stride(2) == 1 else v_new.contiguous()
-        q = q if q.stride(2) == 1 else q.contiguous()
+            k_new, v_new = _unit_stride(k_new), _unit_stride(v_new)
+        q = _unit_stride(q)
         o = paged_step(cache, q, k_new, v_new, self.cu_dev, self.slot_dev, self.meta, self.n, self.max_q,
                        self.append_shape, softmax_scale=self.scale, left_bound=self.left_bound,
                        sink=None if sink is None else sink.contiguous(), num_splits=self.splits,
