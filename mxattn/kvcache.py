@@ -408,13 +408,14 @@ def _inference(fn):
     return run
 
 
+@_inference
 def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Sequence[int], *,
                                  cu_seqlens_q: torch.Tensor, k_new: Optional[torch.Tensor] = None,
                                  v_new: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
                                  window_size: Optional[Tuple[int, int]] = None, softmax_type: str = "vanilla",
                                  softmax_offset: Optional[torch.Tensor] = None,
                                  out_dtype: Optional[torch.dtype] = None, num_splits: int = 0,
-                                 backend: str = "auto") -> torch.Tensor:
+                                 backend: str = "auto", return_step: bool = False):
     """Append, then attend: the newest queries of a batch of cached sequences (decode, chunked prefill,
     speculative tokens), no padding of the batch.
 
@@ -441,23 +442,18 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     fill it, each keeping 1k+ tokens (fast decode at small batches and long contexts). Other than 1, a decode
     step (at most 16 query rows per KV head) also takes a 16-row tile whose MMA sums in another order: the same
     fp32-rounding agreement (at most one bf16 ulp apart in the GPU tests). The reference backend is always
-    sequential."""
-    return attend_with_kvcache(q, cache, slots, cu_seqlens_q=cu_seqlens_q, k_new=k_new, v_new=v_new,
-                               softmax_scale=softmax_scale, window_size=window_size, softmax_type=softmax_type,
-                               softmax_offset=softmax_offset, out_dtype=out_dtype, num_splits=num_splits,
-                               backend=backend)[0]
+    sequential.
+    return_step: also return the `PagedStep` the triton backend ran (None on the others): a model's other layers,
+    whose caches are in the same state as this one, run it (`PagedStep.run`) instead of working the step out again
+    -> (O, step)."""
+    o, step = _attend(q, cache, slots, cu_seqlens_q, k_new, v_new, softmax_scale, window_size, softmax_type,
+                      softmax_offset, out_dtype, num_splits, backend)
+    return (o, step) if return_step else o
 
 
-@_inference
-def attend_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Sequence[int], *,
-                        cu_seqlens_q: torch.Tensor, k_new: Optional[torch.Tensor] = None,
-                        v_new: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
-                        window_size: Optional[Tuple[int, int]] = None, softmax_type: str = "vanilla",
-                        softmax_offset: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-                        num_splits: int = 0, backend: str = "auto") -> Tuple[torch.Tensor, Optional["PagedStep"]]:
-    """`mxfp8_attention_with_kvcache` -> (O, the `PagedStep` it ran on the triton backend, else None). A caller
-    that makes the same call on other caches in the same state (the layers of a model in one decode step) runs
-    that step on them (`PagedStep.run`) instead of working it out again."""
+def _attend(q, cache, slots, cu_seqlens_q, k_new, v_new, softmax_scale, window_size, softmax_type, softmax_offset,
+            out_dtype, num_splits, backend) -> Tuple[torch.Tensor, Optional["PagedStep"]]:
+    """`mxfp8_attention_with_kvcache` -> (O, the `PagedStep` the triton backend ran, else None)."""
     if backend not in ("auto", "reference", "triton", "cudnn"):
         raise ValueError(f"backend must be one of ('auto', 'cudnn', 'triton', 'reference'), got {backend!r}")
     if not isinstance(cache, MXFP8KVCache):
@@ -504,9 +500,9 @@ def attend_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Sequence[in
                           sink=sink is not None, out_dtype=kernel_dtype)
         _require_cudnn(q, cu, cache, slots, **cudnn_args)
     if name == "triton":
-        step = PagedStep(q, cache, slots, cu, cu_seqlens_q, k_new, v_new, scale, band.left_bound, num_splits,
-                         kernel_dtype, out_dtype)
-        return step.run(cache, q, k_new, v_new, sink), step
+        step = PagedStep(q, cache, slots, cu, cu_seqlens_q, k_new, v_new, scale, band.left_bound, softmax_type,
+                         num_splits, kernel_dtype, out_dtype)
+        return step._run(cache, q, k_new, v_new, sink), step
     if k_new is not None:
         cache._append(slots, k_new, v_new, cu)
     _check_queries(cache, slots, cu, [cache._lens[s] for s in slots])
@@ -543,8 +539,8 @@ class PagedStep:
     (`mxattn.integrations.hf_cache.MXFP8PagedCache`)."""
 
     def __init__(self, q: torch.Tensor, cache: MXFP8KVCache, slots: List[int], cu: List[int],
-                 cu_seqlens_q: torch.Tensor, k_new, v_new, scale: float, left_bound: Optional[int], num_splits: int,
-                 kernel_dtype: torch.dtype, out_dtype: torch.dtype):
+                 cu_seqlens_q: torch.Tensor, k_new, v_new, scale: float, left_bound: Optional[int],
+                 softmax_type: str, num_splits: int, kernel_dtype: torch.dtype, out_dtype: torch.dtype):
         from .kernels.paged_step import step_key
         from .kernels.triton_paged_attention import split_count
         n = len(slots)
@@ -570,14 +566,30 @@ class PagedStep:
         self.max_kv = max(lengths, default=0)
         self.splits = split_count(q, cache.kv_heads, n, self.max_q, num_splits, self.max_kv) \
             if q.shape[0] and n and self.max_q else 1
-        self.scale, self.left_bound = scale, left_bound
+        self.scale, self.left_bound, self.softmax_type = scale, left_bound, softmax_type
         self.kernel_dtype, self.out_dtype = kernel_dtype, out_dtype
+        self.q_facts = (q.shape, q.dtype, q.device)
+        self.kv_facts = None if k_new is None else (k_new.shape, k_new.dtype, v_new.shape, v_new.dtype)
 
-    def run(self, cache: MXFP8KVCache, q: torch.Tensor, k_new: Optional[torch.Tensor],
-            v_new: Optional[torch.Tensor], sink: Optional[torch.Tensor]) -> torch.Tensor:
-        """Append and attend on `cache` (in the state the step was worked out from; q [T, Hq, D], k_new/v_new
-        [T, Hkv, D] or None as then, sink fp32 [Hq] or None as then) -> O [T, Hq, D] in out_dtype: the append's and
-        the attention's launches as one replayed step (`mxattn.kernels.paged_step`)."""
+    def run(self, cache: MXFP8KVCache, q: torch.Tensor, k_new: Optional[torch.Tensor] = None,
+            v_new: Optional[torch.Tensor] = None, softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The step on `cache` (in the state the step was worked out from): q [T, Hq, D], k_new/v_new [T, Hkv, D]
+        (given as they were then) and softmax_offset (fp32 [Hq], with softmax_type "learnable") of this cache's
+        layer -> O [T, Hq, D] in out_dtype. Raises, before anything is written, when the cache's state or an
+        argument's shape, dtype or device is not the step's."""
+        if (q.shape, q.dtype, q.device) != self.q_facts:
+            raise ValueError(f"PagedStep.run: q must be {self.q_facts}, got {(q.shape, q.dtype, q.device)}")
+        if (k_new is None) != (self.kv_facts is None) or (v_new is None) != (self.kv_facts is None) or (
+                k_new is not None and (k_new.shape, k_new.dtype, v_new.shape, v_new.dtype) != self.kv_facts):
+            raise ValueError(f"PagedStep.run: k_new and v_new must be as when the step was worked out "
+                             f"({'None' if self.kv_facts is None else self.kv_facts})")
+        sink = _sink(self.softmax_type, softmax_offset, q.shape[1], q.device)
+        return self._run(cache, q, k_new, v_new, sink)
+
+    def _run(self, cache: MXFP8KVCache, q: torch.Tensor, k_new: Optional[torch.Tensor],
+             v_new: Optional[torch.Tensor], sink: Optional[torch.Tensor]) -> torch.Tensor:
+        """`run` on checked arguments (sink: fp32 [Hq] or None): the append's and the attention's launches as one
+        replayed step (`mxattn.kernels.paged_step`)."""
         from .kernels.paged_step import paged_step
         if cache.state != self.before:
             raise RuntimeError("PagedStep.run: the cache is not in the state this step was worked out from")
@@ -632,4 +644,4 @@ def _cache_backend(backend: str, q: torch.Tensor, cache: MXFP8KVCache) -> str:
     return "reference"
 
 
-__all__ = ["MXFP8KVCache", "PagedStep", "attend_with_kvcache", "mxfp8_attention_with_kvcache"]
+__all__ = ["MXFP8KVCache", "PagedStep", "mxfp8_attention_with_kvcache"]

@@ -38,8 +38,7 @@ from typing import Optional
 from ..constants import MX_BLOCK, ceil_div
 from ..devices import host_to_device
 from ..formats import MXFP8Tensor, cat_bytes, quantize_mxfp8
-from ..attention import _sink
-from ..kvcache import MXFP8KVCache, attend_with_kvcache, seal_value_blocks
+from ..kvcache import MXFP8KVCache, mxfp8_attention_with_kvcache, seal_value_blocks
 from ..tensor_cache import TensorValueCache
 from .hf_masks import UnsupportedMaskError
 
@@ -218,8 +217,7 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
         if shared is not None and shared[0] is attention_mask and shared[2].before == self.store.state:
             _, new, step = shared
             self.pending, self.first_real = None, new.first
-            sink = None if sink_offset is None else _sink("learnable", sink_offset, hq, query.device)
-            o = step.run(self.store, real(query, new.rows), real(key, new.rows), real(value, new.rows), sink)
+            o = step.run(self.store, real(query, new.rows), real(key, new.rows), real(value, new.rows), sink_offset)
         else:
             new, o, step = self._attend_first(query, key, value, attention_mask, real, scaling, sliding_window,
                                               softmax_kwargs, backend)
@@ -248,10 +246,10 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
                     "token, as generate builds it)")
         self.pending, self.first_real = None, new.first
         window = None if not sliding_window else (int(sliding_window) - 1, 0)
-        o, step = attend_with_kvcache(
+        o, step = mxfp8_attention_with_kvcache(
             real(query, new.rows), self.store, self.slots, cu_seqlens_q=new.cu_seqlens,
             k_new=real(key, new.rows), v_new=real(value, new.rows), softmax_scale=scaling, window_size=window,
-            backend=backend, **softmax_kwargs)
+            backend=backend, return_step=True, **softmax_kwargs)
         return new, o, step
 
 

@@ -635,13 +635,13 @@ def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, monkeypat
     assert paged_step.STEPS.last_reason == "recorded"
     twins = [filled() for _ in range(3)]
     q, k, v = inputs()
-    o, step = kvcache.attend_with_kvcache(q, twins[0], [0, 1, 2], cu_seqlens_q=cu, k_new=k, v_new=v,
-                                          backend="triton")
+    o, step = mxattn.mxfp8_attention_with_kvcache(q, twins[0], [0, 1, 2], cu_seqlens_q=cu, k_new=k, v_new=v,
+                                                  backend="triton", return_step=True)
     assert isinstance(step, kvcache.PagedStep) and step.before == twins[1].state != twins[0].state == caches[0].state
     for t in twins[1:]:
         q2, k2, v2 = inputs()
         launcher.clear()
-        o2 = step.run(t, q2, k2, v2, None)
+        o2 = step.run(t, q2, k2, v2)
         recorded, tensors = logs[1]    # (a recording logs its pointers as ("ptr", address))
         _assert_rebased(recorded, list(launcher), list(zip(tensors, [q2, k2, v2] + list(t.storage))))
         assert o2.shape == (n, hq, d) and launcher[-1][2][0] == o2.data_ptr()
@@ -651,7 +651,13 @@ def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, monkeypat
     assert [len(p) for p in twins[0]._pages] == [6] * n
     before, lens = other.state, list(other._lens)
     with pytest.raises(RuntimeError, match="not in the state"):
-        step.run(other, q, k, v, None)
+        step.run(other, q, k, v)
+    with pytest.raises(ValueError, match="q must be"):
+        step.run(other, q[:2], k, v)
+    with pytest.raises(ValueError, match="k_new and v_new"):
+        step.run(other, q)
+    with pytest.raises(ValueError, match="k_new and v_new"):
+        step.run(other, q, k.float(), v)
     assert other.state == before and other._lens == lens
 
 
