@@ -11,7 +11,7 @@ same: the helper's inlined debug scope adds `$L__tmp` labels at its boundaries, 
 changed the 12th); check every kernel.
 
 --kernels paged fingerprints the paged KV cache's kernels instead (`paged_builds`: the attention kernel's exact
-and decode data paths in each pass, the split combine and the append, at head dims 128 and 64 over bf16 inputs, as
+and decode data paths in each pass (the decode split passes with STORE_S, and without it as "recompute"), the split combine and the append, at head dims 128 and 64 over bf16 inputs, as
 `paged_attention_fwd` and `paged_append` launch them); --kernels all, both sets.
 
 Usage: python benchmarks/default_recipe_sass.py [--kernels dense|paged|all] [--out FILE]
@@ -152,12 +152,18 @@ def _paged_attention_builds(dp: int) -> list:
         options = dict(maxnreg=tp.DECODE_MAXNREG) if decode and tp.DECODE_MAXNREG is not None else {}
         for pass_ in (tp.SINGLE.value, tp.MAX_PASS.value, tp.SPLIT_PASS.value):
             scratch = "*bf16" if pass_ == tp.SINGLE.value else "*fp32"
-            types = dict(PAGED_TYPES, MP=scratch, MF=scratch, LP=scratch, OP=scratch, SINK="*bf16")
-            constexprs = dict(HAS_LB=False, HAS_SINK=False, BM=bm, BN=tp.BLOCK_N, DP=dp,
-                              GP=tp.tile_heads(PAGED_GROUP, bm), EVEN_D=True,
-                              WHOLE_PAGES=PAGE_TOKENS % tp.BLOCK_N == 0, PASS=pass_, DECODE=decode)
-            out.append((f"paged {label} d{dp} pass{pass_}", fn, types, constexprs, warps, stages,
-                        dict(options, divisible=paged_divisible(fn, types))))
+            # the decode split passes store the logits (STORE_S) under the workspace cap, else recompute them
+            for store_s in (True, False) if decode and pass_ != tp.SINGLE.value else (False,):
+                types = dict(PAGED_TYPES, MP=scratch, MF=scratch, LP=scratch, OP=scratch, SINK="*bf16",
+                             SW="*fp32" if store_s else "*bf16")
+                constexprs = dict(HAS_LB=False, HAS_SINK=False, BM=bm, BN=tp.BLOCK_N, DP=dp,
+                                  GP=tp.tile_heads(PAGED_GROUP, bm), EVEN_D=True,
+                                  WHOLE_PAGES=PAGE_TOKENS % tp.BLOCK_N == 0, PASS=pass_, DECODE=decode,
+                                  STORE_S=store_s)
+                name = f"paged {label} d{dp} pass{pass_}" + (" recompute" if decode and not store_s
+                                                             and pass_ != tp.SINGLE.value else "")
+                out.append((name, fn, types, constexprs, warps, stages,
+                            dict(options, divisible=paged_divisible(fn, types))))
     return out
 
 

@@ -9,7 +9,7 @@ operands shuffled rather than computed. (How this found the paged decode path's 
 benchmarks/results/nvidia-h100-80gb-hbm3/session17/README.txt.)
 
 Usage: python benchmarks/sass_loops.py [--kernel decode|exact] [--pass 0|1|2] [--head-dim 128] [--warps 4]
-                                        [--stages 2] [--maxnreg N] [--top 12]
+                                        [--stages 2] [--maxnreg N] [--store-s 0|1] [--top 12]
 """
 
 import argparse
@@ -59,14 +59,15 @@ def loops(ins):
     return found
 
 
-def build_paged(kernel: str, pass_: int, head_dim: int, warps: int, stages: int, maxnreg=None):
+def build_paged(kernel: str, pass_: int, head_dim: int, warps: int, stages: int, maxnreg=None, store_s=False):
     """The sm_90 build of the paged attention kernel's data path (decode: DECODE, triton_paged_decode; exact: the
-    dequantizing path) for a decode step's tile (16 rows, 4 query heads per KV head, pages of 256 tokens)."""
+    dequantizing path) for a decode step's tile (16 rows, 4 query heads per KV head, pages of 256 tokens); store_s:
+    the split passes' STORE_S (pass 1 writes the logits, pass 2 reads them)."""
     from triton_compile import compile_paged
     from mxattn.kernels import triton_paged_attention as tp
     dp = tp.padded_head_dim(head_dim)
     constexprs = dict(HAS_LB=False, HAS_SINK=False, BM=16, BN=tp.BLOCK_N, DP=dp, GP=4, EVEN_D=dp == head_dim,
-                      WHOLE_PAGES=True, PASS=pass_, DECODE=kernel == "decode")
+                      WHOLE_PAGES=True, PASS=pass_, DECODE=kernel == "decode", STORE_S=store_s)
     options = {} if maxnreg is None else dict(maxnreg=maxnreg)
     return compile_paged(tp._paged_attn_kernel, constexprs, num_warps=warps, num_stages=stages, **options)
 
@@ -102,14 +103,18 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", type=int, default=4, help="num_warps (default 4)")
     ap.add_argument("--stages", type=int, default=2, help="num_stages (default 2)")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap (default: none)")
+    ap.add_argument("--store-s", type=int, choices=(0, 1), default=None,
+                    help="the decode split passes' STORE_S: 1 store / load the logits, 0 recompute them (default: "
+                         "what the launcher picks under its workspace cap: 1 for the decode path's passes 1 and 2)")
     ap.add_argument("--top", type=int, default=12, help="opcodes listed per loop (default 12)")
     args = ap.parse_args(argv)
     if importlib.util.find_spec("triton") is None:
         print("sass_loops needs triton (pip install triton on Linux x86-64)", file=sys.stderr)
         return 2
-    kernel = build_paged(args.kernel, args.pass_, args.head_dim, args.warps, args.stages, args.maxnreg)
+    store_s = (args.kernel == "decode" and args.pass_ != 0) if args.store_s is None else bool(args.store_s)
+    kernel = build_paged(args.kernel, args.pass_, args.head_dim, args.warps, args.stages, args.maxnreg, store_s)
     print(f"{args.kernel} path, pass {args.pass_}, D {args.head_dim}, {args.warps} warps, {args.stages} stages"
-          + ("" if args.maxnreg is None else f", maxnreg {args.maxnreg}") + f"; shared memory "
+          + ("" if args.maxnreg is None else f", maxnreg {args.maxnreg}") + f", STORE_S {int(store_s)}; shared memory "
           f"{kernel.metadata.shared} bytes")
     print(report(kernel.asm["cubin"], args.top))
     return 0

@@ -4,7 +4,8 @@ sinks, the open V block, split passes and their combine) checked where CI runs, 
 checked on the GPU (tests/kvcache/test_kvcache_gpu.py); here only what it computes.
 
 Run as a script with TRITON_INTERPRET=1 (set before triton decorates the kernels); prints one JSON line per
-case: {"case", "max_abs", "within_one_ulp", "equal"}. Three things stand in for what the interpreter cannot run
+case: {"case", "max_abs", "within_one_ulp", "equal"}, then one per split case checking the logits workspace of the
+split passes (STORE_S, `store_s_check`): {"store_s_case", "bit_equal", "poison_nan"}. Three things stand in for what the interpreter cannot run
 or gets wrong (Triton 3.6):
 * the kernel's inline-assembly conversions (E4M3 -> F16, P -> E4M3 -> F16) are replaced by the same conversions
   written with `.to` (exact: E4M3 values are F16 numbers);
@@ -83,11 +84,9 @@ def _replace_inline_asm(td):
     td.round_p_to_f16, td.e4m3_to_f16, td.e4m3_pairs_to_f16 = _round_p_to_f16, _e4m3_to_f16, _e4m3_pairs_to_f16
 
 
-def run_case(case) -> dict:
-    """One case: the kernel (interpreted) and the reference backend on the same cache and queries."""
+def _inputs(case):
+    """A case's cache, slots, queries, cu_seqlens, sink and the reference backend's O."""
     import mxattn
-    from mxattn.kernels import triton_paged_attention as tp
-    from mxattn.metrics import bf16_ulps
     name, d, page, hq, hkv, lens, qn, splits, kw = case
     g = torch.Generator().manual_seed(sum(lens) + d)
     cache = mxattn.MXFP8KVCache(num_pages=sum(-(-n // page) for n in lens) + 1, page_size=page, kv_heads=hkv,
@@ -106,15 +105,58 @@ def run_case(case) -> dict:
     elif kw.get("softmax_type") == "off-by-one":
         sink = torch.zeros(hq)
     want = mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, backend="reference", **kw).float()
+    return cache, slots, q, cu, sink, want
+
+
+def _kernel_out(case, cache, slots, q, cu, sink) -> torch.Tensor:
+    """O of `paged_attention_fwd` (interpreted) for a case's inputs."""
+    from mxattn.kernels import triton_paged_attention as tp
+    name, d, page, hq, hkv, lens, qn, splits, kw = case
     window = kw.get("window_size")
     out = torch.full_like(q, float("nan"))
     tp.paged_attention_fwd(q, cu, max(qn), torch.tensor(slots, dtype=torch.int32), cache,
                            softmax_scale=d ** -0.5, left_bound=None if window is None else window[0] + 1,
                            out=out, sink=sink, num_splits=splits, max_seqlen_kv=max(lens))
-    got = out.float()
+    return out
+
+
+def run_case(case) -> dict:
+    """One case: the kernel (interpreted) and the reference backend on the same cache and queries."""
+    from mxattn.metrics import bf16_ulps
+    name = case[0]
+    cache, slots, q, cu, sink, want = _inputs(case)
+    got = _kernel_out(case, cache, slots, q, cu, sink).float()
     ulps = bf16_ulps(got, want)
     return dict(case=name, max_abs=(got - want).abs().max().item(), nan=bool(torch.isnan(got).any()),
                 within_one_ulp=(ulps <= 1).float().mean().item(), equal=(got == want).float().mean().item())
+
+
+def store_s_check(case) -> dict:
+    """The split passes' logits workspace (STORE_S) on a split case: {"store_s_case", "bit_equal": O equals the
+    recomputing split pass's (no workspace: SCORES_MAX_BYTES 0) bit for bit, "poison_nan": with the workspace
+    filled with NaN between the two passes every output is NaN (the split pass reads S from it, not from K)}."""
+    from mxattn.kernels import triton_paged_attention as tp
+    inputs = _inputs(case)[:-1]
+    stored = _kernel_out(case, *inputs)
+    cap, tp.SCORES_MAX_BYTES = tp.SCORES_MAX_BYTES, 0
+    try:
+        recomputed = _kernel_out(case, *inputs)
+    finally:
+        tp.SCORES_MAX_BYTES = cap
+    launch, poisoned = tp.launch, []
+
+    def poisoning_launch(kernel, grid, *args, **options):
+        launch(kernel, grid, *args, **options)
+        if options.get("PASS") == tp.MAX_PASS.value and options.get("STORE_S"):
+            args[-2].fill_(float("nan"))  # SW, after the maximum pass wrote it
+            poisoned.append(True)
+    tp.launch = poisoning_launch
+    try:
+        nan_out = _kernel_out(case, *inputs)
+    finally:
+        tp.launch = launch
+    return dict(store_s_case=case[0], bit_equal=bool(torch.equal(stored, recomputed)),
+                poison_nan=bool(poisoned) and bool(torch.isnan(nan_out).all()))
 
 
 def main() -> int:
@@ -128,6 +170,9 @@ def main() -> int:
     tp.sm_count = lambda device: 132         # num_splits=0 decides as on an H100
     for case in CASES:
         print(json.dumps(run_case(case)), flush=True)
+    for case in CASES:
+        if case[7] > 1:
+            print(json.dumps(store_s_check(case)), flush=True)
     return 0
 
 

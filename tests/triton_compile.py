@@ -41,7 +41,7 @@ def compile_for(fn, types: dict, constexprs: dict, *, num_warps: int, num_stages
 #: the paged attention kernels' pointer arguments and float scalars as Triton's launcher types them (bf16 queries)
 PAGED_TYPES = dict(Q="*bf16", O="*bf16", MP="*fp32", MF="*fp32", LP="*fp32", OP="*fp32", CU_Q="*i32",
                    SLOTS="*i32", SEQ_LENS="*i32", SINK="*fp32", PT="*i32", KD="*fp8e4nv", KS="*u8", VD="*fp8e4nv",
-                   VS="*u8", VT="*bf16", qk_scale="fp32")
+                   VS="*u8", VT="*bf16", qk_scale="fp32", SW="*fp32")
 
 
 def paged_divisible(fn, types: dict) -> list:

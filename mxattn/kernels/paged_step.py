@@ -10,7 +10,8 @@ same geometry.
 The signature: the cache's geometry (`MXFP8KVCache.storage_key`: its tensors' shapes, strides, dtypes and
 alignment, fixed for its life), q's, k_new's and v_new's shapes, strides and dtypes,
 how many sequences, the longest query run, the append's launch shape (`append_shape`), the split count (resolved
-from the longest cached sequence before the key is made), the scale, window, sink and output dtype. What the
+from the longest cached sequence before the key is made), with splits the bucket of the longest cached sequence
+(`score_columns`: the logits workspace's size and row stride), the scale, window, sink and output dtype. What the
 kernels read from memory (lengths, page tables, the offsets in `meta`) is never baked in: those are roots.
 """
 
@@ -22,7 +23,7 @@ import torch
 
 from .launch_plan import PlanCache, plan_key
 from .triton_paged_append import paged_append
-from .triton_paged_attention import paged_attention_fwd
+from .triton_paged_attention import paged_attention_fwd, score_columns
 
 #: recorded steps; a family (one layer geometry and options) must replay 16 times per recording to keep
 #: recording new sizes (chunked prefill of ever new lengths stops recording by itself)
@@ -44,7 +45,7 @@ def paged_step(cache, q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Opt
     storage), so that the key of each call reads only q, k_new, v_new and sink (a step runs once per layer)."""
     call_roots = (q, k_new, v_new, cu, slots, meta, sink)
     options = ("paged step", n_seq, max_seqlen_q, append_shape, float(softmax_scale), left_bound, num_splits,
-               out_dtype, cache.storage_key)
+               score_columns(max_seqlen_kv) if num_splits > 1 else 0, out_dtype, cache.storage_key)
     if step_key is None:
         key = plan_key(options, call_roots)
     else:

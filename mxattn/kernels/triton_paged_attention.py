@@ -28,10 +28,13 @@ Split KV (flash-decoding): when the programs would leave multiprocessors idle (f
 each sequence's KV blocks are cut into `n_splits` contiguous ranges run by separate programs, in two passes and
 a combine, so that every P is still rounded to E4M3 against the running max of the sequential pass:
 
-1. each split's row maximum of the logits (K only: PASS = 1);
+1. each split's row maximum of the logits (K only: PASS = 1); on the decode path (STORE_S) it also writes the
+   logits themselves, unmasked, to a workspace (one fp32 row per query token and head, a column per key position;
+   `score_columns` sizes it, `SCORES_MAX_BYTES` caps it);
 2. each split starts its online softmax from the maximum over the sink and the earlier splits (what the
    sequential pass's running max is when it reaches the split's first block), so each block's P is the
-   sequential pass's P; it writes its unnormalised O, final max and sum (PASS = 2);
+   sequential pass's P; it writes its unnormalised O, final max and sum (PASS = 2). Under STORE_S it reads the
+   logits pass 1 wrote (the same bits: the same P and O) instead of reading K again and recomputing Q K^T;
 3. `_combine_splits_kernel` rescales the splits to the overall max and normalises.
 
 Only the fp32 additions across splits are ordered differently from the sequential pass: split results agree with
@@ -54,7 +57,7 @@ from .triton_attention_fwd import BF16_FWD_CONFIGS, BLOCK_N
 from .triton_common import (LOG2E, band_block_range, block_max, dequant_cols, dequant_rows, load_tile,
                             mask_logits, quantize_cols, quantize_rows, round_p_to_bf16, softmax_block, softmax_start)
 from .triton_launch import cdiv, launch, sm_count
-from .triton_paged_decode import _block_pages, _decode_scores, _decode_values, _q_block
+from .triton_paged_decode import _block_pages, _decode_scores, _decode_values, _load_scores, _q_block, _store_scores
 from .triton_quantize import padded_head_dim
 
 # passes of _paged_attn_kernel
@@ -118,18 +121,25 @@ def _paged_values(j, page, row, slot, hk, len_kv, sealed, PT, spt, VD, svd_p, sv
 @triton.jit
 def _paged_blocks(acc, m_i, l_i, q, j0, j1, pos, slot, hk, len_kv, sealed, offset, LB, qk_scale,
                   PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n,
-                  VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE,
+                  VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE, SW, s_row, s_ok,
                   MASK: tl.constexpr, HAS_LB: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
                   EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr, MAX_ONLY: tl.constexpr, DECODE: tl.constexpr,
-                  BM: tl.constexpr, NB: tl.constexpr, TAIL: tl.constexpr):
+                  BM: tl.constexpr, NB: tl.constexpr, TAIL: tl.constexpr, STORE_S: tl.constexpr):
     """The online softmax over KV blocks j0 .. j1 (in order) for query positions pos [BM]; MAX_ONLY: only the
     running max of the logits (acc and l_i unchanged). q: Q dequantized to bf16, or under DECODE its D blocks and
-    scales (`_q_block`; TAIL: the blocks may reach past the sealed V blocks and past len_kv)."""
+    scales (`_q_block`; TAIL: the blocks may reach past the sealed V blocks and past len_kv). STORE_S (DECODE, split
+    passes): the maximum pass also writes each block's logits to the workspace SW (rows s_ok at offsets s_row,
+    `_store_scores`), the split pass reads them there instead of computing them (`_load_scores`)."""
     for j in range(j0, j1):
         if DECODE:
             pg, page, row = _block_pages(j, slot, len_kv, PT, spt, PAGE, BN, WHOLE_PAGES)
-            qk = _decode_scores(*q, j, page, row, hk, len_kv, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, D,
-                                BN, NB, TAIL, EVEN_D)
+            if STORE_S and not MAX_ONLY:  # the split pass: S as the maximum pass computed it
+                qk = _load_scores(SW, s_row, s_ok, j, BN)
+            else:
+                qk = _decode_scores(*q, j, page, row, hk, len_kv, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n,
+                                    D, BN, NB, TAIL, EVEN_D)
+                if STORE_S:
+                    _store_scores(SW, s_row, s_ok, j, qk, BN)
         else:
             kt, page, row = _paged_keys(j, slot, hk, len_kv, PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h,
                                         sks_n, D, PAGE, BN, DP, EVEN_D, WHOLE_PAGES)
@@ -159,10 +169,10 @@ def _paged_attn_kernel(
         sq_t, sq_h, so_t, so_h, spt,
         skd_p, skd_h, skd_n, sks_p, sks_h, sks_n,
         svd_p, svd_h, svd_n, svs_p, svs_h, svs_n, svt_s, svt_h, svt_n,
-        T, HQ, HKV, GROUP, D, PAGE, qk_scale, LB, N_SPLITS,
+        T, HQ, HKV, GROUP, D, PAGE, qk_scale, LB, N_SPLITS, SW, SW_N,
         HAS_LB: tl.constexpr, HAS_SINK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
         GP: tl.constexpr, EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr, PASS: tl.constexpr,
-        DECODE: tl.constexpr):
+        DECODE: tl.constexpr, STORE_S: tl.constexpr = False):
     """Grid (query tiles of the longest query run * N_SPLITS, sequences * HKV * head chunks). Q, O: [T, HQ, D]
     (thd, unit stride along D), sequence b's queries at rows CU_Q[b] .. CU_Q[b+1]; SLOTS[b]: its cache slot;
     SEQ_LENS[slot]: its cached tokens (the new ones included); PT: the page table [slots, pages]; KD/KS, VD/VS:
@@ -172,7 +182,10 @@ def _paged_attn_kernel(
     (split s's row maxima of the logits to MP [N_SPLITS, T, HQ]), SPLIT_PASS (split s from the maximum of the
     sink and MP's earlier splits; its unnormalised O to OP [N_SPLITS, T, HQ, DP], final max to MF and sum to
     LP [N_SPLITS, T, HQ]). DECODE: the decode data path (`triton_paged_decode`: FP8 operands on the f16 tensor
-    cores), else the exact one (tiles dequantized to bf16, the dense path's products)."""
+    cores), else the exact one (tiles dequantized to bf16, the dense path's products). STORE_S (DECODE, split
+    passes): the logits workspace SW fp32 [T * HQ, SW_N] (row tok * HQ + head, column: the key's position; SW_N at
+    least every sequence's length: a longer sequence's rows are neither written nor read), written by MAX_PASS and
+    read by SPLIT_PASS in place of Q K^T."""
     NB: tl.constexpr = DP // 32
     TQ: tl.constexpr = BM // GP
     tile = tl.program_id(0) // N_SPLITS
@@ -219,6 +232,8 @@ def _paged_attn_kernel(
         je = tl.minimum(js + per, je)
     m_i, l_i, acc = softmax_start(SINK, head, HAS_SINK, BM, DP)
     part = (split * T + tok) * HQ + head     # [BM] index into MP / MF / LP
+    s_row = (tok * HQ + head) * SW_N         # [BM] the rows' offsets in SW (STORE_S)
+    s_ok = row_ok & (len_kv <= SW_N)
     if PASS == MAX_PASS:
         m_i = tl.full([BM], float("-inf"), tl.float32)
     if PASS == SPLIT_PASS:
@@ -227,8 +242,9 @@ def _paged_attn_kernel(
         if split > 0:
             l_i = tl.zeros([BM], tl.float32)
     pages = (PT, spt, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n, VD, svd_p, svd_h, svd_n,
-             VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE)
+             VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE, SW, s_row, s_ok)
     max_only: tl.constexpr = PASS == MAX_PASS
+    store_s: tl.constexpr = STORE_S and DECODE and PASS != SINGLE
     if DECODE:
         # the split's blocks [js, je) in three runs: the band's left edge (masked), blocks every query row keeps
         # whole and whose V blocks are all sealed (no mask), the rest (masked; the open V block, keys past len_kv)
@@ -237,24 +253,24 @@ def _paged_attn_kernel(
         x2 = tl.maximum(x1, tl.minimum(tl.minimum(full_hi // BN, s_blk), je))
         run = (pos, slot, hk, len_kv, sealed, offset, LB, qk_scale)
         acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, qs, js, x1, *run, *pages, True, HAS_LB, BN, DP, EVEN_D,
-                                      WHOLE_PAGES, max_only, True, BM, NB, False)
+                                      WHOLE_PAGES, max_only, True, BM, NB, False, store_s)
         acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, qs, x1, x2, *run, *pages, False, HAS_LB, BN, DP, EVEN_D,
-                                      WHOLE_PAGES, max_only, True, BM, NB, False)
+                                      WHOLE_PAGES, max_only, True, BM, NB, False, store_s)
         acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, qs, x2, je, *run, *pages, True, HAS_LB, BN, DP, EVEN_D,
-                                      WHOLE_PAGES, max_only, True, BM, NB, True)
+                                      WHOLE_PAGES, max_only, True, BM, NB, True, store_s)
     else:  # the band's masked left edge, the unmasked blocks, the masked rest
         acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(lo // BN, js),
                                       tl.minimum(tl.cdiv(mask_hi, BN), je), pos, slot, hk, len_kv, sealed, offset,
                                       LB, qk_scale, *pages, True, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only,
-                                      False, BM, NB, False)
+                                      False, BM, NB, False, False)
         acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(full_lo // BN, js),
                                       tl.minimum(full_hi // BN, je), pos, slot, hk, len_kv, sealed, offset,
                                       LB, qk_scale, *pages, False, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only,
-                                      False, BM, NB, False)
+                                      False, BM, NB, False, False)
         acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, tl.maximum(tl.cdiv(tl.maximum(full_hi, mask_hi), BN), js),
                                       tl.minimum(tl.cdiv(hi, BN), je), pos, slot, hk, len_kv, sealed, offset,
                                       LB, qk_scale, *pages, True, HAS_LB, BN, DP, EVEN_D, WHOLE_PAGES, max_only,
-                                      False, BM, NB, False)
+                                      False, BM, NB, False, False)
     if PASS == MAX_PASS:
         tl.store(MP + part, m_i, mask=row_ok)
     elif PASS == SPLIT_PASS:
@@ -301,6 +317,11 @@ FAST_TILE = (16, 4, 2)
 #: multiprocessor): 128 fits four, and with PROGRAMS_PER_SM's splits the H100 ran batch 8 / 4k in 92 us against
 #: 103 (16k: 244 against 316, the best split count of each; session18/splits_cap128.txt, splits_default.txt)
 DECODE_MAXNREG = 128
+#: the largest logits workspace (bytes) the decode path's split passes store S in (STORE_S), else the split pass
+#: recomputes it: 4 bytes per query row (tokens x query heads) and key column (`score_columns`), e.g. 4 MiB at
+#: batch 8, 32 query heads, 4k context; 64 MiB (batch 64 x 32 heads at 8k) keeps long prefix-free batches from
+#: holding a large scratch for a small gain (few heads' rows per KV head: S is 1/8 of K's bytes at GP 4)
+SCORES_MAX_BYTES = 64 << 20
 
 
 def paged_config(head_dim: int, exact: bool = True, rows: int = 0):
@@ -362,6 +383,24 @@ def _chosen_splits(hq: int, d: int, hkv: int, n_seq: int, max_seqlen_q: int, kv_
     return choose_splits(programs, kv_blocks, sms)
 
 
+def score_columns(max_seqlen_kv: int) -> int:
+    """Columns of the split passes' logits workspace (STORE_S) for sequences of at most max_seqlen_kv tokens: their
+    KV blocks rounded up to a power of two, times BLOCK_N (a bucket: a decode loop keeps one workspace size, and
+    one recorded launch plan (`paged_step`), for many steps); 0 without tokens."""
+    blocks = cdiv(max_seqlen_kv, BLOCK_N)
+    return BLOCK_N << (blocks - 1).bit_length() if blocks > 0 else 0
+
+
+def _score_workspace(q: torch.Tensor, num_splits: int, decode: bool, max_seqlen_kv: int):
+    """(SW, SW_N) of a call: the logits workspace fp32 [T * Hq, SW_N] when the decode path runs split passes
+    (STORE_S) and it fits SCORES_MAX_BYTES, else None (the split pass recomputes S)."""
+    cols = score_columns(max_seqlen_kv)
+    rows = q.shape[0] * q.shape[1]
+    if not decode or num_splits == 1 or cols == 0 or rows * cols * 4 > SCORES_MAX_BYTES:
+        return None
+    return torch.empty((rows, cols), device=q.device, dtype=torch.float32), cols
+
+
 def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, slots: torch.Tensor,
                         cache, *, softmax_scale: float, left_bound: Optional[int], out: torch.Tensor,
                         sink: Optional[torch.Tensor] = None, num_splits: int = 1, max_seqlen_kv: int = 0) -> None:
@@ -372,7 +411,8 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
     window + 1 (None: unbounded); sink: fp32 [Hq] contiguous logits or None. num_splits: 1 (one program per
     sequence and KV head, the dense path's tile: bit-equal to the dense call), n > 1 (split KV), 0 (choose:
     `choose_splits`, from max_seqlen_kv, the longest cached sequence); other than 1, a decode step takes the
-    16-row FAST_TILE (`paged_config`). The caller checks the arguments
+    16-row FAST_TILE (`paged_config`), whose split passes store the logits when max_seqlen_kv (then at least
+    every sequence's length) is given (`_score_workspace`). The caller checks the arguments
     (`mxattn.kvcache.mxfp8_attention_with_kvcache`)."""
     T, hq, d = q.shape
     hkv = cache.kv_heads
@@ -390,10 +430,14 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
     kd, ks = cache.k_data, cache.k_scale.view(torch.uint8)
     vd, vs = cache.v_data, cache.v_scale.view(torch.uint8)
     vt, pt = cache.v_tail, cache.page_table
+    # the exact tile dequantizes as the dense path does; the decode tile feeds the FP8 bytes to the tensor cores
+    decode = (bm, warps, stages) == FAST_TILE
+    scores = None
     if num_splits > 1:
         mp = torch.empty((3, num_splits, T, hq), device=q.device, dtype=torch.float32)
         op = torch.empty((num_splits, T, hq, dp), device=q.device, dtype=torch.float32)
         parts = (mp[0], mp[1], mp[2], op)
+        scores = _score_workspace(q, num_splits, decode, max_seqlen_kv)
     else:
         parts = (q, q, q, q)
     args = (cu_seqlens_q, slots, cache.seq_lens, q if sink is None else sink, pt, kd, ks, vd, vs, vt,
@@ -402,12 +446,10 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
             vd.stride(0), vd.stride(1), vd.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
             vt.stride(0), vt.stride(1), vt.stride(2),
             T, hq, hkv, group, d, cache.page_size, float(softmax_scale) * LOG2E.value,
-            0 if left_bound is None else int(left_bound), num_splits)
-    # the exact tile dequantizes as the dense path does; the decode tile feeds the FP8 bytes to the tensor cores
-    decode = (bm, warps, stages) == FAST_TILE
+            0 if left_bound is None else int(left_bound), num_splits, *(scores or (q, 0)))
     options = dict(HAS_LB=left_bound is not None, HAS_SINK=sink is not None, BM=bm, BN=BLOCK_N, DP=dp, GP=gp,
-                   EVEN_D=dp == d, WHOLE_PAGES=cache.page_size % BLOCK_N == 0, DECODE=decode, num_warps=warps,
-                   num_stages=stages)
+                   EVEN_D=dp == d, WHOLE_PAGES=cache.page_size % BLOCK_N == 0, DECODE=decode,
+                   STORE_S=scores is not None, num_warps=warps, num_stages=stages)
     if decode and DECODE_MAXNREG is not None:
         options["maxnreg"] = DECODE_MAXNREG
     grid = (tiles * num_splits, programs[1])
@@ -421,4 +463,4 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
            T, hq, d, num_splits, SP=triton.next_power_of_2(num_splits), DP=dp, num_warps=4)
 
 
-__all__ = ["paged_attention_fwd", "paged_config", "choose_splits", "split_count", "tile_heads"]
+__all__ = ["paged_attention_fwd", "paged_config", "choose_splits", "score_columns", "split_count", "tile_heads"]

@@ -5,8 +5,8 @@ cores as they are.
 lengths, query rows, split ranges, stores). The exact one dequantizes every K and V tile to bf16 before its two
 products, the dense forward's data path: at decode sizes (a few query rows per KV head) that costs far more
 than the products, about 32 element operations per query row and key. The decode path (DECODE, the 16-row
-decode tile), whose per-block work is here (`_q_block`, `_block_pages`, `_decode_scores`, `_decode_values`),
-keeps the recipe and changes only where the power-of-two scales are applied:
+decode tile), whose per-block work is here (`_q_block`, `_block_pages`, `_decode_scores`, `_decode_values`,
+`_store_scores`, `_load_scores`), keeps the recipe and changes only where the power-of-two scales are applied:
 
 * Q K^T: for each 32-wide block b along D, S_b = Q8_b K8_b^T on the f16 tensor cores (E4M3 -> F16 is exact
   and so is every product of two E4M3 values; sums in fp32), then S = sum_b S_b * 2^eq_b * 2^ek_b, with Q's
@@ -21,6 +21,13 @@ the single pass (tests: `tests/kvcache/test_kvcache_gpu.py`). Scales: 2^(e - 127
 subnormal 2^-127, 255 as NaN: a NaN block gives NaN as on the dequantizing path). Passes, grid and split-KV
 bookkeeping are the kernel's, the same on both paths (`triton_paged_attention`'s module docstring says why split
 KV needs the maximum pass).
+
+Split KV stores the logits (STORE_S): the maximum pass computes every block's S (`_decode_scores`) for its row
+maxima anyway, so it also writes S, unmasked, to a workspace (`_store_scores`: fp32, one row per query token and
+head, one column per key position), and the split pass reads it back (`_load_scores`) instead of gathering K's
+bytes and scales from the pages and multiplying again: the same fp32 values, so the same P and O bit for bit, for
+a few query rows' loads and stores per key instead of Q K^T a second time. Without STORE_S (the launcher's
+fallback above its workspace cap) the split pass recomputes S.
 """
 
 import triton
@@ -142,6 +149,28 @@ def _decode_scores(q0, q1, q2, q3, s0, s1, s2, s3, j, page, row, hk, len_kv, KD,
         s += _qk_part(q2, s2, 2, *k_args, BN, TAIL, EVEN_D)
         s += _qk_part(q3, s3, 3, *k_args, BN, TAIL, EVEN_D)
     return s
+
+
+@triton.jit
+def _store_scores(SW, s_row, s_ok, j, qk, BN: tl.constexpr):
+    """Write KV block j's logits qk fp32 [BM, BN] (as `_decode_scores` returns them, before any mask) to the
+    workspace: row r's at SW[s_row[r] + j * BN .. + BN] (s_row: the row's offset, (token * HQ + head) * SW_N), rows
+    s_ok only. The maximum pass's half of STORE_S; `_load_scores` is the split pass's."""
+    cols = j * BN + tl.arange(0, BN)
+    tl.store(SW + s_row[:, None] + cols[None, :], qk, mask=s_ok[:, None])
+
+
+@triton.jit
+def _load_scores(SW, s_row, s_ok, j, BN: tl.constexpr):
+    """KV block j's logits fp32 [BM, BN] as `_store_scores` wrote them (the very bits `_decode_scores` gave the
+    maximum pass, but for -0 read as +0); 0 in rows not s_ok. Returned as S + 0 x 0 on the tensor cores (a
+    [BM, 16] x [16, BN] product of zeros, a few MMA instructions): that anchors S in the MMA accumulator layout,
+    where `_decode_scores` leaves it; a loaded S otherwise takes the layout of P's MMA operand, which repeats
+    every row in every warp, and the softmax runs four times over (sm_90 build: 1769 -> 1215 instructions per
+    block and warp with the product, 1501 without)."""
+    cols = j * BN + tl.arange(0, BN)
+    s = tl.load(SW + s_row[:, None] + cols[None, :], mask=s_ok[:, None], other=0.0)
+    return tl.dot(tl.zeros([s_row.shape[0], 16], tl.float16), tl.zeros([16, BN], tl.float16), s)
 
 
 @triton.jit

@@ -111,6 +111,16 @@ SPLIT_CASES = [  # (d, page_size, kw)
 ]
 
 
+def _split_cache(d, page_size, hkv):
+    """The split cases' cache on the GPU: three sequences of 3000, 37 and 1500 tokens; (cache, slots)."""
+    cache = mxattn.MXFP8KVCache(num_pages=200, page_size=page_size, kv_heads=hkv, head_dim=d, max_sequences=3,
+                                device="cuda")
+    slots = [cache.new_sequence() for _ in range(3)]
+    for i, (s, n) in enumerate(zip(slots, (3000, 37, 1500))):
+        cache.append(s, _tokens(n, hkv, d, 70 + i), _tokens(n, hkv, d, 80 + i) * (1 + i))
+    return cache, slots
+
+
 @pytest.mark.parametrize("d,page_size,kw", SPLIT_CASES)
 @torch.no_grad()
 def test_split_kv_equals_one_split_to_fp32_rounding(d, page_size, kw):
@@ -123,11 +133,7 @@ def test_split_kv_equals_one_split_to_fp32_rounding(d, page_size, kw):
     if "softmax_offset" in kw:
         kw["softmax_offset"] = torch.tensor(kw["softmax_offset"], device="cuda")
     hq, hkv = 6, 2
-    cache = mxattn.MXFP8KVCache(num_pages=200, page_size=page_size, kv_heads=hkv, head_dim=d, max_sequences=3,
-                                device="cuda")
-    slots = [cache.new_sequence() for _ in range(3)]
-    for i, (s, n) in enumerate(zip(slots, (3000, 37, 1500))):
-        cache.append(s, _tokens(n, hkv, d, 70 + i), _tokens(n, hkv, d, 80 + i) * (1 + i))
+    cache, slots = _split_cache(d, page_size, hkv)
     q = _tokens(6, hq, d, 90) * 2
     cu = torch.tensor([0, 1, 2, 6], dtype=torch.int32, device="cuda")
     call = lambda n: mxattn.mxfp8_attention_with_kvcache(q, cache, slots, cu_seqlens_q=cu, backend="triton",  # noqa
@@ -138,6 +144,39 @@ def test_split_kv_equals_one_split_to_fp32_rounding(d, page_size, kw):
         ulps = bf16_ulps(got, one)
         assert ulps.max().item() <= 1.0, (n, ulps.max().item())
         assert (got == one).float().mean().item() >= 0.98, (n, (got == one).float().mean().item())
+
+
+@pytest.mark.parametrize("d,page_size,kw", SPLIT_CASES)
+@torch.no_grad()
+def test_stored_logits_equal_recomputed_ones_bit_for_bit(d, page_size, kw, monkeypatch):
+    """The decode path's split passes with the logits workspace (STORE_S: pass 2 reads the S pass 1 wrote) and
+    without it (SCORES_MAX_BYTES 0: pass 2 recomputes S from the pages): the same O bit for bit, at 2, 5 and 16
+    splits. paged_attention_fwd directly (a replayed step would keep its recorded choice)."""
+    _needs_triton()
+    from mxattn.kernels import triton_paged_attention as tp
+    hq, hkv = 6, 2
+    cache, slots = _split_cache(d, page_size, hkv)
+    q = _tokens(3, hq, d, 90) * 2
+    cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device="cuda")
+    window = kw.get("window_size")
+    sink = None
+    if kw.get("softmax_type") == "learnable":
+        sink = torch.tensor(kw["softmax_offset"], device="cuda")
+    elif kw.get("softmax_type") == "off-by-one":
+        sink = torch.zeros(hq, device="cuda")
+
+    def run(n):
+        out = torch.empty_like(q)
+        tp.paged_attention_fwd(q, cu, 1, torch.tensor(slots, dtype=torch.int32, device="cuda"), cache,
+                               softmax_scale=d ** -0.5, left_bound=None if window is None else window[0] + 1,
+                               out=out, sink=sink, num_splits=n, max_seqlen_kv=3000)
+        return out
+    for n in (2, 5, 16):
+        stored = run(n)
+        with monkeypatch.context() as m:
+            m.setattr(tp, "SCORES_MAX_BYTES", 0)
+            recomputed = run(n)
+        assert torch.equal(stored, recomputed), (n, (stored.float() - recomputed.float()).abs().max().item())
 
 
 @torch.no_grad()

@@ -3,7 +3,9 @@ under Triton's interpreter (page tables of 32-256 tokens, GQA up to 16:1, slidin
 sinks, the open V block, multi-token queries, the single pass and 2-5 splits with their combine) and compares O
 with the reference backend on the same cache. The interpreter's exponentials are exact where the GPU's are
 approximate, so outputs may differ by one bf16 ulp, not more; a wrong page, mask, scale or split start moves
-them by far more (the kernel's arithmetic on the GPU: tests/kvcache/test_kvcache_gpu.py)."""
+them by far more (the kernel's arithmetic on the GPU: tests/kvcache/test_kvcache_gpu.py). The split cases also
+check the logits workspace (STORE_S): O bit-equal to the recomputing split pass, and NaN when the workspace is
+poisoned between the passes."""
 
 import importlib.util
 import json
@@ -23,8 +25,14 @@ def test_decode_kernel_under_the_interpreter_matches_the_reference_backend():
     res = subprocess.run([sys.executable, os.path.join(str(ROOT), "tests", "interpret_paged_decode.py")],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    rows = [row for row in lines if "case" in row]
     assert len(rows) == 4, res.stdout
     for row in rows:
         assert not row["nan"], row
         assert row["within_one_ulp"] >= 0.999 and row["equal"] >= 0.3, row
+    # the split passes' logits workspace: O bit-equal to recomputing S, and pass 2 reads S from the workspace
+    checks = [row for row in lines if "store_s_case" in row]
+    assert len(checks) == 3, res.stdout
+    for row in checks:
+        assert row["bit_equal"] and row["poison_nan"], row
