@@ -18,7 +18,8 @@ from .backends import BACKEND_NAMES, availability as backend_availability
 from .cudnn_support import cudnn_support
 from .errors import MXFP8NotSupportedError
 from .formats import MXFP8Tensor, quantize_mxfp8, swizzle_128x4, unswizzle_128x4
-from .kvcache import MXFP8KVCache, PagedStep, mxfp8_attention_with_kvcache
+from .kvcache import MXFP8KVCache
+from .kvcache_call import PagedStep, mxfp8_attention_with_kvcache
 from .mask import MaskSpec
 from .module import DotProductAttention
 from .recipe import Recipe

@@ -38,7 +38,8 @@ from typing import Optional
 from ..constants import MX_BLOCK, ceil_div
 from ..devices import host_to_device
 from ..formats import MXFP8Tensor, cat_bytes, quantize_mxfp8
-from ..kvcache import MXFP8KVCache, mxfp8_attention_with_kvcache, seal_value_blocks
+from ..kvcache import MXFP8KVCache, seal_value_blocks
+from ..kvcache_call import mxfp8_attention_with_kvcache
 from ..tensor_cache import TensorValueCache
 from .hf_masks import UnsupportedMaskError
 
@@ -210,7 +211,7 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
             return x if rows is None else x.index_select(0, rows)
 
         # every layer of a step makes this call on a cache in the same state: the first works out the step
-        # (checks, new tokens, pages, launch shape), the others run it (`mxattn.kvcache.PagedStep`)
+        # (checks, new tokens, pages, launch shape), the others run it (`mxattn.kvcache_call.PagedStep`)
         signature = (self.positions, id(attention_mask), sliding_window, scaling, backend, sink_offset is None,
                      query.shape, query.dtype, query.device, key.shape, key.dtype)
         shared = self.steps.get(signature)

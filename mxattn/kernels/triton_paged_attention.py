@@ -413,7 +413,7 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
     `choose_splits`, from max_seqlen_kv, the longest cached sequence); other than 1, a decode step takes the
     16-row FAST_TILE (`paged_config`), whose split passes store the logits when max_seqlen_kv (then at least
     every sequence's length) is given (`_score_workspace`). The caller checks the arguments
-    (`mxattn.kvcache.mxfp8_attention_with_kvcache`)."""
+    (`mxattn.kvcache_call.mxfp8_attention_with_kvcache`)."""
     T, hq, d = q.shape
     hkv = cache.kv_heads
     group = hq // hkv

@@ -134,7 +134,7 @@ def test_backend_choice_of_the_cache_call(monkeypatch):
     """auto takes the Triton paged kernel where the triton backend runs and the head dim is at most 128, else the
     reference with a one-time warning naming why; an explicit "triton" that cannot run raises before anything is
     appended. (Host logic on the CPU: the triton backend's availability is faked.)"""
-    from mxattn import kvcache
+    from mxattn import kvcache_call as kvcache
     from mxattn.backends.triton_backend import TritonBackend
     q = torch.zeros(1, 2, 64)
     small = mxattn.MXFP8KVCache(num_pages=1, page_size=32, kv_heads=1, head_dim=64, max_sequences=1)

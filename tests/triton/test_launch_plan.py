@@ -594,12 +594,12 @@ def test_paged_cache_steps_replay_their_launches(launcher, monkeypatch, sink):
 
 
 def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, monkeypatch):
-    """A decode step worked out on one layer's cache (`mxattn.kvcache.PagedStep`: checks, new pages, lengths,
+    """A decode step worked out on one layer's cache (`mxattn.kvcache_call.PagedStep`: checks, new pages, lengths,
     split count) runs on the other layers' caches, made and filled alike: the same launches as each cache's own
     public call (pointers rebased onto its q, k, v and storage), the same pages taken (here each sequence's next
     page), equal states after. A cache in another state is refused before anything changes."""
     import mxattn
-    from mxattn import kvcache
+    from mxattn import kvcache_call
     from mxattn.backends.triton_backend import TritonBackend
     from mxattn.kernels import paged_step, triton_paged_attention
     monkeypatch.setattr(TritonBackend, "availability", classmethod(lambda cls, device: (True, "")))
@@ -637,7 +637,7 @@ def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, monkeypat
     q, k, v = inputs()
     o, step = mxattn.mxfp8_attention_with_kvcache(q, twins[0], [0, 1, 2], cu_seqlens_q=cu, k_new=k, v_new=v,
                                                   backend="triton", return_step=True)
-    assert isinstance(step, kvcache.PagedStep) and step.before == twins[1].state != twins[0].state == caches[0].state
+    assert isinstance(step, kvcache_call.PagedStep) and step.before == twins[1].state != twins[0].state == caches[0].state
     for t in twins[1:]:
         q2, k2, v2 = inputs()
         launcher.clear()
@@ -669,7 +669,7 @@ def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher,
     import warnings
 
     import mxattn.integrations.transformers as mx_hf
-    from mxattn import kvcache
+    from mxattn import kvcache_call
     from mxattn.backends.triton_backend import TritonBackend
     from mxattn.integrations.hf_cache import MXFP8PagedCache
     from mxattn.kernels import paged_step, triton_paged_attention
@@ -679,12 +679,12 @@ def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher,
     monkeypatch.setattr(paged_step, "STEPS", paged_step.PlanCache(min_replays=16))
     planned = []
 
-    class CountedStep(kvcache.PagedStep):
+    class CountedStep(kvcache_call.PagedStep):
         def __init__(self, *args, **kwargs):
             planned.append(1)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(kvcache, "PagedStep", CountedStep)
+    monkeypatch.setattr(kvcache_call, "PagedStep", CountedStep)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         name = mx_hf.register("mxfp8_shared_steps_test", backend="triton")
