@@ -378,9 +378,15 @@ def split_count(q: torch.Tensor, hkv: int, n_seq: int, max_seqlen_q: int, num_sp
 def _chosen_splits(hq: int, d: int, hkv: int, n_seq: int, max_seqlen_q: int, kv_blocks: int, sms: int) -> int:
     group = hq // hkv
     bm, _, _ = _config(d, group, max_seqlen_q, 0)
+    tiles, rows = _grid(bm, group, hkv, n_seq, max_seqlen_q)
+    return choose_splits(tiles * rows, kv_blocks, sms)
+
+
+def _grid(bm: int, group: int, hkv: int, n_seq: int, max_seqlen_q: int):
+    """The kernel's grid before splitting: (query tiles of the longest query run, sequences x KV heads x head
+    chunks), for BLOCK_M = bm rows of tile_heads(group, bm) heads each."""
     gp = tile_heads(group, bm)
-    programs = cdiv(max_seqlen_q, bm // gp) * n_seq * hkv * cdiv(group, gp)
-    return choose_splits(programs, kv_blocks, sms)
+    return cdiv(max_seqlen_q, bm // gp), n_seq * hkv * cdiv(group, gp)
 
 
 def score_columns(max_seqlen_kv: int) -> int:
@@ -423,8 +429,7 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
         return
     gp = tile_heads(group, bm)
     dp = padded_head_dim(d)
-    tiles = cdiv(max_seqlen_q, bm // gp)
-    programs = (tiles, n_seq * hkv * cdiv(group, gp))
+    tiles, rows = _grid(bm, group, hkv, n_seq, max_seqlen_q)
     if num_splits == 0:
         num_splits = split_count(q, hkv, n_seq, max_seqlen_q, 0, max_seqlen_kv)
     kd, ks = cache.k_data, cache.k_scale.view(torch.uint8)
@@ -452,7 +457,7 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
                    STORE_S=scores is not None, num_warps=warps, num_stages=stages)
     if decode and DECODE_MAXNREG is not None:
         options["maxnreg"] = DECODE_MAXNREG
-    grid = (tiles * num_splits, programs[1])
+    grid = (tiles * num_splits, rows)
     kernel = _paged_attn_kernel
     if num_splits == 1:
         launch(kernel, grid, q, out, *parts, *args, PASS=SINGLE.value, **options)
