@@ -358,3 +358,48 @@ def test_a_batched_append_that_does_not_fit_changes_nothing():
     with pytest.raises(ValueError, match="distinct"):
         cache.append_batch([a, a], _tokens(3, 1, 32, 3), _tokens(3, 1, 32, 4), [0, 1, 3])
     assert cache.slot_tensor([b, a]).tolist() == [b, a] and cache.slot_tensor([b, a]) is cache.slot_tensor((b, a))
+
+
+def test_state_follows_the_history_of_slots_pages_and_appends():
+    """`MXFP8KVCache.state`: caches made alike and changed alike (new sequences, appends, releases) have equal
+    states whatever the values written; a different geometry, count, order or release gives another state. The page
+    choice of an append (`_plan_pages`) changes nothing until the pages are taken (`_map_pages`), which refuses a
+    choice the cache no longer matches."""
+    def make(**kw):
+        geometry = dict(num_pages=6, page_size=32, kv_heads=1, head_dim=32, max_sequences=3)
+        return mxattn.MXFP8KVCache(**{**geometry, **kw})
+
+    def feed(cache, seed, n=(40, 3)):
+        a, b = cache.new_sequence(), cache.new_sequence()
+        cache.append_batch([a, b], _tokens(sum(n), 1, 32, seed), _tokens(sum(n), 1, 32, seed + 1), [0, n[0], sum(n)])
+        return a, b
+
+    x, y = make(), make()
+    assert x.state == y.state and make(num_pages=7).state != x.state and make(head_dim=64).state != x.state
+    feed(x, 1)
+    assert x.state != y.state
+    feed(y, 9)                                         # other values, the same history
+    assert x.state == y.state and x._pages == y._pages and torch.equal(x.page_table, y.page_table)
+    z = make()
+    feed(z, 1, n=(41, 2))
+    assert z.state != x.state
+    before = (x.state, [list(p) if p is not None else None for p in x._pages], list(x._free), x.page_table.clone())
+    k, v = _tokens(30, 1, 32, 3), _tokens(30, 1, 32, 4)
+    slots, cu, starts, counts, table = x._plan_pages([0, 1], k, v, [0, 25, 30])
+    assert (starts, counts) == ([40, 3], [25, 5]) and [(s, i) for s, i, _ in table] == [(0, 2)]
+    assert (x.state, x._pages, x._free) == before[:3] and torch.equal(x.page_table, before[3])
+    x.release(1)
+    assert x.state != y.state
+    y.release(1)
+    assert x.state == y.state
+    with pytest.raises(RuntimeError, match="changed since"):   # the release put slot 1's pages on the free list
+        x._map_pages(table)
+
+
+def test_the_reference_backend_returns_no_step():
+    cache = mxattn.MXFP8KVCache(num_pages=2, page_size=32, kv_heads=1, head_dim=32, max_sequences=1)
+    a = cache.new_sequence()
+    k, v, q = _tokens(5, 1, 32, 1), _tokens(5, 1, 32, 2), _tokens(5, 1, 32, 3)
+    o, step = mxattn.mxfp8_attention_with_kvcache(q, cache, [a], cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32),
+                                                  k_new=k, v_new=v, backend="reference", return_step=True)
+    assert step is None and torch.equal(o, _expected(q, k, v))

@@ -661,10 +661,12 @@ def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, monkeypat
     assert other.state == before and other._lens == lens
 
 
-def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher, monkeypatch):
-    """transformers' decode steps over `MXFP8PagedCache` (4 layers, two with a sliding window): the first layer of
-    each kind works the step out (`PagedStep`), the others run it; every layer's cache ends in the same state,
-    with the same lengths, as when each layer works its own step out."""
+@pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "left_padded"])
+def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher, monkeypatch, padded):
+    """transformers' decode steps over `MXFP8PagedCache` (4 layers, two with a sliding window; no mask, or the
+    left-padded masks generate builds: one per kind of layer and step): the first layer of each kind works the step
+    out (`PagedStep`), the others run it; every layer's cache ends in the same state, with the same lengths, as
+    when each layer works its own step out."""
     pytest.importorskip("transformers")
     import warnings
 
@@ -697,11 +699,20 @@ def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher,
         windows = [None, 40, None, 40]
         g = torch.Generator().manual_seed(3)
 
+        first = torch.tensor([0, 10, 5] if padded else [0, 0, 0])     # each row's first real position
+
+        def mask(positions: int, sq: int, window):   # transformers' boolean mask [B, 1, Sq, positions]
+            kpos = torch.arange(positions).view(1, 1, -1)
+            qpos = (positions - sq + torch.arange(sq)).view(1, sq, 1)
+            m = (kpos <= qpos) & (kpos >= first.view(b, 1, 1)) & (qpos >= first.view(b, 1, 1))
+            return (m if window is None else m & (qpos - kpos < window)).unsqueeze(1)
+
         def run(share: bool, steps: int = 6):
             planned.clear()
             cache = MXFP8PagedCache(max_cache_len=128, page_size=32)
             for step in range(steps):
                 s = 30 if step == 0 else 1
+                masks = {w: mask(30 + step, s, w) if padded else None for w in set(windows)}
                 for layer in range(layers):
                     q = torch.randn(b, hq, s, d, generator=g, dtype=torch.bfloat16)
                     k, v = (torch.randn(b, hkv, s, d, generator=g, dtype=torch.bfloat16) for _ in range(2))
@@ -709,7 +720,9 @@ def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher,
                     cache.layers[layer].store._append_kernel = True
                     if not share:
                         cache.layers[layer].steps = {}
-                    fn(module, q, k, v, None, scaling=d ** -0.5, sliding_window=windows[layer])
+                    out, _ = fn(module, q, k, v, masks[windows[layer]], scaling=d ** -0.5,
+                                sliding_window=windows[layer])
+                    assert out.shape == (b, s, hq, d)
             return cache, len(planned)
 
         shared, n_shared = run(True)
@@ -717,6 +730,6 @@ def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher,
         assert n_alone == 6 * layers and n_shared == 6 * 2      # one per step and window
         for a, c in zip(alone.layers, shared.layers):
             assert c.store.state == a.store.state == shared.layers[0].store.state
-            assert [c.store.length(s) for s in c.slots] == [35] * b
+            assert [c.store.length(s) for s in c.slots] == (35 - first).tolist()
     finally:
         mx_hf.unregister(name)
