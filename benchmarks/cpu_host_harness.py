@@ -16,8 +16,9 @@ models_bench.py, no mask) against transformers' own
 nothing, so its figure is the function's host path).
 --hf-paged: instead, the same decode steps over `MXFP8PagedCache` (each layer's update and attention: the cache's
 checks and page bookkeeping, the append and attention launches replayed by `mxattn.kernels.paged_step`) against
-transformers' `DynamicCache.update` and `sdpa_attention_forward` on the one-element problem; --profile adds cProfile.
-Usage: python benchmarks/cpu_host_harness.py [--profile] [--decode | --ops | --hf-decode | --hf-paged]"""
+transformers' `DynamicCache.update` and `sdpa_attention_forward` on the one-element problem; --profile adds cProfile
+(sorted by cumulative time, or by each function's own time with --tottime).
+Usage: python benchmarks/cpu_host_harness.py [--profile [--tottime]] [--decode | --ops | --hf-decode | --hf-paged]"""
 import statistics
 import sys
 import time
