@@ -45,6 +45,17 @@ def launcher(monkeypatch):
     return log
 
 
+@pytest.fixture
+def paged_stubs(monkeypatch):
+    """The paged cache calls' triton path on the CPU (with `launcher`): the backend available, a 132-SM GPU for
+    the split choice, a fresh plan cache for the steps."""
+    from mxattn.backends.triton_backend import TritonBackend
+    from mxattn.kernels import paged_step, triton_paged_attention
+    monkeypatch.setattr(TritonBackend, "availability", classmethod(lambda cls, device: (True, "")))
+    monkeypatch.setattr(triton_paged_attention, "sm_count", lambda device: 132)
+    monkeypatch.setattr(paged_step, "STEPS", paged_step.PlanCache(min_replays=16))
+
+
 def _fn(name, n_args):
     """A jit function's stand-in as `launch` reads it (name, parameter names: n_args run-time, then BLOCK)."""
     return SimpleNamespace(__name__=name, arg_names=[f"a{i}" for i in range(n_args)] + ["BLOCK"])
@@ -549,7 +560,7 @@ def test_the_compiled_graphs_forward_op_replays_its_body(launcher, monkeypatch, 
 
 
 @pytest.mark.parametrize("sink", [False, True])
-def test_paged_cache_steps_replay_their_launches(launcher, monkeypatch, sink):
+def test_paged_cache_steps_replay_their_launches(launcher, paged_stubs, sink):
     """Decode steps of `mxattn.mxfp8_attention_with_kvcache` (triton) on three caches of one geometry (a model's
     layers): the first step of a signature runs the launchers, the second records, later ones replay
     (`mxattn.kernels.paged_step`): the same kernels (the append, the split passes, the combine), grids and
@@ -557,11 +568,7 @@ def test_paged_cache_steps_replay_their_launches(launcher, monkeypatch, sink):
     onto the replaying call's, O written where the returned O lies."""
     import mxattn
     from mxattn import kvcache
-    from mxattn.backends.triton_backend import TritonBackend
-    from mxattn.kernels import paged_step, triton_paged_attention
-    monkeypatch.setattr(TritonBackend, "availability", classmethod(lambda cls, device: (True, "")))
-    monkeypatch.setattr(triton_paged_attention, "sm_count", lambda device: 132)
-    monkeypatch.setattr(paged_step, "STEPS", paged_step.PlanCache(min_replays=16))
+    from mxattn.kernels import paged_step
     hq, hkv, d, n = 8, 2, 64, 3
     caches = [mxattn.MXFP8KVCache(num_pages=24, page_size=64, kv_heads=hkv, head_dim=d, max_sequences=n)
               for _ in range(3)]
@@ -593,18 +600,14 @@ def test_paged_cache_steps_replay_their_launches(launcher, monkeypatch, sink):
     assert log3[-1][2][0] == o3.data_ptr() and log1[-1][2][0] == ("ptr", o1.data_ptr())
 
 
-def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, monkeypatch):
+def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, paged_stubs):
     """A decode step worked out on one layer's cache (`mxattn.kvcache_call.PagedStep`: checks, new pages, lengths,
     split count) runs on the other layers' caches, made and filled alike: the same launches as each cache's own
     public call (pointers rebased onto its q, k, v and storage), the same pages taken (here each sequence's next
     page), equal states after. A cache in another state is refused before anything changes."""
     import mxattn
     from mxattn import kvcache_call
-    from mxattn.backends.triton_backend import TritonBackend
-    from mxattn.kernels import paged_step, triton_paged_attention
-    monkeypatch.setattr(TritonBackend, "availability", classmethod(lambda cls, device: (True, "")))
-    monkeypatch.setattr(triton_paged_attention, "sm_count", lambda device: 132)
-    monkeypatch.setattr(paged_step, "STEPS", paged_step.PlanCache(min_replays=16))
+    from mxattn.kernels import paged_step
     hq, hkv, d, n = 8, 2, 64, 3
     g = torch.Generator().manual_seed(1)
 
@@ -662,7 +665,8 @@ def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, monkeypat
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "left_padded"])
-def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher, monkeypatch, padded):
+def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher, paged_stubs, monkeypatch,
+                                                                      padded):
     """transformers' decode steps over `MXFP8PagedCache` (4 layers, two with a sliding window; no mask, or the
     left-padded masks generate builds: one per kind of layer and step): the first layer of each kind works the step
     out (`PagedStep`), the others run it; every layer's cache ends in the same state, with the same lengths, as
@@ -672,13 +676,8 @@ def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher,
 
     import mxattn.integrations.transformers as mx_hf
     from mxattn import kvcache_call
-    from mxattn.backends.triton_backend import TritonBackend
     from mxattn.integrations.hf_cache import MXFP8PagedCache
-    from mxattn.kernels import paged_step, triton_paged_attention
     from transformers import AttentionInterface
-    monkeypatch.setattr(TritonBackend, "availability", classmethod(lambda cls, device: (True, "")))
-    monkeypatch.setattr(triton_paged_attention, "sm_count", lambda device: 132)
-    monkeypatch.setattr(paged_step, "STEPS", paged_step.PlanCache(min_replays=16))
     planned = []
 
     class CountedStep(kvcache_call.PagedStep):
