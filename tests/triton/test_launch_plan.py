@@ -732,3 +732,47 @@ def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher,
             assert [c.store.length(s) for s in c.slots] == (35 - first).tolist()
     finally:
         mx_hf.unregister(name)
+
+
+@pytest.mark.slow
+def test_generate_of_a_config_built_llama_plans_each_decode_step_once(launcher, paged_stubs, monkeypatch):
+    """The user's road with the triton path's launches stubbed: a Llama built from a config, a left-padded batch,
+    `generate` over `MXFP8PagedCache`, eager and under torch.compile(model): one `PagedStep` per step for all four
+    layers, every layer's cache in one state holding each row's real tokens."""
+    pytest.importorskip("transformers")
+    import warnings
+
+    import mxattn.integrations.transformers as mx_hf
+    from mxattn import kvcache_call
+    from mxattn.integrations.hf_cache import MXFP8PagedCache
+    from transformers import LlamaConfig, LlamaForCausalLM
+    planned = []
+
+    class CountedStep(kvcache_call.PagedStep):
+        def __init__(self, *args, **kwargs):
+            planned.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(kvcache_call, "PagedStep", CountedStep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        name = mx_hf.register("mxfp8_road_test", backend="triton")
+    try:
+        cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+        cfg._attn_implementation = name
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).bfloat16().eval()
+        ids = torch.randint(3, 96, (3, 20))
+        am = (torch.arange(20).unsqueeze(0) >= torch.tensor([[0], [7], [12]])).long()
+        for m in (model, torch.compile(model)):
+            planned.clear()
+            cache = MXFP8PagedCache(max_cache_len=64, page_size=32)
+            with torch.no_grad():
+                out = m.generate(ids * am, attention_mask=am, past_key_values=cache, max_new_tokens=6,
+                                 min_new_tokens=6, do_sample=False, pad_token_id=0)
+            assert out.shape == (3, 26) and len(planned) == 6      # prefill + 5 decode steps, 4 layers each
+            assert len({layer.store.state for layer in cache.layers}) == 1
+            assert [cache.layers[3].store.length(s) for s in cache.layers[3].slots] == [25, 18, 13]
+    finally:
+        mx_hf.unregister(name)
