@@ -56,6 +56,30 @@ def paged_stubs(monkeypatch):
     monkeypatch.setattr(paged_step, "STEPS", paged_step.PlanCache(min_replays=16))
 
 
+@pytest.fixture
+def hf_triton_steps(monkeypatch):
+    """(the attn_implementation name transformers knows mxattn's triton attention by, the list PagedStep
+    constructions append to): for the HF paged-cache tests, with `launcher` and `paged_stubs`."""
+    pytest.importorskip("transformers")
+    import warnings
+
+    import mxattn.integrations.transformers as mx_hf
+    from mxattn import kvcache_call
+    planned = []
+
+    class CountedStep(kvcache_call.PagedStep):
+        def __init__(self, *args, **kwargs):
+            planned.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(kvcache_call, "PagedStep", CountedStep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        name = mx_hf.register("mxfp8_hf_steps_test", backend="triton")
+    yield name, planned
+    mx_hf.unregister(name)
+
+
 def _fn(name, n_args):
     """A jit function's stand-in as `launch` reads it (name, parameter names: n_args run-time, then BLOCK)."""
     return SimpleNamespace(__name__=name, arg_names=[f"a{i}" for i in range(n_args)] + ["BLOCK"])
@@ -665,114 +689,78 @@ def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, paged_stu
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "left_padded"])
-def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher, paged_stubs, monkeypatch,
+def test_hf_paged_cache_works_out_each_decode_step_once_for_all_layers(launcher, paged_stubs, hf_triton_steps,
                                                                       padded):
     """transformers' decode steps over `MXFP8PagedCache` (4 layers, two with a sliding window; no mask, or the
     left-padded masks generate builds: one per kind of layer and step): the first layer of each kind works the step
     out (`PagedStep`), the others run it; every layer's cache ends in the same state, with the same lengths, as
     when each layer works its own step out."""
-    pytest.importorskip("transformers")
-    import warnings
-
-    import mxattn.integrations.transformers as mx_hf
-    from mxattn import kvcache_call
     from mxattn.integrations.hf_cache import MXFP8PagedCache
     from transformers import AttentionInterface
-    planned = []
+    name, planned = hf_triton_steps
+    fn = AttentionInterface._global_mapping[name]
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.config = SimpleNamespace(_attn_implementation=name)
+    b, hq, hkv, d, layers = 3, 4, 2, 32, 4
+    windows = [None, 40, None, 40]
+    g = torch.Generator().manual_seed(3)
 
-    class CountedStep(kvcache_call.PagedStep):
-        def __init__(self, *args, **kwargs):
-            planned.append(1)
-            super().__init__(*args, **kwargs)
+    first = torch.tensor([0, 10, 5] if padded else [0, 0, 0])     # each row's first real position
 
-    monkeypatch.setattr(kvcache_call, "PagedStep", CountedStep)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        name = mx_hf.register("mxfp8_shared_steps_test", backend="triton")
-    try:
-        fn = AttentionInterface._global_mapping[name]
-        module = torch.nn.Module()
-        module.is_causal = True
-        module.config = SimpleNamespace(_attn_implementation=name)
-        b, hq, hkv, d, layers = 3, 4, 2, 32, 4
-        windows = [None, 40, None, 40]
-        g = torch.Generator().manual_seed(3)
+    def mask(positions: int, sq: int, window):   # transformers' boolean mask [B, 1, Sq, positions]
+        kpos = torch.arange(positions).view(1, 1, -1)
+        qpos = (positions - sq + torch.arange(sq)).view(1, sq, 1)
+        m = (kpos <= qpos) & (kpos >= first.view(b, 1, 1)) & (qpos >= first.view(b, 1, 1))
+        return (m if window is None else m & (qpos - kpos < window)).unsqueeze(1)
 
-        first = torch.tensor([0, 10, 5] if padded else [0, 0, 0])     # each row's first real position
+    def run(share: bool, steps: int = 6):
+        planned.clear()
+        cache = MXFP8PagedCache(max_cache_len=128, page_size=32)
+        for step in range(steps):
+            s = 30 if step == 0 else 1
+            masks = {w: mask(30 + step, s, w) if padded else None for w in set(windows)}
+            for layer in range(layers):
+                q = torch.randn(b, hq, s, d, generator=g, dtype=torch.bfloat16)
+                k, v = (torch.randn(b, hkv, s, d, generator=g, dtype=torch.bfloat16) for _ in range(2))
+                k, v = cache.update(k, v, layer)
+                cache.layers[layer].store._append_kernel = True
+                if not share:
+                    cache.layers[layer].steps = {}
+                out, _ = fn(module, q, k, v, masks[windows[layer]], scaling=d ** -0.5,
+                            sliding_window=windows[layer])
+                assert out.shape == (b, s, hq, d)
+        return cache, len(planned)
 
-        def mask(positions: int, sq: int, window):   # transformers' boolean mask [B, 1, Sq, positions]
-            kpos = torch.arange(positions).view(1, 1, -1)
-            qpos = (positions - sq + torch.arange(sq)).view(1, sq, 1)
-            m = (kpos <= qpos) & (kpos >= first.view(b, 1, 1)) & (qpos >= first.view(b, 1, 1))
-            return (m if window is None else m & (qpos - kpos < window)).unsqueeze(1)
-
-        def run(share: bool, steps: int = 6):
-            planned.clear()
-            cache = MXFP8PagedCache(max_cache_len=128, page_size=32)
-            for step in range(steps):
-                s = 30 if step == 0 else 1
-                masks = {w: mask(30 + step, s, w) if padded else None for w in set(windows)}
-                for layer in range(layers):
-                    q = torch.randn(b, hq, s, d, generator=g, dtype=torch.bfloat16)
-                    k, v = (torch.randn(b, hkv, s, d, generator=g, dtype=torch.bfloat16) for _ in range(2))
-                    k, v = cache.update(k, v, layer)
-                    cache.layers[layer].store._append_kernel = True
-                    if not share:
-                        cache.layers[layer].steps = {}
-                    out, _ = fn(module, q, k, v, masks[windows[layer]], scaling=d ** -0.5,
-                                sliding_window=windows[layer])
-                    assert out.shape == (b, s, hq, d)
-            return cache, len(planned)
-
-        shared, n_shared = run(True)
-        alone, n_alone = run(False)
-        assert n_alone == 6 * layers and n_shared == 6 * 2      # one per step and window
-        for a, c in zip(alone.layers, shared.layers):
-            assert c.store.state == a.store.state == shared.layers[0].store.state
-            assert [c.store.length(s) for s in c.slots] == (35 - first).tolist()
-    finally:
-        mx_hf.unregister(name)
+    shared, n_shared = run(True)
+    alone, n_alone = run(False)
+    assert n_alone == 6 * layers and n_shared == 6 * 2      # one per step and window
+    for a, c in zip(alone.layers, shared.layers):
+        assert c.store.state == a.store.state == shared.layers[0].store.state
+        assert [c.store.length(s) for s in c.slots] == (35 - first).tolist()
 
 
 @pytest.mark.slow
-def test_generate_of_a_config_built_llama_plans_each_decode_step_once(launcher, paged_stubs, monkeypatch):
+def test_generate_of_a_config_built_llama_plans_each_decode_step_once(launcher, paged_stubs, hf_triton_steps):
     """The user's road with the triton path's launches stubbed: a Llama built from a config, a left-padded batch,
     `generate` over `MXFP8PagedCache`, eager and under torch.compile(model): one `PagedStep` per step for all four
     layers, every layer's cache in one state holding each row's real tokens."""
-    pytest.importorskip("transformers")
-    import warnings
-
-    import mxattn.integrations.transformers as mx_hf
-    from mxattn import kvcache_call
     from mxattn.integrations.hf_cache import MXFP8PagedCache
     from transformers import LlamaConfig, LlamaForCausalLM
-    planned = []
-
-    class CountedStep(kvcache_call.PagedStep):
-        def __init__(self, *args, **kwargs):
-            planned.append(1)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(kvcache_call, "PagedStep", CountedStep)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        name = mx_hf.register("mxfp8_road_test", backend="triton")
-    try:
-        cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-        cfg._attn_implementation = name
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).bfloat16().eval()
-        ids = torch.randint(3, 96, (3, 20))
-        am = (torch.arange(20).unsqueeze(0) >= torch.tensor([[0], [7], [12]])).long()
-        for m in (model, torch.compile(model)):
-            planned.clear()
-            cache = MXFP8PagedCache(max_cache_len=64, page_size=32)
-            with torch.no_grad():
-                out = m.generate(ids * am, attention_mask=am, past_key_values=cache, max_new_tokens=6,
-                                 min_new_tokens=6, do_sample=False, pad_token_id=0)
-            assert out.shape == (3, 26) and len(planned) == 6      # prefill + 5 decode steps, 4 layers each
-            assert len({layer.store.state for layer in cache.layers}) == 1
-            assert [cache.layers[3].store.length(s) for s in cache.layers[3].slots] == [25, 18, 13]
-    finally:
-        mx_hf.unregister(name)
+    name, planned = hf_triton_steps
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg._attn_implementation = name
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).bfloat16().eval()
+    ids = torch.randint(3, 96, (3, 20))
+    am = (torch.arange(20).unsqueeze(0) >= torch.tensor([[0], [7], [12]])).long()
+    for m in (model, torch.compile(model)):
+        planned.clear()
+        cache = MXFP8PagedCache(max_cache_len=64, page_size=32)
+        with torch.no_grad():
+            out = m.generate(ids * am, attention_mask=am, past_key_values=cache, max_new_tokens=6,
+                             min_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert out.shape == (3, 26) and len(planned) == 6      # prefill + 5 decode steps, 4 layers each
+        assert len({layer.store.state for layer in cache.layers}) == 1
+        assert [cache.layers[3].store.length(s) for s in cache.layers[3].slots] == [25, 18, 13]
