@@ -220,7 +220,7 @@ class PagedStep:
         """`run` on checked arguments (sink: fp32 [Hq] or None): the append's and the attention's launches as one
         replayed step (`mxattn.kernels.paged_step`)."""
         from .kernels.paged_step import paged_step
-        if cache.state != self.before:
+        if cache._state != self.before:
             raise RuntimeError("PagedStep.run: the cache is not in the state this step was worked out from")
         if self.table:
             self.entries = cache._map_pages(self.table, self.entries)

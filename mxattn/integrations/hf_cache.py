@@ -207,7 +207,7 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
         sink_offset = softmax_kwargs.get("softmax_offset")
 
         def real(x, rows):  # [B, H, Sq, D] -> the real tokens [T, H, D] (a view for a decode step without padding)
-            x = x.transpose(1, 2).reshape(b * sq, x.shape[1], x.shape[3])
+            x = x.select(2, 0) if sq == 1 else x.transpose(1, 2).reshape(b * sq, x.shape[1], x.shape[3])
             return x if rows is None else x.index_select(0, rows)
 
         # every layer of a step makes this call on a cache in the same state: the first works out the step
