@@ -170,7 +170,7 @@ class PagedStep:
     def __init__(self, q: torch.Tensor, cache: MXFP8KVCache, slots: List[int], cu: List[int],
                  cu_seqlens_q: torch.Tensor, k_new, v_new, scale: float, left_bound: Optional[int],
                  softmax_type: str, num_splits: int, kernel_dtype: torch.dtype, out_dtype: torch.dtype):
-        from .kernels.paged_step import step_key
+        from .kernels.paged_step import step_key, step_options
         from .kernels.triton_paged_attention import split_count
         n = len(slots)
         self.before = cache.state
@@ -182,14 +182,14 @@ class PagedStep:
             self.meta = cache._step_meta(cu, slots, starts)
             self.cu_dev, self.slot_dev = self.meta[:n + 1], self.meta[n + 1:2 * n + 1]
             self.commit = (slots, starts, counts)
-            self.step_key = step_key(self.cu_dev, self.slot_dev, self.meta)
+            self.own_offsets = True     # (cu, slots, meta: made here, see `step_key`)
         else:
             lengths = [cache._lens[s] for s in slots]
             _check_queries(cache, slots, cu, lengths)
             self.append_shape = self.meta = None
             self.cu_dev = cu_seqlens_q if cu_seqlens_q.device == q.device else _device_ints(tuple(cu), q.device)
             self.slot_dev = cache.slot_tensor(slots)
-            self.step_key = None      # (cu_seqlens_q may be the caller's tensor: each call's key reads it)
+            self.own_offsets = False  # (cu_seqlens_q may be the caller's tensor: each call's key reads it)
         self.n = n
         self.max_q = max(b - a for a, b in zip(cu, cu[1:])) if slots else 0
         self.max_kv = max(lengths, default=0)
@@ -197,6 +197,9 @@ class PagedStep:
             if q.shape[0] and n and self.max_q else 1
         self.scale, self.left_bound, self.softmax_type = scale, left_bound, softmax_type
         self.kernel_dtype, self.out_dtype = kernel_dtype, out_dtype
+        self.fixed_key = step_key(step_options(cache, n, self.max_q, self.append_shape, scale, left_bound, self.splits,
+                                               self.max_kv, kernel_dtype), self.cu_dev, self.slot_dev, self.meta) \
+            if self.own_offsets else None
         self.q_facts = (q.shape, q.dtype, q.device)
         self.kv_facts = None if k_new is None else (k_new.shape, k_new.dtype, v_new.shape, v_new.dtype)
 
@@ -230,7 +233,7 @@ class PagedStep:
         o = paged_step(cache, q, k_new, v_new, self.cu_dev, self.slot_dev, self.meta, self.n, self.max_q,
                        self.append_shape, softmax_scale=self.scale, left_bound=self.left_bound,
                        sink=None if sink is None else sink.contiguous(), num_splits=self.splits,
-                       max_seqlen_kv=self.max_kv, out_dtype=self.kernel_dtype, step_key=self.step_key)
+                       max_seqlen_kv=self.max_kv, out_dtype=self.kernel_dtype, fixed_key=self.fixed_key)
         if self.commit is not None:
             cache._commit(*self.commit)
         return o if o.dtype == self.out_dtype else o.to(self.out_dtype)

@@ -218,7 +218,10 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
         if shared is not None and shared[0] is attention_mask and shared[2].before == self.store.state:
             _, new, step = shared
             self.pending, self.first_real = None, new.first
-            o = step.run(self.store, real(query, new.rows), real(key, new.rows), real(value, new.rows), sink_offset)
+            q, k, v = real(query, new.rows), real(key, new.rows), real(value, new.rows)
+            # (the signature fixes q's, k's and v's shapes, dtypes and device: only a sink needs run's checks)
+            o = step._run(self.store, q, k, v, None) if sink_offset is None else step.run(self.store, q, k, v,
+                                                                                         sink_offset)
         else:
             new, o, step = self._attend_first(query, key, value, attention_mask, real, scaling, sliding_window,
                                               softmax_kwargs, backend)

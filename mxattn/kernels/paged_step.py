@@ -34,22 +34,22 @@ def paged_step(cache, q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Opt
                cu: torch.Tensor, slots: torch.Tensor, meta: Optional[torch.Tensor], n_seq: int,
                max_seqlen_q: int, append_shape: Optional[Tuple[int, bool]], *, softmax_scale: float,
                left_bound: Optional[int], sink: Optional[torch.Tensor], num_splits: int, max_seqlen_kv: int,
-               out_dtype: torch.dtype, step_key: Optional[tuple] = None) -> torch.Tensor:
+               out_dtype: torch.dtype, fixed_key: Optional[tuple] = None) -> torch.Tensor:
     """Append (when k_new is given) then attend, as launches: q [T, Hq, D] (unit stride along D); k_new, v_new
     [T, Hkv, D] in the cache's dtype (unit stride along D) or None; cu int32 [n_seq + 1] and slots int32
     [n_seq] on the device (views of meta when the append made it); meta: the append's int32 metadata
     (`MXFP8KVCache._step_meta`) or None; append_shape: (blocks, deferred tails) of `paged_append`, or None;
     num_splits: resolved (>= 1); max_seqlen_kv: the longest sequence after the append. Returns O [T, Hq, D]
-    in out_dtype (bf16 or fp16). The caller has checked everything and mapped the pages. step_key: `step_key`
-    of (cu, slots, meta) when the caller made all three (separate allocations: no other root lies in their
-    storage), so that the key of each call reads only q, k_new, v_new and sink (a step runs once per layer)."""
+    in out_dtype (bf16 or fp16). The caller has checked everything and mapped the pages. fixed_key: `step_key`
+    of the call's options and of (cu, slots, meta) when the caller made all three (separate allocations: no other
+    root lies in their storage), so that the key of each call reads only q, k_new, v_new and sink (a step runs
+    once per layer)."""
     call_roots = (q, k_new, v_new, cu, slots, meta, sink)
-    options = ("paged step", n_seq, max_seqlen_q, append_shape, float(softmax_scale), left_bound, num_splits,
-               score_columns(max_seqlen_kv) if num_splits > 1 else 0, out_dtype, cache.storage_key)
-    if step_key is None:
-        key = plan_key(options, call_roots)
+    if fixed_key is None:
+        key = plan_key(step_options(cache, n_seq, max_seqlen_q, append_shape, softmax_scale, left_bound, num_splits,
+                                    max_seqlen_kv, out_dtype), call_roots)
     else:
-        key = plan_key(options + (step_key,), (q, k_new, v_new, sink))
+        key = plan_key(fixed_key, (q, k_new, v_new, sink))
     roots = call_roots + cache.storage
 
     def body():
@@ -63,9 +63,17 @@ def paged_step(cache, q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Opt
     return STEPS.run(key, body, roots)[0]
 
 
-def step_key(cu: torch.Tensor, slots: torch.Tensor, meta: torch.Tensor) -> tuple:
-    """What `paged_step`'s key needs of the step's offsets (cu and slots: views of meta), made once per step."""
-    return plan_key((), (cu, slots, meta))
+def step_options(cache, n_seq: int, max_seqlen_q: int, append_shape, softmax_scale: float,
+                 left_bound: Optional[int], num_splits: int, max_seqlen_kv: int, out_dtype: torch.dtype) -> tuple:
+    """What `paged_step`'s key holds besides its roots (the module docstring's signature)."""
+    return ("paged step", n_seq, max_seqlen_q, append_shape, float(softmax_scale), left_bound, num_splits,
+            score_columns(max_seqlen_kv) if num_splits > 1 else 0, out_dtype, cache.storage_key)
 
 
-__all__ = ["paged_step", "step_key", "STEPS"]
+def step_key(options: tuple, cu: torch.Tensor, slots: torch.Tensor, meta: torch.Tensor) -> tuple:
+    """`paged_step`'s fixed_key: its options (`step_options`) and what the key needs of the step's offsets (cu and
+    slots: views of meta), made once per step."""
+    return options + (plan_key((), (cu, slots, meta)),)
+
+
+__all__ = ["paged_step", "step_key", "step_options", "STEPS"]
