@@ -57,8 +57,7 @@ from .triton_attention_fwd import BF16_FWD_CONFIGS, BLOCK_N
 from .triton_common import (LOG2E, band_block_range, block_max, dequant_cols, dequant_rows, load_tile,
                             mask_logits, quantize_cols, quantize_rows, round_p_to_bf16, softmax_block, softmax_start)
 from .triton_launch import cdiv, launch, sm_count
-from .triton_paged_decode import (_block_pages, _decode_scores, _decode_values, _fetch_scores, _load_scores,
-                                  _place_scores, _q_block, _store_scores)
+from .triton_paged_decode import _block_pages, _decode_scores, _decode_values, _load_scores, _q_block, _store_scores
 from .triton_quantize import padded_head_dim
 
 # passes of _paged_attn_kernel
@@ -125,26 +124,16 @@ def _paged_blocks(acc, m_i, l_i, q, j0, j1, pos, slot, hk, len_kv, sealed, offse
                   VD, svd_p, svd_h, svd_n, VS, svs_p, svs_h, svs_n, VT, svt_s, svt_h, svt_n, D, PAGE, SW, s_row, s_ok,
                   MASK: tl.constexpr, HAS_LB: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
                   EVEN_D: tl.constexpr, WHOLE_PAGES: tl.constexpr, MAX_ONLY: tl.constexpr, DECODE: tl.constexpr,
-                  BM: tl.constexpr, NB: tl.constexpr, TAIL: tl.constexpr, STORE_S: tl.constexpr,
-                  PREFETCH_S: tl.constexpr = False):
+                  BM: tl.constexpr, NB: tl.constexpr, TAIL: tl.constexpr, STORE_S: tl.constexpr):
     """The online softmax over KV blocks j0 .. j1 (in order) for query positions pos [BM]; MAX_ONLY: only the
     running max of the logits (acc and l_i unchanged). q: Q dequantized to bf16, or under DECODE its D blocks and
     scales (`_q_block`; TAIL: the blocks may reach past the sealed V blocks and past len_kv). STORE_S (DECODE, split
     passes): the maximum pass also writes each block's logits to the workspace SW (rows s_ok at offsets s_row,
-    `_store_scores`), the split pass reads them there instead of computing them (`_load_scores`); PREFETCH_S (the
-    split pass under STORE_S): block j + 1's logits are loaded in iteration j (the run's first block's before the
-    loop), so that their load's latency is hidden behind block j's work (the pipeliner issues ahead only the loads
-    that feed the dot operands: S is the accumulator of `_place_scores`' product)."""
-    prefetch: tl.constexpr = DECODE and STORE_S and not MAX_ONLY and PREFETCH_S
-    if prefetch:  # the first block's S, loaded before the loop (none without blocks)
-        s_next = _fetch_scores(SW, s_row, s_ok & (j0 < j1), j0, BN)
+    `_store_scores`), the split pass reads them there instead of computing them (`_load_scores`)."""
     for j in range(j0, j1):
         if DECODE:
             pg, page, row = _block_pages(j, slot, len_kv, PT, spt, PAGE, BN, WHOLE_PAGES)
-            if prefetch:  # block j's S was loaded an iteration ago: issue j + 1's (none past the run)
-                qk = _place_scores(s_next)
-                s_next = _fetch_scores(SW, s_row, s_ok & (j + 1 < j1), j + 1, BN)
-            elif STORE_S and not MAX_ONLY:  # the split pass: S as the maximum pass computed it
+            if STORE_S and not MAX_ONLY:  # the split pass: S as the maximum pass computed it
                 qk = _load_scores(SW, s_row, s_ok, j, BN)
             else:
                 qk = _decode_scores(*q, j, page, row, hk, len_kv, KD, skd_p, skd_h, skd_n, KS, sks_p, sks_h, sks_n,
@@ -258,10 +247,7 @@ def _paged_attn_kernel(
     store_s: tl.constexpr = STORE_S and DECODE and PASS != SINGLE
     if DECODE:
         # the split's blocks [js, je) in three runs: the band's left edge (masked), blocks every query row keeps
-        # whole and whose V blocks are all sealed (no mask), the rest (masked; the open V block, keys past len_kv).
-        # The split pass loads S a block ahead (PREFETCH_S) in the middle run only, the long one: the edge runs take
-        # a block or two (none at the left without a window), and the last one's build, with its open V block, spills
-        # under DECODE_MAXNREG with the prefetched S live across it (sm_90 build: stack 104 -> 144 bytes)
+        # whole and whose V blocks are all sealed (no mask), the rest (masked; the open V block, keys past len_kv)
         s_blk = sealed // BN
         x1 = tl.maximum(js, tl.minimum(tl.minimum(full_lo // BN, s_blk), je))
         x2 = tl.maximum(x1, tl.minimum(tl.minimum(full_hi // BN, s_blk), je))
@@ -269,7 +255,7 @@ def _paged_attn_kernel(
         acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, qs, js, x1, *run, *pages, True, HAS_LB, BN, DP, EVEN_D,
                                       WHOLE_PAGES, max_only, True, BM, NB, False, store_s)
         acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, qs, x1, x2, *run, *pages, False, HAS_LB, BN, DP, EVEN_D,
-                                      WHOLE_PAGES, max_only, True, BM, NB, False, store_s, True)
+                                      WHOLE_PAGES, max_only, True, BM, NB, False, store_s)
         acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, qs, x2, je, *run, *pages, True, HAS_LB, BN, DP, EVEN_D,
                                       WHOLE_PAGES, max_only, True, BM, NB, True, store_s)
     else:  # the band's masked left edge, the unmasked blocks, the masked rest

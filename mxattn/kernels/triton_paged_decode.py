@@ -161,29 +161,16 @@ def _store_scores(SW, s_row, s_ok, j, qk, BN: tl.constexpr):
 
 
 @triton.jit
-def _fetch_scores(SW, s_row, s_ok, j, BN: tl.constexpr):
-    """KV block j's logits fp32 [BM, BN] as `_store_scores` wrote them (the very bits `_decode_scores` gave the
-    maximum pass, but for -0 read as +0); 0 in rows not s_ok: the load alone, in the layout the load takes (the
-    split pass issues it a block ahead, `_paged_blocks`); `_place_scores` puts it where `_decode_scores` leaves S."""
-    cols = j * BN + tl.arange(0, BN)
-    return tl.load(SW + s_row[:, None] + cols[None, :], mask=s_ok[:, None], other=0.0)
-
-
-@triton.jit
-def _place_scores(s):
-    """Loaded logits s fp32 [BM, BN] (`_fetch_scores`) as S + 0 x 0 on the tensor cores (a [BM, 16] x [16, BN]
-    product of zeros, a few MMA instructions): that anchors S in the MMA accumulator layout, where
-    `_decode_scores` leaves it; a loaded S otherwise takes the layout of P's MMA operand, which repeats every row
-    in every warp, and the softmax runs four times over (sm_90 build: 1769 -> 1215 instructions per block and warp
-    with the product, 1501 without)."""
-    return tl.dot(tl.zeros([s.shape[0], 16], tl.float16), tl.zeros([16, s.shape[1]], tl.float16), s)
-
-
-@triton.jit
 def _load_scores(SW, s_row, s_ok, j, BN: tl.constexpr):
-    """KV block j's logits fp32 [BM, BN] as `_store_scores` wrote them, loaded and placed where `_decode_scores`
-    leaves S (`_fetch_scores`, `_place_scores`): the split pass's S without the load issued ahead."""
-    return _place_scores(_fetch_scores(SW, s_row, s_ok, j, BN))
+    """KV block j's logits fp32 [BM, BN] as `_store_scores` wrote them (the very bits `_decode_scores` gave the
+    maximum pass, but for -0 read as +0); 0 in rows not s_ok. Returned as S + 0 x 0 on the tensor cores (a
+    [BM, 16] x [16, BN] product of zeros, a few MMA instructions): that anchors S in the MMA accumulator layout,
+    where `_decode_scores` leaves it; a loaded S otherwise takes the layout of P's MMA operand, which repeats
+    every row in every warp, and the softmax runs four times over (sm_90 build: 1769 -> 1215 instructions per
+    block and warp with the product, 1501 without)."""
+    cols = j * BN + tl.arange(0, BN)
+    s = tl.load(SW + s_row[:, None] + cols[None, :], mask=s_ok[:, None], other=0.0)
+    return tl.dot(tl.zeros([s_row.shape[0], 16], tl.float16), tl.zeros([16, BN], tl.float16), s)
 
 
 @triton.jit
