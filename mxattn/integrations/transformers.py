@@ -30,7 +30,6 @@ bias (T5-like), transformers' paged KV caches (continuous batching). mxattn's ow
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -60,11 +59,16 @@ def _masks_registered(module) -> Optional[str]:
     return None if name in _mask_functions() else name
 
 
-@functools.lru_cache(maxsize=None)
+_MASK_FUNCTIONS = []  # transformers' mask registry once imported (a list: no `global` statement for Dynamo)
+
+
 def _mask_functions():
-    """transformers' registry of mask builders by attn_implementation (imported once: a decode step asks per layer)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    return ALL_MASK_ATTENTION_FUNCTIONS
+    """transformers' registry of mask builders by attn_implementation (imported once: a decode step asks per layer;
+    kept in a module list rather than behind functools.lru_cache, which Dynamo warns about on every compile)."""
+    if not _MASK_FUNCTIONS:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        _MASK_FUNCTIONS.append(ALL_MASK_ATTENTION_FUNCTIONS)
+    return _MASK_FUNCTIONS[0]
 
 
 def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = None):

@@ -2,6 +2,10 @@
 fullgraph=True on HF's masks (the translation runs on the device) and compiled transformers models (training,
 decode steps, compiled generation, padding-free batches) equal eager bit for bit, without graph breaks."""
 
+import os
+import re
+import warnings
+
 import pytest
 import torch
 
@@ -160,6 +164,25 @@ def test_compiled_model_has_no_graph_breaks_and_no_recompiles():
         step(2)
         step(3)
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_compiling_a_model_raises_no_warning_about_mxattn_code():
+    """torch.compile of a model with the registered attention: Dynamo says nothing about mxattn's code (it warned
+    on every compile about a functools.lru_cache-wrapped helper that the attention function calls when a model
+    hands it no mask)."""
+    package = os.path.dirname(mxattn.__file__)
+    ours = {name for _dir, _sub, files in os.walk(package) for name in files if name.endswith(".py")}
+    model = build(llama, attn=NAME)
+    ids, am = batch()
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        compiled(input_ids=ids, attention_mask=am)      # a padded batch: the model's mask
+        compiled(input_ids=ids)                          # no padding: no mask
+    about_ours = [str(w.message) for w in caught
+                  if w.filename.startswith(package) or set(re.findall(r"([\w.]+\.py):\d+", str(w.message))) & ours]
+    assert not about_ours, about_ours
 
 
 def _traced_targets(model, **inputs):
