@@ -42,7 +42,7 @@ def training_step(attn: str, compiled: bool):
 def decode_step(attn: str, batch: int, tokens: int = 16, paged: bool = False, factory=None):
     """A function that prefills 512 tokens and generates `tokens` greedy ones with the GPT-2 (or models_bench's
     model `factory`) in bf16 and its KV cache (paged: an MXFP8PagedCache, for mxattn's attention)."""
-    from mxattn.integrations.hf_cache import MXFP8PagedCache
+    from mxattn.integrations.hf_cache import MXFP8PagedCache, cache_kwargs
     name, model, _, vocab = mb.build(factory or mb.gpt2_config, attn, False)
     model = model.to(torch.bfloat16).eval()
     ids = torch.randint(0, vocab, (batch, 512), device="cuda")
@@ -51,7 +51,7 @@ def decode_step(attn: str, batch: int, tokens: int = 16, paged: bool = False, fa
 
     @torch.no_grad()
     def generate():
-        cache = dict(past_key_values=MXFP8PagedCache(512 + tokens + 1, page_size=64)) if paged else {}
+        cache = cache_kwargs(MXFP8PagedCache(512 + tokens + 1, page_size=64)) if paged else {}
         model.generate(ids, **kw, **cache)        # the prefill (and its token) and `tokens` decode steps
 
     for _ in range(2):

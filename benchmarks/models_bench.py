@@ -175,7 +175,7 @@ def generate_pair(factory, batch: int, prompt: int, new_tokens: int, quick: bool
     round's prefill), and the median of the per-round ratios to SDPA. The first round meets every KV length for
     the first time in the process (torch SDPA's cuDNN path then builds a graph per length, mxattn compiles a
     Triton specialization or two): it is reported apart (`first_round_tok_s`) and left out of the medians."""
-    from mxattn.integrations.hf_cache import MXFP8PagedCache
+    from mxattn.integrations.hf_cache import MXFP8PagedCache, cache_kwargs
     models = {}
     for attn in ("sdpa", NAME):
         name, model, _, vocab = build(factory, attn, quick)
@@ -184,7 +184,7 @@ def generate_pair(factory, batch: int, prompt: int, new_tokens: int, quick: bool
     ids = torch.randint(0, vocab, (batch, prompt), device=DEVICE, generator=g)
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None)
     runs = {"sdpa": (models["sdpa"], dict), NAME: (models[NAME], dict),
-            PAGED: (models[NAME], lambda: dict(past_key_values=MXFP8PagedCache(prompt + new_tokens, page_size=64)))}
+            PAGED: (models[NAME], lambda: cache_kwargs(MXFP8PagedCache(prompt + new_tokens, page_size=64)))}
 
     def generate(attn: str, n: int):
         model, cache = runs[attn]

@@ -28,7 +28,7 @@ import warnings
 import torch
 
 import mxattn.integrations.transformers as mx_hf
-from mxattn.integrations.hf_cache import MXFP8Cache, MXFP8PagedCache
+from mxattn.integrations.hf_cache import MXFP8Cache, MXFP8PagedCache, cache_kwargs
 
 
 def _dynamic_cache_bytes(cache) -> int:
@@ -70,13 +70,13 @@ def _serve(model, batch, make_cache, args, pad_id):
     kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad_id)
     times = []
     with torch.no_grad():
-        model.generate(**batch, past_key_values=make_cache(), **dict(kw, max_new_tokens=2, min_new_tokens=2))
+        model.generate(**batch, **cache_kwargs(make_cache()), **dict(kw, max_new_tokens=2, min_new_tokens=2))
         for _ in range(args.repeats):
             cache = make_cache()
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = model.generate(**batch, past_key_values=cache, **kw)
+            out = model.generate(**batch, **cache_kwargs(cache), **kw)
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)

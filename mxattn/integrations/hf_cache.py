@@ -1,8 +1,11 @@
 """transformers KV caches that store keys and values in MXFP8 (about 0.53x of a bf16 cache's bytes).
 
->>> from mxattn.integrations.hf_cache import MXFP8Cache, MXFP8PagedCache
->>> out = model.generate(**batch, past_key_values=MXFP8Cache(), max_new_tokens=64)
->>> out = model.generate(**batch, past_key_values=MXFP8PagedCache(max_cache_len=4096), max_new_tokens=64)
+>>> from mxattn.integrations.hf_cache import MXFP8Cache, MXFP8PagedCache, cache_kwargs
+>>> out = model.generate(**batch, **cache_kwargs(MXFP8Cache()), max_new_tokens=64)
+>>> out = model.generate(**batch, **cache_kwargs(MXFP8PagedCache(max_cache_len=4096)), max_new_tokens=64)
+
+(`cache_kwargs(c)` is ``{"past_key_values": c}``, or ``{"cache": c}`` on the transformers versions that renamed
+the argument and warn that `past_key_values` is deprecated.)
 
 `MXFP8PagedCache` (attn_implementation registered by `mxattn.integrations.transformers.register`, eager
 generation): each layer is an `mxattn.MXFP8KVCache` with one sequence slot per batch row, holding only each row's
@@ -47,6 +50,23 @@ try:
     from transformers.cache_utils import Cache, DynamicLayer
 except ImportError as exc:  # pragma: no cover - transformers is an optional dependency
     raise ImportError("mxattn.integrations.hf_cache needs transformers >= 5.0: pip install -e '.[hf]'") from exc
+
+
+def cache_kwargs(cache) -> dict:
+    """The keyword argument that hands a KV cache to `generate` or a model's forward, as the installed transformers
+    names it: ``{"cache": cache}`` where `generate` takes `cache` (the versions that deprecated `past_key_values`),
+    else ``{"past_key_values": cache}``."""
+    return {_cache_keyword(): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword() -> str:
+    """"cache" or "past_key_values": the name transformers' generation gives the KV cache (read from its
+    `prepare_inputs_for_generation`, the function every model's generation step passes the cache to)."""
+    import inspect
+    from transformers.generation.utils import GenerationMixin
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _cat(a, b, dim):
@@ -109,10 +129,9 @@ class MXFP8CacheLayer(_AppendOnlyLayer):
                                                           self.v_open) if t is not None)
 
 
-
 class MXFP8Cache(Cache):
-    """A transformers `Cache` whose layers store K and V in MXFP8 (`MXFP8CacheLayer`); pass it as
-    `past_key_values` to `generate` or a forward call."""
+    """A transformers `Cache` whose layers store K and V in MXFP8 (`MXFP8CacheLayer`); pass it to `generate` or a
+    forward call as `past_key_values` (or `cache`, where transformers renamed it: `cache_kwargs`)."""
 
     def __init__(self):
         super().__init__(layer_class_to_replicate=MXFP8CacheLayer)
@@ -316,9 +335,9 @@ def _read_mask(mask: torch.Tensor, b: int, sq: int, positions: int, sliding_wind
 
 class MXFP8PagedCache(Cache):
     """A transformers `Cache` of paged MXFP8 layers (`MXFP8PagedLayer`) read directly by mxattn's attention
-    function; pass it as `past_key_values` to `generate` (eager) of a model whose attn_implementation is
-    registered by `mxattn.integrations.transformers.register`. max_cache_len: positions per batch row (prompt,
-    its left padding and the new tokens); page_size: tokens per page, a multiple of 32."""
+    function; pass it to `generate` (eager; as `past_key_values` or `cache`: `cache_kwargs`) of a model whose
+    attn_implementation is registered by `mxattn.integrations.transformers.register`. max_cache_len: positions per
+    batch row (prompt, its left padding and the new tokens); page_size: tokens per page, a multiple of 32."""
 
     def __init__(self, max_cache_len: int, page_size: int = 256):
         for name, value in (("max_cache_len", max_cache_len), ("page_size", page_size)):
@@ -337,4 +356,4 @@ class MXFP8PagedCache(Cache):
         return sum(layer.store.bf16_nbytes() for layer in self.layers if layer.is_initialized)
 
 
-__all__ = ["MXFP8Cache", "MXFP8CacheLayer", "MXFP8PagedCache", "MXFP8PagedLayer"]
+__all__ = ["MXFP8Cache", "MXFP8CacheLayer", "MXFP8PagedCache", "MXFP8PagedLayer", "cache_kwargs"]

@@ -16,6 +16,7 @@ from mxattn.integrations import hf_masks  # noqa: E402
 from mxattn.integrations import transformers as mx_hf  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 from transformers.masking_utils import sdpa_mask  # noqa: E402
+from mxattn.integrations.hf_cache import cache_kwargs  # noqa: E402
 from hf_models import NAME, VOCAB, _attention_call, _hf_mask, batch, build, llama, rel_rms  # noqa: E402
 from hf_models import _quiet, _registered  # noqa: E402,F401  (autouse fixtures: importing turns them on)
 
@@ -275,13 +276,13 @@ def _decode_steps(forward, model, cache, ids, am, steps: int):
     """Eager prefill of the padded prompts into `cache`, then `steps` greedy single-token steps through
     `forward`; every step's logits [B, 1, V] (position ids and the 2-D mask as `generate` builds them)."""
     pos = (am.cumsum(1) - 1).clamp(min=0)
-    logits = [model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True)
+    logits = [model(input_ids=ids, attention_mask=am, position_ids=pos, **cache_kwargs(cache), use_cache=True)
               .logits[:, -1:]]
     for _ in range(steps):
         nxt = logits[-1][:, -1].argmax(-1, keepdim=True)
         am = torch.cat([am, torch.ones_like(nxt)], dim=1)
         logits.append(forward(input_ids=nxt, attention_mask=am, position_ids=am.sum(1, keepdim=True) - 1,
-                              past_key_values=cache, use_cache=True).logits)
+                              **cache_kwargs(cache), use_cache=True).logits)
     return logits
 
 

@@ -245,7 +245,7 @@ def test_generate_over_the_paged_mxfp8_cache_reads_the_pages_on_triton(monkeypat
     under the same attention (the paged kernel's split-KV and 16-row decode tiles sum in another fp32 order)."""
     from transformers import DynamicCache
 
-    from mxattn.integrations.hf_cache import MXFP8PagedCache
+    from mxattn.integrations.hf_cache import MXFP8PagedCache, cache_kwargs
     from mxattn.kernels import paged_step
     model = _llama(torch.float32)
     g = torch.Generator().manual_seed(11)
@@ -256,8 +256,8 @@ def test_generate_over_the_paged_mxfp8_cache_reads_the_pages_on_triton(monkeypat
     monkeypatch.setattr(paged_step, "paged_step", lambda *a, **kw: launches.append(1) or real(*a, **kw))
     cache = MXFP8PagedCache(max_cache_len=ids.shape[1] + 12, page_size=32)
     with torch.no_grad():
-        got = _greedy(model, ids, am, 12, past_key_values=cache)
-        want = _greedy(model, ids, am, 12, past_key_values=DynamicCache(config=model.config))
+        got = _greedy(model, ids, am, 12, **cache_kwargs(cache))
+        want = _greedy(model, ids, am, 12, **cache_kwargs(DynamicCache(config=model.config)))
     assert len(launches) == 2 * 12          # two layers, prefill + 11 decode steps
     assert [cache.layers[0].store.length(s) for s in cache.layers[0].slots] == [len(p) + 11 for p in prompts]
     for b in range(len(prompts)):

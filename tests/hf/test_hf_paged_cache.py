@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 import mxattn.integrations.transformers as mx_hf  # noqa: E402
-from mxattn.integrations.hf_cache import MXFP8PagedCache  # noqa: E402
+from mxattn.integrations.hf_cache import MXFP8PagedCache, cache_kwargs  # noqa: E402
 from mxattn.integrations.hf_masks import UnsupportedMaskError  # noqa: E402
 from transformers import (  # noqa: E402
     DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
@@ -53,7 +53,7 @@ def _prompts(lengths, seed=5):
 
 def _generate(model, ids, am, cache, new_tokens=9):
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=new_tokens,
+        out = model.generate(ids, attention_mask=am, **cache_kwargs(cache), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
                              return_dict_in_generate=True)
     return out.sequences, torch.stack(out.scores, 1)
@@ -93,10 +93,10 @@ def test_right_padding_and_capacity_are_refused_before_storing():
     am[1, 7:] = 0                                  # right padding: not what generate builds
     cache = MXFP8PagedCache(max_cache_len=32, page_size=32)
     with torch.no_grad(), pytest.raises(UnsupportedMaskError, match="left padding"):
-        model(input_ids=ids, attention_mask=am, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=am, **cache_kwargs(cache), use_cache=True)
     assert all(layer.store.length(s) == 0 for layer in cache.layers for s in layer.slots)
     with torch.no_grad(), pytest.raises(ValueError, match="max_cache_len=8"):
-        model(input_ids=ids, past_key_values=MXFP8PagedCache(max_cache_len=8, page_size=32), use_cache=True)
+        model(input_ids=ids, **cache_kwargs(MXFP8PagedCache(max_cache_len=8, page_size=32)), use_cache=True)
 
 
 @pytest.mark.parametrize("kwargs,match", [(dict(max_cache_len=0), "max_cache_len"),

@@ -21,6 +21,7 @@ import mxattn  # noqa: E402
 from mxattn.integrations import transformers as mx_hf  # noqa: E402
 from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache  # noqa: E402
 from transformers.masking_utils import sdpa_mask  # noqa: E402
+from mxattn.integrations.hf_cache import cache_kwargs  # noqa: E402
 from hf_models import (  # noqa: E402
     CAPTURE, LENGTHS, MODELS, NAME, VOCAB, _attention_call, _calls, batch, bert, build, llama, main_output,
     mistral_sliding, qwen2_mixed, rel_rms,
@@ -146,7 +147,7 @@ def _chunked_logits(model, ids, ends):
     out, start = [], 0
     with torch.no_grad():
         for end in ends:
-            out.append(model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits)
+            out.append(model(input_ids=ids[:, start:end], **cache_kwargs(cache), use_cache=True).logits)
             start = end
     return torch.cat(out, dim=1)
 
@@ -304,9 +305,9 @@ def test_right_padded_decode_steps_equal_each_sequence_alone():
     nxt = torch.tensor([[5], [6], [7]])
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids, attention_mask=am, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=am, **cache_kwargs(cache), use_cache=True)
         step = model(input_ids=nxt, attention_mask=torch.cat([am, torch.ones_like(nxt)], dim=1),
-                     position_ids=torch.tensor(lengths).unsqueeze(1), past_key_values=cache, use_cache=True).logits
+                     position_ids=torch.tensor(lengths).unsqueeze(1), **cache_kwargs(cache), use_cache=True).logits
         for b, n in enumerate(lengths):
             alone = model(input_ids=torch.cat([ids[b, :n], nxt[b]]).unsqueeze(0)).logits[0, -1]
             assert rel_rms(step[b, -1], alone) < 1e-5, b

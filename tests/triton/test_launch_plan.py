@@ -745,7 +745,7 @@ def test_generate_of_a_config_built_llama_plans_each_decode_step_once(launcher, 
     """The user's road with the triton path's launches stubbed: a Llama built from a config, a left-padded batch,
     `generate` over `MXFP8PagedCache`, eager and under torch.compile(model): one `PagedStep` per step for all four
     layers, every layer's cache in one state holding each row's real tokens."""
-    from mxattn.integrations.hf_cache import MXFP8PagedCache
+    from mxattn.integrations.hf_cache import MXFP8PagedCache, cache_kwargs
     from transformers import LlamaConfig, LlamaForCausalLM
     name, planned = hf_triton_steps
     cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -759,7 +759,7 @@ def test_generate_of_a_config_built_llama_plans_each_decode_step_once(launcher, 
         planned.clear()
         cache = MXFP8PagedCache(max_cache_len=64, page_size=32)
         with torch.no_grad():
-            out = m.generate(ids * am, attention_mask=am, past_key_values=cache, max_new_tokens=6,
+            out = m.generate(ids * am, attention_mask=am, **cache_kwargs(cache), max_new_tokens=6,
                              min_new_tokens=6, do_sample=False, pad_token_id=0)
         assert out.shape == (3, 26) and len(planned) == 6      # prefill + 5 decode steps, 4 layers each
         assert len({layer.store.state for layer in cache.layers}) == 1
