@@ -317,10 +317,54 @@ def train_argv(config: dict, steps: int, seed: int, device: torch.device, backen
     return argv
 
 
+def tokens_per_second(batch: int, seq: int, steps: int, seconds: float) -> float:
+    """Training throughput: the batch * seq * steps tokens of a run over its `seconds` of training."""
+    return batch * seq * steps / seconds if seconds > 0 else float("inf")
+
+
+def run_seeds(runs: Dict[str, Dict[str, dict]]) -> List[int]:
+    """The seeds of `runs` ({label: {seed (str): run}}), sorted; ValueError unless every label ran the same."""
+    by_label = {label: sorted(int(s) for s in by_seed) for label, by_seed in runs.items()}
+    first, seeds = next(iter(by_label.items()))
+    for label, others in by_label.items():
+        if others != seeds:
+            raise ValueError(f"{label!r} ran seeds {others} but {first!r} ran seeds {seeds}")
+    return seeds
+
+
+def summarize_runs(runs: Dict[str, Dict[str, dict]], baseline: str, baseline_key: str) -> dict:
+    """Per label of `runs` ({label: {seed (str): run}}, as in the JSON, with a "default" label): the spread over
+    the seeds of the final and validation losses, of their differences paired by seed from `baseline`'s runs
+    ("final_minus_<baseline_key>", ...) and from the default recipe's ("final_minus_default", ...), of the
+    seconds and of the tokens per second."""
+    seeds = [str(s) for s in run_seeds(runs)]
+
+    def paired(label: str, key: str, other: str) -> dict:
+        return spread([runs[label][s][key] - runs[other][s][key] for s in seeds])
+
+    summary = {}
+    for label, by_seed in runs.items():
+        row = {}
+        for key in ("final", "val"):
+            row[key] = spread([by_seed[s][key] for s in seeds])
+            row[f"{key}_minus_{baseline_key}"] = paired(label, key, baseline)
+            row[f"{key}_minus_default"] = paired(label, key, "default")
+        for key in ("seconds", "tokens_per_s"):
+            row[key] = spread([by_seed[s][key] for s in seeds])
+        summary[label] = row
+    return summary
+
+
+def training_result(config: dict, runs: Dict[str, Dict[str, dict]]) -> dict:
+    """Part 3's result from the training configuration and the runs ({label: {seed (str): run}}): the seeds,
+    the runs and their summary (`summarize_runs` against BF16 attention)."""
+    return dict(config=config, seeds=run_seeds(runs), runs=runs, summary=summarize_runs(runs, BF16, "bf16"))
+
+
 def run_training(size: dict, steps: int, seeds: Sequence[int], recipes, device: torch.device, backend: str,
                  progress: Progress, on_run=None) -> dict:
-    """Part 3: final and validation losses per attention and seed, their spreads, and paired differences.
-    on_run: called after every run with the runs so far ({label: {seed: result}})."""
+    """Part 3: final and validation losses, seconds and tokens per second per attention and seed, and their
+    summary (`training_result`). on_run: called after every run with the runs so far ({label: {seed: result}})."""
     tg = load_train_gpt()
     args = tg.parse_args(train_argv(size["train"], steps, seeds[0], device, backend))
     data = tg.load_splits(args)
@@ -331,24 +375,15 @@ def run_training(size: dict, steps: int, seeds: Sequence[int], recipes, device: 
         for label in labels:
             recipe = dict(recipes).get(label)
             res = tg.train_single(argv, "bf16" if label == BF16 else "mxfp8", recipe, data=data)
-            runs.setdefault(label, {})[seed] = {"final": res["final"], "val": res["val"],
-                                                "seconds": res["seconds"], "first": res["loss"][0]}
+            runs.setdefault(label, {})[seed] = {
+                "final": res["final"], "val": res["val"], "seconds": res["seconds"], "first": res["loss"][0],
+                "tokens_per_s": tokens_per_second(args.batch, args.seq, steps, res["seconds"])}
             progress.step(f"train {label} seed {seed}: final {res['final']:.4f}, val {res['val']:.4f}, "
                           f"{res['seconds']:.0f} s")
             if on_run is not None:
                 on_run(runs)
-    summary = {}
-    for label in labels:
-        row = {}
-        for key in ("final", "val"):
-            row[key] = spread([runs[label][s][key] for s in seeds])
-            row[f"{key}_minus_bf16"] = spread([runs[label][s][key] - runs[BF16][s][key] for s in seeds])
-            row[f"{key}_minus_default"] = spread([runs[label][s][key] - runs["default"][s][key] for s in seeds])
-        row["seconds"] = spread([runs[label][s]["seconds"] for s in seeds])
-        summary[label] = row
     config = {k: v for k, v in vars(args).items() if k not in ("seed", "out", "recipe", "log_every")}
-    return dict(config=config, seeds=list(seeds), runs={label: {str(s): r for s, r in by_seed.items()}
-                                                         for label, by_seed in runs.items()}, summary=summary)
+    return training_result(config, {label: {str(s): r for s, r in by_seed.items()} for label, by_seed in runs.items()})
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -452,16 +487,17 @@ def render_markdown(result: dict) -> str:
                   f"effect shows one sign on all {len(tr['seeds'])} seeds with probability "
                   f"{2 / 2 ** len(tr['seeds']):.2g} (chaotic training turns any rounding change into a different "
                   "trajectory), so `no` alone is weak evidence: compare the size of the differences with the "
-                  "default's own difference from BF16.", "",
-                  "| attention | final | final - bf16 | straddles 0 | final - default | val | val - bf16 | "
-                  "s / run |", "|---|---|---|---|---|---|---|---|"]
+                  "default's own difference from BF16. s / run: training seconds (the optimizer steps, batches "
+                  "and validation left out); tokens/s: batch x seq x steps over them; both means over the seeds.",
+                  "", "| attention | final | final - bf16 | straddles 0 | final - default | val | val - bf16 | "
+                  "s / run | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
         for label, row in tr["summary"].items():
             d = row["final_minus_bf16"]
             straddle = "-" if label == BF16 else ("yes" if d["min"] <= 0 <= d["max"] else "no")
             lines.append(f"| {label} | {_span(row['final'])} (std {row['final']['std']:.4f}) | "
                          f"{_signed(d)} | {straddle} | {_signed(row['final_minus_default'])} | "
                          f"{_span(row['val'])} | {_signed(row['val_minus_bf16'])} | "
-                         f"{row['seconds']['mean']:.0f} |")
+                         f"{row['seconds']['mean']:.0f} | {row['tokens_per_s']['mean']:.0f} |")
         lines += ["", "Per seed (final training loss):", "",
                   "| attention | " + " | ".join(f"seed {s}" for s in tr["seeds"]) + " |",
                   "|---|" + "---|" * len(tr["seeds"])]

@@ -63,7 +63,8 @@ def build_llama(size: dict, attention: str, device: torch.device, state: Optiona
 
 
 def train_one(size: dict, steps: int, seed: int, attention: str, state: dict, data, device: torch.device) -> dict:
-    """Train one model from `state` on seed's batches -> {"final", "val", "seconds", "first"}."""
+    """Train one model from `state` on seed's batches -> {"final", "val", "seconds", "first", "tokens_per_s"}
+    ("seconds": the optimizer steps' time; "tokens_per_s": batch * seq * steps over it)."""
     tg = rs.load_train_gpt()
     train_data, val_data = data
     model = build_llama(size, attention, device, state)
@@ -95,13 +96,14 @@ def train_one(size: dict, steps: int, seed: int, attention: str, state: dict, da
         val = sum(loss_of(*tg.get_batch(val_data, size["batch"], size["seq"], val_gen, device)).item()
                   for _ in range(4)) / 4
     window = min(FINAL_WINDOW, steps)
-    return {"final": sum(losses[-window:]) / window, "val": val, "seconds": seconds, "first": losses[0]}
+    return {"final": sum(losses[-window:]) / window, "val": val, "seconds": seconds, "first": losses[0],
+            "tokens_per_s": rs.tokens_per_second(size["batch"], size["seq"], steps, seconds)}
 
 
 def run(size: dict, steps: int, seeds: Sequence[int], device: torch.device, backend: str,
         progress: rs.Progress, only: Optional[Sequence[str]] = None) -> dict:
-    """Every recipe (or the default and those labelled in `only`) and SDPA for every seed -> runs and the
-    summary (spreads, paired differences)."""
+    """Every recipe (or the default and those labelled in `only`) and SDPA for every seed -> the recipe labels,
+    the runs ({label: {seed (str): run}}) and their summary (`training_summary`: spreads, paired differences)."""
     import mxattn.integrations.transformers as mx_hf
     tg = rs.load_train_gpt()
     data_bytes = tg.load_stdlib_bytes(size["data_bytes"])
@@ -124,17 +126,13 @@ def run(size: dict, steps: int, seeds: Sequence[int], device: torch.device, back
     finally:
         for name in names.values():
             mx_hf.unregister(name)
-    summary = {}
-    for label in labels:
-        row = {}
-        for key in ("final", "val"):
-            row[key] = rs.spread([runs[label][s][key] for s in seeds])
-            row[f"{key}_minus_sdpa"] = rs.spread([runs[label][s][key] - runs[SDPA][s][key] for s in seeds])
-            row[f"{key}_minus_default"] = rs.spread([runs[label][s][key] - runs["default"][s][key] for s in seeds])
-        row["seconds"] = rs.spread([runs[label][s]["seconds"] for s in seeds])
-        summary[label] = row
-    return dict(runs={label: {str(s): r for s, r in by_seed.items()} for label, by_seed in runs.items()},
-                summary=summary)
+    runs_json = {label: {str(s): r for s, r in by_seed.items()} for label, by_seed in runs.items()}
+    return dict(recipes=labels[1:], runs=runs_json, summary=training_summary(runs_json))
+
+
+def training_summary(runs: Dict[str, Dict[str, dict]]) -> dict:
+    """The summary of `runs` ({label: {seed (str): run}}): `recipe_study.summarize_runs` against SDPA."""
+    return rs.summarize_runs(runs, SDPA, "sdpa")
 
 
 def render_markdown(result: dict) -> str:
@@ -144,13 +142,16 @@ def render_markdown(result: dict) -> str:
              f"`{result['command']}`; torch {result['torch']}, transformers {result['transformers']}, backend "
              f"{result['backend']}, commit {result['commit']}, {result['date']}. Model: {result['model']}; "
              f"{result['steps']} steps of batch {result['batch']} x {result['seq']} bytes, seeds {result['seeds']}. "
-             f"Losses: mean [min, max] over seeds; differences paired by seed (same weights, same batches).", "",
+             "Losses: mean [min, max] over seeds; differences paired by seed (same weights, same batches). "
+             "Seconds per run: the optimizer steps' time; tokens/s: batch x seq x steps over it; means over seeds.",
+             "",
              "| attention | final train loss | validation loss | final - SDPA | final - default | val - SDPA | "
-             "seconds per run |", "|---|---|---|---|---|---|---|"]
+             "seconds per run | tokens/s |", "|---|---|---|---|---|---|---|---|"]
     for label, row in s.items():
         lines.append(f"| {label} | {rs._span(row['final'])} | {rs._span(row['val'])} | "
                      f"{rs._signed(row['final_minus_sdpa'])} | {rs._signed(row['final_minus_default'])} | "
-                     f"{rs._signed(row['val_minus_sdpa'])} | {row['seconds']['mean']:.1f} |")
+                     f"{rs._signed(row['val_minus_sdpa'])} | {row['seconds']['mean']:.1f} | "
+                     f"{row['tokens_per_s']['mean']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
