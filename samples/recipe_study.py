@@ -414,9 +414,9 @@ def default_out_dir(device: str) -> str:
     return os.path.join(ROOT, "benchmarks", "results", device, "recipe_study")
 
 
-def command_line(argv: Sequence[str]) -> str:
-    """This script's command line with `argv`, as the result records it."""
-    return shlex.join(["python", os.path.relpath(os.path.abspath(__file__), ROOT)] + list(argv))
+def command_line(argv: Sequence[str], script: str = __file__) -> str:
+    """The command line of `script` (default: this one) with `argv`, as the result records it."""
+    return shlex.join(["python", os.path.relpath(os.path.abspath(script), ROOT)] + list(argv))
 
 
 def _git_commit() -> Optional[str]:
