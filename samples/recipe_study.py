@@ -5,6 +5,18 @@ future tokens, and training loss over seeds. Writes a markdown table file and a 
     python samples/recipe_study.py --skip-training          # parts 1 and 2 only (~15 s on one idle core)
     python samples/recipe_study.py --size gpu --device cuda # bigger shapes and model, on a GPU
 
+Sharded (benchmarks/recipe_study_gpu.sh runs this on every GPU of a machine): each shard runs part of the study,
+parts 1 and 2 in one shard and the training one seed per shard, all with the same --size, --steps, --backend
+and --recipes; --merge then writes the study a single run would have written (parts 1 and 2 from the shard that
+ran each, the union of the training runs summarized over every seed; a (recipe, seed) or a part in two shards,
+or shards of other configurations, are refused):
+
+    S="--size gpu --device cuda --backend auto"
+    python samples/recipe_study.py $S --skip-training --out-dir out/parts12                    # parts 1 and 2
+    CUDA_VISIBLE_DEVICES=1 python samples/recipe_study.py $S --skip-errors --skip-future --seed 0 --seeds 1 \\
+        --out-dir out/seed0                                # training, seed 0; on GPUs 2, 3: seeds 1 and 2 ...
+    python samples/recipe_study.py --merge out/parts12/recipe_study.json out/seed*/recipe_study.json --out-dir out/all
+
 Recipes: every entry of `mxattn.recipe.all_variants()` (the default cuDNN recipe and each single-field variant,
 `scaling=per_tensor`, FP8 with one FP32 scale per tensor, among them), each run on the `reference` backend
 (--backend: triton runs every MXFP8 recipe on a GPU, cudnn only the default), and BF16 attention (torch SDPA) as the baseline.
@@ -23,7 +35,8 @@ Recipes: every entry of `mxattn.recipe.all_variants()` (the default cuDNN recipe
 3. Training: samples/train_gpt.py's byte-level GPT (its `train_single`: same initial weights and batches per
    seed for every attention) with BF16 attention and with each recipe, for each seed; final training loss (mean
    of the last 10 steps) and validation loss, their mean and spread, and the differences from BF16 and from
-   the default recipe paired by seed (same weights, same batches). --skip-training leaves this part out.
+   the default recipe paired by seed (same weights, same batches), and the training speed (tokens per second
+   of the optimizer steps). --skip-training leaves this part out (--skip-errors part 1, --skip-future part 2).
 
 Output: recipe_study.md and recipe_study.json in --out-dir (default benchmarks/results/<device>/recipe_study/,
 <device> "cpu" or the lowercased GPU name with dashes), and PNG plots when matplotlib is installed.
@@ -317,10 +330,54 @@ def train_argv(config: dict, steps: int, seed: int, device: torch.device, backen
     return argv
 
 
+def tokens_per_second(batch: int, seq: int, steps: int, seconds: float) -> float:
+    """Training throughput: the batch * seq * steps tokens of a run over its `seconds` of training."""
+    return batch * seq * steps / seconds if seconds > 0 else float("inf")
+
+
+def run_seeds(runs: Dict[str, Dict[str, dict]]) -> List[int]:
+    """The seeds of `runs` ({label: {seed (str): run}}), sorted; ValueError unless every label ran the same."""
+    by_label = {label: sorted(int(s) for s in by_seed) for label, by_seed in runs.items()}
+    first, seeds = next(iter(by_label.items()))
+    for label, others in by_label.items():
+        if others != seeds:
+            raise ValueError(f"{label!r} ran seeds {others} but {first!r} ran seeds {seeds}")
+    return seeds
+
+
+def summarize_runs(runs: Dict[str, Dict[str, dict]], baseline: str, baseline_key: str) -> dict:
+    """Per label of `runs` ({label: {seed (str): run}}, as in the JSON, with a "default" label): the spread over
+    the seeds of the final and validation losses, of their differences paired by seed from `baseline`'s runs
+    ("final_minus_<baseline_key>", ...) and from the default recipe's ("final_minus_default", ...), of the
+    seconds and of the tokens per second."""
+    seeds = [str(s) for s in run_seeds(runs)]
+
+    def paired(label: str, key: str, other: str) -> dict:
+        return spread([runs[label][s][key] - runs[other][s][key] for s in seeds])
+
+    summary = {}
+    for label, by_seed in runs.items():
+        row = {}
+        for key in ("final", "val"):
+            row[key] = spread([by_seed[s][key] for s in seeds])
+            row[f"{key}_minus_{baseline_key}"] = paired(label, key, baseline)
+            row[f"{key}_minus_default"] = paired(label, key, "default")
+        for key in ("seconds", "tokens_per_s"):
+            row[key] = spread([by_seed[s][key] for s in seeds])
+        summary[label] = row
+    return summary
+
+
+def training_result(config: dict, runs: Dict[str, Dict[str, dict]]) -> dict:
+    """Part 3's result from the training configuration and the runs ({label: {seed (str): run}}): the seeds,
+    the runs and their summary (`summarize_runs` against BF16 attention)."""
+    return dict(config=config, seeds=run_seeds(runs), runs=runs, summary=summarize_runs(runs, BF16, "bf16"))
+
+
 def run_training(size: dict, steps: int, seeds: Sequence[int], recipes, device: torch.device, backend: str,
                  progress: Progress, on_run=None) -> dict:
-    """Part 3: final and validation losses per attention and seed, their spreads, and paired differences.
-    on_run: called after every run with the runs so far ({label: {seed: result}})."""
+    """Part 3: final and validation losses, seconds and tokens per second per attention and seed, and their
+    summary (`training_result`). on_run: called after every run with the runs so far ({label: {seed: result}})."""
     tg = load_train_gpt()
     args = tg.parse_args(train_argv(size["train"], steps, seeds[0], device, backend))
     data = tg.load_splits(args)
@@ -331,24 +388,15 @@ def run_training(size: dict, steps: int, seeds: Sequence[int], recipes, device: 
         for label in labels:
             recipe = dict(recipes).get(label)
             res = tg.train_single(argv, "bf16" if label == BF16 else "mxfp8", recipe, data=data)
-            runs.setdefault(label, {})[seed] = {"final": res["final"], "val": res["val"],
-                                                "seconds": res["seconds"], "first": res["loss"][0]}
+            runs.setdefault(label, {})[seed] = {
+                "final": res["final"], "val": res["val"], "seconds": res["seconds"], "first": res["loss"][0],
+                "tokens_per_s": tokens_per_second(args.batch, args.seq, steps, res["seconds"])}
             progress.step(f"train {label} seed {seed}: final {res['final']:.4f}, val {res['val']:.4f}, "
                           f"{res['seconds']:.0f} s")
             if on_run is not None:
                 on_run(runs)
-    summary = {}
-    for label in labels:
-        row = {}
-        for key in ("final", "val"):
-            row[key] = spread([runs[label][s][key] for s in seeds])
-            row[f"{key}_minus_bf16"] = spread([runs[label][s][key] - runs[BF16][s][key] for s in seeds])
-            row[f"{key}_minus_default"] = spread([runs[label][s][key] - runs["default"][s][key] for s in seeds])
-        row["seconds"] = spread([runs[label][s]["seconds"] for s in seeds])
-        summary[label] = row
     config = {k: v for k, v in vars(args).items() if k not in ("seed", "out", "recipe", "log_every")}
-    return dict(config=config, seeds=list(seeds), runs={label: {str(s): r for s, r in by_seed.items()}
-                                                         for label, by_seed in runs.items()}, summary=summary)
+    return training_result(config, {label: {str(s): r for s, r in by_seed.items()} for label, by_seed in runs.items()})
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -359,6 +407,16 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device).lower().replace(" ", "-")
     return device.type
+
+
+def default_out_dir(device: str) -> str:
+    """benchmarks/results/<device name>/recipe_study/ of this repository."""
+    return os.path.join(ROOT, "benchmarks", "results", device, "recipe_study")
+
+
+def command_line(argv: Sequence[str], script: str = __file__) -> str:
+    """The command line of `script` (default: this one) with `argv`, as the result records it."""
+    return shlex.join(["python", os.path.relpath(os.path.abspath(script), ROOT)] + list(argv))
 
 
 def _git_commit() -> Optional[str]:
@@ -389,14 +447,32 @@ def _change(cell: dict) -> str:
     return "0 (bitwise)" if cell["max_abs"] == 0.0 else f"{cell['max_abs']:.2e}"
 
 
+def _shard_lines(result: dict) -> List[str]:
+    """A merged result's shard commands as a markdown list (nothing for a study run in one command)."""
+    if not result.get("shard_commands"):
+        return []
+    return ([f"Merged from {len(result['shard_commands'])} shards (parts 1 and 2 from the shard that ran each; the "
+             "training runs of all of them, summarized over every seed; the training runtime below is the sum "
+             "over the shards, which may have run in parallel):", ""]
+            + [f"- `{command}`" for command in result["shard_commands"]] + [""])
+
+
+def _part_seeds(result: dict) -> str:
+    """" (errors: 0, 1, 2; training: 0, 1)" for a merged result, whose parts may have run other seeds."""
+    if not result.get("part_seeds"):
+        return ""
+    parts = [f"{part}: {', '.join(map(str, seeds))}" for part, seeds in result["part_seeds"].items()]
+    return " (" + "; ".join(parts) + ")"
+
+
 def render_markdown(result: dict) -> str:
     """The study as markdown tables (the JSON holds every number)."""
     lines = [f"# MXFP8 attention recipe study ({result['device']}, --size {result['size']})", "",
-             f"Command: `{result['command']}`", "",
+             f"Command: `{result['command']}`", ""] + _shard_lines(result) + [
              f"- device: {result['device']} ({result['threads']} torch threads); torch {result['torch']}; "
              f"mxattn backend `{result['backend']}`; "
              f"commit {result['commit']}; {result['date']}",
-             f"- seeds: {', '.join(map(str, result['seeds']))}; runtime: "
+             f"- seeds: {', '.join(map(str, result['seeds']))}{_part_seeds(result)}; runtime: "
              + ", ".join(f"{k} {v:.1f} s" for k, v in result["seconds"].items()),
              f"- plots: {result['plots']}", "",
              ("Recipes (all run on the reference backend; " if result["backend"] == "reference" else
@@ -452,16 +528,17 @@ def render_markdown(result: dict) -> str:
                   f"effect shows one sign on all {len(tr['seeds'])} seeds with probability "
                   f"{2 / 2 ** len(tr['seeds']):.2g} (chaotic training turns any rounding change into a different "
                   "trajectory), so `no` alone is weak evidence: compare the size of the differences with the "
-                  "default's own difference from BF16.", "",
-                  "| attention | final | final - bf16 | straddles 0 | final - default | val | val - bf16 | "
-                  "s / run |", "|---|---|---|---|---|---|---|---|"]
+                  "default's own difference from BF16. s / run: training seconds (the optimizer steps, batches "
+                  "and validation left out); tokens/s: batch x seq x steps over them; both means over the seeds.",
+                  "", "| attention | final | final - bf16 | straddles 0 | final - default | val | val - bf16 | "
+                  "s / run | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
         for label, row in tr["summary"].items():
             d = row["final_minus_bf16"]
             straddle = "-" if label == BF16 else ("yes" if d["min"] <= 0 <= d["max"] else "no")
             lines.append(f"| {label} | {_span(row['final'])} (std {row['final']['std']:.4f}) | "
                          f"{_signed(d)} | {straddle} | {_signed(row['final_minus_default'])} | "
                          f"{_span(row['val'])} | {_signed(row['val_minus_bf16'])} | "
-                         f"{row['seconds']['mean']:.0f} |")
+                         f"{row['seconds']['mean']:.0f} | {row['tokens_per_s']['mean']:.0f} |")
         lines += ["", "Per seed (final training loss):", "",
                   "| attention | " + " | ".join(f"seed {s}" for s in tr["seeds"]) + " |",
                   "|---|" + "---|" * len(tr["seeds"])]
@@ -490,7 +567,166 @@ def write_outputs(result: dict, out_dir: str) -> Dict[str, str]:
     return paths
 
 
+# ------------------------------------------------------------------------------------------ merging shards
+
+#: the fields every shard of one study must agree on (training shards also on "training.config")
+MERGE_FIELDS = ("size", "device", "backend", "steps", "recipes")
+
+
+class MergeError(ValueError):
+    """Shards that do not make one study (the message names the field or run and the files)."""
+
+
+def load_shards(paths: Sequence[str]) -> List[Tuple[str, dict]]:
+    """(path, result) of each JSON file a shard wrote."""
+    shards = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                shards.append((path, json.load(f)))
+        except (OSError, ValueError) as exc:
+            raise MergeError(f"cannot read the shard {path}: {exc}") from exc
+    return shards
+
+
+def _field(result: dict, name: str):
+    """result's value of the dotted field `name` ("training.config"); None where it is missing."""
+    for key in name.split("."):
+        result = result.get(key) if isinstance(result, dict) else None
+    return result
+
+
+def first_difference(name: str, a, b) -> Optional[Tuple[str, object, object]]:
+    """(field, a's value, b's value) where a and b first differ (dicts key by key, as "name.key"), or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            diff = first_difference(f"{name}.{key}", a.get(key), b.get(key))
+            if diff is not None:
+                return diff
+        return None
+    return None if a == b else (name, a, b)
+
+
+def check_same(shards: Sequence[Tuple[str, dict]], fields: Sequence[str]) -> None:
+    """MergeError naming the field, the two values and their files where a shard differs from the first."""
+    if not shards:
+        return
+    first_path, first = shards[0]
+    for name in fields:
+        for path, result in shards[1:]:
+            diff = first_difference(name, _field(first, name), _field(result, name))
+            if diff is not None:
+                raise MergeError(f"the shards differ in {diff[0]}: {diff[1]!r} in {first_path} but {diff[2]!r} "
+                                 f"in {path}")
+
+
+def merge_runs(shards: Sequence[Tuple[str, Dict[str, Dict[str, dict]]]]) -> Dict[str, Dict[str, dict]]:
+    """The union of the shards' training runs ((path, {label: {seed (str): run}}) each): labels in their first
+    appearance's order, seeds sorted; MergeError naming both files for a (label, seed) two shards ran."""
+    merged: Dict[str, Dict[str, dict]] = {}
+    origin: Dict[Tuple[str, str], str] = {}
+    for path, runs in shards:
+        for label, by_seed in runs.items():
+            for seed, run in by_seed.items():
+                if (label, seed) in origin:
+                    raise MergeError(f"{label!r} seed {seed} ran in two shards: {origin[label, seed]} and {path}")
+                origin[label, seed] = path
+                merged.setdefault(label, {})[seed] = run
+    return {label: dict(sorted(by_seed.items(), key=lambda item: int(item[0]))) for label, by_seed in merged.items()}
+
+
+def merged_info(values: Sequence) -> object:
+    """One value for an informational field (torch version, commit, ...) of the shards: the value they share,
+    else their distinct values joined by "; "."""
+    distinct = list(dict.fromkeys(values))
+    return distinct[0] if len(distinct) == 1 else "; ".join(map(str, distinct))
+
+
+def merged_header(shards: Sequence[Tuple[str, dict]], command: str, info: Sequence[str]) -> dict:
+    """The merged result's first fields: the merge command, each shard's command (in --merge order), the
+    `info` fields by `merged_info`, and the date of the merge."""
+    header = dict(command=command, shard_commands=[r["command"] for _, r in shards])
+    header.update({name: merged_info([r.get(name) for _, r in shards]) for name in info})
+    header["date"] = datetime.datetime.now().isoformat(timespec="seconds")
+    return header
+
+
+def shard_with(shards: Sequence[Tuple[str, dict]], part: str) -> Optional[dict]:
+    """The result of the one shard that ran `part` ("errors", "future"; None when none did); MergeError naming
+    both files when two did (per-seed cells of parts 1 and 2 are not merged: run each part in one shard)."""
+    having = [(path, r) for path, r in shards if part in r]
+    if len(having) > 1:
+        raise MergeError(f"part {part!r} is in two shards, {having[0][0]} and {having[1][0]}: run it in one only")
+    return having[0][1] if having else None
+
+
+def merge_results(shards: Sequence[Tuple[str, dict]], command: str) -> dict:
+    """One study's result from its shards' results: parts 1 and 2 from the shard that ran each, the union of the
+    training runs with their summary recomputed over every seed (`training_result`), the seeds sorted, the
+    runtimes of parts 1 and 2 and the training's summed over the shards; "part_seeds": each part's seeds."""
+    check_same(shards, MERGE_FIELDS)
+    check_same([(path, r) for path, r in shards if "training" in r], ["training.config"])
+    training = [(path, r["training"]) for path, r in shards if "training" in r]
+    first = shards[0][1]
+    result = merged_header(shards, command, ("torch", "commit", "threads"))
+    result.update({name: first.get(name) for name in MERGE_FIELDS})
+    result["seeds"] = sorted({seed for _, r in shards for seed in r["seeds"]})
+    result["seconds"], result["part_seeds"] = {}, {}
+    for part in ("errors", "future"):
+        shard = shard_with(shards, part)
+        if shard is not None:
+            result[part] = shard[part]
+            result["seconds"][part], result["part_seeds"][part] = shard["seconds"][part], shard["seeds"]
+    if training:
+        result["training"] = training_result(training[0][1]["config"], merge_runs(
+            [(path, t["runs"]) for path, t in training]))
+        result["seconds"]["training"] = sum(r["seconds"]["training"] for _, r in shards if "training" in r)
+        result["part_seeds"]["training"] = result["training"]["seeds"]
+    return result
+
+
+def merge_main(args: argparse.Namespace, argv: List[str]) -> dict:
+    """--merge: the shards' recipe_study.json files -> the study's json, md and plots in --out-dir (default:
+    the shards' device's results folder); returns the result with "paths". SystemExit for shards that do not
+    make one study."""
+    try:
+        result = merge_results(load_shards(args.merge), command_line(argv))
+    except ValueError as exc:
+        raise SystemExit(f"recipe_study.py --merge: {exc}") from exc
+    result["paths"] = write_outputs(result, args.out_dir or default_out_dir(result["device"]))
+    print(f"merged {len(args.merge)} shards: wrote {result['paths']['md']} and {result['paths']['json']} "
+          f"({result['plots']})", file=sys.stderr)
+    return result
+
+
 # ------------------------------------------------------------------------------------------ main
+
+
+def add_merge_option(parser: argparse.ArgumentParser, filename: str, parts: str) -> None:
+    """--merge JSON [JSON ...]: merge finished shards' `filename` files instead of running (`parts`: what the
+    help says of the parts besides training)."""
+    parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                        help=f"merge the {filename} files written by shards of one study (same configuration; "
+                             f"other seeds) into one result in --out-dir, running nothing: {parts}, the training "
+                             "runs are united and summarized over all their seeds. Only --out-dir goes with it")
+
+
+def explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> List[str]:
+    """The destinations of the options `argv` gives (rather than leaves at their defaults)."""
+    unset = object()
+    dests = vars(parser.parse_args(argv))
+    probe = parser.parse_args(argv, argparse.Namespace(**{dest: unset for dest in dests}))
+    return [dest for dest in dests if getattr(probe, dest) is not unset]
+
+
+def refuse_options_with_merge(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                              argv: Sequence[str]) -> None:
+    """parser.error for --merge with any option but --out-dir (a merge runs nothing)."""
+    if args.merge:
+        extra = [dest for dest in explicit_options(parser, argv) if dest not in ("merge", "out_dir")]
+        if extra:
+            parser.error("--merge runs nothing: it goes with --out-dir only, not with "
+                         + ", ".join("--" + dest.replace("_", "-") for dest in extra))
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -511,6 +747,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="training steps per run (None: by --size, tiny 4, cpu 200, gpu 2000)")
     p.add_argument("--skip-training", action="store_true", help="run parts 1 and 2 only (no training)")
     p.add_argument("--skip-errors", action="store_true", help="leave part 1 (error against FP64) out")
+    p.add_argument("--skip-future", action="store_true", help="leave part 2 (future-token sensitivity) out")
     p.add_argument("--future-magnitudes", default="256,4096",
                    help="comma-separated |v| of the outlier value row in part 2 (a plain redraw always runs)")
     p.add_argument("--threads", type=int, default=None,
@@ -520,7 +757,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         "v_operand=bf16'; default: every recipe): a long study split over several runs")
     p.add_argument("--out-dir", default=None,
                    help="output directory (None: benchmarks/results/<device name>/recipe_study/ of this repository)")
+    add_merge_option(p, "recipe_study.json", "parts 1 and 2 come from the shard that ran each")
     args = p.parse_args(argv)
+    refuse_options_with_merge(p, args, argv)
+    if not args.merge and args.skip_errors and args.skip_future and args.skip_training:
+        p.error("--skip-errors, --skip-future and --skip-training together leave nothing to run")
     for name, value in (("seeds", args.seeds), ("steps", args.steps), ("threads", args.threads)):
         if value is not None and value < 1:
             p.error(f"--{name} must be >= 1, got {value}")
@@ -535,9 +776,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
-    """Run the study; returns the result dict (also written as JSON) with "paths" of the files written."""
+    """Run the study (or merge its shards: --merge); returns the result dict (also written as JSON) with "paths"
+    of the files written."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.merge:
+        return merge_main(args, argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no CUDA device")
@@ -555,13 +799,13 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> dic
     steps = args.steps if args.steps is not None else size["steps"]
     seeds = list(range(args.seed, args.seed + args.seeds))
     recipes = study_recipes(args.recipe_labels)
-    out_dir = args.out_dir or os.path.join(ROOT, "benchmarks", "results", device_name(device), "recipe_study")
+    out_dir = args.out_dir or default_out_dir(device_name(device))
 
-    total = (0 if args.skip_errors else len(error_cases(size)) * len(seeds)) + len(seeds) \
-        + (0 if args.skip_training else len(seeds) * (1 + len(recipes)))
+    total = (0 if args.skip_errors else len(error_cases(size)) * len(seeds)) \
+        + (0 if args.skip_future else len(seeds)) + (0 if args.skip_training else len(seeds) * (1 + len(recipes)))
     progress = Progress(total)
-    result = dict(command=shlex.join(["python", os.path.relpath(os.path.abspath(__file__), ROOT)] + argv),
-                  size=args.size, device=device_name(device), torch=torch.__version__, backend=args.backend,
+    result = dict(command=command_line(argv), size=args.size, device=device_name(device), torch=torch.__version__,
+                  backend=args.backend, steps=steps,
                   commit=_git_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"), seeds=seeds,
                   threads=torch.get_num_threads(),
                   recipes={label: r.differences() if not r.is_default else "the cuDNN recipe " + repr(r)
@@ -573,11 +817,12 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> dic
             start = time.perf_counter()
             result["errors"] = run_errors(size, seeds, recipes, device, args.backend, progress)
             result["seconds"]["errors"] = time.perf_counter() - start
-        start = time.perf_counter()
-        result["future"] = run_future(size, seeds, recipes, args.magnitudes, device, args.backend, progress)
-        result["seconds"]["future"] = time.perf_counter() - start
+        if not args.skip_future:
+            start = time.perf_counter()
+            result["future"] = run_future(size, seeds, recipes, args.magnitudes, device, args.backend, progress)
+            result["seconds"]["future"] = time.perf_counter() - start
         if not args.skip_training:
-            # parts 1 and 2 written first, and every training run as it ends: a run cut short (a time limit)
+            # parts 1 and 2 (when run) written first, and every training run as it ends: a run cut short (a time limit)
             # keeps what it measured (recipe_study_training_runs.json, replaced by the tables at the end)
             write_outputs(result, out_dir)
             runs_path = os.path.join(out_dir, "recipe_study_training_runs.json")

@@ -4,6 +4,15 @@ Hugging Face counterpart of part 3 of samples/recipe_study.py (which trains samp
     python samples/recipe_study_hf.py --threads 1                 # --size cpu: a few minutes on one CPU core
     python samples/recipe_study_hf.py --size gpu --device cuda    # a bigger model on a GPU
 
+Sharded (benchmarks/recipe_study_gpu.sh runs one seed per GPU): shards with the same --size, --steps, --backend
+and --recipes and other seeds, then --merge, which writes the study a single run over all their seeds would have
+written (the union of the runs, summarized over every seed; a (recipe, seed) in two shards, or shards of other
+configurations, are refused):
+
+    CUDA_VISIBLE_DEVICES=0 python samples/recipe_study_hf.py --size gpu --device cuda --backend auto --seed 0 \\
+        --seeds 1 --out-dir out/hf_seed0                  # and --seed 1 on GPU 1, --seed 2 on GPU 2 ...
+    python samples/recipe_study_hf.py --merge out/hf_seed*/recipe_study_hf.json --out-dir out/all
+
 The model is transformers' `LlamaForCausalLM` built from a config (random weights, grouped-query attention: two
 query heads per KV head, rotary positions, tied embeddings) on the bytes of Python's standard library, as
 train_gpt.py reads them. For each seed the weights are drawn once (attention "sdpa") and loaded into every other
@@ -14,7 +23,8 @@ it runs every recipe; on a GPU "auto" runs the default recipe in Triton and rout
 AdamW with warm-up and cosine decay, bf16 autocast, gradients clipped to norm 1.
 
 Output: the final training loss (mean of the last 10 steps) and the validation loss per recipe, their mean and
-spread over seeds, and the differences from SDPA and from the default recipe paired by seed, in
+spread over seeds, the differences from SDPA and from the default recipe paired by seed, and the training speed
+(tokens per second of the optimizer steps), in
 recipe_study_hf.md and recipe_study_hf.json (--out-dir, default benchmarks/results/<device>/recipe_study/).
 Progress lines ("[k/N] ...") go to stderr.
 """
@@ -25,11 +35,10 @@ import argparse
 import datetime
 import json
 import os
-import shlex
 import sys
 import time
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +72,8 @@ def build_llama(size: dict, attention: str, device: torch.device, state: Optiona
 
 
 def train_one(size: dict, steps: int, seed: int, attention: str, state: dict, data, device: torch.device) -> dict:
-    """Train one model from `state` on seed's batches -> {"final", "val", "seconds", "first"}."""
+    """Train one model from `state` on seed's batches -> {"final", "val", "seconds", "first", "tokens_per_s"}
+    ("seconds": the optimizer steps' time; "tokens_per_s": batch * seq * steps over it)."""
     tg = rs.load_train_gpt()
     train_data, val_data = data
     model = build_llama(size, attention, device, state)
@@ -95,13 +105,14 @@ def train_one(size: dict, steps: int, seed: int, attention: str, state: dict, da
         val = sum(loss_of(*tg.get_batch(val_data, size["batch"], size["seq"], val_gen, device)).item()
                   for _ in range(4)) / 4
     window = min(FINAL_WINDOW, steps)
-    return {"final": sum(losses[-window:]) / window, "val": val, "seconds": seconds, "first": losses[0]}
+    return {"final": sum(losses[-window:]) / window, "val": val, "seconds": seconds, "first": losses[0],
+            "tokens_per_s": rs.tokens_per_second(size["batch"], size["seq"], steps, seconds)}
 
 
 def run(size: dict, steps: int, seeds: Sequence[int], device: torch.device, backend: str,
         progress: rs.Progress, only: Optional[Sequence[str]] = None) -> dict:
-    """Every recipe (or the default and those labelled in `only`) and SDPA for every seed -> runs and the
-    summary (spreads, paired differences)."""
+    """Every recipe (or the default and those labelled in `only`) and SDPA for every seed -> the recipe labels,
+    the runs ({label: {seed (str): run}}) and their summary (`training_summary`: spreads, paired differences)."""
     import mxattn.integrations.transformers as mx_hf
     tg = rs.load_train_gpt()
     data_bytes = tg.load_stdlib_bytes(size["data_bytes"])
@@ -124,17 +135,62 @@ def run(size: dict, steps: int, seeds: Sequence[int], device: torch.device, back
     finally:
         for name in names.values():
             mx_hf.unregister(name)
-    summary = {}
-    for label in labels:
-        row = {}
-        for key in ("final", "val"):
-            row[key] = rs.spread([runs[label][s][key] for s in seeds])
-            row[f"{key}_minus_sdpa"] = rs.spread([runs[label][s][key] - runs[SDPA][s][key] for s in seeds])
-            row[f"{key}_minus_default"] = rs.spread([runs[label][s][key] - runs["default"][s][key] for s in seeds])
-        row["seconds"] = rs.spread([runs[label][s]["seconds"] for s in seeds])
-        summary[label] = row
-    return dict(runs={label: {str(s): r for s, r in by_seed.items()} for label, by_seed in runs.items()},
-                summary=summary)
+    runs_json = {label: {str(s): r for s, r in by_seed.items()} for label, by_seed in runs.items()}
+    return dict(recipes=labels[1:], runs=runs_json, summary=training_summary(runs_json))
+
+
+def training_summary(runs: Dict[str, Dict[str, dict]]) -> dict:
+    """The summary of `runs` ({label: {seed (str): run}}): `recipe_study.summarize_runs` against SDPA."""
+    return rs.summarize_runs(runs, SDPA, "sdpa")
+
+
+def _merged_from(result: dict) -> str:
+    """"Merged from the shards `...`; `...`. " for a merged result (nothing for one run)."""
+    if not result.get("shard_commands"):
+        return ""
+    return "Merged from the shards " + "; ".join(f"`{c}`" for c in result["shard_commands"]) + ". "
+
+
+#: the fields every shard of one study must agree on
+MERGE_FIELDS = ("device", "backend", "steps", "batch", "seq", "model", "recipes")
+
+
+def merge_results(shards: Sequence[Tuple[str, dict]], command: str) -> dict:
+    """One study's result from its shards' ((path, result) each): the union of their runs, summarized over every
+    seed by `training_summary`; `rs.MergeError` for a (label, seed) in two shards or a field of MERGE_FIELDS
+    that differs."""
+    rs.check_same(shards, MERGE_FIELDS)
+    runs = rs.merge_runs([(path, r["runs"]) for path, r in shards])
+    result = rs.merged_header(shards, command, ("torch", "transformers", "commit"))
+    result.update({name: shards[0][1].get(name) for name in MERGE_FIELDS})
+    result.update(seeds=rs.run_seeds(runs), runs=runs, summary=training_summary(runs))
+    return result
+
+
+def write_outputs(result: dict, out_dir: Optional[str]) -> Dict[str, str]:
+    """recipe_study_hf.md and recipe_study_hf.json in `out_dir` (None: the device's results folder); prints the
+    markdown and returns the paths."""
+    out_dir = out_dir or rs.default_out_dir(result["device"])
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"md": os.path.join(out_dir, "recipe_study_hf.md"), "json": os.path.join(out_dir, "recipe_study_hf.json")}
+    with open(paths["md"], "w") as f:
+        f.write(render_markdown(result))
+    with open(paths["json"], "w") as f:
+        json.dump(result, f, indent=1)
+    print(render_markdown(result))
+    print(f"wrote {paths['md']} and {paths['json']}", file=sys.stderr)
+    return paths
+
+
+def merge_main(args: argparse.Namespace, argv: List[str]) -> dict:
+    """--merge: the shards' recipe_study_hf.json files -> one study's md and json in --out-dir; SystemExit for
+    shards that do not make one study."""
+    try:
+        result = merge_results(rs.load_shards(args.merge), rs.command_line(argv, __file__))
+    except ValueError as exc:
+        raise SystemExit(f"recipe_study_hf.py --merge: {exc}") from exc
+    write_outputs(result, args.out_dir)
+    return result
 
 
 def render_markdown(result: dict) -> str:
@@ -144,13 +200,17 @@ def render_markdown(result: dict) -> str:
              f"`{result['command']}`; torch {result['torch']}, transformers {result['transformers']}, backend "
              f"{result['backend']}, commit {result['commit']}, {result['date']}. Model: {result['model']}; "
              f"{result['steps']} steps of batch {result['batch']} x {result['seq']} bytes, seeds {result['seeds']}. "
-             f"Losses: mean [min, max] over seeds; differences paired by seed (same weights, same batches).", "",
+             + _merged_from(result) +
+             "Losses: mean [min, max] over seeds; differences paired by seed (same weights, same batches). "
+             "Seconds per run: the optimizer steps' time; tokens/s: batch x seq x steps over it; means over seeds.",
+             "",
              "| attention | final train loss | validation loss | final - SDPA | final - default | val - SDPA | "
-             "seconds per run |", "|---|---|---|---|---|---|---|"]
+             "seconds per run | tokens/s |", "|---|---|---|---|---|---|---|---|"]
     for label, row in s.items():
         lines.append(f"| {label} | {rs._span(row['final'])} | {rs._span(row['val'])} | "
                      f"{rs._signed(row['final_minus_sdpa'])} | {rs._signed(row['final_minus_default'])} | "
-                     f"{rs._signed(row['val_minus_sdpa'])} | {row['seconds']['mean']:.1f} |")
+                     f"{rs._signed(row['val_minus_sdpa'])} | {row['seconds']['mean']:.1f} | "
+                     f"{row['tokens_per_s']['mean']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -168,7 +228,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="default benchmarks/results/<device>/recipe_study/")
     p.add_argument("--recipes", default=None,
                    help="comma-separated recipe labels to run besides the default (default: every recipe)")
+    rs.add_merge_option(p, "recipe_study_hf.json", "no part but the training")
     args = p.parse_args(argv)
+    rs.refuse_options_with_merge(p, args, argv)
     args.recipe_labels = rs.parse_recipe_labels(args.recipes, p.error)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
@@ -178,8 +240,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
+    """Run the study (or merge its shards: --merge); returns the result (also written as JSON)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.merge:
+        return merge_main(args, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -188,7 +253,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     seeds = list(range(args.seed, args.seed + args.seeds))
     progress = rs.Progress(len(seeds) * (1 + len(rs.study_recipes(args.recipe_labels))))
     import transformers
-    result = dict(command=shlex.join(["python", "samples/recipe_study_hf.py"] + argv), device=rs.device_name(device),
+    result = dict(command=rs.command_line(argv, __file__), device=rs.device_name(device),
                   torch=torch.__version__, transformers=transformers.__version__, backend=args.backend,
                   commit=rs._git_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"), seeds=seeds,
                   steps=steps, batch=size["batch"], seq=size["seq"],
@@ -196,15 +261,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)   # backend="auto" notes
         result.update(run(size, steps, seeds, device, args.backend, progress, args.recipe_labels))
-    out_dir = args.out_dir or os.path.join(rs.ROOT, "benchmarks", "results", rs.device_name(device), "recipe_study")
-    os.makedirs(out_dir, exist_ok=True)
-    md, js = os.path.join(out_dir, "recipe_study_hf.md"), os.path.join(out_dir, "recipe_study_hf.json")
-    with open(md, "w") as f:
-        f.write(render_markdown(result))
-    with open(js, "w") as f:
-        json.dump(result, f, indent=1)
-    print(render_markdown(result))
-    print(f"wrote {md} and {js}", file=sys.stderr)
+    write_outputs(result, args.out_dir)
     return result
 
 
