@@ -6,10 +6,12 @@ same, in few processes (each process pays the start-up: imports, data, CUDA cont
     python benchmarks/recipe_study_plan.py --gpus 4 --seeds 3 --steps 1000     # the plan; 4 GPUs
 
 A process trains a rectangle of runs: consecutive seeds (--seed k --seeds n) times a set of run labels (--runs),
-the same labels for each of its seeds. A GPU runs its processes one after another. The planner assigns the runs
-longest first, each to the GPU whose estimated time (its runs, plus the start-up of each process that its runs
-need, grouped into as few rectangles as they allow) grows least, then moves and swaps runs while the longest GPU
-time or the number of processes shrinks.
+the same labels for each of its seeds. A GPU runs its processes one after another; its estimated time is its
+runs' plus one start-up per process, its runs grouped into as few rectangles as they allow (`processes`). The
+planner (`make_plan`) gives the heavy jobs (the per-tensor runs, parts 1 and 2) longest first each to the GPU whose
+time grows least, lays the other runs in a row of (script, seed) blocks and cuts it into one stretch per GPU that
+fills it to about the average (few blocks per GPU: few processes), then moves and swaps runs while the longest
+GPU time, else the number of processes, shrinks.
 
 Estimated cost (seconds, estimates; override with the options): an MXFP8 run on Triton or a BF16 baseline run of
 the GPT takes STEP_S = 0.02 s per step + 1 s (session 18, H100: 4-7 s at 250 steps once compiled); the per-tensor
@@ -21,8 +23,9 @@ next, the Triton compiles, plus imports and data); the parts-1-and-2 job --parts
 
 Output: stdout, one line per process, tab-separated: GPU index (into the GPU list), shard name, script, first
 seed, number of seeds, the --runs labels comma-separated ("*" for every run of the study; "-" for the parts-1-and-2
-job, which has no seeds of its own: the fields are then "-" too) and the estimated seconds (no field is empty); stderr, the plan in
-words (each GPU's processes and estimated time, against the ideal: the total over the number of GPUs).
+job, which has no seeds of its own: the fields are then "-" too) and the estimated seconds (no field is empty);
+stderr, the plan in words (each GPU's processes and estimated time, against the ideal: the total over the number
+of GPUs, a lower bound that counts one start-up per script).
 """
 
 from __future__ import annotations
