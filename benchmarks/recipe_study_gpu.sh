@@ -1,32 +1,41 @@
 #!/usr/bin/env bash
-# The GPU-sized recipe study (issue 22) on every visible GPU of one machine at once, then merged: the shards of
-# samples/recipe_study.py (one process with parts 1 and 2, no training; one training-only process per seed) and of
-# samples/recipe_study_hf.py (one process per seed), one process per GPU at a time (CUDA_VISIBLE_DEVICES, assigned
-# round-robin; a GPU with several shards runs them one after another, so any number of GPUs >= 1 works), each with
-# its log; then both scripts' --merge write the tables (and plots) a single run over every seed would have written.
+# The GPU-sized recipe study (issue 22) on every visible GPU of one machine at once, then merged. The study's jobs --
+# every training run (script, seed, run label: the baseline or one recipe) of samples/recipe_study.py (GPT) and of
+# samples/recipe_study_hf.py (Llama), and parts 1 and 2 of recipe_study.py as one more job -- are spread over the
+# GPUs by benchmarks/recipe_study_plan.py so that each GPU's estimated time is about the same: each GPU runs a queue
+# of processes one after another (CUDA_VISIBLE_DEVICES), a process training consecutive seeds x a set of runs
+# (--seed k --seeds n --runs ...; as few processes as the balance allows, each paying imports, data loading and the
+# first Triton compiles once), each with its log. The plan (each GPU's processes and estimated seconds) is printed
+# before anything starts; then both scripts' --merge write the tables (and plots) a single run over every seed
+# would have written (the merge refuses a study with a (run, seed) missing, e.g. a failed shard: it names it).
 #
 # Usage (from anywhere; it runs from the repository root):
 #   bash benchmarks/recipe_study_gpu.sh
 #   STEPS=20 SEEDS=2 OUT=/tmp/smoke bash benchmarks/recipe_study_gpu.sh     # a short smoke run
+#   python benchmarks/recipe_study_plan.py --gpus 4 --seeds 3 --steps 1000  # the plan only (no GPU needed)
 # Environment:
-#   SEEDS          seeds 0 .. SEEDS-1 (default 3): SEEDS training shards per script, plus the parts-1-and-2 shard
+#   SEEDS          seeds 0 .. SEEDS-1 (default 3)
 #   STEPS          training steps per run (default: --size gpu's, 2000); also given to the parts-1-and-2 shard,
 #                  whose result must match the training shards' to merge
 #   OUT            output folder (default benchmarks/results/<gpu name>/recipe_study): a shard's files in
-#                  $OUT/<shard>/ (gpt_parts12, gpt_seed<k>, hf_seed<k>), logs in $OUT/logs/, the merged
-#                  recipe_study.{json,md,png} and recipe_study_hf.{json,md} in $OUT/merged/
-#   SHARD_TIMEOUT  seconds after which a shard is stopped (default: none); the merge goes on without it
+#                  $OUT/<shard>/ (gpt_parts12, gpt_gpu<q>_<k>, hf_gpu<q>_<k>: the k-th process of the q-th GPU),
+#                  logs in $OUT/logs/, the merged recipe_study.{json,md,png} and recipe_study_hf.{json,md} in
+#                  $OUT/merged/
+#   SHARD_TIMEOUT  seconds after which a shard is stopped (default: none); its runs are then missing from the merge,
+#                  which refuses the study (the shards' own files and logs stay)
 #   CUDA_VISIBLE_DEVICES  the GPUs to use (default: every GPU nvidia-smi lists)
+#   PYTHON         the Python to run (default python)
+#   PLAN_ARGS      more options of benchmarks/recipe_study_plan.py, e.g. "--per-tensor-weight 6 --hf-weight 1.5"
+#                  (its cost estimates; see its docstring)
 # Each shard prints "shard <name> on GPU <g>: <s> s, exit <rc>" as it ends; the script exits 1 when a shard or a
-# merge failed (the merge then holds the shards that finished).
+# merge failed.
 #
-# Expected time: not measured -- this script was written on a machine without a GPU. Estimates from session 18's
-# H100 study (benchmarks/results/nvidia-h100-80gb-hbm3/session18/): parts 1 and 2 took 80 s; training at 250
-# steps took 80-115 s per seed (per-tensor scaling, which runs on the reference backend, 45 s of it; the first
-# run's Triton compiles ~10 s), so a GPT training shard at the default 2000 steps would take ~11 minutes: more than
-# a 550 s call. STEPS=1000 should bring it to ~6 minutes; with >= 2*SEEDS+1 GPUs (7 for 3 seeds) the wall time is
-# the slowest shard's, with fewer the sum of each GPU's shards. The transformers study's GPU time is unknown.
-# SHARD_TIMEOUT (e.g. 500) keeps a call within its limit at the cost of the shards cut.
+# Expected time: the plan prints its estimate per GPU -- estimates from session 18's H100 study
+# (benchmarks/results/nvidia-h100-80gb-hbm3/session18/): a GPT run ~0.02 s per step once compiled, the per-tensor
+# recipe (reference backend) ~9x that, a process's start-up and first compiles ~20 s, parts 1 and 2 90 s; the
+# transformers runs are not measured on a GPU (guessed as the GPT's). With 4 GPUs and 3 seeds the plan estimates
+# ~590 s a GPU at STEPS=1000 and ~470 s at STEPS=750: under a 550 s call, STEPS=750 or fewer (or 8 GPUs at 1000:
+# ~310 s). SHARD_TIMEOUT (e.g. 500) keeps a call within its limit, at the cost of the merge.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
@@ -54,45 +63,54 @@ GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader -i "${GPUS[0]}" 2>/
 OUT=${OUT:-benchmarks/results/${GPU_NAME:-gpu}/recipe_study}
 mkdir -p "$OUT/logs" || exit 2
 
-# the shards: name, script, arguments (besides the common ones and --out-dir "$OUT/<name>"), the JSON it writes;
-# training shards first (the longest, so that with few GPUs they start first)
-NAMES=() SCRIPTS=() ARGS=() JSONS=()
-add_shard() {  # name script json arguments...
-  NAMES+=("$1") SCRIPTS+=("$2") JSONS+=("$3") ARGS+=("${*:4}")
-}
-for ((k = 0; k < SEEDS; k++)); do
-  add_shard "gpt_seed$k" recipe_study.py recipe_study.json --skip-errors --skip-future --seed "$k" --seeds 1
-done
-for ((k = 0; k < SEEDS; k++)); do
-  add_shard "hf_seed$k" recipe_study_hf.py recipe_study_hf.json --seed "$k" --seeds 1
-done
-add_shard gpt_parts12 recipe_study.py recipe_study.json --skip-training --seeds "$SEEDS"
+# the plan (benchmarks/recipe_study_plan.py): the processes, each GPU's run one after another; its words on stderr
+PLAN=$("$PYTHON" benchmarks/recipe_study_plan.py --gpus "$NGPU" --gpu-ids "$(IFS=,; echo "${GPUS[*]}")" \
+       --seeds "$SEEDS" ${STEPS:+--steps "$STEPS"} ${PLAN_ARGS:-}) || { echo "planning failed" >&2; exit 2; }
+QUEUE=() NAMES=() SCRIPTS=() SEED0=() NSEEDS=() RUNS=() JSONS=()
+while IFS=$'\t' read -r q name script seed nseeds runs _; do
+  QUEUE+=("$q") NAMES+=("$name") SCRIPTS+=("$script") SEED0+=("$seed") NSEEDS+=("$nseeds") RUNS+=("$runs")
+  JSONS+=("${script%.py}.json")
+done <<< "$PLAN"
 NSHARDS=${#NAMES[@]}
-PARALLEL=$((NGPU < NSHARDS ? NGPU : NSHARDS))
+PARALLEL=$(printf '%s\n' "${QUEUE[@]}" | sort -u | wc -l)   # the GPUs with work (all, unless very few runs)
 THREADS=$(($(nproc) / PARALLEL)); ((THREADS >= 1)) || THREADS=1   # the CPU cores shared by the processes at once
 COMMON="--size gpu --device cuda --backend auto --threads $THREADS${STEPS:+ --steps $STEPS}"
-echo "recipe study: $NSHARDS shards on $NGPU GPU(s) (${GPUS[*]}, ${GPU_NAME:-unknown}), seeds 0..$((SEEDS - 1)),"\
+echo "recipe study: $NSHARDS processes on $NGPU GPU(s) (${GPUS[*]}, ${GPU_NAME:-unknown}), seeds 0..$((SEEDS - 1)),"\
      "steps ${STEPS:-of --size gpu}, $THREADS CPU threads each; output in $OUT"
 
+shard_args() {  # index: the shard's arguments besides COMMON and --out-dir, one per line
+  local j=$1
+  if [[ ${RUNS[$j]} == - ]]; then
+    printf '%s\n' --skip-training --seeds "$SEEDS"                          # parts 1 and 2
+  else
+    [[ ${SCRIPTS[$j]} == recipe_study.py ]] && printf '%s\n' --skip-errors --skip-future
+    printf '%s\n' --seed "${SEED0[$j]}" --seeds "${NSEEDS[$j]}"
+    [[ ${RUNS[$j]} != '*' ]] && printf '%s\n' --runs "${RUNS[$j]}"         # labels hold spaces: one argument
+  fi
+}
+
 run_shard() {  # index gpu: runs shard `index` on `gpu`, its output in $OUT/logs/<name>.log and its exit code in .rc
-  local j=$1 gpu=$2 name=${NAMES[$1]} start=$SECONDS rc
+  local j=$1 gpu=$2 name=${NAMES[$1]} start=$SECONDS rc args
   rm -f "$OUT/$name/${JSONS[$j]}" "$OUT/logs/$name.rc"   # no earlier run's result is merged in its place
-  # shellcheck disable=SC2086  # COMMON and ARGS are lists of plain words
+  mapfile -t args < <(shard_args "$j")
+  # shellcheck disable=SC2086  # COMMON is a list of plain words
   CUDA_VISIBLE_DEVICES=$gpu ${SHARD_TIMEOUT:+timeout "$SHARD_TIMEOUT"} \
-      "$PYTHON" "samples/${SCRIPTS[$j]}" $COMMON ${ARGS[$j]} --out-dir "$OUT/$name" > "$OUT/logs/$name.log" 2>&1
+      "$PYTHON" "samples/${SCRIPTS[$j]}" $COMMON "${args[@]}" --out-dir "$OUT/$name" > "$OUT/logs/$name.log" 2>&1
   rc=$?
   echo "$rc" > "$OUT/logs/$name.rc"
   echo "shard $name on GPU $gpu: $((SECONDS - start)) s, exit $rc$( ((rc == 124)) && echo ' (SHARD_TIMEOUT)')"
 }
 
-run_queue() {  # q: runs shards q, q + NGPU, q + 2 NGPU, ... one after another on GPU q
+run_queue() {  # q: runs the shards the plan gives GPU q (the q-th of GPUS) one after another
   local q=$1 j
-  for ((j = q; j < NSHARDS; j += NGPU)); do run_shard "$j" "${GPUS[$q]}"; done
+  for ((j = 0; j < NSHARDS; j++)); do
+    if ((QUEUE[j] == q)); then run_shard "$j" "${GPUS[$q]}"; fi
+  done
 }
 
 START=$SECONDS
 QUEUES=()
-for ((q = 0; q < PARALLEL; q++)); do
+for ((q = 0; q < NGPU; q++)); do
   run_queue "$q" &
   QUEUES+=($!)
 done
@@ -115,8 +133,10 @@ merge() {  # script json names...: merges the named shards' JSON files that were
   "$PYTHON" "samples/$script" --merge "${inputs[@]}" --out-dir "$OUT/merged" > "$OUT/logs/merge_${json%.json}.log" 2>&1 \
       || { echo "merging $json failed (see $OUT/logs/merge_${json%.json}.log)" >&2; STATUS=1; }
 }
-GPT=(gpt_parts12) HF=()
-for ((k = 0; k < SEEDS; k++)); do GPT+=("gpt_seed$k") HF+=("hf_seed$k"); done
+GPT=() HF=()
+for ((j = 0; j < NSHARDS; j++)); do
+  if [[ ${SCRIPTS[$j]} == recipe_study.py ]]; then GPT+=("${NAMES[$j]}"); else HF+=("${NAMES[$j]}"); fi
+done
 merge recipe_study.py recipe_study.json "${GPT[@]}"
 merge recipe_study_hf.py recipe_study_hf.json "${HF[@]}"
 echo "done after $((SECONDS - START)) s (exit $STATUS); the merged results in $OUT/merged:"

@@ -6,16 +6,25 @@ future tokens, and training loss over seeds. Writes a markdown table file and a 
     python samples/recipe_study.py --size gpu --device cuda # bigger shapes and model, on a GPU
 
 Sharded (benchmarks/recipe_study_gpu.sh runs this on every GPU of a machine): each shard runs part of the study,
-parts 1 and 2 in one shard and the training one seed per shard, all with the same --size, --steps, --backend
-and --recipes; --merge then writes the study a single run would have written (parts 1 and 2 from the shard that
-ran each, the union of the training runs summarized over every seed; a (recipe, seed) or a part in two shards,
-or shards of other configurations, are refused):
+all with the same --size, --steps, --backend and --recipes (the study's recipe set): parts 1 and 2 in one shard,
+the training runs split by seed (--seed, --seeds) and by run (--runs LABEL[,LABEL...]: the runs, among
+`bf16 (torch SDPA)` and the recipe labels such as `default`, `p_quant=none`, `scaling=per_tensor`, that the shard
+trains for each of its seeds; default every one). A shard without the baseline or the default leaves the
+differences from it out of its own summary (its md says so). --merge then writes the study a single run would have
+written (parts 1 and 2 from the shard that ran each, the union of the training runs summarized over every seed);
+the union must hold every (run, seed) of the study exactly once: a (run, seed) in two shards or in none, a part in
+two shards, or shards of other configurations are refused, naming it:
 
     S="--size gpu --device cuda --backend auto"
     python samples/recipe_study.py $S --skip-training --out-dir out/parts12                    # parts 1 and 2
     CUDA_VISIBLE_DEVICES=1 python samples/recipe_study.py $S --skip-errors --skip-future --seed 0 --seeds 1 \\
         --out-dir out/seed0                                # training, seed 0; on GPUs 2, 3: seeds 1 and 2 ...
     python samples/recipe_study.py --merge out/parts12/recipe_study.json out/seed*/recipe_study.json --out-dir out/all
+
+    # or, instead of the seed shards, by run: the slow per-tensor runs of seeds 0-2 in one shard, the rest in another
+    T="$S --skip-errors --skip-future --seed 0 --seeds 3"
+    CUDA_VISIBLE_DEVICES=1 python samples/recipe_study.py $T --runs scaling=per_tensor --out-dir out/pt
+    CUDA_VISIBLE_DEVICES=2 python samples/recipe_study.py $T --runs "bf16 (torch SDPA),default,..." --out-dir out/rest
 
 Recipes: every entry of `mxattn.recipe.all_variants()` (the default cuDNN recipe and each single-field variant,
 `scaling=per_tensor`, FP8 with one FP32 scale per tensor, among them), each run on the `reference` backend
@@ -111,16 +120,28 @@ def study_recipes(only: Optional[Sequence[str]] = None) -> List[Tuple[str, Recip
     return out if only is None else [(label, r) for label, r in out if label == "default" or label in only]
 
 
-def parse_recipe_labels(text: Optional[str], error) -> Optional[List[str]]:
-    """--recipes "label,label" -> the labels (None for every recipe); error(message) for an unknown label."""
+def parse_labels(text: Optional[str], known: Sequence[str], option: str, what: str, error) -> Optional[List[str]]:
+    """`option`'s "label,label" -> the labels, in `known`'s order (None for text None); error(message) naming the
+    known labels for an unknown one or an empty list ("unknown <what> label(s)")."""
     if text is None:
         return None
-    known = [label for label, _ in study_recipes()]
     labels = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [x for x in labels if x not in known]
     if unknown or not labels:
-        error(f"--recipes: unknown recipe label(s) {unknown or [text]}; known: {', '.join(known)}")
-    return labels
+        error(f"{option}: unknown {what} label(s) {unknown or [text]}; known: {', '.join(known)}")
+    return [label for label in known if label in labels]
+
+
+def parse_recipe_labels(text: Optional[str], error) -> Optional[List[str]]:
+    """--recipes "label,label" -> the labels (None for every recipe); error(message) for an unknown label."""
+    return parse_labels(text, [label for label, _ in study_recipes()], "--recipes", "recipe", error)
+
+
+def parse_run_labels(text: Optional[str], baseline: str, only: Optional[Sequence[str]], error) -> List[str]:
+    """--runs "label,label" -> the study's run labels this shard trains (`baseline` first, then the recipes of
+    `study_recipes(only)`; every one for text None); error(message) naming the study's labels for another."""
+    known = [baseline] + [label for label, _ in study_recipes(only)]
+    return parse_labels(text, known, "--runs", "run", error) or known
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -349,19 +370,18 @@ def summarize_runs(runs: Dict[str, Dict[str, dict]], baseline: str, baseline_key
     """Per label of `runs` ({label: {seed (str): run}}, as in the JSON, with a "default" label): the spread over
     the seeds of the final and validation losses, of their differences paired by seed from `baseline`'s runs
     ("final_minus_<baseline_key>", ...) and from the default recipe's ("final_minus_default", ...), of the
-    seconds and of the tokens per second."""
+    seconds and of the tokens per second. A shard that did not train the baseline or the default (--runs)
+    leaves out the differences from it (what it can compute)."""
     seeds = [str(s) for s in run_seeds(runs)]
-
-    def paired(label: str, key: str, other: str) -> dict:
-        return spread([runs[label][s][key] - runs[other][s][key] for s in seeds])
+    others = [(other, name) for other, name in ((baseline, baseline_key), ("default", "default")) if other in runs]
 
     summary = {}
     for label, by_seed in runs.items():
         row = {}
         for key in ("final", "val"):
             row[key] = spread([by_seed[s][key] for s in seeds])
-            row[f"{key}_minus_{baseline_key}"] = paired(label, key, baseline)
-            row[f"{key}_minus_default"] = paired(label, key, "default")
+            for other, name in others:
+                row[f"{key}_minus_{name}"] = spread([by_seed[s][key] - runs[other][s][key] for s in seeds])
         for key in ("seconds", "tokens_per_s"):
             row[key] = spread([by_seed[s][key] for s in seeds])
         summary[label] = row
@@ -375,14 +395,15 @@ def training_result(config: dict, runs: Dict[str, Dict[str, dict]]) -> dict:
 
 
 def run_training(size: dict, steps: int, seeds: Sequence[int], recipes, device: torch.device, backend: str,
-                 progress: Progress, on_run=None) -> dict:
+                 progress: Progress, on_run=None, labels: Optional[Sequence[str]] = None) -> dict:
     """Part 3: final and validation losses, seconds and tokens per second per attention and seed, and their
-    summary (`training_result`). on_run: called after every run with the runs so far ({label: {seed: result}})."""
+    summary (`training_result`). on_run: called after every run with the runs so far ({label: {seed: result}}).
+    labels: the runs to train for each seed (BF16 and recipes' labels; default every one), in the study's order."""
     tg = load_train_gpt()
     args = tg.parse_args(train_argv(size["train"], steps, seeds[0], device, backend))
     data = tg.load_splits(args)
     runs: Dict[str, Dict[int, dict]] = {}
-    labels = [BF16] + [label for label, _ in recipes]
+    labels = [label for label in [BF16] + [label for label, _ in recipes] if labels is None or label in labels]
     for seed in seeds:
         argv = train_argv(size["train"], steps, seed, device, backend)
         for label in labels:
@@ -435,8 +456,24 @@ def _pct(s: dict) -> str:
     return f"{100 * s['mean']:.2f} [{100 * s['min']:.2f}, {100 * s['max']:.2f}]"
 
 
-def _signed(s: dict, digits: int = 4) -> str:
+def _signed(s: Optional[dict], digits: int = 4) -> str:
+    """mean [min, max] with signs; "n/a" for None (a difference a shard could not take)."""
+    if s is None:
+        return "n/a"
     return f"{s['mean']:+.{digits}f} [{s['min']:+.{digits}f}, {s['max']:+.{digits}f}]"
+
+
+def partial_runs_note(runs: Dict[str, dict], labels: Sequence[str], baseline: str) -> str:
+    """For a shard that trained only some of the study's run `labels` (--runs): a sentence saying which, and
+    that the differences it could not take (from `baseline` or the default, when it did not train them) read
+    n/a; "" when it trained every one."""
+    if all(label in runs for label in labels):
+        return ""
+    missing = [label for label in (baseline, "default") if label not in runs]
+    return (f"This shard trained only {', '.join(f'`{label}`' for label in runs)} of the study's runs (--runs)"
+            + (f"; the differences from {' and '.join(f'`{label}`' for label in missing)}, which it did not train, "
+               "read n/a" if missing else "")
+            + ". --merge the shards of every run for the study's table.")
 
 
 def _span(s: dict, digits: int = 4) -> str:
@@ -529,15 +566,17 @@ def render_markdown(result: dict) -> str:
                   f"{2 / 2 ** len(tr['seeds']):.2g} (chaotic training turns any rounding change into a different "
                   "trajectory), so `no` alone is weak evidence: compare the size of the differences with the "
                   "default's own difference from BF16. s / run: training seconds (the optimizer steps, batches "
-                  "and validation left out); tokens/s: batch x seq x steps over them; both means over the seeds.",
+                  "and validation left out); tokens/s: batch x seq x steps over them; both means over the seeds."]
+        note = partial_runs_note(tr["runs"], [BF16] + list(result["recipes"]), BF16)
+        lines += ([note] if note else []) + [
                   "", "| attention | final | final - bf16 | straddles 0 | final - default | val | val - bf16 | "
                   "s / run | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
         for label, row in tr["summary"].items():
-            d = row["final_minus_bf16"]
-            straddle = "-" if label == BF16 else ("yes" if d["min"] <= 0 <= d["max"] else "no")
+            d = row.get("final_minus_bf16")
+            straddle = "-" if label == BF16 else "n/a" if d is None else "yes" if d["min"] <= 0 <= d["max"] else "no"
             lines.append(f"| {label} | {_span(row['final'])} (std {row['final']['std']:.4f}) | "
-                         f"{_signed(d)} | {straddle} | {_signed(row['final_minus_default'])} | "
-                         f"{_span(row['val'])} | {_signed(row['val_minus_bf16'])} | "
+                         f"{_signed(d)} | {straddle} | {_signed(row.get('final_minus_default'))} | "
+                         f"{_span(row['val'])} | {_signed(row.get('val_minus_bf16'))} | "
                          f"{row['seconds']['mean']:.0f} | {row['tokens_per_s']['mean']:.0f} |")
         lines += ["", "Per seed (final training loss):", "",
                   "| attention | " + " | ".join(f"seed {s}" for s in tr["seeds"]) + " |",
@@ -620,19 +659,29 @@ def check_same(shards: Sequence[Tuple[str, dict]], fields: Sequence[str]) -> Non
                                  f"in {path}")
 
 
-def merge_runs(shards: Sequence[Tuple[str, Dict[str, Dict[str, dict]]]]) -> Dict[str, Dict[str, dict]]:
-    """The union of the shards' training runs ((path, {label: {seed (str): run}}) each): labels in their first
-    appearance's order, seeds sorted; MergeError naming both files for a (label, seed) two shards ran."""
-    merged: Dict[str, Dict[str, dict]] = {}
+def merge_runs(shards: Sequence[Tuple[str, Dict[str, Dict[str, dict]]]], labels: Sequence[str]) \
+        -> Dict[str, Dict[str, dict]]:
+    """The union of the shards' training runs ((path, {label: {seed (str): run}}) each), which must hold every
+    (label, seed) of the study exactly once: each of its run `labels` (in that order) for every seed any shard
+    ran (sorted). MergeError naming both files for a (label, seed) two shards ran, naming the pairs for those
+    no shard ran, or naming a label that is not the study's."""
+    merged: Dict[str, Dict[str, dict]] = {label: {} for label in labels}
     origin: Dict[Tuple[str, str], str] = {}
     for path, runs in shards:
         for label, by_seed in runs.items():
+            if label not in merged:
+                raise MergeError(f"{path} ran {label!r}, which is not one of the study's runs ({', '.join(labels)})")
             for seed, run in by_seed.items():
                 if (label, seed) in origin:
                     raise MergeError(f"{label!r} seed {seed} ran in two shards: {origin[label, seed]} and {path}")
                 origin[label, seed] = path
-                merged.setdefault(label, {})[seed] = run
-    return {label: dict(sorted(by_seed.items(), key=lambda item: int(item[0]))) for label, by_seed in merged.items()}
+                merged[label][seed] = run
+    seeds = sorted({seed for _, seed in origin}, key=int)
+    missing = [f"{label!r} seed {seed}" for label in labels for seed in seeds if (label, seed) not in origin]
+    if missing:
+        raise MergeError(f"no shard ran {', '.join(missing)}: the shards must hold every run of the study "
+                         f"({', '.join(labels)}) for every seed ({', '.join(seeds)}) once")
+    return {label: {seed: merged[label][seed] for seed in seeds} for label in labels}
 
 
 def merged_info(values: Sequence) -> object:
@@ -679,7 +728,7 @@ def merge_results(shards: Sequence[Tuple[str, dict]], command: str) -> dict:
             result["seconds"][part], result["part_seeds"][part] = shard["seconds"][part], shard["seeds"]
     if training:
         result["training"] = training_result(training[0][1]["config"], merge_runs(
-            [(path, t["runs"]) for path, t in training]))
+            [(path, t["runs"]) for path, t in training], [BF16] + list(first["recipes"])))
         result["seconds"]["training"] = sum(r["seconds"]["training"] for _, r in shards if "training" in r)
         result["part_seeds"]["training"] = result["training"]["seeds"]
     return result
@@ -709,6 +758,17 @@ def add_merge_option(parser: argparse.ArgumentParser, filename: str, parts: str)
                         help=f"merge the {filename} files written by shards of one study (same configuration; "
                              f"other seeds) into one result in --out-dir, running nothing: {parts}, the training "
                              "runs are united and summarized over all their seeds. Only --out-dir goes with it")
+
+
+def add_runs_option(parser: argparse.ArgumentParser, baseline: str) -> None:
+    """--runs LABEL[,LABEL...]: the training runs a shard trains for each of its seeds (`baseline`: the baseline's
+    label)."""
+    parser.add_argument("--runs", default=None, metavar="LABEL[,LABEL...]",
+                        help=f"comma-separated labels of the training runs to train for each seed, among the "
+                             f"study's ('{baseline}' and the labels of --recipes' recipe set, 'default' among them; "
+                             "default: every one): a shard of a seed's runs. The result still records the "
+                             "study's whole recipe set; its summary leaves out the differences from a baseline "
+                             "('default' too) it did not train, and --merge needs every run of every seed once")
 
 
 def explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> List[str]:
@@ -754,7 +814,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="torch.set_num_threads for the study, restored after it (None: torch's choice)")
     p.add_argument("--recipes", default=None,
                    help="comma-separated recipe labels to run besides the default (e.g. 'p_quant=none,"
-                        "v_operand=bf16'; default: every recipe): a long study split over several runs")
+                        "v_operand=bf16'; default: every recipe): the study's recipe set, which its shards share")
+    add_runs_option(p, BF16)
     p.add_argument("--out-dir", default=None,
                    help="output directory (None: benchmarks/results/<device name>/recipe_study/ of this repository)")
     add_merge_option(p, "recipe_study.json", "parts 1 and 2 come from the shard that ran each")
@@ -766,6 +827,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         if value is not None and value < 1:
             p.error(f"--{name} must be >= 1, got {value}")
     args.recipe_labels = parse_recipe_labels(args.recipes, p.error)
+    if args.runs is not None and args.skip_training:
+        p.error("--runs selects training runs: it does not go with --skip-training")
+    args.run_labels = parse_run_labels(args.runs, BF16, args.recipe_labels, p.error)
     try:
         args.magnitudes = [float(x) for x in args.future_magnitudes.split(",") if x.strip()]
     except ValueError:
@@ -802,7 +866,7 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> dic
     out_dir = args.out_dir or default_out_dir(device_name(device))
 
     total = (0 if args.skip_errors else len(error_cases(size)) * len(seeds)) \
-        + (0 if args.skip_future else len(seeds)) + (0 if args.skip_training else len(seeds) * (1 + len(recipes)))
+        + (0 if args.skip_future else len(seeds)) + (0 if args.skip_training else len(seeds) * len(args.run_labels))
     progress = Progress(total)
     result = dict(command=command_line(argv), size=args.size, device=device_name(device), torch=torch.__version__,
                   backend=args.backend, steps=steps,
@@ -828,7 +892,7 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> dic
             runs_path = os.path.join(out_dir, "recipe_study_training_runs.json")
             start = time.perf_counter()
             result["training"] = run_training(size, steps, seeds, recipes, device, args.backend, progress,
-                                              on_run=lambda runs: _dump(runs, runs_path))
+                                              on_run=lambda runs: _dump(runs, runs_path), labels=args.run_labels)
             result["seconds"]["training"] = time.perf_counter() - start
             os.remove(runs_path)
     result["paths"] = write_outputs(result, out_dir)

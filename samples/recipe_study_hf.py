@@ -4,13 +4,19 @@ Hugging Face counterpart of part 3 of samples/recipe_study.py (which trains samp
     python samples/recipe_study_hf.py --threads 1                 # --size cpu: a few minutes on one CPU core
     python samples/recipe_study_hf.py --size gpu --device cuda    # a bigger model on a GPU
 
-Sharded (benchmarks/recipe_study_gpu.sh runs one seed per GPU): shards with the same --size, --steps, --backend
-and --recipes and other seeds, then --merge, which writes the study a single run over all their seeds would have
-written (the union of the runs, summarized over every seed; a (recipe, seed) in two shards, or shards of other
-configurations, are refused):
+Sharded (benchmarks/recipe_study_gpu.sh spreads the runs over every GPU): shards with the same --size, --steps,
+--backend and --recipes (the study's recipe set), split by seed (--seed, --seeds) and by run (--runs
+LABEL[,LABEL...]: the runs, among `sdpa` and the recipe labels such as `default`, `p_quant=none`,
+`scaling=per_tensor`, that the shard trains for each of its seeds; default every one; a shard without `sdpa` or
+`default` leaves the differences from it out of its own summary, and its md says so), then --merge, which writes
+the study a single run over all their seeds would have written (the union of the runs, summarized over every seed;
+the union must hold every (run, seed) of the study exactly once: a (run, seed) in two shards or in none, or shards
+of other configurations, are refused, naming it):
 
     CUDA_VISIBLE_DEVICES=0 python samples/recipe_study_hf.py --size gpu --device cuda --backend auto --seed 0 \\
         --seeds 1 --out-dir out/hf_seed0                  # and --seed 1 on GPU 1, --seed 2 on GPU 2 ...
+    CUDA_VISIBLE_DEVICES=3 python samples/recipe_study_hf.py --size gpu --device cuda --backend auto --seed 0 \\
+        --seeds 3 --runs scaling=per_tensor --out-dir out/hf_pt   # or split by run (then the others: --runs ...)
     python samples/recipe_study_hf.py --merge out/hf_seed*/recipe_study_hf.json --out-dir out/all
 
 The model is transformers' `LlamaForCausalLM` built from a config (random weights, grouped-query attention: two
@@ -19,7 +25,7 @@ train_gpt.py reads them. For each seed the weights are drawn once (attention "sd
 model, and every model sees the same batches and learning-rate schedule; the attention is torch SDPA (the
 baseline) or mxattn's, registered with transformers under one name per recipe through
 `mxattn.integrations.transformers.register(name, backend=..., recipe=...)` (the `reference` backend by default:
-it runs every recipe; on a GPU "auto" runs the default recipe in Triton and routes the variants to reference).
+it runs every recipe; on a GPU "auto" runs every MXFP8 recipe in Triton and per-tensor scaling on reference).
 AdamW with warm-up and cosine decay, bf16 autocast, gradients clipped to norm 1.
 
 Output: the final training loss (mean of the last 10 steps) and the validation loss per recipe, their mean and
@@ -110,24 +116,26 @@ def train_one(size: dict, steps: int, seed: int, attention: str, state: dict, da
 
 
 def run(size: dict, steps: int, seeds: Sequence[int], device: torch.device, backend: str,
-        progress: rs.Progress, only: Optional[Sequence[str]] = None) -> dict:
-    """Every recipe (or the default and those labelled in `only`) and SDPA for every seed -> the recipe labels,
-    the runs ({label: {seed (str): run}}) and their summary (`training_summary`: spreads, paired differences)."""
+        progress: rs.Progress, only: Optional[Sequence[str]] = None,
+        train: Optional[Sequence[str]] = None) -> dict:
+    """Every recipe (or the default and those labelled in `only`: the study's recipe set) and SDPA for every seed
+    (or only the runs labelled in `train`, for every seed) -> the study's recipe labels, the runs
+    ({label: {seed (str): run}}) and their summary (`training_summary`: spreads, paired differences)."""
     import mxattn.integrations.transformers as mx_hf
     tg = rs.load_train_gpt()
     data_bytes = tg.load_stdlib_bytes(size["data_bytes"])
     split = int(0.9 * data_bytes.numel())
     data = (data_bytes[:split], data_bytes[split:])
     recipes = rs.study_recipes(only)
-    names = {label: mx_hf.register(f"mxfp8study{i}", backend=backend, recipe=r)
-             for i, (label, r) in enumerate(recipes)}
     labels = [SDPA] + [label for label, _ in recipes]
+    names = {label: mx_hf.register(f"mxfp8study{i}", backend=backend, recipe=r)
+             for i, (label, r) in enumerate(recipes) if train is None or label in train}
     runs: Dict[str, Dict[int, dict]] = {}
     try:
         for seed in seeds:
             torch.manual_seed(seed)
             state = {k: v.clone() for k, v in build_llama(size, SDPA, torch.device("cpu")).state_dict().items()}
-            for label in labels:
+            for label in (label for label in labels if train is None or label in train):
                 res = train_one(size, steps, seed, names.get(label, SDPA), state, data, device)
                 runs.setdefault(label, {})[seed] = res
                 progress.step(f"train {label} seed {seed}: final {res['final']:.4f}, val {res['val']:.4f}, "
@@ -157,10 +165,10 @@ MERGE_FIELDS = ("device", "backend", "steps", "batch", "seq", "model", "recipes"
 
 def merge_results(shards: Sequence[Tuple[str, dict]], command: str) -> dict:
     """One study's result from its shards' ((path, result) each): the union of their runs, summarized over every
-    seed by `training_summary`; `rs.MergeError` for a (label, seed) in two shards or a field of MERGE_FIELDS
-    that differs."""
+    seed by `training_summary`; `rs.MergeError` for a (label, seed) of the study in two shards or in none, or a
+    field of MERGE_FIELDS that differs."""
     rs.check_same(shards, MERGE_FIELDS)
-    runs = rs.merge_runs([(path, r["runs"]) for path, r in shards])
+    runs = rs.merge_runs([(path, r["runs"]) for path, r in shards], [SDPA] + shards[0][1]["recipes"])
     result = rs.merged_header(shards, command, ("torch", "transformers", "commit"))
     result.update({name: shards[0][1].get(name) for name in MERGE_FIELDS})
     result.update(seeds=rs.run_seeds(runs), runs=runs, summary=training_summary(runs))
@@ -197,19 +205,20 @@ def render_markdown(result: dict) -> str:
     """The result as a markdown table."""
     s = result["summary"]
     lines = [f"# MXFP8 attention recipes: training transformers' Llama ({result['device']})", "",
-             f"`{result['command']}`; torch {result['torch']}, transformers {result['transformers']}, backend "
+             (f"`{result['command']}`; torch {result['torch']}, transformers {result['transformers']}, backend "
              f"{result['backend']}, commit {result['commit']}, {result['date']}. Model: {result['model']}; "
              f"{result['steps']} steps of batch {result['batch']} x {result['seq']} bytes, seeds {result['seeds']}. "
              + _merged_from(result) +
              "Losses: mean [min, max] over seeds; differences paired by seed (same weights, same batches). "
-             "Seconds per run: the optimizer steps' time; tokens/s: batch x seq x steps over it; means over seeds.",
+             "Seconds per run: the optimizer steps' time; tokens/s: batch x seq x steps over it; means over seeds. "
+             + rs.partial_runs_note(s, [SDPA] + result["recipes"], SDPA)).rstrip(),
              "",
              "| attention | final train loss | validation loss | final - SDPA | final - default | val - SDPA | "
              "seconds per run | tokens/s |", "|---|---|---|---|---|---|---|---|"]
     for label, row in s.items():
         lines.append(f"| {label} | {rs._span(row['final'])} | {rs._span(row['val'])} | "
-                     f"{rs._signed(row['final_minus_sdpa'])} | {rs._signed(row['final_minus_default'])} | "
-                     f"{rs._signed(row['val_minus_sdpa'])} | {row['seconds']['mean']:.1f} | "
+                     f"{rs._signed(row.get('final_minus_sdpa'))} | {rs._signed(row.get('final_minus_default'))} | "
+                     f"{rs._signed(row.get('val_minus_sdpa'))} | {row['seconds']['mean']:.1f} | "
                      f"{row['tokens_per_s']['mean']:.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -227,11 +236,14 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out-dir", default=None, help="default benchmarks/results/<device>/recipe_study/")
     p.add_argument("--recipes", default=None,
-                   help="comma-separated recipe labels to run besides the default (default: every recipe)")
+                   help="comma-separated recipe labels to run besides the default (default: every recipe): the "
+                        "study's recipe set, which its shards share")
+    rs.add_runs_option(p, SDPA)
     rs.add_merge_option(p, "recipe_study_hf.json", "no part but the training")
     args = p.parse_args(argv)
     rs.refuse_options_with_merge(p, args, argv)
     args.recipe_labels = rs.parse_recipe_labels(args.recipes, p.error)
+    args.run_labels = rs.parse_run_labels(args.runs, SDPA, args.recipe_labels, p.error)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
     if args.steps is not None and args.steps < 1:
@@ -251,7 +263,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     size = SIZES[args.size]
     steps = args.steps if args.steps is not None else size["steps"]
     seeds = list(range(args.seed, args.seed + args.seeds))
-    progress = rs.Progress(len(seeds) * (1 + len(rs.study_recipes(args.recipe_labels))))
+    progress = rs.Progress(len(seeds) * len(args.run_labels))
     import transformers
     result = dict(command=rs.command_line(argv, __file__), device=rs.device_name(device),
                   torch=torch.__version__, transformers=transformers.__version__, backend=args.backend,
@@ -260,7 +272,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                   model="LlamaForCausalLM " + ", ".join(f"{k}={v}" for k, v in size["model"].items()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)   # backend="auto" notes
-        result.update(run(size, steps, seeds, device, args.backend, progress, args.recipe_labels))
+        result.update(run(size, steps, seeds, device, args.backend, progress, args.recipe_labels, args.run_labels))
     write_outputs(result, args.out_dir)
     return result
 

@@ -2,7 +2,7 @@
 of other seeds merged by --merge give the study a single run over all their seeds gives (the summary recomputed
 over every seed, checked here against an independent computation), with tokens/s per run; shards that do not make
 one study are refused with a message naming the field or run and both files. benchmarks/recipe_study_gpu.sh, which
-runs the shards on every GPU, is checked for its syntax only (it needs GPUs)."""
+runs the shards on every GPU, is checked for its syntax here (test_recipe_study_runs.py runs it on pretend GPUs)."""
 
 import contextlib
 import importlib.util
