@@ -356,6 +356,15 @@ def tokens_per_second(batch: int, seq: int, steps: int, seconds: float) -> float
     return batch * seq * steps / seconds if seconds > 0 else float("inf")
 
 
+def with_tokens_per_s(runs: Dict[str, Dict[str, dict]], batch: int, seq: int, steps: int) -> Dict[str, Dict[str, dict]]:
+    """runs ({label: {seed (str): run}}) with "tokens_per_s" filled in from "seconds" where a run lacks it (JSON
+    files written before the studies recorded tokens/s), so that old shards merge with new ones."""
+    return {label: {seed: run if "tokens_per_s" in run
+                    else dict(run, tokens_per_s=tokens_per_second(batch, seq, steps, run["seconds"]))
+                    for seed, run in by_seed.items()}
+            for label, by_seed in runs.items()}
+
+
 def run_seeds(runs: Dict[str, Dict[str, dict]]) -> List[int]:
     """The seeds of `runs` ({label: {seed (str): run}}), sorted; ValueError unless every label ran the same."""
     by_label = {label: sorted(int(s) for s in by_seed) for label, by_seed in runs.items()}
@@ -727,8 +736,10 @@ def merge_results(shards: Sequence[Tuple[str, dict]], command: str) -> dict:
             result[part] = shard[part]
             result["seconds"][part], result["part_seeds"][part] = shard["seconds"][part], shard["seeds"]
     if training:
-        result["training"] = training_result(training[0][1]["config"], merge_runs(
-            [(path, t["runs"]) for path, t in training], [BF16] + list(first["recipes"])))
+        cfg = training[0][1]["config"]
+        result["training"] = training_result(cfg, merge_runs(
+            [(path, with_tokens_per_s(t["runs"], cfg["batch"], cfg["seq"], cfg["steps"])) for path, t in training],
+            [BF16] + list(first["recipes"])))
         result["seconds"]["training"] = sum(r["seconds"]["training"] for _, r in shards if "training" in r)
         result["part_seeds"]["training"] = result["training"]["seeds"]
     return result

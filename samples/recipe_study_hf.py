@@ -168,7 +168,8 @@ def merge_results(shards: Sequence[Tuple[str, dict]], command: str) -> dict:
     seed by `training_summary`; `rs.MergeError` for a (label, seed) of the study in two shards or in none, or a
     field of MERGE_FIELDS that differs."""
     rs.check_same(shards, MERGE_FIELDS)
-    runs = rs.merge_runs([(path, r["runs"]) for path, r in shards], [SDPA] + shards[0][1]["recipes"])
+    runs = rs.merge_runs([(path, rs.with_tokens_per_s(r["runs"], r["batch"], r["seq"], r["steps"]))
+                          for path, r in shards], [SDPA] + shards[0][1]["recipes"])
     result = rs.merged_header(shards, command, ("torch", "transformers", "commit"))
     result.update({name: shards[0][1].get(name) for name in MERGE_FIELDS})
     result.update(seeds=rs.run_seeds(runs), runs=runs, summary=training_summary(runs))

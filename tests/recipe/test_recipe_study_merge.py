@@ -185,6 +185,31 @@ def test_gpt_merge_refuses_a_run_or_a_part_in_two_shards_and_other_steps(gpt, tm
     assert not (tmp_path / "merged").exists()
 
 
+def _without_tokens_per_s(path: str, out_path) -> str:
+    """A copy of the shard at `path` as the studies wrote it before they recorded tokens/s (its runs lack the
+    field, the summary too); returns its path."""
+    shard = json.loads(open(path).read())
+    runs = shard["training"]["runs"] if "training" in shard else shard["runs"]
+    for by_seed in runs.values():
+        for run in by_seed.values():
+            del run["tokens_per_s"]
+    for row in (shard["training"] if "training" in shard else shard)["summary"].values():
+        row.pop("tokens_per_s")
+    out_path.write_text(json.dumps(shard))
+    return str(out_path)
+
+
+def test_gpt_merge_takes_a_shard_written_before_tokens_per_s(gpt, tmp_path):
+    """A shard of an older study (no tokens/s in its runs) merges with a new one: tokens/s computed from its
+    seconds, the losses unchanged."""
+    old = _without_tokens_per_s(gpt["seed1"]["paths"]["json"], tmp_path / "old_seed1.json")
+    merged = _quiet(rs.main, ["--merge", gpt["parts12"]["paths"]["json"], old, gpt["seed0"]["paths"]["json"],
+                              "--out-dir", str(tmp_path / "merged")])["training"]
+    cfg = merged["config"]
+    _check_throughput(merged["runs"], cfg["batch"], cfg["seq"], cfg["steps"])
+    assert merged["summary"] == gpt["merged"]["training"]["summary"]
+
+
 def test_merge_runs_nothing_else(tmp_path):
     for argv in (["--merge", "a.json", "--steps", "3"], ["--merge", "a.json", "--size", "cpu"],
                  ["--merge", "a.json", "--skip-errors"]):
@@ -249,6 +274,15 @@ def test_hf_merge_refuses_a_run_in_two_shards_and_other_steps(hf, tmp_path):
     with pytest.raises(SystemExit), contextlib.redirect_stderr(err):
         module.parse_args(["--merge", seed0, "--seed", "2"])
     assert "--merge runs nothing" in err.getvalue()
+
+
+def test_hf_merge_takes_a_shard_written_before_tokens_per_s(hf, tmp_path):
+    module, out, root = hf
+    old = _without_tokens_per_s(str(root / "seed0" / "recipe_study_hf.json"), tmp_path / "old_seed0.json")
+    merged = _quiet(module.main, ["--merge", str(root / "seed1" / "recipe_study_hf.json"), old, "--out-dir",
+                                  str(tmp_path / "merged")])
+    _check_throughput(merged["runs"], merged["batch"], merged["seq"], merged["steps"])
+    assert merged["summary"] == json.loads((root / "merged" / "recipe_study_hf.json").read_text())["summary"]
 
 
 # ------------------------------------------------------------------------------------------ the GPU script
