@@ -6,7 +6,10 @@ the graph build and `graph.execute` stubbed (no cuDNN call) and counts the aten 
 torch's dispatcher (a TorchDispatchMode), and does the same for the `triton` backend with its
 Triton launches stubbed (`cpu_host_harness.install_stubs`), which issue no aten operation besides allocations.
 
-    python benchmarks/cudnn_host_ops.py
+--profile: then cProfile of 500 forward+backward calls of the cudnn backend (fused quantizer), each function's own
+time (or the cumulative time with --cumulative), after the table.
+
+    python benchmarks/cudnn_host_ops.py [--profile [--cumulative]]
 """
 import sys
 import warnings
@@ -102,6 +105,23 @@ def main():
         extra = graphs["cudnn" if label.startswith("cudnn") else "triton"]
         print(f"{label:32s} {kernels:3d} Triton launches{extra} + {ops:4d} aten launches, host {us:7.0f} us")
     print(f"host time ratio cudnn (fused quantizer) / triton: {rows[2][3] / rows[0][3]:.2f}")
+    if "--profile" in sys.argv:
+        profile_cudnn(q, k, v)
+
+
+def profile_cudnn(q, k, v, calls: int = 500) -> None:
+    """cProfile of `calls` forward+backward calls of the cudnn backend with the fused quantizer (caches warm)."""
+    import cProfile
+    cb._quantizer_for = lambda x: tq.quantize_rowcol
+    do = torch.ones_like(q)
+
+    def fwd_bwd():
+        mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="cudnn").backward(do)
+
+    for _ in range(20):
+        fwd_bwd()
+    sort = "cumulative" if "--cumulative" in sys.argv else "tottime"
+    cProfile.runctx(f"for _ in range({calls}): fwd_bwd()", globals(), {"fwd_bwd": fwd_bwd}, sort=sort)
 
 
 if __name__ == "__main__":
