@@ -9,8 +9,11 @@ Triton launches stubbed (`cpu_host_harness.install_stubs`), which issue no aten 
 --profile: then cProfile of 500 forward+backward calls of the cudnn backend (fused quantizer), each function's own
 time (or the cumulative time with --cumulative), after the table.
 
-    python benchmarks/cudnn_host_ops.py [--profile [--cumulative]]
+--rounds N: interleaved timing rounds (default 15).
+
+    python benchmarks/cudnn_host_ops.py [--rounds N] [--profile [--cumulative]]
 """
+import statistics
 import sys
 import warnings
 from collections import Counter
@@ -77,34 +80,62 @@ def count(backend: str, q, k, v) -> int:
     return counter.launches()
 
 
+#: (label, backend, fused quantizer) of the rows; on a GPU the cudnn backend quantizes with the fused Triton kernel
+#: (CUDA tensors, Triton importable)
+ROWS = (("triton", "triton", None), ("cudnn, torch-op quantizer", "cudnn", False),
+        ("cudnn, fused Triton quantizer", "cudnn", True))
+
+
+def use_quantizer(fused) -> None:
+    cb._quantizer_for = (lambda x: tq.quantize_rowcol) if fused else (lambda x: None)
+
+
+def interleaved_us(q, k, v, rounds: int, n: int = 40) -> dict:
+    """label -> per-round median host times (us) of a forward+backward, the rows timed one after another in
+    each round (the torch-op quantizer's row, 15x slower, in the first round only), so that a load shared by
+    the CPU touches every row alike."""
+    do = torch.ones_like(q)
+    out = {label: [] for label, _, _ in ROWS}
+    for r in range(rounds):
+        for label, backend, fused in ROWS:
+            if fused is False and r:
+                continue
+            use_quantizer(fused)
+            out[label].append(cpu_host_harness.per_call_us(
+                lambda: mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend=backend).backward(do),
+                n=n))
+    return out
+
+
+def _spread(xs) -> str:
+    return f"{statistics.median(xs):7.0f} us [{min(xs):.0f}-{max(xs):.0f}]" if len(xs) > 1 else f"{xs[0]:7.0f} us"
+
+
 def main():
     warnings.simplefilter("ignore")
     launches = Counter()
     cpu_host_harness.install_stubs(launches)
     stub_cudnn()
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 15
     q, k, v = (torch.randn(1, 128, 8, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    print("one forward+backward of B1 S128 H8 D64 causal, bf16 (Triton kernels and cuDNN graph execution "
-          "stubbed, CPU tensors; host time = median wall time per call on this CPU)")
-    rows = []
-    for label, backend, fused in (("triton", "triton", None), ("cudnn, torch-op quantizer", "cudnn", False),
-                                  ("cudnn, fused Triton quantizer", "cudnn", True)):
-        # on a GPU the cudnn backend quantizes with the fused Triton kernel (CUDA tensors, Triton importable)
-        cb._quantizer_for = (lambda x: tq.quantize_rowcol) if fused else (lambda x: None)
+    print(f"one forward+backward of B1 S128 H8 D64 causal, bf16 (Triton kernels and cuDNN graph execution "
+          f"stubbed, CPU tensors; host time = median wall time per call, median [range] over {rounds} interleaved "
+          "rounds of 40 calls on this CPU)")
+    counts = {}
+    for label, backend, fused in ROWS:
+        use_quantizer(fused)
         ops = count(backend, q, k, v)
         launches.clear()
         count(backend, q, k, v)
-        kernels = sum(launches.values()) // 2  # count() runs two forward+backward calls
-
-        def fwd_bwd():
-            mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend=backend).backward(torch.ones_like(q))
-
-        us = cpu_host_harness.per_call_us(fwd_bwd, n=100)
-        rows.append((label, kernels, ops, us))
-    graphs = {"triton": "", "cudnn": " + 2 graph executions"}
-    for label, kernels, ops, us in rows:
-        extra = graphs["cudnn" if label.startswith("cudnn") else "triton"]
-        print(f"{label:32s} {kernels:3d} Triton launches{extra} + {ops:4d} aten launches, host {us:7.0f} us")
-    print(f"host time ratio cudnn (fused quantizer) / triton: {rows[2][3] / rows[0][3]:.2f}")
+        counts[label] = (sum(launches.values()) // 2, ops)  # count() runs two forward+backward calls
+    times = interleaved_us(q, k, v, rounds)
+    for label, _, _ in ROWS:
+        kernels, ops = counts[label]
+        extra = " + 2 graph executions" if label.startswith("cudnn") else ""
+        print(f"{label:32s} {kernels:3d} Triton launches{extra} + {ops:4d} aten launches, host {_spread(times[label])}")
+    ratios = [c / t for c, t in zip(times[ROWS[2][0]], times[ROWS[0][0]])]
+    print(f"host time ratio cudnn (fused quantizer) / triton: {statistics.median(ratios):.2f} "
+          f"[{min(ratios):.2f}-{max(ratios):.2f}] (per round)")
     if "--profile" in sys.argv:
         profile_cudnn(q, k, v)
 
@@ -112,7 +143,7 @@ def main():
 def profile_cudnn(q, k, v, calls: int = 500) -> None:
     """cProfile of `calls` forward+backward calls of the cudnn backend with the fused quantizer (caches warm)."""
     import cProfile
-    cb._quantizer_for = lambda x: tq.quantize_rowcol
+    use_quantizer(True)
     do = torch.ones_like(q)
 
     def fwd_bwd():
