@@ -59,3 +59,23 @@ def record_launches(monkeypatch, request, keep_kwargs: bool = False, keep_args: 
     for module in (tq, tf, tb, tp):
         monkeypatch.setattr(module, "launch", record)
     return launched
+
+
+def stub_compiled_launches(monkeypatch, kernel_for) -> None:
+    """`mxattn.kernels.triton_launch` on the CPU: Triton's dispatcher replaced by kernel_for(fn) (a stand-in
+    with the compiled kernel's run(g0, g1, g2, stream, function, metadata, h0, h1, h2, *args)), which is run
+    once, as the dispatcher would, and then cached and launched directly as a compiled kernel (launch plans
+    record and replay it); device and stream 0, fresh launch caches."""
+    from mxattn.kernels import triton_launch
+
+    def first_launch(fn, grid, args, kwargs):
+        kernel = kernel_for(fn)
+        tail = [kwargs[n] for n in fn.arg_names[len(args):]]
+        kernel.run(*(tuple(grid) + (1,) * (3 - len(grid))), None, None, None, None, None, None, *args, *tail)
+        return kernel
+
+    monkeypatch.setattr(triton_launch, "FAST_PATH", True)
+    monkeypatch.setattr(triton_launch, "first_launch", first_launch)
+    monkeypatch.setattr(triton_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(triton_launch, "current_stream", lambda device: 0)
+    monkeypatch.setattr(triton_launch, "_CACHES", {})

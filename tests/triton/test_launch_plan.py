@@ -28,20 +28,9 @@ class _Kernel:
 @pytest.fixture
 def launcher(monkeypatch):
     """triton_launch with its dispatcher and launcher stubbed; returns (launch log, kernel factory)."""
-    from mxattn.kernels import triton_launch
+    from triton_helpers import stub_compiled_launches
     log, kernels = [], {}
-
-    def first_launch(fn, grid, args, kwargs):
-        kernel = kernels.setdefault(fn.__name__, _Kernel(fn.__name__, log))
-        tail = [kwargs[n] for n in fn.arg_names[len(args):]]
-        kernel.run(*(tuple(grid) + (1,) * (3 - len(grid))), None, None, None, None, None, None, *args, *tail)
-        return kernel
-
-    monkeypatch.setattr(triton_launch, "FAST_PATH", True)
-    monkeypatch.setattr(triton_launch, "first_launch", first_launch)
-    monkeypatch.setattr(triton_launch, "current_device", lambda: 0)
-    monkeypatch.setattr(triton_launch, "current_stream", lambda device: 0)
-    monkeypatch.setattr(triton_launch, "_CACHES", {})
+    stub_compiled_launches(monkeypatch, lambda fn: kernels.setdefault(fn.__name__, _Kernel(fn.__name__, log)))
     return log
 
 

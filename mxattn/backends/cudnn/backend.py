@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ...devices import device_guard
 from ...errors import MXFP8NotSupportedError
 from ...formats import MXFP8Tensor, quantize_mxfp8
+from ...kernels.launch_plan import PlanCache, plan_key
 from ...formats import _is_non_overlapping_and_dense as _is_dense
 from ...recipe import Recipe
 from ...seqinfo import SeqInfo
@@ -92,19 +93,49 @@ def quantize_operand(x: torch.Tensor, seq: Optional[SeqInfo], which: str
     blocks of 32 along D and along S, each carrying the F8_128x4 scale tensor the cuDNN graph reads
     (`scale_f8_128x4`). seq: a padded batch (rows past each length of side `which`, "q" or "kv", quantize as
     zeros: the reference backend's rule) or None. On CUDA with Triton one fused launch writes the data, the
-    compact scales and the graph's scale bytes; otherwise torch ops (mxattn.formats) make the same bytes."""
-    quantize = _quantizer_for(x)
+    compact scales and the graph's scale bytes (`quantize_operands`); otherwise torch ops (mxattn.formats) make
+    the same bytes."""
+    return quantize_operands((x,), seq, (which,))[0]
+
+
+def quantize_operands(xs: Tuple[torch.Tensor, ...], seq: Optional[SeqInfo], sides: Tuple[str, ...]
+                      ) -> List[Tuple[MXFP8Tensor, MXFP8Tensor]]:
+    """`quantize_operand` of each x in xs (on the length side of the same index in `sides`). With the fused
+    quantizer the calls' host path (checks, output allocations, launch arguments) is recorded once per
+    signature and replayed with the new tensors' addresses (`_QUANT_PLANS`): the same launches on the same
+    bytes, each output freshly allocated as the quantizer allocates it."""
+    quantize = _quantizer_for(xs[0])
     if quantize is None:
-        if seq is not None:
-            x = _zero_padding(x, seq, which)
-        row, col = quantize_mxfp8(x, axis=-1), quantize_mxfp8(x, axis=-2)
-        row.scale_f8_128x4, col.scale_f8_128x4 = row_scale_buffer(row.scale), col_scale_bytes(col.scale)
-        return row, col
-    cu = None if seq is None else seq.cu_seqlens(which)
-    with device_guard(x.device):
-        out = quantize(x, swizzle=True, cu_seqlens=cu)
-    return (MXFP8Tensor.unchecked(out.row.data, out.row.scale, 3, None, out.row_swizzled),
-            MXFP8Tensor.unchecked(out.col.data, out.col.scale, 2, None, out.col_swizzled))
+        return [_quantize_torch(x, seq, which) for x, which in zip(xs, sides)]
+    cus = tuple(None if seq is None else seq.cu_seqlens(which) for which in sides)
+
+    def body():
+        flat = []
+        for x, cu in zip(xs, cus):
+            out = quantize(x, swizzle=True, cu_seqlens=cu)
+            flat += [out.row.data, out.row.scale, out.row_swizzled, out.col.data, out.col.scale, out.col_swizzled]
+        return flat
+
+    roots = xs + cus  # (the key tells a lengths tensor passed twice from two equal ones: `alias_key`)
+    key = plan_key(("cudnn quantize", quantize), roots)
+    with device_guard(xs[0].device):
+        flat = _QUANT_PLANS.run(key, body, roots)
+    return [(MXFP8Tensor.unchecked(flat[i], flat[i + 1], 3, None, flat[i + 2]),
+             MXFP8Tensor.unchecked(flat[i + 3], flat[i + 4], 2, None, flat[i + 5])) for i in range(0, len(flat), 6)]
+
+
+#: launch plans of the fused quantizer's calls, by signature (`quantize_operands`); a family whose sizes change
+#: at every call stops recording (`PlanCache`'s rule)
+_QUANT_PLANS = PlanCache(max_entries=256, min_replays=16)
+
+
+def _quantize_torch(x: torch.Tensor, seq: Optional[SeqInfo], which: str) -> Tuple[MXFP8Tensor, MXFP8Tensor]:
+    """`quantize_operand` with torch ops (mxattn.formats), where the fused quantizer does not run."""
+    if seq is not None:
+        x = _zero_padding(x, seq, which)
+    row, col = quantize_mxfp8(x, axis=-1), quantize_mxfp8(x, axis=-2)
+    row.scale_f8_128x4, col.scale_f8_128x4 = row_scale_buffer(row.scale), col_scale_bytes(col.scale)
+    return row, col
 
 
 @dataclasses.dataclass
@@ -210,9 +241,7 @@ class CudnnBackend(AttentionBackend):
             v_row = quantize_mxfp8(v, axis=-1)
         else:
             q, k, v = _graph_layout(q), _graph_layout(k), _graph_layout(v)
-            q_row, q_col = quantize_operand(q, seq, "q")
-            k_row, k_col = quantize_operand(k, seq, "kv")
-            v_row, v_col = quantize_operand(v, seq, "kv")
+            (q_row, q_col), (k_row, k_col), (v_row, v_col) = quantize_operands((q, k, v), seq, ("q", "kv", "kv"))
         o, stats, _ = cudnn_forward(q_row, k_row, v_col, attn_scale=params.softmax_scale, mask=params.mask,
                                     out_dtype=params.out_dtype, seq=seq, sink=params.sink)
         saved = SavedWithScaleBuffers(q_row=q_row, q_col=q_col, k_row=k_row, k_col=k_col, v_row=v_row)
