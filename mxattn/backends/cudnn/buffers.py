@@ -18,14 +18,13 @@ Scale-factor layout (E8M0, `F8_128x4` reordering), as the cuDNN MXFP8 graph cons
 
 from __future__ import annotations
 
-import functools
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from ...constants import MX_BLOCK, SF_TILE
 from ...formats import MXFP8Tensor, swizzle_128x4
-from .config import (SCALE_DTYPE, BwdUid, FwdUid, GraphConfig, col_scale_dims, col_scale_stride,
+from .config import (SCALE_DTYPE, GraphConfig, SlotNames, col_scale_dims, col_scale_stride,
                      row_scale_dims)
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -174,31 +173,35 @@ def _slot_matches(cfg: GraphConfig, name: str, tensor: torch.Tensor, spec) -> bo
     return tuple(tensor.shape) == tuple(shape) and tensor.stride() == tuple(stride)
 
 
-@functools.lru_cache(maxsize=256)
-def _slot_names(uids, slots: Tuple[int, ...]) -> Dict[int, str]:
-    """uid -> lower-case slot name of the graph slots `slots` (uids of enum `uids`); cached: it runs per call."""
-    return {uid: uids(uid).name.lower() for uid in slots}
+def _pack(cfg: GraphConfig, specs, slots: SlotNames, named: Dict[str, Optional[torch.Tensor]], check: bool
+          ) -> Dict[int, torch.Tensor]:
+    """uid -> tensor of `named` for the graph of `specs` / `slots`; ValueError for a missing or extra slot, and
+    with `check` for a tensor whose geometry differs from its slot's."""
+    if {n for n, t in named.items() if t is not None} != slots.names:
+        _refuse_slots(cfg, slots, named)
+    if check:
+        for uid, name in slots.pairs:
+            _check_slot(cfg, name, named[name], specs[uid])
+    return {uid: named[name] for uid, name in slots.pairs}
 
 
-def _pack(cfg: GraphConfig, specs, named: Dict[str, torch.Tensor], uids, check: bool) -> Dict[int, torch.Tensor]:
-    names = _slot_names(uids, tuple(specs))
-    missing = [n for n in names.values() if named.get(n) is None]
+def _refuse_slots(cfg: GraphConfig, slots: SlotNames, named: Dict[str, Optional[torch.Tensor]]) -> None:
+    """ValueError naming the slots of `slots` that `named` lacks, else those it has beyond them."""
+    missing = [n for _, n in slots.pairs if named.get(n) is None]
     if missing:
         raise ValueError(f"this graph ({cfg.describe()}) needs {', '.join(missing)}")
-    extra = sorted(set(n for n, t in named.items() if t is not None) - set(names.values()))
-    if extra:
-        raise ValueError(f"this graph ({cfg.describe()}) has no slot for {', '.join(extra)}")
-    pack = {}
-    for uid, spec in specs.items():
-        name, tensor = names[uid], named[names[uid]]
-        if check and not _slot_matches(cfg, name, tensor, spec):
-            shape, stride, dtype = spec
-            what = (f"[1, {shape[1]}, T, {shape[3]}] {dtype} with strides (*, {', '.join(map(str, stride[1:]))})"
-                    if cfg.packed_layout and name in _TOKEN_SLOTS else f"{tuple(shape)} {dtype} with strides {stride}")
-            raise ValueError(f"{name} must be {what} for this graph, got {tuple(tensor.shape)} {tensor.dtype} "
-                             f"strides {tensor.stride()}")
-        pack[uid] = tensor
-    return pack
+    extra = sorted(set(n for n, t in named.items() if t is not None) - slots.names)
+    raise ValueError(f"this graph ({cfg.describe()}) has no slot for {', '.join(extra)}")
+
+
+def _check_slot(cfg: GraphConfig, name: str, tensor: torch.Tensor, spec) -> None:
+    """ValueError unless `tensor` has the geometry and dtype of slot `name` (`spec`) of cfg's graph."""
+    if not _slot_matches(cfg, name, tensor, spec):
+        shape, stride, dtype = spec
+        what = (f"[1, {shape[1]}, T, {shape[3]}] {dtype} with strides (*, {', '.join(map(str, stride[1:]))})"
+                if cfg.packed_layout and name in _TOKEN_SLOTS else f"{tuple(shape)} {dtype} with strides {stride}")
+        raise ValueError(f"{name} must be {what} for this graph, got {tuple(tensor.shape)} {tensor.dtype} "
+                         f"strides {tensor.stride()}")
 
 
 def forward_pack(cfg: GraphConfig, *, q, sf_q, k, sf_k, v, sf_v, o, stats, amax_o, sink=None, check: bool = True,
@@ -213,7 +216,7 @@ def forward_pack(cfg: GraphConfig, *, q, sf_q, k, sf_k, v, sf_v, o, stats, amax_
     backend, where the cache key pins every argument's geometry)."""
     named = dict(q=q, k=k, v=v, sf_q=sf_q, sf_k=sf_k, sf_v=sf_v, o=o, stats=stats, amax_o=amax_o, sink=sink,
                  **varlen)
-    return _pack(cfg, cfg.forward_specs, named, FwdUid, check)
+    return _pack(cfg, cfg.forward_specs, cfg.forward_slots, named, check)
 
 
 def backward_pack(cfg: GraphConfig, *, q, q_t, k, k_t, v, o, do_f16, do, do_t, stats, sf_q, sf_q_t, sf_k, sf_k_t,
@@ -224,7 +227,7 @@ def backward_pack(cfg: GraphConfig, *, q, q_t, k, k_t, v, o, do_f16, do, do_t, s
     named = dict(q=q, q_t=q_t, k=k, k_t=k_t, v=v, o=o, do_f16=do_f16, do=do, do_t=do_t, stats=stats, sf_q=sf_q,
                  sf_q_t=sf_q_t, sf_k=sf_k, sf_k_t=sf_k_t, sf_v=sf_v, sf_do=sf_do, sf_do_t=sf_do_t, dq=dq, dk=dk,
                  dv=dv, amax_dq=amax_dq, amax_dk=amax_dk, amax_dv=amax_dv, sink=sink, dsink=dsink, **varlen)
-    return _pack(cfg, cfg.backward_specs, named, BwdUid, check)
+    return _pack(cfg, cfg.backward_specs, cfg.backward_slots, named, check)
 
 
 def sink_operand(sink: Optional[torch.Tensor], h_q: int, device: torch.device) -> Optional[torch.Tensor]:

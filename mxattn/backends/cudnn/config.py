@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -420,6 +420,28 @@ class GraphConfig:
         specs.update(self._varlen_specs(BwdUid))
         specs.update(self._sink_specs(BwdUid, "backward"))
         return _plain_keys(dict(sorted(specs.items())))
+
+    @cached_property
+    def forward_slots(self) -> SlotNames:
+        """The forward graph's slots by name (`forward_specs`' uids; computed once per config)."""
+        return SlotNames.of(FwdUid, self.forward_specs)
+
+    @cached_property
+    def backward_slots(self) -> SlotNames:
+        """The backward graph's slots by name (`backward_specs`' uids; computed once per config)."""
+        return SlotNames.of(BwdUid, self.backward_specs)
+
+
+class SlotNames(NamedTuple):
+    """A graph's variant-pack slots by name: (uid, lower-case uid name) in the specs' order, and the names."""
+
+    pairs: Tuple[Tuple[int, str], ...]
+    names: frozenset
+
+    @classmethod
+    def of(cls, uids, specs: dict) -> "SlotNames":
+        pairs = tuple((uid, uids(uid).name.lower()) for uid in specs)
+        return cls(pairs, frozenset(name for _, name in pairs))
 
 
 def _plain_keys(specs: dict) -> dict:
