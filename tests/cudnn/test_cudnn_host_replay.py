@@ -155,12 +155,15 @@ def _same_pack(got, want, layouts_may_differ=False) -> None:
 def test_replayed_quantizer_sends_the_unoptimised_bytes(kind, fused_on_cpu, monkeypatch):
     """Calls 1 (plain), 2 (recorded) and 3-4 (replayed) send cuDNN the bytes and slot geometry of the fused
     quantizer without launch plans, and the bytes of the torch-op quantizer; the backward reads the forward's
-    scale memory; each replay launches the kernel once per operand (Q, K, V; dO)."""
+    scale memory; each replay launches the kernel once per operand (Q, K, V; dO) and allocates the copies that
+    outlive the call one by one, those that do not (V's column-wise, dO's) as one block."""
     packs, log = fused_on_cpu
     q, k, v, do, kw = _inputs(kind)
     calls = [_call(q, k, v, do, kw, packs) for _ in range(4)]
     plans = [p for p in cb._QUANT_PLANS._plans.values() if isinstance(p, launch_plan.LaunchPlan)]
     assert [p.launch_count for p in plans] == [3, 1]                # Q, K, V in the forward; dO in the backward
+    # V's column-wise copy (3 tensors) and dO's copies (6) carved from one allocation each
+    assert [p.allocations_per_replay for p in plans] == [15 + 1, 1]
     assert len(log) == 4 * 4
     with monkeypatch.context() as m:
         m.setattr(cb._QUANT_PLANS, "run", lambda key, body, roots: body())
