@@ -203,3 +203,26 @@ def test_new_signatures_are_checked_and_recorded_on_their_own(fused_on_cpu):
         with pytest.raises(type(plain.value)) as replayed:
             cb.quantize_operands((bad,), None, ("q",))
         assert str(replayed.value) == str(plain.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "padded", "gqa"])
+def test_replayed_fused_quantizer_on_the_gpu_sends_the_torch_path_bytes(kind, captured_packs, monkeypatch):
+    """On a CUDA GPU (any: the graphs are neither planned nor executed), the real fused quantizer: calls 1
+    (plain), 2 (recorded) and 3-4 (replayed by launch plans) send cuDNN the bytes of the torch-op quantizer in
+    every input slot, and the same slot geometry as the first call."""
+    if cb._fused_quantizer() is None:
+        pytest.skip("Triton cannot be imported here")
+    monkeypatch.setattr(cb, "_QUANT_PLANS", launch_plan.PlanCache(min_replays=16))
+    q, k, v, do, kw = (x.cuda() if isinstance(x, torch.Tensor) else x for x in _inputs(kind))
+    kw = {n: x.cuda() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+    calls = [_call(q, k, v, do, kw, captured_packs) for _ in range(4)]
+    assert sum(isinstance(p, launch_plan.LaunchPlan) for p in cb._QUANT_PLANS._plans.values()) == 2
+    with monkeypatch.context() as m:
+        m.setattr(cb, "_quantizer_for", lambda x: None)
+        torch_ops = _call(q, k, v, do, kw, captured_packs)
+    for fwd, bwd in calls:
+        _same_pack(fwd, calls[0][0])
+        _same_pack(bwd, calls[0][1])
+        _same_pack(fwd, torch_ops[0], layouts_may_differ=kind == "padded")
+        _same_pack(bwd, torch_ops[1], layouts_may_differ=kind == "padded")
