@@ -91,19 +91,23 @@ def use_quantizer(fused) -> None:
 
 
 def interleaved_us(q, k, v, rounds: int, n: int = 40) -> dict:
-    """label -> per-round median host times (us) of a forward+backward, the rows timed one after another in
-    each round (the torch-op quantizer's row, 15x slower, in the first round only), so that a load shared by
-    the CPU touches every row alike."""
+    """(label, "fwd+bwd" or "fwd") -> per-round median host times (us) of a forward+backward, and of a forward
+    alone (with grad: what the backward needs is kept, then dropped), the rows timed one after another in each
+    round (the torch-op quantizer's row, 15x slower, in the first round only), so that a load shared by the CPU
+    touches every row alike."""
     do = torch.ones_like(q)
-    out = {label: [] for label, _, _ in ROWS}
+    out = {(label, part): [] for label, _, _ in ROWS for part in ("fwd+bwd", "fwd")}
     for r in range(rounds):
         for label, backend, fused in ROWS:
             if fused is False and r:
                 continue
             use_quantizer(fused)
-            out[label].append(cpu_host_harness.per_call_us(
-                lambda: mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend=backend).backward(do),
-                n=n))
+
+            def fwd(backend=backend):
+                return mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend=backend)
+
+            out[label, "fwd+bwd"].append(cpu_host_harness.per_call_us(lambda: fwd().backward(do), n=n))
+            out[label, "fwd"].append(cpu_host_harness.per_call_us(fwd, n=n))
     return out
 
 
@@ -132,10 +136,12 @@ def main():
     for label, _, _ in ROWS:
         kernels, ops = counts[label]
         extra = " + 2 graph executions" if label.startswith("cudnn") else ""
-        print(f"{label:32s} {kernels:3d} Triton launches{extra} + {ops:4d} aten launches, host {_spread(times[label])}")
-    ratios = [c / t for c, t in zip(times[ROWS[2][0]], times[ROWS[0][0]])]
-    print(f"host time ratio cudnn (fused quantizer) / triton: {statistics.median(ratios):.2f} "
-          f"[{min(ratios):.2f}-{max(ratios):.2f}] (per round)")
+        print(f"{label:32s} {kernels:3d} Triton launches{extra} + {ops:4d} aten launches, host "
+              f"{_spread(times[label, 'fwd+bwd'])}; forward alone {_spread(times[label, 'fwd'])}")
+    for part in ("fwd+bwd", "fwd"):
+        ratios = [c / t for c, t in zip(times[ROWS[2][0], part], times[ROWS[0][0], part])]
+        print(f"host time ratio cudnn (fused quantizer) / triton, {part:7s}: {statistics.median(ratios):.2f} "
+              f"[{min(ratios):.2f}-{max(ratios):.2f}] (per round)")
     if "--profile" in sys.argv:
         profile_cudnn(q, k, v)
 
