@@ -33,7 +33,7 @@ import torch
 from .backends import backend_class, get_backend
 from .devices import device_guard
 from .kernels.affine_plan import AffinePlanCache, roots_key
-from .kernels.launch_plan import PlanCache, plan_key
+from .kernels.launch_plan import PlanCache, allow_carving, plan_key
 from .op_args import BwdArgs, FwdArgs
 
 #: recordings of op bodies; a family must replay 16 times per recording to keep recording new sizes. For eager
@@ -64,8 +64,12 @@ def run_forward(args: FwdArgs, tag, body: Callable[[], List]) -> List:
 def run_forward_traced(args: FwdArgs, tag, body: Callable[[], List], carve: bool = False):
     """(`run_forward`'s list [o, stats, *saved], its trace: None, or what lets the backward of these very
     tensors find its plan without keying its 16 roots (`run_backward`'s after)). carve: the caller keeps the
-    outputs itself (the eager autograd path), so those after O may share one allocation."""
+    outputs itself (the eager autograd path), so those after O may share one allocation (a backend whose bodies
+    are not replayed may carve what it replays itself: `launch_plan.allow_carving`)."""
     if not replays(args.backend):
+        if carve:
+            with allow_carving():
+                return body(), None
         return body(), None
     roots = (args.q, args.k, args.v, args.sink, args.cu_seqlens_q, args.cu_seqlens_kv)
     key = plan_key(("fwd", tag, carve, args.softmax_scale, args.bottom_right, args.left_bound, args.right_bound,

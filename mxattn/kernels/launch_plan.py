@@ -25,6 +25,7 @@ alignment because workspace offsets are multiples of 256).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 from typing import List, Optional, Sequence, Tuple
@@ -275,6 +276,24 @@ def recording_active() -> bool:
     return getattr(_STATE, "active", False)
 
 
+def carving_allowed() -> bool:
+    """True inside `allow_carving` on this thread: whoever runs the body keeps its outputs itself, so plans
+    replayed within it may carve the outputs they make from one allocation (`record`'s carve_from)."""
+    return getattr(_STATE, "carve", False)
+
+
+@contextlib.contextmanager
+def allow_carving():
+    """Run a body (not itself replayed) whose outputs its caller keeps itself, such as the eager autograd path's
+    forward, whose saved copies are freed together: `carving_allowed()` is True within."""
+    before = carving_allowed()
+    _STATE.carve = True
+    try:
+        yield
+    finally:
+        _STATE.carve = before
+
+
 def record(body, roots: Sequence[Optional[torch.Tensor]], carve_from: Optional[int] = None):
     """Run body() (returning a flat list of tensors or None) once while recording -> (its outputs, LaunchPlan
     or None, reason). The outputs are body()'s own, computed normally; the plan is None (with the reason)
@@ -463,5 +482,5 @@ class PlanCache:
         self._families.clear()
 
 
-__all__ = ["LaunchPlan", "PlanCache", "record", "recording_active", "plan_key", "alias_key",
-           "RecordingRefused"]
+__all__ = ["LaunchPlan", "PlanCache", "record", "recording_active", "carving_allowed", "allow_carving", "plan_key",
+           "alias_key", "RecordingRefused"]

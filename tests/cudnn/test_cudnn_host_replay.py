@@ -155,15 +155,16 @@ def _same_pack(got, want, layouts_may_differ=False) -> None:
 def test_replayed_quantizer_sends_the_unoptimised_bytes(kind, fused_on_cpu, monkeypatch):
     """Calls 1 (plain), 2 (recorded) and 3-4 (replayed) send cuDNN the bytes and slot geometry of the fused
     quantizer without launch plans, and the bytes of the torch-op quantizer; the backward reads the forward's
-    scale memory; each replay launches the kernel once per operand (Q, K, V; dO) and allocates the copies that
-    outlive the call one by one, those that do not (V's column-wise, dO's) as one block."""
+    scale memory; each replay launches the kernel once per operand (Q, K, V; dO) and carves what the eager path
+    keeps for the backward, and dO's copies, from one allocation each."""
     packs, log = fused_on_cpu
     q, k, v, do, kw = _inputs(kind)
     calls = [_call(q, k, v, do, kw, packs) for _ in range(4)]
     plans = [p for p in cb._QUANT_PLANS._plans.values() if isinstance(p, launch_plan.LaunchPlan)]
     assert [p.launch_count for p in plans] == [3, 1]                # Q, K, V in the forward; dO in the backward
-    # V's column-wise copy (3 tensors) and dO's copies (6) carved from one allocation each
-    assert [p.allocations_per_replay for p in plans] == [15 + 1, 1]
+    # eager autograd: the forward's saved copies (15 tensors) carved from one allocation, V's column-wise copy
+    # (3) allocated one by one; dO's copies (6), used by one graph call, from one allocation
+    assert [p.allocations_per_replay for p in plans] == [3 + 1, 1]
     assert len(log) == 4 * 4
     with monkeypatch.context() as m:
         m.setattr(cb._QUANT_PLANS, "run", lambda key, body, roots: body())
@@ -226,3 +227,18 @@ def test_replayed_fused_quantizer_on_the_gpu_sends_the_torch_path_bytes(kind, ca
         _same_pack(bwd, calls[0][1])
         _same_pack(fwd, torch_ops[0], layouts_may_differ=kind == "padded")
         _same_pack(bwd, torch_ops[1], layouts_may_differ=kind == "padded")
+
+
+def test_outputs_a_custom_op_returns_are_never_carved(fused_on_cpu):
+    """Outside the eager autograd path (the backend called as the custom ops call it) a replay allocates each
+    saved copy on its own: a custom op's returns must not share storage."""
+    from mxattn.backends.base import AttentionParams
+    from mxattn.mask import MaskSpec
+    q, k, v = (x.transpose(1, 2) for x in _inputs("dense")[:3])
+    params = AttentionParams(softmax_scale=0.125, mask=MaskSpec(causal=True), needs_backward=True)
+    for _ in range(3):
+        _, _, saved = cb.CudnnBackend().forward(q, k, v, params)
+    [plan] = [p for p in cb._QUANT_PLANS._plans.values() if isinstance(p, launch_plan.LaunchPlan)]
+    assert plan.allocations_per_replay == 18
+    storages = [t.untyped_storage().data_ptr() for t in saved.tensors()]
+    assert len(set(storages)) == len(storages) == 15

@@ -19,7 +19,7 @@ import torch
 from ...devices import device_guard
 from ...errors import MXFP8NotSupportedError
 from ...formats import MXFP8Tensor, quantize_mxfp8
-from ...kernels.launch_plan import PlanCache, plan_key
+from ...kernels.launch_plan import PlanCache, carving_allowed, plan_key
 from ...formats import _is_non_overlapping_and_dense as _is_dense
 from ...recipe import Recipe
 from ...seqinfo import SeqInfo
@@ -99,14 +99,13 @@ def quantize_operand(x: torch.Tensor, seq: Optional[SeqInfo], which: str
 
 
 def quantize_operands(xs: Tuple[torch.Tensor, ...], seq: Optional[SeqInfo], sides: Tuple[str, ...],
-                      transient: int = 0) -> List[Tuple[MXFP8Tensor, MXFP8Tensor]]:
+                      carve_from: Optional[int] = None) -> List[Tuple[MXFP8Tensor, MXFP8Tensor]]:
     """`quantize_operand` of each x in xs (on the length side of the same index in `sides`). With the fused
     quantizer the calls' host path (checks, output allocations, launch arguments) is recorded once per
     signature and replayed with the new tensors' addresses (`_QUANT_PLANS`): the same launches writing the same
-    bytes into fresh outputs of the same geometry. transient: how many of the last outputs, in the order (row
-    data, row scales, row F8_128x4 scales, column data, column scales, column F8_128x4 scales) per x, the
-    caller drops together after the graph call (never returns or saves): a replay carves them from one
-    allocation (at 256-byte boundaries)."""
+    bytes into fresh outputs of the same geometry. carve_from: a replay's outputs from this index on, in the
+    order (column-wise data, scales, F8_128x4 scales, row-wise data, scales, F8_128x4 scales) per x, share one
+    allocation (at 256-byte boundaries): only for outputs that no custom op returns and that are freed together."""
     quantize = _quantizer_for(xs[0])
     if quantize is None:
         return [_quantize_torch(x, seq, which) for x, which in zip(xs, sides)]
@@ -116,16 +115,15 @@ def quantize_operands(xs: Tuple[torch.Tensor, ...], seq: Optional[SeqInfo], side
         flat = []
         for x, cu in zip(xs, cus):
             out = quantize(x, swizzle=True, cu_seqlens=cu)
-            flat += [out.row.data, out.row.scale, out.row_swizzled, out.col.data, out.col.scale, out.col_swizzled]
+            flat += [out.col.data, out.col.scale, out.col_swizzled, out.row.data, out.row.scale, out.row_swizzled]
         return flat
 
     roots = xs + cus  # (the key tells a lengths tensor passed twice from two equal ones: `alias_key`)
-    carve_from = 6 * len(xs) - transient if transient else None
     key = plan_key(("cudnn quantize", quantize, carve_from), roots)
     with device_guard(xs[0].device):
         flat = _QUANT_PLANS.run_with_plan(key, body, roots, carve_from)[0]
-    return [(MXFP8Tensor.unchecked(flat[i], flat[i + 1], 3, None, flat[i + 2]),
-             MXFP8Tensor.unchecked(flat[i + 3], flat[i + 4], 2, None, flat[i + 5])) for i in range(0, len(flat), 6)]
+    return [(MXFP8Tensor.unchecked(flat[i + 3], flat[i + 4], 3, None, flat[i + 5]),
+             MXFP8Tensor.unchecked(flat[i], flat[i + 1], 2, None, flat[i + 2])) for i in range(0, len(flat), 6)]
 
 
 #: launch plans of the fused quantizer's calls, by signature (`quantize_operands`); a family whose sizes change
@@ -245,9 +243,10 @@ class CudnnBackend(AttentionBackend):
             v_row = quantize_mxfp8(v, axis=-1)
         else:
             q, k, v = _graph_layout(q), _graph_layout(k), _graph_layout(v)
-            # V's column-wise copy serves this forward only (the backward reads V row-wise)
-            (q_row, q_col), (k_row, k_col), (v_row, v_col) = quantize_operands((q, k, v), seq, ("q", "kv", "kv"),
-                                                                               transient=3)
+            # V first: its column-wise copy serves this forward alone; the others are kept for the backward, in
+            # one allocation where the caller keeps them itself (the eager autograd path)
+            (v_row, v_col), (q_row, q_col), (k_row, k_col) = quantize_operands(
+                (v, q, k), seq, ("kv", "q", "kv"), carve_from=3 if carving_allowed() else None)
         o, stats, _ = cudnn_forward(q_row, k_row, v_col, attn_scale=params.softmax_scale, mask=params.mask,
                                     out_dtype=params.out_dtype, seq=seq, sink=params.sink)
         saved = SavedWithScaleBuffers(q_row=q_row, q_col=q_col, k_row=k_row, k_col=k_col, v_row=v_row)
@@ -284,7 +283,7 @@ class CudnnBackend(AttentionBackend):
             o, do = _graph_layout(o), _graph_layout(do)
             if seq is not None:  # cuDNN reads the bf16 dO too: its padding rows must be zeros
                 do = _graph_layout(_zero_padding(do, seq, "q"))
-            [(do_row, do_col)] = quantize_operands((do,), None, ("q",), transient=6)  # this backward's alone
+            [(do_row, do_col)] = quantize_operands((do,), None, ("q",), carve_from=0)  # this backward's alone
         out = cudnn_backward(saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row, o, do, do_row, do_col,
                              stats, attn_scale=params.softmax_scale, mask=params.mask,
                              deterministic=params.deterministic, seq=seq, sink=params.sink,
