@@ -60,7 +60,9 @@ def col_scale_tensor(buf: torch.Tensor, b: int, h: int, s: int, d: int) -> torch
     """The graph's column-wise scale tensor (dims `col_scale_dims(b, h, s, d)`, strides `col_scale_stride`) over
     `col_scale_bytes`-ordered bytes `buf` (contiguous, e8m0 or uint8)."""
     dims = col_scale_dims(b, h, s, d)
-    return buf.view(SCALE_DTYPE).as_strided(dims, col_scale_stride(dims))
+    if buf.dtype != SCALE_DTYPE:  # (the quantizers' buffers are e8m0 already: no second view per call)
+        buf = buf.view(SCALE_DTYPE)
+    return buf.as_strided(dims, col_scale_stride(dims))
 
 
 # --- packed (thd) batches: cuDNN's per-sequence-tile layout ------------------------------------------------------
