@@ -19,8 +19,8 @@ import torch
 from ...devices import device_guard
 from ...errors import MXFP8NotSupportedError
 from ...formats import MXFP8Tensor, quantize_mxfp8
-from ...kernels.launch_plan import PlanCache, carving_allowed, plan_key
 from ...formats import _is_non_overlapping_and_dense as _is_dense
+from ...kernels.launch_plan import PlanCache, carving_allowed, plan_key
 from ...recipe import Recipe
 from ...seqinfo import SeqInfo
 from ..base import AttentionBackend, AttentionParams, Problem, SavedForBackward, check_forward_quantized
