@@ -372,7 +372,7 @@ def unsupported_reason(q_data, k_scale, v, *, left_bound=None, seq=None, bottom_
         return f"the Gluon forward takes head dims {SUPPORTED_HEAD_DIMS}, got {q_data.shape[3]}"
     if out is not None and out.dtype != torch.bfloat16:
         return f"the Gluon forward writes bf16 O, got {out.dtype}"
-    if getattr(v, "data", None) is None or not isinstance(v.data, torch.Tensor):
+    if isinstance(v, torch.Tensor) or not isinstance(getattr(v, "data", None), torch.Tensor):
         return "v must be V's column-wise copy as SeqMajorColumns"
     return None
 
