@@ -49,11 +49,12 @@ from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 #: KV block of the online softmax (fixed by the recipe) and the query rows of one CTA (two consumer warpgroups)
 BLOCK_N = 128
 BLOCK_M = 128
-#: warps of the consumer (default) partition and of the producer partition
-CONSUMER_WARPS = 8
-PRODUCER_WARPS = 4
-#: registers per thread requested for the producer partition (setmaxnreg); the consumers get the rest
-PRODUCER_REGS = 56
+#: warps of each partition (two consumer warpgroups, one producer warpgroup)
+PARTITION_WARPS = 4
+#: registers per thread (setmaxnreg) of the second consumer warpgroup and of the producer; the default partition
+#: (the first consumer warpgroup) gets what is left of the 504 a thread of each of the three warpgroups has
+CONSUMER_REGS = 240
+PRODUCER_REGS = 32
 #: (bf16 stages, fp8 stages) of the rings by head dim: D128 bf16 K+V = 64 KiB a stage, fp8 = 32 KiB
 STAGES = {64: (3, 3), 128: (2, 2)}
 #: rows of one dequantization chunk in the producer (bounds its registers)
@@ -63,6 +64,9 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2_PS = gl.constexpr(8.0)
+#: the consumer warpgroups' indices (rows [64 WG, 64 WG + 64) of the CTA's tile)
+WG0 = gl.constexpr(0)
+WG1 = gl.constexpr(1)
 
 
 # --------------------------------------------------------------------------- element helpers (triton_common's)
@@ -121,27 +125,41 @@ def _chunk_layouts(C, warps):
 
 
 @gluon.jit
-def _dequant_chunk(src, dst, s_base, stride_sr, stride_sc, r0, c_pos0, lim,
-                   CH: gl.constexpr, C: gl.constexpr, MASK_ROWS: gl.constexpr, num_warps: gl.constexpr):
-    """Rows [r0, r0 + CH) of the FP8 tile `src` (shared, [R, C], scales along C in blocks of 32) dequantized into
-    the same rows of the bf16 tile `dst` (shared). Scale of (r, block cb): s_base + r * stride_sr + cb *
-    stride_sc, read as 127 (factor 1) where the position is past `lim`: the row position c_pos0 + r
-    (MASK_ROWS: K, rows are keys) or the column position c_pos0 + 32 cb (V^T, columns are keys)."""
+def _dequant_chunk(src, dst, sc, r0, CH: gl.constexpr, C: gl.constexpr, num_warps: gl.constexpr):
+    """Rows [r0, r0 + CH) of the FP8 tile `src` (shared, [R, C], E8M0 scales along C in blocks of 32: `sc`, shared
+    [R, C // 32] u8) dequantized into the same rows of the bf16 tile `dst` (shared, NVMMA)."""
     l2: gl.constexpr = _chunk_layouts(C, num_warps)[0]
     l3: gl.constexpr = _chunk_layouts(C, num_warps)[1]
-    ls: gl.constexpr = gl.SliceLayout(2, l3)
     x = src.slice(r0, CH, dim=0).load(l2)
     x3 = gl.convert_layout(gl.reshape(x.to(gl.uint8, bitcast=True), [CH, C // 32, 32]), l3)
-    rr = r0 + gl.arange(0, CH, layout=gl.SliceLayout(1, ls))
-    cb = gl.arange(0, C // 32, layout=gl.SliceLayout(0, ls))
-    offs = gl.expand_dims(rr * stride_sr, 1) + gl.expand_dims(cb * stride_sc, 0)
-    if MASK_ROWS:
-        ok = gl.expand_dims(c_pos0 + rr < lim, 1) & gl.expand_dims(cb >= 0, 0)
-    else:
-        ok = gl.expand_dims(rr >= 0, 1) & gl.expand_dims(c_pos0 + cb * 32 < lim, 0)
-    s = gl.load(s_base + offs, mask=ok, other=127)
+    s = sc.slice(r0, CH, dim=0).load(gl.SliceLayout(2, l3))
     y = gl.reshape(_dequant3(x3, s), [CH, C])
     dst.slice(r0, CH, dim=0).store(y)
+
+
+@constexpr_function
+def _scale_layout(R, C, warps):
+    """Blocked layout of an [R, C] u8 scale tile read from global memory by `warps` warps (C contiguous)."""
+    tc = min(C, 32)
+    return gl.BlockedLayout([1, 1], [32 // tc, tc], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _load_scales(KS, VS, ks_base, vs_base, skss, svss, n0, SKV, BN: gl.constexpr, D: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """E8M0 scales of KV block n0 from global memory: K's [BN, D/32] (rows past SKV read as 127) and V's
+    [BN/32, D] (blocks starting past SKV read as 127), in blocked layouts (stored to shared memory later)."""
+    lk: gl.constexpr = _scale_layout(BN, D // 32, num_warps)
+    lv: gl.constexpr = _scale_layout(BN // 32, D, num_warps)
+    kr = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, lk))
+    kc = gl.arange(0, D // 32, layout=gl.SliceLayout(0, lk))
+    k_ok = gl.expand_dims(kr < SKV, 1) & gl.expand_dims(kc >= 0, 0)
+    ks = gl.load(ks_base + gl.expand_dims(kr * skss, 1) + gl.expand_dims(kc, 0), mask=k_ok, other=127)
+    vr = n0 // 32 + gl.arange(0, BN // 32, layout=gl.SliceLayout(1, lv))
+    vc = gl.arange(0, D, layout=gl.SliceLayout(0, lv))
+    v_ok = gl.expand_dims(vr * 32 < SKV, 1) & gl.expand_dims(vc >= 0, 0)
+    vs = gl.load(vs_base + gl.expand_dims(vr * svss, 1) + gl.expand_dims(vc, 0), mask=v_ok, other=127)
+    return ks, vs
 
 
 # --------------------------------------------------------------------------- partitions
@@ -162,7 +180,7 @@ def _tile_of_program(HQ, HAS_RB: gl.constexpr):
 
 @gluon.jit
 def _kv_blocks(m0, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    """Number of KV blocks the query rows [m0, m0 + BM) meet (from block 0)."""
+    """Number of KV blocks the CTA's query rows [m0, m0 + BM) meet (from block 0)."""
     hi = SKV
     if HAS_RB:
         hi = gl.minimum(SKV, gl.maximum(m0 + BM + offset + RB, 0))
@@ -170,57 +188,94 @@ def _kv_blocks(m0, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: 
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, KS, VS, k8, v8, kb, vb, fp8_ready, ready, empty,
+def _issue_tma(k_desc, v_desc, k8, v8, bar, b, hk, n0, BN: gl.constexpr, D: gl.constexpr):
+    mbarrier.expect(bar, BN * D * 2)  # one FP8 K tile and one FP8 V tile
+    tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], bar, k8)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, 0, n0], bar, v8)
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready, empty,
               sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SKV, offset, RB,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
               NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr):
-    """The producer warpgroup: TMA of FP8 K/V tiles NF blocks ahead, dequantization into the bf16 ring."""
+    """The producer warpgroup: TMA of FP8 K/V tiles NF blocks ahead, their scales one block ahead (registers,
+    then shared memory), dequantization into the bf16 ring (stage s = j % NS) once the consumers freed it."""
+    nw: gl.constexpr = gl.num_warps()
     tile, b, hq = _tile_of_program(HQ, HAS_RB)
     hk = hq // GROUP
     m0 = tile * BM
     n_blk = _kv_blocks(m0, SKV, offset, RB, HAS_RB, BM, BN)
-    nbytes: gl.constexpr = BN * D * 2  # one FP8 K tile and one FP8 V tile
     b64 = b.to(gl.int64)
     hk64 = hk.to(gl.int64)
     ks_base = KS + b64 * sksb + hk64 * sksh
     vs_base = VS + b64 * svsb + hk64 * svsh
     for i in gl.static_range(NF):
         if i < n_blk:
-            mbarrier.expect(fp8_ready.index(i), nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, i * BN, 0], fp8_ready.index(i), k8.index(i))
-            tma.async_copy_global_to_shared(v_desc, [b, hk, 0, i * BN], fp8_ready.index(i), v8.index(i))
+            _issue_tma(k_desc, v_desc, k8.index(i), v8.index(i), fp8_ready.index(i), b, hk, i * BN, BN, D)
+    ks_next, vs_next = _load_scales(KS, VS, ks_base, vs_base, skss, svss, 0, SKV, BN, D, nw)
     for j in range(n_blk):
         f = j % NF
         s = j % NS
-        n0 = j * BN
+        ksc.store(ks_next)  # this block's scales (the previous block's dequantization is done: barrier below)
+        vsc.store(vs_next)
+        ks_next, vs_next = _load_scales(KS, VS, ks_base, vs_base, skss, svss, (j + 1) * BN, SKV, BN, D, nw)
+        gl.thread_barrier()
         mbarrier.wait(fp8_ready.index(f), (j // NF) & 1)
         mbarrier.wait(empty.index(s), ((j // NS) & 1) ^ 1)  # passes at once on a fresh barrier (first round)
         k_src = k8.index(f).reshape([BN, D])
         v_src = v8.index(f).reshape([D, BN])
         for c in gl.static_range(BN // CH):  # K [BN, D]: scales along D, one row per key
-            _dequant_chunk(k_src, kb.index(s), ks_base + n0 * skss, skss, 1, c * CH, n0, SKV, CH, D, True,
-                           gl.num_warps())
-        for c in gl.static_range(D // CH):  # V^T [D, BN]: scales along the keys, [L/32, D] in memory
-            _dequant_chunk(v_src, vb.index(s), vs_base + (n0 // 32) * svss, 1, svss, c * CH, n0, SKV, CH, BN,
-                           False, gl.num_warps())
+            _dequant_chunk(k_src, kb.index(s), ksc, c * CH, CH, D, nw)
+        vsc_t = vsc.permute((1, 0))
+        for c in gl.static_range(D // CH):  # V^T [D, BN]: scales along the keys ([BN/32, D] in shared memory)
+            _dequant_chunk(v_src, vb.index(s), vsc_t, c * CH, CH, BN, nw)
         fence_async_shared()  # the generic-proxy stores before the consumers' wgmma (async proxy) reads
-        gl.thread_barrier()  # every producer warp done with stage s (and with FP8 stage f)
+        gl.thread_barrier()  # every producer warp done with stage s, FP8 stage f and the scales
         mbarrier.arrive(ready.index(s), count=1)
         jn = j + NF
-        if jn < n_blk:  # refill FP8 stage f (all its reads are done: barrier above)
-            mbarrier.expect(fp8_ready.index(f), nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, jn * BN, 0], fp8_ready.index(f), k8.index(f))
-            tma.async_copy_global_to_shared(v_desc, [b, hk, 0, jn * BN], fp8_ready.index(f), v8.index(f))
+        if jn < n_blk:  # refill FP8 stage f
+            _issue_tma(k_desc, v_desc, k8.index(f), v8.index(f), fp8_ready.index(f), b, hk, jn * BN, BN, D)
+
+
+@gluon.jit
+def _softmax_step(qk, m_i, l_i, rows, cols0, n0, m0, SKV, offset, RB, qk_scale, HAS_RB: gl.constexpr,
+                  BN: gl.constexpr, p_op: gl.constexpr):
+    """One KV block (keys [n0, n0 + BN)) of the online softmax, triton_common.softmax_block's arithmetic for the
+    default recipe: the masked logits qk (keys past SKV; with HAS_RB keys above the diagonal col > row + offset +
+    RB; only blocks that need it are masked), running max (log2 units), alpha, P * 256 and the running sum of the
+    unrounded P -> (E4M3(P * 256) as bf16 in the P V GEMM's A layout p_op, alpha, new max, new sum). m0: the
+    first query row of the warpgroup's tile."""
+    need_mask = n0 + BN > SKV
+    if HAS_RB:
+        need_mask = need_mask | (n0 + BN - 1 > m0 + offset + RB)
+    if need_mask:
+        cols = n0 + cols0
+        keep = gl.expand_dims(cols < SKV, 0)
+        if HAS_RB:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + offset + RB)
+        qk = gl.where(keep, qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_use - LOG2_PS, 1))  # P * 256
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return gl.convert_layout(_round_p_to_bf16(p), p_op), alpha, m_new, l_i
 
 
 @gluon.jit
 def _consumer(Q, QS, O, LSE, kb, vb, ready, empty,
               sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
               HQ, SQ, SKV, qk_scale, offset, RB,
-              HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr):
-    """The two consumer warpgroups: Q dequantized into registers, then per KV block S = Q K^T, the online softmax,
-    P rounding and O += P V; the epilogue writes O (bf16) and the stats."""
+              HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
+              WG: gl.constexpr):
+    """Consumer warpgroup WG (4 warps) of the CTA: query rows [tile * BM + 64 WG, + 64). Q dequantized into
+    registers, then per KV block S = Q K^T, the online softmax, P rounding and O = O * alpha + P V; the epilogue
+    writes its rows of O (bf16) and of the stats. The S GEMM of block j + 1 is issued before the softmax of
+    block j and runs under it and the P V GEMM of block j - 1 (FlashAttention-3's intra-warpgroup overlap); the
+    arithmetic and its order per element are unchanged."""
     nw: gl.constexpr = gl.num_warps()
+    BMW: gl.constexpr = BM // 2  # two consumer warpgroups of 4 warps
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
                                                        instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
@@ -233,14 +288,15 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty,
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     tile, b, hq = _tile_of_program(HQ, HAS_RB)
-    m0 = tile * BM
+    m_cta = tile * BM
+    m0 = m_cta + WG * BMW
     b64 = b.to(gl.int64)
     hq64 = hq.to(gl.int64)
 
-    # Q [BM, D] FP8 + scales -> bf16 registers (wgmma A operand)
+    # Q [BMW, D] FP8 + scales -> bf16 registers (the S GEMM's A operand)
     lq: gl.constexpr = _chunk_layouts(D, nw)[1]
     lqs: gl.constexpr = gl.SliceLayout(2, lq)
-    qr = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, lqs))
+    qr = m0 + gl.arange(0, BMW, layout=gl.SliceLayout(1, lqs))
     qb = gl.arange(0, D // 32, layout=gl.SliceLayout(0, lqs))
     qe = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, lq)))
     q_ok2 = gl.expand_dims(qr < SQ, 1) & gl.expand_dims(qb >= 0, 0)
@@ -250,51 +306,48 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty,
     q8 = gl.load(Q.cast(gl.pointer_type(gl.uint8)) + b64 * sqb + hq64 * sqh + q_offs, mask=q_ok, other=0)
     qsc = gl.load(QS + b64 * sqsb + hq64 * sqsh + gl.expand_dims(qr.to(gl.int64) * sqss, 1)
                   + gl.expand_dims(qb, 0), mask=q_ok2, other=127)
-    q = gl.convert_layout(gl.reshape(_dequant3(q8, qsc), [BM, D]), q_op)
+    q = gl.convert_layout(gl.reshape(_dequant3(q8, qsc), [BMW, D]), q_op)
 
-    rows = m0 + gl.arange(0, BM, layout=row_s)
+    rows = m0 + gl.arange(0, BMW, layout=row_s)
     cols0 = gl.arange(0, BN, layout=col_s)
-    m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BM], gl.float32, row_s)
-    acc = gl.zeros([BM, D], gl.float32, o_layout)
-    s_zero = gl.zeros([BM, BN], gl.float32, s_layout)
+    m_i = gl.full([BMW], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BMW], gl.float32, row_s)
+    acc = gl.zeros([BMW, D], gl.float32, o_layout)
+    s_zero = gl.zeros([BMW, BN], gl.float32, s_layout)
 
-    n_blk = _kv_blocks(m0, SKV, offset, RB, HAS_RB, BM, BN)
-    for j in range(n_blk):
-        s = j % NS
-        n0 = j * BN
-        mbarrier.wait(ready.index(s), (j // NS) & 1)
-        qk = warpgroup_mma(q, kb.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-        # mask: keys past SKV, and above the band's diagonal (cols > rows + offset + RB)
-        cols = n0 + cols0
-        need_mask = n0 + BN > SKV
-        if HAS_RB:
-            need_mask = need_mask | (n0 + BN - 1 > m0 + offset + RB)
-        if need_mask:
-            keep = gl.expand_dims(cols < SKV, 0)
-            if HAS_RB:
-                keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + offset + RB)
-            qk = gl.where(keep, qk, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(qk * qk_scale - gl.expand_dims(m_use - LOG2_PS, 1))  # P * 256
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        pq = gl.convert_layout(_round_p_to_bf16(p), p_op)
+    n_blk = _kv_blocks(m_cta, SKV, offset, RB, HAS_RB, BM, BN)
+    if n_blk > 0:
+        mbarrier.wait(ready.index(0), 0)
+        qk = warpgroup_mma(q, kb.index(0).permute((1, 0)), s_zero, use_acc=False)
+        pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, 0, m0, SKV, offset, RB, qk_scale, HAS_RB,
+                                            BN, p_op)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        acc = warpgroup_mma(pq, vb.index(s).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        gl.thread_barrier()  # both warpgroups done with stage s
-        mbarrier.arrive(empty.index(s), count=1)
+        for j in range(1, n_blk):
+            s = j % NS
+            sp = (j - 1) % NS
+            mbarrier.wait(ready.index(s), (j // NS) & 1)
+            # S of block j, then O += P V of block j - 1 (acc rescaled by block j - 1's alpha already)
+            qk_t = warpgroup_mma(q, kb.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc_t = warpgroup_mma(pq, vb.index(sp).permute((1, 0)), acc, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
+            # the softmax of block j runs under the P V GEMM of block j - 1
+            pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, j * BN, m0, SKV, offset, RB, qk_scale,
+                                                HAS_RB, BN, p_op)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, ))
+            gl.thread_barrier()  # the warpgroup is done with stage (j - 1) % NS
+            mbarrier.arrive(empty.index(sp), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        sl = (n_blk - 1) % NS
+        acc = warpgroup_mma(pq, vb.index(sl).permute((1, 0)), acc)
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(sl), count=1)
 
     has = l_i != 0.0
     denom = gl.where(has, l_i, 1.0)
     has_o = gl.convert_layout(has, row_o)
     o = gl.where(gl.expand_dims(has_o, 1), acc / gl.expand_dims(gl.convert_layout(denom, row_o), 1), 0.0)
     lse = gl.where(has, (m_i + gl.log2(denom) - LOG2_PS) * LN2, float("-inf"))
-    rows_o = m0 + gl.arange(0, BM, layout=row_o)
+    rows_o = m0 + gl.arange(0, BMW, layout=row_o)
     offs_d = gl.arange(0, D, layout=col_o)
     o_ptrs = O + b64 * sob + hq64 * soh + gl.expand_dims(rows_o.to(gl.int64) * sos, 1) + gl.expand_dims(offs_d, 0)
     gl.store(o_ptrs, o.to(gl.bfloat16), mask=gl.expand_dims(rows_o < SQ, 1) & gl.expand_dims(offs_d >= 0, 0))
@@ -309,19 +362,23 @@ def _gluon_attn_fwd_kernel(
         sob, soh, sos, slb, slh, sls,
         HQ, GROUP, SQ, SKV, qk_scale, offset, RB,
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-        NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+        NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr):
-    """Grid (cdiv(SQ, BM), B * HQ). Q [B,HQ,SQ,D] e4m3 (strides sqb, sqh, sqs, unit along D) with scales
-    QS [B,HQ,SQ,D/32] u8; k_desc a TMA descriptor of K [B,HKV,SKV,D] e4m3 (block [1,1,BN,D]) with scales
-    KS [B,HKV,SKV,D/32]; v_desc one of V's seq-major data [B,HKV,D,L] e4m3 (block [1,1,D,BN]) with scales
-    VS [B,HKV,L/32,D]; O [B,HQ,SQ,D] bf16, LSE [B,HQ,SQ,1] fp32. HAS_RB: causal-style band (keys kept where
-    col <= row + offset + RB)."""
+    """Grid (cdiv(SQ, BM), B * HQ), 4 warps per partition: consumer warpgroup 0 (the default partition),
+    consumer warpgroup 1 and the producer (workers). Q [B,HQ,SQ,D] e4m3 (strides sqb, sqh, sqs, unit along D)
+    with scales QS [B,HQ,SQ,D/32] u8; k_desc a TMA descriptor of K [B,HKV,SKV,D] e4m3 (block [1,1,BN,D]) with
+    scales KS [B,HKV,SKV,D/32]; v_desc one of V's seq-major data [B,HKV,D,L] e4m3 (block [1,1,D,BN]) with
+    scales VS [B,HKV,L/32,D]; O [B,HQ,SQ,D] bf16, LSE [B,HQ,SQ,1] fp32. HAS_RB: causal-style band (keys kept
+    where col <= row + offset + RB)."""
     k8 = gl.allocate_shared_memory(gl.float8e4nv, [NF, 1, 1, BN, D], k_desc.layout)
     v8 = gl.allocate_shared_memory(gl.float8e4nv, [NF, 1, 1, D, BN], v_desc.layout)
     kb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
     vb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BN], gl.bfloat16)
     kb = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D], kb_layout)
     vb = gl.allocate_shared_memory(gl.bfloat16, [NS, D, BN], vb_layout)
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    ksc = gl.allocate_shared_memory(gl.uint8, [BN, D // 32], plain)
+    vsc = gl.allocate_shared_memory(gl.uint8, [BN // 32, D], plain)
     fp8_ready = gl.allocate_shared_memory(gl.int64, [NF, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -329,17 +386,20 @@ def _gluon_attn_fwd_kernel(
         mbarrier.init(fp8_ready.index(i), count=1)
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     fence_async_shared()
 
     gl.warp_specialize([
         (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty,
                      sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
-                     HQ, SQ, SKV, qk_scale, offset, RB, HAS_RB, BM, BN, D, NS)),
-        (_producer, (k_desc, v_desc, KS, VS, k8, v8, kb, vb, fp8_ready, ready, empty,
+                     HQ, SQ, SKV, qk_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG0)),
+        (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty,
+                     sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
+                     HQ, SQ, SKV, qk_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG1)),
+        (_producer, (k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready, empty,
                      sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SKV, offset, RB,
                      HAS_RB, BM, BN, D, NS, NF, CH)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
     for i in gl.static_range(NF):
         mbarrier.invalidate(fp8_ready.index(i))
@@ -430,10 +490,10 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         *out.stride()[:3], *stats.stride()[:3],
         HQ, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, int(offset), int(right_bound) if has_rb else 0,
         HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=D, NS=ns, NF=nf, CH=CHUNK_ROWS,
-        PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, num_warps=CONSUMER_WARPS)
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=PARTITION_WARPS)
 
 
-def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, producer_regs: int = PRODUCER_REGS):
+def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS)):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel (asm:
     ttgir, llir, ptx, cubin; metadata: shared memory). Pointers as the launcher sees them (16-byte aligned)."""
     from triton.backends.compiler import GPUTarget
@@ -445,13 +505,13 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, producer_regs:
                  k_desc=f"tensordesc<fp8e4nv[1, 1, {BLOCK_N}, {d}],{k_layout!r}>",
                  v_desc=f"tensordesc<fp8e4nv[1, 1, {d}, {BLOCK_N}],{v_layout!r}>")
     constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=d, NS=ns, NF=nf, CH=CHUNK_ROWS,
-                      PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=producer_regs)
+                      CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
     names = fn.arg_names
     signature = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t.startswith("*")}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(c),): v for c, v in constexprs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=CONSUMER_WARPS))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=PARTITION_WARPS))
 
 
 __all__ = ["attention_fwd_gluon", "unsupported_reason", "compile_sm90", "BLOCK_M", "BLOCK_N", "STAGES"]
