@@ -57,6 +57,8 @@ CONSUMER_REGS = 240
 PRODUCER_REGS = 32
 #: (bf16 stages, fp8 stages) of the rings by head dim: D128 bf16 K+V = 64 KiB a stage, fp8 = 32 KiB
 STAGES = {64: (3, 3), 128: (2, 2)}
+#: the two consumer warpgroups alternate their GEMM issues (FA3's ping-pong) by default; config can turn it off
+PINGPONG = True
 #: rows of one dequantization chunk in the producer (bounds its registers)
 CHUNK_ROWS = 32
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -264,11 +266,27 @@ def _softmax_step(qk, m_i, l_i, rows, cols0, n0, m0, SKV, offset, RB, qk_scale, 
 
 
 @gluon.jit
-def _consumer(Q, QS, O, LSE, kb, vb, ready, empty,
+def _turn_wait(turn, WG: gl.constexpr, e, PINGPONG: gl.constexpr):
+    """Ping-pong (FlashAttention-3's inter-warpgroup schedule): before its e-th GEMM issue, consumer warpgroup WG
+    waits for the other warpgroup's (e - 1 + WG)-th issue, so the two alternate on the tensor cores and one's
+    softmax runs under the other's GEMMs. WG 0's first wait passes at once (parity 1 on a fresh barrier)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), (e + 1 - WG) & 1)
+
+
+@gluon.jit
+def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: after issuing its GEMMs, warpgroup WG hands the turn to the other one."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
               sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
               HQ, SQ, SKV, qk_scale, offset, RB,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-              WG: gl.constexpr):
+              PINGPONG: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG (4 warps) of the CTA: query rows [tile * BM + 64 WG, + 64). Q dequantized into
     registers, then per KV block S = Q K^T, the online softmax, P rounding and O = O * alpha + P V; the epilogue
     writes its rows of O (bf16) and of the stats. The S GEMM of block j + 1 is issued before the softmax of
@@ -318,7 +336,10 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty,
     n_blk = _kv_blocks(m_cta, SKV, offset, RB, HAS_RB, BM, BN)
     if n_blk > 0:
         mbarrier.wait(ready.index(0), 0)
-        qk = warpgroup_mma(q, kb.index(0).permute((1, 0)), s_zero, use_acc=False)
+        _turn_wait(turn, WG, 0, PINGPONG)
+        qk_t = warpgroup_mma(q, kb.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, ))
         pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, 0, m0, SKV, offset, RB, qk_scale, HAS_RB,
                                             BN, p_op)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -327,8 +348,10 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty,
             sp = (j - 1) % NS
             mbarrier.wait(ready.index(s), (j // NS) & 1)
             # S of block j, then O += P V of block j - 1 (acc rescaled by block j - 1's alpha already)
+            _turn_wait(turn, WG, j, PINGPONG)
             qk_t = warpgroup_mma(q, kb.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc_t = warpgroup_mma(pq, vb.index(sp).permute((1, 0)), acc, is_async=True)
+            _turn_pass(turn, WG, PINGPONG)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
             # the softmax of block j runs under the P V GEMM of block j - 1
             pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, j * BN, m0, SKV, offset, RB, qk_scale,
@@ -338,7 +361,10 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty,
             mbarrier.arrive(empty.index(sp), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         sl = (n_blk - 1) % NS
-        acc = warpgroup_mma(pq, vb.index(sl).permute((1, 0)), acc)
+        _turn_wait(turn, WG, n_blk, PINGPONG)
+        acc_t = warpgroup_mma(pq, vb.index(sl).permute((1, 0)), acc, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, ))
         gl.thread_barrier()
         mbarrier.arrive(empty.index(sl), count=1)
 
@@ -362,7 +388,7 @@ def _gluon_attn_fwd_kernel(
         sob, soh, sos, slb, slh, sls,
         HQ, GROUP, SQ, SKV, qk_scale, offset, RB,
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-        NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr):
     """Grid (cdiv(SQ, BM), B * HQ), 4 warps per partition: consumer warpgroup 0 (the default partition),
     consumer warpgroup 1 and the producer (workers). Q [B,HQ,SQ,D] e4m3 (strides sqb, sqh, sqs, unit along D)
@@ -382,6 +408,9 @@ def _gluon_attn_fwd_kernel(
     fp8_ready = gl.allocate_shared_memory(gl.int64, [NF, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(NF):
         mbarrier.init(fp8_ready.index(i), count=1)
     for i in gl.static_range(NS):
@@ -390,17 +419,19 @@ def _gluon_attn_fwd_kernel(
     fence_async_shared()
 
     gl.warp_specialize([
-        (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty,
+        (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                      sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
-                     HQ, SQ, SKV, qk_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG0)),
-        (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty,
+                     HQ, SQ, SKV, qk_scale, offset, RB, HAS_RB, BM, BN, D, NS, PINGPONG, WG0)),
+        (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                      sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
-                     HQ, SQ, SKV, qk_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG1)),
+                     HQ, SQ, SKV, qk_scale, offset, RB, HAS_RB, BM, BN, D, NS, PINGPONG, WG1)),
         (_producer, (k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready, empty,
                      sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SKV, offset, RB,
                      HAS_RB, BM, BN, D, NS, NF, CH)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
+    for i in gl.static_range(2):
+        mbarrier.invalidate(turn.index(i))
     for i in gl.static_range(NF):
         mbarrier.invalidate(fp8_ready.index(i))
     for i in gl.static_range(NS):
@@ -449,7 +480,7 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     last axis (bhsd or bshd views); FP8 data 16-byte aligned with 16-byte multiple strides (TMA). out [B,Hq,Sq,D]
     bf16, stats [B,Hq,Sq,1] fp32 (natural log-sum-exp, -inf for rows without keys). offset: the diagonal
     offset (0 top-left); right_bound None (no mask) or an int (causal: 0); Hq a multiple of Hkv (GQA).
-    config: optional (bf16 stages, fp8 stages) override. Raises ValueError for what it does not take:
+    config: optional (bf16 stages, fp8 stages[, pingpong]) override (benchmark sweeps, A/B of the schedule). Raises ValueError for what it does not take:
     left_bound, seq (varlen), bottom_right, sink, head dims other than 64/128, non-default recipes, bf16 K/V,
     non-bf16 out.
     """
@@ -477,7 +508,7 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
                              f"strides {tuple(t.stride())}")
     if B * HQ == 0 or SQ == 0:
         return
-    ns, nf = config if config is not None else STAGES[D]
+    ns, nf, pingpong = (*STAGES[D], PINGPONG) if config is None else (*config, PINGPONG)[:3]
     k_layout, v_layout = tma_layouts(D)
     k_desc = TensorDescriptor(k_data, list(k_data.shape), list(k_data.stride()), [1, 1, BLOCK_N, D], k_layout)
     v_desc = TensorDescriptor(v_data, list(v_data.shape), list(v_data.stride()), [1, 1, D, BLOCK_N], v_layout)
@@ -489,11 +520,12 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         *ks.stride()[:3], *vs.stride()[:3],
         *out.stride()[:3], *stats.stride()[:3],
         HQ, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, int(offset), int(right_bound) if has_rb else 0,
-        HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=D, NS=ns, NF=nf, CH=CHUNK_ROWS,
+        HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=D, NS=ns, NF=nf, CH=CHUNK_ROWS, PINGPONG=pingpong,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=PARTITION_WARPS)
 
 
-def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS)):
+def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
+                 pingpong: bool = None):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel (asm:
     ttgir, llir, ptx, cubin; metadata: shared memory). Pointers as the launcher sees them (16-byte aligned)."""
     from triton.backends.compiler import GPUTarget
@@ -505,6 +537,7 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
                  k_desc=f"tensordesc<fp8e4nv[1, 1, {BLOCK_N}, {d}],{k_layout!r}>",
                  v_desc=f"tensordesc<fp8e4nv[1, 1, {d}, {BLOCK_N}],{v_layout!r}>")
     constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=d, NS=ns, NF=nf, CH=CHUNK_ROWS,
+                      PINGPONG=PINGPONG if pingpong is None else pingpong,
                       CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
     names = fn.arg_names
     signature = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}

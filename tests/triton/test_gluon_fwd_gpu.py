@@ -57,7 +57,8 @@ def _ordered_bf16(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("S", [1000, 2048])
-def test_gluon_fwd_matches_triton_fwd(D, causal, heads, layout, S):
+@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "free"])
+def test_gluon_fwd_matches_triton_fwd(D, causal, heads, layout, S, pingpong):
     if not _is_hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
     from mxattn.kernels import gluon_attention_fwd as gf, triton_attention_fwd as tf
@@ -69,7 +70,7 @@ def test_gluon_fwd_matches_triton_fwd(D, causal, heads, layout, S):
     o_ref, s_ref = _outputs(B, HQ, S, D, layout)
     tf.attention_fwd(qd, qs, kd, ks, vsm, out=o_ref, stats=s_ref, **kw)
     o, st = _outputs(B, HQ, S, D, layout)
-    gf.attention_fwd_gluon(qd, qs, kd, ks, vsm, out=o, stats=st, **kw)
+    gf.attention_fwd_gluon(qd, qs, kd, ks, vsm, out=o, stats=st, config=(*gf.STAGES[D], pingpong), **kw)
     torch.cuda.synchronize()
     assert torch.isfinite(o).all() and torch.isfinite(st).all()
     ulps = (_ordered_bf16(o) - _ordered_bf16(o_ref)).abs()
@@ -134,7 +135,7 @@ def test_gluon_fwd_refuses_unsupported_calls():
         gf.attention_fwd_gluon(q96, s, q96, s, v, **base)
 
 
-def _compile_or_skip(d, causal):
+def _compile_or_skip(d, causal, pingpong):
     if not HAS_TRITON:
         pytest.skip("triton is not installed here")
     from mxattn.kernels import gluon_attention_fwd as gf
@@ -142,11 +143,12 @@ def _compile_or_skip(d, causal):
         from triton.backends.compiler import GPUTarget  # noqa: F401
     except ImportError as e:  # pragma: no cover
         pytest.skip(f"no GPU target compilation here: {e}")
-    return gf.compile_sm90(d, causal)
+    return gf.compile_sm90(d, causal, pingpong=pingpong)
 
 
-@pytest.mark.parametrize("d,causal", [(64, False), (128, False), (128, True)])
-def test_gluon_fwd_compiles_for_sm90a_without_spills(d, causal):
+@pytest.mark.parametrize("d,causal,pingpong", [(64, False, True), (128, False, True), (128, True, True),
+                                               (128, True, False)])
+def test_gluon_fwd_compiles_for_sm90a_without_spills(d, causal, pingpong):
     """The warp-specialised kernel builds for sm_90a with Triton's ptxas: no local memory (spills), the
     producer/consumer register split (setmaxnreg), wgmma with A from registers, TMA loads, within the H100's
     shared memory."""
@@ -154,7 +156,7 @@ def test_gluon_fwd_compiles_for_sm90a_without_spills(d, causal):
     import subprocess
     import tempfile
     import triton
-    kernel = _compile_or_skip(d, causal)
+    kernel = _compile_or_skip(d, causal, pingpong)
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d" in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
