@@ -1,6 +1,7 @@
 """Forward kernels at `python -m mxattn bench`'s default configs (mxattn.bench.DEFAULT_CONFIGS), one run, H100:
 
 * gluon          the warp-specialised Gluon forward (mxattn.kernels.gluon_attention_fwd, issue 24) on FP8 Q/K/V
+* gluon_nopp     the same without the consumer warpgroups' ping-pong (config=(stages, fp8 stages, False))
 * triton_fp8     the Triton forward on the same FP8 operands (K/V dequantized on chip)
 * triton_bf16kv  the Triton forward on bf16 K/V scratch (the backend's choice at these sizes: `fwd_streams_bf16`)
 * sdpa_cudnn, sdpa_flash   torch SDPA on bf16 Q/K/V (mxattn.bench's runners: GQA through enable_gqa, or K/V
@@ -53,6 +54,7 @@ def bench_config(name, B, HQ, HKV, S, D, causal):
     fp8 = (qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col_seq_major)
     runs = {
         "gluon": lambda: gf.attention_fwd_gluon(*fp8, out=out, stats=stats, **kw),
+        "gluon_nopp": lambda: gf.attention_fwd_gluon(*fp8, out=out, stats=stats, config=(*gf.STAGES[D], False), **kw),
         "triton_fp8": lambda: tf.attention_fwd(*fp8, out=out, stats=stats, **kw),
         "triton_bf16kv": lambda: tf.attention_fwd(qq.row.data, qq.row.scale, kb.row_dequant, None, vb.col_dequant,
                                                   out=out, stats=stats, **kw),
@@ -101,7 +103,7 @@ def main():
         c = r["check"]
         print(f"\n{r['config']}: O within 1 ulp of triton_fp8 {c['within_1ulp']:.5f} (max {c['max_ulps']} ulps), "
               f"stats max abs diff {c['stats_max_abs']:.2e} {'; '.join(r['notes'])}")
-        for key in ("gluon", "triton_fp8", "triton_bf16kv", "sdpa_cudnn", "sdpa_flash"):
+        for key in ("gluon", "gluon_nopp", "triton_fp8", "triton_bf16kv", "sdpa_cudnn", "sdpa_flash"):
             if f"{key}_ms" in r:
                 ratio = r.get(f"{key}_vs_cudnn")
                 print(f"  {key:14s} {r[key + '_ms']:8.3f} ms {r[key + '_tflops']:7.1f} TFLOP/s"
