@@ -524,10 +524,18 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=PARTITION_WARPS)
 
 
+#: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
+#: every stride except the K/Q scale rows' (D / 32 bytes) and the stats' row stride (1)
+DIVISIBLE_INTS = ("sqb", "sqh", "sqs", "sqsb", "sqsh", "sksb", "sksh", "svsb", "svsh", "svss", "sob", "soh", "sos",
+                  "slb", "slh", "SQ", "SKV")
+
+
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
                  pingpong: bool = None):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel (asm:
-    ttgir, llir, ptx, cubin; metadata: shared memory). Pointers as the launcher sees them (16-byte aligned)."""
+    ttgir, llir, ptx, cubin; metadata: shared memory). Pointers and DIVISIBLE_INTS as the launcher sees them in a
+    typical call (16-byte aligned, multiples of 16); the stats' row stride stays a run-time i32 (the launcher
+    specialises a 1 to a constant)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     fn = _gluon_attn_fwd_kernel
@@ -541,7 +549,8 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
                       CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
     names = fn.arg_names
     signature = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t.startswith("*")}
+    divisible = [n for n, t in signature.items() if t.startswith("*")] + list(DIVISIBLE_INTS)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(c),): v for c, v in constexprs.items()},
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=PARTITION_WARPS))
