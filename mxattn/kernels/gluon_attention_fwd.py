@@ -289,9 +289,10 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
               PINGPONG: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG (4 warps) of the CTA: query rows [tile * BM + 64 WG, + 64). Q dequantized into
     registers, then per KV block S = Q K^T, the online softmax, P rounding and O = O * alpha + P V; the epilogue
-    writes its rows of O (bf16) and of the stats. The S GEMM of block j + 1 is issued before the softmax of
-    block j and runs under it and the P V GEMM of block j - 1 (FlashAttention-3's intra-warpgroup overlap); the
-    arithmetic and its order per element are unchanged."""
+    writes its rows of O (bf16) and of the stats. The S GEMM of block j is issued together with the P V GEMM of
+    block j - 1, and the softmax of block j runs under the latter (FlashAttention-3's intra-warpgroup overlap);
+    with PINGPONG the two warpgroups also alternate their GEMM issues (`_turn_wait`). The arithmetic and its
+    order per element are unchanged."""
     nw: gl.constexpr = gl.num_warps()
     BMW: gl.constexpr = BM // 2  # two consumer warpgroups of 4 warps
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
