@@ -510,6 +510,9 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     if B * HQ == 0 or SQ == 0:
         return
     ns, nf, pingpong = (*STAGES[D], PINGPONG) if config is None else (*config, PINGPONG)[:3]
+    if ns < 2 or nf < 1:
+        raise ValueError(f"config needs at least two bf16 stages and one fp8 stage (a consumer holds block j - 1's V "
+                         f"stage while it reads block j's K), got {ns} and {nf}")
     k_layout, v_layout = tma_layouts(D)
     k_desc = TensorDescriptor(k_data, list(k_data.shape), list(k_data.stride()), [1, 1, BLOCK_N, D], k_layout)
     v_desc = TensorDescriptor(v_data, list(v_data.shape), list(v_data.stride()), [1, 1, D, BLOCK_N], v_layout)
