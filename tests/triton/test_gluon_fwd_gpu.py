@@ -29,8 +29,8 @@ def _quantized(B, HQ, HKV, S, D, layout, g):
     qq, kq, vq = quantize_qkv(q, k, v, dict(col=False), dict(col=False), dict(row=False, col_seq_major=True))
     qd, qs, kd, ks, vsm = qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col_seq_major
     if layout == "bshd":
-        def bshd(t):
-            return t.transpose(1, 2).contiguous().transpose(1, 2)
+        def bshd(t):  # a byte copy (CUDA copies have no kernel for every float8 dtype)
+            return t.view(torch.uint8).transpose(1, 2).contiguous().transpose(1, 2).view(t.dtype)
         qd, qs, kd, ks = bshd(qd), bshd(qs), bshd(kd), bshd(ks)
         vsm = SeqMajorColumns(bshd(vsm.data), bshd(vsm.scale))
         assert qd.stride(1) == D
