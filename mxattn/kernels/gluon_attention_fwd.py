@@ -53,7 +53,7 @@ BLOCK_M = 128
 PARTITION_WARPS = 4
 #: registers per thread (setmaxnreg) of the second consumer warpgroup and of the producer; the default partition
 #: (the first consumer warpgroup) gets what is left of the 504 a thread of each of the three warpgroups has
-CONSUMER_REGS = 240
+CONSUMER_REGS = 232
 PRODUCER_REGS = 32
 #: (bf16 stages, fp8 stages) of the rings by head dim: D128 bf16 K+V = 64 KiB a stage, fp8 = 32 KiB
 STAGES = {64: (3, 3), 128: (2, 2)}
@@ -242,16 +242,17 @@ def _producer(k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready
 
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, rows, cols0, n0, m0, SKV, offset, RB, qk_scale, HAS_RB: gl.constexpr,
-                  BN: gl.constexpr, p_op: gl.constexpr):
+                  BN: gl.constexpr, p_op: gl.constexpr, MASK: gl.constexpr = True):
     """One KV block (keys [n0, n0 + BN)) of the online softmax, triton_common.softmax_block's arithmetic for the
     default recipe: the masked logits qk (keys past SKV; with HAS_RB keys above the diagonal col > row + offset +
     RB; only blocks that need it are masked), running max (log2 units), alpha, P * 256 and the running sum of the
     unrounded P -> (E4M3(P * 256) as bf16 in the P V GEMM's A layout p_op, alpha, new max, new sum). m0: the
-    first query row of the warpgroup's tile."""
+    first query row of the warpgroup's tile. MASK False: the caller knows every element of the block is kept (no
+    mask code at all; masking such a block would change nothing)."""
     need_mask = n0 + BN > SKV
     if HAS_RB:
         need_mask = need_mask | (n0 + BN - 1 > m0 + offset + RB)
-    if need_mask:
+    if MASK and need_mask:
         cols = n0 + cols0
         keep = gl.expand_dims(cols < SKV, 0)
         if HAS_RB:
@@ -279,6 +280,30 @@ def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: after issuing its GEMMs, warpgroup WG hands the turn to the other one."""
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV, offset, RB, qk_scale, s_zero,
+             HAS_RB: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
+             MASK: gl.constexpr, p_op: gl.constexpr, row_o: gl.constexpr):
+    """KV block j >= 1 of a consumer warpgroup: S_j = Q K_j^T issued with O += P_{j-1} V_{j-1} (acc already
+    rescaled by block j - 1's alpha), the softmax of block j under the latter, stage (j - 1) % NS released, O
+    rescaled by alpha_j -> (P_j rounded, O, m, l)."""
+    s = j % NS
+    sp = (j - 1) % NS
+    mbarrier.wait(ready.index(s), (j // NS) & 1)
+    _turn_wait(turn, WG, j, PINGPONG)
+    qk_t = warpgroup_mma(q, kb.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    acc_t = warpgroup_mma(pq, vb.index(sp).permute((1, 0)), acc, is_async=True)
+    _turn_pass(turn, WG, PINGPONG)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
+    pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, j * BN, m0, SKV, offset, RB, qk_scale, HAS_RB,
+                                        BN, p_op, MASK)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, ))
+    gl.thread_barrier()  # the warpgroup is done with stage (j - 1) % NS
+    mbarrier.arrive(empty.index(sp), count=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    return pq, acc, m_i, l_i
 
 
 @gluon.jit
@@ -344,23 +369,18 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
         pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, 0, m0, SKV, offset, RB, qk_scale, HAS_RB,
                                             BN, p_op)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        for j in range(1, n_blk):
-            s = j % NS
-            sp = (j - 1) % NS
-            mbarrier.wait(ready.index(s), (j // NS) & 1)
-            # S of block j, then O += P V of block j - 1 (acc rescaled by block j - 1's alpha already)
-            _turn_wait(turn, WG, j, PINGPONG)
-            qk_t = warpgroup_mma(q, kb.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc_t = warpgroup_mma(pq, vb.index(sp).permute((1, 0)), acc, is_async=True)
-            _turn_pass(turn, WG, PINGPONG)
-            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
-            # the softmax of block j runs under the P V GEMM of block j - 1
-            pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, j * BN, m0, SKV, offset, RB, qk_scale,
-                                                HAS_RB, BN, p_op)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, ))
-            gl.thread_barrier()  # the warpgroup is done with stage (j - 1) % NS
-            mbarrier.arrive(empty.index(sp), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        # blocks [1, n_full) are kept whole for every row of the warpgroup (no mask code), the rest need the mask
+        n_full = gl.minimum(n_blk, SKV // BN)
+        if HAS_RB:
+            n_full = gl.minimum(n_full, gl.maximum(m0 + offset + RB + 1, 0) // BN)
+        for j in range(1, n_full):
+            pq, acc, m_i, l_i = _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV,
+                                         offset, RB, qk_scale, s_zero, HAS_RB, BN, NS, PINGPONG, WG, False, p_op,
+                                         row_o)
+        for j in range(gl.maximum(n_full, 1), n_blk):
+            pq, acc, m_i, l_i = _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV,
+                                         offset, RB, qk_scale, s_zero, HAS_RB, BN, NS, PINGPONG, WG, True, p_op,
+                                         row_o)
         sl = (n_blk - 1) % NS
         _turn_wait(turn, WG, n_blk, PINGPONG)
         acc_t = warpgroup_mma(pq, vb.index(sl).permute((1, 0)), acc, is_async=True)
