@@ -76,7 +76,8 @@ def test_gluon_fwd_matches_triton_fwd(D, causal, heads, layout, S, pingpong):
     ulps = (_ordered_bf16(o) - _ordered_bf16(o_ref)).abs()
     share = (ulps <= 1).float().mean().item()
     assert share >= 0.999, f"{share:.5f} of O within 1 bf16 ulp (max {ulps.max().item()} ulps)"
-    assert ulps.max().item() <= 4, f"max {ulps.max().item()} ulps"
+    # elsewhere (values near zero, where an ulp is tiny) the difference stays at rounding level of O's scale
+    assert (o.float() - o_ref.float()).abs().max() <= 1e-2 * o_ref.float().abs().max()
     torch.testing.assert_close(st, s_ref, rtol=1e-5, atol=1e-5)
 
 
