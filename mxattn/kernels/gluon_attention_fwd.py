@@ -14,23 +14,29 @@ column-wise seq-major (`SeqMajorColumns`), and computes the same numbers:
 * P * 256 rounded to E4M3 (`round_p_to_bf16`'s conversion sequence) and O += P V on the tensor cores (A from
   registers), the accumulator rescaled by alpha first; O = acc / l and stats = (m + log2 l - 8) ln 2.
 
-Structure (FlashAttention-3's): a CTA owns BLOCK_M = 128 query rows.
+Structure (FlashAttention-3's): a CTA owns BLOCK_M = 128 query rows of one (batch, query head); three partitions
+of one warpgroup (4 warps) each (`gl.warp_specialize`, 384 threads, setmaxnreg 240 / 232 / 32):
 
-* default partition, 8 warps = two consumer warpgroups of 64 rows each: Q's tile is dequantized once into
-  registers (the wgmma A operand), then per KV block: wait for the block's bf16 K and V tiles, S = Q K^T
-  (warpgroup_mma), softmax, P rounding, O = O * alpha + P V (warpgroup_mma, A = P from registers), release the
-  stage; epilogue in registers.
-* worker partition, 4 warps (one warpgroup, few registers): the producer. It issues TMA loads of the FP8 K tile
-  [BN, D] and V tile [D, BN] (V is seq-major, so the tile is V^T with keys contiguous) into a ring of FP8_STAGES
-  stages (mbarrier with expected bytes), reads the E8M0 scales from global memory, dequantizes both tiles in row
-  chunks into a ring of STAGES bf16 stages in NVMMA-swizzled shared memory (the wgmma B operands, K^T and V as
-  permuted views), fences the async proxy and signals the consumers' "ready" barrier; the consumers signal
-  "empty" back.
+* two consumer warpgroups (the default partition and a worker), 64 rows each: Q's rows dequantized once into
+  registers (the wgmma A operand); per KV block j: wait for the block's bf16 K and V tiles ("ready"), issue
+  S_j = Q K_j^T and O += P_{j-1} V_{j-1} (async wgmma, P from registers), take S_j, run the softmax of block j
+  under the P V GEMM, then release block j - 1's stage ("empty", one arrival per warpgroup) and rescale O by
+  alpha_j. With PINGPONG the two warpgroups alternate their GEMM issues (mbarrier "turns"), so one's softmax runs
+  under the other's GEMMs. Whole blocks run a loop without mask code, the Skv tail and the causal diagonal a
+  masked one. Epilogue in registers.
+* the producer warpgroup (few registers): TMA loads (4-D descriptors, any bhsd/bshd strides) of the FP8 K tile
+  [BN, D] and V tile [D, BN] (V is seq-major, so the tile is V^T with keys contiguous) into a ring of NF stages
+  (mbarrier with expected bytes); the E8M0 scales of the next block prefetched into registers, then shared
+  memory; both tiles dequantized in 32-row chunks into a ring of NS bf16 stages in NVMMA-swizzled shared memory
+  (the wgmma B operands, K^T and V as permuted views); async-proxy fence, partition barrier, "ready".
 
-Numerics: the same operations in the same order as the Triton kernel per element; the FP32 sums of the MMAs and
-the row sums may differ in the last bit where the instruction shapes or the reduction trees differ (the Triton
-kernel's D64 configuration runs 64-row tiles on one warpgroup), which bounds the difference of O to about one
-bf16 ulp (tests/triton/test_gluon_fwd_gpu.py).
+The protocol (rings, releases, turns) is simulated under random interleavings in
+tests/triton/test_gluon_fwd_protocol.py; the bf16 ring needs NS >= 2 (a consumer holds block j - 1's V stage while
+it reads block j's K).
+
+Numerics: the same operations in the same order as the Triton kernel per element, with the same wgmma shapes
+(m64n128k16 for S, n = D for P V, each row inside one warp); any difference left is in the last bit of an FP32
+sum, which bounds the difference of O to about one bf16 ulp (tests/triton/test_gluon_fwd_gpu.py).
 """
 
 from typing import Optional
