@@ -543,6 +543,8 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     k_desc = TensorDescriptor(k_data, list(k_data.shape), list(k_data.stride()), [1, 1, BLOCK_N, D], k_layout)
     v_desc = TensorDescriptor(v_data, list(v_data.shape), list(v_data.stride()), [1, 1, D, BLOCK_N], v_layout)
     has_rb = right_bound is not None
+    if B * HQ > 65535:
+        raise ValueError(f"{B} x {HQ} (batch x query heads) programs exceed the CUDA grid's y limit 65535; split the batch")
     grid = (triton.cdiv(SQ, BLOCK_M), B * HQ)
     _gluon_attn_fwd_kernel[grid](
         q_data, qs, k_desc, ks, v_desc, vs, out, stats,
