@@ -507,9 +507,9 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     last axis (bhsd or bshd views); FP8 data 16-byte aligned with 16-byte multiple strides (TMA). out [B,Hq,Sq,D]
     bf16, stats [B,Hq,Sq,1] fp32 (natural log-sum-exp, -inf for rows without keys). offset: the diagonal
     offset (0 top-left); right_bound None (no mask) or an int (causal: 0); Hq a multiple of Hkv (GQA).
-    config: optional (bf16 stages, fp8 stages[, pingpong]) override (benchmark sweeps, A/B of the schedule). Raises ValueError for what it does not take:
-    left_bound, seq (varlen), bottom_right, sink, head dims other than 64/128, non-default recipes, bf16 K/V,
-    non-bf16 out.
+    config: optional (bf16 stages >= 2, fp8 stages[, pingpong]) override (benchmark sweeps, A/B of the schedule).
+    Raises ValueError for what it does not take: left_bound, seq (varlen), bottom_right, sink, head dims other
+    than 64/128, non-default recipes, bf16 K/V, non-bf16 out, FP8 data TMA cannot address.
     """
     reason = unsupported_reason(q_data, k_scale, v, left_bound=left_bound, seq=seq, bottom_right=bottom_right,
                                 sink=sink, flags=flags, out=out)
@@ -544,7 +544,8 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     v_desc = TensorDescriptor(v_data, list(v_data.shape), list(v_data.stride()), [1, 1, D, BLOCK_N], v_layout)
     has_rb = right_bound is not None
     if B * HQ > 65535:
-        raise ValueError(f"{B} x {HQ} (batch x query heads) programs exceed the CUDA grid's y limit 65535; split the batch")
+        raise ValueError(f"{B} x {HQ} (batch x query heads) programs exceed the CUDA grid's y limit 65535; "
+                         "split the batch")
     grid = (triton.cdiv(SQ, BLOCK_M), B * HQ)
     _gluon_attn_fwd_kernel[grid](
         q_data, qs, k_desc, ks, v_desc, vs, out, stats,

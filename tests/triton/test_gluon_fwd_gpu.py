@@ -141,10 +141,9 @@ def _compile_or_skip(d, causal, pingpong):
         pytest.skip("triton is not installed here")
     from mxattn.kernels import gluon_attention_fwd as gf
     try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except ImportError as e:  # pragma: no cover
-        pytest.skip(f"no GPU target compilation here: {e}")
-    return gf.compile_sm90(d, causal, pingpong=pingpong)
+        return gf.compile_sm90(d, causal, pingpong=pingpong)
+    except ImportError as e:  # pragma: no cover - a Triton without GPU-target compilation or without Gluon
+        pytest.skip(f"cannot compile for sm_90a here: {e}")
 
 
 @pytest.mark.parametrize("d,causal,pingpong", [(64, False, True), (128, False, True), (128, True, True),
