@@ -521,14 +521,18 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         raise ValueError(f"q heads ({HQ}) must be a multiple of k/v heads ({HKV})")
     v_data, vs = v.data, v.scale.view(torch.uint8)
     L = v_data.shape[3]
-    if tuple(v_data.shape) != (B, HKV, D, L) or L < SKV or tuple(vs.shape) != (B, HKV, L // 32, D):
-        raise ValueError(f"v.data must be [{B}, {HKV}, {D}, L >= {SKV}] and v.scale [{B}, {HKV}, L/32, {D}], got "
-                         f"{tuple(v_data.shape)} and {tuple(vs.shape)}")
+    if tuple(v_data.shape) != (B, HKV, D, L) or L < SKV or L % 32 or tuple(vs.shape) != (B, HKV, L // 32, D):
+        raise ValueError(f"v.data must be [{B}, {HKV}, {D}, L >= {SKV}] (L a multiple of 32) and v.scale "
+                         f"[{B}, {HKV}, L/32, {D}], got {tuple(v_data.shape)} and {tuple(vs.shape)}")
     qs, ks = q_scale.view(torch.uint8), k_scale.view(torch.uint8)
     for name, t in (("q_data", q_data), ("q_scale", qs), ("k_data", k_data), ("k_scale", ks), ("v.data", v_data),
                     ("v.scale", vs), ("out", out)):
         if t.shape[3] > 1 and t.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride along its last axis, got strides {tuple(t.stride())}")
+    if SKV == 0:  # no key: the Triton forward's O = 0 and stats = -inf (TMA cannot describe an empty tensor)
+        out.zero_()
+        stats.fill_(float("-inf"))
+        return
     for name, t in (("k_data", k_data), ("v.data", v_data)):
         if t.data_ptr() % 16 or any(s % 16 for s in t.stride()[:3]):
             raise ValueError(f"{name} must be 16-byte aligned with strides multiple of 16 bytes (TMA), got "

@@ -136,6 +136,30 @@ def test_gluon_fwd_refuses_unsupported_calls():
         gf.attention_fwd_gluon(q96, s, q96, s, v, **base)
 
 
+def test_gluon_fwd_no_keys_and_v_length():
+    """Skv = 0 gives the Triton forward's O = 0 and stats = -inf without a launch (TMA cannot describe an empty
+    tensor); a V length that is not a multiple of 32 is refused (the producer would read scale rows past v.scale)."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed here")
+    from mxattn.kernels import gluon_attention_fwd as gf
+    from mxattn.kernels.triton_quantize import SeqMajorColumns
+    q = torch.zeros(1, 2, 64, 128, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.zeros(1, 2, 64, 4, dtype=torch.uint8)
+    k0 = torch.zeros(1, 2, 0, 128, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    v0 = SeqMajorColumns(torch.zeros(1, 2, 128, 0, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                         torch.zeros(1, 2, 0, 128, dtype=torch.uint8))
+    out = torch.full((1, 2, 64, 128), 7.0, dtype=torch.bfloat16)
+    st = torch.zeros(1, 2, 64, 1)
+    gf.attention_fwd_gluon(q, s, k0, s[:, :, :0], v0, softmax_scale=0.1, offset=0, left_bound=None,
+                           right_bound=None, out=out, stats=st)
+    assert (out == 0).all() and (st == float("-inf")).all()
+    v48 = SeqMajorColumns(torch.zeros(1, 2, 128, 48, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                          torch.zeros(1, 2, 1, 128, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gf.attention_fwd_gluon(q, s, q[:, :, :40], s[:, :, :40], v48, softmax_scale=0.1, offset=0, left_bound=None,
+                               right_bound=None, out=out, stats=st)
+
+
 def _compile_or_skip(d, causal, pingpong):
     if not HAS_TRITON:
         pytest.skip("triton is not installed here")
