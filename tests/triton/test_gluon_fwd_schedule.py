@@ -17,6 +17,15 @@ import torch
 BN = 128
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Thousands of tiny float64 products: one thread is several times faster than a contended pool."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _step(acc, m, l, q, k, v, rows, n0, skv, qk_scale, offset, rb, mask):
     """One KV block [n0, n0 + BN) for query rows `rows` (softmax_block + round_p + acc * alpha + P V)."""
     cols = n0 + torch.arange(BN)
