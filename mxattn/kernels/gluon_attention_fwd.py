@@ -1,0 +1,596 @@
+"""Hopper (sm_90a) Gluon MXFP8 attention forward, warp-specialised (issue 24), default recipe only.
+
+First scope: dense batches (any [B, H, S, D] strides with a unit stride along D: bhsd or bshd views), no mask or
+a causal band (top-left or a dense caller's offset; `right_bound` any int), head dims 64 and 128, MHA and GQA,
+bf16 output and fp32 stats. It reads the operands of the Triton forward's FP8 data path
+(`triton_attention_fwd.attention_fwd` with k_scale given): Q and K row-wise E4M3 with compact E8M0 scales, V
+column-wise seq-major (`SeqMajorColumns`), and computes the same numbers:
+
+* every operand tile is dequantized exactly to BF16 (`_dequant_chunk`: the integer E4M3 -> BF16 expansion and the
+  two BF16 power-of-two factors of `triton_common.dequant_rows`), never written to HBM in bf16;
+* S = Q K^T on the BF16 tensor cores (wgmma, fp32 accumulation), the online softmax in base 2 over 128-wide KV
+  blocks in ascending order, with `softmax_block`'s arithmetic (running max, alpha = exp2(m_old - m_new),
+  P * 256 = exp2(s * scale - (m - 8)), sums of the unrounded P);
+* P * 256 rounded to E4M3 (`round_p_to_bf16`'s conversion sequence) and O += P V on the tensor cores (A from
+  registers), the accumulator rescaled by alpha first; O = acc / l and stats = (m + log2 l - 8) ln 2.
+
+Structure (FlashAttention-3's): a CTA owns BLOCK_M = 128 query rows of one (batch, query head); three partitions
+of one warpgroup (4 warps) each (`gl.warp_specialize`, 384 threads, setmaxnreg 240 / 232 / 32):
+
+* two consumer warpgroups (the default partition and a worker), 64 rows each: Q's rows dequantized once into
+  registers (the wgmma A operand); per KV block j: wait for the block's bf16 K and V tiles ("ready"), issue
+  S_j = Q K_j^T and O += P_{j-1} V_{j-1} (async wgmma, P from registers), take S_j, run the softmax of block j
+  under the P V GEMM, then release block j - 1's stage ("empty", one arrival per warpgroup) and rescale O by
+  alpha_j. With PINGPONG the two warpgroups alternate their GEMM issues (mbarrier "turns"), so one's softmax runs
+  under the other's GEMMs. Whole blocks run a loop without mask code, the Skv tail and the causal diagonal a
+  masked one. Epilogue in registers.
+* the producer warpgroup (few registers): TMA loads (4-D descriptors, any bhsd/bshd strides) of the FP8 K tile
+  [BN, D] and V tile [D, BN] (V is seq-major, so the tile is V^T with keys contiguous) into a ring of NF stages
+  (mbarrier with expected bytes); the E8M0 scales of the next block prefetched into registers, then shared
+  memory; both tiles dequantized in 32-row chunks into a ring of NS bf16 stages in NVMMA-swizzled shared memory
+  (the wgmma B operands, K^T and V as permuted views); async-proxy fence, partition barrier, "ready".
+
+The protocol (rings, releases, turns) is simulated under random interleavings in
+tests/triton/test_gluon_fwd_protocol.py; the bf16 ring needs NS >= 2 (a consumer holds block j - 1's V stage while
+it reads block j's K).
+
+Numerics: the same operations in the same order as the Triton kernel per element, with the same wgmma shapes
+(m64n128k16 for S, n = D for P V, each row inside one warp); any difference left is in the last bit of an FP32
+sum, which bounds the difference of O to about one bf16 ulp (tests/triton/test_gluon_fwd_gpu.py).
+"""
+
+from typing import Optional
+
+import torch
+import triton
+from triton.runtime.jit import constexpr_function
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
+
+#: KV block of the online softmax (fixed by the recipe) and the query rows of one CTA (two consumer warpgroups)
+BLOCK_N = 128
+BLOCK_M = 128
+#: warps of each partition (two consumer warpgroups, one producer warpgroup)
+PARTITION_WARPS = 4
+#: registers per thread (setmaxnreg) of the second consumer warpgroup and of the producer; the default partition
+#: (the first consumer warpgroup) gets what is left of the 504 a thread of each of the three warpgroups has
+CONSUMER_REGS = 232
+PRODUCER_REGS = 32
+#: (bf16 stages, fp8 stages) of the rings by head dim: D128 bf16 K+V = 64 KiB a stage, fp8 = 32 KiB
+STAGES = {64: (3, 3), 128: (2, 2)}
+#: the two consumer warpgroups alternate their GEMM issues (FA3's ping-pong) by default; config can turn it off
+PINGPONG = True
+#: rows of one dequantization chunk in the producer (bounds its registers)
+CHUNK_ROWS = 32
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+LOG2E = 1.4426950408889634
+LN2 = gl.constexpr(0.6931471805599453)
+LOG2_PS = gl.constexpr(8.0)
+#: the consumer warpgroups' indices (rows [64 WG, 64 WG + 64) of the CTA's tile)
+WG0 = gl.constexpr(0)
+WG1 = gl.constexpr(1)
+
+
+# --------------------------------------------------------------------------- element helpers (triton_common's)
+@gluon.jit
+def _e4m3_to_bf16_biased(x):
+    """uint8 E4M3 patterns -> bf16 x * 2^-120, exactly (integer ops; triton_common.e4m3_to_bf16_biased)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 lo, hi;
+        prmt.b32 lo, $2, 0, 0x9180;
+        prmt.b32 hi, $2, 0, 0xB3A2;
+        shl.b32 lo, lo, 4;
+        shl.b32 hi, hi, 4;
+        and.b32 $0, lo, 0x87F087F0;
+        and.b32 $1, hi, 0x87F087F0;
+        }""",
+        constraints="=r,=r,r", args=[x], dtype=gl.bfloat16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _round_p_to_bf16(p):
+    """fp32 p in [0, 448] -> bf16 E4M3(p) (RNE, saturating; triton_common.round_p_to_bf16)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 h;
+        .reg .b32 w, t, c;
+        cvt.rn.satfinite.e4m3x2.f32 h, $2, $1;
+        cvt.rn.f16x2.e4m3x2 w, h;
+        shr.b32 t, w, 3;
+        mov.b32 c, 0x77807780;
+        mul.rn.bf16x2 $0, t, c;
+        }""",
+        constraints="=r,r,r", args=[p], dtype=gl.bfloat16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _dequant3(x, s):
+    """x uint8 E4M3 [R, C // 32, 32], s uint8 E8M0 [R, C // 32] (SliceLayout(2, x's)) -> bf16 [R, C // 32, 32]:
+    e4m3_to_bf16_biased(x) * f1 * f2 as triton_common.dequant_rows (f1 = 2^(min(e, 134) - 7), f2 the rest, NaN
+    for e = 255)."""
+    e = s.to(gl.int16)
+    f1 = ((gl.minimum(e, 134) + 120) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    f2 = gl.where(e == 255, 0x7FC0, (gl.maximum(e, 134) - 7) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    y = _e4m3_to_bf16_biased(x)
+    return y * gl.expand_dims(f1, 2) * gl.expand_dims(f2, 2)
+
+
+@constexpr_function
+def _chunk_layouts(C, warps):
+    """(2-D, 3-D) blocked layouts of a [rows, C] FP8 chunk, 16 contiguous bytes per thread along C, the 3-D one the
+    [rows, C // 32, 32] view with the same thread mapping (one MX block = two threads)."""
+    tc = C // 16
+    l2 = gl.BlockedLayout([1, 16], [32 // tc, tc], [warps, 1], [1, 0])
+    l3 = gl.BlockedLayout([1, 1, 16], [32 // tc, C // 32, 2], [warps, 1, 1], [2, 1, 0])
+    return l2, l3
+
+
+@gluon.jit
+def _dequant_chunk(src, dst, sc, r0, CH: gl.constexpr, C: gl.constexpr, num_warps: gl.constexpr):
+    """Rows [r0, r0 + CH) of the FP8 tile `src` (shared, [R, C], E8M0 scales along C in blocks of 32: `sc`, shared
+    [R, C // 32] u8) dequantized into the same rows of the bf16 tile `dst` (shared, NVMMA)."""
+    l2: gl.constexpr = _chunk_layouts(C, num_warps)[0]
+    l3: gl.constexpr = _chunk_layouts(C, num_warps)[1]
+    x = src.slice(r0, CH, dim=0).load(l2)
+    x3 = gl.convert_layout(gl.reshape(x.to(gl.uint8, bitcast=True), [CH, C // 32, 32]), l3)
+    s = sc.slice(r0, CH, dim=0).load(gl.SliceLayout(2, l3))
+    y = gl.reshape(_dequant3(x3, s), [CH, C])
+    dst.slice(r0, CH, dim=0).store(y)
+
+
+@constexpr_function
+def _scale_layout(R, C, warps):
+    """Blocked layout of an [R, C] u8 scale tile read from global memory by `warps` warps (C contiguous)."""
+    tc = min(C, 32)
+    return gl.BlockedLayout([1, 1], [32 // tc, tc], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _load_scales(KS, VS, ks_base, vs_base, skss, svss, n0, SKV, BN: gl.constexpr, D: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """E8M0 scales of KV block n0 from global memory: K's [BN, D/32] (rows past SKV read as 127) and V's
+    [BN/32, D] (blocks starting past SKV read as 127), in blocked layouts (stored to shared memory later)."""
+    lk: gl.constexpr = _scale_layout(BN, D // 32, num_warps)
+    lv: gl.constexpr = _scale_layout(BN // 32, D, num_warps)
+    kr = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, lk))
+    kc = gl.arange(0, D // 32, layout=gl.SliceLayout(0, lk))
+    k_ok = gl.expand_dims(kr < SKV, 1) & gl.expand_dims(kc >= 0, 0)
+    ks = gl.load(ks_base + gl.expand_dims(kr * skss, 1) + gl.expand_dims(kc, 0), mask=k_ok, other=127)
+    vr = n0 // 32 + gl.arange(0, BN // 32, layout=gl.SliceLayout(1, lv))
+    vc = gl.arange(0, D, layout=gl.SliceLayout(0, lv))
+    v_ok = gl.expand_dims(vr * 32 < SKV, 1) & gl.expand_dims(vc >= 0, 0)
+    vs = gl.load(vs_base + gl.expand_dims(vr * svss, 1) + gl.expand_dims(vc, 0), mask=v_ok, other=127)
+    return ks, vs
+
+
+# --------------------------------------------------------------------------- partitions
+@gluon.jit
+def _tile_of_program(HQ, HAS_RB: gl.constexpr):
+    """(query tile, b, hq) of this program; causal-style bands number programs heaviest tile first
+    (triton_common.program_prologue's BY_TILE)."""
+    tile = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    if HAS_RB:
+        n_tiles = gl.num_programs(0)
+        n_bh = gl.num_programs(1)
+        linear = pid_bh * n_tiles + tile
+        tile = n_tiles - 1 - linear // n_bh
+        pid_bh = linear % n_bh
+    return tile, pid_bh // HQ, pid_bh % HQ
+
+
+@gluon.jit
+def _kv_blocks(m0, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """Number of KV blocks the CTA's query rows [m0, m0 + BM) meet (from block 0)."""
+    hi = SKV
+    if HAS_RB:
+        hi = gl.minimum(SKV, gl.maximum(m0 + BM + offset + RB, 0))
+    return gl.cdiv(hi, BN)
+
+
+@gluon.jit
+def _issue_tma(k_desc, v_desc, k8, v8, bar, b, hk, n0, BN: gl.constexpr, D: gl.constexpr):
+    mbarrier.expect(bar, BN * D * 2)  # one FP8 K tile and one FP8 V tile
+    tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], bar, k8)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, 0, n0], bar, v8)
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready, empty,
+              sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SKV, offset, RB,
+              HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+              NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr):
+    """The producer warpgroup: TMA of FP8 K/V tiles NF blocks ahead, their scales one block ahead (registers,
+    then shared memory), dequantization into the bf16 ring (stage s = j % NS) once the consumers freed it."""
+    nw: gl.constexpr = gl.num_warps()
+    tile, b, hq = _tile_of_program(HQ, HAS_RB)
+    hk = hq // GROUP
+    m0 = tile * BM
+    n_blk = _kv_blocks(m0, SKV, offset, RB, HAS_RB, BM, BN)
+    b64 = b.to(gl.int64)
+    hk64 = hk.to(gl.int64)
+    ks_base = KS + b64 * sksb + hk64 * sksh
+    vs_base = VS + b64 * svsb + hk64 * svsh
+    for i in gl.static_range(NF):
+        if i < n_blk:
+            _issue_tma(k_desc, v_desc, k8.index(i), v8.index(i), fp8_ready.index(i), b, hk, i * BN, BN, D)
+    ks_next, vs_next = _load_scales(KS, VS, ks_base, vs_base, skss, svss, 0, SKV, BN, D, nw)
+    for j in range(n_blk):
+        f = j % NF
+        s = j % NS
+        ksc.store(ks_next)  # this block's scales (the previous block's dequantization is done: barrier below)
+        vsc.store(vs_next)
+        ks_next, vs_next = _load_scales(KS, VS, ks_base, vs_base, skss, svss, (j + 1) * BN, SKV, BN, D, nw)
+        gl.thread_barrier()
+        mbarrier.wait(fp8_ready.index(f), (j // NF) & 1)
+        mbarrier.wait(empty.index(s), ((j // NS) & 1) ^ 1)  # passes at once on a fresh barrier (first round)
+        k_src = k8.index(f).reshape([BN, D])
+        v_src = v8.index(f).reshape([D, BN])
+        for c in gl.static_range(BN // CH):  # K [BN, D]: scales along D, one row per key
+            _dequant_chunk(k_src, kb.index(s), ksc, c * CH, CH, D, nw)
+        vsc_t = vsc.permute((1, 0))
+        for c in gl.static_range(D // CH):  # V^T [D, BN]: scales along the keys ([BN/32, D] in shared memory)
+            _dequant_chunk(v_src, vb.index(s), vsc_t, c * CH, CH, BN, nw)
+        fence_async_shared()  # the generic-proxy stores before the consumers' wgmma (async proxy) reads
+        gl.thread_barrier()  # every producer warp done with stage s, FP8 stage f and the scales
+        mbarrier.arrive(ready.index(s), count=1)
+        jn = j + NF
+        if jn < n_blk:  # refill FP8 stage f
+            _issue_tma(k_desc, v_desc, k8.index(f), v8.index(f), fp8_ready.index(f), b, hk, jn * BN, BN, D)
+
+
+@gluon.jit
+def _softmax_step(qk, m_i, l_i, rows, cols0, n0, m0, SKV, offset, RB, qk_scale, HAS_RB: gl.constexpr,
+                  BN: gl.constexpr, p_op: gl.constexpr, MASK: gl.constexpr = True):
+    """One KV block (keys [n0, n0 + BN)) of the online softmax, triton_common.softmax_block's arithmetic for the
+    default recipe: the masked logits qk (keys past SKV; with HAS_RB keys above the diagonal col > row + offset +
+    RB; only blocks that need it are masked), running max (log2 units), alpha, P * 256 and the running sum of the
+    unrounded P -> (E4M3(P * 256) as bf16 in the P V GEMM's A layout p_op, alpha, new max, new sum). m0: the
+    first query row of the warpgroup's tile. MASK False: the caller knows every element of the block is kept (no
+    mask code at all; masking such a block would change nothing)."""
+    need_mask = n0 + BN > SKV
+    if HAS_RB:
+        need_mask = need_mask | (n0 + BN - 1 > m0 + offset + RB)
+    if MASK and need_mask:
+        cols = n0 + cols0
+        keep = gl.expand_dims(cols < SKV, 0)
+        if HAS_RB:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + offset + RB)
+        qk = gl.where(keep, qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_use - LOG2_PS, 1))  # P * 256
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return gl.convert_layout(_round_p_to_bf16(p), p_op), alpha, m_new, l_i
+
+
+@gluon.jit
+def _turn_wait(turn, WG: gl.constexpr, e, PINGPONG: gl.constexpr):
+    """Ping-pong (FlashAttention-3's inter-warpgroup schedule): before its e-th GEMM issue, consumer warpgroup WG
+    waits for the other warpgroup's (e - 1 + WG)-th issue, so the two alternate on the tensor cores and one's
+    softmax runs under the other's GEMMs. WG 0's first wait passes at once (parity 1 on a fresh barrier)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), (e + 1 - WG) & 1)
+
+
+@gluon.jit
+def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: after issuing its GEMMs, warpgroup WG hands the turn to the other one."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV, offset, RB, qk_scale, s_zero,
+             HAS_RB: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
+             MASK: gl.constexpr, p_op: gl.constexpr, row_o: gl.constexpr):
+    """KV block j >= 1 of a consumer warpgroup: S_j = Q K_j^T issued with O += P_{j-1} V_{j-1} (acc already
+    rescaled by block j - 1's alpha), the softmax of block j under the latter, stage (j - 1) % NS released, O
+    rescaled by alpha_j -> (P_j rounded, O, m, l)."""
+    s = j % NS
+    sp = (j - 1) % NS
+    mbarrier.wait(ready.index(s), (j // NS) & 1)
+    _turn_wait(turn, WG, j, PINGPONG)
+    qk_t = warpgroup_mma(q, kb.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    acc_t = warpgroup_mma(pq, vb.index(sp).permute((1, 0)), acc, is_async=True)
+    _turn_pass(turn, WG, PINGPONG)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
+    pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, j * BN, m0, SKV, offset, RB, qk_scale, HAS_RB,
+                                        BN, p_op, MASK)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, ))
+    gl.thread_barrier()  # the warpgroup is done with stage (j - 1) % NS
+    mbarrier.arrive(empty.index(sp), count=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    return pq, acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
+              sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
+              HQ, SQ, SKV, qk_scale, offset, RB,
+              HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
+              PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Consumer warpgroup WG (4 warps) of the CTA: query rows [tile * BM + 64 WG, + 64). Q dequantized into
+    registers, then per KV block S = Q K^T, the online softmax, P rounding and O = O * alpha + P V; the epilogue
+    writes its rows of O (bf16) and of the stats. The S GEMM of block j is issued together with the P V GEMM of
+    block j - 1, and the softmax of block j runs under the latter (FlashAttention-3's intra-warpgroup overlap);
+    with PINGPONG the two warpgroups also alternate their GEMM issues (`_turn_wait`). The arithmetic and its
+    order per element are unchanged."""
+    nw: gl.constexpr = gl.num_warps()
+    BMW: gl.constexpr = BM // 2  # two consumer warpgroups of 4 warps
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, D, 16])
+    q_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    tile, b, hq = _tile_of_program(HQ, HAS_RB)
+    m_cta = tile * BM
+    m0 = m_cta + WG * BMW
+    b64 = b.to(gl.int64)
+    hq64 = hq.to(gl.int64)
+
+    # Q [BMW, D] FP8 + scales -> bf16 registers (the S GEMM's A operand)
+    lq: gl.constexpr = _chunk_layouts(D, nw)[1]
+    lqs: gl.constexpr = gl.SliceLayout(2, lq)
+    qr = m0 + gl.arange(0, BMW, layout=gl.SliceLayout(1, lqs))
+    qb = gl.arange(0, D // 32, layout=gl.SliceLayout(0, lqs))
+    qe = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, lq)))
+    q_ok2 = gl.expand_dims(qr < SQ, 1) & gl.expand_dims(qb >= 0, 0)
+    q_offs2 = gl.expand_dims(qr.to(gl.int64) * sqs, 1) + gl.expand_dims(qb * 32, 0)
+    q_offs = gl.expand_dims(q_offs2, 2) + gl.expand_dims(gl.expand_dims(qe, 0), 1)
+    q_ok = gl.expand_dims(q_ok2, 2) & gl.expand_dims(gl.expand_dims(qe >= 0, 0), 1)
+    q8 = gl.load(Q.cast(gl.pointer_type(gl.uint8)) + b64 * sqb + hq64 * sqh + q_offs, mask=q_ok, other=0)
+    qsc = gl.load(QS + b64 * sqsb + hq64 * sqsh + gl.expand_dims(qr.to(gl.int64) * sqss, 1)
+                  + gl.expand_dims(qb, 0), mask=q_ok2, other=127)
+    q = gl.convert_layout(gl.reshape(_dequant3(q8, qsc), [BMW, D]), q_op)
+
+    rows = m0 + gl.arange(0, BMW, layout=row_s)
+    cols0 = gl.arange(0, BN, layout=col_s)
+    m_i = gl.full([BMW], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BMW], gl.float32, row_s)
+    acc = gl.zeros([BMW, D], gl.float32, o_layout)
+    s_zero = gl.zeros([BMW, BN], gl.float32, s_layout)
+
+    n_blk = _kv_blocks(m_cta, SKV, offset, RB, HAS_RB, BM, BN)
+    if n_blk > 0:
+        mbarrier.wait(ready.index(0), 0)
+        _turn_wait(turn, WG, 0, PINGPONG)
+        qk_t = warpgroup_mma(q, kb.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, ))
+        pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, 0, m0, SKV, offset, RB, qk_scale, HAS_RB,
+                                            BN, p_op)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        # blocks [1, n_full) are kept whole for every row of the warpgroup (no mask code), the rest need the mask
+        n_full = gl.minimum(n_blk, SKV // BN)
+        if HAS_RB:
+            n_full = gl.minimum(n_full, gl.maximum(m0 + offset + RB + 1, 0) // BN)
+        for j in range(1, n_full):
+            pq, acc, m_i, l_i = _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV,
+                                         offset, RB, qk_scale, s_zero, HAS_RB, BN, NS, PINGPONG, WG, False, p_op,
+                                         row_o)
+        for j in range(gl.maximum(n_full, 1), n_blk):
+            pq, acc, m_i, l_i = _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV,
+                                         offset, RB, qk_scale, s_zero, HAS_RB, BN, NS, PINGPONG, WG, True, p_op,
+                                         row_o)
+        sl = (n_blk - 1) % NS
+        _turn_wait(turn, WG, n_blk, PINGPONG)
+        acc_t = warpgroup_mma(pq, vb.index(sl).permute((1, 0)), acc, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, ))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(sl), count=1)
+
+    has = l_i != 0.0
+    denom = gl.where(has, l_i, 1.0)
+    has_o = gl.convert_layout(has, row_o)
+    o = gl.where(gl.expand_dims(has_o, 1), acc / gl.expand_dims(gl.convert_layout(denom, row_o), 1), 0.0)
+    lse = gl.where(has, (m_i + gl.log2(denom) - LOG2_PS) * LN2, float("-inf"))
+    rows_o = m0 + gl.arange(0, BMW, layout=row_o)
+    offs_d = gl.arange(0, D, layout=col_o)
+    o_ptrs = O + b64 * sob + hq64 * soh + gl.expand_dims(rows_o.to(gl.int64) * sos, 1) + gl.expand_dims(offs_d, 0)
+    gl.store(o_ptrs, o.to(gl.bfloat16), mask=gl.expand_dims(rows_o < SQ, 1) & gl.expand_dims(offs_d >= 0, 0))
+    gl.store(LSE + b64 * slb + hq64 * slh + rows.to(gl.int64) * sls, lse, mask=rows < SQ)
+
+
+@gluon.jit
+def _gluon_attn_fwd_kernel(
+        Q, QS, k_desc, KS, v_desc, VS, O, LSE,
+        sqb, sqh, sqs, sqsb, sqsh, sqss,
+        sksb, sksh, skss, svsb, svsh, svss,
+        sob, soh, sos, slb, slh, sls,
+        HQ, GROUP, SQ, SKV, qk_scale, offset, RB,
+        HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+        NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr):
+    """Grid (cdiv(SQ, BM), B * HQ), 4 warps per partition: consumer warpgroup 0 (the default partition),
+    consumer warpgroup 1 and the producer (workers). Q [B,HQ,SQ,D] e4m3 (strides sqb, sqh, sqs, unit along D)
+    with scales QS [B,HQ,SQ,D/32] u8; k_desc a TMA descriptor of K [B,HKV,SKV,D] e4m3 (block [1,1,BN,D]) with
+    scales KS [B,HKV,SKV,D/32]; v_desc one of V's seq-major data [B,HKV,D,L] e4m3 (block [1,1,D,BN]) with
+    scales VS [B,HKV,L/32,D]; O [B,HQ,SQ,D] bf16, LSE [B,HQ,SQ,1] fp32. HAS_RB: causal-style band (keys kept
+    where col <= row + offset + RB)."""
+    k8 = gl.allocate_shared_memory(gl.float8e4nv, [NF, 1, 1, BN, D], k_desc.layout)
+    v8 = gl.allocate_shared_memory(gl.float8e4nv, [NF, 1, 1, D, BN], v_desc.layout)
+    kb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
+    vb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BN], gl.bfloat16)
+    kb = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D], kb_layout)
+    vb = gl.allocate_shared_memory(gl.bfloat16, [NS, D, BN], vb_layout)
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    ksc = gl.allocate_shared_memory(gl.uint8, [BN, D // 32], plain)
+    vsc = gl.allocate_shared_memory(gl.uint8, [BN // 32, D], plain)
+    fp8_ready = gl.allocate_shared_memory(gl.int64, [NF, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(NF):
+        mbarrier.init(fp8_ready.index(i), count=1)
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
+                     sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
+                     HQ, SQ, SKV, qk_scale, offset, RB, HAS_RB, BM, BN, D, NS, PINGPONG, WG0)),
+        (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
+                     sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
+                     HQ, SQ, SKV, qk_scale, offset, RB, HAS_RB, BM, BN, D, NS, PINGPONG, WG1)),
+        (_producer, (k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready, empty,
+                     sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SKV, offset, RB,
+                     HAS_RB, BM, BN, D, NS, NF, CH)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+    for i in gl.static_range(2):
+        mbarrier.invalidate(turn.index(i))
+    for i in gl.static_range(NF):
+        mbarrier.invalidate(fp8_ready.index(i))
+    for i in gl.static_range(NS):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+# --------------------------------------------------------------------------- host side
+def tma_layouts(d: int):
+    """(K tile layout, V^T tile layout) of the FP8 TMA descriptors at head dim d (blocks [1,1,BN,D], [1,1,D,BN])."""
+    return (gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, d], gl.float8e4nv),
+            gl.NVMMASharedLayout.get_default_for([1, 1, d, BLOCK_N], gl.float8e4nv))
+
+
+def unsupported_reason(q_data, k_scale, v, *, left_bound=None, seq=None, bottom_right=False, sink=None,
+                       flags: KernelRecipe = DEFAULT_FLAGS, out=None) -> Optional[str]:
+    """None where `attention_fwd_gluon` runs the call, else why not (one sentence)."""
+    if flags != DEFAULT_FLAGS:
+        return "the Gluon forward runs the default recipe only"
+    if k_scale is None:
+        return "the Gluon forward reads FP8 K/V (k_scale given), not their bf16 dequantizations"
+    if seq is not None or bottom_right:
+        return "the Gluon forward takes dense batches only (no seq / bottom_right)"
+    if sink is not None:
+        return "the Gluon forward has no attention sinks yet"
+    if left_bound is not None:
+        return "the Gluon forward takes no left bound (sliding window) yet"
+    if q_data.shape[3] not in SUPPORTED_HEAD_DIMS:
+        return f"the Gluon forward takes head dims {SUPPORTED_HEAD_DIMS}, got {q_data.shape[3]}"
+    if out is not None and out.dtype != torch.bfloat16:
+        return f"the Gluon forward writes bf16 O, got {out.dtype}"
+    if isinstance(v, torch.Tensor) or not isinstance(getattr(v, "data", None), torch.Tensor):
+        return "v must be V's column-wise copy as SeqMajorColumns"
+    return None
+
+
+def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
+                        offset: int, left_bound, right_bound, out: torch.Tensor, stats: torch.Tensor,
+                        config=None, seq=None, bottom_right: bool = False, sink: Optional[torch.Tensor] = None,
+                        flags: KernelRecipe = DEFAULT_FLAGS) -> None:
+    """Launch the Gluon forward: `triton_attention_fwd.attention_fwd`'s arguments on its FP8 data path.
+
+    q_data [B,Hq,Sq,D] float8_e4m3fn, q_scale [B,Hq,Sq,D/32] E8M0 (uint8 or float8_e8m0fnu bytes), row-wise;
+    k_data [B,Hkv,Skv,D] e4m3 and k_scale [B,Hkv,Skv,D/32] likewise; v V's column-wise copy as `SeqMajorColumns`
+    (data [B,Hkv,D,L] e4m3, unit stride along L, scales [B,Hkv,L/32,D]). Any strides with a unit stride along the
+    last axis (bhsd or bshd views); FP8 data 16-byte aligned with 16-byte multiple strides (TMA). out [B,Hq,Sq,D]
+    bf16, stats [B,Hq,Sq,1] fp32 (natural log-sum-exp, -inf for rows without keys). offset: the diagonal
+    offset (0 top-left); right_bound None (no mask) or an int (causal: 0); Hq a multiple of Hkv (GQA).
+    config: optional (bf16 stages >= 2, fp8 stages[, pingpong]) override (benchmark sweeps, A/B of the schedule).
+    Raises ValueError for what it does not take: left_bound, seq (varlen), bottom_right, sink, head dims other
+    than 64/128, non-default recipes, bf16 K/V, non-bf16 out, FP8 data TMA cannot address.
+    """
+    reason = unsupported_reason(q_data, k_scale, v, left_bound=left_bound, seq=seq, bottom_right=bottom_right,
+                                sink=sink, flags=flags, out=out)
+    if reason is not None:
+        raise ValueError(reason)
+    B, HQ, SQ, D = q_data.shape
+    HKV, SKV = k_data.shape[1], k_data.shape[2]
+    if HKV == 0 or HQ % HKV:
+        raise ValueError(f"q heads ({HQ}) must be a multiple of k/v heads ({HKV})")
+    v_data, vs = v.data, v.scale.view(torch.uint8)
+    L = v_data.shape[3]
+    if tuple(v_data.shape) != (B, HKV, D, L) or L < SKV or L % 32 or tuple(vs.shape) != (B, HKV, L // 32, D):
+        raise ValueError(f"v.data must be [{B}, {HKV}, {D}, L >= {SKV}] (L a multiple of 32) and v.scale "
+                         f"[{B}, {HKV}, L/32, {D}], got {tuple(v_data.shape)} and {tuple(vs.shape)}")
+    qs, ks = q_scale.view(torch.uint8), k_scale.view(torch.uint8)
+    for name, t in (("q_data", q_data), ("q_scale", qs), ("k_data", k_data), ("k_scale", ks), ("v.data", v_data),
+                    ("v.scale", vs), ("out", out)):
+        if t.shape[3] > 1 and t.stride(3) != 1:
+            raise ValueError(f"{name} must have unit stride along its last axis, got strides {tuple(t.stride())}")
+    if SKV == 0:  # no key: the Triton forward's O = 0 and stats = -inf (TMA cannot describe an empty tensor)
+        out.zero_()
+        stats.fill_(float("-inf"))
+        return
+    for name, t in (("k_data", k_data), ("v.data", v_data)):
+        if t.data_ptr() % 16 or any(s % 16 for s in t.stride()[:3]):
+            raise ValueError(f"{name} must be 16-byte aligned with strides multiple of 16 bytes (TMA), got "
+                             f"strides {tuple(t.stride())}")
+    if B * HQ == 0 or SQ == 0:
+        return
+    ns, nf, pingpong = (*STAGES[D], PINGPONG) if config is None else (*config, PINGPONG)[:3]
+    if ns < 2 or nf < 1:
+        raise ValueError(f"config needs at least two bf16 stages and one fp8 stage (a consumer holds block j - 1's V "
+                         f"stage while it reads block j's K), got {ns} and {nf}")
+    k_layout, v_layout = tma_layouts(D)
+    k_desc = TensorDescriptor(k_data, list(k_data.shape), list(k_data.stride()), [1, 1, BLOCK_N, D], k_layout)
+    v_desc = TensorDescriptor(v_data, list(v_data.shape), list(v_data.stride()), [1, 1, D, BLOCK_N], v_layout)
+    has_rb = right_bound is not None
+    if B * HQ > 65535:
+        raise ValueError(f"{B} x {HQ} (batch x query heads) programs exceed the CUDA grid's y limit 65535; "
+                         "split the batch")
+    grid = (triton.cdiv(SQ, BLOCK_M), B * HQ)
+    _gluon_attn_fwd_kernel[grid](
+        q_data, qs, k_desc, ks, v_desc, vs, out, stats,
+        *q_data.stride()[:3], *qs.stride()[:3],
+        *ks.stride()[:3], *vs.stride()[:3],
+        *out.stride()[:3], *stats.stride()[:3],
+        HQ, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, int(offset), int(right_bound) if has_rb else 0,
+        HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=D, NS=ns, NF=nf, CH=CHUNK_ROWS, PINGPONG=pingpong,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=PARTITION_WARPS)
+
+
+#: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
+#: every stride except the K/Q scale rows' (D / 32 bytes) and the stats' row stride (1)
+DIVISIBLE_INTS = ("sqb", "sqh", "sqs", "sqsb", "sqsh", "sksb", "sksh", "svsb", "svsh", "svss", "sob", "soh", "sos",
+                  "slb", "slh", "SQ", "SKV")
+
+
+def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
+                 pingpong: bool = None):
+    """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel (asm:
+    ttgir, llir, ptx, cubin; metadata: shared memory). Pointers and DIVISIBLE_INTS as the launcher sees them in a
+    typical call (16-byte aligned, multiples of 16); the stats' row stride stays a run-time i32 (the launcher
+    specialises a 1 to a constant)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+    fn = _gluon_attn_fwd_kernel
+    ns, nf = stages if stages is not None else STAGES[d]
+    k_layout, v_layout = tma_layouts(d)
+    types = dict(Q="*fp8e4nv", QS="*u8", KS="*u8", VS="*u8", O="*bf16", LSE="*fp32", qk_scale="fp32",
+                 k_desc=f"tensordesc<fp8e4nv[1, 1, {BLOCK_N}, {d}],{k_layout!r}>",
+                 v_desc=f"tensordesc<fp8e4nv[1, 1, {d}, {BLOCK_N}],{v_layout!r}>")
+    constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=d, NS=ns, NF=nf, CH=CHUNK_ROWS,
+                      PINGPONG=PINGPONG if pingpong is None else pingpong,
+                      CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
+    names = fn.arg_names
+    signature = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
+    divisible = [n for n, t in signature.items() if t.startswith("*")] + list(DIVISIBLE_INTS)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(c),): v for c, v in constexprs.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=PARTITION_WARPS))
+
+
+__all__ = ["attention_fwd_gluon", "unsupported_reason", "compile_sm90", "BLOCK_M", "BLOCK_N", "STAGES"]

@@ -1,0 +1,198 @@
+"""The Gluon Hopper forward (`mxattn.kernels.gluon_attention_fwd`, issue 24) against the Triton forward on identical
+quantized operands, on an sm_90 GPU; and, on any machine with Triton, that the kernel compiles for sm_90a
+without register spills.
+
+Both kernels read the same bytes (the fused quantizer's Q and K row-wise copies and V's seq-major column-wise
+copy, i.e. the Triton forward's FP8 data path) and run the same arithmetic per element; only the FP32 sums of the
+tensor-core products and of the row sums may round differently, so O must agree within one bf16 ulp in >= 99.9%
+of its elements and the stats closely.
+"""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _quantized(B, HQ, HKV, S, D, layout, g):
+    """(q_data, q_scale, k_data, k_scale, v SeqMajorColumns) from the fused quantizer, laid out bhsd or (layout
+    "bshd") as [B, S, H, D] memory viewed as [B, H, S, D] (V's seq-major data as [B, D, H, L] memory)."""
+    from mxattn.kernels.triton_quantize import SeqMajorColumns, quantize_qkv
+    q, k, v = (torch.randn(B, h, S, D, device="cuda", generator=g).to(torch.bfloat16) for h in (HQ, HKV, HKV))
+    qq, kq, vq = quantize_qkv(q, k, v, dict(col=False), dict(col=False), dict(row=False, col_seq_major=True))
+    qd, qs, kd, ks, vsm = qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col_seq_major
+    if layout == "bshd":
+        def bshd(t):  # a byte copy (CUDA copies have no kernel for every float8 dtype)
+            return t.view(torch.uint8).transpose(1, 2).contiguous().transpose(1, 2).view(t.dtype)
+        qd, qs, kd, ks = bshd(qd), bshd(qs), bshd(kd), bshd(ks)
+        vsm = SeqMajorColumns(bshd(vsm.data), bshd(vsm.scale))
+        assert qd.stride(1) == D
+    return qd, qs, kd, ks, vsm
+
+
+def _outputs(B, HQ, S, D, layout):
+    if layout == "bshd":
+        out = torch.empty(B, S, HQ, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    else:
+        out = torch.empty(B, HQ, S, D, device="cuda", dtype=torch.bfloat16)
+    return out, torch.empty(B, HQ, S, 1, device="cuda", dtype=torch.float32)
+
+
+def _ordered_bf16(x: torch.Tensor) -> torch.Tensor:
+    """bf16 values as integers ordered like the values (neighbouring bf16 values differ by 1)."""
+    i = x.contiguous().view(torch.int16).to(torch.int32)
+    return torch.where(i < 0, -(i & 0x7FFF), i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("S", [1000, 2048])
+@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "free"])
+def test_gluon_fwd_matches_triton_fwd(D, causal, heads, layout, S, pingpong):
+    if not _is_hopper():
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    from mxattn.kernels import gluon_attention_fwd as gf, triton_attention_fwd as tf
+    g = torch.Generator(device="cuda").manual_seed(1234 + D + S + heads[1])
+    HQ, HKV = heads
+    B = 2
+    qd, qs, kd, ks, vsm = _quantized(B, HQ, HKV, S, D, layout, g)
+    kw = dict(softmax_scale=1.0 / math.sqrt(D), offset=0, left_bound=None, right_bound=0 if causal else None)
+    o_ref, s_ref = _outputs(B, HQ, S, D, layout)
+    tf.attention_fwd(qd, qs, kd, ks, vsm, out=o_ref, stats=s_ref, **kw)
+    o, st = _outputs(B, HQ, S, D, layout)
+    gf.attention_fwd_gluon(qd, qs, kd, ks, vsm, out=o, stats=st, config=(*gf.STAGES[D], pingpong), **kw)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all() and torch.isfinite(st).all()
+    ulps = (_ordered_bf16(o) - _ordered_bf16(o_ref)).abs()
+    share = (ulps <= 1).float().mean().item()
+    assert share >= 0.999, f"{share:.5f} of O within 1 bf16 ulp (max {ulps.max().item()} ulps)"
+    # elsewhere (values near zero, where an ulp is tiny) the difference stays at rounding level of O's scale
+    assert (o.float() - o_ref.float()).abs().max() <= 1e-2 * o_ref.float().abs().max()
+    torch.testing.assert_close(st, s_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gluon_fwd_offset_and_short_kv():
+    """A causal band with a dense caller's offset (bottom-right: Skv - Sq) and a KV length that is not a multiple
+    of the block (TMA zero fill past the end, scales 127 there)."""
+    if not _is_hopper():
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    from mxattn.kernels import gluon_attention_fwd as gf, triton_attention_fwd as tf
+    from mxattn.kernels.triton_quantize import quantize_qkv
+    g = torch.Generator(device="cuda").manual_seed(7)
+    B, H, SQ, SKV, D = 1, 4, 300, 777, 128
+    q = torch.randn(B, H, SQ, D, device="cuda", generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(B, H, SKV, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    qq, kq, vq = quantize_qkv(q, k, v, dict(col=False), dict(col=False), dict(row=False, col_seq_major=True))
+    for rb in (None, 0):
+        kw = dict(softmax_scale=0.1, offset=SKV - SQ, left_bound=None, right_bound=rb)
+        outs = []
+        for fn in (tf.attention_fwd, gf.attention_fwd_gluon):
+            o = torch.empty(B, H, SQ, D, device="cuda", dtype=torch.bfloat16)
+            st = torch.empty(B, H, SQ, 1, device="cuda", dtype=torch.float32)
+            fn(qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col_seq_major, out=o, stats=st, **kw)
+            outs.append((o, st))
+        torch.cuda.synchronize()
+        (o_ref, s_ref), (o, st) = outs
+        ulps = (_ordered_bf16(o) - _ordered_bf16(o_ref)).abs()
+        assert (ulps <= 1).float().mean().item() >= 0.999
+        torch.testing.assert_close(st, s_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gluon_fwd_refuses_unsupported_calls():
+    """The launcher's ValueErrors (checked before anything touches a GPU)."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed here")
+    from mxattn.kernels import gluon_attention_fwd as gf
+    from mxattn.kernels.recipe_flags import KernelRecipe
+    from mxattn.kernels.triton_quantize import SeqMajorColumns
+    q = torch.zeros(1, 2, 64, 128, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.zeros(1, 2, 64, 4, dtype=torch.uint8)
+    v = SeqMajorColumns(torch.zeros(1, 2, 128, 64, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                        torch.zeros(1, 2, 2, 128, dtype=torch.uint8))
+    out = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    st = torch.zeros(1, 2, 64, 1)
+    base = dict(softmax_scale=0.1, offset=0, left_bound=None, right_bound=None, out=out, stats=st)
+    cases = [(dict(left_bound=10), "left bound"), (dict(sink=torch.zeros(2)), "sinks"),
+             (dict(flags=KernelRecipe(p_mode=2)), "default recipe"), (dict(bottom_right=True), "dense"),
+             (dict(out=out.half()), "bf16 O")]
+    for extra, match in cases:
+        with pytest.raises(ValueError, match=match):
+            gf.attention_fwd_gluon(q, s, q, s, v, **{**base, **extra})
+    with pytest.raises(ValueError, match="bf16 dequantizations"):
+        gf.attention_fwd_gluon(q, s, q, None, v, **base)
+    q96 = torch.zeros(1, 2, 64, 96, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="head dims"):
+        gf.attention_fwd_gluon(q96, s, q96, s, v, **base)
+
+
+def test_gluon_fwd_no_keys_and_v_length():
+    """Skv = 0 gives the Triton forward's O = 0 and stats = -inf without a launch (TMA cannot describe an empty
+    tensor); a V length that is not a multiple of 32 is refused (the producer would read scale rows past v.scale)."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed here")
+    from mxattn.kernels import gluon_attention_fwd as gf
+    from mxattn.kernels.triton_quantize import SeqMajorColumns
+    q = torch.zeros(1, 2, 64, 128, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.zeros(1, 2, 64, 4, dtype=torch.uint8)
+    k0 = torch.zeros(1, 2, 0, 128, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    v0 = SeqMajorColumns(torch.zeros(1, 2, 128, 0, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                         torch.zeros(1, 2, 0, 128, dtype=torch.uint8))
+    out = torch.full((1, 2, 64, 128), 7.0, dtype=torch.bfloat16)
+    st = torch.zeros(1, 2, 64, 1)
+    gf.attention_fwd_gluon(q, s, k0, s[:, :, :0], v0, softmax_scale=0.1, offset=0, left_bound=None,
+                           right_bound=None, out=out, stats=st)
+    assert (out == 0).all() and (st == float("-inf")).all()
+    v48 = SeqMajorColumns(torch.zeros(1, 2, 128, 48, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                          torch.zeros(1, 2, 1, 128, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gf.attention_fwd_gluon(q, s, q[:, :, :40], s[:, :, :40], v48, softmax_scale=0.1, offset=0, left_bound=None,
+                               right_bound=None, out=out, stats=st)
+
+
+def _compile_or_skip(d, causal, pingpong):
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed here")
+    try:
+        from mxattn.kernels import gluon_attention_fwd as gf
+        return gf.compile_sm90(d, causal, pingpong=pingpong)
+    except ImportError as e:  # pragma: no cover - a Triton without GPU-target compilation or without Gluon
+        pytest.skip(f"cannot compile for sm_90a here: {e}")
+
+
+@pytest.mark.parametrize("d,causal,pingpong", [(64, False, True), (128, False, True), (128, True, True),
+                                               (128, True, False)])
+def test_gluon_fwd_compiles_for_sm90a_without_spills(d, causal, pingpong):
+    """The warp-specialised kernel builds for sm_90a with Triton's ptxas: no local memory (spills), the
+    producer/consumer register split (setmaxnreg), wgmma with A from registers, TMA loads, within the H100's
+    shared memory."""
+    import os
+    import subprocess
+    import tempfile
+    import triton
+    kernel = _compile_or_skip(d, causal, pingpong)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d" in ptx
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert kernel.metadata.shared <= 227 * 1024
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", path],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    assert "LOCAL:0" in usage and "STACK:0" in usage, usage
+    assert "STL" not in sass and "LDL" not in sass
