@@ -4,7 +4,8 @@ Forward: the fused Triton quantizer turns Q, K, V into row-wise and column-wise 
 launch for the three) and the forward kernel runs on Q/K row-wise and V column-wise. K and V reach it as their
 exact bf16 dequantizations written by the quantizer (scratch freed after the kernel; the faster path) or, for
 head dims above 128 and problems whose scratch would exceed its budget, as FP8 (V's column-wise copy
-seq-major) dequantized on chip (`fwd_streams_bf16` chooses). Q row+col, K row+col, V row are kept for backward
+seq-major) dequantized on chip (`fwd_streams_bf16` chooses); on Hopper the FP8 path runs the Gluon
+warp-specialised forward where it takes the call (`_gluon_forward`, same numbers). Q row+col, K row+col, V row are kept for backward
 (nothing without a backward).
 Backward: one prep pass computes delta = rowsum(O * dO) and, on the bf16-scratch path, quantizes dO both ways
 and dequantizes it and Q's copies to bf16 scratch; then the dK/dV kernel and the dQ kernel run (deterministic:
@@ -20,6 +21,7 @@ This module imports without triton or a GPU; the kernels are imported on first u
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -92,9 +94,52 @@ def _attend(like: torch.Tensor, q_data: torch.Tensor, q_scale: torch.Tensor, kv_
         else:
             stats.copy_(sink.view(1, -1, 1, 1).expand_as(stats))
     elif sq > 0 and B * hq > 0:
-        _kernels()[1].attention_fwd(q_data, q_scale, *kv_operands(), softmax_scale=params.softmax_scale, out=o,
-                                    stats=stats, sink=sink, flags=flags, **_mask_args(params, sq, skv))
+        k_data, k_scale, v = kv_operands()
+        kwargs = dict(softmax_scale=params.softmax_scale, out=o, stats=stats, sink=sink, flags=flags,
+                      **_mask_args(params, sq, skv))
+        gluon = None if k_scale is None else _gluon_forward(q_data.device)
+        if gluon is not None and gluon.unsupported_reason(
+                q_data, k_scale, v, k_data=k_data, left_bound=kwargs["left_bound"], seq=kwargs.get("seq"),
+                bottom_right=kwargs.get("bottom_right", False), sink=sink, flags=flags, out=o) is None:
+            _launcher().launched_elsewhere((B * hq,))  # a plan being recorded refuses: Gluon's own dispatcher
+            gluon.attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, **kwargs)
+        else:
+            _kernels()[1].attention_fwd(q_data, q_scale, k_data, k_scale, v, **kwargs)
     return o, stats
+
+
+#: the Gluon warp-specialised forward (`mxattn.kernels.gluon_attention_fwd`, issue 24) runs the forward's FP8
+#: data path on Hopper (SM 9.0) where it takes the call (default recipe, dense batches, no sink or sliding
+#: window, head dims 64/128, bf16 O): 1.3-1.7x the Triton forward on the same FP8 operands, the same numbers (the
+#: same operations per element; O equal bit for bit at the bench's four configs, within one bf16 ulp in the
+#: tests: H200, benchmarks/results/nvidia-h200/gluon_fwd/). The bf16-scratch path stays the Triton kernel's
+#: (faster still). MXATTN_GLUON_FWD=0 in the environment keeps the Triton forward everywhere.
+GLUON_FORWARD = os.environ.get("MXATTN_GLUON_FWD", "1") != "0"
+#: per CUDA device index: the Gluon forward's module where it runs there, else None (read once per device)
+_GLUON = {}
+
+
+def _gluon_forward(device: torch.device):
+    """`mxattn.kernels.gluon_attention_fwd` when its kernel can run on `device` (a CUDA SM 9.0 GPU, a Triton
+    with Gluon's Hopper API, GLUON_FORWARD on), else None."""
+    if not GLUON_FORWARD or device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _GLUON:
+        module = None
+        if torch.cuda.get_device_capability(index) == (9, 0):
+            try:
+                from ..kernels import gluon_attention_fwd as module
+            except ImportError:  # a Triton without Gluon's Hopper API: the Triton forward
+                module = None
+        _GLUON[index] = module
+    return _GLUON[index]
+
+
+def _launcher():
+    """mxattn.kernels.triton_launch, imported on first use."""
+    from ..kernels import triton_launch
+    return triton_launch
 
 
 def _bf16_scratch(x: MXFP8Tensor) -> torch.Tensor:

@@ -474,8 +474,10 @@ def tma_layouts(d: int):
 
 
 def unsupported_reason(q_data, k_scale, v, *, left_bound=None, seq=None, bottom_right=False, sink=None,
-                       flags: KernelRecipe = DEFAULT_FLAGS, out=None) -> Optional[str]:
-    """None where `attention_fwd_gluon` runs the call, else why not (one sentence)."""
+                       flags: KernelRecipe = DEFAULT_FLAGS, out=None, k_data=None) -> Optional[str]:
+    """None where `attention_fwd_gluon` runs the call, else why not (one sentence). With k_data given, also
+    whether TMA can address K's and V's FP8 bytes (16-byte aligned, strides multiples of 16 bytes) and the grid
+    fits CUDA's y limit: the checks a caller choosing between this kernel and another needs."""
     if flags != DEFAULT_FLAGS:
         return "the Gluon forward runs the default recipe only"
     if k_scale is None:
@@ -492,6 +494,14 @@ def unsupported_reason(q_data, k_scale, v, *, left_bound=None, seq=None, bottom_
         return f"the Gluon forward writes bf16 O, got {out.dtype}"
     if isinstance(v, torch.Tensor) or not isinstance(getattr(v, "data", None), torch.Tensor):
         return "v must be V's column-wise copy as SeqMajorColumns"
+    if k_data is not None:
+        for name, t in (("k_data", k_data), ("v.data", v.data)):
+            if t.data_ptr() % 16 or any(s % 16 for s in t.stride()[:3]):
+                return (f"{name} must be 16-byte aligned with strides multiple of 16 bytes (TMA), got strides "
+                        f"{tuple(t.stride())}")
+        if q_data.shape[0] * q_data.shape[1] > 65535:
+            return (f"{q_data.shape[0]} x {q_data.shape[1]} (batch x query heads) programs exceed the CUDA grid's "
+                    "y limit 65535; split the batch")
     return None
 
 
@@ -533,10 +543,9 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         out.zero_()
         stats.fill_(float("-inf"))
         return
-    for name, t in (("k_data", k_data), ("v.data", v_data)):
-        if t.data_ptr() % 16 or any(s % 16 for s in t.stride()[:3]):
-            raise ValueError(f"{name} must be 16-byte aligned with strides multiple of 16 bytes (TMA), got "
-                             f"strides {tuple(t.stride())}")
+    reason = unsupported_reason(q_data, k_scale, v, k_data=k_data)  # TMA addressing and the grid's y limit
+    if reason is not None:
+        raise ValueError(reason)
     if B * HQ == 0 or SQ == 0:
         return
     ns, nf, pingpong = (*STAGES[D], PINGPONG) if config is None else (*config, PINGPONG)[:3]
@@ -547,9 +556,6 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     k_desc = TensorDescriptor(k_data, list(k_data.shape), list(k_data.stride()), [1, 1, BLOCK_N, D], k_layout)
     v_desc = TensorDescriptor(v_data, list(v_data.shape), list(v_data.stride()), [1, 1, D, BLOCK_N], v_layout)
     has_rb = right_bound is not None
-    if B * HQ > 65535:
-        raise ValueError(f"{B} x {HQ} (batch x query heads) programs exceed the CUDA grid's y limit 65535; "
-                         "split the batch")
     grid = (triton.cdiv(SQ, BLOCK_M), B * HQ)
     _gluon_attn_fwd_kernel[grid](
         q_data, qs, k_desc, ks, v_desc, vs, out, stats,

@@ -150,10 +150,18 @@ def fast_path_usable() -> bool:
 _LOCAL = threading.local()
 
 
+def launched_elsewhere(grid) -> None:
+    """Report a kernel launched through Triton's own dispatcher outside `launch` (the Gluon forward) to this
+    thread's recording, if one is active: a replay could not repeat that launch, so the recording refuses."""
+    recording = getattr(_LOCAL, "recording", None)
+    if recording is not None:
+        recording.on_launch(None, grid, ())
+
+
 def set_recording(recording) -> None:
     """Make `recording` (an object with on_launch(entry, grid, args), or None) receive this thread's launches."""
     _LOCAL.recording = recording
 
 
-__all__ = ["launch", "run_compiled", "current_stream", "fast_path_usable", "set_recording", "cdiv", "pow2_ceil",
+__all__ = ["launch", "run_compiled", "current_stream", "fast_path_usable", "set_recording", "launched_elsewhere", "cdiv", "pow2_ceil",
            "FAST_PATH", "MAX_ENTRIES"]

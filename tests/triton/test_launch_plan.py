@@ -753,3 +753,31 @@ def test_generate_of_a_config_built_llama_plans_each_decode_step_once(launcher, 
         assert out.shape == (3, 26) and len(planned) == 6      # prefill + 5 decode steps, 4 layers each
         assert len({layer.store.state for layer in cache.layers}) == 1
         assert [cache.layers[3].store.length(s) for s in cache.layers[3].slots] == [25, 18, 13]
+
+
+@pytest.mark.parametrize("ops_replay", [False, True], ids=["backend_plans", "op_plans"])
+def test_a_body_that_runs_the_gluon_forward_is_never_replayed(launcher, monkeypatch, request, ops_replay):
+    """The Gluon forward launches through Triton's own dispatcher (TMA descriptors built per call), which a replay
+    cannot repeat: the recording of a body that runs it refuses, so every call runs its body and launches the
+    Gluon kernel (a replay would silently skip it)."""
+    from types import SimpleNamespace
+
+    import mxattn
+    from mxattn.kernels import gluon_attention_fwd, triton_attention_bwd as tb, triton_attention_fwd as tf
+    backend_module, plans = _stub_backend(monkeypatch, request, ops_replay)
+    monkeypatch.setattr(tf, "fwd_streams_bf16", lambda *a: False)  # the FP8 data path, plans left on
+    monkeypatch.setattr(tb, "bwd_streams_bf16", lambda *a: False)
+    calls, reasons = [], []
+    fake = SimpleNamespace(unsupported_reason=gluon_attention_fwd.unsupported_reason,
+                           attention_fwd_gluon=lambda *args, **kwargs: calls.append(kwargs["out"].data_ptr()))
+    monkeypatch.setattr(backend_module, "_gluon_forward", lambda device: fake)
+    for i in range(4):
+        q = torch.randn(2, 96, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(2, 96, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        launcher.clear()
+        o = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton")
+        assert calls[-1] == o.data_ptr() and len(calls) == i + 1
+        assert [n for n, _, _ in launcher] == ["_quantize_qkv_kernel"]
+        reasons.append(plans.last_reason)
+        o.backward(torch.ones_like(o))  # the backward's own plans are unaffected
+    assert "Triton's dispatcher" in reasons[1]  # the second call recorded, and refused

@@ -410,3 +410,97 @@ def test_compiled_recipe_variant_host_path_without_a_gpu(monkeypatch, request, r
                                                        "dkdv_kernel", "bwd_prep_kernel", "dq_kernel"]
     assert [t.grad.shape for t in (q, k, v)] == [q.shape, k.shape, v.shape]
     torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------- the Gluon forward's dispatch
+
+
+def _fake_gluon(monkeypatch):
+    """The backend's Gluon forward replaced by a recorder behind the real `unsupported_reason` (as on an SM 9.0
+    GPU); returns the list of (kwargs, out) of its launches."""
+    from types import SimpleNamespace
+
+    from mxattn.backends import triton_backend as backend_module
+    from mxattn.kernels import gluon_attention_fwd as gluon
+    calls = []
+    fake = SimpleNamespace(unsupported_reason=gluon.unsupported_reason,
+                           attention_fwd_gluon=lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(backend_module, "_gluon_forward", lambda device: fake)
+    return calls
+
+
+@pytest.mark.parametrize("case, gluon_runs", [
+    ("causal_gqa_d64", True), ("no_mask_d128", True), ("sink", False), ("window", False), ("fp16_out", False),
+    ("head_dim_96", False), ("padded_varlen", False), ("floor_recipe", False), ("bf16_scratch_path", False)])
+def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkeypatch, request, case, gluon_runs):
+    """On the FP8 data path (large problems, D > 128) the forward kernel is the Gluon warp-specialised one where
+    it takes the call (default recipe, dense, no sink or window, D 64/128, bf16 O), else the Triton forward; the
+    bf16-scratch path keeps the Triton forward (never asks the Gluon module). The numbers are compared on the GPU
+    (tests/triton/test_gluon_fwd_gpu.py)."""
+    import mxattn
+    from mxattn import Recipe
+    from triton_helpers import force_fp8_data_paths
+
+    launched = _record_launches(monkeypatch, request, keep_kwargs=True)
+    calls = _fake_gluon(monkeypatch)
+    if case != "bf16_scratch_path":
+        force_fp8_data_paths(monkeypatch)
+    d = {"no_mask_d128": 128, "head_dim_96": 96}.get(case, 64)
+    dtype = torch.float16 if case == "fp16_out" else torch.bfloat16
+    q = torch.randn(2, 160, 4, d, dtype=dtype)
+    k, v = (torch.randn(2, 160, 2, d, dtype=dtype) for _ in range(2))
+    kwargs = dict(attn_mask_type="no_mask" if case == "no_mask_d128" else "causal", backend="triton")
+    if case == "sink":
+        kwargs.update(softmax_type="learnable", softmax_offset=torch.zeros(4))
+    if case == "window":
+        kwargs.update(window_size=(64, 0))
+    if case == "floor_recipe":
+        kwargs.update(recipe=Recipe(scale_rounding="floor"))
+    if case == "padded_varlen":
+        kwargs.update(attn_mask_type="padding_causal", cu_seqlens_q=_cu([160, 100]), cu_seqlens_kv=_cu([160, 100]))
+    o = mxattn.mxfp8_attention(q, k, v, **kwargs)
+    names = [name for name, *_ in launched]
+    assert names == (["quantize_qkv_kernel"] if gluon_runs else ["quantize_qkv_kernel", "attn_fwd_kernel"])
+    assert len(calls) == int(gluon_runs)
+    if gluon_runs:
+        (kw,) = calls
+        assert kw["out"].data_ptr() == o.data_ptr() and kw["softmax_scale"] == pytest.approx(d ** -0.5)
+        assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
+
+
+def test_the_gluon_forward_is_used_on_sm90_only(monkeypatch):
+    """`_gluon_forward`: the Gluon module on a CUDA SM 9.0 device (read once per device), None on other
+    capabilities, on the CPU, and with MXATTN_GLUON_FWD=0 (GLUON_FORWARD off)."""
+    from mxattn.backends import triton_backend as backend_module
+    from mxattn.kernels import gluon_attention_fwd
+    capability = {0: (9, 0), 1: (10, 0), 2: (8, 9)}
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or capability[i])
+    monkeypatch.setattr(backend_module, "_GLUON", {})
+    assert backend_module._gluon_forward(torch.device("cpu")) is None
+    assert backend_module._gluon_forward(torch.device("cuda", 0)) is gluon_attention_fwd
+    assert backend_module._gluon_forward(torch.device("cuda", 0)) is gluon_attention_fwd
+    assert backend_module._gluon_forward(torch.device("cuda", 1)) is None
+    assert backend_module._gluon_forward(torch.device("cuda", 2)) is None
+    assert asked == [0, 1, 2]
+    monkeypatch.setattr(backend_module, "GLUON_FORWARD", False)
+    assert backend_module._gluon_forward(torch.device("cuda", 0)) is None
+
+
+def test_gluon_refusals_name_what_tma_cannot_address():
+    """`unsupported_reason` with k_data: K or V bytes TMA cannot address (misaligned, strides not multiples of
+    16 bytes) and grids past CUDA's y limit are refused with the reason, so the backend takes the Triton forward."""
+    from mxattn.kernels.gluon_attention_fwd import unsupported_reason
+    from mxattn.kernels.triton_quantize import SeqMajorColumns
+    f8 = torch.float8_e4m3fn
+    q = torch.zeros(1, 2, 128, 64, dtype=f8)
+    ks = torch.zeros(1, 2, 128, 2, dtype=torch.uint8)
+    v = SeqMajorColumns(torch.zeros(1, 2, 64, 128, dtype=f8), torch.zeros(1, 2, 4, 64, dtype=torch.uint8))
+    k = torch.zeros(1, 2, 128, 64, dtype=f8)
+    assert unsupported_reason(q, ks, v, k_data=k) is None
+    odd = torch.zeros(1 + 2 * 128 * 64, dtype=f8)[1:].view(1, 2, 128, 64)
+    assert "k_data must be 16-byte aligned" in unsupported_reason(q, ks, v, k_data=odd)
+    v_odd = SeqMajorColumns(torch.zeros(1, 2, 64, 136, dtype=f8)[..., :128], v.scale)
+    assert "v.data must be 16-byte aligned" in unsupported_reason(q, ks, v_odd, k_data=k)
+    wide = torch.zeros(1, 65536, 1, 64, dtype=f8).expand(2, 65536, 1, 64)
+    assert "y limit 65535" in unsupported_reason(wide, ks, v, k_data=k)
