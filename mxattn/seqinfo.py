@@ -96,6 +96,19 @@ class SeqInfo:
         return ((rows.unsqueeze(0) < lengths) & has_other.unsqueeze(1)).view(-1, 1, n_rows, 1)
 
 
+def zero_padding(x: torch.Tensor, seq: Optional[SeqInfo], which: str) -> torch.Tensor:
+    """x [B, H, S, D] with the padding rows of a padded batch set to 0: rows past each length of side `which`
+    ("q" or "kv"), in a new tensor of x's layout (NaN or inf there must reach no scale, and cuDNN reads them).
+    x itself for a dense batch (seq None) and for a packed one: a pack has no padding rows between its
+    sequences, and its rows outside [cu[0], cu[-1]), if any, are left as they are (no sequence owns them: a
+    packed quantization's blocks restart at each sequence, and no kernel reads them as values). Every backend
+    zeroes padding with this rule (the reference's quantization, the cudnn backend's inputs and dO, the triton
+    backend's seq-major V)."""
+    if seq is None or seq.packed:
+        return x
+    return torch.where(seq.valid_rows(which, x.shape[2]), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 # --------------------------------------------------------------------------- kernel launches (seq None: dense)
 
 
@@ -247,4 +260,4 @@ def cu_seqlens_from_padding_mask(keep: torch.Tensor, name: str = "attention_mask
     return cu
 
 
-__all__ = ["SeqInfo", "make_seqinfo", "cu_seqlens_from_padding_mask"]
+__all__ = ["SeqInfo", "make_seqinfo", "cu_seqlens_from_padding_mask", "zero_padding"]

@@ -20,18 +20,10 @@ import torch
 from ..formats import MXFP8Tensor, quantize_mxfp8
 from ..per_tensor import PerTensorFP8, quantize_per_tensor
 from ..recipe import Recipe
-from ..seqinfo import SeqInfo
+from ..seqinfo import SeqInfo, zero_padding
 
 #: one quantized operand: MXFP8 (blocks of 32), per-tensor FP8, or a bfloat16 tensor (the bf16-V variant)
 Operand = Union[MXFP8Tensor, PerTensorFP8, torch.Tensor]
-
-
-def zero_padding(x: torch.Tensor, seq: Optional[SeqInfo], which: str) -> torch.Tensor:
-    """x [B, H, S, D] with the padding rows of a padded batch set to 0 ("q" or "kv" lengths); x itself for a
-    dense or packed batch."""
-    if seq is None or seq.packed:
-        return x
-    return torch.where(seq.valid_rows(which, x.shape[2]), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def quantize_rowcol(x: torch.Tensor, seq: Optional[SeqInfo], which: str, recipe: Recipe

@@ -31,7 +31,7 @@ from ..constants import INPUT_DTYPES, KERNEL_OUT_DTYPES, MX_BLOCK
 from ..devices import device_guard
 from ..errors import MXFP8NotSupportedError
 from ..formats import MXFP8Tensor, segment_rows
-from ..seqinfo import SeqInfo, grid_rows, quantizer_args
+from ..seqinfo import SeqInfo, grid_rows, quantizer_args, zero_padding
 from ..kernels.affine_plan import AffinePlanCache, roots_key
 from ..kernels.launch_plan import PlanCache, plan_key
 from ..kernels.recipe_flags import kernel_recipe, unsupported_reason
@@ -164,9 +164,7 @@ def seq_major_columns(v: MXFP8Tensor, seq: Optional[SeqInfo]):
         _, block0, within = segment_rows(v.segments, S)
         rows.index_copy_(2, block0 * MX_BLOCK + within, data)
     else:
-        if seq is not None:
-            data = data.masked_fill(~seq.valid_rows("kv", S), 0)
-        rows[:, :, :S].copy_(data)
+        rows[:, :, :S].copy_(zero_padding(data, seq, "kv"))
     return SeqMajorColumns(buf.view(torch.float8_e4m3fn), _inner_unit(v.scale))
 
 

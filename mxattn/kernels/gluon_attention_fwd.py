@@ -51,6 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
+from .triton_common import (E4M3_TO_BF16_ASM, E4M3_TO_BF16_CONSTRAINTS, E4M3_TO_BF16_PACK, ROUND_P_ASM,
+                            ROUND_P_CONSTRAINTS, ROUND_P_PACK)
 
 #: KV block of the online softmax (fixed by the recipe) and the query rows of one CTA (two consumer warpgroups)
 BLOCK_N = 128
@@ -81,33 +83,15 @@ WG1 = gl.constexpr(1)
 @gluon.jit
 def _e4m3_to_bf16_biased(x):
     """uint8 E4M3 patterns -> bf16 x * 2^-120, exactly (integer ops; triton_common.e4m3_to_bf16_biased)."""
-    return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 lo, hi;
-        prmt.b32 lo, $2, 0, 0x9180;
-        prmt.b32 hi, $2, 0, 0xB3A2;
-        shl.b32 lo, lo, 4;
-        shl.b32 hi, hi, 4;
-        and.b32 $0, lo, 0x87F087F0;
-        and.b32 $1, hi, 0x87F087F0;
-        }""",
-        constraints="=r,=r,r", args=[x], dtype=gl.bfloat16, is_pure=True, pack=4)
+    return gl.inline_asm_elementwise(asm=E4M3_TO_BF16_ASM, constraints=E4M3_TO_BF16_CONSTRAINTS, args=[x],
+                                     dtype=gl.bfloat16, is_pure=True, pack=E4M3_TO_BF16_PACK)
 
 
 @gluon.jit
 def _round_p_to_bf16(p):
     """fp32 p in [0, 448] -> bf16 E4M3(p) (RNE, saturating; triton_common.round_p_to_bf16)."""
-    return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .b16 h;
-        .reg .b32 w, t, c;
-        cvt.rn.satfinite.e4m3x2.f32 h, $2, $1;
-        cvt.rn.f16x2.e4m3x2 w, h;
-        shr.b32 t, w, 3;
-        mov.b32 c, 0x77807780;
-        mul.rn.bf16x2 $0, t, c;
-        }""",
-        constraints="=r,r,r", args=[p], dtype=gl.bfloat16, is_pure=True, pack=2)
+    return gl.inline_asm_elementwise(asm=ROUND_P_ASM, constraints=ROUND_P_CONSTRAINTS, args=[p], dtype=gl.bfloat16,
+                                     is_pure=True, pack=ROUND_P_PACK)
 
 
 @gluon.jit

@@ -33,6 +33,36 @@ P_FIXED256, P_LAZY16, P_BF16 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 LAZY_THRESHOLD = tl.constexpr(4.0)
 
 
+# --------------------------------------------------------------------------- inline PTX (one definition)
+# The asm text, constraints and pack of `e4m3_to_bf16_biased` and `round_p_to_bf16`, shared with the Gluon
+# forward's copies of those helpers (gluon_attention_fwd: a @gluon.jit function cannot call a @triton.jit one).
+# The text goes into the PTX as written (indentation included).
+#: uint8 E4M3 patterns (four per register, $2) -> two registers of bf16 pairs x * 2^-120 ($0, $1)
+E4M3_TO_BF16_ASM = tl.constexpr("""{
+        .reg .b32 lo, hi;
+        prmt.b32 lo, $2, 0, 0x9180;
+        prmt.b32 hi, $2, 0, 0xB3A2;
+        shl.b32 lo, lo, 4;
+        shl.b32 hi, hi, 4;
+        and.b32 $0, lo, 0x87F087F0;
+        and.b32 $1, hi, 0x87F087F0;
+        }""")
+E4M3_TO_BF16_CONSTRAINTS = tl.constexpr("=r,=r,r")
+E4M3_TO_BF16_PACK = tl.constexpr(4)
+#: fp32 pair ($1, $2) in [0, 448] -> bf16 pair E4M3(p) ($0)
+ROUND_P_ASM = tl.constexpr("""{
+        .reg .b16 h;
+        .reg .b32 w, t, c;
+        cvt.rn.satfinite.e4m3x2.f32 h, $2, $1;
+        cvt.rn.f16x2.e4m3x2 w, h;
+        shr.b32 t, w, 3;
+        mov.b32 c, 0x77807780;
+        mul.rn.bf16x2 $0, t, c;
+        }""")
+ROUND_P_CONSTRAINTS = tl.constexpr("=r,r,r")
+ROUND_P_PACK = tl.constexpr(2)
+
+
 @triton.jit
 def seq_span(CU, b, S, VARLEN: tl.constexpr, PACKED: tl.constexpr):
     """Where sequence b (int64) lies in a [B, H, S, D] tensor -> (bt, start, length, blk0):
@@ -110,17 +140,8 @@ def e4m3_to_bf16_biased(x):
     field is E4M3's, so normal values land 120 binades low and E4M3 subnormals land on BF16 subnormals.
     Four bytes per 32-bit register: one byte permute (sign-extending each byte into a 16-bit lane), one shift,
     one mask per pair."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 lo, hi;
-        prmt.b32 lo, $2, 0, 0x9180;
-        prmt.b32 hi, $2, 0, 0xB3A2;
-        shl.b32 lo, lo, 4;
-        shl.b32 hi, hi, 4;
-        and.b32 $0, lo, 0x87F087F0;
-        and.b32 $1, hi, 0x87F087F0;
-        }""",
-        constraints="=r,=r,r", args=[x], dtype=tl.bfloat16, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(asm=E4M3_TO_BF16_ASM, constraints=E4M3_TO_BF16_CONSTRAINTS, args=[x],
+                                     dtype=tl.bfloat16, is_pure=True, pack=E4M3_TO_BF16_PACK)
 
 
 @triton.jit
@@ -131,17 +152,8 @@ def round_p_to_bf16(p):
     subnormals are F16 normals, so they stay exact), and one BF16 multiply by 2^112. A NaN p gives an
     unspecified value that may spill into the other lane of its pair: the callers' row sums of the unrounded
     p carry a NaN row to NaN instead."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b16 h;
-        .reg .b32 w, t, c;
-        cvt.rn.satfinite.e4m3x2.f32 h, $2, $1;
-        cvt.rn.f16x2.e4m3x2 w, h;
-        shr.b32 t, w, 3;
-        mov.b32 c, 0x77807780;
-        mul.rn.bf16x2 $0, t, c;
-        }""",
-        constraints="=r,r,r", args=[p], dtype=tl.bfloat16, is_pure=True, pack=2)
+    return tl.inline_asm_elementwise(asm=ROUND_P_ASM, constraints=ROUND_P_CONSTRAINTS, args=[p], dtype=tl.bfloat16,
+                                     is_pure=True, pack=ROUND_P_PACK)
 
 
 @triton.jit
@@ -268,6 +280,20 @@ def program_prologue(CU_Q, CU_KV, H, GROUP, SQ, SKV, offset, VARLEN: tl.constexp
         if PACKED:
             n_out = len_kv
     return tile, h, h // GROUP, bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset, n_out
+
+
+@triton.jit
+def tile_offsets(tile, D, T: tl.constexpr, O: tl.constexpr, DP: tl.constexpr):
+    """Offsets of a program's tile (after `program_prologue`): tile `tile` of T rows of its own side, blocks of O
+    rows of the other side, head dim D padded to DP -> (t0, rows, offs_o, offs_d, offs_kb, d_ok, kb_ok): the
+    tile's first row and its rows, the rows within one block of the other side, the head-dim columns and the
+    scale columns (one per 32 of them), and which of those exist (d_ok: offs_d < D, kb_ok: offs_kb * 32 < D)."""
+    t0 = tile * T
+    rows = t0 + tl.arange(0, T)
+    offs_o = tl.arange(0, O)
+    offs_d = tl.arange(0, DP)
+    offs_kb = tl.arange(0, DP // 32)
+    return t0, rows, offs_o, offs_d, offs_kb, offs_d < D, offs_kb * 32 < D
 
 
 @triton.jit

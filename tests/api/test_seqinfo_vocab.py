@@ -3,7 +3,8 @@ values, for a padded and a packed batch with empty sequences on either side."""
 
 import torch
 
-from mxattn.seqinfo import SeqInfo, grid_rows, grid_sequences, kernel_cu_seqlens, kernel_flags, quantizer_args
+from mxattn.seqinfo import (SeqInfo, grid_rows, grid_sequences, kernel_cu_seqlens, kernel_flags, quantizer_args,
+                            zero_padding)
 
 
 def _cu(values):
@@ -75,3 +76,35 @@ def test_kernel_launch_facts():
     assert kernel_flags(_seq(False), True) == dict(VARLEN=True, PACKED=False, BOTTOM_RIGHT=True)
     assert kernel_flags(seq) == dict(VARLEN=True, PACKED=True)
     assert all(type(v) is bool for v in kernel_flags(seq, 1).values())
+
+
+def test_zero_padding_padded_dense_and_packed():
+    """`zero_padding`, the one padding rule of every backend: a padded batch's rows past each length of the side
+    asked for become 0 (NaN and inf there too) in a new tensor; a dense batch and a packed one come back as they
+    are, the pack's rows outside [cu[0], cu[-1]) included (no sequence owns them)."""
+    seq = _seq(False)
+    for which, n_rows in (("q", 4), ("kv", 5)):
+        valid = seq.valid_rows(which, n_rows)
+        x = torch.randn(3, 2, n_rows, 4).masked_fill(~valid, float("nan"))
+        x[..., 0] = x[..., 0].nan_to_num(posinf=0.0, nan=float("inf"))
+        y = zero_padding(x, seq, which)
+        assert torch.equal(y, torch.where(valid, x, 0.0))
+        assert x[~valid.expand_as(x)].isnan().any()  # x itself untouched
+    x = torch.randn(3, 2, 4, 4)
+    assert zero_padding(x, None, "q") is x
+    # packed: cu_seqlens_q [2, 5, 5, 9] over 12 rows leaves rows 0, 1 and 9..11 outside every sequence
+    packed = SeqInfo(_cu([2, 5, 5, 9]), _cu([0, 3, 3, 7]), 4, 4, True)
+    x = torch.full((1, 2, 12, 4), float("nan"))
+    assert zero_padding(x, packed, "q") is x and zero_padding(x, packed, "kv") is x
+    assert zero_padding(x, _seq(True), "q") is x
+
+
+def test_backends_zero_padding_with_one_rule():
+    """The reference, cudnn and triton backends' modules zero padding with `seqinfo.zero_padding` (the cudnn
+    backend's own copy used to zero a packed batch's rows outside [cu[0], cu[-1]), the reference's left them)."""
+    from mxattn import seqinfo
+    from mxattn.backends import recipe_operands, triton_backend
+    from mxattn.backends.cudnn import backend as cudnn_backend
+    for module in (recipe_operands, cudnn_backend, triton_backend):
+        assert module.zero_padding is seqinfo.zero_padding, module.__name__
+        assert not hasattr(module, "_zero_padding"), module.__name__

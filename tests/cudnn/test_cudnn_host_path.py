@@ -153,8 +153,7 @@ def test_saved_format_fake_tensors_match_the_real_ones(packed, captured_packs):
 def test_fused_quantizer_sends_the_torch_path_bytes(padded, captured_packs, monkeypatch):
     """On CUDA the fused Triton quantizer makes the operands; with it switched off the torch ops do: every input
     slot of both graphs holds the same values, the scale slots with the same (declared) strides. FP8 data may be
-    laid out differently (a padded batch's zeroed copy is contiguous on the torch route, in q's layout on the
-    fused one): each graph config follows its data's strides."""
+    laid out differently on the two routes: each graph config follows its data's strides."""
     q, k, v, do, kw = _inputs("cuda", padded, seed=3)
     if cb._fused_quantizer() is None:
         pytest.skip("Triton cannot be imported here")
@@ -207,3 +206,22 @@ def test_quantized_inputs_reach_the_forward_graph_as_the_unquantized_call_sends_
         if not (layouts_may_differ and uid in (FwdUid.Q, FwdUid.K, FwdUid.V)):
             assert got[uid].stride() == want[uid].stride(), uid
         assert torch.equal(_bytes(got[uid]), _bytes(want[uid])), uid
+
+
+@pytest.mark.parametrize("which", ["q", "kv"])
+def test_padded_operands_are_the_reference_backends_bytes(which):
+    """On a padded batch the cudnn backend's torch-op quantizer (`quantize_operand` on the CPU) makes the reference
+    backend's bytes (`recipe_operands.quantize_rowcol`, default recipe) from inputs with NaN on the padding rows:
+    both zero padding with `seqinfo.zero_padding`."""
+    from mxattn.backends import recipe_operands
+    from mxattn.recipe import Recipe
+    from mxattn.seqinfo import SeqInfo
+    cu = torch.tensor([0, 37, 37, 101], dtype=torch.int32)  # lengths 37, 0, 64
+    seq = SeqInfo(cu, cu, 64, 64, False)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 2, 64, 64, generator=gen).masked_fill(~seq.valid_rows(which, 64), float("nan"))
+    mine = cb.quantize_operand(x, seq, which)
+    ref = recipe_operands.quantize_rowcol(x, seq, which, Recipe())
+    for a, b in zip(mine, ref):
+        assert a.axis == b.axis
+        assert torch.equal(_bytes(a.data), _bytes(b.data)) and torch.equal(_bytes(a.scale), _bytes(b.scale))

@@ -22,7 +22,7 @@ from ...formats import MXFP8Tensor, quantize_mxfp8
 from ...formats import _is_non_overlapping_and_dense as _is_dense
 from ...kernels.launch_plan import PlanCache, carving_allowed, plan_key
 from ...recipe import Recipe
-from ...seqinfo import SeqInfo
+from ...seqinfo import SeqInfo, zero_padding
 from ..base import AttentionBackend, AttentionParams, Problem, SavedForBackward, check_forward_quantized
 from .buffers import col_scale_bytes, row_scale_buffer
 from .config import col_scale_dims, row_scale_dims
@@ -59,12 +59,6 @@ def _thd_layout(x: torch.Tensor) -> torch.Tensor:
     if all(st == want for st, want, n in zip(x.stride()[1:], _token_major(x.shape), x.shape[1:]) if n > 1):
         return x
     return x[0].transpose(0, 1).contiguous().transpose(0, 1).unsqueeze(0)
-
-
-def _zero_padding(x: torch.Tensor, seq: SeqInfo, which: str) -> torch.Tensor:
-    """x with the padding rows of a padded batch set to 0 (the reference backend's rule: padding values reach
-    no scale), in x's layout."""
-    return x.masked_fill(~seq.valid_rows(which, x.shape[2]), 0)
 
 
 def _with_data(x: MXFP8Tensor, data: torch.Tensor) -> MXFP8Tensor:
@@ -133,8 +127,7 @@ _QUANT_PLANS = PlanCache(max_entries=256, min_replays=16)
 
 def _quantize_torch(x: torch.Tensor, seq: Optional[SeqInfo], which: str) -> Tuple[MXFP8Tensor, MXFP8Tensor]:
     """`quantize_operand` with torch ops (mxattn.formats), where the fused quantizer does not run."""
-    if seq is not None:
-        x = _zero_padding(x, seq, which)
+    x = zero_padding(x, seq, which)
     row, col = quantize_mxfp8(x, axis=-1), quantize_mxfp8(x, axis=-2)
     row.scale_f8_128x4, col.scale_f8_128x4 = row_scale_buffer(row.scale), col_scale_bytes(col.scale)
     return row, col
@@ -265,7 +258,7 @@ class CudnnBackend(AttentionBackend):
         _supported_state(q.data.device)
         seq = params.seq
         if seq is not None and not seq.packed:
-            v = _with_data(v, _zero_padding(v.data.view(torch.uint8), seq, "kv").view(v.data.dtype))
+            v = _with_data(v, zero_padding(v.data.view(torch.uint8), seq, "kv").view(v.data.dtype))
         layout = _thd_layout if seq is not None and seq.packed else _graph_layout
         q, k, v = (_with_data(x, layout(x.data)) for x in (q, k, v))
         o, stats, _ = cudnn_forward(q, k, v, attn_scale=params.softmax_scale, mask=params.mask,
@@ -282,7 +275,7 @@ class CudnnBackend(AttentionBackend):
         else:
             o, do = _graph_layout(o), _graph_layout(do)
             if seq is not None:  # cuDNN reads the bf16 dO too: its padding rows must be zeros
-                do = _graph_layout(_zero_padding(do, seq, "q"))
+                do = _graph_layout(zero_padding(do, seq, "q"))
             [(do_row, do_col)] = quantize_operands((do,), None, ("q",), carve_from=0)  # this backward's alone
         out = cudnn_backward(saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row, o, do, do_row, do_col,
                              stats, attn_scale=params.softmax_scale, mask=params.mask,
