@@ -188,7 +188,10 @@ def _bwd_body(args: BwdArgs, promised: bool):
     saved_format = be.saved_format_for(params.recipe)
     dq, dk, dv, *dsink = be.backward(saved_format.from_tensors(args.saved, params.seq), args.o, args.stats,
                                      args.do, params)
-    dsink = dsink[0] if args.sink_requires_grad else args.stats.new_empty((0,), dtype=torch.float32)
+    if args.sink_requires_grad:
+        dsink = dsink[0]
+    else:  # (the op returns a tensor; the eager path reads none)
+        dsink = args.stats.new_empty((0,), dtype=torch.float32) if promised else None
     if promised:
         q_strides, kv_strides = _grad_strides(args)
         dq = _conform(dq, dq.shape, q_strides)
@@ -273,10 +276,12 @@ class _Attention(torch.autograd.Function):
             args = FwdArgs(*values)
         if torch.compiler.is_compiling():
             (o, stats, *saved), ctx.trace = attention_fwd(*args), None
-        else:  # the trace lets the backward find its plan from the forward's (`op_plans.run_backward`)
+        else:  # the trace lets the backward find its plan from the forward's (`op_plans.run_backward`); a
+            # replay may keep stats and the saved copies packed in one block (then `stats`, `saved` empty): not
+            # under saved-tensor hooks (checkpointing matches the tensors a recomputation saves to the first's)
             (o, stats, *saved), ctx.trace = op_plans.run_forward_traced(args, (True, True),
                                                                         lambda: _fwd_body(args, True, True),
-                                                                        carve=True)
+                                                                        carve=True, packed=_no_saved_hooks())
         ctx.options, ctx.where = options, where
         ctx.input_dtypes = (args.q.dtype, args.k.dtype, args.v.dtype)
         ctx.kv_shape = list(args.k.shape)
@@ -293,11 +298,19 @@ class _Attention(torch.autograd.Function):
         saved, cu = (rest[:-2], rest[-2:]) if ctx.has_seq else (rest, (None, None))
         where = ctx.where
         sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[2 + where[5]]
-        args = ctx.options.backward_args(grad_o, o, stats, list(saved), ctx.kv_shape, sink_requires_grad,
-                                         cu_seqlens=cu, sink=sink)
         if torch.compiler.is_compiling():
-            dq, dk, dv, dsink = attention_bwd(*args)
+            dq, dk, dv, dsink = attention_bwd(*ctx.options.backward_args(grad_o, o, stats, list(saved), ctx.kv_shape,
+                                                                         sink_requires_grad, cu_seqlens=cu,
+                                                                         sink=sink))
+        elif ctx.trace.__class__ is op_plans.Packed:  # (stats: the block; views of it made only if needed)
+            dq, dk, dv, dsink = op_plans.run_backward_packed(
+                ctx.trace, stats, grad_o, o, (sink, *cu), sink_requires_grad, False,
+                lambda stats, saved: ctx.options.backward_args(grad_o, o, stats, saved, ctx.kv_shape,
+                                                               sink_requires_grad, cu_seqlens=cu, sink=sink),
+                lambda args: _bwd_body(args, False))
         else:  # gradients in the layout the backend wrote them (no copies)
+            args = ctx.options.backward_args(grad_o, o, stats, list(saved), ctx.kv_shape, sink_requires_grad,
+                                             cu_seqlens=cu, sink=sink)
             dq, dk, dv, dsink = _bwd_impl(args, promised=False, after=ctx.trace)
         grads = [None] * (len(ctx.needs_input_grad) - 2)
         pairs = [(where[0], dq, ctx.input_dtypes[0]), (where[1], dk, ctx.input_dtypes[1]),
@@ -309,6 +322,17 @@ class _Attention(torch.autograd.Function):
             grads[index] = g if grads[index] is None else grads[index] + g
         return (None, None, *grads)
 
+
+def _no_saved_hooks() -> bool:
+    """True when no saved-tensor hooks are active (False if torch cannot tell)."""
+    return _top_saved_hooks is not None and _top_saved_hooks(False) is None
+
+
+try:  # (private: torch's own `saved_tensors_hooks` keeps its stack there)
+    _top_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+    _top_saved_hooks(False)
+except (AttributeError, TypeError):
+    _top_saved_hooks = None
 
 #: eager calls enter `_Attention` through autograd's C entry point (what `Function.apply` calls after its Python
 #: checks, which serve functorch transforms and Dynamo: both keep `_Attention.apply`); a few us less per call
