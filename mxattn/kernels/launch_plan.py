@@ -510,13 +510,13 @@ class PlanCache:
         stats[1] += 1
         return outputs, plan, outputs.pop() if packed else None
 
-    def replay_at(self, key, bases: list) -> Optional[List[Optional[torch.Tensor]]]:
-        """The outputs of key's plan replayed onto the root addresses `bases` (`LaunchPlan.replay`'s), or None
-        when key has no plan or it cannot replay now: the caller then calls `run_with_plan` with the roots."""
+    def replay_only(self, key, roots=None, bases: Optional[list] = None) -> Optional[List[Optional[torch.Tensor]]]:
+        """The outputs of key's plan replayed for roots, or onto the root addresses `bases` (`LaunchPlan.replay`'s),
+        or None when key has no plan or it cannot replay now: the caller then calls `run_with_plan`."""
         plan = self._plans.get(key)
         if plan.__class__ is not LaunchPlan or recording_active():
             return None
-        outputs = plan.replay(None, False, bases)
+        outputs = plan.replay(roots, False, bases)
         if outputs is not None:
             self._families.setdefault(key[0], [0, 0])[1] += 1
         return outputs
