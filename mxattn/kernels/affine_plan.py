@@ -90,6 +90,7 @@ def describe_roots(roots: Sequence[Optional[torch.Tensor]], axis: int, n: int) -
     """(`roots_key(roots, axis, n)`, each root's entry of `alias_key(roots)` reduced to the earlier root's
     index, `root_facts(roots, alias_key(roots))`) in one pass over the roots (a decode step's host path)."""
     keys, firsts, facts, distances, seen = [], [], [], [], {}
+    free = None  # K's (shape, strides, their `layout_free_of` parts): V's are usually the same
     for i, r in enumerate(roots):
         if r is None:
             keys.append(None)
@@ -99,8 +100,10 @@ def describe_roots(roots: Sequence[Optional[torch.Tensor]], axis: int, n: int) -
         facts += shape
         facts += stride
         if i == 1 or i == 2:
-            keys.append((r.dtype, r.device, ptr & 15, (*shape[:axis], *shape[axis + 1:]),
-                         tuple([("n", st // n) if st % n == 0 else st for st in stride])))
+            if free is None or free[0] != shape or free[1] != stride:
+                free = (shape, stride, (*shape[:axis], *shape[axis + 1:]),
+                        tuple([("n", st // n) if st % n == 0 else st for st in stride]))
+            keys.append((r.dtype, r.device, ptr & 15, free[2], free[3]))
         else:
             keys.append((r.dtype, r.device, ptr & 15, shape, stride))
         first = seen.setdefault(r.untyped_storage().data_ptr(), (i, ptr))
