@@ -147,6 +147,21 @@ def test_outputs_from_carve_from_on_are_views_of_one_allocation(launcher):
     assert torch.equal(count, torch.zeros(5, dtype=torch.int32))
     (_, _, args), = launcher
     assert args[:5] == [x2.data_ptr(), out.data_ptr(), stats.data_ptr(), fp8.data_ptr(), count.data_ptr()]
+    # packed: the carved tail left in its block (returned last), zero fills done; unpack makes the same views
+    assert plan.packs_from == 1
+    launcher.clear()
+    out, block = plan.replay((x2,), packed=True)
+    block.fill_(7)  # (freed: the next block likely reuses this memory, which its zero fill must clear)
+    del out, block
+    launcher.clear()
+    out, block = plan.replay((x2,), packed=True)
+    views = plan.unpack(block)
+    assert [(t.shape, t.stride(), t.dtype, t.data_ptr() - block.data_ptr()) for t in views] == [
+        ((5, 3), (1, 5), torch.float32, 0), ((7, 9), (9, 1), torch.float8_e4m3fn, 256), ((5,), (1,), torch.int32, 512)]
+    assert torch.equal(views[2], torch.zeros(5, dtype=torch.int32))
+    (_, _, args), = launcher
+    assert args[:5] == [x2.data_ptr(), out.data_ptr(), *[t.data_ptr() for t in views]]
+    assert uncarved.packs_from is None
 
 
 def test_zero_filled_scratch_is_zeroed_where_it_was_allocated(launcher):
