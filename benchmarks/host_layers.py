@@ -75,10 +75,10 @@ def main():
             layers["mxfp8_attention forward+backward"] = lambda: call().backward(do_bshd)
             layers["torch SDPA backward alone"] = lambda: o_sdpa.backward(do, retain_graph=True)
             layers["mxfp8_attention backward alone"] = lambda: o_mx.backward(do_bshd, retain_graph=True)
-            node = o_mx.grad_fn  # (the layout view's node; its next is _Attention's)
+            node = o_mx.grad_fn  # (_Attention's node: it takes and returns the caller's bshd layout)
             while node is not None and "_Attention" not in type(node).__name__:
                 node = node.next_functions[0][0]
-            layers["_Attention.backward called directly"] = lambda: node.apply(do)
+            layers["_Attention.backward called directly"] = lambda: node.apply(do_bshd)
         best = {name: float("inf") for name in layers}
         for _ in range(5):
             for name, fn in layers.items():

@@ -244,8 +244,11 @@ def _dense_body(plan: _DensePlan, q, k, v, sink):
     fmt = plan.args.qkv_format
     if plan.softmax_type == "off-by-one":
         sink = torch.zeros(bhsd_shape(q, fmt)[1], dtype=torch.float32, device=q.device)
-    o = ops.attention(plan.args.with_tensors(to_bhsd(q, fmt), to_bhsd(k, fmt), to_bhsd(v, fmt), sink))
-    o = from_bhsd(o, fmt)
+    if ops.needs_backward(q, k, v, sink):  # the layout views inside the autograd node (eager: plans are)
+        o = ops.attention(plan.args.with_tensors(q, k, v, sink), fmt)
+    else:
+        o = from_bhsd(ops.attention(plan.args.with_tensors(to_bhsd(q, fmt), to_bhsd(k, fmt), to_bhsd(v, fmt),
+                                                           sink)), fmt)
     return o if o.dtype == plan.out_dtype else o.to(plan.out_dtype)
 
 

@@ -26,13 +26,13 @@ key, replays too.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
 from .backends import backend_class, get_backend
 from .devices import device_guard
-from .kernels.affine_plan import AffinePlanCache, roots_key
+from .kernels.affine_plan import AffinePlanCache
 from .kernels.launch_plan import PlanCache, allow_carving, plan_key
 from .op_args import BwdArgs, FwdArgs
 
@@ -61,11 +61,13 @@ def run_forward(args: FwdArgs, tag, body: Callable[[], List]) -> List:
     return run_forward_traced(args, tag, body)[0]
 
 
-def run_forward_traced(args: FwdArgs, tag, body: Callable[[], List], carve: bool = False):
+def run_forward_traced(args: FwdArgs, tag, body: Callable[[], List], carve: bool = False, packed: bool = False):
     """(`run_forward`'s list [o, stats, *saved], its trace: None, or what lets the backward of these very
     tensors find its plan without keying its 16 roots (`run_backward`'s after)). carve: the caller keeps the
     outputs itself (the eager autograd path), so those after O may share one allocation (a backend whose bodies
-    are not replayed may carve what it replays itself: `launch_plan.allow_carving`)."""
+    are not replayed may carve what it replays itself: `launch_plan.allow_carving`). packed (with carve): a
+    replay may leave stats and the saved tensors in their one allocation: the answer is then ([o, block],
+    `Packed`), and `run_backward_packed` runs the backward from them."""
     if not replays(args.backend):
         if carve:
             with allow_carving():
@@ -76,11 +78,24 @@ def run_forward_traced(args: FwdArgs, tag, body: Callable[[], List], carve: bool
                     args.out_dtype, args.qkv_format, args.backend, args.packed, args.recipe), roots,
                    (args.max_seqlen_q, args.max_seqlen_kv))
     with device_guard(args.q.device):  # a replay launches on the current device: make it the tensors' one
-        outputs, plan = PLANS.run_with_plan(key, body, roots, _CARVE_FROM if carve else None)
+        outputs, plan, block = PLANS.run_with_plan(key, body, roots, _CARVE_FROM if carve else None,
+                                                   packed and carve)
+    if block is not None:
+        if plan.packs_from == 1:
+            return [outputs[0], block], Packed(plan, outputs[0].data_ptr(), block.data_ptr())
+        outputs += plan.unpack(block)  # (a plan whose tail holds other outputs than stats and the saved)
     if plan is None or len(outputs) < 2:
         return outputs, None
     o, stats, *saved = outputs
     return outputs, (plan, _addresses((o, stats, args.sink, args.cu_seqlens_q, args.cu_seqlens_kv, *saved)))
+
+
+class Packed(NamedTuple):
+    """The trace of a forward replayed packed (`run_forward_traced`): its plan, O's and the block's addresses."""
+
+    plan: object
+    o: int
+    block: int
 
 
 def _addresses(tensors) -> tuple:
@@ -98,10 +113,7 @@ def run_backward(args: BwdArgs, tag, body: Callable[[], List], after=None, carve
     roots = (args.do, args.o, args.stats, args.sink, args.cu_seqlens_q, args.cu_seqlens_kv, *args.saved)
     do, o = args.do, args.o
     if after is not None and _addresses(roots[1:]) == after[1]:
-        shared = do.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()
-        key = (("bwd after", after[0], tag, carve, args.sink_requires_grad, do.dtype, do.device,
-                do.data_ptr() & 15),
-               (do.shape, do.stride(), do.data_ptr() - o.data_ptr() if shared else None))
+        key = _after_key(after[0], tag, carve, args.sink_requires_grad, do, o)
     else:
         key = plan_key(("bwd", tag, carve, len(args.saved), tuple(args.kv_shape), args.softmax_scale,
                         args.bottom_right,
@@ -110,6 +122,38 @@ def run_backward(args: BwdArgs, tag, body: Callable[[], List], after=None, carve
                        (args.max_seqlen_q, args.max_seqlen_kv))
     with device_guard(do.device):
         return PLANS.run_with_plan(key, body, roots, _CARVE_FROM if carve else None)[0]
+
+
+def _after_key(fwd_plan, tag, carve: bool, sink_requires_grad: bool, do: torch.Tensor, o: torch.Tensor) -> tuple:
+    """The key of a backward on its forward's own outputs (`run_backward`'s after): the forward's plan and dO."""
+    shared = do.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()
+    return (("bwd after", fwd_plan, tag, carve, sink_requires_grad, do.dtype, do.device, do.data_ptr() & 15),
+            (do.shape, do.stride(), do.data_ptr() - o.data_ptr() if shared else None))
+
+
+def run_backward_packed(packed: Packed, block: torch.Tensor, do: torch.Tensor, o: torch.Tensor,
+                        others: Sequence[Optional[torch.Tensor]], sink_requires_grad: bool, tag,
+                        make_args: Callable[[torch.Tensor, list], BwdArgs], body: Callable[[BwdArgs], List]):
+    """`run_backward(make_args(stats, saved), tag, lambda: body(args), after, carve=True)` for a forward
+    replayed packed (`run_forward_traced`): its trace, the block, dO, O, and its (sink, cu_seqlens_q,
+    cu_seqlens_kv). While O and the block are where the forward left them, a replayed backward needs only
+    their addresses: stats and the saved tensors are made as views (`LaunchPlan.unpack`) only when the body
+    runs."""
+    plan = packed.plan
+    if o.data_ptr() == packed.o and block.data_ptr() == packed.block:
+        key = _after_key(plan, tag, True, sink_requires_grad, do, o)
+        base = packed.block
+        offsets = plan.packed_offsets
+        bases = [do.data_ptr(), packed.o, base + offsets[0], *[0 if t is None else t.data_ptr() for t in others],
+                 *[base + off for off in offsets[1:]]]
+        with device_guard(do.device):
+            outputs = PLANS.replay_only(key, bases=bases)
+        if outputs is not None:
+            return outputs
+    stats, *saved = plan.unpack(block)
+    args = make_args(stats, saved)
+    after = (plan, _addresses((o, stats, *others, *saved)))
+    return run_backward(args, tag, lambda: body(args), after, carve=True)
 
 
 # --------------------------------------------------------------------------- whole calls without a backward
@@ -148,13 +192,33 @@ def run_call(plan_id: int, kind: str, kv_axis: int, roots: Sequence[Optional[tor
     flat = lambda: [body()]  # noqa: E731
     with device_guard(roots[0].device):
         if kind == AFFINE:
-            n = roots[1].shape[kv_axis]
-            key = (plan_id, *roots_key(roots, kv_axis, n))
-            return CALLS_AFFINE.run(key, n, flat, roots,
-                                    lambda: CALLS.run(plan_key((plan_id,), roots), flat, roots))[0]
+            if plan_id in _REPEATING:  # its last call replayed at a length seen before: try that first
+                outputs = CALLS.replay_only(plan_key((plan_id,), roots), roots)
+                if outputs is not None:
+                    return outputs[0]
+                _REPEATING.discard(plan_id)  # (a new length: decode steps, which the affine plan serves)
+            return CALLS_AFFINE.run_keyed((plan_id,), kv_axis, roots[1].shape[kv_axis], flat, roots,
+                                          lambda: _run_fixed(plan_id, roots, flat))[0]
         return CALLS.run(plan_key((plan_id,), roots), flat, roots)[0]
+
+
+#: ids of AFFINE call plans whose last call ran the per-signature plan (`CALLS`) because the affine plan could not
+#: serve it (not yet trusted: calls repeated at one length, as in a benchmark or a fixed-length eval loop): their
+#: next call tries that plan before keying the roots for the affine one. Only an order of lookups (a set's add
+#: and discard are atomic in CPython); bounded, cleared when full
+_REPEATING: set = set()
+
+
+def _run_fixed(plan_id: int, roots, flat) -> list:
+    """`run_call`'s per-signature path for an AFFINE call plan that its affine plan did not serve."""
+    outputs, plan, _ = CALLS.run_with_plan(plan_key((plan_id,), roots), flat, roots)
+    if plan is not None:
+        if len(_REPEATING) >= 1024:
+            _REPEATING.clear()
+        _REPEATING.add(plan_id)
+    return outputs
 
 
 __all__ = ["PLANS", "CALLS", "CALLS_AFFINE", "FIXED", "AFFINE", "replays", "run_forward", "run_forward_traced",
            "run_backward",
-           "call_replay", "new_call_id", "run_call"]
+           "run_backward_packed", "Packed", "call_replay", "new_call_id", "run_call"]

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from . import op_plans
 from .backends import get_backend
-from .layouts import dense_strides_bhsd, empty_bhsd
+from .layouts import dense_strides_bhsd, empty_bhsd, from_bhsd, to_bhsd
 from .op_args import BwdArgs, FwdArgs
 from .recipe import DEFAULT_RECIPE_KEY, Recipe
 from .seqinfo import SeqInfo
@@ -188,7 +188,10 @@ def _bwd_body(args: BwdArgs, promised: bool):
     saved_format = be.saved_format_for(params.recipe)
     dq, dk, dv, *dsink = be.backward(saved_format.from_tensors(args.saved, params.seq), args.o, args.stats,
                                      args.do, params)
-    dsink = dsink[0] if args.sink_requires_grad else args.stats.new_empty((0,), dtype=torch.float32)
+    if args.sink_requires_grad:
+        dsink = dsink[0]
+    else:  # (the op returns a tensor; the eager path reads none)
+        dsink = args.stats.new_empty((0,), dtype=torch.float32) if promised else None
     if promised:
         q_strides, kv_strides = _grad_strides(args)
         dq = _conform(dq, dq.shape, q_strides)
@@ -263,7 +266,7 @@ class _Attention(torch.autograd.Function):
     which call the ops."""
 
     @staticmethod
-    def forward(ctx, options: FwdArgs, where: tuple, *tensors):
+    def forward(ctx, options: FwdArgs, where: tuple, layout: Optional[str], *tensors):
         if where == _PLAIN:
             args = options.with_tensors(*tensors, None)
         else:
@@ -271,35 +274,53 @@ class _Attention(torch.autograd.Function):
             for slot, index in zip(_TENSOR_SLOTS, where):
                 values[slot] = None if index is None else tensors[index]
             args = FwdArgs(*values)
+        if layout is not None:  # q, k, v (and O, dO, dQ, dK, dV) in a dense layout: viewed here, not as nodes
+            args = args.with_tensors(to_bhsd(args.q, layout), to_bhsd(args.k, layout), to_bhsd(args.v, layout),
+                                     args.sink)
         if torch.compiler.is_compiling():
             (o, stats, *saved), ctx.trace = attention_fwd(*args), None
-        else:  # the trace lets the backward find its plan from the forward's (`op_plans.run_backward`)
+        else:  # the trace lets the backward find its plan from the forward's (`op_plans.run_backward`); a
+            # replay may keep stats and the saved copies packed in one block (then `stats`, `saved` empty): not
+            # under saved-tensor hooks (checkpointing matches the tensors a recomputation saves to the first's)
             (o, stats, *saved), ctx.trace = op_plans.run_forward_traced(args, (True, True),
                                                                         lambda: _fwd_body(args, True, True),
-                                                                        carve=True)
-        ctx.options, ctx.where = options, where
+                                                                        carve=True, packed=_no_saved_hooks())
+        ctx.options, ctx.where, ctx.layout = options, where, layout
         ctx.input_dtypes = (args.q.dtype, args.k.dtype, args.v.dtype)
         ctx.kv_shape = list(args.k.shape)
         ctx.has_seq, ctx.has_sink = args.cu_seqlens_q is not None, args.sink is not None
         ctx.save_for_backward(o, stats, *saved, *((args.cu_seqlens_q, args.cu_seqlens_kv) if ctx.has_seq else ()),
                               *((args.sink,) if ctx.has_sink else ()))
-        return o
+        return o if layout is None else from_bhsd(o, layout)
 
     @staticmethod
     def backward(ctx, grad_o):
+        layout = ctx.layout
+        if layout is not None:
+            grad_o = to_bhsd(grad_o, layout)
         o, stats, *rest = ctx.saved_tensors
         sink = rest[-1] if ctx.has_sink else None  # (not list.pop: Dynamo traces the saved tensors as a tuple)
         rest = rest[:-1] if ctx.has_sink else rest
         saved, cu = (rest[:-2], rest[-2:]) if ctx.has_seq else (rest, (None, None))
         where = ctx.where
-        sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[2 + where[5]]
-        args = ctx.options.backward_args(grad_o, o, stats, list(saved), ctx.kv_shape, sink_requires_grad,
-                                         cu_seqlens=cu, sink=sink)
+        sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[3 + where[5]]
         if torch.compiler.is_compiling():
-            dq, dk, dv, dsink = attention_bwd(*args)
+            dq, dk, dv, dsink = attention_bwd(*ctx.options.backward_args(grad_o, o, stats, list(saved), ctx.kv_shape,
+                                                                         sink_requires_grad, cu_seqlens=cu,
+                                                                         sink=sink))
+        elif ctx.trace.__class__ is op_plans.Packed:  # (stats: the block; views of it made only if needed)
+            dq, dk, dv, dsink = op_plans.run_backward_packed(
+                ctx.trace, stats, grad_o, o, (sink, *cu), sink_requires_grad, False,
+                lambda stats, saved: ctx.options.backward_args(grad_o, o, stats, saved, ctx.kv_shape,
+                                                               sink_requires_grad, cu_seqlens=cu, sink=sink),
+                lambda args: _bwd_body(args, False))
         else:  # gradients in the layout the backend wrote them (no copies)
+            args = ctx.options.backward_args(grad_o, o, stats, list(saved), ctx.kv_shape, sink_requires_grad,
+                                             cu_seqlens=cu, sink=sink)
             dq, dk, dv, dsink = _bwd_impl(args, promised=False, after=ctx.trace)
-        grads = [None] * (len(ctx.needs_input_grad) - 2)
+        if layout is not None:
+            dq, dk, dv = from_bhsd(dq, layout), from_bhsd(dk, layout), from_bhsd(dv, layout)
+        grads = [None] * (len(ctx.needs_input_grad) - 3)
         pairs = [(where[0], dq, ctx.input_dtypes[0]), (where[1], dk, ctx.input_dtypes[1]),
                  (where[2], dv, ctx.input_dtypes[2])]
         if sink_requires_grad:
@@ -307,8 +328,19 @@ class _Attention(torch.autograd.Function):
         for index, g, dtype in pairs:
             g = g if g.dtype == dtype else g.to(dtype)
             grads[index] = g if grads[index] is None else grads[index] + g
-        return (None, None, *grads)
+        return (None, None, None, *grads)
 
+
+def _no_saved_hooks() -> bool:
+    """True when no saved-tensor hooks are active (False if torch cannot tell)."""
+    return _top_saved_hooks is not None and _top_saved_hooks(False) is None
+
+
+try:  # (private: torch's own `saved_tensors_hooks` keeps its stack there)
+    _top_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+    _top_saved_hooks(False)
+except (AttributeError, TypeError):
+    _top_saved_hooks = None
 
 #: eager calls enter `_Attention` through autograd's C entry point (what `Function.apply` calls after its Python
 #: checks, which serve functorch transforms and Dynamo: both keep `_Attention.apply`); a few us less per call
@@ -323,15 +355,19 @@ def needs_backward(*tensors: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def attention(args: FwdArgs) -> Tensor:
+def attention(args: FwdArgs, layout: Optional[str] = None) -> Tensor:
     """O [B,Hq,Sq,D] of the forward op on args, differentiable when a gradient is needed; else a forward that
     keeps nothing for backward (the backend may then skip the column-wise copies). Eager calls run the bodies
-    directly; under torch.compile the ops are traced."""
+    directly; under torch.compile the ops are traced. layout (a dense qkv_format, differentiable calls only):
+    args' q, k, v are given in that layout, and O is returned in it (the views made inside the autograd node:
+    no layout nodes in the graph, whose backward would cost host time per call)."""
     if needs_backward(args.q, args.k, args.v, args.sink):
         tensors, where = _distinct_tensors(args)
         if torch.compiler.is_compiling() or _are_functorch_transforms_active():
-            return _Attention.apply(args.without_tensors(), where, *tensors)
-        return _apply_attention(args.without_tensors(), where, *map(_unwrap_if_dead, tensors))
+            return _Attention.apply(args.without_tensors(), where, layout, *tensors)
+        return _apply_attention(args.without_tensors(), where, layout, *map(_unwrap_if_dead, tensors))
+    if layout is not None:
+        raise ValueError("ops.attention: layout is for differentiable calls")
     if torch.compiler.is_compiling():
         return attention_fwd_no_grad(*args)
     return _fwd_impl(args, needs_backward=False, eager=True)

@@ -32,7 +32,7 @@ from ..devices import device_guard
 from ..errors import MXFP8NotSupportedError
 from ..formats import MXFP8Tensor, segment_rows
 from ..seqinfo import SeqInfo, grid_rows, quantizer_args, zero_padding
-from ..kernels.affine_plan import AffinePlanCache, roots_key
+from ..kernels.affine_plan import AffinePlanCache
 from ..kernels.launch_plan import PlanCache, plan_key
 from ..kernels.recipe_flags import kernel_recipe, unsupported_reason
 from .base import (AttentionBackend, AttentionParams, SavedForBackward, check_forward_quantized,
@@ -196,19 +196,18 @@ def _key(kind: str, roots, params: AttentionParams, *extra):
                     None if seq is None else (seq.max_seqlen_q, seq.max_seqlen_kv))
 
 
-def _one_launch_key(roots, params: AttentionParams):
-    """The affine plan key of a one-launch forward on roots (q, k, v, sink, cu_seqlens_q, cu_seqlens_kv): what
-    `_forward_key`'s family holds and each root's shape and strides, K's and V's with their length n (dim 2)
-    left out and each stride that is a multiple of n written as that multiple (transformers' cache, re-made
-    each step, has strides that grow with n; views of a preallocated buffer keep theirs): calls whose roots
-    differ only in n share a key, calls on differently laid-out caches do not. The plan itself checks every
-    integer (`affine_plan`). A variable-length call adds its longest query (its grid's rows); no launch of
-    this path reads the longest key."""
+def _one_launch_prefix(params: AttentionParams) -> tuple:
+    """The affine plan key of a one-launch forward, but for its roots (`AffinePlanCache.run_keyed`'s prefix; the
+    roots q, k, v, sink, cu_seqlens_q, cu_seqlens_kv are keyed as `roots_key` with K's and V's length n at dim
+    2): what `_forward_key`'s family holds and each root's shape and strides, K's and V's with n left out and
+    each stride that is a multiple of n written as that multiple (transformers' cache, re-made each step, has
+    strides that grow with n; views of a preallocated buffer keep theirs): calls whose roots differ only in n
+    share a key, calls on differently laid-out caches do not. The plan itself checks every integer
+    (`affine_plan`). A variable-length call adds its longest query (its grid's rows); no launch of this path
+    reads the longest key."""
     seq = params.seq
-    n = roots[1].shape[2]
     return ("fwd1", params.softmax_scale, params.mask, params.out_dtype, params.recipe,
-            None if seq is None else (seq.packed, seq.max_seqlen_q),
-            *roots_key(roots, 2, n))
+            None if seq is None else (seq.packed, seq.max_seqlen_q))
 
 
 class SavedWithBF16V(SavedForBackward):
@@ -318,8 +317,8 @@ class TritonBackend(AttentionBackend):
         body = lambda: self._forward_flat(q, k, v, params)  # noqa: E731
         with device_guard(q.device):
             if self._one_launch_config(q, k, v, params) is not None:  # one plan for every KV length
-                o, stats = _AFFINE_PLANS.run(_one_launch_key(roots, params), k.shape[2], body, roots,
-                                             lambda: _PLANS.run(_forward_key(roots, params), body, roots))
+                o, stats = _AFFINE_PLANS.run_keyed(_one_launch_prefix(params), 2, k.shape[2], body, roots,
+                                                   lambda: _PLANS.run(_forward_key(roots, params), body, roots))
                 return o, stats, None
             o, stats, *saved = _PLANS.run(_forward_key(roots, params), body, roots)
         if not saved:

@@ -20,7 +20,7 @@ forward without a backward); the verification by three recordings guards the res
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -84,6 +84,36 @@ def roots_key(roots: Sequence[Optional[torch.Tensor]], axis: int, n: int) -> lis
     device, address mod 16, shape and strides."""
     return [None if r is None else layout_free_of(r, axis, n) if i in (1, 2) else
             (r.dtype, r.device, r.data_ptr() & 15, r.shape, r.stride()) for i, r in enumerate(roots)]
+
+
+def describe_roots(roots: Sequence[Optional[torch.Tensor]], axis: int, n: int) -> Tuple[list, tuple, tuple]:
+    """(`roots_key(roots, axis, n)`, each root's entry of `alias_key(roots)` reduced to the earlier root's
+    index, `root_facts(roots, alias_key(roots))`) in one pass over the roots (a decode step's host path)."""
+    keys, firsts, facts, distances, seen = [], [], [], [], {}
+    free = None  # K's (shape, strides, their `layout_free_of` parts): V's are usually the same
+    for i, r in enumerate(roots):
+        if r is None:
+            keys.append(None)
+            firsts.append(None)
+            continue
+        shape, stride, ptr = r.shape, r.stride(), r.data_ptr()
+        facts += shape
+        facts += stride
+        if i == 1 or i == 2:
+            if free is None or free[0] != shape or free[1] != stride:
+                free = (shape, stride, (*shape[:axis], *shape[axis + 1:]),
+                        tuple([("n", st // n) if st % n == 0 else st for st in stride]))
+            keys.append((r.dtype, r.device, ptr & 15, free[2], free[3]))
+        else:
+            keys.append((r.dtype, r.device, ptr & 15, shape, stride))
+        first = seen.setdefault(r.untyped_storage().data_ptr(), (i, ptr))
+        if first[0] == i:
+            firsts.append(None)
+        else:
+            firsts.append(first[0])
+            distances.append(ptr - first[1])
+    facts += distances
+    return keys, tuple(firsts), tuple(facts)
 
 
 class _Recording:
@@ -252,13 +282,24 @@ class AffinePlanCache:
         if recording_active():
             return body()
         aliases = alias_key(roots)
-        full = (key, tuple([None if a is None else a[0] for a in aliases]))
+        return self._run((key, tuple([None if a is None else a[0] for a in aliases])), root_facts(roots, aliases),
+                         n, body, roots, otherwise)
+
+    def run_keyed(self, prefix: tuple, axis: int, n: int, body, roots: Sequence[Optional[torch.Tensor]],
+                  otherwise=None):
+        """`run((*prefix, *roots_key(roots, axis, n)), n, body, roots, otherwise)`, the roots described in one
+        pass (`describe_roots`)."""
+        if recording_active():
+            return body()
+        keys, firsts, facts = describe_roots(roots, axis, n)
+        return self._run(((*prefix, *keys), firsts), facts, n, body, roots, otherwise)
+
+    def _run(self, full, facts: tuple, n: int, body, roots, otherwise):
         plan = self._plans.get(full)
         if plan is None:
             if len(self._plans) >= self.max_entries:
                 self._plans.clear()
             plan = self._plans[full] = AffinePlan()
-        facts = root_facts(roots, aliases)
         outputs = plan.replay(n, facts, roots)
         if outputs is not None:
             return outputs
@@ -278,4 +319,4 @@ class AffinePlanCache:
         self._plans.clear()
 
 
-__all__ = ["AffinePlan", "AffinePlanCache", "root_facts", "layout_free_of", "roots_key", "TRUST_AFTER"]
+__all__ = ["AffinePlan", "AffinePlanCache", "root_facts", "layout_free_of", "roots_key", "describe_roots", "TRUST_AFTER"]

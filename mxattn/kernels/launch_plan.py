@@ -190,6 +190,14 @@ class LaunchPlan:
         #: the allocations behind outputs, in the order their addresses follow the roots' and the workspace's in
         #: a replay's address list (the launch slots' sources, `_build`)
         self._out_order = _output_allocations(outputs)
+        #: where the outputs that are all carved from the block begin when they are its tail, else None
+        #: (`replay`'s packed), and their byte offsets in the block
+        tail = len(outputs)
+        while tail and outputs[tail - 1][0] == "carved":
+            tail -= 1
+        carved_before = any(kind == "carved" for kind, _ in outputs[:tail])
+        self.packs_from = tail if block_bytes and tail < len(outputs) and not carved_before else None
+        self.packed_offsets = tuple(spec[1] for _, spec in outputs[tail:]) if self.packs_from is not None else ()
 
     @property
     def launch_count(self) -> int:
@@ -205,15 +213,20 @@ class LaunchPlan:
         return (sum(kind == "whole" for kind, _ in self._outputs) + len(self._out_allocs)
                 + bool(self._block_bytes) + bool(self._workspace_bytes))
 
-    def replay(self, roots: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    def replay(self, roots: Optional[Sequence[Optional[torch.Tensor]]], packed: bool = False,
+               bases: Optional[list] = None) -> List[Optional[torch.Tensor]]:
         """The body's outputs for new roots (same signature as recorded), its launches issued on the current
         stream. None when launches cannot be issued directly now (launch hooks installed): the caller then
-        runs the body itself."""
+        runs the body itself. packed (a plan whose outputs end in carved ones, `packs_from`): those outputs
+        left out and the block they are carved from last instead (`unpack` makes them; a caller that needs
+        only their addresses saves their views). bases: instead of roots, the roots' addresses (a fresh list,
+        0 for an absent root)."""
         launcher = _launcher()
         if not launcher.fast_path_usable():
             return None
         dev = self.device
-        bases = [None if r is None else r.data_ptr() for r in roots]
+        if bases is None:
+            bases = [None if r is None else r.data_ptr() for r in roots]
         alloc_base, raws = {}, {}
         if self._block_bytes:  # the carved outputs' one allocation, and typed views of it
             block = torch.empty(self._block_bytes, dtype=torch.uint8, device=dev)
@@ -222,13 +235,17 @@ class LaunchPlan:
         for kind, spec in self._outputs:
             if kind == "carved":  # an output carved from the block at a 256-byte boundary
                 j, nbytes_offset, shape, stride, dtype, zero = spec
+                alloc_base[j] = block_ptr + nbytes_offset
+                if packed:  # (the tail: `unpack` makes these views)
+                    if zero:
+                        block[nbytes_offset:nbytes_offset + _nbytes(shape, stride, dtype)].zero_()
+                    continue
                 base = typed.get(dtype)
                 if base is None:
                     base = typed[dtype] = block.view(dtype)
                 t = base.as_strided(shape, stride, nbytes_offset // base.element_size())
                 if zero:
                     t.zero_()
-                alloc_base[j] = block_ptr + nbytes_offset
             elif kind == "whole":  # the output is its allocation
                 j, shape, stride, dtype, zero = spec
                 t = torch.empty_strided(shape, stride, dtype=dtype, device=dev)
@@ -263,7 +280,19 @@ class LaunchPlan:
                 args[pos] = bases[source] + offset
             run(entry, grid, stream, args)
         del workspace  # the caching allocator keeps it from other streams' reuse until the launches ran
+        if packed:
+            outputs.append(block)
         return outputs
+
+    def unpack(self, block: torch.Tensor) -> List[torch.Tensor]:
+        """The outputs a packed replay (`replay`) left in `block`, as views, as an unpacked replay makes them."""
+        typed, out = {}, []
+        for _, (_j, nbytes_offset, shape, stride, dtype, _zero) in self._outputs[self.packs_from:]:
+            base = typed.get(dtype)
+            if base is None:
+                base = typed[dtype] = block.view(dtype)
+            out.append(base.as_strided(shape, stride, nbytes_offset // base.element_size()))
+        return out
 
 
 #: per-thread: whether a recording is under way (a plan cache called inside a recorded body runs the body itself:
@@ -380,6 +409,12 @@ def _build(rec: _Recorder, outputs, roots, carve_from: Optional[int] = None) -> 
     return LaunchPlan(device, launches, out_specs, out_allocs, ws_bytes, block_bytes)
 
 
+def _nbytes(shape, stride, dtype) -> int:
+    """The bytes a tensor of this shape and strides spans (at least one element: `_build`'s block sizes)."""
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+    return extent * dtype.itemsize
+
+
 def _output_allocations(out_specs) -> List[int]:
     """The recorded allocations behind a plan's outputs (`LaunchPlan._outputs`), sorted."""
     return sorted({spec[0] for kind, spec in out_specs if kind != "none"})
@@ -443,11 +478,13 @@ class PlanCache:
         on the key's second call). A key of None runs body() alone."""
         return self.run_with_plan(key, body, roots)[0]
 
-    def run_with_plan(self, key, body, roots, carve_from: Optional[int] = None):
-        """(`run`'s outputs, the LaunchPlan that made them or whose recording they are, else None). carve_from:
-        `record`'s for this call; the key must tell carving callers apart."""
+    def run_with_plan(self, key, body, roots, carve_from: Optional[int] = None, packed: bool = False):
+        """(`run`'s outputs, the LaunchPlan that made them or whose recording they are, else None, None or the
+        block of a packed replay). carve_from: `record`'s for this call; the key must tell carving callers
+        apart. packed: a replay of a plan that can (`LaunchPlan.packs_from`) leaves its carved tail in the block
+        it returns third (`LaunchPlan.replay`'s packed), the outputs before it first."""
         if key is None or recording_active():
-            return body(), None
+            return body(), None, None
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= self.max_entries:  # the families' statistics outlive the plans
@@ -455,22 +492,34 @@ class PlanCache:
                 if len(self._families) >= self.max_entries:
                     self._families.clear()
             self._plans[key] = self._SEEN
-            return body(), None
+            return body(), None, None
         if plan is self._REFUSED:
-            return body(), None
+            return body(), None, None
         stats = self._families.setdefault(key[0], [0, 0])
         if plan is self._SEEN:
             if stats[0] >= self.min_replays and stats[1] < self.min_replays * stats[0]:
-                return body(), None  # a volatile family: recordings would cost more than their replays save
+                return body(), None, None  # a volatile family: recordings would cost more than their replays save
             outputs, plan, self.last_reason = record(body, roots, carve_from)
             self._plans[key] = self._REFUSED if plan is None else plan
             stats[0] += 1
-            return outputs, plan
-        outputs = plan.replay(roots)
+            return outputs, plan, None
+        packed = packed and plan.packs_from is not None
+        outputs = plan.replay(roots, packed)
         if outputs is None:  # launch hooks installed: Triton's own path
-            return body(), None
+            return body(), None, None
         stats[1] += 1
-        return outputs, plan
+        return outputs, plan, outputs.pop() if packed else None
+
+    def replay_only(self, key, roots=None, bases: Optional[list] = None) -> Optional[List[Optional[torch.Tensor]]]:
+        """The outputs of key's plan replayed for roots, or onto the root addresses `bases` (`LaunchPlan.replay`'s),
+        or None when key has no plan or it cannot replay now: the caller then calls `run_with_plan`."""
+        plan = self._plans.get(key)
+        if plan.__class__ is not LaunchPlan or recording_active():
+            return None
+        outputs = plan.replay(roots, False, bases)
+        if outputs is not None:
+            self._families.setdefault(key[0], [0, 0])[1] += 1
+        return outputs
 
     def plan(self, key) -> Optional[LaunchPlan]:
         """The plan stored for key (None if none, refused or seen once)."""

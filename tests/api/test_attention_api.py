@@ -400,6 +400,28 @@ def test_unhashable_options_get_the_checks_error(kwargs, exc):
         mxattn.mxfp8_attention(q, q, q, backend="reference", **kwargs)
 
 
+@pytest.mark.parametrize("fmt,dtype", [("bshd", torch.bfloat16), ("sbhd", torch.bfloat16), ("bshd", torch.float32)])
+def test_dense_layouts_add_no_layout_nodes_and_give_the_bhsd_calls_results(fmt, dtype):
+    """q, k, v in bshd or sbhd: the attention's autograd node takes them and returns O in their layout (the
+    [B, H, S, D] views made inside it, no permute nodes), with O and the gradients of the same call in bhsd,
+    viewed in that layout (first call and the signature's planned later calls alike)."""
+    from mxattn.layouts import from_bhsd, to_bhsd
+    q, k, v = (torch.randn(1, 2, 64, 32, dtype=dtype, requires_grad=True) for _ in range(3))
+    o_ref = mxattn.mxfp8_attention(q, k, v, qkv_format="bhsd", attn_mask_type="causal", backend="reference")
+    do = torch.randn_like(o_ref)
+    grads_ref = torch.autograd.grad(o_ref, (q, k, v), do)
+    for _ in range(3):
+        xs = [from_bhsd(t.detach(), fmt).contiguous().requires_grad_() for t in (q, k, v)]
+        o = mxattn.mxfp8_attention(*xs, qkv_format=fmt, attn_mask_type="causal", backend="reference")
+        node = o.grad_fn if dtype != torch.float32 else o.grad_fn.next_functions[0][0]  # (fp32: O cast from bf16)
+        assert "_Attention" in type(node).__name__
+        assert [type(n).__name__ for n, _ in node.next_functions if n is not None] == ["AccumulateGrad"] * 3
+        assert o.dtype == dtype and torch.equal(to_bhsd(o, fmt), o_ref)
+        grads = torch.autograd.grad(o, xs, from_bhsd(do, fmt))
+        assert all(g.dtype == dtype and g.shape == x.shape and torch.equal(to_bhsd(g, fmt), r)
+                   for g, x, r in zip(grads, xs, grads_ref))
+
+
 def test_bhsd_inputs_add_no_layout_nodes_to_the_autograd_graph():
     """bhsd is the kernels' own order: the call makes no permute views of q, k, v or O (each would be an autograd
     node, and host time, per call), so O's grad_fn is the attention's own node and its inputs are the leaves'."""

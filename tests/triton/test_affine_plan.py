@@ -142,21 +142,30 @@ def _symbolic(args, tensors):
     return out
 
 
+#: KV lengths of decode-like calls: a new one each call; or each repeated (a fixed-length loop) before new ones
+_SCHEDULES = {"new": list(range(100, 140)),
+              "repeats": [100] * 5 + [101] * 4 + list(range(102, 120)) + [120] * 5 + [121, 100, 100, 122]}
+
+
+@pytest.mark.parametrize("schedule", _SCHEDULES)
 @pytest.mark.parametrize("ops_replay", [False, True], ids=["backend_plans", "call_plans"])
 @pytest.mark.parametrize("case", ["hf_cache", "bshd_views", "gqa_window_sink"])
-def test_triton_backend_decode_steps_replay_the_ordinary_launch(launcher, monkeypatch, request, case, ops_replay):
+def test_triton_backend_decode_steps_replay_the_ordinary_launch(launcher, monkeypatch, request, case, ops_replay,
+                                                                schedule):
     """Decode steps (one query, a new KV length each) through the public API: once the affine plan is trusted
     every step replays, and its launch equals the ordinary path's at that length (kernel, grid, every integer,
     float and flag, each address at the same offset of the same tensor). Layouts: transformers' cache
     ([B, H, S, D] contiguous, strides that grow with S), bshd views of a preallocated buffer, GQA with a
     sliding window and a learnable sink. With whole calls recorded (`mxattn.op_plans.run_call`, as calls run),
-    the affine plan serves the public call's whole body; else the backend's forward."""
+    the affine plan serves the public call's whole body; else the backend's forward. Lengths repeated before
+    the affine plan is trusted replay their per-signature plans (a whole call's: tried first while its calls
+    repeat), and new lengths after them the affine plan."""
     import mxattn
     from mxattn import op_plans
     from mxattn.kernels.affine_plan import AffinePlanCache
     from mxattn.kernels.launch_plan import PlanCache
     backend_module, _ = _stub_backend(monkeypatch, request, ops_replay)
-    planned = (backend_module._AFFINE_PLANS, backend_module._PLANS, op_plans.CALLS_AFFINE, op_plans.CALLS)
+    planned = (backend_module._AFFINE_PLANS, backend_module._PLANS, op_plans.CALLS_AFFINE, op_plans.CALLS, set())
     hq, hkv = (8, 2) if case == "gqa_window_sink" else (4, 4)
     buffer = torch.randn(2, 300, 2 * hkv, 64, dtype=torch.bfloat16)
     sink = torch.randn(hq) if case == "gqa_window_sink" else None
@@ -169,6 +178,7 @@ def test_triton_backend_decode_steps_replay_the_ordinary_launch(launcher, monkey
         monkeypatch.setattr(backend_module, "_PLANS", caches[1])
         monkeypatch.setattr(op_plans, "CALLS_AFFINE", caches[2])
         monkeypatch.setattr(op_plans, "CALLS", caches[3])
+        monkeypatch.setattr(op_plans, "_REPEATING", caches[4])
         q = torch.randn(2, 1, hq, 64, dtype=torch.bfloat16)
         if case == "hf_cache":
             k = buffer[:, :n, :hkv].transpose(1, 2).contiguous().transpose(1, 2)
@@ -183,16 +193,39 @@ def test_triton_backend_decode_steps_replay_the_ordinary_launch(launcher, monkey
             names["sink"] = sink
         return [(name, grid, _symbolic(args, names)) for name, grid, args in launcher]
 
-    for n in range(100, 140):
+    hinted = 0
+    for n in _SCHEDULES[schedule]:
+        hinted += bool(planned[4])
         replayed = step(n, planned)
-        ordinary = step(n, (AffinePlanCache(), PlanCache(), AffinePlanCache(), PlanCache()))  # the body itself
+        ordinary = step(n, (AffinePlanCache(), PlanCache(), AffinePlanCache(), PlanCache(), set()))  # the body
         assert replayed == ordinary, n
         assert [name for name, _, _ in replayed] == ["_attn_fwd_kernel"]
     # one trusted plan (3 recordings, then one per new specialization class) at the level that serves the calls;
     # a length dividing a buffer view's stride (128 here) is keyed apart and runs the signature's own path
     serving, idle = (planned[2], planned[0]) if ops_replay else (planned[0], planned[2])
-    assert not idle._plans  # (the backend's plan caches run their bodies inside the call's recording)
+    if schedule == "new":  # (the backend's plan caches run their bodies inside the call's recording; a repeated
+        # length's first call at the call level runs its body unrecorded)
+        assert not idle._plans
+    elif ops_replay:  # the repeats of a length replayed its call plan, tried first
+        assert hinted >= 4
     plans = list(serving._plans.values())
     trusted = [p for p in plans if p.trusted]
     assert len(trusted) == 1 and len(trusted[0].recordings) < 8
     assert all(len(p.recordings) == 1 for p in plans if not p.trusted)
+
+
+def test_describe_roots_is_roots_key_alias_key_and_root_facts_in_one_pass():
+    """`describe_roots` (the call plans' one pass) answers what `roots_key`, `alias_key` and `root_facts` do."""
+    from mxattn.kernels.affine_plan import describe_roots, root_facts, roots_key
+    from mxattn.kernels.launch_plan import alias_key
+    buffer = torch.randn(2, 300, 8, 64)
+    kv = buffer[:, :120]
+    q = torch.randn(2, 1, 8, 64)
+    cases = [(q, kv[:, :, :4], kv[:, :, 4:], None), (q, kv, kv, torch.randn(8)),
+             (buffer[:, :1], kv[:, :, 2:4], buffer[:, :120, 4:6], None)]
+    for roots in cases:
+        aliases = alias_key(roots)
+        assert describe_roots(roots, 1, 120) == (roots_key(roots, 1, 120),
+                                                 tuple([None if a is None else a[0] for a in aliases]),
+                                                 root_facts(roots, aliases))
+

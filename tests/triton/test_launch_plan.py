@@ -147,6 +147,21 @@ def test_outputs_from_carve_from_on_are_views_of_one_allocation(launcher):
     assert torch.equal(count, torch.zeros(5, dtype=torch.int32))
     (_, _, args), = launcher
     assert args[:5] == [x2.data_ptr(), out.data_ptr(), stats.data_ptr(), fp8.data_ptr(), count.data_ptr()]
+    # packed: the carved tail left in its block (returned last), zero fills done; unpack makes the same views
+    assert plan.packs_from == 1
+    launcher.clear()
+    out, block = plan.replay((x2,), packed=True)
+    block.fill_(7)  # (freed: the next block likely reuses this memory, which its zero fill must clear)
+    del out, block
+    launcher.clear()
+    out, block = plan.replay((x2,), packed=True)
+    views = plan.unpack(block)
+    assert [(t.shape, t.stride(), t.dtype, t.data_ptr() - block.data_ptr()) for t in views] == [
+        ((5, 3), (1, 5), torch.float32, 0), ((7, 9), (9, 1), torch.float8_e4m3fn, 256), ((5,), (1,), torch.int32, 512)]
+    assert torch.equal(views[2], torch.zeros(5, dtype=torch.int32))
+    (_, _, args), = launcher
+    assert args[:5] == [x2.data_ptr(), out.data_ptr(), *[t.data_ptr() for t in views]]
+    assert uncarved.packs_from is None
 
 
 def test_zero_filled_scratch_is_zeroed_where_it_was_allocated(launcher):
@@ -497,6 +512,55 @@ def test_the_eager_backward_is_keyed_on_its_forwards_plan(launcher, monkeypatch,
         starts = {t.data_ptr() for t in kept}
         read = {a for _, _, args in last for a in args if isinstance(a, int) and a in starts}
         assert len(read) >= 8
+
+
+def test_a_packed_forwards_backward_reads_the_copies_its_forward_wrote(launcher, monkeypatch, request):
+    """An eager forward that replays keeps stats and the saved copies packed in their one allocation (two saved
+    tensors: O and that block); its backward, replayed from the block's address alone, launches what the
+    ordinary backward of an unpacked forward launched, each pointer at the same offset of the matching saved
+    tensor, and those lie where the forward's own launches wrote. Under saved-tensor hooks nothing is packed."""
+    import mxattn
+    from mxattn import op_plans
+    _stub_backend(monkeypatch, request, ops_replay=True)
+    runs = []
+    for i in range(5):
+        q, k, v = (torch.randn(2, 96, 4, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        launcher.clear()
+        if i == 4:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                o = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton")
+        else:
+            o = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton")
+        fwd_log, kept = list(launcher), o.grad_fn.saved_tensors  # (the attention's node: no layout nodes)
+        do = torch.randn_like(o)
+        launcher.clear()
+        o.backward(do)
+        runs.append((q, k, v, o, do, kept, fwd_log, list(launcher)))
+    assert [len(r[5]) for r in runs] == [12, 12, 2, 2, 12]  # O and the block when packed, else O, stats, 10 copies
+    plan = op_plans.PLANS.plan(next(key for key in op_plans.PLANS._plans if key[0][0] == "fwd"))
+    (q2, k2, v2, o2, do2, kept2, _, bwd2), (q4, k4, v4, o4, do4, (_, block), fwd4, bwd4) = runs[1], runs[3]
+    unpacked = plan.unpack(block)
+    assert all(not isinstance(a, tuple) for _, _, args in bwd4 for a in args)  # replayed
+    written = {a for _, _, args in fwd4 for a in args if isinstance(a, int)}
+    assert {t.data_ptr() for t in unpacked} <= written
+    _assert_rebased(bwd2, bwd4, list(zip((q2, k2, v2, o2, do2, *kept2[1:]), (q4, k4, v4, o4, do4, *unpacked))))
+    assert [(n, g) for n, g, _ in runs[4][7]] == [(n, g) for n, g, _ in bwd2]
+
+
+def test_checkpointed_layers_of_one_signature_recompute_what_they_saved(launcher, monkeypatch, request):
+    """Non-reentrant activation checkpointing matches the tensors a recomputation saves to the first forward's:
+    layers of one signature (the first unrecorded, the second recording, later ones replayed) run under it,
+    their recomputations in the backward replayed, and every gradient arrives."""
+    import torch.utils.checkpoint as cp
+
+    import mxattn
+    _stub_backend(monkeypatch, request, ops_replay=True)
+    q, k, v = (torch.randn(2, 96, 4, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    attend = lambda q, k, v: mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton")  # noqa
+    for _ in range(2):
+        o = sum(cp.checkpoint(attend, q * (i + 1), k, v, use_reentrant=False) for i in range(4))
+        o.backward(torch.ones_like(o))
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
 
 
 def test_aliasing_of_roots_is_part_of_the_key():
