@@ -72,21 +72,9 @@ def path(name: str):
         _fresh_plans()
 
 
-def _time(fn, reps: int) -> float:
-    """Median ms of reps calls of fn (CUDA events)."""
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def bench_config(name, B, HQ, HKV, S, D, causal, rounds: int, reps: int):
     import mxattn
+    from mxattn.bench import time_cuda
     from mxattn.kernels.triton_attention_fwd import fwd_streams_bf16
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(B, S, HQ, D, device="cuda", generator=g).to(torch.bfloat16)
@@ -139,11 +127,11 @@ def bench_config(name, B, HQ, HKV, S, D, causal, rounds: int, reps: int):
         for p in paths:
             with path(p):
                 fwd()  # the plan caches' first calls, untimed
-                res["fwd_ms"][p].append(_time(fwd, reps))
-                res["fwd_bwd_ms"][p].append(_time(fwd_bwd, reps))
+                res["fwd_ms"][p].append(time_cuda(fwd, 0, reps))
+                res["fwd_bwd_ms"][p].append(time_cuda(fwd_bwd, 0, reps))
         with torch.no_grad():
-            res["fwd_ms"]["sdpa"].append(_time(lambda: sdpa(False), reps))
-        res["fwd_bwd_ms"]["sdpa"].append(_time(lambda: sdpa(True), reps))
+            res["fwd_ms"]["sdpa"].append(time_cuda(lambda: sdpa(False), 0, reps))
+        res["fwd_bwd_ms"]["sdpa"].append(time_cuda(lambda: sdpa(True), 0, reps))
     for kind in ("fwd_ms", "fwd_bwd_ms"):
         res[kind] = {p: statistics.median(v) for p, v in res[kind].items()}
     return res
