@@ -10,11 +10,14 @@ same: the helper's inlined debug scope adds `$L__tmp` labels at its boundaries, 
 (issue 23: helpers for the paged kernels' shared prologue and epilogue kept 11 of the 12 paged fingerprints and
 changed the 12th); check every kernel.
 
+--kernels gluon fingerprints the Gluon Hopper forward (`gluon_attention_fwd.compile_sm90`, sm_90a) at head dims
+128 and 64, no mask and causal.
+
 --kernels paged fingerprints the paged KV cache's kernels instead (`paged_builds`: the attention kernel's exact
 and decode data paths in each pass (the decode split passes with STORE_S, and without it as "recompute"), the split combine and the append, at head dims 128 and 64 over bf16 inputs, as
-`paged_attention_fwd` and `paged_append` launch them); --kernels all, both sets.
+`paged_attention_fwd` and `paged_append` launch them); --kernels all, every set.
 
-Usage: python benchmarks/default_recipe_sass.py [--kernels dense|paged|all] [--out FILE]
+Usage: python benchmarks/default_recipe_sass.py [--kernels dense|paged|gluon|all] [--out FILE]
 """
 import argparse
 import hashlib
@@ -195,15 +198,31 @@ def selected(kernels: str) -> list:
     return out + (paged_builds() if kernels in ("paged", "all") else [])
 
 
+def gluon_builds() -> list:
+    """[(name, compile thunk)] of the Gluon Hopper forward (`gluon_attention_fwd.compile_sm90`, as its launcher
+    specialises a typical call: the default stages and ping-pong) at head dims 128 and 64, no mask and causal."""
+    from mxattn.kernels import gluon_attention_fwd as gf
+    return [(f"gluon fwd d{d}{' causal' if causal else ''}", lambda d=d, causal=causal: gf.compile_sm90(d, causal))
+            for d in (128, 64) for causal in (False, True)]
+
+
+def compile_jobs(kernels: str) -> list:
+    """[(name, compile thunk)] of a --kernels choice (dense, paged, gluon or all)."""
+    jobs = [(name, lambda fn=fn, types=types, constexprs=constexprs, warps=warps, stages=stages, options=options:
+             compile_for(fn, types, constexprs, num_warps=warps, num_stages=stages, **options))
+            for name, fn, types, constexprs, warps, stages, options in selected(kernels)]
+    return jobs + (gluon_builds() if kernels in ("gluon", "all") else [])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", choices=("dense", "paged", "all"), default="dense",
+    parser.add_argument("--kernels", choices=("dense", "paged", "gluon", "all"), default="dense",
                         help="which kernels to fingerprint (default: the dense ones)")
     parser.add_argument("--out", help="also write the lines to this file")
     args = parser.parse_args()
     lines = []
-    for name, fn, types, constexprs, warps, stages, options in selected(args.kernels):
-        kernel = compile_for(fn, types, constexprs, num_warps=warps, num_stages=stages, **options)
+    for name, compile_kernel in compile_jobs(args.kernels):
+        kernel = compile_kernel()
         lines.append(f"{name:24s} {sass_digest(kernel)}  smem {kernel.metadata.shared}")
         print(lines[-1], flush=True)
     if args.out:
