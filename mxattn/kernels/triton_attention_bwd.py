@@ -28,7 +28,8 @@ from .triton_launch import cdiv, launch, sm_count
 from .triton_attention_fwd import SCRATCH_BUDGET_BYTES, check_seq
 from .triton_bwd_prep import bwd_prep, kv_prep
 from .triton_bwd_tiles import _col_tile, _row_tile, _store_rows
-from .triton_common import LOG2E, P_DESCALE, P_SCALE, band_block_range, program_prologue, qdq_rows
+from .triton_common import (LOG2E, P_DESCALE, P_SCALE, band_block_range, program_prologue, qdq_rows,
+                            tile_offsets)
 from .triton_quantize import padded_head_dim, row_tiles, seq_programs
 from ..seqinfo import grid_rows, grid_sequences, kernel_cu_seqlens, kernel_flags
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
@@ -108,13 +109,7 @@ def _dkdv_kernel(
     DS_BF16 dS rounded to bf16 for dK, V_RAW V a bf16 tensor (VS unread), FLOOR the OCP rule for dS's scales."""
     tile, hk, _, bt, q0, kv0, len_q, len_kv, qb0, _, offset, n_out = program_prologue(
         CU_Q, CU_KV, HKV, 1, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, False, HAS_RB)
-    n0 = tile * BN
-    cols = n0 + tl.arange(0, BN)
-    offs_mb = tl.arange(0, BM)
-    offs_d = tl.arange(0, DP)
-    offs_kb = tl.arange(0, DP // 32)
-    d_ok = offs_d < D
-    kb_ok = offs_kb * 32 < D
+    n0, cols, offs_mb, offs_d, offs_kb, d_ok, kb_ok = tile_offsets(tile, D, BN, BM, DP)
     if VARLEN:
         if n0 >= len_kv:  # no key row of this sequence in the tile
             if not PACKED:  # padding rows of a padded batch: zero gradients
@@ -221,13 +216,7 @@ def _dq_kernel(
     """Grid (query tiles, sequences * HQ). Recipe switches as the dK/dV kernel's."""
     tile, hq, hk, bt, q0, kv0, len_q, len_kv, _, kvb0, offset, n_out = program_prologue(
         CU_Q, CU_KV, HQ, GROUP, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, True, HAS_RB)
-    m0 = tile * BM
-    offs_m = m0 + tl.arange(0, BM)
-    offs_n = tl.arange(0, BN)
-    offs_d = tl.arange(0, DP)
-    offs_kb = tl.arange(0, DP // 32)
-    d_ok = offs_d < D
-    kb_ok = offs_kb * 32 < D
+    m0, offs_m, offs_n, offs_d, offs_kb, d_ok, kb_ok = tile_offsets(tile, D, BM, BN, DP)
     if VARLEN:
         if m0 >= len_q:  # no query row of this sequence in the tile
             if not PACKED:  # padding rows of a padded batch: zero gradients

@@ -21,7 +21,7 @@ import triton.language as tl
 from .triton_launch import launch
 from .triton_common import (LN2, LOG2E, band_block_range, dequant_cols, dequant_rows,
                             load_tile, program_prologue, quantize_cols, quantize_rows, round_p, seq_prologue,
-                            softmax_block, softmax_start)
+                            softmax_block, softmax_start, tile_offsets)
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from ..seqinfo import SeqInfo, grid_rows, grid_sequences, kernel_cu_seqlens, kernel_flags
 from .triton_quantize import check_cu_seqlens, padded_head_dim, row_tiles, seq_programs
@@ -103,11 +103,7 @@ def _attn_fwd_kernel(
     [B,H,S,D] like K, VS unread)."""
     tile, hq, hk, bt, q0, kv0, len_q, len_kv, qb0, kvb0, offset, n_out = program_prologue(
         CU_Q, CU_KV, HQ, GROUP, SQ, SKV, offset, VARLEN, PACKED, BOTTOM_RIGHT, True, HAS_RB)
-    m0 = tile * BM
-    rows = m0 + tl.arange(0, BM)
-    offs_n = tl.arange(0, BN)
-    offs_d = tl.arange(0, DP)
-    offs_kb = tl.arange(0, DP // 32)
+    m0, rows, offs_n, offs_d, offs_kb, _, _ = tile_offsets(tile, D, BM, BN, DP)
     if VARLEN:
         if m0 >= len_q:  # no query row of this sequence in the tile
             if not PACKED:

@@ -283,6 +283,20 @@ def program_prologue(CU_Q, CU_KV, H, GROUP, SQ, SKV, offset, VARLEN: tl.constexp
 
 
 @triton.jit
+def tile_offsets(tile, D, T: tl.constexpr, O: tl.constexpr, DP: tl.constexpr):
+    """Offsets of a program's tile (after `program_prologue`): tile `tile` of T rows of its own side, blocks of O
+    rows of the other side, head dim D padded to DP -> (t0, rows, offs_o, offs_d, offs_kb, d_ok, kb_ok): the
+    tile's first row and its rows, the rows within one block of the other side, the head-dim columns and the
+    scale columns (one per 32 of them), and which of those exist (d_ok: offs_d < D, kb_ok: offs_kb * 32 < D)."""
+    t0 = tile * T
+    rows = t0 + tl.arange(0, T)
+    offs_o = tl.arange(0, O)
+    offs_d = tl.arange(0, DP)
+    offs_kb = tl.arange(0, DP // 32)
+    return t0, rows, offs_o, offs_d, offs_kb, offs_d < D, offs_kb * 32 < D
+
+
+@triton.jit
 def band_block_range(t0, S, offset, LB, RB, HAS_LB: tl.constexpr, HAS_RB: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, KV_TILE: tl.constexpr = False, SKV=0):
     """The blocks of the other side that a tile meets under the band mask -> (lo, mask_hi, full_lo, full_hi, hi),
