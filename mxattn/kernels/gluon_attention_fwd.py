@@ -51,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
+from .triton_launch import launch
 from .triton_common import (E4M3_TO_BF16_ASM, E4M3_TO_BF16_CONSTRAINTS, E4M3_TO_BF16_PACK, ROUND_P_ASM,
                             ROUND_P_CONSTRAINTS, ROUND_P_PACK)
 
@@ -541,7 +542,8 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     v_desc = TensorDescriptor(v_data, list(v_data.shape), list(v_data.stride()), [1, 1, D, BLOCK_N], v_layout)
     has_rb = right_bound is not None
     grid = (triton.cdiv(SQ, BLOCK_M), B * HQ)
-    _gluon_attn_fwd_kernel[grid](
+    launch(  # Triton's dispatcher on a signature's first call, then the cached compiled kernel (`triton_launch`)
+        _gluon_attn_fwd_kernel, grid,
         q_data, qs, k_desc, ks, v_desc, vs, out, stats,
         *q_data.stride()[:3], *qs.stride()[:3],
         *ks.stride()[:3], *vs.stride()[:3],

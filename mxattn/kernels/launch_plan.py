@@ -67,6 +67,10 @@ class _Allocation:
         self.start, self.nbytes, self.event, self.last_use, self.zero = start, nbytes, event, event, zero
 
 
+#: launch arguments a replay repeats as they are (everything else but tensors is refused: `_Recorder.on_launch`)
+_PLAIN_ARGS = (int, float, bool, type(None))
+
+
 class _Recorder(TorchDispatchMode):
     """Observes a body's aten ops (allocations kept by their storage's address) and launches (tensor arguments
     resolved through their storage to (root or allocation, byte offset) at launch time, while the addresses
@@ -125,6 +129,9 @@ class _Recorder(TorchDispatchMode):
         template, slots = list(args), []
         try:
             for pos, a in enumerate(args):
+                if a.__class__ not in _PLAIN_ARGS and not isinstance(a, torch.Tensor):
+                    raise RecordingRefused(f"a launch argument of type {type(a).__name__} holds what a replay could "
+                                           "not re-base (a TMA descriptor holds its tensor's address)")
                 if isinstance(a, torch.Tensor):
                     kind, index, offset = self.resolve(a)
                     if kind == "alloc":

@@ -63,10 +63,22 @@ def _int_class(a: int):
 
 def _args_key(args) -> tuple:
     """ints by Triton's specialization class (`_int_class`); tensors as (dtype, low 4 address bits); floats
-    as (float,); anything else (bools) as (type, value), so no two kinds of argument share a key entry."""
+    as (float,); host TMA descriptors (`_descriptor_key`) by everything they hold but the address; anything else
+    (bools) as (type, value), so no two kinds of argument share a key entry."""
     T = torch.Tensor
     return tuple([_int_class(a) if a.__class__ is int else (a.dtype, a.data_ptr() & 15) if isinstance(a, T)
-                  else (float,) if a.__class__ is float else (a.__class__, a) for a in args])
+                  else (float,) if a.__class__ is float else _descriptor_key(a) if hasattr(a, "block_shape")
+                  else (a.__class__, a) for a in args])
+
+
+def _descriptor_key(d) -> tuple:
+    """A host-side TMA descriptor (Gluon's `TensorDescriptor`: base tensor, shape, strides, block shape, shared
+    layout, padding) keyed by all it holds except its base address: the base's dtype and low 4 address bits and
+    the exact shape and strides (finer than any specialization Triton makes of them). The launcher encodes the
+    descriptor (CUtensorMap) from the object on every launch, so a cached kernel launched with a new descriptor
+    reads the new tensor."""
+    return (d.__class__, d.base.dtype, d.base.data_ptr() & 15, tuple(d.shape), tuple(d.strides),
+            tuple(d.block_shape), d.layout, d.padding)
 
 
 def _hooked(hook) -> bool:
@@ -81,9 +93,9 @@ def sm_count(device: torch.device) -> int:
 
 
 def launch(fn, grid, *args, **kwargs) -> None:
-    """fn[grid](*args, **kwargs) for a triton.jit kernel fn whose constexpr parameters all follow its run-time
-    parameters and are passed (with options such as num_warps) as keywords; args are tensors, ints, bools
-    and floats. grid: tuple of 1 to 3 ints. While a recording (`mxattn.kernels.launch_plan`) is active on this thread, the launch is
+    """fn[grid](*args, **kwargs) for a triton.jit (or gluon.jit) kernel fn whose constexpr parameters all follow
+    its run-time parameters and are passed (with options such as num_warps) as keywords; args are tensors, ints,
+    bools, floats and host TMA descriptors. grid: tuple of 1 to 3 ints. While a recording (`mxattn.kernels.launch_plan`) is active on this thread, the launch is
     also reported to it (with the compiled kernel, or None when Triton's own dispatcher ran it)."""
     recording = getattr(_LOCAL, "recording", None)
     rt = knobs.runtime

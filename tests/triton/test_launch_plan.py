@@ -845,3 +845,75 @@ def test_a_body_that_runs_the_gluon_forward_is_never_replayed(launcher, monkeypa
         reasons.append(plans.last_reason)
         o.backward(torch.ones_like(o))  # the backward's own plans are unaffected
     assert "Triton's dispatcher" in reasons[1]  # the second call recorded, and refused
+
+
+def _descriptor(t, block):
+    from mxattn.kernels import gluon_attention_fwd as gf
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    layout = gf.tma_layouts(t.shape[3])[0]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def test_launch_keys_host_tma_descriptors_by_all_but_their_address():
+    """`triton_launch._args_key` of a Gluon TensorDescriptor: hashable; equal for another tensor of the same
+    shape, strides, dtype and alignment class; different for another shape or block."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mxattn.kernels.triton_launch import _args_key
+    a, b = (torch.zeros(1, 2, 256, 128, dtype=torch.float8_e4m3fn) for _ in range(2))
+    c = torch.zeros(1, 2, 384, 128, dtype=torch.float8_e4m3fn)
+    ka, kb, kc = (_args_key([_descriptor(t, [1, 1, 128, 128]), 7]) for t in (a, b, c))
+    assert hash(ka) == hash(kb) and ka == kb and ka != kc
+    assert _args_key([_descriptor(a, [1, 1, 64, 128])]) != _args_key([_descriptor(a, [1, 1, 128, 128])])
+
+
+def test_a_recording_refuses_a_launch_with_a_tma_descriptor(launcher):
+    """A descriptor holds its tensor's address, which a replay could not re-base: the recording refuses."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mxattn.kernels import launch_plan
+    from mxattn.kernels.triton_launch import launch
+    fn = _fn("_desc_kernel", 2)
+    k = torch.zeros(1, 2, 256, 128, dtype=torch.float8_e4m3fn)
+
+    def body():
+        out = torch.empty(4)
+        launch(fn, (1,), _descriptor(k, [1, 1, 128, 128]), out, BLOCK=1)
+        return [out]
+
+    _, plan, reason = launch_plan.record(body, [k])
+    assert plan is None and "TMA descriptor" in reason
+
+
+def test_the_gluon_forward_launches_its_compiled_kernel_directly_after_the_first_call(launcher, monkeypatch):
+    """`attention_fwd_gluon` goes through `triton_launch.launch`: Triton's dispatcher on a signature's first call,
+    then the cached compiled kernel, called with new descriptors of the new call's K and V (the launcher encodes
+    them per launch), the new Q/O/stats addresses, and the same constexprs."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mxattn.kernels import gluon_attention_fwd as gf
+    from mxattn.kernels.triton_quantize import SeqMajorColumns
+    f8 = torch.float8_e4m3fn
+
+    def call():
+        q, k = (torch.zeros(1, 2, 256, 128, dtype=f8) for _ in range(2))
+        s = torch.zeros(1, 2, 256, 4, dtype=torch.uint8)
+        v = SeqMajorColumns(torch.zeros(1, 2, 128, 256, dtype=f8), torch.zeros(1, 2, 8, 128, dtype=torch.uint8))
+        out = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+        st = torch.empty(1, 2, 256, 1)
+        gf.attention_fwd_gluon(q, s, k, s, v, softmax_scale=0.1, offset=0, left_bound=None, right_bound=0,
+                               out=out, stats=st)
+        return q, k, v, out
+
+    from mxattn.kernels import triton_launch
+    dispatched, first_launch = [], triton_launch.first_launch
+    monkeypatch.setattr(triton_launch, "first_launch", lambda *a: dispatched.append(1) or first_launch(*a))
+    first, second = call(), call()
+    assert len(dispatched) == 1  # the second call hit the launch cache (its key leaves the addresses out)
+    assert len(launcher) == 2 and launcher[0][0] == launcher[1][0] == "_gluon_attn_fwd_kernel"
+    (_, grid1, args1), (_, grid2, args2) = launcher
+    assert grid1 == grid2 == (2, 2, 1)
+    # the dispatcher's run (first call) and the direct launch (second) pass the descriptors as objects
+    k_desc, v_desc = args2[2], args2[4]
+    assert k_desc.base is second[1] and v_desc.base is second[2].data
+    assert args2[0] == second[0].data_ptr() or args2[0] == ("ptr", second[0].data_ptr())
+    assert args2[6] in (second[3].data_ptr(), ("ptr", second[3].data_ptr()))
+    assert [a for a in args1 if not isinstance(a, tuple) and not hasattr(a, "block_shape")] == \
+        [a for a in args2 if not isinstance(a, tuple) and not hasattr(a, "block_shape")]
