@@ -15,8 +15,8 @@ from typing import Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mxattn.bench import (DEFAULT_CONFIGS, _parse_config, gpu_dir_name, kept_pairs, time_cuda,  # noqa: E402
-                          time_graph)
+from mxattn.bench import (DEFAULT_CONFIGS, _parse_config, fwd_kernel_operands, gpu_dir_name, kept_pairs,  # noqa: E402
+                          time_cuda, time_graph)
 
 FWD_SWEEP = [(128, 8, 2), (128, 8, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2)]
 BWD_SWEEP = [((64, 128, 8, 2), (128, 64, 8, 2)), ((64, 128, 8, 1), (128, 64, 8, 3)),
@@ -25,19 +25,6 @@ BWD_SWEEP = [((64, 128, 8, 2), (128, 64, 8, 2)), ((64, 128, 8, 1), (128, 64, 8, 
              ((32, 128, 8, 3), (128, 64, 8, 3)), ((32, 128, 4, 2), (128, 64, 8, 1))]
 #: kernel groups `sweep` can time
 SWEEP_KERNELS = ("fwd", "fwd_fp8_on_chip", "bwd_pre", "bwd_fp8", "quantize")
-
-
-def fwd_kernel_operands(k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> tuple:
-    """(k_data, k_scale, v) for the forward kernel from bf16 k, v [B, Hkv, S, D], on the data path the triton
-    backend takes for this problem (`fwd_streams_bf16`), or on the FP8 on-chip path when fp8."""
-    from mxattn.kernels import triton_attention_fwd as tf
-    from mxattn.kernels.triton_quantize import quantize_rowcol
-
-    if not fp8 and tf.fwd_streams_bf16(k.shape[0], k.shape[1], k.shape[2], k.shape[3]):
-        kq, vq = quantize_rowcol(k, col=False, row_dequant=True), quantize_rowcol(v, col_dequant=True)
-        return kq.row_dequant, None, vq.col_dequant
-    kq, vq = quantize_rowcol(k, col=False), quantize_rowcol(v, row=False, col_seq_major=True)
-    return kq.row.data, kq.row.scale, vq.col_seq_major
 
 
 def sweep(cfg, warmup: int, iters: int, kernels=SWEEP_KERNELS) -> List[Dict]:

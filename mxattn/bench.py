@@ -153,6 +153,19 @@ def _sdpa_runner(kind: str, q, k, v, causal: bool, gqa: bool):
 ROUNDS = 3
 
 
+def fwd_kernel_operands(k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> tuple:
+    """(k_data, k_scale, v) for the forward kernel from bf16 k, v [B, Hkv, S, D], on the data path the triton
+    backend takes for this problem (`fwd_streams_bf16`), or on the FP8 on-chip path when fp8."""
+    from .kernels import triton_attention_fwd as tf
+    from .kernels.triton_quantize import quantize_rowcol
+
+    if not fp8 and tf.fwd_streams_bf16(k.shape[0], k.shape[1], k.shape[2], k.shape[3]):
+        kq, vq = quantize_rowcol(k, col=False, row_dequant=True), quantize_rowcol(v, col_dequant=True)
+        return kq.row_dequant, None, vq.col_dequant
+    kq, vq = quantize_rowcol(k, col=False), quantize_rowcol(v, row=False, col_seq_major=True)
+    return kq.row.data, kq.row.scale, vq.col_seq_major
+
+
 def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16, rounds: int = ROUNDS) -> Dict:
     """Time one config; returns a dict of milliseconds (medians over `rounds` interleaved rounds of CUDA-event
     medians), TFLOP/s, ratios and peak bytes."""

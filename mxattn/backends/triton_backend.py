@@ -101,8 +101,7 @@ def _attend(like: torch.Tensor, q_data: torch.Tensor, q_scale: torch.Tensor, kv_
         if gluon is not None and gluon.unsupported_reason(
                 q_data, k_scale, v, k_data=k_data, left_bound=kwargs["left_bound"], seq=kwargs.get("seq"),
                 bottom_right=kwargs.get("bottom_right", False), sink=sink, flags=flags, out=o) is None:
-            _launcher().launched_elsewhere((B * hq,))  # a plan being recorded refuses: Gluon's own dispatcher
-            gluon.attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, **kwargs)
+            gluon.attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, checked=True, **kwargs)
         else:
             _kernels()[1].attention_fwd(q_data, q_scale, k_data, k_scale, v, **kwargs)
     return o, stats
@@ -134,12 +133,6 @@ def _gluon_forward(device: torch.device):
                 module = None
         _GLUON[index] = module
     return _GLUON[index]
-
-
-def _launcher():
-    """mxattn.kernels.triton_launch, imported on first use."""
-    from ..kernels import triton_launch
-    return triton_launch
 
 
 def _bf16_scratch(x: MXFP8Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ nothing but allocate (empty or zero-filled memory), take views and launch compil
 outputs (those from `carve_from` on as views of one allocation: each CUDA allocation costs microseconds of host
 time), carves the scratch from one workspace (offsets planned from the recorded lifetimes, so the peak is no
 higher than the recorded run's; zero fills at their recorded place in the sequence), and launches each compiled
-kernel with the recorded arguments, pointers re-based onto the new tensors' addresses.
+kernel with the recorded arguments, pointers re-based onto the new tensors' addresses. A host TMA descriptor
+argument (the Gluon forward's K and V) is recorded as its tensor's place and its shape, strides and padding, and
+replayed as a `ReplayedDescriptor` on the new address (Triton's launcher encodes a descriptor on every launch).
 
 What the recording refuses (the caller then keeps the ordinary path for that signature): any aten operation that
 computes (a copy, a fill of existing memory, arithmetic), a launch through Triton's own dispatcher (launch hooks,
@@ -67,8 +69,31 @@ class _Allocation:
         self.start, self.nbytes, self.event, self.last_use, self.zero = start, nbytes, event, event, zero
 
 
-#: launch arguments a replay repeats as they are (everything else but tensors is refused: `_Recorder.on_launch`)
+#: launch arguments a replay repeats as they are (everything else but tensors and host TMA descriptors is
+#: refused: `_Recorder.on_launch`)
 _PLAIN_ARGS = (int, float, bool, type(None))
+
+
+class _Address:
+    """A device address where Triton's launcher asks a tensor for one (`data_ptr()`)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+class ReplayedDescriptor:
+    """A host TMA descriptor as a replay passes it: what Triton 3.6's launcher reads of one (`base.data_ptr()`,
+    shape, strides, padding; the block shape and layout are the compiled kernel's), on a re-based address."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, ptr: int, shape: tuple, strides: tuple, padding):
+        self.base, self.shape, self.strides, self.padding = _Address(ptr), list(shape), list(strides), padding
 
 
 class _Recorder(TorchDispatchMode):
@@ -127,17 +152,24 @@ class _Recorder(TorchDispatchMode):
             self.refuse("a launch went through Triton's dispatcher (launch hooks or an unsupported Triton)")
             return
         template, slots = list(args), []
+        is_descriptor = _launcher().is_tma_descriptor
         try:
             for pos, a in enumerate(args):
-                if a.__class__ not in _PLAIN_ARGS and not isinstance(a, torch.Tensor):
-                    raise RecordingRefused(f"a launch argument of type {type(a).__name__} holds what a replay could "
-                                           "not re-base (a TMA descriptor holds its tensor's address)")
+                if a.__class__ in _PLAIN_ARGS:
+                    continue
                 if isinstance(a, torch.Tensor):
-                    kind, index, offset = self.resolve(a)
-                    if kind == "alloc":
-                        self.allocations[index].last_use = self.events
-                    slots.append((pos, kind, index, offset))
-                    template[pos] = None
+                    described = None
+                elif is_descriptor(a):  # its tensor's place, and what the launcher reads besides the address
+                    described = (tuple(int(n) for n in a.shape), tuple(int(n) for n in a.strides), a.padding)
+                    a = a.base
+                else:
+                    raise RecordingRefused(f"a launch argument of type {type(a).__name__} is neither a tensor, a "
+                                           "host TMA descriptor nor a plain value: a replay could not repeat it")
+                kind, index, offset = self.resolve(a)
+                if kind == "alloc":
+                    self.allocations[index].last_use = self.events
+                slots.append((pos, kind, index, offset, described))
+                template[pos] = None
         except RecordingRefused as exc:
             self.refuse(str(exc))
             return
@@ -283,8 +315,9 @@ class LaunchPlan:
                 workspace[grid[0]:grid[0] + grid[1]].zero_()
                 continue
             args = template.copy()
-            for pos, source, offset in slots:
-                args[pos] = bases[source] + offset
+            for pos, source, offset, described in slots:
+                args[pos] = (bases[source] + offset if described is None
+                             else ReplayedDescriptor(bases[source] + offset, *described))
             run(entry, grid, stream, args)
         del workspace  # the caching allocator keeps it from other streams' reuse until the launches ran
         if packed:
@@ -393,7 +426,7 @@ def _build(rec: _Recorder, outputs, roots, carve_from: Optional[int] = None) -> 
                 out_specs[i] = ("carved", (j, block_bytes, shape, stride, dtype, zero))
                 block_bytes += ceil_div(max(rec.allocations[j].nbytes, 1), _ALIGN) * _ALIGN
     out_set = set(whole) | set(out_allocs)
-    used = sorted({index for *_, slots, _e in rec.launches for _p, kind, index, _o in slots if kind == "alloc"})
+    used = sorted({index for *_, slots, _e in rec.launches for _p, kind, index, *_o in slots if kind == "alloc"})
     scratch = [j for j in used if j not in out_set]
     offsets, ws_bytes = _plan_workspace(rec.allocations, scratch)
     steps = [(a.event, None, (offsets[j], a.nbytes), None, ()) for j, a in enumerate(rec.allocations)
@@ -405,13 +438,13 @@ def _build(rec: _Recorder, outputs, roots, carve_from: Optional[int] = None) -> 
     for event, entry, grid, template, slots in sorted(steps + [(e, en, g, t, sl) for en, g, t, sl, e in rec.launches],
                                                       key=lambda step: step[0]):
         new_slots = []
-        for pos, kind, index, offset in slots:
+        for pos, kind, index, offset, described in slots:
             if kind == "alloc" and index in out_set:
-                new_slots.append((pos, out_source[index], offset))
+                new_slots.append((pos, out_source[index], offset, described))
             elif kind == "alloc":
-                new_slots.append((pos, len(roots), offsets[index] + offset))
+                new_slots.append((pos, len(roots), offsets[index] + offset, described))
             else:
-                new_slots.append((pos, index, offset))
+                new_slots.append((pos, index, offset, described))
         launches.append((entry, grid, template, tuple(new_slots)))
     return LaunchPlan(device, launches, out_specs, out_allocs, ws_bytes, block_bytes)
 

@@ -67,8 +67,14 @@ def _args_key(args) -> tuple:
     (bools) as (type, value), so no two kinds of argument share a key entry."""
     T = torch.Tensor
     return tuple([_int_class(a) if a.__class__ is int else (a.dtype, a.data_ptr() & 15) if isinstance(a, T)
-                  else (float,) if a.__class__ is float else _descriptor_key(a) if hasattr(a, "block_shape")
+                  else (float,) if a.__class__ is float else _descriptor_key(a) if is_tma_descriptor(a)
                   else (a.__class__, a) for a in args])
+
+
+def is_tma_descriptor(a) -> bool:
+    """Whether launch argument a is a host-side TMA descriptor (Triton's or Gluon's `TensorDescriptor`: a base
+    tensor, shape, strides, block shape, padding)."""
+    return hasattr(a, "block_shape") and hasattr(a, "base")
 
 
 def _descriptor_key(d) -> tuple:
@@ -162,18 +168,10 @@ def fast_path_usable() -> bool:
 _LOCAL = threading.local()
 
 
-def launched_elsewhere(grid) -> None:
-    """Report a kernel launched through Triton's own dispatcher outside `launch` (the Gluon forward) to this
-    thread's recording, if one is active: a replay could not repeat that launch, so the recording refuses."""
-    recording = getattr(_LOCAL, "recording", None)
-    if recording is not None:
-        recording.on_launch(None, grid, ())
-
-
 def set_recording(recording) -> None:
     """Make `recording` (an object with on_launch(entry, grid, args), or None) receive this thread's launches."""
     _LOCAL.recording = recording
 
 
-__all__ = ["launch", "run_compiled", "current_stream", "fast_path_usable", "set_recording", "launched_elsewhere", "cdiv", "pow2_ceil",
+__all__ = ["launch", "run_compiled", "current_stream", "fast_path_usable", "set_recording", "is_tma_descriptor", "cdiv", "pow2_ceil",
            "FAST_PATH", "MAX_ENTRIES"]

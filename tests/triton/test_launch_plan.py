@@ -819,32 +819,55 @@ def test_generate_of_a_config_built_llama_plans_each_decode_step_once(launcher, 
         assert [cache.layers[3].store.length(s) for s in cache.layers[3].slots] == [25, 18, 13]
 
 
-@pytest.mark.parametrize("ops_replay", [False, True], ids=["backend_plans", "op_plans"])
-def test_a_body_that_runs_the_gluon_forward_is_never_replayed(launcher, monkeypatch, request, ops_replay):
-    """The Gluon forward launches through Triton's own dispatcher (TMA descriptors built per call), which a replay
-    cannot repeat: the recording of a body that runs it refuses, so every call runs its body and launches the
-    Gluon kernel (a replay would silently skip it)."""
-    from types import SimpleNamespace
+def _address(a):
+    """The device address a logged launch argument names: a tensor's ("ptr", address), a replayed address, or a
+    TMA descriptor's base (a tensor or a replay's re-based address)."""
+    if isinstance(a, tuple):
+        return a[1]
+    if hasattr(a, "base"):
+        return a.base.data_ptr()
+    return a
 
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("ops_replay", [False, True], ids=["backend_plans", "op_plans"])
+def test_a_body_that_runs_the_gluon_forward_replays_with_rebased_descriptors(launcher, monkeypatch, request,
+                                                                             ops_replay, grad):
+    """The Gluon forward launches through `triton_launch.launch` with host TMA descriptors of K's and V's FP8
+    bytes; a recording keeps each descriptor's tensor place (the quantizer's outputs here) and shape, strides and
+    padding, so replays launch the Gluon kernel with descriptors on the new call's bytes: in every call, the
+    forward reads exactly the K and V bytes the quantizer launch of that call wrote, and Q's."""
+    pytest.importorskip("triton.experimental.gluon")
     import mxattn
     from mxattn.kernels import gluon_attention_fwd, triton_attention_bwd as tb, triton_attention_fwd as tf
+    from mxattn.kernels.launch_plan import ReplayedDescriptor
     backend_module, plans = _stub_backend(monkeypatch, request, ops_replay)
     monkeypatch.setattr(tf, "fwd_streams_bf16", lambda *a: False)  # the FP8 data path, plans left on
     monkeypatch.setattr(tb, "bwd_streams_bf16", lambda *a: False)
-    calls, reasons = [], []
-    fake = SimpleNamespace(unsupported_reason=gluon_attention_fwd.unsupported_reason,
-                           attention_fwd_gluon=lambda *args, **kwargs: calls.append(kwargs["out"].data_ptr()))
-    monkeypatch.setattr(backend_module, "_gluon_forward", lambda device: fake)
-    for i in range(4):
+    monkeypatch.setattr(backend_module, "_gluon_forward", lambda device: gluon_attention_fwd)
+    reasons, kinds = [], []
+    for i in range(5):
         q = torch.randn(2, 96, 4, 64, dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.randn(2, 96, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
         launcher.clear()
-        o = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton")
-        assert calls[-1] == o.data_ptr() and len(calls) == i + 1
-        assert [n for n, _, _ in launcher] == ["_quantize_qkv_kernel"]
+        with torch.set_grad_enabled(grad):
+            o = mxattn.mxfp8_attention(q, k, v, attn_mask_type="causal", backend="triton")
         reasons.append(plans.last_reason)
-        o.backward(torch.ones_like(o))  # the backward's own plans are unaffected
-    assert "Triton's dispatcher" in reasons[1]  # the second call recorded, and refused
+        names = [n for n, _, _ in launcher]
+        assert names == ["_quantize_qkv_kernel", "_gluon_attn_fwd_kernel"], names
+        (_, _, qargs), (_, grid, gargs) = launcher
+        written = {_address(a) for a in qargs}  # every address the quantizer launch read or wrote
+        k_desc, v_desc = gargs[2], gargs[4]
+        kinds.append(type(k_desc).__name__)
+        for d in (k_desc, v_desc):
+            assert _address(d) in written and list(d.strides)[-1] == 1
+        assert _address(gargs[0]) in written  # Q's FP8 bytes
+        assert _address(gargs[6]) == o.data_ptr()  # O
+        assert list(k_desc.shape) == [2, 2, 96, 64] and grid[1] == 2 * 4
+        if grad:
+            o.backward(torch.ones_like(o))  # the backward's own plans are unaffected
+    assert reasons[1] == "recorded" or not grad  # (no grad: the whole call's plan, `op_plans.CALLS`)
+    assert kinds[:2] == ["TensorDescriptor"] * 2 and kinds[2:] == [ReplayedDescriptor.__name__] * 3
 
 
 def _descriptor(t, block):
@@ -866,21 +889,38 @@ def test_launch_keys_host_tma_descriptors_by_all_but_their_address():
     assert _args_key([_descriptor(a, [1, 1, 64, 128])]) != _args_key([_descriptor(a, [1, 1, 128, 128])])
 
 
-def test_a_recording_refuses_a_launch_with_a_tma_descriptor(launcher):
-    """A descriptor holds its tensor's address, which a replay could not re-base: the recording refuses."""
+def test_a_replay_rebases_host_tma_descriptors(launcher):
+    """A descriptor argument is recorded as its tensor's place (a root or the body's allocation) with its shape,
+    strides and padding, and replayed as a `ReplayedDescriptor` on the new address; an argument of any other
+    object type is refused."""
     pytest.importorskip("triton.experimental.gluon")
     from mxattn.kernels import launch_plan
     from mxattn.kernels.triton_launch import launch
-    fn = _fn("_desc_kernel", 2)
+    fn = _fn("_desc_kernel", 3)
     k = torch.zeros(1, 2, 256, 128, dtype=torch.float8_e4m3fn)
 
-    def body():
+    def body(root, extra=None):
         out = torch.empty(4)
-        launch(fn, (1,), _descriptor(k, [1, 1, 128, 128]), out, BLOCK=1)
+        scratch = torch.empty(1, 2, 128, 256, dtype=torch.float8_e4m3fn)
+        launch(fn, (1,), _descriptor(root[:, :, 64:], [1, 1, 128, 128]), _descriptor(scratch, [1, 1, 128, 128]),
+               out if extra is None else extra, BLOCK=1)
         return [out]
 
-    _, plan, reason = launch_plan.record(body, [k])
-    assert plan is None and "TMA descriptor" in reason
+    _, plan, reason = launch_plan.record(lambda: body(k), [k])
+    assert reason == "recorded"
+    launcher.clear()
+    k2 = torch.zeros(1, 2, 256, 128, dtype=torch.float8_e4m3fn)
+    (out2,) = plan.replay([k2])
+    (_, _, args), = launcher
+    d_root, d_scratch, o_ptr = args[:3]
+    assert isinstance(d_root, launch_plan.ReplayedDescriptor)
+    assert d_root.base.data_ptr() == k2.data_ptr() + 64 * 128 and o_ptr == out2.data_ptr()
+    assert d_root.shape == [1, 2, 192, 128] and d_root.strides == list(k2.stride()) and d_root.padding == "zero"
+    assert d_scratch.shape == [1, 2, 128, 256]  # the body's scratch: a replay's workspace
+    assert d_scratch.base.data_ptr() not in (k2.data_ptr(), out2.data_ptr(), d_root.base.data_ptr())
+
+    _, plan, reason = launch_plan.record(lambda: body(k, extra=object()), [k])
+    assert plan is None and "neither a tensor, a host TMA descriptor nor a plain value" in reason
 
 
 def test_the_gluon_forward_launches_its_compiled_kernel_directly_after_the_first_call(launcher, monkeypatch):
