@@ -4,7 +4,10 @@ the host time per call, and a torch.profiler table of the calls (kernels with th
 such as synchronizations and copies). Written for session 26's finding that the Gluon path through the public
 API took about 1 ms more per call than its kernel (benchmarks/results/nvidia-h200/gluon_fwd/gluon_path.txt).
 
-Usage: python benchmarks/gluon_path_profile.py [--config name:B:Hq:Hkv:S:D:causal] [--calls N]
+--grad: forward+backward calls instead (session 27's bench measured the Gluon path's forward+backward 0.82-0.98x
+the Triton FP8 path's at the bench's default configs although its forward was 1.12-1.31x faster).
+
+Usage: python benchmarks/gluon_path_profile.py [--config name:B:Hq:Hkv:S:D:causal] [--calls N] [--layout L] [--grad]
 """
 
 import argparse
@@ -28,15 +31,25 @@ def main():
     ap.add_argument("--config", default="b4_h16_s2048_d64:4:16:16:2048:64:0")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--layout", choices=["bshd", "bhsd"], default="bshd")
+    ap.add_argument("--grad", action="store_true", help="time forward+backward calls")
     args = ap.parse_args()
     name, B, HQ, HKV, S, D, causal = _parse(args.config)
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, name, args.layout)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, name, args.layout,
+          "forward+backward" if args.grad else "forward, no grad")
     g = torch.Generator(device="cuda").manual_seed(0)
     shape = (lambda h: (B, S, h, D)) if args.layout == "bshd" else (lambda h: (B, h, S, D))
     q, k, v = (torch.randn(*shape(h), device="cuda", generator=g).to(torch.bfloat16) for h in (HQ, HKV, HKV))
     mask = "causal" if causal else "no_mask"
 
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    do = torch.randn_like(q)
+
     def fwd():
+        if args.grad:
+            for t in leaves:
+                t.grad = None
+            mxattn.mxfp8_attention(*leaves, qkv_format=args.layout, attn_mask_type=mask, backend="triton").backward(do)
+            return None
         with torch.no_grad():
             return mxattn.mxfp8_attention(q, k, v, qkv_format=args.layout, attn_mask_type=mask, backend="triton")
 
