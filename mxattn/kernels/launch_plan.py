@@ -12,6 +12,9 @@ higher than the recorded run's; zero fills at their recorded place in the sequen
 kernel with the recorded arguments, pointers re-based onto the new tensors' addresses. A host TMA descriptor
 argument (the Gluon forward's K and V) is recorded as its tensor's place and its shape, strides and padding, and
 replayed as a `ReplayedDescriptor` on the new address (Triton's launcher encodes a descriptor on every launch).
+Work other than a Triton launch that the body reports as a host call (`host_calls.issue`: the cudnn backend's
+graph executions) is kept in sequence with its tensors' places and geometry and issued again on views rebuilt
+over the replay's tensors (which a replay onto bare addresses must then pass as `holders`).
 
 What the recording refuses (the caller then keeps the ordinary path for that signature): any aten operation that
 computes (a copy, a fill of existing memory, arithmetic), a launch through Triton's own dispatcher (launch hooks,
