@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 import torch
 
 from .backends import backend_class, get_backend
+from .backends.base import AttentionBackend
 from .devices import device_guard
 from .kernels.affine_plan import AffinePlanCache
 from .kernels.launch_plan import PlanCache, allow_carving, plan_key
@@ -55,6 +56,20 @@ def replays(backend: str) -> bool:
     return known
 
 
+#: backend name -> its `replay_variant`, or None where the base class's (nothing to key)
+_VARIANTS: Dict[str, Optional[Callable]] = {}
+
+
+def _variant(backend: str, x: torch.Tensor):
+    """What `backend`'s bodies read besides the ops' arguments for tensors like x (`replay_variant`)."""
+    fn = _VARIANTS.get(backend, _variant)
+    if fn is _variant:
+        cls = backend_class(backend)
+        fn = _VARIANTS[backend] = (None if cls.replay_variant.__func__ is AttentionBackend.replay_variant.__func__
+                                   else cls.replay_variant)
+    return None if fn is None else fn(x)
+
+
 def run_forward(args: FwdArgs, tag, body: Callable[[], List]) -> List:
     """body()'s flat list of tensors for the forward op's arguments `args` (tag: what else the body reads,
     hashable), replayed when this signature has a plan."""
@@ -74,7 +89,7 @@ def run_forward_traced(args: FwdArgs, tag, body: Callable[[], List], carve: bool
                 return body(), None
         return body(), None
     roots = (args.q, args.k, args.v, args.sink, args.cu_seqlens_q, args.cu_seqlens_kv)
-    key = plan_key(("fwd", tag, carve, args.softmax_scale, args.bottom_right, args.left_bound, args.right_bound,
+    key = plan_key(("fwd", tag, carve, _variant(args.backend, args.q), args.softmax_scale, args.bottom_right, args.left_bound, args.right_bound,
                     args.out_dtype, args.qkv_format, args.backend, args.packed, args.recipe), roots,
                    (args.max_seqlen_q, args.max_seqlen_kv))
     with device_guard(args.q.device):  # a replay launches on the current device: make it the tensors' one
@@ -115,7 +130,7 @@ def run_backward(args: BwdArgs, tag, body: Callable[[], List], after=None, carve
     if after is not None and _addresses(roots[1:]) == after[1]:
         key = _after_key(after[0], tag, carve, args.sink_requires_grad, do, o)
     else:
-        key = plan_key(("bwd", tag, carve, len(args.saved), tuple(args.kv_shape), args.softmax_scale,
+        key = plan_key(("bwd", tag, carve, _variant(args.backend, do), len(args.saved), tuple(args.kv_shape), args.softmax_scale,
                         args.bottom_right,
                         args.left_bound, args.right_bound, args.out_dtype, args.qkv_format, args.backend,
                         args.packed, args.sink_requires_grad, args.recipe), roots,
@@ -125,7 +140,8 @@ def run_backward(args: BwdArgs, tag, body: Callable[[], List], after=None, carve
 
 
 def _after_key(fwd_plan, tag, carve: bool, sink_requires_grad: bool, do: torch.Tensor, o: torch.Tensor) -> tuple:
-    """The key of a backward on its forward's own outputs (`run_backward`'s after): the forward's plan and dO."""
+    """The key of a backward on its forward's own outputs (`run_backward`'s after): the forward's plan (whose key
+    holds the backend's `replay_variant`) and dO."""
     shared = do.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()
     return (("bwd after", fwd_plan, tag, carve, sink_requires_grad, do.dtype, do.device, do.data_ptr() & 15),
             (do.shape, do.stride(), do.data_ptr() - o.data_ptr() if shared else None))
@@ -146,8 +162,9 @@ def run_backward_packed(packed: Packed, block: torch.Tensor, do: torch.Tensor, o
         offsets = plan.packed_offsets
         bases = [do.data_ptr(), packed.o, base + offsets[0], *[0 if t is None else t.data_ptr() for t in others],
                  *[base + off for off in offsets[1:]]]
+        holders = [do, o, block, *others, *[block] * (len(offsets) - 1)]  # (each base's memory: host calls)
         with device_guard(do.device):
-            outputs = PLANS.replay_only(key, bases=bases)
+            outputs = PLANS.replay_only(key, bases=bases, holders=holders)
         if outputs is not None:
             return outputs
     stats, *saved = plan.unpack(block)

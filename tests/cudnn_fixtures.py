@@ -10,6 +10,8 @@ import torch
 cudnn = pytest.importorskip("cudnn")
 
 from mxattn import cudnn_graphs as cg  # noqa: E402
+from mxattn import op_plans  # noqa: E402
+from mxattn.kernels.launch_plan import PlanCache  # noqa: E402
 from mxattn.backends.cudnn import backend as cb  # noqa: E402
 from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
 from mxattn.backends.cudnn import run as cudnn_run  # noqa: E402
@@ -21,6 +23,13 @@ MASKS = {"none": MaskSpec(), "causal_tl": MaskSpec(causal=True),
          "causal_br": MaskSpec(causal=True, diagonal_alignment="bottom_right"),
          "band_br": MaskSpec(left_bound=64, right_bound=32, diagonal_alignment="bottom_right"),
          "swa_tl": MaskSpec(left_bound=100, right_bound=0)}
+
+
+def fresh_op_plans(monkeypatch) -> None:
+    """Empty recordings of the ops' bodies and calls for this test (`mxattn.op_plans`): a replay recorded by
+    another test would carry that test's stand-ins (compiled kernels, planned graphs)."""
+    monkeypatch.setattr(op_plans, "PLANS", PlanCache(max_entries=512, min_replays=16))
+    monkeypatch.setattr(op_plans, "CALLS", PlanCache(max_entries=512, min_replays=16))
 
 
 @pytest.fixture
@@ -61,6 +70,7 @@ def captured_packs(monkeypatch):
     monkeypatch.setattr(cudnn_run, "planned", planned)
     monkeypatch.setattr(cudnn_run, "execute",
                         lambda plan, pack, device: packs.append((plan.kind, plan.cfg, dict(pack))))
+    fresh_op_plans(monkeypatch)
     yield packs
 
 
@@ -90,6 +100,7 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(cudnn_run, "_supported_state", lambda device: State())
     monkeypatch.setattr(cudnn_run, "execute", fake_execute)
     monkeypatch.setattr(cudnn_graphs, "build_and_plan", fake_build)
+    fresh_op_plans(monkeypatch)
     cg.GRAPH_CACHE.clear()
     yield state
     cg.GRAPH_CACHE.clear()

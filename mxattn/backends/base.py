@@ -198,8 +198,15 @@ class AttentionBackend(abc.ABC):
     saved_format: type = SavedForBackward
     #: True when every kernel of forward() and backward() launches through `mxattn.kernels.triton_launch` and
     #: their host paths read no tensor contents: the ops' bodies may then be recorded once per signature and
-    #: replayed (`mxattn.op_plans`). Work issued any other way (a cuDNN graph) would be missing from a replay.
+    #: replayed (`mxattn.op_plans`). Work issued any other way would be missing from a replay, unless reported
+    #: to the recording as a host call (`mxattn.kernels.host_calls.issue`: the cudnn backend's graph executions).
     replays_ops: bool = False
+
+    @classmethod
+    def replay_variant(cls, x: torch.Tensor):
+        """What the bodies' host path reads besides the ops' arguments on tensors like x (hashable; the ops'
+        replays key it, `mxattn.op_plans`): the base class reads nothing else (None)."""
+        return None
 
     @classmethod
     @abc.abstractmethod

@@ -12,6 +12,9 @@ higher than the recorded run's; zero fills at their recorded place in the sequen
 kernel with the recorded arguments, pointers re-based onto the new tensors' addresses. A host TMA descriptor
 argument (the Gluon forward's K and V) is recorded as its tensor's place and its shape, strides and padding, and
 replayed as a `ReplayedDescriptor` on the new address (Triton's launcher encodes a descriptor on every launch).
+Work other than a Triton launch that the body reports as a host call (`host_calls.issue`: the cudnn backend's
+graph executions) is kept in sequence with its tensors' places and geometry and issued again on views rebuilt
+over the replay's tensors (which a replay onto bare addresses must then pass as `holders`).
 
 What the recording refuses (the caller then keeps the ordinary path for that signature): any aten operation that
 computes (a copy, a fill of existing memory, arithmetic), a launch through Triton's own dispatcher (launch hooks,
@@ -36,6 +39,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..constants import ceil_div
+from .host_calls import HostCall, slot_geometry
+from .plan_keys import alias_key, plan_key
 
 
 _LAUNCHER = None
@@ -104,6 +109,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, roots: Sequence[Optional[torch.Tensor]]):
         super().__init__()
         self.roots = [None if r is None else _root_ranges(r) for r in roots]
+        self.root_items = [None if r is None else r.element_size() for r in roots]
         self.roots_by_storage: dict = {}
         for i, r in enumerate(self.roots):
             if r is not None:
@@ -176,6 +182,24 @@ class _Recorder(TorchDispatchMode):
         self.launches.append((entry, tuple(grid), template, slots, self.events))
         self.events += 1
 
+    def on_host_call(self, call, tensors) -> None:
+        """A host call (`host_calls.issue`) with its tensors, kept as a launch whose slots describe each
+        tensor's geometry (`host_calls.HostCall.replay` rebuilds them)."""
+        slots = []
+        try:
+            for pos, t in enumerate(tensors):
+                kind, index, offset = self.resolve(t)
+                if kind == "alloc":
+                    self.allocations[index].last_use = self.events
+                elif self.root_items[index] % t.element_size() or offset % t.element_size():
+                    raise RecordingRefused("a host call's tensor is not at an element of its root's dtype")
+                slots.append((pos, kind, index, offset, slot_geometry(t)))
+        except RecordingRefused as exc:
+            self.refuse(str(exc))
+            return
+        self.launches.append((call, (), [None] * len(tensors), slots, self.events))
+        self.events += 1
+
 
 def _root_ranges(t: torch.Tensor) -> tuple:
     """(data_ptr, end of its elements, storage start, storage end) of a root tensor."""
@@ -237,6 +261,15 @@ class LaunchPlan:
         carved_before = any(kind == "carved" for kind, _ in outputs[:tail])
         self.packs_from = tail if block_bytes and tail < len(outputs) and not carved_before else None
         self.packed_offsets = tuple(spec[1] for _, spec in outputs[tail:]) if self.packs_from is not None else ()
+        #: per output, where a zero-filled carved one ends in the block (else None)
+        self._zero_ends = [spec[1] + _nbytes(*spec[2:5]) if kind == "carved" and spec[5] else None
+                           for kind, spec in outputs]
+        #: the host calls among the launches (`host_calls`): a replay needs the roots' tensors for them
+        self._host_calls = tuple(entry for entry, *_ in launches if entry.__class__ is HostCall)
+
+    def stale(self) -> bool:
+        """True when a host call of this plan may no longer be replayed (`host_calls.HostCall.current`)."""
+        return not all(call.current() for call in self._host_calls)
 
     @property
     def launch_count(self) -> int:
@@ -253,31 +286,40 @@ class LaunchPlan:
                 + bool(self._block_bytes) + bool(self._workspace_bytes))
 
     def replay(self, roots: Optional[Sequence[Optional[torch.Tensor]]], packed: bool = False,
-               bases: Optional[list] = None) -> List[Optional[torch.Tensor]]:
+               bases: Optional[list] = None, holders: Optional[Sequence] = None) -> List[Optional[torch.Tensor]]:
         """The body's outputs for new roots (same signature as recorded), its launches issued on the current
         stream. None when launches cannot be issued directly now (launch hooks installed): the caller then
         runs the body itself. packed (a plan whose outputs end in carved ones, `packs_from`): those outputs
         left out and the block they are carved from last instead (`unpack` makes them; a caller that needs
         only their addresses saves their views). bases: instead of roots, the roots' addresses (a fresh list,
-        0 for an absent root)."""
+        0 for an absent root). holders (with bases, for a plan with host calls): per root a tensor owning its
+        memory (None without one: then None is returned, before anything is issued)."""
         launcher = _launcher()
         if not launcher.fast_path_usable():
             return None
+        if self._host_calls:  # (tensors to rebuild the calls' views from; plans still current)
+            holders = list(roots) if holders is None and roots is not None else holders and list(holders)
+            if not holders or self.stale():
+                return None
+        else:
+            holders = None
         dev = self.device
         if bases is None:
             bases = [None if r is None else r.data_ptr() for r in roots]
-        alloc_base, raws = {}, {}
+        alloc_base, raws, alloc_holder = {}, {}, {}
         if self._block_bytes:  # the carved outputs' one allocation, and typed views of it
             block = torch.empty(self._block_bytes, dtype=torch.uint8, device=dev)
             block_ptr, typed = block.data_ptr(), {}
         outputs: List[Optional[torch.Tensor]] = []
-        for kind, spec in self._outputs:
+        for (kind, spec), zero_end in zip(self._outputs, self._zero_ends):
             if kind == "carved":  # an output carved from the block at a 256-byte boundary
                 j, nbytes_offset, shape, stride, dtype, zero = spec
                 alloc_base[j] = block_ptr + nbytes_offset
+                if holders is not None:
+                    alloc_holder[j] = block
                 if packed:  # (the tail: `unpack` makes these views)
                     if zero:
-                        block[nbytes_offset:nbytes_offset + _nbytes(shape, stride, dtype)].zero_()
+                        block[nbytes_offset:zero_end].zero_()
                     continue
                 base = typed.get(dtype)
                 if base is None:
@@ -291,6 +333,8 @@ class LaunchPlan:
                 if zero:
                     t.zero_()
                 alloc_base[j] = t.data_ptr()
+                if holders is not None:
+                    alloc_holder[j] = t
             elif kind == "view":  # one of several views of an allocation
                 j, offset, shape, stride, dtype = spec
                 raw = raws.get(j)
@@ -298,6 +342,8 @@ class LaunchPlan:
                     nbytes, zero = self._out_allocs[j]
                     raw = raws[j] = (torch.zeros if zero else torch.empty)(nbytes, dtype=torch.uint8, device=dev)
                     alloc_base[j] = raw.data_ptr()
+                    if holders is not None:
+                        alloc_holder[j] = raw
                 t = torch.empty(0, dtype=dtype, device=dev).set_(raw.untyped_storage(), offset, shape, stride)
             else:
                 t = None
@@ -308,11 +354,17 @@ class LaunchPlan:
         bases.append(0 if workspace is None else workspace.data_ptr())   # the sources a slot names (`_build`)
         for j in self._out_order:
             bases.append(alloc_base[j])
+        if holders is not None:  # the tensors owning each source's memory, parallel to bases
+            holders.append(workspace)
+            holders += [alloc_holder[j] for j in self._out_order]
         stream = launcher.current_stream(self.index)
         run = launcher.run_compiled
         for entry, grid, template, slots in self._launches:
             if entry is None:  # a zero-filled scratch allocation: (offset, nbytes) in grid
                 workspace[grid[0]:grid[0] + grid[1]].zero_()
+                continue
+            if entry.__class__ is HostCall:
+                entry.replay(slots, bases, holders)
                 continue
             args = template.copy()
             for pos, source, offset, described in slots:
@@ -345,6 +397,11 @@ def recording_active() -> bool:
     return getattr(_STATE, "active", False)
 
 
+def active_recorder():
+    """The recorder of the `record` running on this thread (its on_host_call takes host calls), or None."""
+    return getattr(_STATE, "recorder", None)
+
+
 def carving_allowed() -> bool:
     """True inside `allow_carving` on this thread: whoever runs the body keeps its outputs itself, so plans
     replayed within it may carve the outputs they make from one allocation (`record`'s carve_from)."""
@@ -375,12 +432,12 @@ def record(body, roots: Sequence[Optional[torch.Tensor]], carve_from: Optional[i
     recorder = _Recorder(roots)
     launcher = _launcher()
     launcher.set_recording(recorder)
-    _STATE.active = True
+    _STATE.active, _STATE.recorder = True, recorder
     try:
         with recorder:
             outputs = body()
     finally:
-        _STATE.active = False
+        _STATE.active, _STATE.recorder = False, None
         launcher.set_recording(None)
     if recorder.refusal is not None:
         return outputs, None, recorder.refusal
@@ -460,40 +517,6 @@ def _output_allocations(out_specs) -> List[int]:
     return sorted({spec[0] for kind, spec in out_specs if kind != "none"})
 
 
-def plan_key(options: tuple, roots: Sequence[Optional[torch.Tensor]], extra=None) -> tuple:
-    """A `PlanCache` key: (family, sizes). family: `options` (what the body reads besides the roots, hashable)
-    and each root's dtype, device and address mod 16; sizes: each root's shape and strides, how the roots share
-    storage (`alias_key`), and `extra` (further integers the body reads, such as the longest sequences)."""
-    family, sizes, aliases, seen = list(options), [], [], {}
-    for i, r in enumerate(roots):  # each root's key and alias_key in one pass (a backward call has 16 roots)
-        if r is None:
-            family.append(None)
-            sizes.append(None)
-            aliases.append(None)
-            continue
-        ptr = r.data_ptr()
-        family.append((r.dtype, r.device, ptr & 15))
-        sizes.append((r.shape, r.stride()))
-        first = seen.setdefault(r.untyped_storage().data_ptr(), (i, ptr))
-        aliases.append(None if first[0] == i else (first[0], ptr - first[1]))
-    return tuple(family), (tuple(sizes), tuple(aliases), extra)
-
-
-def alias_key(roots: Sequence[Optional[torch.Tensor]]) -> tuple:
-    """How roots share storage: per root, (index of the first earlier root in its storage, byte distance) or
-    None. A plan recorded with q, k, v unbound from one tensor (or one tensor passed twice) must not replay
-    for separate tensors, nor the reverse."""
-    seen, out = {}, []
-    for i, r in enumerate(roots):
-        if r is None:
-            out.append(None)
-            continue
-        storage = r.untyped_storage().data_ptr()
-        first = seen.setdefault(storage, (i, r.data_ptr()))
-        out.append(None if first[0] == i else (first[0], r.data_ptr() - first[1]))
-    return tuple(out)
-
-
 class PlanCache:
     """Plans by key, recorded on a key's second call and replayed from its third (a signature seen once, such
     as one decode step's KV length in a single layer, costs no recording). Keys are (family, sizes): a family
@@ -545,18 +568,22 @@ class PlanCache:
             return outputs, plan, None
         packed = packed and plan.packs_from is not None
         outputs = plan.replay(roots, packed)
-        if outputs is None:  # launch hooks installed: Triton's own path
+        if outputs is None:  # launch hooks installed (Triton's own path), or a host call no longer current
+            if plan.stale():
+                self._plans[key] = self._SEEN  # (recorded again on the next call)
             return body(), None, None
         stats[1] += 1
         return outputs, plan, outputs.pop() if packed else None
 
-    def replay_only(self, key, roots=None, bases: Optional[list] = None) -> Optional[List[Optional[torch.Tensor]]]:
-        """The outputs of key's plan replayed for roots, or onto the root addresses `bases` (`LaunchPlan.replay`'s),
-        or None when key has no plan or it cannot replay now: the caller then calls `run_with_plan`."""
+    def replay_only(self, key, roots=None, bases: Optional[list] = None, holders=None
+                    ) -> Optional[List[Optional[torch.Tensor]]]:
+        """The outputs of key's plan replayed for roots, or onto the root addresses `bases` (with `holders`:
+        `LaunchPlan.replay`'s), or None when key has no plan or it cannot replay now: the caller then calls
+        `run_with_plan`."""
         plan = self._plans.get(key)
         if plan.__class__ is not LaunchPlan or recording_active():
             return None
-        outputs = plan.replay(roots, False, bases)
+        outputs = plan.replay(roots, False, bases, holders)
         if outputs is not None:
             self._families.setdefault(key[0], [0, 0])[1] += 1
         return outputs
@@ -571,5 +598,5 @@ class PlanCache:
         self._families.clear()
 
 
-__all__ = ["LaunchPlan", "PlanCache", "record", "recording_active", "carving_allowed", "allow_carving", "plan_key",
+__all__ = ["LaunchPlan", "PlanCache", "record", "recording_active", "active_recorder", "carving_allowed", "allow_carving", "plan_key",
            "alias_key", "RecordingRefused"]

@@ -20,7 +20,7 @@ pytest.importorskip("cudnn")
 pytest.importorskip("triton")
 
 import mxattn  # noqa: E402
-from mxattn import checks  # noqa: E402
+from mxattn import checks, op_plans  # noqa: E402
 from mxattn.backends.cudnn import backend as cb  # noqa: E402
 from mxattn.backends.cudnn.buffers import col_scale_bytes, row_scale_buffer  # noqa: E402
 from mxattn.cudnn_graphs import BwdUid, FwdUid  # noqa: E402
@@ -156,7 +156,9 @@ def test_replayed_quantizer_sends_the_unoptimised_bytes(kind, fused_on_cpu, monk
     """Calls 1 (plain), 2 (recorded) and 3-4 (replayed) send cuDNN the bytes and slot geometry of the fused
     quantizer without launch plans, and the bytes of the torch-op quantizer; the backward reads the forward's
     scale memory; each replay launches the kernel once per operand (Q, K, V; dO) and carves what the eager path
-    keeps for the backward, and dO's copies, from one allocation each."""
+    keeps for the backward, and dO's copies, from one allocation each. (The ops' bodies not replayed: the
+    quantizer's own plans serve the signatures whose bodies are refused, `test_cudnn_op_replay.py`.)"""
+    monkeypatch.setitem(op_plans._REPLAYS, "cudnn", False)
     packs, log = fused_on_cpu
     q, k, v, do, kw = _inputs(kind)
     calls = [_call(q, k, v, do, kw, packs) for _ in range(4)]
@@ -183,9 +185,11 @@ def test_replayed_quantizer_sends_the_unoptimised_bytes(kind, fused_on_cpu, monk
     assert all(first[uid].data_ptr() != last[uid].data_ptr() for uid in (FwdUid.Q, FwdUid.SF_Q, FwdUid.SF_V))
 
 
-def test_new_signatures_are_checked_and_recorded_on_their_own(fused_on_cpu):
+def test_new_signatures_are_checked_and_recorded_on_their_own(fused_on_cpu, monkeypatch):
     """After replays at one signature, a new shape runs the quantizer's checks and allocations again (and sends
-    its own right bytes), a tensor the quantizer refuses gets the unoptimised path's error."""
+    its own right bytes), a tensor the quantizer refuses gets the unoptimised path's error (the quantizer's own
+    plans: the ops' bodies not replayed)."""
+    monkeypatch.setitem(op_plans._REPLAYS, "cudnn", False)
     packs, _ = fused_on_cpu
     q, k, v, do, kw = _inputs("dense")
     for _ in range(3):

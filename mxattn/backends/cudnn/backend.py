@@ -179,6 +179,15 @@ class CudnnBackend(AttentionBackend):
     #: head dims cuDNN's graph validation accepts for d_qk == d_v (cuDNN may still refuse one at planning time,
     #: which `supports` finds out up front on a Blackwell device).
     supported_head_dims = (16, 32, 48, 64, 80, 96, 112, 128, 256)
+    #: the ops' bodies are recorded once per signature and replayed (`mxattn.op_plans`): a body of allocations,
+    #: views, fused-quantizer launches and graph executions (`run.issue_execute`) replays; one that computes
+    #: with torch (the torch-op quantizer, a padded or packed batch's masking, a sink) is refused and runs as is
+    replays_ops = True
+
+    @classmethod
+    def replay_variant(cls, x: torch.Tensor):
+        """The quantizer the bodies use for tensors like x (`_quantizer_for`: the fused one, or None)."""
+        return _quantizer_for(x)
 
     @classmethod
     def availability(cls, device: torch.device) -> Tuple[bool, str]:

@@ -256,6 +256,7 @@ class GraphCache:
         self.maxsize = maxsize
         self._entries: "OrderedDict[object, PlannedGraph]" = OrderedDict()
         self._lock = threading.Lock()
+        self._generation = 0  # clears so far (`holds_generation`)
 
     def lookup(self, key) -> Optional[PlannedGraph]:
         """The entry for `key` (now the most recently used), or None."""
@@ -285,6 +286,13 @@ class GraphCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._generation += 1
+
+    def holds_generation(self) -> Callable[[], bool]:
+        """A check that no `clear` has run since this call (what a replay recorded with a plan of this cache
+        asks before it executes that plan again)."""
+        generation = self._generation
+        return lambda: self._generation == generation
 
 
 GRAPH_CACHE = GraphCache()

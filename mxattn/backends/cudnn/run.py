@@ -29,6 +29,7 @@ from .frontend import cudnn
 
 from ...errors import MXFP8NotSupportedError
 from ...formats import MXFP8Tensor
+from ...kernels.host_calls import issue
 from ...formats import _is_non_overlapping_and_dense as _is_dense
 from ...mask import MaskSpec
 from ...seqinfo import SeqInfo
@@ -118,6 +119,18 @@ def execute(plan: PlannedGraph, pack: Dict[int, torch.Tensor], device: torch.dev
         workspace = state.workspace(stream, plan.workspace_size)
         cudnn.set_stream(state.handle, stream)
         plan.graph.execute(pack, workspace, handle=state.handle)
+
+
+def issue_execute(plan: PlannedGraph, pack: Dict[int, torch.Tensor], device: torch.device) -> None:
+    """`execute(plan, pack, device)`, also reported to a launch-plan recording on this thread (`host_calls`): a
+    replay of the recorded body then executes `plan` with the pack rebuilt on its own tensors, while `plan` is
+    still in `GRAPH_CACHE` (a cleared cache refuses the replay)."""
+    issue(_execute_pack, (plan, device), pack, GRAPH_CACHE.holds_generation())
+
+
+def _execute_pack(static, pack: Dict[int, torch.Tensor]) -> None:
+    """`execute` for a host call: static (plan, device) (looked up here, so the module's `execute` runs)."""
+    execute(static[0], pack, static[1])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -359,7 +372,7 @@ def cudnn_forward(q: MXFP8Tensor, k: MXFP8Tensor, v: MXFP8Tensor, *, attn_scale:
     if plan.cfg.packed_layout and (q.data.shape[2] == 0 or k.data.shape[2] == 0):  # nothing for cuDNN to do
         o.zero_(), stats.fill_(float("-inf")), amax.zero_()
         return outputs
-    execute(plan, pack, device)
+    issue_execute(plan, pack, device)
     if seq is not None:
         keep = seq.result_rows("q", q.data.shape[2])
         o.masked_fill_(~keep, 0)
@@ -513,7 +526,7 @@ def cudnn_backward(q_row: MXFP8Tensor, q_col: MXFP8Tensor, k_row: MXFP8Tensor, k
         for t in outputs:
             t.zero_()
         return outputs
-    execute(plan, pack, device)
+    issue_execute(plan, pack, device)
     if seq is not None:
         for g, which in zip(outputs[:3], ("q", "kv", "kv")):
             g.masked_fill_(~seq.result_rows(which, g.shape[2]), 0)
