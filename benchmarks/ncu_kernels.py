@@ -1,5 +1,6 @@
 """The triton backend's kernels for Nsight Compute: one training step's launches (quantize Q/K/V, forward, backward
-prep, dK/dV, dQ) and the FP8-on-chip forward, inside a profiler range, after warm-up calls outside it.
+prep, dK/dV, dQ), the FP8-on-chip Triton forward and, on an SM 9.0 GPU, the Gluon warp-specialised forward on the
+same FP8 operands (`gluon_attention_fwd`), inside a profiler range, after warm-up calls outside it.
 
 Run under Nsight Compute by benchmarks/ncu_kernels.sh (which gives ncu --profile-from-start off, so only the
 range is profiled): python benchmarks/ncu_kernels.py [--causal] [B H S D].
@@ -31,12 +32,17 @@ def main() -> None:
     be = TritonBackend()
     qq, kv8 = quantize_rowcol(q), fwd_kernel_operands(k, v, fp8=True)
     ob, sb = torch.empty_like(q), torch.empty(B, H, S, 1, device=dev)
+    gluon = None
+    if torch.cuda.get_device_capability() == (9, 0):
+        from mxattn.kernels import gluon_attention_fwd as gluon
+    fwd_kw = dict(softmax_scale=scale, offset=0, left_bound=None, right_bound=0 if args.causal else None)
 
     def step():
         o, stats, saved = be.forward(q, k, v, params)  # quantize_qkv + the forward kernel (bf16 K/V path)
         be.backward(saved, o, stats, do, params)  # prep, dK/dV, kv prep, dQ per chunk of heads
-        tf.attention_fwd(qq.row.data, qq.row.scale, *kv8, softmax_scale=scale, offset=0, left_bound=None,
-                         right_bound=0 if args.causal else None, out=ob, stats=sb)  # FP8-on-chip forward
+        tf.attention_fwd(qq.row.data, qq.row.scale, *kv8, out=ob, stats=sb, **fwd_kw)  # FP8-on-chip forward
+        if gluon is not None:  # the Gluon forward on the same operands
+            gluon.attention_fwd_gluon(qq.row.data, qq.row.scale, *kv8, out=ob, stats=sb, **fwd_kw)
 
     for _ in range(3):
         step()

@@ -444,3 +444,43 @@ def test_cudnn_dsink_is_the_gradient_of_its_own_forward():
     torch.testing.assert_close(first[3], want, atol=DSINK_REL_TOL * want.abs().max().item(), rtol=0.0)
     off = backend.backward(saved, o, stats, do, dataclasses.replace(params, sink_requires_grad=False))
     assert len(off) == 3 and all(torch.equal(a, b) for a, b in zip(off, first[:3]))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Blackwell: public calls replayed by launch plans (the graph execution as a recorded host call)
+# --------------------------------------------------------------------------------------------------------------
+@pytest.mark.blackwell
+@pytest.mark.parametrize("hkv, causal", [(8, False), (2, True)], ids=["mha", "gqa_causal"])
+def test_replayed_public_calls_equal_the_ordinary_path_bit_for_bit(hkv, causal, monkeypatch):
+    """Five forward+backward calls of one signature on new inputs each (calls 3-5 replay the recorded op bodies:
+    quantizer launches, then `graph.execute` with the variant pack rebuilt on the call's tensors) give O, dQ, dK
+    and dV equal bit for bit to the same calls with op replays off, and the replay did run (no backend code on
+    the last call)."""
+    from mxattn import op_plans
+    from mxattn.kernels import launch_plan
+    ok, reason = _blackwell_ready()
+    if not ok:
+        pytest.skip(reason)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    kw = dict(backend="cudnn", attn_mask_type="causal" if causal else "no_mask")
+    inputs = [tuple(torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+                    for shape in ((2, 384, 8, 128), (2, 384, hkv, 128), (2, 384, hkv, 128), (2, 384, 8, 128)))
+              for _ in range(5)]
+
+    def call(q, k, v, do):
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        o = mxattn.mxfp8_attention(q, k, v, **kw)
+        o.backward(do)
+        return [o.detach(), q.grad, k.grad, v.grad]
+
+    replayed = [call(*x) for x in inputs[:4]]
+    forwards = []
+    real_forward = CudnnBackend.forward
+    monkeypatch.setattr(CudnnBackend, "forward", lambda *a, **k: forwards.append(1) or real_forward(*a, **k))
+    replayed.append(call(*inputs[4]))
+    assert not forwards, "the fifth call of one signature should replay its recorded body"
+    assert any(isinstance(p, launch_plan.LaunchPlan) and p._host_calls for p in op_plans.PLANS._plans.values())
+    monkeypatch.setitem(op_plans._REPLAYS, "cudnn", False)
+    for x, got in zip(inputs, replayed):
+        for a, b in zip(got, call(*x)):
+            assert torch.equal(a, b)
