@@ -11,7 +11,7 @@ same: the helper's inlined debug scope adds `$L__tmp` labels at its boundaries, 
 changed the 12th); check every kernel.
 
 --kernels gluon fingerprints the Gluon Hopper forward (`gluon_attention_fwd.compile_sm90`, sm_90a) at head dims
-128 and 64, no mask and causal.
+128 and 64, no mask and causal, then its sink and sliding-window variants (`GLUON_VARIANTS`).
 
 --kernels paged fingerprints the paged KV cache's kernels instead (`paged_builds`: the attention kernel's exact
 and decode data paths in each pass (the decode split passes with STORE_S, and without it as "recompute"), the split combine and the append, at head dims 128 and 64 over bf16 inputs, as
@@ -198,12 +198,21 @@ def selected(kernels: str) -> list:
     return out + (paged_builds() if kernels in ("paged", "all") else [])
 
 
+#: the Gluon forward's sink and sliding-window variants fingerprinted after the default ones: (name suffix,
+#: causal right bound, left bound, sink)
+GLUON_VARIANTS = ((" causal sink", True, False, True), (" window", True, True, False),
+                  (" window sink", True, True, True), (" left", False, True, False))
+
+
 def gluon_builds() -> list:
     """[(name, compile thunk)] of the Gluon Hopper forward (`gluon_attention_fwd.compile_sm90`, as its launcher
-    specialises a typical call: the default stages and ping-pong) at head dims 128 and 64, no mask and causal."""
+    specialises a typical call: the default stages and ping-pong) at head dims 128 and 64, no mask and causal;
+    then its variants (`GLUON_VARIANTS`: attention sinks, sliding windows with and without the causal edge)."""
     from mxattn.kernels import gluon_attention_fwd as gf
     return [(f"gluon fwd d{d}{' causal' if causal else ''}", lambda d=d, causal=causal: gf.compile_sm90(d, causal))
-            for d in (128, 64) for causal in (False, True)]
+            for d in (128, 64) for causal in (False, True)] + \
+        [(f"gluon fwd d{d}{suffix}", lambda d=d, rb=rb, lb=lb, sink=sink:
+          gf.compile_sm90(d, rb, has_lb=lb, has_sink=sink)) for d in (128, 64) for suffix, rb, lb, sink in GLUON_VARIANTS]
 
 
 def compile_jobs(kernels: str) -> list:

@@ -108,8 +108,8 @@ def _attend(like: torch.Tensor, q_data: torch.Tensor, q_scale: torch.Tensor, kv_
 
 
 #: the Gluon warp-specialised forward (`mxattn.kernels.gluon_attention_fwd`, issue 24) runs the forward's FP8
-#: data path on Hopper (SM 9.0) where it takes the call (default recipe, dense batches, no sink or sliding
-#: window, head dims 64/128, bf16 O): 1.3-1.7x the Triton forward on the same FP8 operands, the same numbers (the
+#: data path on Hopper (SM 9.0) where it takes the call (default recipe, dense batches, any band incl. sliding
+#: windows, attention sinks, head dims 64/128, bf16 O): 1.3-1.7x the Triton forward on the same FP8 operands, the same numbers (the
 #: same operations per element; O equal bit for bit at the bench's four configs, within one bf16 ulp in the
 #: tests: H200, benchmarks/results/nvidia-h200/gluon_fwd/). The bf16-scratch path stays the Triton kernel's
 #: (faster still). MXATTN_GLUON_FWD=0 in the environment keeps the Triton forward everywhere.

@@ -1,8 +1,9 @@
 """Hopper (sm_90a) Gluon MXFP8 attention forward, warp-specialised (issue 24), default recipe only.
 
-First scope: dense batches (any [B, H, S, D] strides with a unit stride along D: bhsd or bshd views), no mask or
-a causal band (top-left or a dense caller's offset; `right_bound` any int), head dims 64 and 128, MHA and GQA,
-bf16 output and fp32 stats. It reads the operands of the Triton forward's FP8 data path
+Scope: dense batches (any [B, H, S, D] strides with a unit stride along D: bhsd or bshd views), any band of a
+dense caller (its offset; `right_bound` None or any int: causal-style, `left_bound` None or an int: sliding
+window, keys kept where col > row + offset - left_bound), attention sinks (fp32 [Hq] logits joining every row's
+softmax as the Triton forward's `softmax_start`), head dims 64 and 128, MHA and GQA, bf16 output and fp32 stats. It reads the operands of the Triton forward's FP8 data path
 (`triton_attention_fwd.attention_fwd` with k_scale given): Q and K row-wise E4M3 with compact E8M0 scales, V
 column-wise seq-major (`SeqMajorColumns`), and computes the same numbers:
 
@@ -23,7 +24,10 @@ of one warpgroup (4 warps) each (`gl.warp_specialize`, 384 threads, setmaxnreg 2
   under the P V GEMM, then release block j - 1's stage ("empty", one arrival per warpgroup) and rescale O by
   alpha_j. With PINGPONG the two warpgroups alternate their GEMM issues (mbarrier "turns"), so one's softmax runs
   under the other's GEMMs. Whole blocks run a loop without mask code, the Skv tail and the causal diagonal a
-  masked one. Epilogue in registers.
+  masked one (with a window, also the blocks cut by its left edge, before them). A window moves the first block
+  visited (`_kv_block_range`, shared with the producer: [lo, hi) of triton_common.band_block_range); the rings
+  and turns count visited blocks. With a sink the softmax starts from it (max = sink, sum = 1). Epilogue in
+  registers (a row that met no key: O = 0, stats = -inf or, with a sink, the sink, as in the Triton kernel).
 * the producer warpgroup (few registers): TMA loads (4-D descriptors, any bhsd/bshd strides) of the FP8 K tile
   [BN, D] and V tile [D, BN] (V is seq-major, so the tile is V^T with keys contiguous) into a ring of NF stages
   (mbarrier with expected bytes); the E8M0 scales of the next block prefetched into registers, then shared
@@ -36,7 +40,11 @@ it reads block j's K).
 
 Numerics: the same operations in the same order as the Triton kernel per element, with the same wgmma shapes
 (m64n128k16 for S, n = D for P V, each row inside one warp); any difference left is in the last bit of an FP32
-sum, which bounds the difference of O to about one bf16 ulp (tests/triton/test_gluon_fwd_gpu.py).
+sum, which bounds the difference of O to about one bf16 ulp (tests/triton/test_gluon_fwd_gpu.py). At D64 the
+Triton forward's query tile has 64 rows, a warpgroup's, while both warpgroups here visit the blocks of the CTA's
+128 rows: a block only the other warpgroup meets is masked whole for this one's rows, a no-op on finite numbers
+(alpha = 1 and P = 0 once a row has a finite max, else the state stays 0; with the sink -inf the sum of a row
+without keys becomes 0 instead of 1, giving the same O = 0 and stats = -inf).
 """
 
 import functools
@@ -53,6 +61,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from .triton_launch import cdiv, launch
+from .triton_attention_fwd import _check_sink
 from .triton_common import (E4M3_TO_BF16_ASM, E4M3_TO_BF16_CONSTRAINTS, E4M3_TO_BF16_PACK, ROUND_P_ASM,
                             ROUND_P_CONSTRAINTS, ROUND_P_PACK)
 
@@ -74,6 +83,8 @@ CHUNK_ROWS = 32
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 LOG2E = 1.4426950408889634
+#: LOG2E for the kernel (the sink logits' conversion to log2 units, triton_common.softmax_start's)
+LOG2E_K = gl.constexpr(LOG2E)
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2_PS = gl.constexpr(8.0)
 #: the consumer warpgroups' indices (rows [64 WG, 64 WG + 64) of the CTA's tile)
@@ -182,6 +193,23 @@ def _kv_blocks(m0, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: 
 
 
 @gluon.jit
+def _kv_block_range(m0, SKV, offset, LB, RB, HAS_LB: gl.constexpr, HAS_RB: gl.constexpr, BM: gl.constexpr,
+                    BN: gl.constexpr):
+    """(lo, n): the CTA's query rows [m0, m0 + BM) visit the KV blocks lo, lo + 1, ..., lo + n - 1, in that order
+    (triton_common.band_block_range's [lo, hi) at the same tile, in blocks). The producer and both consumer
+    warpgroups take the range from here, and index their rings by the count i = j - lo of visited blocks. With
+    HAS_LB (keys kept where col > row + offset - LB) the first block is the one holding column
+    m0 + offset - LB + 1 (or 0); without it lo is the constant 0."""
+    hi_blk = _kv_blocks(m0, SKV, offset, RB, HAS_RB, BM, BN)
+    lo = 0
+    n = hi_blk
+    if HAS_LB:
+        lo = gl.maximum(m0 + offset - LB + 1, 0) // BN
+        n = gl.maximum(hi_blk - lo, 0)
+    return lo, n
+
+
+@gluon.jit
 def _issue_tma(k_desc, v_desc, k8, v8, bar, b, hk, n0, BN: gl.constexpr, D: gl.constexpr):
     mbarrier.expect(bar, BN * D * 2)  # one FP8 K tile and one FP8 V tile
     tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], bar, k8)
@@ -190,30 +218,34 @@ def _issue_tma(k_desc, v_desc, k8, v8, bar, b, hk, n0, BN: gl.constexpr, D: gl.c
 
 @gluon.jit
 def _producer(k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready, empty,
-              sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SKV, offset, RB,
+              sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SKV, offset, RB, LB,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-              NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr):
+              NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, HAS_LB: gl.constexpr):
     """The producer warpgroup: TMA of FP8 K/V tiles NF blocks ahead, their scales one block ahead (registers,
-    then shared memory), dequantization into the bf16 ring (stage s = j % NS) once the consumers freed it."""
+    then shared memory), dequantization into the bf16 ring once the consumers freed it. Block lo + j (the j-th
+    visited, `_kv_block_range`) goes to FP8 stage j % NF and bf16 stage j % NS."""
     nw: gl.constexpr = gl.num_warps()
     tile, b, hq = _tile_of_program(HQ, HAS_RB)
     hk = hq // GROUP
     m0 = tile * BM
-    n_blk = _kv_blocks(m0, SKV, offset, RB, HAS_RB, BM, BN)
+    lo, n_blk = _kv_block_range(m0, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
     b64 = b.to(gl.int64)
     hk64 = hk.to(gl.int64)
-    ks_base = KS + b64 * sksb + hk64 * sksh
-    vs_base = VS + b64 * svsb + hk64 * svsh
+    # the scales are addressed from block lo on (rows past SKV - lo * BN read as 127): the row indices of the loop
+    # below stay those of a range from block 0, whose registers the producer's 32 hold
+    ks_base = KS + b64 * sksb + hk64 * sksh + (lo * BN) * skss
+    vs_base = VS + b64 * svsb + hk64 * svsh + (lo * (BN // 32)) * svss
+    skv_lo = SKV - lo * BN
     for i in gl.static_range(NF):
         if i < n_blk:
-            _issue_tma(k_desc, v_desc, k8.index(i), v8.index(i), fp8_ready.index(i), b, hk, i * BN, BN, D)
-    ks_next, vs_next = _load_scales(KS, VS, ks_base, vs_base, skss, svss, 0, SKV, BN, D, nw)
-    for j in range(n_blk):
+            _issue_tma(k_desc, v_desc, k8.index(i), v8.index(i), fp8_ready.index(i), b, hk, (lo + i) * BN, BN, D)
+    ks_next, vs_next = _load_scales(KS, VS, ks_base, vs_base, skss, svss, 0, skv_lo, BN, D, nw)
+    for j in range(n_blk):  # the j-th visited block, block lo + j
         f = j % NF
         s = j % NS
         ksc.store(ks_next)  # this block's scales (the previous block's dequantization is done: barrier below)
         vsc.store(vs_next)
-        ks_next, vs_next = _load_scales(KS, VS, ks_base, vs_base, skss, svss, (j + 1) * BN, SKV, BN, D, nw)
+        ks_next, vs_next = _load_scales(KS, VS, ks_base, vs_base, skss, svss, (j + 1) * BN, skv_lo, BN, D, nw)
         gl.thread_barrier()
         mbarrier.wait(fp8_ready.index(f), (j // NF) & 1)
         mbarrier.wait(empty.index(s), ((j // NS) & 1) ^ 1)  # passes at once on a fresh barrier (first round)
@@ -229,26 +261,38 @@ def _producer(k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready
         mbarrier.arrive(ready.index(s), count=1)
         jn = j + NF
         if jn < n_blk:  # refill FP8 stage f
-            _issue_tma(k_desc, v_desc, k8.index(f), v8.index(f), fp8_ready.index(f), b, hk, jn * BN, BN, D)
+            _issue_tma(k_desc, v_desc, k8.index(f), v8.index(f), fp8_ready.index(f), b, hk, (lo + jn) * BN, BN, D)
 
 
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, rows, cols0, n0, m0, SKV, offset, RB, qk_scale, HAS_RB: gl.constexpr,
-                  BN: gl.constexpr, p_op: gl.constexpr, MASK: gl.constexpr = True):
+                  BN: gl.constexpr, p_op: gl.constexpr, MASK: gl.constexpr = True, LB=0,
+                  HAS_LB: gl.constexpr = False, BMW: gl.constexpr = 64):
     """One KV block (keys [n0, n0 + BN)) of the online softmax, triton_common.softmax_block's arithmetic for the
     default recipe: the masked logits qk (keys past SKV; with HAS_RB keys above the diagonal col > row + offset +
-    RB; only blocks that need it are masked), running max (log2 units), alpha, P * 256 and the running sum of the
-    unrounded P -> (E4M3(P * 256) as bf16 in the P V GEMM's A layout p_op, alpha, new max, new sum). m0: the
-    first query row of the warpgroup's tile. MASK False: the caller knows every element of the block is kept (no
-    mask code at all; masking such a block would change nothing)."""
+    RB; with HAS_LB keys left of the window col <= row + offset - LB; only blocks that need it are masked),
+    running max (log2 units), alpha, P * 256 and the running sum of the unrounded P -> (E4M3(P * 256) as bf16 in
+    the P V GEMM's A layout p_op, alpha, new max, new sum). m0: the first query row of the warpgroup's tile (BMW
+    rows). MASK False: the caller knows every element of the block is kept (no mask code at all; masking such a
+    block would change nothing)."""
     need_mask = n0 + BN > SKV
     if HAS_RB:
         need_mask = need_mask | (n0 + BN - 1 > m0 + offset + RB)
+    if HAS_LB:
+        need_mask = need_mask | (n0 <= m0 + BMW - 1 + offset - LB)
     if MASK and need_mask:
         cols = n0 + cols0
         keep = gl.expand_dims(cols < SKV, 0)
-        if HAS_RB:
+        if HAS_RB and HAS_LB:
+            # row + offset - LB < col <= row + offset + RB from one value per row (registers: the masked loop
+            # before the mask-free one holds this): 0 <= col - (row + offset - LB + 1) <= RB + LB - 1, the same
+            # set in int32 at these sizes
+            rel = gl.expand_dims(cols, 0) - gl.expand_dims(rows + (offset - LB + 1), 1)
+            keep = keep & (rel >= 0) & (rel <= RB + LB - 1)
+        elif HAS_RB:
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + offset + RB)
+        elif HAS_LB:
+            keep = keep & (gl.expand_dims(cols, 0) > gl.expand_dims(rows, 1) + offset - LB)
         qk = gl.where(keep, qk, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -277,10 +321,13 @@ def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 @gluon.jit
 def _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV, offset, RB, qk_scale, s_zero,
              HAS_RB: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
-             MASK: gl.constexpr, p_op: gl.constexpr, row_o: gl.constexpr):
-    """KV block j >= 1 of a consumer warpgroup: S_j = Q K_j^T issued with O += P_{j-1} V_{j-1} (acc already
-    rescaled by block j - 1's alpha), the softmax of block j under the latter, stage (j - 1) % NS released, O
-    rescaled by alpha_j -> (P_j rounded, O, m, l)."""
+             MASK: gl.constexpr, p_op: gl.constexpr, row_o: gl.constexpr, lo=0, LB=0, HAS_LB: gl.constexpr = False,
+             BMW: gl.constexpr = 64):
+    """The j-th visited KV block (j >= 1; block lo + j, keys from (lo + j) * BN, lo the range's first block) of a
+    consumer warpgroup: S_j = Q K_j^T issued with O += P_{j-1} V_{j-1} (acc already rescaled by block j - 1's
+    alpha), the softmax of block j under the latter, stage (j - 1) % NS released, O rescaled by alpha_j -> (P_j
+    rounded, O, m, l). The rings and turns count visited blocks (j), the mask sees key positions ((lo + j) * BN);
+    HAS_LB: the block may be cut by the window's left edge (LB)."""
     s = j % NS
     sp = (j - 1) % NS
     mbarrier.wait(ready.index(s), (j // NS) & 1)
@@ -289,8 +336,8 @@ def _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m
     acc_t = warpgroup_mma(pq, vb.index(sp).permute((1, 0)), acc, is_async=True)
     _turn_pass(turn, WG, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
-    pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, j * BN, m0, SKV, offset, RB, qk_scale, HAS_RB,
-                                        BN, p_op, MASK)
+    pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, (lo + j) * BN, m0, SKV, offset, RB, qk_scale,
+                                        HAS_RB, BN, p_op, MASK, LB, HAS_LB, BMW)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, ))
     gl.thread_barrier()  # the warpgroup is done with stage (j - 1) % NS
     mbarrier.arrive(empty.index(sp), count=1)
@@ -301,15 +348,17 @@ def _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m
 @gluon.jit
 def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
               sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
-              HQ, SQ, SKV, qk_scale, offset, RB,
+              HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-              PINGPONG: gl.constexpr, WG: gl.constexpr):
+              PINGPONG: gl.constexpr, WG: gl.constexpr, HAS_LB: gl.constexpr, HAS_SINK: gl.constexpr):
     """Consumer warpgroup WG (4 warps) of the CTA: query rows [tile * BM + 64 WG, + 64). Q dequantized into
     registers, then per KV block S = Q K^T, the online softmax, P rounding and O = O * alpha + P V; the epilogue
     writes its rows of O (bf16) and of the stats. The S GEMM of block j is issued together with the P V GEMM of
     block j - 1, and the softmax of block j runs under the latter (FlashAttention-3's intra-warpgroup overlap);
     with PINGPONG the two warpgroups also alternate their GEMM issues (`_turn_wait`). The arithmetic and its
-    order per element are unchanged."""
+    order per element are unchanged. HAS_SINK: the softmax starts from the head's sink logit (max = sink in log2
+    units, sum = 1 in units of P's scale 256: triton_common.softmax_start), so a row that meets no key ends with
+    O = 0 and stats = the sink through the ordinary epilogue, as in the Triton kernel."""
     nw: gl.constexpr = gl.num_warps()
     BMW: gl.constexpr = BM // 2  # two consumer warpgroups of 4 warps
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
@@ -346,34 +395,49 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
 
     rows = m0 + gl.arange(0, BMW, layout=row_s)
     cols0 = gl.arange(0, BN, layout=col_s)
-    m_i = gl.full([BMW], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BMW], gl.float32, row_s)
+    if HAS_SINK:  # triton_common.softmax_start: the sink joins first
+        m_i = gl.zeros([BMW], gl.float32, row_s) + gl.load(SINK + hq) * LOG2E_K
+        l_i = gl.full([BMW], 256.0, gl.float32, row_s)  # 2^LOG2_PS
+    else:
+        m_i = gl.full([BMW], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([BMW], gl.float32, row_s)
     acc = gl.zeros([BMW, D], gl.float32, o_layout)
     s_zero = gl.zeros([BMW, BN], gl.float32, s_layout)
 
-    n_blk = _kv_blocks(m_cta, SKV, offset, RB, HAS_RB, BM, BN)
+    # the CTA's blocks lo, ..., lo + n_blk - 1 (the producer's); j below counts them (ring stages, turns)
+    lo, n_blk = _kv_block_range(m_cta, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
     if n_blk > 0:
         mbarrier.wait(ready.index(0), 0)
         _turn_wait(turn, WG, 0, PINGPONG)
         qk_t = warpgroup_mma(q, kb.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         _turn_pass(turn, WG, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, ))
-        pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, 0, m0, SKV, offset, RB, qk_scale, HAS_RB,
-                                            BN, p_op)
+        pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, lo * BN, m0, SKV, offset, RB, qk_scale,
+                                            HAS_RB, BN, p_op, True, LB, HAS_LB, BMW)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        # blocks [1, n_full) are kept whole for every row of the warpgroup (no mask code), the rest need the mask
-        n_full = gl.minimum(n_blk, SKV // BN)
+        # visited blocks [j_lb, n_full) (counted from lo) are kept whole for every row of the warpgroup (no mask
+        # code), the others need the mask: [1, j_lb) cut by the window's left edge (HAS_LB), [n_full, n_blk) by
+        # the right edge or the end of the keys
+        n_full = gl.minimum(n_blk, SKV // BN - lo)
         if HAS_RB:
-            n_full = gl.minimum(n_full, gl.maximum(m0 + offset + RB + 1, 0) // BN)
-        for j in range(1, n_full):
+            n_full = gl.minimum(n_full, gl.maximum(m0 + offset + RB + 1, 0) // BN - lo)
+        j_lb = 1
+        if HAS_LB:
+            # the first block whose keys all lie right of the left edge for the warpgroup's last row
+            j_lb = gl.maximum(gl.minimum(gl.cdiv(gl.maximum(m0 + BMW + offset - LB, 0), BN) - lo, n_blk), 1)
+            for j in range(1, j_lb):
+                pq, acc, m_i, l_i = _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0,
+                                             SKV, offset, RB, qk_scale, s_zero, HAS_RB, BN, NS, PINGPONG, WG, True,
+                                             p_op, row_o, lo, LB, HAS_LB, BMW)
+        for j in range(j_lb, n_full):
             pq, acc, m_i, l_i = _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV,
                                          offset, RB, qk_scale, s_zero, HAS_RB, BN, NS, PINGPONG, WG, False, p_op,
-                                         row_o)
-        for j in range(gl.maximum(n_full, 1), n_blk):
+                                         row_o, lo, LB, HAS_LB, BMW)
+        for j in range(gl.maximum(n_full, j_lb), n_blk):  # (from j_lb on no key is left of the window: no LB mask)
             pq, acc, m_i, l_i = _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV,
                                          offset, RB, qk_scale, s_zero, HAS_RB, BN, NS, PINGPONG, WG, True, p_op,
-                                         row_o)
-        sl = (n_blk - 1) % NS
+                                         row_o, lo)
+        sl = (n_blk - 1) % NS  # the last visited block's stage
         _turn_wait(turn, WG, n_blk, PINGPONG)
         acc_t = warpgroup_mma(pq, vb.index(sl).permute((1, 0)), acc, is_async=True)
         _turn_pass(turn, WG, PINGPONG)
@@ -399,16 +463,18 @@ def _gluon_attn_fwd_kernel(
         sqb, sqh, sqs, sqsb, sqsh, sqss,
         sksb, sksh, skss, svsb, svsh, svss,
         sob, soh, sos, slb, slh, sls,
-        HQ, GROUP, SQ, SKV, qk_scale, offset, RB,
+        HQ, GROUP, SQ, SKV, qk_scale, offset, RB, LB, SINK,
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
         NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr):
+        PRODUCER_REGS: gl.constexpr, HAS_LB: gl.constexpr = False, HAS_SINK: gl.constexpr = False):
     """Grid (cdiv(SQ, BM), B * HQ), 4 warps per partition: consumer warpgroup 0 (the default partition),
     consumer warpgroup 1 and the producer (workers). Q [B,HQ,SQ,D] e4m3 (strides sqb, sqh, sqs, unit along D)
     with scales QS [B,HQ,SQ,D/32] u8; k_desc a TMA descriptor of K [B,HKV,SKV,D] e4m3 (block [1,1,BN,D]) with
     scales KS [B,HKV,SKV,D/32]; v_desc one of V's seq-major data [B,HKV,D,L] e4m3 (block [1,1,D,BN]) with
     scales VS [B,HKV,L/32,D]; O [B,HQ,SQ,D] bf16, LSE [B,HQ,SQ,1] fp32. HAS_RB: causal-style band (keys kept
-    where col <= row + offset + RB)."""
+    where col <= row + offset + RB); HAS_LB: sliding window (keys kept where col > row + offset - LB); HAS_SINK:
+    SINK holds fp32 [HQ] sink logits (else unread). The new run-time arguments (LB, SINK) follow the old ones, so
+    a variant without them keeps its parameter offsets (and its machine code)."""
     k8 = gl.allocate_shared_memory(gl.float8e4nv, [NF, 1, 1, BN, D], k_desc.layout)
     v8 = gl.allocate_shared_memory(gl.float8e4nv, [NF, 1, 1, D, BN], v_desc.layout)
     kb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
@@ -434,13 +500,15 @@ def _gluon_attn_fwd_kernel(
     gl.warp_specialize([
         (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                      sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
-                     HQ, SQ, SKV, qk_scale, offset, RB, HAS_RB, BM, BN, D, NS, PINGPONG, WG0)),
+                     HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, HAS_RB, BM, BN, D, NS, PINGPONG, WG0,
+                     HAS_LB, HAS_SINK)),
         (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                      sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
-                     HQ, SQ, SKV, qk_scale, offset, RB, HAS_RB, BM, BN, D, NS, PINGPONG, WG1)),
+                     HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, HAS_RB, BM, BN, D, NS, PINGPONG, WG1,
+                     HAS_LB, HAS_SINK)),
         (_producer, (k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready, empty,
-                     sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SKV, offset, RB,
-                     HAS_RB, BM, BN, D, NS, NF, CH)),
+                     sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SKV, offset, RB, LB,
+                     HAS_RB, BM, BN, D, NS, NF, CH, HAS_LB)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
     for i in gl.static_range(2):
@@ -472,10 +540,6 @@ def unsupported_reason(q_data, k_scale, v, *, left_bound=None, seq=None, bottom_
         return "the Gluon forward reads FP8 K/V (k_scale given), not their bf16 dequantizations"
     if seq is not None or bottom_right:
         return "the Gluon forward takes dense batches only (no seq / bottom_right)"
-    if sink is not None:
-        return "the Gluon forward has no attention sinks yet"
-    if left_bound is not None:
-        return "the Gluon forward takes no left bound (sliding window) yet"
     if q_data.shape[3] not in SUPPORTED_HEAD_DIMS:
         return f"the Gluon forward takes head dims {SUPPORTED_HEAD_DIMS}, got {q_data.shape[3]}"
     if out is not None and out.dtype != torch.bfloat16:
@@ -504,16 +568,21 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     (data [B,Hkv,D,L] e4m3, unit stride along L, scales [B,Hkv,L/32,D]). Any strides with a unit stride along the
     last axis (bhsd or bshd views); FP8 data 16-byte aligned with 16-byte multiple strides (TMA). out [B,Hq,Sq,D]
     bf16, stats [B,Hq,Sq,1] fp32 (natural log-sum-exp, -inf for rows without keys). offset: the diagonal
-    offset (0 top-left); right_bound None (no mask) or an int (causal: 0); Hq a multiple of Hkv (GQA).
+    offset (0 top-left); right_bound None (no mask) or an int (causal: 0); left_bound None or an int (sliding
+    window: keys kept where col > row + offset - left_bound); Hq a multiple of Hkv (GQA). sink: None or fp32 [Hq]
+    contiguous sink logits on q's device (they join every row's softmax; a row without keys gets O = 0 and stats
+    = its sink, as the Triton forward computes it).
     config: optional (bf16 stages >= 2, fp8 stages[, pingpong]) override (benchmark sweeps, A/B of the schedule).
-    Raises ValueError for what it does not take: left_bound, seq (varlen), bottom_right, sink, head dims other
-    than 64/128, non-default recipes, bf16 K/V, non-bf16 out, FP8 data TMA cannot address. checked: the caller
-    has just had `unsupported_reason(..., k_data=k_data, out=out)` answer None for these arguments (not asked again).
-    """
+    Raises ValueError for what it does not take: seq (varlen), bottom_right, head dims other than 64/128,
+    non-default recipes, bf16 K/V, non-bf16 out, FP8 data TMA cannot address, a malformed sink. checked: the
+    caller has just had `unsupported_reason(..., k_data=k_data, out=out)` answer None for these arguments (not
+    asked again)."""
     reason = None if checked else unsupported_reason(q_data, k_scale, v, left_bound=left_bound, seq=seq,
                                                      bottom_right=bottom_right, sink=sink, flags=flags, out=out)
     if reason is not None:
         raise ValueError(reason)
+    if sink is not None:
+        _check_sink(sink, q_data)
     B, HQ, SQ, D = q_data.shape
     HKV, SKV = k_data.shape[1], k_data.shape[2]
     if HKV == 0 or HQ % HKV:
@@ -528,9 +597,12 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
                     ("v.scale", vs), ("out", out)):
         if t.shape[3] > 1 and t.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride along its last axis, got strides {tuple(t.stride())}")
-    if SKV == 0:  # no key: the Triton forward's O = 0 and stats = -inf (TMA cannot describe an empty tensor)
+    if SKV == 0:  # no key: the Triton forward's O = 0 and stats (TMA cannot describe an empty tensor)
         out.zero_()
-        stats.fill_(float("-inf"))
+        if sink is None:
+            stats.fill_(float("-inf"))
+        else:
+            stats.copy_(_sink_stats(sink).view(1, -1, 1, 1).expand_as(stats))
         return
     reason = None if checked else unsupported_reason(q_data, k_scale, v, k_data=k_data)  # TMA, grid's y limit
     if reason is not None:
@@ -545,6 +617,7 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     k_desc = TensorDescriptor(k_data, list(k_data.shape), list(k_data.stride()), [1, 1, BLOCK_N, D], k_layout)
     v_desc = TensorDescriptor(v_data, list(v_data.shape), list(v_data.stride()), [1, 1, D, BLOCK_N], v_layout)
     has_rb = right_bound is not None
+    has_lb = left_bound is not None
     grid = (cdiv(SQ, BLOCK_M), B * HQ)
     launch(  # Triton's dispatcher on a signature's first call, then the cached compiled kernel (`triton_launch`)
         _gluon_attn_fwd_kernel, grid,
@@ -553,8 +626,18 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         *ks.stride()[:3], *vs.stride()[:3],
         *out.stride()[:3], *stats.stride()[:3],
         HQ, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, int(offset), int(right_bound) if has_rb else 0,
+        int(left_bound) if has_lb else 0, stats if sink is None else sink,  # (SINK unread without a sink)
         HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=D, NS=ns, NF=nf, CH=CHUNK_ROWS, PINGPONG=pingpong,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=PARTITION_WARPS)
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, HAS_LB=has_lb, HAS_SINK=sink is not None,
+        num_warps=PARTITION_WARPS)
+
+
+def _sink_stats(sink: torch.Tensor) -> torch.Tensor:
+    """The stats of a row that meets no key, [Hq], as the kernels' epilogue computes them from the sink's start
+    (max m = sink * LOG2E, sum 2^8): (m + log2(2^8) - 8) * LN2, each step one fp32 operation."""
+    f32 = dict(dtype=torch.float32, device=sink.device)
+    m = sink * torch.tensor(LOG2E, **f32)
+    return (m + 8.0 - 8.0) * torch.tensor(LN2.value, **f32)
 
 
 #: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
@@ -564,22 +647,23 @@ DIVISIBLE_INTS = ("sqb", "sqh", "sqs", "sqsb", "sqsh", "sksb", "sksh", "svsb", "
 
 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
-                 pingpong: bool = None):
+                 pingpong: bool = None, has_lb: bool = False, has_sink: bool = False):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel (asm:
     ttgir, llir, ptx, cubin; metadata: shared memory). Pointers and DIVISIBLE_INTS as the launcher sees them in a
     typical call (16-byte aligned, multiples of 16); the stats' row stride stays a run-time i32 (the launcher
-    specialises a 1 to a constant)."""
+    specialises a 1 to a constant). has_lb / has_sink: the sliding-window and sink variants (LB a run-time i32,
+    SINK an fp32 pointer)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     fn = _gluon_attn_fwd_kernel
     ns, nf = stages if stages is not None else STAGES[d]
     k_layout, v_layout = tma_layouts(d)
-    types = dict(Q="*fp8e4nv", QS="*u8", KS="*u8", VS="*u8", O="*bf16", LSE="*fp32", qk_scale="fp32",
+    types = dict(Q="*fp8e4nv", QS="*u8", KS="*u8", VS="*u8", O="*bf16", LSE="*fp32", SINK="*fp32", qk_scale="fp32",
                  k_desc=f"tensordesc<fp8e4nv[1, 1, {BLOCK_N}, {d}],{k_layout!r}>",
                  v_desc=f"tensordesc<fp8e4nv[1, 1, {d}, {BLOCK_N}],{v_layout!r}>")
     constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=d, NS=ns, NF=nf, CH=CHUNK_ROWS,
                       PINGPONG=PINGPONG if pingpong is None else pingpong,
-                      CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
+                      CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], HAS_LB=has_lb, HAS_SINK=has_sink)
     names = fn.arg_names
     signature = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     divisible = [n for n, t in signature.items() if t.startswith("*")] + list(DIVISIBLE_INTS)

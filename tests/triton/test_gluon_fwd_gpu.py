@@ -21,11 +21,14 @@ def _is_hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def _quantized(B, HQ, HKV, S, D, layout, g):
+def _quantized(B, HQ, HKV, S, D, layout, g, SKV=None):
     """(q_data, q_scale, k_data, k_scale, v SeqMajorColumns) from the fused quantizer, laid out bhsd or (layout
-    "bshd") as [B, S, H, D] memory viewed as [B, H, S, D] (V's seq-major data as [B, D, H, L] memory)."""
+    "bshd") as [B, S, H, D] memory viewed as [B, H, S, D] (V's seq-major data as [B, D, H, L] memory); S query
+    rows and SKV (default S) keys."""
     from mxattn.kernels.triton_quantize import SeqMajorColumns, quantize_qkv
-    q, k, v = (torch.randn(B, h, S, D, device="cuda", generator=g).to(torch.bfloat16) for h in (HQ, HKV, HKV))
+    SKV = S if SKV is None else SKV
+    q, k, v = (torch.randn(B, h, n, D, device="cuda", generator=g).to(torch.bfloat16)
+               for h, n in ((HQ, S), (HKV, SKV), (HKV, SKV)))
     qq, kq, vq = quantize_qkv(q, k, v, dict(col=False), dict(col=False), dict(row=False, col_seq_major=True))
     qd, qs, kd, ks, vsm = qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col_seq_major
     if layout == "bshd":
@@ -49,6 +52,37 @@ def _ordered_bf16(x: torch.Tensor) -> torch.Tensor:
     """bf16 values as integers ordered like the values (neighbouring bf16 values differ by 1)."""
     i = x.contiguous().view(torch.int16).to(torch.int32)
     return torch.where(i < 0, -(i & 0x7FFF), i)
+
+
+def _assert_like_triton(o, st, o_ref, s_ref):
+    """O within one bf16 ulp of the Triton forward's in >= 99.9% of its elements (and at rounding level of O's
+    scale elsewhere), the stats close (equal infinities: rows without keys)."""
+    ulps = (_ordered_bf16(o) - _ordered_bf16(o_ref)).abs()
+    share = (ulps <= 1).float().mean().item()
+    assert share >= 0.999, f"{share:.5f} of O within 1 bf16 ulp (max {ulps.max().item()} ulps)"
+    assert (o.float() - o_ref.float()).abs().max() <= 1e-2 * o_ref.float().abs().max()
+    torch.testing.assert_close(st, s_ref, rtol=1e-5, atol=1e-5)
+
+
+#: (sink logits per query head, up to 8 heads: large and small ones; a sink of 8 dominates rows of N(0, 1) logits)
+SINKS = (-30.0, -2.0, 0.5, 4.0, 8.0, -8.0, 1.0, 0.0)
+#: (case, Sq, Skv, offset, left_bound, right_bound, sink): windows narrower than a block, of about one block and
+#: spanning several, with and without the causal edge, Sq != Skv (bottom-right offsets and a negative one that
+#: leaves the first rows without keys), alone and with sinks
+SINK_WINDOW_CASES = [
+    ("sink", 1000, 1000, 0, None, None, True),
+    ("sink_causal", 700, 1000, 300, None, 0, True),
+    ("sink_causal_empty_rows", 600, 500, -150, None, 0, True),
+    ("window_small_causal", 1000, 1000, 0, 50, 0, False),
+    ("window_one_block_causal", 700, 1000, 300, 128, 0, False),
+    ("window_129", 1000, 777, 0, 129, 0, False),
+    ("window_multi_left_only", 1000, 1000, 0, 300, None, False),
+    ("window_multi_causal_offset", 500, 1100, 600, 400, 0, False),
+    ("window_right_edge", 1000, 1000, 0, 200, 64, False),
+    ("window_empty_rows", 600, 500, -150, 77, 0, False),
+    ("window_sink", 1000, 1000, 0, 200, 0, True),
+    ("window_sink_empty_rows", 600, 500, -150, 300, 0, True),
+]
 
 
 @pytest.mark.gpu
@@ -79,6 +113,65 @@ def test_gluon_fwd_matches_triton_fwd(D, causal, heads, layout, S, pingpong):
     # elsewhere (values near zero, where an ulp is tiny) the difference stays at rounding level of O's scale
     assert (o.float() - o_ref.float()).abs().max() <= 1e-2 * o_ref.float().abs().max()
     torch.testing.assert_close(st, s_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SINK_WINDOW_CASES, ids=[c[0] for c in SINK_WINDOW_CASES])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gluon_fwd_sinks_and_windows_match_triton_fwd(case, D, heads, layout):
+    """Attention sinks and sliding windows (left bounds): the Gluon forward against the Triton forward on the same
+    FP8 operands. Rows without keys (a negative offset under the causal edge) get O = 0 and stats -inf, or with
+    a sink the sink's stats, in both."""
+    if not _is_hopper():
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    from mxattn.kernels import gluon_attention_fwd as gf, triton_attention_fwd as tf
+    name, SQ, SKV, offset, lb, rb, with_sink = case
+    HQ, HKV = heads
+    B = 2
+    g = torch.Generator(device="cuda").manual_seed(4321 + D + SQ + SKV + HKV)
+    qd, qs, kd, ks, vsm = _quantized(B, HQ, HKV, SQ, D, layout, g, SKV=SKV)
+    sink = torch.tensor(SINKS[:HQ], device="cuda") if with_sink else None
+    kw = dict(softmax_scale=1.0 / math.sqrt(D), offset=offset, left_bound=lb, right_bound=rb, sink=sink)
+    o_ref, s_ref = _outputs(B, HQ, SQ, D, layout)
+    tf.attention_fwd(qd, qs, kd, ks, vsm, out=o_ref, stats=s_ref, **kw)
+    o, st = _outputs(B, HQ, SQ, D, layout)
+    gf.attention_fwd_gluon(qd, qs, kd, ks, vsm, out=o, stats=st, **kw)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all()
+    _assert_like_triton(o, st, o_ref, s_ref)
+    if offset < 0 and rb is not None:  # rows r < -offset - rb meet no key
+        empty = -offset - rb
+        assert (o[:, :, :empty] == 0).all()
+        if with_sink:
+            torch.testing.assert_close(st[:, :, :empty, 0], sink.view(1, HQ, 1).expand(B, HQ, empty))
+        else:
+            assert (st[:, :, :empty] == float("-inf")).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "free"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_fwd_windows_of_every_width_match_triton_fwd(D, pingpong):
+    """Sliding windows of widths 1 to a few blocks (the first visited block and the split between the masked and
+    mask-free loops move with them), causal and not, with a sink on every other call, for both schedules."""
+    if not _is_hopper():
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    from mxattn.kernels import gluon_attention_fwd as gf, triton_attention_fwd as tf
+    g = torch.Generator(device="cuda").manual_seed(77 + D)
+    B, HQ, HKV, SQ, SKV = 1, 2, 1, 640, 900
+    qd, qs, kd, ks, vsm = _quantized(B, HQ, HKV, SQ, D, "bhsd", g, SKV=SKV)
+    for i, (lb, rb) in enumerate([(1, 0), (2, 0), (63, 0), (64, 0), (127, 0), (128, 0), (129, 0), (192, 0),
+                                  (256, 0), (257, 5), (385, None), (700, 0), (1, None), (1000, None)]):
+        sink = torch.tensor([1.5, -3.0], device="cuda") if i % 2 else None
+        kw = dict(softmax_scale=0.125, offset=SKV - SQ, left_bound=lb, right_bound=rb, sink=sink)
+        o_ref, s_ref = _outputs(B, HQ, SQ, D, "bhsd")
+        tf.attention_fwd(qd, qs, kd, ks, vsm, out=o_ref, stats=s_ref, **kw)
+        o, st = _outputs(B, HQ, SQ, D, "bhsd")
+        gf.attention_fwd_gluon(qd, qs, kd, ks, vsm, out=o, stats=st, config=(*gf.STAGES[D], pingpong), **kw)
+        torch.cuda.synchronize()
+        _assert_like_triton(o, st, o_ref, s_ref)
 
 
 @pytest.mark.gpu
@@ -138,7 +231,8 @@ def test_cached_gluon_launches_read_each_calls_tensors():
 
 
 def test_gluon_fwd_refuses_unsupported_calls():
-    """The launcher's ValueErrors (checked before anything touches a GPU)."""
+    """The launcher's ValueErrors (checked before anything touches a GPU); sinks and left bounds are taken, a sink
+    that is not a contiguous fp32 [Hq] tensor is refused as the Triton forward refuses it."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed here")
     from mxattn.kernels import gluon_attention_fwd as gf
@@ -151,8 +245,8 @@ def test_gluon_fwd_refuses_unsupported_calls():
     out = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
     st = torch.zeros(1, 2, 64, 1)
     base = dict(softmax_scale=0.1, offset=0, left_bound=None, right_bound=None, out=out, stats=st)
-    cases = [(dict(left_bound=10), "left bound"), (dict(sink=torch.zeros(2)), "sinks"),
-             (dict(flags=KernelRecipe(p_mode=2)), "default recipe"), (dict(bottom_right=True), "dense"),
+    cases = [(dict(sink=torch.zeros(3)), "sink must be"),
+             (dict(sink=torch.zeros(2, dtype=torch.float16)), "sink must be"), (dict(flags=KernelRecipe(p_mode=2)), "default recipe"), (dict(bottom_right=True), "dense"),
              (dict(out=out.half()), "bf16 O")]
     for extra, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -181,6 +275,14 @@ def test_gluon_fwd_no_keys_and_v_length():
     gf.attention_fwd_gluon(q, s, k0, s[:, :, :0], v0, softmax_scale=0.1, offset=0, left_bound=None,
                            right_bound=None, out=out, stats=st)
     assert (out == 0).all() and (st == float("-inf")).all()
+    sink = torch.tensor([0.3, -2.0])  # with a sink: the kernels' stats of a row without keys, (m + 8 - 8) ln 2
+    out.fill_(7.0)
+    gf.attention_fwd_gluon(q, s, k0, s[:, :, :0], v0, softmax_scale=0.1, offset=0, left_bound=None,
+                           right_bound=None, out=out, stats=st, sink=sink)
+    m = sink * torch.tensor(1.4426950408889634)
+    want = ((m + 8.0 - 8.0) * 0.6931471805599453).view(2, 1).expand(2, 64)
+    assert (out == 0).all() and torch.equal(st[0, :, :, 0], want)
+    torch.testing.assert_close(st[0, :, :, 0], sink.view(2, 1).expand(2, 64))
     v48 = SeqMajorColumns(torch.zeros(1, 2, 128, 48, dtype=torch.uint8).view(torch.float8_e4m3fn),
                           torch.zeros(1, 2, 1, 128, dtype=torch.uint8))
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -188,27 +290,30 @@ def test_gluon_fwd_no_keys_and_v_length():
                                right_bound=None, out=out, stats=st)
 
 
-def _compile_or_skip(d, causal, pingpong):
+def _compile_or_skip(d, causal, pingpong, has_lb=False, has_sink=False):
     if not HAS_TRITON:
         pytest.skip("triton is not installed here")
     try:
         from mxattn.kernels import gluon_attention_fwd as gf
-        return gf.compile_sm90(d, causal, pingpong=pingpong)
+        return gf.compile_sm90(d, causal, pingpong=pingpong, has_lb=has_lb, has_sink=has_sink)
     except ImportError as e:  # pragma: no cover - a Triton without GPU-target compilation or without Gluon
         pytest.skip(f"cannot compile for sm_90a here: {e}")
 
 
-@pytest.mark.parametrize("d,causal,pingpong", [(64, False, True), (128, False, True), (128, True, True),
-                                               (128, True, False)])
-def test_gluon_fwd_compiles_for_sm90a_without_spills(d, causal, pingpong):
+@pytest.mark.parametrize("d,causal,pingpong,has_lb,has_sink", [
+    (64, False, True, False, False), (128, False, True, False, False), (128, True, True, False, False),
+    (128, True, False, False, False), (128, True, True, True, True), (128, False, True, True, False),
+    (64, True, True, True, False)], ids=["d64", "d128", "d128-causal", "d128-causal-free", "d128-window-sink",
+                                         "d128-left", "d64-window"])
+def test_gluon_fwd_compiles_for_sm90a_without_spills(d, causal, pingpong, has_lb, has_sink):
     """The warp-specialised kernel builds for sm_90a with Triton's ptxas: no local memory (spills), the
     producer/consumer register split (setmaxnreg), wgmma with A from registers, TMA loads, within the H100's
-    shared memory."""
+    shared memory; also its sliding-window and sink variants."""
     import os
     import subprocess
     import tempfile
     import triton
-    kernel = _compile_or_skip(d, causal, pingpong)
+    kernel = _compile_or_skip(d, causal, pingpong, has_lb, has_sink)
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d" in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
@@ -231,13 +336,13 @@ def _rel_rms(a, b):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["bshd_causal_gqa_d64", "bhsd_views_d128", "sbhd_causal_d128", "sink_falls_back",
-                                  "window_falls_back"])
+@pytest.mark.parametrize("case", ["bshd_causal_gqa_d64", "bhsd_views_d128", "sbhd_causal_d128", "sink_causal_d128",
+                                  "bshd_sink_gqa_d64", "window_causal_gqa_d64", "bshd_window_sink_d128"])
 def test_the_backends_fp8_path_runs_the_gluon_forward(monkeypatch, case):
     """Through the public API on the triton backend's FP8 data path (a large problem's, forced here): the Gluon
     forward runs where it takes the call, and O, the stats the backward reads and the gradients agree with the
     Triton forward's (MXATTN_GLUON_FWD=0's path): O within one bf16 ulp in >= 99.9% of elements, gradients to
-    rel-RMS 2e-4. Calls it does not take (sinks, windows) run the Triton forward."""
+    rel-RMS 2e-4; also with attention sinks (learnable softmax offsets) and sliding windows."""
     if not _is_hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
     import mxattn
@@ -257,12 +362,13 @@ def test_the_backends_fp8_path_runs_the_gluon_forward(monkeypatch, case):
     base = [torch.randn(*shapes(h), device="cuda", generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv)]
     if fmt == "bhsd":  # bhsd views of bshd projections, as models hand them to torch SDPA
         base = [t.transpose(1, 2) for t in base]
-    kwargs = dict(qkv_format=fmt, attn_mask_type="causal" if "causal" in case or "falls" in case else "no_mask",
+    kwargs = dict(qkv_format=fmt, attn_mask_type="causal" if "causal" in case or "window" in case else "no_mask",
                   backend="triton")
-    if case == "sink_falls_back":
-        kwargs.update(softmax_type="learnable", softmax_offset=torch.full((hq,), 0.5, device="cuda"))
-    if case == "window_falls_back":
-        kwargs.update(window_size=(128, 0))
+    if "sink" in case:
+        kwargs.update(softmax_type="learnable",
+                      softmax_offset=torch.linspace(-4.0, 3.0, hq, device="cuda"))
+    if "window" in case:
+        kwargs.update(window_size=(200 if d == 64 else 77, 0))
     do = torch.randn_like(base[0])  # O's layout: q's
 
     def run(gluon_on):
@@ -277,7 +383,7 @@ def test_the_backends_fp8_path_runs_the_gluon_forward(monkeypatch, case):
 
     n_on, o, *grads = run(True)
     n_off, o_ref, *grads_ref = run(False)
-    assert n_off == 0 and n_on == (0 if "falls_back" in case else 1)
+    assert n_off == 0 and n_on == 1
     ulps = (_ordered_bf16(o) - _ordered_bf16(o_ref)).abs()
     assert (ulps <= 1).float().mean().item() >= 0.999, f"max {ulps.max().item()} ulps"
     for a, b in zip(grads, grads_ref):

@@ -430,11 +430,11 @@ def _fake_gluon(monkeypatch):
 
 
 @pytest.mark.parametrize("case, gluon_runs", [
-    ("causal_gqa_d64", True), ("no_mask_d128", True), ("sink", False), ("window", False), ("fp16_out", False),
+    ("causal_gqa_d64", True), ("no_mask_d128", True), ("sink", True), ("window", True), ("fp16_out", False),
     ("head_dim_96", False), ("padded_varlen", False), ("floor_recipe", False), ("bf16_scratch_path", False)])
 def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkeypatch, request, case, gluon_runs):
     """On the FP8 data path (large problems, D > 128) the forward kernel is the Gluon warp-specialised one where
-    it takes the call (default recipe, dense, no sink or window, D 64/128, bf16 O), else the Triton forward; the
+    it takes the call (default recipe, dense, sinks and windows included, D 64/128, bf16 O), else the Triton forward; the
     bf16-scratch path keeps the Triton forward (never asks the Gluon module). The numbers are compared on the GPU
     (tests/triton/test_gluon_fwd_gpu.py)."""
     import mxattn
@@ -466,6 +466,11 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
         (kw,) = calls
         assert kw["out"].data_ptr() == o.data_ptr() and kw["softmax_scale"] == pytest.approx(d ** -0.5)
         assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
+        assert kw["left_bound"] == (65 if case == "window" else None)  # TE's window (64, 0): left_bound 65
+        if case == "sink":
+            assert kw["sink"].dtype == torch.float32 and kw["sink"].is_contiguous() and kw["sink"].shape == (4,)
+        else:
+            assert kw["sink"] is None
 
 
 def test_the_gluon_forward_is_used_on_sm90_only(monkeypatch):
@@ -485,6 +490,33 @@ def test_the_gluon_forward_is_used_on_sm90_only(monkeypatch):
     assert asked == [0, 1, 2]
     monkeypatch.setattr(backend_module, "GLUON_FORWARD", False)
     assert backend_module._gluon_forward(torch.device("cuda", 0)) is None
+
+
+def test_gluon_takes_sinks_and_windows_and_refuses_the_rest():
+    """`unsupported_reason` takes attention sinks and left bounds (sliding windows), alone or together, with or
+    without a right bound, and still refuses varlen / bottom_right, other recipes, bf16 K/V, head dims other than
+    64/128, non-bf16 O and a V that is not SeqMajorColumns."""
+    from mxattn.kernels.gluon_attention_fwd import unsupported_reason
+    from mxattn.kernels.recipe_flags import KernelRecipe
+    from mxattn.kernels.triton_quantize import SeqMajorColumns
+    f8 = torch.float8_e4m3fn
+    q = torch.zeros(1, 2, 128, 64, dtype=f8)
+    ks = torch.zeros(1, 2, 128, 2, dtype=torch.uint8)
+    v = SeqMajorColumns(torch.zeros(1, 2, 64, 128, dtype=f8), torch.zeros(1, 2, 4, 64, dtype=torch.uint8))
+    k = torch.zeros(1, 2, 128, 64, dtype=f8)
+    sink = torch.zeros(2)
+    for extra in (dict(sink=sink), dict(left_bound=1), dict(left_bound=300), dict(left_bound=64, sink=sink)):
+        assert unsupported_reason(q, ks, v, **extra) is None, extra
+        assert unsupported_reason(q, ks, v, k_data=k, **extra) is None, extra
+    refused = [(dict(seq=object()), "dense batches"), (dict(bottom_right=True), "dense batches"),
+               (dict(flags=KernelRecipe(p_mode=2)), "default recipe"),
+               (dict(out=torch.zeros(1, 2, 128, 64, dtype=torch.float16)), "bf16 O")]
+    for extra, match in refused:
+        assert match in unsupported_reason(q, ks, v, left_bound=64, sink=sink, **extra), extra
+    assert "bf16 dequantizations" in unsupported_reason(q, None, v, left_bound=64, sink=sink)
+    assert "SeqMajorColumns" in unsupported_reason(q, ks, v.data, left_bound=64, sink=sink)
+    q96 = torch.zeros(1, 2, 128, 96, dtype=f8)
+    assert "head dims" in unsupported_reason(q96, ks, v, left_bound=64, sink=sink)
 
 
 def test_gluon_refusals_name_what_tma_cannot_address():
