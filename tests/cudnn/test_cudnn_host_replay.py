@@ -210,19 +210,63 @@ def test_new_signatures_are_checked_and_recorded_on_their_own(fused_on_cpu, monk
         assert str(replayed.value) == str(plain.value)
 
 
+#: (kind, op bodies replayed) -> (the op plans holding a recorded graph execution, the quantizer's own plans) after
+#: four calls: K and V unbound from one fused KV tensor are not dense, so the forward body copies them (torch
+#: work: refused) and the quantizer's plan serves it, while the backward body replays; a padded batch's bodies
+#: mask with torch (both refused); dense K and V ("dense_kv") let both bodies replay (the backward keyed on its
+#: forward's plan, "bwd after"; the dO quantizer's plan recorded on call 2 before the ops' plans took over)
+_REPLAYED_PLANS = {("dense", False): ([], 2), ("padded", False): ([], 2), ("gqa", False): ([], 2),
+                   ("dense_kv", False): ([], 2), ("dense", True): (["bwd"], 1), ("padded", True): ([], 2),
+                   ("gqa", True): (["bwd"], 1), ("dense_kv", True): (["bwd after", "fwd"], 1)}
+
+
+def _replayed_plans(op_plan_cache, quant_plan_cache):
+    """(sorted kinds of the op plans that hold host calls, the count of recorded quantizer plans)."""
+    host = sorted(key[0][0] for key, p in op_plan_cache._plans.items()
+                  if isinstance(p, launch_plan.LaunchPlan) and p._host_calls)
+    return host, sum(isinstance(p, launch_plan.LaunchPlan) for p in quant_plan_cache._plans.values())
+
+
+def _kind_inputs(kind: str):
+    """`_inputs`, with "dense_kv": the dense batch's K and V made tensors of their own."""
+    q, k, v, do, kw = _inputs("dense" if kind == "dense_kv" else kind)
+    return (q, k.contiguous(), v.contiguous(), do, kw) if kind == "dense_kv" else (q, k, v, do, kw)
+
+
+@pytest.mark.parametrize("op_replays", [False, True], ids=["quantizer_plans", "op_bodies"])
+@pytest.mark.parametrize("kind", ["dense", "padded", "gqa", "dense_kv"])
+def test_which_plans_replay_the_cudnn_calls(kind, op_replays, fused_on_cpu, monkeypatch):
+    """On the CPU (fused quantizer stubbed): which plans replay four calls of one signature
+    (`_REPLAYED_PLANS`, the expectations the GPU test below checks with the real quantizer)."""
+    packs, _ = fused_on_cpu
+    monkeypatch.setattr(op_plans, "PLANS", launch_plan.PlanCache(max_entries=512, min_replays=16))
+    monkeypatch.setitem(op_plans._REPLAYS, "cudnn", op_replays)
+    q, k, v, do, kw = _kind_inputs(kind)
+    for _ in range(4):
+        _call(q, k, v, do, kw, packs)
+    assert _replayed_plans(op_plans.PLANS, cb._QUANT_PLANS) == _REPLAYED_PLANS[kind, op_replays]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["dense", "padded", "gqa"])
-def test_replayed_fused_quantizer_on_the_gpu_sends_the_torch_path_bytes(kind, captured_packs, monkeypatch):
+@pytest.mark.parametrize("op_replays", [False, True], ids=["quantizer_plans", "op_bodies"])
+@pytest.mark.parametrize("kind", ["dense", "padded", "gqa", "dense_kv"])
+def test_replayed_fused_quantizer_on_the_gpu_sends_the_torch_path_bytes(kind, op_replays, captured_packs,
+                                                                        monkeypatch):
     """On a CUDA GPU (any: the graphs are neither planned nor executed), the real fused quantizer: calls 1
     (plain), 2 (recorded) and 3-4 (replayed by launch plans) send cuDNN the bytes of the torch-op quantizer in
-    every input slot, and the same slot geometry as the first call."""
+    every input slot, and the same slot geometry as the first call. Replayed by the quantizer's own plans (op
+    bodies not replayed) or by the ops' plans, where the graph execution is a recorded host call whose pack is
+    rebuilt on the call's tensors (`_REPLAYED_PLANS` says which)."""
     if cb._fused_quantizer() is None:
         pytest.skip("Triton cannot be imported here")
     monkeypatch.setattr(cb, "_QUANT_PLANS", launch_plan.PlanCache(min_replays=16))
-    q, k, v, do, kw = (x.cuda() if isinstance(x, torch.Tensor) else x for x in _inputs(kind))
+    monkeypatch.setattr(op_plans, "PLANS", launch_plan.PlanCache(max_entries=512, min_replays=16))
+    monkeypatch.setitem(op_plans._REPLAYS, "cudnn", op_replays)
+    q, k, v, do, kw = (x.cuda() if isinstance(x, torch.Tensor) else x for x in _kind_inputs(kind))
     kw = {n: x.cuda() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
     calls = [_call(q, k, v, do, kw, captured_packs) for _ in range(4)]
-    assert sum(isinstance(p, launch_plan.LaunchPlan) for p in cb._QUANT_PLANS._plans.values()) == 2
+    assert _replayed_plans(op_plans.PLANS, cb._QUANT_PLANS) == _REPLAYED_PLANS[kind, op_replays]
+    monkeypatch.setitem(op_plans._REPLAYS, "cudnn", False)
     with monkeypatch.context() as m:
         m.setattr(cb, "_quantizer_for", lambda x: None)
         torch_ops = _call(q, k, v, do, kw, captured_packs)
