@@ -262,9 +262,15 @@ def test_replayed_fused_quantizer_on_the_gpu_sends_the_torch_path_bytes(kind, op
     monkeypatch.setattr(cb, "_QUANT_PLANS", launch_plan.PlanCache(min_replays=16))
     monkeypatch.setattr(op_plans, "PLANS", launch_plan.PlanCache(max_entries=512, min_replays=16))
     monkeypatch.setitem(op_plans._REPLAYS, "cudnn", op_replays)
-    q, k, v, do, kw = (x.cuda() if isinstance(x, torch.Tensor) else x for x in _kind_inputs(kind))
+    q, k, v, do, kw = _kind_inputs(kind)
+    q, do = q.cuda(), do.cuda()
+    if kind == "dense_kv":
+        k, v = k.cuda(), v.cuda()
+    else:  # K and V unbound from one CUDA tensor, as on the CPU (`.cuda()` of a view would copy it densely)
+        k, v = torch.stack((k, v), dim=2).cuda().unbind(2)
     kw = {n: x.cuda() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
     calls = [_call(q, k, v, do, kw, captured_packs) for _ in range(4)]
+    assert not k.is_contiguous() or kind == "dense_kv"
     assert _replayed_plans(op_plans.PLANS, cb._QUANT_PLANS) == _REPLAYED_PLANS[kind, op_replays]
     monkeypatch.setitem(op_plans._REPLAYS, "cudnn", False)
     with monkeypatch.context() as m:
