@@ -11,7 +11,12 @@ Kernel time only (operands quantized once, outside the timing), triton.testing.d
 from the kept (i, j) pairs, and the ratios of every kernel to sdpa_cudnn and of gluon to the two Triton paths.
 Before timing, each config checks the Gluon output against triton_fp8's (share within one bf16 ulp).
 
-Usage: python benchmarks/gluon_fwd_bench.py [--config name:B:Hq:Hkv:S:D:causal ...] [--json FILE]
+--window W (a sliding window: keys kept where col > row - W) and --sink (fp32 sink logits per query head, drawn
+from N(0, 1)) time the Gluon forward's window and sink variants against the Triton forward on the same operands
+(torch SDPA takes neither: its rows are left out, and TFLOP/s count the window's kept pairs).
+
+Usage: python benchmarks/gluon_fwd_bench.py [--config name:B:Hq:Hkv:S:D:causal ...] [--window W] [--sink]
+[--json FILE]
 """
 
 import argparse
@@ -38,7 +43,12 @@ def _ordered_bf16(x):
     return torch.where(i < 0, -(i & 0x7FFF), i)
 
 
-def bench_config(name, B, HQ, HKV, S, D, causal):
+def window_pairs(s: int, causal: bool, window: int) -> int:
+    """(query, key) pairs kept at s x s with keys col > row - window, and col <= row when causal."""
+    return sum((i + 1 if causal else s) - max(0, i - window + 1) for i in range(s))
+
+
+def bench_config(name, B, HQ, HKV, S, D, causal, window=None, sink=False):
     from mxattn.bench import _sdpa_runner, kept_pairs
     from mxattn.kernels import gluon_attention_fwd as gf, triton_attention_fwd as tf
     from mxattn.kernels.triton_quantize import quantize_qkv
@@ -48,7 +58,8 @@ def bench_config(name, B, HQ, HKV, S, D, causal):
     qq, kq, vq = quantize_qkv(q, k, v, dict(col=False), dict(col=False), dict(row=False, col_seq_major=True))
     _, kb, vb = quantize_qkv(q, k, v, dict(col=False), dict(col=False, row_dequant=True),
                              dict(row=True, col=True, col_dequant=True))
-    kw = dict(softmax_scale=1.0 / math.sqrt(D), offset=0, left_bound=None, right_bound=0 if causal else None)
+    kw = dict(softmax_scale=1.0 / math.sqrt(D), offset=0, left_bound=window, right_bound=0 if causal else None,
+              sink=torch.randn(HQ, device="cuda", generator=g) if sink else None)
     out = torch.empty(B, HQ, S, D, device="cuda", dtype=torch.bfloat16)
     stats = torch.empty(B, HQ, S, 1, device="cuda", dtype=torch.float32)
     fp8 = (qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col_seq_major)
@@ -60,7 +71,7 @@ def bench_config(name, B, HQ, HKV, S, D, causal):
                                                   out=out, stats=stats, **kw),
     }
     notes = []
-    for kind in ("cudnn", "flash"):
+    for kind in (() if window is not None or sink else ("cudnn", "flash")):
         got, note = _sdpa_runner(kind, q, k, v, causal, HQ != HKV)
         if note:
             notes.append(note)
@@ -74,8 +85,9 @@ def bench_config(name, B, HQ, HKV, S, D, causal):
     ulps = (_ordered_bf16(out) - _ordered_bf16(o_ref)).abs()
     check = dict(within_1ulp=(ulps <= 1).float().mean().item(), max_ulps=int(ulps.max().item()),
                  stats_max_abs=(stats - s_ref).abs().nan_to_num(0).max().item())
-    flops = 4.0 * B * HQ * D * kept_pairs(S, S, causal)
-    res = {"config": name, "check": check, "notes": notes}
+    pairs = kept_pairs(S, S, causal) if window is None else window_pairs(S, causal, window)
+    flops = 4.0 * B * HQ * D * pairs
+    res = {"config": name, "window": window, "sink": sink, "check": check, "notes": notes}
     for key, fn in runs.items():
         ms = triton.testing.do_bench(fn, warmup=25, rep=200)
         res[f"{key}_ms"] = ms
@@ -93,15 +105,17 @@ def main():
     from mxattn.bench import DEFAULT_CONFIGS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", action="append", type=_parse, help="name:B:Hq:Hkv:S:D:causal(0/1); repeatable")
+    ap.add_argument("--window", type=int, default=None, help="sliding window: keys kept where col > row - W")
+    ap.add_argument("--sink", action="store_true", help="fp32 sink logits per query head")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     results = []
     for cfg in args.config or DEFAULT_CONFIGS:
-        r = bench_config(*cfg)
+        r = bench_config(*cfg, window=args.window, sink=args.sink)
         results.append(r)
         c = r["check"]
-        print(f"\n{r['config']}: O within 1 ulp of triton_fp8 {c['within_1ulp']:.5f} (max {c['max_ulps']} ulps), "
+        print(f"\n{r['config']}{'' if args.window is None else f' window {args.window}'}{' sink' if args.sink else ''}: O within 1 ulp of triton_fp8 {c['within_1ulp']:.5f} (max {c['max_ulps']} ulps), "
               f"stats max abs diff {c['stats_max_abs']:.2e} {'; '.join(r['notes'])}")
         for key in ("gluon", "gluon_nopp", "triton_fp8", "triton_bf16kv", "sdpa_cudnn", "sdpa_flash"):
             if f"{key}_ms" in r:
