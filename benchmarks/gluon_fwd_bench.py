@@ -43,11 +43,6 @@ def _ordered_bf16(x):
     return torch.where(i < 0, -(i & 0x7FFF), i)
 
 
-def window_pairs(s: int, causal: bool, window: int) -> int:
-    """(query, key) pairs kept at s x s with keys col > row - window, and col <= row when causal."""
-    return sum((i + 1 if causal else s) - max(0, i - window + 1) for i in range(s))
-
-
 def bench_config(name, B, HQ, HKV, S, D, causal, window=None, sink=False):
     from mxattn.bench import _sdpa_runner, kept_pairs
     from mxattn.kernels import gluon_attention_fwd as gf, triton_attention_fwd as tf
@@ -85,8 +80,7 @@ def bench_config(name, B, HQ, HKV, S, D, causal, window=None, sink=False):
     ulps = (_ordered_bf16(out) - _ordered_bf16(o_ref)).abs()
     check = dict(within_1ulp=(ulps <= 1).float().mean().item(), max_ulps=int(ulps.max().item()),
                  stats_max_abs=(stats - s_ref).abs().nan_to_num(0).max().item())
-    pairs = kept_pairs(S, S, causal) if window is None else window_pairs(S, causal, window)
-    flops = 4.0 * B * HQ * D * pairs
+    flops = 4.0 * B * HQ * D * kept_pairs(S, S, causal, window)
     res = {"config": name, "window": window, "sink": sink, "check": check, "notes": notes}
     for key, fn in runs.items():
         ms = triton.testing.do_bench(fn, warmup=25, rep=200)

@@ -101,12 +101,14 @@ def kept_bytes(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     return int(sum(seen.values()))
 
 
-def kept_pairs(s_q: int, s_kv: int, causal: bool) -> int:
-    """Number of (i, j) pairs the mask keeps (top-left causal or none)."""
-    if not causal:
+def kept_pairs(s_q: int, s_kv: int, causal: bool, window: Optional[int] = None) -> int:
+    """Number of (i, j) pairs the mask keeps (top-left causal or none; window: also keys j > i - window only)."""
+    if not causal and window is None:
         return s_q * s_kv
     i = torch.arange(s_q, dtype=torch.int64)
-    return int(torch.clamp(torch.minimum(i + 1, torch.tensor(s_kv)), min=0).sum())
+    hi = torch.minimum(i + 1, torch.tensor(s_kv)) if causal else torch.full_like(i, s_kv)
+    lo = torch.zeros_like(i) if window is None else torch.clamp(i - window + 1, min=0)
+    return int(torch.clamp(hi - lo, min=0).sum())
 
 
 def _sdpa_runner(kind: str, q, k, v, causal: bool, gqa: bool):

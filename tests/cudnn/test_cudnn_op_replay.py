@@ -17,7 +17,7 @@ from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
 from mxattn.cudnn_graphs import BwdUid, FwdUid  # noqa: E402
 from mxattn.kernels import host_calls, launch_plan  # noqa: E402
 from cudnn_fixtures import captured_packs  # noqa: E402,F401
-from test_cudnn_host_replay import _inputs, _same_pack, fused_on_cpu  # noqa: E402,F401
+from test_cudnn_host_replay import _dense_inputs, _inputs, _same_pack, fused_on_cpu  # noqa: E402,F401
 
 import mxattn  # noqa: E402
 
@@ -30,13 +30,6 @@ def _run(q, k, v, do, kw, packs):
     o.backward(do)
     assert [kind for kind, _, _ in packs] == ["forward", "backward"]
     return packs[0][2], packs[1][2], o, do
-
-
-def _dense_inputs(kind: str):
-    """`_inputs` with K and V made dense tensors of their own (unbound views of a fused KV tensor are copied
-    to a layout cuDNN takes: a body that computes, refused by the recorder)."""
-    q, k, v, do, kw = _inputs(kind)
-    return q, k.contiguous(), v.contiguous(), do, kw
 
 
 def _op_plans():

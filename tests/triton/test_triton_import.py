@@ -67,6 +67,9 @@ def test_bench_helpers_and_markdown(tmp_path):
     assert bench.gpu_dir_name("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert bench.kept_pairs(4, 4, False) == 16
     assert bench.kept_pairs(4, 4, True) == 10
+    # a sliding window (keys j > i - window): rows keep 1, 2, 2, 2 causal; 4, 4, 3, 2 without causal
+    assert bench.kept_pairs(4, 4, True, 2) == 7 and bench.kept_pairs(4, 4, False, 2) == 13
+    assert bench.kept_pairs(4, 4, True, 100) == 10
     cfg = {"config": "c", "triton_fwd_ms": 2.0, "triton_fwd_kernel_ms": 1.5, "triton_bwd_ms": 4.0,
            "triton_fwdbwd_ms": 6.0, "sdpa_cudnn_fwd_ms": 1.0, "sdpa_cudnn_bwd_ms": 2.0,
            "sdpa_cudnn_fwdbwd_ms": 3.0, "ratio_fwd_vs_cudnn": 0.5, "ratio_bwd_vs_cudnn": 0.5,
