@@ -53,18 +53,20 @@ from .gluon_attention_fwd import _chunk_layouts, _dequant3, _round_p_to_bf16
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from .triton_launch import cdiv, launch
 
-#: key rows of one CTA (the Triton dK/dV kernel's BN in mode "pre": the same grid) and query rows of one streamed
-#: block (a multiple of 32: whole qdq blocks of dS)
+#: key rows of one CTA (the Triton dK/dV kernel's BN in mode "pre": the same grid)
 BLOCK_N = 128
-BLOCK_M = 64
+#: query rows of one streamed block by head dim (a multiple of 32: whole qdq blocks of dS). Each thread of a
+#: consumer holds BLOCK_M / 4 columns of S^T / dP^T and their LSE / delta values next to dK and dV (D / 2 fp32
+#: registers each): at D128 64-row blocks spilled (offline sm_90a build), 32-row blocks do not
+BLOCK_M = {64: 64, 128: 32}
 PARTITION_WARPS = 4
 #: setmaxnreg of the second consumer warpgroup and of the producer; the default partition (first consumer) gets
 #: what is left of 504 per thread
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
-#: stages of the query-side ring by head dim: a stage holds four bf16 [64, D] tiles (D128: 64 KiB, D64: 32 KiB)
-#: next to the CTA's bf16 K and V (D128: 64 KiB, D64: 32 KiB)
-STAGES = {64: 4, 128: 2}
+#: stages of the query-side ring by head dim: a stage holds four bf16 [BLOCK_M, D] tiles (32 KiB at D128 and
+#: D64) next to the CTA's bf16 K and V (D128: 64 KiB, D64: 32 KiB)
+STAGES = {64: 4, 128: 4}
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 LOG2E = 1.4426950408889634
@@ -91,14 +93,13 @@ def _qdq_cols32(x, blk, BM: gl.constexpr):
     blk [1, BM] int32, each column's block index (col // 32) in x's layout -> bf16 tile in x's layout. Each
     block's max is a masked row max (no reshape of the wgmma accumulator layout); the scales are kept per row
     and block (exponents), and chosen per element where they are applied (no full tile of factors)."""
-    gl.static_assert(BM == 64, "two qdq blocks per query block")
-    a0 = gl.max(gl.where(blk == 0, x.to(gl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
-    a1 = gl.max(gl.where(blk == 1, x.to(gl.int32, bitcast=True) & 0x7FFFFFFF, 0), axis=1)
-    e = gl.where(blk == 0, gl.expand_dims(_scale_exponent(a0), 1), gl.expand_dims(_scale_exponent(a1), 1))
+    R: gl.constexpr = x.shape[0]
+    x3 = gl.reshape(x, [R, BM // 32, 32])
+    e = gl.expand_dims(_scale_exponent(gl.max(x3.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)), 2)
     inv = gl.where(e >= 254, 0x400000, (254 - e) << 23).to(gl.float32, bitcast=True)  # 2^(127 - e)
-    q = (x * inv).to(gl.float8e4nv)
+    q = (x3 * inv).to(gl.float8e4nv)
     pw = gl.where(e == 0, 0x400000, e << 23).to(gl.float32, bitcast=True)  # 2^(e - 127)
-    return (q.to(gl.float32) * pw).to(gl.bfloat16)
+    return gl.reshape((q.to(gl.float32) * pw).to(gl.bfloat16), [R, BM])
 
 
 @gluon.jit
@@ -197,8 +198,8 @@ def _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
     mbarrier.wait(ready.index(s), (t // NS) & 1)
     q_t = qr.index(s).reshape([BM, D]).permute((1, 0))
     do_t = dor.index(s).reshape([BM, D]).permute((1, 0))
-    s_tok = warpgroup_mma(kw, q_t, s_zero, use_acc=False, is_async=True)
-    dp_tok = warpgroup_mma(vw, do_t, s_zero, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(kw, q_t, gl.zeros_like(s_zero), use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(vw, do_t, gl.zeros_like(s_zero), use_acc=False, is_async=True)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
     p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))  # P^T [keys, queries]
     if MASK:
@@ -341,7 +342,7 @@ def _gluon_dkdv_kernel(
 @functools.lru_cache(maxsize=None)
 def tma_layout(d: int):
     """Shared layout of the bf16 scratch tiles' TMA descriptors at head dim d (block [1, 1, BLOCK_M, d])."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, d], gl.bfloat16)
+    return gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M[d], d], gl.bfloat16)
 
 
 def _scratch_ok(t) -> bool:
@@ -420,7 +421,7 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
     if ns < 1:
         raise ValueError(f"stages must be >= 1, got {ns}")
     layout = tma_layout(D)
-    descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M, D], layout)
+    descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M[D], D], layout)
              for t in (q_r, q_c, do_r, do_c)]
     has_rb = right_bound is not None
     grid = (cdiv(SKV, BLOCK_N), B * HKV)
@@ -431,7 +432,7 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
         *stats.stride()[:3], delta.stride(0), delta.stride(1), *dk.stride()[:3], *dv.stride()[:3],
         HKV, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, float(softmax_scale), int(offset),
         int(right_bound) if has_rb else 0,
-        HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS,
+        HAS_RB=has_rb, BM=BLOCK_M[D], BN=BLOCK_N, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=PARTITION_WARPS)
 
 
@@ -442,7 +443,7 @@ DIVISIBLE_INTS = ("skb", "skh", "sks", "sksb", "sksh", "svb", "svh", "svs", "svs
 
 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
-                 dk_dtype: str = "bf16"):
+                 dk_dtype: str = "bf16", unit_stats: bool = True):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
     `gluon_attention_fwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
     call)."""
@@ -451,12 +452,14 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
     fn = _gluon_dkdv_kernel
     ns = stages if stages is not None else STAGES[d]
     layout = tma_layout(d)
-    desc = f"tensordesc<bf16[1, 1, {BLOCK_M}, {d}],{layout!r}>"
+    desc = f"tensordesc<bf16[1, 1, {BLOCK_M[d]}, {d}],{layout!r}>"
     types = dict(qr_desc=desc, qc_desc=desc, dor_desc=desc, doc_desc=desc, K="*fp8e4nv", KS="*u8", V="*fp8e4nv",
                  VS="*u8", LSE="*fp32", DELTA="*fp32", DK=f"*{dk_dtype}", DV=f"*{dk_dtype}", qk_scale="fp32",
                  sm_scale="fp32")
-    constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=d, NS=ns, CONSUMER_REGS=regs[0],
+    constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M[d], BN=BLOCK_N, D=d, NS=ns, CONSUMER_REGS=regs[0],
                       PRODUCER_REGS=regs[1])
+    if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
+        constexprs["sls"] = 1
     names = fn.arg_names
     signature = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     divisible = [n for n, t in signature.items() if t.startswith("*")] + list(DIVISIBLE_INTS)
