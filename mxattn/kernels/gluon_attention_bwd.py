@@ -17,10 +17,10 @@ read as +inf), masked to 0 outside the band / past the sequences; dV += E4M3(P^T
 round_p_to_bf16, equal to the Triton kernel's `.to(float8e4nv).to(bfloat16)` on [0, 448]); dP^T = V dO^T;
 dS^T = P^T * (dP^T - delta) * sm_scale; dS quantize-dequantized along s_q in blocks of 32 (qdq_rows on the
 [keys, queries] tile: int max of |bits|, the round-up scale rule, E4M3 RNE, back to bf16); dK += dS_c^T Q_col;
-dV stored times 1/256. The query blocks here have BLOCK_M = 64 rows, the Triton kernel's 32: the qdq blocks are
-the same (32-aligned), and both GEMM chains add k16 slices of queries in ascending order into the same fp32
-accumulator, so dK and dV should agree bit for bit up to the tensor cores' internal sum order (tested on the GPU
-in tests/triton/test_gluon_bwd_gpu.py: within one bf16 ulp).
+dV stored times 1/256. The query blocks here have BLOCK_M[D] rows (64 at D64, 32 at D128; the Triton kernel's
+are 32): the qdq blocks are the same (32-aligned), and both GEMM chains add k16 slices of queries in ascending
+order into the same fp32 accumulator, so dK and dV should agree bit for bit up to the tensor cores' internal sum
+order (tested on the GPU in tests/triton/test_gluon_bwd_gpu.py: bit-equal in >= 99%, within one bf16 ulp).
 
 Structure (FlashAttention-3's backward without its dQ): a CTA owns BLOCK_N = 128 key rows of one (batch, KV
 head); three partitions of one warpgroup each (`gl.warp_specialize`, setmaxnreg CONSUMER_REGS / PRODUCER_REGS,
@@ -28,10 +28,12 @@ the default partition what is left):
 
 * two consumer warpgroups (the default partition and a worker), 64 key rows each: their K and V rows
   dequantized into the CTA's bf16 K / V tiles in shared memory (the wgmma A operands), then per streamed query
-  block: wait "ready", issue S^T and dP^T (async, A from shared memory), load LSE / delta under them, P^T, the
-  dV GEMM (A = rounded P^T from registers), dS^T and its qdq, the dK GEMM (A from registers), wait, release the
-  stage ("empty", one arrival per warpgroup). dK, dV stay in registers; the epilogue stores them.
-* the producer warpgroup (few registers): for t = 0, 1, ... over (query head of the group, query block) in the
+  block: LSE loaded, wait "ready", issue S^T and dP^T (async, A from shared memory, m64 n=BLOCK_M), P^T, the dV
+  GEMM (A = rounded P^T from registers, n = D), wait for dP^T and dV (the rounded P^T's registers free), delta
+  loaded, dS^T and its qdq, the dK GEMM (A from registers), wait, release the stage ("empty", one arrival per
+  warpgroup). dK and dV stay in registers (D / 2 fp32 registers per thread each); the epilogue stores them.
+  Registers per consumer thread: 240 (setmaxnreg), no spills at D64 / D128 in the offline sm_90a build.
+* the producer warpgroup (24 registers): for t = 0, 1, ... over (query head of the group, query block) in the
   consumers' order, waits "empty" of stage t % NS and TMA-loads the four bf16 tiles [BLOCK_M, D] (4-D
   descriptors: rows past SQ read as zeros) with one expect-tx "ready" arrival.
 
