@@ -231,8 +231,8 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready,
               HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
               WG: gl.constexpr):
-    """Consumer warpgroup WG: key rows [tile * BN + 64 WG, + 64) of the CTA. K, V dequantized into its rows of
-    the shared K / V tiles, then the query blocks of every query head of the group (`_q_step`), dK and dV
+    """Consumer warpgroup WG: key rows [tile * BN + 64 WG, + 64) of the CTA. K, V dequantized into its own
+    shared K / V tiles (kb / vb index WG), then the query blocks of every query head of the group (`_q_step`), dK and dV
     accumulated in registers and stored at the end."""
     nw: gl.constexpr = gl.num_warps()
     BNW: gl.constexpr = BN // 2
@@ -251,8 +251,8 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready,
     n0 = n_cta + WG * BNW
     b64 = b.to(gl.int64)
     hk64 = hk.to(gl.int64)
-    kw = kb.slice(WG * BNW, BNW, dim=0)
-    vw = vb.slice(WG * BNW, BNW, dim=0)
+    kw = kb.index(WG)
+    vw = vb.index(WG)
     _load_kv_rows(K, KS, kw, b64 * skb + hk64 * skh, b64 * sksb + hk64 * sksh, sks, skss, n0, SKV, BNW, D, nw)
     _load_kv_rows(V, VS, vw, b64 * svb + hk64 * svh, b64 * svsb + hk64 * svsh, svs, svss, n0, SKV, BNW, D, nw)
     fence_async_shared()  # the generic-proxy stores before this warpgroup's wgmma (async proxy) reads
@@ -308,9 +308,10 @@ def _gluon_dkdv_kernel(
     [1, 1, BM, D]); K, V [B, HKV, SKV, D] e4m3 row-wise with scales KS, VS [B, HKV, SKV, D/32] u8; LSE
     [B, Hc, SQ, 1] fp32 (natural log), DELTA [B, Hc, SQ] fp32; DK, DV [B, HKV, SKV, D]. HAS_RB: causal-style
     band (keys kept where key <= query + offset + RB)."""
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
-    kb = gl.allocate_shared_memory(gl.bfloat16, [BN, D], kv_layout)
-    vb = gl.allocate_shared_memory(gl.bfloat16, [BN, D], kv_layout)
+    # K and V as two [BN / 2, D] tiles each, one per consumer warpgroup (indexed like ring stages, not row-sliced)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN // 2, D], gl.bfloat16)
+    kb = gl.allocate_shared_memory(gl.bfloat16, [2, BN // 2, D], kv_layout)
+    vb = gl.allocate_shared_memory(gl.bfloat16, [2, BN // 2, D], kv_layout)
     qr = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BM, D], qr_desc.layout)
     qc = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BM, D], qc_desc.layout)
     dor = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BM, D], dor_desc.layout)
