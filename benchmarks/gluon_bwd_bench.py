@@ -22,17 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "triton")]
 
 import torch  # noqa: E402
-
-
-def _parse(spec: str):
-    name, *nums = spec.split(":")
-    b, hq, hkv, s, d, causal = (int(x) for x in nums)
-    return name, b, hq, hkv, s, d, bool(causal)
-
-
-def _ordered_bf16(x):
-    i = x.contiguous().view(torch.int16).to(torch.int32)
-    return torch.where(i < 0, -(i & 0x7FFF), i)
+from gluon_fwd_bench import _ordered_bf16, _parse  # noqa: E402
 
 
 def _time(runs: dict, rounds: int, iters: int) -> dict:

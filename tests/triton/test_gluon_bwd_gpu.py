@@ -15,17 +15,13 @@ import math
 import pytest
 import torch
 
+from test_gluon_fwd_gpu import _assert_sm90_build, _ordered_bf16
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _is_hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-def _ordered_bf16(x: torch.Tensor) -> torch.Tensor:
-    """bf16 values as integers ordered like the values (neighbouring bf16 values differ by 1)."""
-    i = x.contiguous().view(torch.int16).to(torch.int32)
-    return torch.where(i < 0, -(i & 0x7FFF), i)
 
 
 def _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, right_bound, g, scale):
@@ -224,23 +220,4 @@ def test_gluon_dkdv_compiles_for_sm90a_without_spills(d, causal):
     """The warp-specialised kernel builds for sm_90a with Triton's ptxas: no local memory (spills), the
     producer/consumer register split (setmaxnreg), wgmma (A from shared memory for S^T / dP^T, from registers for
     dV / dK), 4-D TMA loads, within the H100's shared memory."""
-    import os
-    import subprocess
-    import tempfile
-    import triton
-    kernel = _compile_or_skip(d, causal)
-    ptx = kernel.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d" in ptx
-    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
-    assert kernel.metadata.shared <= 227 * 1024
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", path],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", path], capture_output=True, text=True,
-                              check=True).stdout
-    assert "LOCAL:0" in usage and "STACK:0" in usage, usage
-    assert "STL" not in sass and "LDL" not in sass
+    _assert_sm90_build(_compile_or_skip(d, causal))

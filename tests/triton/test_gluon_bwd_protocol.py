@@ -16,30 +16,16 @@ import random
 
 import pytest
 
+from test_gluon_fwd_protocol import _Bar as _FwdBar
 
-class _Bar:
-    """An mbarrier: `count` arrivals (and every expected transaction) complete a phase."""
 
-    def __init__(self, count):
-        self.count, self.pending, self.phase, self.tx = count, count, 0, 0
-
-    def arrive(self):
-        self.pending -= 1
-        assert self.pending >= 0, "more arrivals than the barrier's count in one phase"
-        self._complete()
+class _Bar(_FwdBar):
+    """The forward's mbarrier model, with the completion of an expected transaction (a TMA copy landing)."""
 
     def complete_tx(self):
         self.tx -= 1
         assert self.tx >= 0
         self._complete()
-
-    def _complete(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phase += 1
-            self.pending = self.count
-
-    def passes(self, parity):
-        return (self.phase & 1) != parity
 
 
 def _cdiv(a, b):
