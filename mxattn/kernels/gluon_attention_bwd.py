@@ -90,11 +90,12 @@ def _scale_exponent(abits):
 
 
 @gluon.jit
-def _qdq_cols32(x, blk, BM: gl.constexpr):
-    """triton_common.qdq_rows on the [keys, queries] tile x (fp32) with blocks of 32 along the queries (axis 1):
-    blk [1, BM] int32, each column's block index (col // 32) in x's layout -> bf16 tile in x's layout. Each
-    block's max is a masked row max (no reshape of the wgmma accumulator layout); the scales are kept per row
-    and block (exponents), and chosen per element where they are applied (no full tile of factors)."""
+def _qdq_cols32(x, BM: gl.constexpr):
+    """triton_common.qdq_rows on the [keys, queries] tile x (fp32, BM queries) with blocks of 32 along the queries
+    (axis 1) -> bf16 tile: the int max of |bits| per block, the round-up scale rule, E4M3 (RNE) and back. The
+    [R, BM / 32, 32] view is a register relabelling of the wgmma accumulator layout (a quad of threads holds a
+    block's 32 columns of a row: two shuffles per max), and so is the conversion of the result to the next
+    GEMM's A operand (no shared memory in the SASS of the loop)."""
     R: gl.constexpr = x.shape[0]
     x3 = gl.reshape(x, [R, BM // 32, 32])
     e = gl.expand_dims(_scale_exponent(gl.max(x3.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)), 2)
@@ -187,7 +188,7 @@ def _load_kv_rows(X, XS, dst, base, sbase, sxs, sxss, n0, SKV, R: gl.constexpr, 
 
 
 @gluon.jit
-def _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0, blk, SQ,
+def _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0, SQ,
             SKV, qk_scale, sm_scale, offset, RB, s_zero, MASK: gl.constexpr, HAS_RB: gl.constexpr,
             BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, a_op: gl.constexpr):
     """The t-th visited query block (rows [m0, m0 + BM) of the head at lse_h / del_h) of a consumer warpgroup:
@@ -216,7 +217,7 @@ def _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
     dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, ))
     delta = gl.load(del_h + cols, mask=c_ok, other=0.0)
     ds = p * (dp - gl.expand_dims(delta, 0)) * sm_scale
-    dsq = gl.convert_layout(_qdq_cols32(ds, blk, BM), a_op)
+    dsq = gl.convert_layout(_qdq_cols32(ds, BM), a_op)
     dk_tok = warpgroup_mma(dsq, qc.index(s).reshape([BM, D]), dk, is_async=True)
     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
     gl.thread_barrier()  # the warpgroup is done with stage s
@@ -260,7 +261,6 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready,
 
     rows_k = n0 + gl.arange(0, BNW, layout=row_s)
     cols0 = gl.arange(0, BM, layout=col_s)
-    blk = gl.expand_dims(cols0 // 32, 0)
     dk = gl.zeros([BNW, D], gl.float32, a_layout)
     dv = gl.zeros([BNW, D], gl.float32, a_layout)
     s_zero = gl.zeros([BNW, BM], gl.float32, s_layout)
@@ -274,15 +274,15 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready,
         del_h = DELTA + b64 * sdelb + hq64 * sdelh
         for m0 in range(lo, mask_hi, BM):
             dk, dv = _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0,
-                             blk, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True, HAS_RB, BM, D, NS, a_op)
+                             SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True, HAS_RB, BM, D, NS, a_op)
             t += 1
         for m0 in range(full_lo, full_hi, BM):
             dk, dv = _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0,
-                             blk, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, False, HAS_RB, BM, D, NS, a_op)
+                             SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, False, HAS_RB, BM, D, NS, a_op)
             t += 1
         for m0 in range(gl.maximum(full_hi, mask_hi), hi, BM):
             dk, dv = _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0,
-                             blk, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True, HAS_RB, BM, D, NS, a_op)
+                             SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True, HAS_RB, BM, D, NS, a_op)
             t += 1
 
     rows = n0 + gl.arange(0, BNW, layout=row_a)

@@ -80,7 +80,8 @@ def _assert_like_triton(x, ref, name):
 
 
 #: (case, Sq, Skv, offset, causal): Sq = Skv, Sq != Skv (bottom-right offset, a negative one leaving the first rows
-#: without keys, keys past the last query), lengths not multiples of 128 (nor of 64 / 32)
+#: without keys, keys past the last query: KV tiles that no query meets), lengths not multiples of 128 (nor of
+#: 64 / 32), fewer queries than one query block (TMA boxes past the tensor's end)
 CASES = [
     ("square_1000", 1000, 1000, 0, False),
     ("square_1000_causal", 1000, 1000, 0, True),
@@ -90,6 +91,8 @@ CASES = [
     ("empty_rows_causal", 600, 500, -150, True),
     ("short_kv", 257, 77, 0, False),
     ("long_kv", 97, 1000, 0, False),
+    ("tiny_q_causal", 20, 300, 0, True),
+    ("tiny_q_tiny_kv", 5, 3, 0, False),
 ]
 
 
