@@ -11,7 +11,8 @@ same: the helper's inlined debug scope adds `$L__tmp` labels at its boundaries, 
 changed the 12th); check every kernel.
 
 --kernels gluon fingerprints the Gluon Hopper forward (`gluon_attention_fwd.compile_sm90`, sm_90a) at head dims
-128 and 64, no mask and causal, then its sink and sliding-window variants (`GLUON_VARIANTS`).
+128 and 64, no mask and causal, then its sink and sliding-window variants (`GLUON_VARIANTS`), then the Gluon
+dK/dV kernel of the "pre" backward (`gluon_attention_bwd.compile_sm90`) at head dims 128 and 64, no mask and causal.
 
 --kernels paged fingerprints the paged KV cache's kernels instead (`paged_builds`: the attention kernel's exact
 and decode data paths in each pass (the decode split passes with STORE_S, and without it as "recompute"), the split combine and the append, at head dims 128 and 64 over bf16 inputs, as
@@ -207,12 +208,23 @@ GLUON_VARIANTS = ((" causal sink", True, False, True), (" window", True, True, F
 def gluon_builds() -> list:
     """[(name, compile thunk)] of the Gluon Hopper forward (`gluon_attention_fwd.compile_sm90`, as its launcher
     specialises a typical call: the default stages and ping-pong) at head dims 128 and 64, no mask and causal;
-    then its variants (`GLUON_VARIANTS`: attention sinks, sliding windows with and without the causal edge)."""
+    then its variants (`GLUON_VARIANTS`: attention sinks, sliding windows with and without the causal edge); then
+    the Gluon dK/dV kernel's builds (`gluon_bwd_builds`)."""
     from mxattn.kernels import gluon_attention_fwd as gf
     return [(f"gluon fwd d{d}{' causal' if causal else ''}", lambda d=d, causal=causal: gf.compile_sm90(d, causal))
             for d in (128, 64) for causal in (False, True)] + \
         [(f"gluon fwd d{d}{suffix}", lambda d=d, rb=rb, lb=lb, sink=sink:
-          gf.compile_sm90(d, rb, has_lb=lb, has_sink=sink)) for d in (128, 64) for suffix, rb, lb, sink in GLUON_VARIANTS]
+          gf.compile_sm90(d, rb, has_lb=lb, has_sink=sink)) for d in (128, 64) for suffix, rb, lb, sink in GLUON_VARIANTS] + \
+        gluon_bwd_builds()
+
+
+def gluon_bwd_builds() -> list:
+    """[(name, compile thunk)] of the Gluon Hopper dK/dV kernel of the "pre" backward
+    (`gluon_attention_bwd.compile_sm90`, as its launcher specialises a typical call) at head dims 128 and 64, no
+    mask and causal (after the forward's lines, which keep their fingerprints)."""
+    from mxattn.kernels import gluon_attention_bwd as gb
+    return [(f"gluon dkdv d{d}{' causal' if causal else ''}", lambda d=d, causal=causal: gb.compile_sm90(d, causal))
+            for d in (128, 64) for causal in (False, True)]
 
 
 def compile_jobs(kernels: str) -> list:

@@ -300,20 +300,13 @@ def _compile_or_skip(d, causal, pingpong, has_lb=False, has_sink=False):
         pytest.skip(f"cannot compile for sm_90a here: {e}")
 
 
-@pytest.mark.parametrize("d,causal,pingpong,has_lb,has_sink", [
-    (64, False, True, False, False), (128, False, True, False, False), (128, True, True, False, False),
-    (128, True, False, False, False), (128, True, True, True, True), (128, False, True, True, False),
-    (64, True, True, True, False)], ids=["d64", "d128", "d128-causal", "d128-causal-free", "d128-window-sink",
-                                         "d128-left", "d64-window"])
-def test_gluon_fwd_compiles_for_sm90a_without_spills(d, causal, pingpong, has_lb, has_sink):
-    """The warp-specialised kernel builds for sm_90a with Triton's ptxas: no local memory (spills), the
-    producer/consumer register split (setmaxnreg), wgmma with A from registers, TMA loads, within the H100's
-    shared memory; also its sliding-window and sink variants."""
+def _assert_sm90_build(kernel):
+    """An sm_90a build (CompiledKernel) of a warp-specialised Gluon kernel: wgmma, 4-D TMA loads and setmaxnreg in
+    its PTX, within the H100's shared memory, and no local memory (spills) in its cubin (Triton's cuobjdump)."""
     import os
     import subprocess
     import tempfile
     import triton
-    kernel = _compile_or_skip(d, causal, pingpong, has_lb, has_sink)
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.4d" in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
@@ -329,6 +322,18 @@ def test_gluon_fwd_compiles_for_sm90a_without_spills(d, causal, pingpong, has_lb
                               check=True).stdout
     assert "LOCAL:0" in usage and "STACK:0" in usage, usage
     assert "STL" not in sass and "LDL" not in sass
+
+
+@pytest.mark.parametrize("d,causal,pingpong,has_lb,has_sink", [
+    (64, False, True, False, False), (128, False, True, False, False), (128, True, True, False, False),
+    (128, True, False, False, False), (128, True, True, True, True), (128, False, True, True, False),
+    (64, True, True, True, False)], ids=["d64", "d128", "d128-causal", "d128-causal-free", "d128-window-sink",
+                                         "d128-left", "d64-window"])
+def test_gluon_fwd_compiles_for_sm90a_without_spills(d, causal, pingpong, has_lb, has_sink):
+    """The warp-specialised kernel builds for sm_90a with Triton's ptxas: no local memory (spills), the
+    producer/consumer register split (setmaxnreg), wgmma with A from registers, TMA loads, within the H100's
+    shared memory; also its sliding-window and sink variants."""
+    _assert_sm90_build(_compile_or_skip(d, causal, pingpong, has_lb, has_sink))
 
 
 def _rel_rms(a, b):

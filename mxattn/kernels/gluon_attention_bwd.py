@@ -1,0 +1,475 @@
+"""Hopper (sm_90a) Gluon dK/dV kernel of the MXFP8 attention backward, warp-specialised, for the bf16-scratch
+data path (mode "pre" of `triton_attention_bwd.attention_bwd`), default recipe only. Not wired into the backend
+yet: `dkdv_gluon` takes what `triton_attention_bwd._launch_dkdv` takes in mode "pre" and writes the same dK, dV.
+
+Scope: dense batches, no mask or a causal-style band (offset, right bound), head dims 64 and 128, MHA and GQA
+(the CTA walks its KV head's group of query heads in order, as the Triton kernel). Sliding windows, varlen,
+sinks and other recipes are refused (`unsupported_reason`).
+
+Inputs (mode "pre"): the query-side operands are the prep pass's bf16 scratch (`bwd_prep`: Q row- and
+column-wise, dO row- and column-wise, each the exact dequantization of its MXFP8 copy, contiguous
+[B, Hc, SQ, D]); K and V are FP8 row-wise (MXFP8Tensor) and are dequantized exactly to bf16 once per CTA
+(`gluon_attention_fwd._dequant3`, triton_common.dequant_rows' arithmetic) into shared memory.
+
+Numerics: per element the operations of `triton_attention_bwd._dkdv_block` (PRE, default recipe), in the same
+order: S^T = K Q^T (bf16 wgmma, fp32), P^T = exp2(S^T * qk_scale - lse * LOG2E) (rows without keys: lse -inf
+read as +inf), masked to 0 outside the band / past the sequences; dV += E4M3(P^T * 256) dO_col (P rounded as
+round_p_to_bf16, equal to the Triton kernel's `.to(float8e4nv).to(bfloat16)` on [0, 448]); dP^T = V dO^T;
+dS^T = P^T * (dP^T - delta) * sm_scale; dS quantize-dequantized along s_q in blocks of 32 (qdq_rows on the
+[keys, queries] tile: int max of |bits|, the round-up scale rule, E4M3 RNE, back to bf16); dK += dS_c^T Q_col;
+dV stored times 1/256. The query blocks here have BLOCK_M[D] rows (64 at D64, 32 at D128; the Triton kernel's
+are 32): the qdq blocks are the same (32-aligned), and both GEMM chains add k16 slices of queries in ascending
+order into the same fp32 accumulator, so dK and dV should agree bit for bit up to the tensor cores' internal sum
+order (tested on the GPU in tests/triton/test_gluon_bwd_gpu.py: bit-equal in >= 99%, within one bf16 ulp).
+
+Structure (FlashAttention-3's backward without its dQ): a CTA owns BLOCK_N = 128 key rows of one (batch, KV
+head); three partitions of one warpgroup each (`gl.warp_specialize`, setmaxnreg CONSUMER_REGS / PRODUCER_REGS,
+the default partition what is left):
+
+* two consumer warpgroups (the default partition and a worker), 64 key rows each: their K and V rows
+  dequantized into the CTA's bf16 K / V tiles in shared memory (the wgmma A operands), then per streamed query
+  block: LSE loaded, wait "ready", issue S^T and dP^T (async, A from shared memory, m64 n=BLOCK_M), P^T, the dV
+  GEMM (A = rounded P^T from registers, n = D), wait for dP^T and dV (the rounded P^T's registers free), delta
+  loaded, dS^T and its qdq, the dK GEMM (A from registers), wait, release the stage ("empty", one arrival per
+  warpgroup). dK and dV stay in registers (D / 2 fp32 registers per thread each); the epilogue stores them.
+  Registers per consumer thread: 240 (setmaxnreg), no spills at D64 / D128 in the offline sm_90a build.
+* the producer warpgroup (24 registers): for t = 0, 1, ... over (query head of the group, query block) in the
+  consumers' order, waits "empty" of stage t % NS and TMA-loads the four bf16 tiles [BLOCK_M, D] (4-D
+  descriptors: rows past SQ read as zeros) with one expect-tx "ready" arrival.
+
+The protocol is simulated in tests/triton/test_gluon_bwd_protocol.py.
+"""
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .gluon_attention_fwd import _chunk_layouts, _dequant3, _round_p_to_bf16
+from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
+from .triton_launch import cdiv, launch
+
+#: key rows of one CTA (the Triton dK/dV kernel's BN in mode "pre": the same grid)
+BLOCK_N = 128
+#: query rows of one streamed block by head dim (a multiple of 32: whole qdq blocks of dS). Each thread of a
+#: consumer holds BLOCK_M / 4 columns of S^T / dP^T and their LSE / delta values next to dK and dV (D / 2 fp32
+#: registers each): at D128 64-row blocks spilled (offline sm_90a build), 32-row blocks do not
+BLOCK_M = {64: 64, 128: 32}
+PARTITION_WARPS = 4
+#: setmaxnreg of the second consumer warpgroup and of the producer; the default partition (first consumer) gets
+#: what is left of 504 per thread
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+#: stages of the query-side ring by head dim: a stage holds four bf16 [BLOCK_M, D] tiles (32 KiB at D128 and
+#: D64) next to the CTA's bf16 K and V (D128: 64 KiB, D64: 32 KiB)
+STAGES = {64: 4, 128: 4}
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+LOG2E = 1.4426950408889634
+LOG2E_K = gl.constexpr(LOG2E)
+P_SCALE_K = gl.constexpr(256.0)
+P_DESCALE_K = gl.constexpr(1.0 / 256.0)
+WG0 = gl.constexpr(0)
+WG1 = gl.constexpr(1)
+
+
+# --------------------------------------------------------------------------- element helpers (triton_common's)
+@gluon.jit
+def _scale_exponent(abits):
+    """triton_common.scale_exponent_from_bits, round-up rule: bits of amax -> E8M0 biased exponent (int32)."""
+    expo = (abits >> 23) & 0xFF
+    mant = abits & 0x7FFFFF
+    e = gl.minimum(gl.maximum(expo - 8 + (mant > 0x600000).to(gl.int32), 0), 254)
+    return gl.where(expo == 255, gl.where(mant != 0, 255, 254), e)
+
+
+@gluon.jit
+def _qdq_cols32(x, BM: gl.constexpr):
+    """triton_common.qdq_rows on the [keys, queries] tile x (fp32, BM queries) with blocks of 32 along the queries
+    (axis 1) -> bf16 tile: the int max of |bits| per block, the round-up scale rule, E4M3 (RNE) and back. The
+    [R, BM / 32, 32] view is a register relabelling of the wgmma accumulator layout (a quad of threads holds a
+    block's 32 columns of a row: two shuffles per max), and so is the conversion of the result to the next
+    GEMM's A operand (no shared memory in the SASS of the loop)."""
+    R: gl.constexpr = x.shape[0]
+    x3 = gl.reshape(x, [R, BM // 32, 32])
+    e = gl.expand_dims(_scale_exponent(gl.max(x3.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)), 2)
+    inv = gl.where(e >= 254, 0x400000, (254 - e) << 23).to(gl.float32, bitcast=True)  # 2^(127 - e)
+    q = (x3 * inv).to(gl.float8e4nv)
+    pw = gl.where(e == 0, 0x400000, e << 23).to(gl.float32, bitcast=True)  # 2^(e - 127)
+    return gl.reshape((q.to(gl.float32) * pw).to(gl.bfloat16), [R, BM])
+
+
+@gluon.jit
+def _kv_tile_of_program(HKV, HAS_RB: gl.constexpr):
+    """(KV tile, b, hk) of this program, triton_common.program_prologue's for the KV side (BY_TILE with a
+    causal-style band: tile-major, the first KV tiles (the heaviest) first)."""
+    tile = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    if HAS_RB:
+        n_tiles = gl.num_programs(0)
+        n_bh = gl.num_programs(1)
+        linear = pid_bh * n_tiles + tile
+        tile = linear // n_bh
+        pid_bh = linear % n_bh
+    return tile, pid_bh // HKV, pid_bh % HKV
+
+
+@gluon.jit
+def _q_block_range(n0, SQ, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """triton_common.band_block_range(KV_TILE) without a left bound: the query rows [lo, hi) that the keys
+    [n0, n0 + BN) meet, in blocks of BM from lo (a multiple of BM); blocks [lo, mask_hi) and
+    [max(full_hi, mask_hi), hi) need the mask, [full_lo, full_hi) are kept whole -> (lo, mask_hi, full_lo,
+    full_hi, hi). The three ranges together are [lo, hi) in ascending order (the producer walks that)."""
+    zero = n0 * 0
+    lo = zero
+    hi = zero + SQ
+    full_lo = zero
+    full_hi = zero + (SQ // BM) * BM
+    if HAS_RB:
+        lo = (gl.maximum(n0 - offset - RB, 0) // BM) * BM
+        full_lo = ((gl.maximum(n0 + BN - 1 - offset - RB, 0) + BM - 1) // BM) * BM
+    if n0 + BN > SKV:
+        full_hi = zero
+    full_lo = gl.maximum(full_lo, lo)
+    if full_hi <= full_lo:
+        full_lo = hi
+        full_hi = hi
+    mask_hi = gl.minimum(full_lo, hi)
+    return lo, mask_hi, full_lo, full_hi, hi
+
+
+# --------------------------------------------------------------------------- partitions
+@gluon.jit
+def _producer(qr_desc, qc_desc, dor_desc, doc_desc, qr, qc, dor, doc, ready, empty, HKV, GROUP, SQ, SKV, offset, RB,
+              HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr):
+    """The producer warpgroup: stage t % NS gets the t-th query block the consumers visit (query head
+    hk * GROUP + t // n_blk, rows lo + (t % n_blk) * BM), once both consumer warpgroups released it."""
+    tile, b, hk = _kv_tile_of_program(HKV, HAS_RB)
+    lo, mask_hi, full_lo, full_hi, hi = _q_block_range(tile * BN, SQ, SKV, offset, RB, HAS_RB, BM, BN)
+    n_blk = gl.cdiv(gl.maximum(hi - lo, 0), BM)
+    for t in range(GROUP * n_blk):
+        g = t // n_blk
+        m0 = lo + (t - g * n_blk) * BM
+        hq = hk * GROUP + g
+        s = t % NS
+        mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)  # passes at once on a fresh barrier (first round)
+        bar = ready.index(s)
+        mbarrier.expect(bar, 4 * BM * D * 2)  # four bf16 tiles
+        tma.async_copy_global_to_shared(qr_desc, [b, hq, m0, 0], bar, qr.index(s))
+        tma.async_copy_global_to_shared(dor_desc, [b, hq, m0, 0], bar, dor.index(s))
+        tma.async_copy_global_to_shared(doc_desc, [b, hq, m0, 0], bar, doc.index(s))
+        tma.async_copy_global_to_shared(qc_desc, [b, hq, m0, 0], bar, qc.index(s))
+
+
+@gluon.jit
+def _load_kv_rows(X, XS, dst, base, sbase, sxs, sxss, n0, SKV, R: gl.constexpr, D: gl.constexpr,
+                  num_warps: gl.constexpr):
+    """Rows [n0, n0 + R) of an FP8 row-wise [.., SKV, D] tensor (X at its head, scales XS likewise) dequantized
+    exactly to bf16 into the shared tile dst [R, D]; rows past SKV as zeros (triton_bwd_tiles._row_tile)."""
+    lx: gl.constexpr = _chunk_layouts(D, num_warps)[1]
+    lxs: gl.constexpr = gl.SliceLayout(2, lx)
+    xr = n0 + gl.arange(0, R, layout=gl.SliceLayout(1, lxs))
+    xb = gl.arange(0, D // 32, layout=gl.SliceLayout(0, lxs))
+    xe = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, lx)))
+    ok2 = gl.expand_dims(xr < SKV, 1) & gl.expand_dims(xb >= 0, 0)
+    offs2 = gl.expand_dims(xr.to(gl.int64) * sxs, 1) + gl.expand_dims(xb * 32, 0)
+    offs = gl.expand_dims(offs2, 2) + gl.expand_dims(gl.expand_dims(xe, 0), 1)
+    ok = gl.expand_dims(ok2, 2) & gl.expand_dims(gl.expand_dims(xe >= 0, 0), 1)
+    x8 = gl.load(X.cast(gl.pointer_type(gl.uint8)) + base + offs, mask=ok, other=0)
+    xs = gl.load(XS + sbase + gl.expand_dims(xr.to(gl.int64) * sxss, 1) + gl.expand_dims(xb, 0), mask=ok2,
+                 other=127)
+    dst.store(gl.reshape(_dequant3(x8, xs), [R, D]))
+
+
+@gluon.jit
+def _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0, SQ,
+            SKV, qk_scale, sm_scale, offset, RB, s_zero, MASK: gl.constexpr, HAS_RB: gl.constexpr,
+            BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, a_op: gl.constexpr):
+    """The t-th visited query block (rows [m0, m0 + BM) of the head at lse_h / del_h) of a consumer warpgroup:
+    `_dkdv_block`'s arithmetic on its 64 keys (kw, vw: its K / V rows in shared memory) -> (dk, dv)."""
+    s = t % NS
+    cols = m0 + cols0  # query rows
+    c_ok = cols < SQ
+    lse = gl.load(lse_h + cols * sls, mask=c_ok, other=float("inf")) * LOG2E_K
+    lse = gl.where(lse == float("-inf"), float("inf"), lse)
+    mbarrier.wait(ready.index(s), (t // NS) & 1)
+    q_t = qr.index(s).reshape([BM, D]).permute((1, 0))
+    do_t = dor.index(s).reshape([BM, D]).permute((1, 0))
+    s_tok = warpgroup_mma(kw, q_t, gl.zeros_like(s_zero), use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(vw, do_t, gl.zeros_like(s_zero), use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))  # P^T [keys, queries]
+    if MASK:
+        keep = gl.expand_dims(rows_k < SKV, 1) & gl.expand_dims(c_ok, 0)
+        if HAS_RB:
+            keep = keep & (gl.expand_dims(rows_k, 1) <= gl.expand_dims(cols, 0) + offset + RB)
+        p = gl.where(keep, p, 0.0)
+    pq = gl.convert_layout(_round_p_to_bf16(p * P_SCALE_K), a_op)
+    dv_tok = warpgroup_mma(pq, doc.index(s).reshape([BM, D]), dv, is_async=True)
+    # dP and dV done before dS (registers: P^T's rounded copy, the dV GEMM's A, dies here)
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+    dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, ))
+    delta = gl.load(del_h + cols, mask=c_ok, other=0.0)
+    ds = p * (dp - gl.expand_dims(delta, 0)) * sm_scale
+    dsq = gl.convert_layout(_qdq_cols32(ds, BM), a_op)
+    dk_tok = warpgroup_mma(dsq, qc.index(s).reshape([BM, D]), dk, is_async=True)
+    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
+    gl.thread_barrier()  # the warpgroup is done with stage s
+    mbarrier.arrive(empty.index(s), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready, empty,
+              skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
+              slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+              HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
+              HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
+              WG: gl.constexpr):
+    """Consumer warpgroup WG: key rows [tile * BN + 64 WG, + 64) of the CTA. K, V dequantized into its own
+    shared K / V tiles (kb / vb index WG), then the query blocks of every query head of the group (`_q_step`), dK and dV
+    accumulated in registers and stored at the end."""
+    nw: gl.constexpr = gl.num_warps()
+    BNW: gl.constexpr = BN // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, BM, 16])
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, D, 16])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_a: gl.constexpr = gl.SliceLayout(1, a_layout)
+    col_a: gl.constexpr = gl.SliceLayout(0, a_layout)
+
+    tile, b, hk = _kv_tile_of_program(HKV, HAS_RB)
+    n_cta = tile * BN
+    n0 = n_cta + WG * BNW
+    b64 = b.to(gl.int64)
+    hk64 = hk.to(gl.int64)
+    kw = kb.index(WG)
+    vw = vb.index(WG)
+    _load_kv_rows(K, KS, kw, b64 * skb + hk64 * skh, b64 * sksb + hk64 * sksh, sks, skss, n0, SKV, BNW, D, nw)
+    _load_kv_rows(V, VS, vw, b64 * svb + hk64 * svh, b64 * svsb + hk64 * svsh, svs, svss, n0, SKV, BNW, D, nw)
+    fence_async_shared()  # the generic-proxy stores before this warpgroup's wgmma (async proxy) reads
+    gl.thread_barrier()
+
+    rows_k = n0 + gl.arange(0, BNW, layout=row_s)
+    cols0 = gl.arange(0, BM, layout=col_s)
+    dk = gl.zeros([BNW, D], gl.float32, a_layout)
+    dv = gl.zeros([BNW, D], gl.float32, a_layout)
+    s_zero = gl.zeros([BNW, BM], gl.float32, s_layout)
+    # the CTA's query blocks (both warpgroups and the producer walk the same ones: a block masked for the CTA's
+    # 128 keys is masked for each warpgroup's 64, a no-op where it keeps everything)
+    lo, mask_hi, full_lo, full_hi, hi = _q_block_range(n_cta, SQ, SKV, offset, RB, HAS_RB, BM, BN)
+    t = 0
+    for g in range(GROUP):
+        hq64 = (hk * GROUP + g).to(gl.int64)
+        lse_h = LSE + b64 * slb + hq64 * slh
+        del_h = DELTA + b64 * sdelb + hq64 * sdelh
+        for m0 in range(lo, mask_hi, BM):
+            dk, dv = _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0,
+                             SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True, HAS_RB, BM, D, NS, a_op)
+            t += 1
+        for m0 in range(full_lo, full_hi, BM):
+            dk, dv = _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0,
+                             SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, False, HAS_RB, BM, D, NS, a_op)
+            t += 1
+        for m0 in range(gl.maximum(full_hi, mask_hi), hi, BM):
+            dk, dv = _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0,
+                             SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True, HAS_RB, BM, D, NS, a_op)
+            t += 1
+
+    rows = n0 + gl.arange(0, BNW, layout=row_a)
+    offs_d = gl.arange(0, D, layout=col_a)
+    ok = gl.expand_dims(rows < SKV, 1) & gl.expand_dims(offs_d >= 0, 0)
+    r64 = gl.expand_dims(rows.to(gl.int64), 1)
+    gl.store(DK + b64 * sdkb + hk64 * sdkh + r64 * sdks + gl.expand_dims(offs_d, 0),
+             dk.to(DK.dtype.element_ty), mask=ok)
+    gl.store(DV + b64 * sdvb + hk64 * sdvh + r64 * sdvs + gl.expand_dims(offs_d, 0),
+             (dv * P_DESCALE_K).to(DV.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def _gluon_dkdv_kernel(
+        qr_desc, qc_desc, dor_desc, doc_desc, K, KS, V, VS, LSE, DELTA, DK, DV,
+        skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
+        slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+        HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
+        HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Grid (cdiv(SKV, BN), B * HKV), 4 warps per partition. qr/qc/dor/doc_desc: TMA descriptors of the bf16
+    scratch [B, Hc, SQ, D] (Q row-wise, Q column-wise, dO row-wise, dO column-wise dequantizations; block
+    [1, 1, BM, D]); K, V [B, HKV, SKV, D] e4m3 row-wise with scales KS, VS [B, HKV, SKV, D/32] u8; LSE
+    [B, Hc, SQ, 1] fp32 (natural log), DELTA [B, Hc, SQ] fp32; DK, DV [B, HKV, SKV, D]. HAS_RB: causal-style
+    band (keys kept where key <= query + offset + RB)."""
+    # K and V as two [BN / 2, D] tiles each, one per consumer warpgroup (indexed like ring stages, not row-sliced)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN // 2, D], gl.bfloat16)
+    kb = gl.allocate_shared_memory(gl.bfloat16, [2, BN // 2, D], kv_layout)
+    vb = gl.allocate_shared_memory(gl.bfloat16, [2, BN // 2, D], kv_layout)
+    qr = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BM, D], qr_desc.layout)
+    qc = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BM, D], qc_desc.layout)
+    dor = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BM, D], dor_desc.layout)
+    doc = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BM, D], doc_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready, empty,
+                     skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
+                     slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG0)),
+        (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready, empty,
+                     skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
+                     slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG1)),
+        (_producer, (qr_desc, qc_desc, dor_desc, doc_desc, qr, qc, dor, doc, ready, empty, HKV, GROUP, SQ, SKV,
+                     offset, RB, HAS_RB, BM, BN, D, NS)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+    for i in gl.static_range(NS):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+# --------------------------------------------------------------------------- host side
+@functools.lru_cache(maxsize=None)
+def tma_layout(d: int):
+    """Shared layout of the bf16 scratch tiles' TMA descriptors at head dim d (block [1, 1, BLOCK_M, d])."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M[d], d], gl.bfloat16)
+
+
+def _scratch_ok(t) -> bool:
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.dim() == 4 and t.stride(3) == 1
+            and t.data_ptr() % 16 == 0 and not any(s % 8 for s in t.stride()[:3]))
+
+
+def unsupported_reason(q_r, k_row, v_row, *, left_bound=None, seq=None, bottom_right=False, sink=None,
+                       flags: KernelRecipe = DEFAULT_FLAGS, q_c=None, do_r=None, do_c=None) -> Optional[str]:
+    """None where `dkdv_gluon` runs the call, else why not (one sentence). q_r (and q_c, do_r, do_c where given):
+    the "pre" backward's bf16 scratch; k_row, v_row: K's and V's row-wise MXFP8Tensors."""
+    if flags != DEFAULT_FLAGS:
+        return "the Gluon dK/dV kernel runs the default recipe only"
+    if seq is not None or bottom_right:
+        return "the Gluon dK/dV kernel takes dense batches only (no seq / bottom_right)"
+    if left_bound is not None:
+        return "the Gluon dK/dV kernel takes no mask or a causal-style band only (no sliding window)"
+    if sink is not None:
+        return "the Gluon dK/dV kernel is not built for attention sinks"
+    for name, t in (("q_r", q_r), ("q_c", q_c), ("do_r", do_r), ("do_c", do_c)):
+        if t is None and name != "q_r":
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16:
+            return f"{name} must be the bf16 scratch of the 'pre' backward (mode 'pre' only)"
+    if q_r.shape[3] not in SUPPORTED_HEAD_DIMS:
+        return f"the Gluon dK/dV kernel takes head dims {SUPPORTED_HEAD_DIMS}, got {q_r.shape[3]}"
+    for name, t in (("k_row", k_row), ("v_row", v_row)):
+        if isinstance(t, torch.Tensor) or not isinstance(getattr(t, "data", None), torch.Tensor):
+            return f"{name} must be an FP8 row-wise MXFP8Tensor (no bf16 V recipe)"
+    for name, t in (("q_r", q_r), ("q_c", q_c), ("do_r", do_r), ("do_c", do_c)):
+        if t is not None and not _scratch_ok(t):
+            return (f"{name} must be 16-byte aligned with unit stride along D and strides multiple of 16 bytes "
+                    f"(TMA), got strides {tuple(t.stride())}")
+    if k_row.data.shape[0] * k_row.data.shape[1] > 65535:
+        return (f"{k_row.data.shape[0]} x {k_row.data.shape[1]} (batch x KV heads) programs exceed the CUDA grid's "
+                "y limit 65535; split the batch")
+    return None
+
+
+def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, softmax_scale: float, offset: int,
+               left_bound=None, right_bound=None, seq=None, bottom_right: bool = False,
+               flags: KernelRecipe = DEFAULT_FLAGS, stages: Optional[int] = None, checked: bool = False) -> None:
+    """The dK/dV pass of the "pre" backward for one chunk of heads: what `triton_attention_bwd._launch_dkdv`
+    takes in mode "pre" (q_r, q_c, do_r, do_c the chunk's bf16 scratch [B, Hc, SQ, D] from `bwd_prep`; k_row,
+    v_row the chunk's KV heads of K's and V's row-wise MXFP8Tensors; stats [B, Hc, SQ, 1] fp32 and delta
+    [B, Hc, SQ] fp32 (unit stride along SQ) the chunk's slices; dk, dv [B, Hkv_c, SKV, D] with unit stride along
+    D) and the same mask arguments; writes dk and dv. stages: ring stages override (>= 1). Raises ValueError
+    for what it does not take (`unsupported_reason`)."""
+    reason = None if checked else unsupported_reason(q_r, k_row, v_row, left_bound=left_bound, seq=seq,
+                                                     bottom_right=bottom_right, flags=flags, q_c=q_c, do_r=do_r,
+                                                     do_c=do_c)
+    if reason is not None:
+        raise ValueError(reason)
+    B, HQ, SQ, D = q_r.shape
+    k_data, v_data = k_row.data, v_row.data
+    HKV, SKV = k_data.shape[1], k_data.shape[2]
+    if HKV == 0 or HQ % HKV:
+        raise ValueError(f"q heads ({HQ}) must be a multiple of k/v heads ({HKV})")
+    for name, t in (("q_c", q_c), ("do_r", do_r), ("do_c", do_c)):
+        if tuple(t.shape) != (B, HQ, SQ, D):
+            raise ValueError(f"{name} must have q_r's shape {(B, HQ, SQ, D)}, got {tuple(t.shape)}")
+    ks, vs = k_row.scale.view(torch.uint8), v_row.scale.view(torch.uint8)
+    for name, t in (("k_row.data", k_data), ("k_row.scale", ks), ("v_row.data", v_data), ("v_row.scale", vs),
+                    ("dk", dk), ("dv", dv)):
+        if t.shape[3] > 1 and t.stride(3) != 1:
+            raise ValueError(f"{name} must have unit stride along its last axis, got strides {tuple(t.stride())}")
+    if delta.stride(2) != 1 and SQ > 1:
+        raise ValueError(f"delta must have unit stride along SQ, got strides {tuple(delta.stride())}")
+    if B * HKV == 0 or SKV == 0:
+        return
+    if SQ == 0:  # no query: zero gradients (TMA cannot describe an empty tensor)
+        dk.zero_()
+        dv.zero_()
+        return
+    ns = STAGES[D] if stages is None else int(stages)
+    if ns < 1:
+        raise ValueError(f"stages must be >= 1, got {ns}")
+    layout = tma_layout(D)
+    descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M[D], D], layout)
+             for t in (q_r, q_c, do_r, do_c)]
+    has_rb = right_bound is not None
+    grid = (cdiv(SKV, BLOCK_N), B * HKV)
+    launch(
+        _gluon_dkdv_kernel, grid,
+        *descs, k_data, ks, v_data, vs, stats, delta, dk, dv,
+        *k_data.stride()[:3], *ks.stride()[:3], *v_data.stride()[:3], *vs.stride()[:3],
+        *stats.stride()[:3], delta.stride(0), delta.stride(1), *dk.stride()[:3], *dv.stride()[:3],
+        HKV, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, float(softmax_scale), int(offset),
+        int(right_bound) if has_rb else 0,
+        HAS_RB=has_rb, BM=BLOCK_M[D], BN=BLOCK_N, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=PARTITION_WARPS)
+
+
+#: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
+#: every stride except the scales' rows' (D / 32 bytes), the stats' row stride (1), and the head counts
+DIVISIBLE_INTS = ("skb", "skh", "sks", "sksb", "sksh", "svb", "svh", "svs", "svsb", "svsh", "slb", "slh", "sdelb",
+                  "sdelh", "sdkb", "sdkh", "sdks", "sdvb", "sdvh", "sdvs", "SQ", "SKV")
+
+
+def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
+                 dk_dtype: str = "bf16", unit_stats: bool = True):
+    """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
+    `gluon_attention_fwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
+    call)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+    fn = _gluon_dkdv_kernel
+    ns = stages if stages is not None else STAGES[d]
+    layout = tma_layout(d)
+    desc = f"tensordesc<bf16[1, 1, {BLOCK_M[d]}, {d}],{layout!r}>"
+    types = dict(qr_desc=desc, qc_desc=desc, dor_desc=desc, doc_desc=desc, K="*fp8e4nv", KS="*u8", V="*fp8e4nv",
+                 VS="*u8", LSE="*fp32", DELTA="*fp32", DK=f"*{dk_dtype}", DV=f"*{dk_dtype}", qk_scale="fp32",
+                 sm_scale="fp32")
+    constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M[d], BN=BLOCK_N, D=d, NS=ns, CONSUMER_REGS=regs[0],
+                      PRODUCER_REGS=regs[1])
+    if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
+        constexprs["sls"] = 1
+    names = fn.arg_names
+    signature = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
+    divisible = [n for n, t in signature.items() if t.startswith("*")] + list(DIVISIBLE_INTS)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(c),): v for c, v in constexprs.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=PARTITION_WARPS))
+
+
+__all__ = ["dkdv_gluon", "unsupported_reason", "compile_sm90", "BLOCK_M", "BLOCK_N", "STAGES"]

@@ -1,0 +1,226 @@
+"""The Gluon dK/dV kernel (`mxattn.kernels.gluon_attention_bwd.dkdv_gluon`) against the Triton dK/dV kernel in mode
+"pre" on identical inputs, on an sm_90 GPU; and, on any machine with Triton, that it compiles for sm_90a without
+register spills and refuses what it does not take.
+
+The inputs are built as `triton_attention_bwd.attention_bwd` builds them in mode "pre": Q, K, V quantized by the
+fused quantizer, the prep pass (`bwd_prep`) writing delta and the bf16 scratch (Q and dO, row- and column-wise),
+K's and V's row-wise MXFP8Tensors (head slices `_heads` for a chunk of heads). Both kernels run the same
+arithmetic per element and add the same k16 slices of queries in the same order into their fp32 accumulators,
+so dK and dV should be bit-equal in nearly every element and within one bf16 ulp everywhere.
+"""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from test_gluon_fwd_gpu import _assert_sm90_build, _ordered_bf16
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, right_bound, g, scale):
+    """(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta) as attention_bwd hands them to the dK/dV launch in
+    mode "pre" (all heads in one chunk); stats the natural-log LSE of the masked logits of the dequantized Q, K
+    (-inf for rows without keys), o and dO random."""
+    from mxattn.kernels.triton_bwd_prep import bwd_prep, kv_prep
+    from mxattn.kernels.triton_quantize import quantize_rowcol
+    from mxattn.seqinfo import kernel_cu_seqlens
+    q, k, v = (torch.randn(B, h, n, D, device="cuda", generator=g).to(torch.bfloat16)
+               for h, n in ((HQ, SQ), (HKV, SKV), (HKV, SKV)))
+    o = torch.randn(B, HQ, SQ, D, device="cuda", generator=g).to(torch.bfloat16)
+    do = torch.randn(B, HQ, SQ, D, device="cuda", generator=g).to(torch.bfloat16)
+    qq, kq, vq = quantize_rowcol(q), quantize_rowcol(k), quantize_rowcol(v, col=False)
+    stats = torch.empty(B, HQ, SQ, 1, device="cuda", dtype=torch.float32)
+    cu = kernel_cu_seqlens(None, stats)
+    k_r, _, _ = kv_prep(kq.row, kq.col, vq.row, 0, HKV, None, cu)
+    delta = torch.empty(B, HQ, SQ, device="cuda", dtype=torch.float32)
+    do_r, do_c, q_r, q_c = bwd_prep(o, do, qq.row, qq.col, delta, 0, HQ, None, cu)
+    drop = None
+    if right_bound is not None:
+        drop = torch.arange(SKV, device="cuda")[None, :] > torch.arange(SQ, device="cuda")[:, None] + offset + right_bound
+    for h in range(HQ):  # one query head at a time (bounded memory at the benchmark's sizes)
+        logits = q_r[:, h].float() @ k_r[:, h // (HQ // HKV)].float().transpose(1, 2) * scale
+        if drop is not None:
+            logits.masked_fill_(drop, float("-inf"))
+        stats[:, h] = torch.logsumexp(logits, dim=-1, keepdim=True)
+    return q_r, q_c, kq.row, vq.row, do_r, do_c, stats, delta
+
+
+def _triton_dkdv(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, scale, offset, right_bound):
+    """The Triton dK/dV launch of attention_bwd's mode "pre" (its config, args and constexprs)."""
+    from mxattn.kernels import triton_attention_bwd as tb
+    from mxattn.kernels.recipe_flags import DEFAULT_FLAGS
+    from mxattn.kernels.triton_quantize import padded_head_dim
+    from mxattn.seqinfo import kernel_cu_seqlens, kernel_flags
+    B, HQ, SQ, D = q_r.shape
+    HKV, SKV = k_row.data.shape[1], k_row.data.shape[2]
+    dp = padded_head_dim(D)
+    cfg1 = tb._bwd_config(dp, "pre")[0]
+    args = (HQ // HKV, SQ, SKV, D, float(scale) * tb.LOG2E.value, float(scale), int(offset), 0,
+            0 if right_bound is None else int(right_bound))
+    common = dict(HAS_LB=False, HAS_RB=right_bound is not None, DP=dp, EVEN_D=dp == D, **kernel_flags(None, False))
+    tb._launch_dkdv(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, cfg1, True, args, common, None,
+                    kernel_cu_seqlens(None, stats), DEFAULT_FLAGS)
+
+
+def _assert_like_triton(x, ref, name):
+    assert torch.isfinite(x).all(), name
+    ulps = (_ordered_bf16(x) - _ordered_bf16(ref)).abs()
+    exact = (ulps == 0).float().mean().item()
+    near = (ulps <= 1).float().mean().item()
+    assert near >= 0.9999, f"{name}: {near:.6f} within 1 bf16 ulp (max {ulps.max().item()}, exact {exact:.5f})"
+    assert exact >= 0.99, f"{name}: only {exact:.5f} bit-equal (max {ulps.max().item()} ulps)"
+    assert (x.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max().clamp_min(1e-30), name
+
+
+#: (case, Sq, Skv, offset, causal): Sq = Skv, Sq != Skv (bottom-right offset, a negative one leaving the first rows
+#: without keys, keys past the last query: KV tiles that no query meets), lengths not multiples of 128 (nor of
+#: 64 / 32), fewer queries than one query block (TMA boxes past the tensor's end)
+CASES = [
+    ("square_1000", 1000, 1000, 0, False),
+    ("square_1000_causal", 1000, 1000, 0, True),
+    ("square_2048_causal", 2048, 2048, 0, True),
+    ("short_q_bottom_right_causal", 700, 1100, 400, True),
+    ("long_q_causal", 1100, 333, 0, True),
+    ("empty_rows_causal", 600, 500, -150, True),
+    ("short_kv", 257, 77, 0, False),
+    ("long_kv", 97, 1000, 0, False),
+    ("tiny_q_causal", 20, 300, 0, True),
+    ("tiny_q_tiny_kv", 5, 3, 0, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_gluon_dkdv_matches_triton_dkdv(case, D, heads):
+    if not _is_hopper():
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    from mxattn.kernels import gluon_attention_bwd as gb
+    _, SQ, SKV, offset, causal = case
+    HQ, HKV = heads
+    B = 2
+    scale = 1.0 / math.sqrt(D)
+    rb = 0 if causal else None
+    g = torch.Generator(device="cuda").manual_seed(4321 + D + SQ + SKV + HKV)
+    ins = _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, rb, g, scale)
+    dk_ref, dv_ref = (torch.empty(B, HKV, SKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    _triton_dkdv(*ins, dk_ref, dv_ref, scale, offset, rb)
+    dk, dv = (torch.full((B, HKV, SKV, D), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert gb.unsupported_reason(ins[0], ins[2], ins[3], q_c=ins[1], do_r=ins[4], do_c=ins[5]) is None
+    gb.dkdv_gluon(*ins, dk, dv, softmax_scale=scale, offset=offset, left_bound=None, right_bound=rb)
+    torch.cuda.synchronize()
+    _assert_like_triton(dv, dv_ref, "dV")
+    _assert_like_triton(dk, dk_ref, "dK")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_dkdv_head_chunk_views_and_stages(D):
+    """A chunk of KV heads as attention_bwd passes it (head slices of K / V / dK / dV, the chunk's stats and
+    delta slices, scratch of the chunk's query heads) gives the Triton kernel's numbers; every ring depth gives
+    the same bits (the protocol, not the numbers, changes with it)."""
+    if not _is_hopper():
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    from mxattn.kernels import gluon_attention_bwd as gb
+    from mxattn.kernels.triton_attention_bwd import _heads
+    B, HQ, HKV, SQ, SKV = 1, 6, 3, 900, 900
+    scale = 1.0 / math.sqrt(D)
+    g = torch.Generator(device="cuda").manual_seed(99 + D)
+    q_r, q_c, k_row, v_row, do_r, do_c, stats, delta = _pre_inputs(B, HQ, HKV, SQ, SKV, D, 0, 0, g, scale)
+    h0, h1, group = 1, 3, HQ // HKV
+    q0, q1 = h0 * group, h1 * group
+    chunk = (q_r[:, q0:q1].contiguous(), q_c[:, q0:q1].contiguous(), _heads(k_row, h0, h1), _heads(v_row, h0, h1),
+             do_r[:, q0:q1].contiguous(), do_c[:, q0:q1].contiguous(), stats[:, q0:q1], delta[:, q0:q1])
+    dk_ref, dv_ref = (torch.zeros(B, HKV, SKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    _triton_dkdv(*chunk, dk_ref[:, h0:h1], dv_ref[:, h0:h1], scale, 0, 0)
+    results = []
+    for stages in (None, 1, 2, 3):
+        dk, dv = (torch.zeros(B, HKV, SKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        gb.dkdv_gluon(*chunk, dk[:, h0:h1], dv[:, h0:h1], softmax_scale=scale, offset=0, right_bound=0,
+                      stages=stages)
+        torch.cuda.synchronize()
+        assert (dk[:, :h0] == 0).all() and (dk[:, h1:] == 0).all() and (dv[:, h1:] == 0).all()
+        results.append((dk, dv))
+    _assert_like_triton(results[0][1][:, h0:h1], dv_ref[:, h0:h1], "dV")
+    _assert_like_triton(results[0][0][:, h0:h1], dk_ref[:, h0:h1], "dK")
+    for dk, dv in results[1:]:
+        assert torch.equal(dk, results[0][0]) and torch.equal(dv, results[0][1])
+
+
+# --------------------------------------------------------------------------- CPU
+def _cpu_operands(D=128, HQ=4, HKV=2, SQ=100, SKV=80, dtype=torch.bfloat16):
+    from types import SimpleNamespace
+    q = torch.zeros(1, HQ, SQ, D, dtype=dtype)
+    k = SimpleNamespace(data=torch.zeros(1, HKV, SKV, D, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                        scale=torch.zeros(1, HKV, SKV, max(1, D // 32), dtype=torch.uint8), axis=3, segments=None)
+    v = SimpleNamespace(data=k.data.clone(), scale=k.scale.clone(), axis=3, segments=None)
+    return q, k, v
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
+def test_gluon_dkdv_refuses_unsupported_calls():
+    from mxattn.kernels import gluon_attention_bwd as gb
+    from mxattn.kernels.recipe_flags import DEFAULT_FLAGS
+    q, k, v = _cpu_operands()
+    assert gb.unsupported_reason(q, k, v, q_c=q, do_r=q, do_c=q) is None
+    assert "window" in gb.unsupported_reason(q, k, v, left_bound=64)
+    assert "dense" in gb.unsupported_reason(q, k, v, seq=object())
+    assert "dense" in gb.unsupported_reason(q, k, v, bottom_right=True)
+    assert "sinks" in gb.unsupported_reason(q, k, v, sink=torch.zeros(4))
+    assert "head dims" in gb.unsupported_reason(*_cpu_operands(D=96))
+    assert "head dims" in gb.unsupported_reason(*_cpu_operands(D=32))
+    assert "bf16 scratch" in gb.unsupported_reason(*_cpu_operands(dtype=torch.float16))
+    assert "bf16 scratch" in gb.unsupported_reason(q, k, v, q_c=q, do_r=q.float(), do_c=q)
+    assert "MXFP8Tensor" in gb.unsupported_reason(q, k, torch.zeros(1, 2, 80, 128, dtype=torch.bfloat16))
+    odd = torch.zeros(1, 4, 100 * 129, dtype=torch.bfloat16).as_strided((1, 4, 100, 128), (4 * 100 * 129, 100 * 129,
+                                                                                           129, 1))
+    assert "TMA" in gb.unsupported_reason(odd, k, v)
+    assert "TMA" in gb.unsupported_reason(q, k, v, q_c=odd)
+    for name in ("v_raw", "ds_bf16", "floor"):
+        assert "default recipe" in gb.unsupported_reason(q, k, v, flags=DEFAULT_FLAGS._replace(**{name: True}))
+    with pytest.raises(ValueError, match="window"):
+        gb.dkdv_gluon(q, q, k, v, q, q, torch.zeros(1, 4, 100, 1), torch.zeros(1, 4, 100),
+                      torch.zeros(1, 2, 80, 128), torch.zeros(1, 2, 80, 128), softmax_scale=0.1, offset=0,
+                      left_bound=3, right_bound=0)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
+def test_gluon_dkdv_takes_the_triton_launchs_arguments():
+    """Drop-in: dkdv_gluon's positional parameters are `_launch_dkdv`'s tensors in order (q_r, q_c, k_row,
+    v_row, do_r, do_c, stats, delta, dk, dv), and it takes attention_bwd's mask keywords."""
+    import inspect
+    from mxattn.kernels import gluon_attention_bwd as gb
+    from mxattn.kernels import triton_attention_bwd as tb
+    ours = list(inspect.signature(gb.dkdv_gluon).parameters)
+    theirs = list(inspect.signature(tb._launch_dkdv).parameters)
+    assert theirs[:10] == ["qr", "qc", "kr", "vr", "dor", "doc", "stats", "delta", "dk", "dv"]
+    assert ours[:10] == ["q_r", "q_c", "k_row", "v_row", "do_r", "do_c", "stats", "delta", "dk", "dv"]
+    for kw in ("softmax_scale", "offset", "left_bound", "right_bound", "seq", "bottom_right", "flags"):
+        assert kw in ours
+
+
+def _compile_or_skip(d, causal):
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed here")
+    try:
+        from mxattn.kernels import gluon_attention_bwd as gb
+        return gb.compile_sm90(d, causal)
+    except ImportError as e:  # pragma: no cover - a Triton without GPU-target compilation or without Gluon
+        pytest.skip(f"cannot compile for sm_90a here: {e}")
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)],
+                         ids=["d64", "d64-causal", "d128", "d128-causal"])
+def test_gluon_dkdv_compiles_for_sm90a_without_spills(d, causal):
+    """The warp-specialised kernel builds for sm_90a with Triton's ptxas: no local memory (spills), the
+    producer/consumer register split (setmaxnreg), wgmma (A from shared memory for S^T / dP^T, from registers for
+    dV / dK), 4-D TMA loads, within the H100's shared memory."""
+    _assert_sm90_build(_compile_or_skip(d, causal))

@@ -1,0 +1,182 @@
+"""The Gluon dK/dV kernel's synchronisation protocol and block walk (mxattn/kernels/gluon_attention_bwd.py),
+simulated on the CPU under random interleavings: the producer (for t = 0, 1, ...: wait "empty" of stage t % NS,
+one expect-tx arrival on "ready" and four TMA copies that land later) and the two consumer warpgroups (per
+visited query block: wait "ready", read the stage's tiles with their GEMMs, one "empty" arrival each), with
+mbarrier phase/parity semantics (a wait on parity P passes once the barrier's phase parity differs from P; a
+fresh barrier is in phase 0). Checks: no deadlock, a consumer only reads a stage holding the block it wants, the
+producer never overwrites a stage a consumer still reads, every block reaches both consumers, in order. Also the
+query-block walk (`_q_block_range`, ported below): the producer's single range [lo, hi) is the consumers' three
+loops concatenated, blocks run without the mask only where every pair is kept, and no query row that sees one of
+the CTA's keys is skipped.
+
+A model of the kernel's control flow, kept in step with it by hand: change both together.
+"""
+
+import random
+
+import pytest
+
+from test_gluon_fwd_protocol import _Bar as _FwdBar
+
+
+class _Bar(_FwdBar):
+    """The forward's mbarrier model, with the completion of an expected transaction (a TMA copy landing)."""
+
+    def complete_tx(self):
+        self.tx -= 1
+        assert self.tx >= 0
+        self._complete()
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def q_block_range(n0, SQ, SKV, offset, RB, has_rb, BM, BN):
+    """`gluon_attention_bwd._q_block_range`, line by line (Python's // floors like the kernel's on the
+    non-negative operands it divides)."""
+    lo, hi, full_lo, full_hi = 0, SQ, 0, (SQ // BM) * BM
+    if has_rb:
+        lo = (max(n0 - offset - RB, 0) // BM) * BM
+        full_lo = ((max(n0 + BN - 1 - offset - RB, 0) + BM - 1) // BM) * BM
+    if n0 + BN > SKV:
+        full_hi = 0
+    full_lo = max(full_lo, lo)
+    if full_hi <= full_lo:
+        full_lo = full_hi = hi
+    mask_hi = min(full_lo, hi)
+    return lo, mask_hi, full_lo, full_hi, hi
+
+
+def consumer_blocks(n0, SQ, SKV, offset, RB, has_rb, BM, BN):
+    """[(m0, masked)] of one query head, as the consumer's three loops visit them."""
+    lo, mask_hi, full_lo, full_hi, hi = q_block_range(n0, SQ, SKV, offset, RB, has_rb, BM, BN)
+    return ([(m, True) for m in range(lo, mask_hi, BM)] + [(m, False) for m in range(full_lo, full_hi, BM)]
+            + [(m, True) for m in range(max(full_hi, mask_hi), hi, BM)])
+
+
+def producer_blocks(n0, SQ, SKV, offset, RB, has_rb, BM, BN):
+    lo, _, _, _, hi = q_block_range(n0, SQ, SKV, offset, RB, has_rb, BM, BN)
+    n_blk = _cdiv(max(hi - lo, 0), BM)
+    return [lo + i * BM for i in range(n_blk)]
+
+
+def _simulate(blocks, group, NS, seed):
+    """blocks: the m0 of one head's visited query blocks; the CTA walks them for `group` query heads."""
+    rng = random.Random(seed)
+    n_blk = len(blocks)
+    ready = [_Bar(1) for _ in range(NS)]
+    empty = [_Bar(2) for _ in range(NS)]  # one arrival per consumer warpgroup
+    holds = [None] * NS
+    readers = [set() for _ in range(NS)]
+    landing = []  # TMA copies in flight: (stage, block)
+    consumed = {0: [], 1: []}
+
+    def producer():
+        for t in range(group * n_blk):
+            g = t // n_blk
+            m0 = blocks[t - g * n_blk]
+            s = t % NS
+            yield empty[s], ((t // NS) & 1) ^ 1
+            assert not readers[s], f"stage {s} overwritten while read by {readers[s]}"
+            ready[s].tx += 1  # expect (one arrival with the bytes of the four tiles), then the copies
+            ready[s].arrive()
+            holds[s] = None  # the copies write the stage from now on
+            landing.append((s, (g, m0)))
+
+    def consumer(wg):
+        t = 0
+        for g in range(group):
+            for m0 in blocks:
+                s = t % NS
+                yield ready[s], (t // NS) & 1
+                assert holds[s] == (g, m0), f"wg {wg} wants {(g, m0)} in stage {s}, which holds {holds[s]}"
+                readers[s].add(wg)
+                yield None  # the GEMMs read the stage
+                assert holds[s] == (g, m0)
+                readers[s].discard(wg)
+                consumed[wg].append((g, m0))
+                empty[s].arrive()
+                t += 1
+
+    agents = {"p": producer(), 0: consumer(0), 1: consumer(1)}
+    waiting = {k: None for k in agents}
+    steps = 0
+    while agents or landing:
+        steps += 1
+        assert steps < 100000
+        options = [k for k in agents if waiting[k] is None or waiting[k][0].passes(waiting[k][1])]
+        if landing:
+            options.append("tma")
+        assert options, f"deadlock: {waiting}"
+        k = rng.choice(options)
+        if k == "tma":
+            s, blk = landing.pop(rng.randrange(len(landing)))  # copies of different stages land in any order
+            assert not readers[s]
+            holds[s] = blk
+            ready[s].complete_tx()
+            continue
+        waiting[k] = None
+        try:
+            w = next(agents[k])
+            while w is None:
+                w = next(agents[k])
+            waiting[k] = w
+        except StopIteration:
+            del agents[k]
+            del waiting[k]
+    want = [(g, m0) for g in range(group) for m0 in blocks]
+    assert consumed[0] == want and consumed[1] == want
+
+
+@pytest.mark.parametrize("NS", [1, 2, 3, 4])
+@pytest.mark.parametrize("n_blk", [0, 1, 2, 5, 9])
+@pytest.mark.parametrize("group", [1, 3])
+def test_rings_never_deadlock_or_race(NS, n_blk, group):
+    for seed in range(20):
+        _simulate([64 * i for i in range(n_blk)], group, NS, seed)
+
+
+CASES = [(sq, skv, off, rb, has_rb, bm)
+         for sq in (1, 31, 64, 100, 128, 200, 384)
+         for skv in (1, 100, 128, 130, 300)
+         for off in (-150, -64, 0, 37, 128)
+         for rb in (0, 5)
+         for has_rb in (False, True)
+         for bm in (32, 64)]
+
+
+@pytest.mark.parametrize("sq,skv,off,rb,has_rb,bm", CASES[::7] + [c for c in CASES if c[1] == 130 and c[4]])
+def test_query_block_walk(sq, skv, off, rb, has_rb, bm):
+    """For every KV tile: the producer's blocks are the consumers' (in order, multiples of BM); an unmasked block
+    keeps every (key, query) pair of the tile; every kept pair with key < SKV and query < SQ lies in a visited
+    block (no block skipped that the Triton kernel, with its 32-row blocks, would visit with a kept pair)."""
+    BN = 128
+    for n0 in range(0, skv, BN):
+        cons = consumer_blocks(n0, sq, skv, off, rb, has_rb, bm, BN)
+        prod = producer_blocks(n0, sq, skv, off, rb, has_rb, bm, BN)
+        assert [m for m, _ in cons] == prod
+        assert all(m % bm == 0 for m in prod) and prod == sorted(set(prod))
+        visited = set(prod)
+        for m0, masked in cons:
+            if not masked:
+                for key in range(n0, n0 + BN):
+                    for q in (m0, m0 + bm - 1):
+                        assert key < skv and q < sq and (not has_rb or key <= q + off + rb), (n0, m0, key, q)
+        for q in range(sq):
+            for key in range(n0, min(n0 + BN, skv)):
+                if not has_rb or key <= q + off + rb:
+                    assert (q // bm) * bm in visited, (n0, q, key)
+                    break
+
+
+def test_walk_matches_the_triton_kernels_band_range():
+    """The bounds follow triton_common.band_block_range (KV_TILE, no left bound) at BM = 32, the Triton dK/dV
+    kernel's query block: the same rows [lo, hi) up to the coarser block (lo rounded down to BM)."""
+    BN = 128
+    for sq, skv, off, rb, has_rb, _ in CASES[::5]:
+        for n0 in range(0, skv, BN):
+            lo32, _, _, _, hi32 = q_block_range(n0, sq, skv, off, rb, has_rb, 32, BN)
+            lo64, _, _, _, hi64 = q_block_range(n0, sq, skv, off, rb, has_rb, 64, BN)
+            assert hi32 == hi64 == sq
+            assert lo64 == (lo32 // 64) * 64
