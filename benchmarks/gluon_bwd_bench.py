@@ -8,7 +8,7 @@ turn), and the ratio gluon / triton from the same run. Before timing, each confi
 against the Triton kernel's (share bit-equal, share within one bf16 ulp). CUDA only (an sm_90 GPU for Gluon).
 
 Usage: python benchmarks/gluon_bwd_bench.py [--config name:B:Hq:Hkv:S:D:causal ...] [--rounds 15] [--iters 10]
-[--stages N] [--json FILE]
+[--stages N] [--block-m N] [--json FILE]
 """
 
 import argparse
@@ -43,7 +43,7 @@ def _time(runs: dict, rounds: int, iters: int) -> dict:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def bench_config(name, B, HQ, HKV, S, D, causal, rounds, iters, stages=None):
+def bench_config(name, B, HQ, HKV, S, D, causal, rounds, iters, stages=None, block_m=None):
     from test_gluon_bwd_gpu import _pre_inputs, _triton_dkdv
     from mxattn.kernels import gluon_attention_bwd as gb
     scale = 1.0 / math.sqrt(D)
@@ -54,7 +54,7 @@ def bench_config(name, B, HQ, HKV, S, D, causal, rounds, iters, stages=None):
     runs = {
         "triton": lambda: _triton_dkdv(*ins, dk_t, dv_t, scale, 0, rb),
         "gluon": lambda: gb.dkdv_gluon(*ins, dk_g, dv_g, softmax_scale=scale, offset=0, right_bound=rb,
-                                       stages=stages),
+                                       stages=stages, block_m=block_m),
     }
     for fn in runs.values():
         fn()
@@ -68,6 +68,7 @@ def bench_config(name, B, HQ, HKV, S, D, causal, rounds, iters, stages=None):
     pairs = S * (S + 1) // 2 if causal else S * S
     flops = 4 * 2 * B * HQ * pairs * D  # the pass's four GEMMs (S, dP, dV, dK)
     out = dict(config=name, B=B, Hq=HQ, Hkv=HKV, S=S, D=D, causal=causal, stages=stages or gb.STAGES[D],
+               block_m=block_m or gb.BLOCK_M[D],
                ms=ms, ratio_gluon_over_triton=ms["gluon"] / ms["triton"],
                tflops={k: flops / (v * 1e-3) / 1e12 for k, v in ms.items()}, agreement=check)
     del ins
@@ -81,6 +82,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--stages", type=int, default=None, help="the Gluon kernel's ring depth (default STAGES)")
+    parser.add_argument("--block-m", type=int, default=None,
+                        help="the Gluon kernel's query rows per streamed block (default BLOCK_M)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -90,9 +93,9 @@ def main() -> None:
     from mxattn.bench import DEFAULT_CONFIGS
     results = dict(device=torch.cuda.get_device_name(), configs=[])
     for cfg in args.config or DEFAULT_CONFIGS:
-        r = bench_config(*cfg, args.rounds, args.iters, args.stages)
+        r = bench_config(*cfg, args.rounds, args.iters, args.stages, args.block_m)
         results["configs"].append(r)
-        print(f"{r['config']}: triton {r['ms']['triton']:.3f} ms, gluon {r['ms']['gluon']:.3f} ms "
+        print(f"{r['config']} (stages {r['stages']}, block_m {r['block_m']}): triton {r['ms']['triton']:.3f} ms, gluon {r['ms']['gluon']:.3f} ms "
               f"(gluon / triton {r['ratio_gluon_over_triton']:.3f}); agreement {r['agreement']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

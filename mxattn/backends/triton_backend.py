@@ -21,6 +21,7 @@ This module imports without triton or a GPU; the kernels are imported on first u
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Optional, Tuple
 
@@ -114,25 +115,40 @@ def _attend(like: torch.Tensor, q_data: torch.Tensor, q_scale: torch.Tensor, kv_
 #: tests: H200, benchmarks/results/nvidia-h200/gluon_fwd/). The bf16-scratch path stays the Triton kernel's
 #: (faster still). MXATTN_GLUON_FWD=0 in the environment keeps the Triton forward everywhere.
 GLUON_FORWARD = os.environ.get("MXATTN_GLUON_FWD", "1") != "0"
-#: per CUDA device index: the Gluon forward's module where it runs there, else None (read once per device)
+#: the Gluon warp-specialised dK/dV kernel (`mxattn.kernels.gluon_attention_bwd`, issue 24) runs the bf16-scratch
+#: backward's dK/dV pass on Hopper where it takes the chunk and is the faster kernel (`takes`: default recipe,
+#: dense batches, no mask or a causal-style band, head dim 128): 0.76-0.86x the Triton kernel's time, dK and dV
+#: bit-equal (H100, benchmarks/results/nvidia-h100-80gb-hbm3/session29/). MXATTN_GLUON_BWD=0 keeps the Triton one.
+GLUON_BACKWARD = os.environ.get("MXATTN_GLUON_BWD", "1") != "0"
+#: per (module name, CUDA device index): the Gluon module where its kernels run there, else None (read once)
 _GLUON = {}
 
 
-def _gluon_forward(device: torch.device):
-    """`mxattn.kernels.gluon_attention_fwd` when its kernel can run on `device` (a CUDA SM 9.0 GPU, a Triton
-    with Gluon's Hopper API, GLUON_FORWARD on), else None."""
-    if not GLUON_FORWARD or device.type != "cuda":
+def _gluon_module(device: torch.device, name: str, enabled: bool):
+    """`mxattn.kernels.<name>` (a Gluon Hopper module) when its kernels can run on `device` (a CUDA SM 9.0 GPU,
+    a Triton with Gluon's Hopper API) and `enabled`, else None."""
+    if not enabled or device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _GLUON:
+    if (name, index) not in _GLUON:
         module = None
         if torch.cuda.get_device_capability(index) == (9, 0):
             try:
-                from ..kernels import gluon_attention_fwd as module
-            except ImportError:  # a Triton without Gluon's Hopper API: the Triton forward
+                module = importlib.import_module(f"..kernels.{name}", __package__)
+            except ImportError:  # a Triton without Gluon's Hopper API: the Triton kernels
                 module = None
-        _GLUON[index] = module
-    return _GLUON[index]
+        _GLUON[(name, index)] = module
+    return _GLUON[(name, index)]
+
+
+def _gluon_forward(device: torch.device):
+    """`mxattn.kernels.gluon_attention_fwd` where it runs on `device` and GLUON_FORWARD is on, else None."""
+    return _gluon_module(device, "gluon_attention_fwd", GLUON_FORWARD)
+
+
+def _gluon_backward(device: torch.device):
+    """`mxattn.kernels.gluon_attention_bwd` where it runs on `device` and GLUON_BACKWARD is on, else None."""
+    return _gluon_module(device, "gluon_attention_bwd", GLUON_BACKWARD)
 
 
 def _bf16_scratch(x: MXFP8Tensor) -> torch.Tensor:
@@ -483,7 +499,8 @@ class TritonBackend(AttentionBackend):
         if tb.bwd_streams_bf16(B, hq, saved.k_row.data.shape[1], sq, skv, d):
             # bf16 scratch per chunk of heads; dO is quantized chunk by chunk inside
             delta = tb.attention_bwd(*parts, None, None, o, do, stats, softmax_scale=params.softmax_scale,
-                                     dq=dq, dk=dk, dv=dv, mode="pre", flags=flags, **_mask_args(params, sq, skv))
+                                     dq=dq, dk=dk, dv=dv, mode="pre", flags=flags, gluon_dkdv=_gluon_backward(o.device),
+                                     **_mask_args(params, sq, skv))
         else:
             do_q = tq.quantize_rowcol(do, floor=flags.floor, **quantizer_args(params.seq, "q"))
             delta = tb.attention_bwd(*parts, do_q.row, do_q.col, o, do, stats, softmax_scale=params.softmax_scale,

@@ -1,6 +1,7 @@
 """Hopper (sm_90a) Gluon dK/dV kernel of the MXFP8 attention backward, warp-specialised, for the bf16-scratch
-data path (mode "pre" of `triton_attention_bwd.attention_bwd`), default recipe only. Not wired into the backend
-yet: `dkdv_gluon` takes what `triton_attention_bwd._launch_dkdv` takes in mode "pre" and writes the same dK, dV.
+data path (mode "pre" of `triton_attention_bwd.attention_bwd`), default recipe only.
+`dkdv_gluon` takes what `triton_attention_bwd._launch_dkdv` takes in mode "pre" and writes the same dK, dV;
+`attention_bwd` runs it on Hopper for the chunks it `takes` (those where it is the faster kernel).
 
 Scope: dense batches, no mask or a causal-style band (offset, right bound), head dims 64 and 128, MHA and GQA
 (the CTA walks its KV head's group of query heads in order, as the Triton kernel). Sliding windows, varlen,
@@ -70,6 +71,10 @@ PRODUCER_REGS = 24
 #: D64) next to the CTA's bf16 K and V (D128: 64 KiB, D64: 32 KiB)
 STAGES = {64: 4, 128: 4}
 SUPPORTED_HEAD_DIMS = (64, 128)
+#: head dims where the backward runs this kernel rather than the Triton one (`takes`): measured on an H100
+#: (session 29, gluon_bwd_bench.py at the bench's default configs, same inputs, dK/dV bit-equal): D128
+#: 0.76-0.86x the Triton kernel's time; D64 (64-row query blocks) 1.09x, so the Triton kernel keeps D64
+FASTER_HEAD_DIMS = (128,)
 
 LOG2E = 1.4426950408889634
 LOG2E_K = gl.constexpr(LOG2E)
@@ -343,9 +348,11 @@ def _gluon_dkdv_kernel(
 
 # --------------------------------------------------------------------------- host side
 @functools.lru_cache(maxsize=None)
-def tma_layout(d: int):
-    """Shared layout of the bf16 scratch tiles' TMA descriptors at head dim d (block [1, 1, BLOCK_M, d])."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M[d], d], gl.bfloat16)
+def tma_layout(d: int, block_m: Optional[int] = None):
+    """Shared layout of the bf16 scratch tiles' TMA descriptors at head dim d (block [1, 1, block_m, d],
+    block_m BLOCK_M[d] by default)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M[d] if block_m is None else block_m, d],
+                                                gl.bfloat16)
 
 
 def _scratch_ok(t) -> bool:
@@ -385,14 +392,22 @@ def unsupported_reason(q_r, k_row, v_row, *, left_bound=None, seq=None, bottom_r
     return None
 
 
+def takes(q_r, k_row, v_row, **kwargs) -> bool:
+    """Whether `attention_bwd` runs this kernel for a chunk: it takes the call (`unsupported_reason`, same
+    arguments) at a head dim where it is the faster kernel (FASTER_HEAD_DIMS)."""
+    return q_r.shape[3] in FASTER_HEAD_DIMS and unsupported_reason(q_r, k_row, v_row, **kwargs) is None
+
+
 def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, softmax_scale: float, offset: int,
                left_bound=None, right_bound=None, seq=None, bottom_right: bool = False,
-               flags: KernelRecipe = DEFAULT_FLAGS, stages: Optional[int] = None, checked: bool = False) -> None:
+               flags: KernelRecipe = DEFAULT_FLAGS, stages: Optional[int] = None, block_m: Optional[int] = None,
+               checked: bool = False) -> None:
     """The dK/dV pass of the "pre" backward for one chunk of heads: what `triton_attention_bwd._launch_dkdv`
     takes in mode "pre" (q_r, q_c, do_r, do_c the chunk's bf16 scratch [B, Hc, SQ, D] from `bwd_prep`; k_row,
     v_row the chunk's KV heads of K's and V's row-wise MXFP8Tensors; stats [B, Hc, SQ, 1] fp32 and delta
     [B, Hc, SQ] fp32 (unit stride along SQ) the chunk's slices; dk, dv [B, Hkv_c, SKV, D] with unit stride along
-    D) and the same mask arguments; writes dk and dv. stages: ring stages override (>= 1). Raises ValueError
+    D) and the same mask arguments; writes dk and dv. stages: ring stages override (>= 1); block_m: query rows
+    per streamed block override (a multiple of 32; sweeps, BLOCK_M[D] by default). Raises ValueError
     for what it does not take (`unsupported_reason`)."""
     reason = None if checked else unsupported_reason(q_r, k_row, v_row, left_bound=left_bound, seq=seq,
                                                      bottom_right=bottom_right, flags=flags, q_c=q_c, do_r=do_r,
@@ -423,8 +438,11 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
     ns = STAGES[D] if stages is None else int(stages)
     if ns < 1:
         raise ValueError(f"stages must be >= 1, got {ns}")
-    layout = tma_layout(D)
-    descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M[D], D], layout)
+    bm = BLOCK_M[D] if block_m is None else int(block_m)
+    if bm < 32 or bm % 32:
+        raise ValueError(f"block_m must be a positive multiple of 32, got {bm}")
+    layout = tma_layout(D, bm)
+    descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bm, D], layout)
              for t in (q_r, q_c, do_r, do_c)]
     has_rb = right_bound is not None
     grid = (cdiv(SKV, BLOCK_N), B * HKV)
@@ -435,7 +453,7 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
         *stats.stride()[:3], delta.stride(0), delta.stride(1), *dk.stride()[:3], *dv.stride()[:3],
         HKV, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, float(softmax_scale), int(offset),
         int(right_bound) if has_rb else 0,
-        HAS_RB=has_rb, BM=BLOCK_M[D], BN=BLOCK_N, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS,
+        HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=PARTITION_WARPS)
 
 
@@ -446,7 +464,7 @@ DIVISIBLE_INTS = ("skb", "skh", "sks", "sksb", "sksh", "svb", "svh", "svs", "svs
 
 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
-                 dk_dtype: str = "bf16", unit_stats: bool = True):
+                 dk_dtype: str = "bf16", unit_stats: bool = True, block_m: Optional[int] = None):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
     `gluon_attention_fwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
     call)."""
@@ -454,12 +472,13 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
     from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     fn = _gluon_dkdv_kernel
     ns = stages if stages is not None else STAGES[d]
-    layout = tma_layout(d)
-    desc = f"tensordesc<bf16[1, 1, {BLOCK_M[d]}, {d}],{layout!r}>"
+    bm = BLOCK_M[d] if block_m is None else block_m
+    layout = tma_layout(d, bm)
+    desc = f"tensordesc<bf16[1, 1, {bm}, {d}],{layout!r}>"
     types = dict(qr_desc=desc, qc_desc=desc, dor_desc=desc, doc_desc=desc, K="*fp8e4nv", KS="*u8", V="*fp8e4nv",
                  VS="*u8", LSE="*fp32", DELTA="*fp32", DK=f"*{dk_dtype}", DV=f"*{dk_dtype}", qk_scale="fp32",
                  sm_scale="fp32")
-    constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M[d], BN=BLOCK_N, D=d, NS=ns, CONSUMER_REGS=regs[0],
+    constexprs = dict(HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=d, NS=ns, CONSUMER_REGS=regs[0],
                       PRODUCER_REGS=regs[1])
     if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
         constexprs["sls"] = 1
@@ -472,4 +491,5 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=PARTITION_WARPS))
 
 
-__all__ = ["dkdv_gluon", "unsupported_reason", "compile_sm90", "BLOCK_M", "BLOCK_N", "STAGES"]
+__all__ = ["dkdv_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "BLOCK_M", "BLOCK_N",
+           "STAGES"]

@@ -347,7 +347,7 @@ def bwd_streams_bf16(B: int, HQ: int, HKV: int, SQ: int, SKV: int, D: int) -> bo
 def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stats, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   config=None, mode: str = "fp8", seq=None, bottom_right: bool = False,
-                  flags: KernelRecipe = DEFAULT_FLAGS) -> torch.Tensor:
+                  flags: KernelRecipe = DEFAULT_FLAGS, gluon_dkdv=None) -> torch.Tensor:
     """Launch the prep pass, dK/dV kernel and dQ kernel (per chunk of heads in mode "pre").
 
     q_row, q_col: MXFP8Tensor [B,Hq,Sq,D] (row: scales [B,H,S,ceil(D/32)], col: scales [B,H,ceil(S/32),D]);
@@ -365,6 +365,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     k_col, do_col are segmented; a padded batch's copies were quantized with the padding rows read as zeros).
     flags: the recipe's switches (`recipe_flags`); with flags.v_raw, v_row is V rounded to bf16 [B,Hkv,Skv,D]
     (unit stride along D), and do_row/do_col (mode "fp8") must have been quantized with flags.floor's rule.
+    gluon_dkdv: optional module `gluon_attention_bwd` (Hopper): in mode "pre" its warp-specialised dK/dV kernel
+    runs each chunk it takes (`takes`; same numbers), the Triton kernel the others.
     """
     if mode not in ("fp8", "pre"):
         raise ValueError(f"mode must be 'fp8' or 'pre', got {mode!r}")
@@ -426,8 +428,15 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
         q0, q1 = h0 * group, h1 * group
         do_r, do_c, q_r, q_c = bwd_prep(o, do, q_row, q_col, delta, q0, q1, seq, cu, floor=flags.floor)
         st, de = stats[:, q0:q1], delta[:, q0:q1]
-        _launch_dkdv(q_r, q_c, _heads(k_row, h0, h1), _heads(v_row, h0, h1), do_r, do_c, st, de,
-                     dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args, common, seq, cu, flags)
+        k_h, v_h = _heads(k_row, h0, h1), _heads(v_row, h0, h1)
+        if gluon_dkdv is not None and config is None and gluon_dkdv.takes(
+                q_r, k_h, v_h, left_bound=left_bound, seq=seq, bottom_right=bottom_right, flags=flags, q_c=q_c,
+                do_r=do_r, do_c=do_c):
+            gluon_dkdv.dkdv_gluon(q_r, q_c, k_h, v_h, do_r, do_c, st, de, dk[:, h0:h1], dv[:, h0:h1],
+                                  softmax_scale=softmax_scale, offset=offset, right_bound=right_bound, checked=True)
+        else:
+            _launch_dkdv(q_r, q_c, k_h, v_h, do_r, do_c, st, de, dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args,
+                         common, seq, cu, flags)
         del q_c, do_c
         k_r, k_c, v_r = kv_prep(k_row, k_col, v_row, h0, h1, seq, cu)
         _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common, seq, cu, flags)

@@ -155,6 +155,47 @@ def test_gluon_dkdv_head_chunk_views_and_stages(D):
         assert torch.equal(dk, results[0][0]) and torch.equal(dv, results[0][1])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal_gqa", "no_mask_mha", "sink_causal", "bottom_right_cross"])
+def test_public_backward_on_the_gluon_dkdv_kernel_equals_the_triton_kernels(monkeypatch, case):
+    """The public backward at head dim 128 on Hopper runs the Gluon dK/dV kernel (`attention_bwd`'s gluon_dkdv,
+    asked per chunk) and gives the gradients of the Triton kernel (MXATTN_GLUON_BWD=0's path) bit for bit:
+    dK/dV from the other kernel, dQ (same dQ kernel) identical. Inputs as views (bshd from a fused QKV)."""
+    if not _is_hopper():
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    import mxattn
+    from mxattn.backends import triton_backend as backend_module
+    from mxattn.kernels import gluon_attention_bwd as gb
+    monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)  # no replays: each path runs
+    HQ, HKV = (8, 2) if case == "causal_gqa" else (4, 4)
+    B, S, D = 2, 700, 128
+    g = torch.Generator(device="cuda").manual_seed(7)
+    qkv = torch.randn(B, S, HQ + 2 * HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    do = torch.randn(B, S, HQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    kwargs = dict(attn_mask_type="no_mask" if case == "no_mask_mha" else "causal", backend="triton")
+    if case == "sink_causal":
+        kwargs.update(softmax_type="learnable", softmax_offset=torch.randn(HQ, device="cuda", generator=g))
+    if case == "bottom_right_cross":
+        kwargs.update(attn_mask_type="causal_bottom_right")
+    runs = []
+    calls = []
+    real = gb.dkdv_gluon
+    monkeypatch.setattr(gb, "dkdv_gluon", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for on in (True, False):
+        monkeypatch.setattr(backend_module, "GLUON_BACKWARD", on)
+        x = qkv.clone().requires_grad_(True)
+        q, k, v = x.split([HQ, HKV, HKV], dim=2)
+        kq = k[:, : S - 100] if case == "bottom_right_cross" else k
+        vq = v[:, : S - 100] if case == "bottom_right_cross" else v
+        mxattn.mxfp8_attention(q, kq, vq, **kwargs).backward(do)
+        runs.append(x.grad)
+        if on:
+            assert calls, "the Gluon dK/dV kernel did not run"
+            calls.clear()
+    assert not calls
+    assert torch.equal(runs[0], runs[1])
+
+
 # --------------------------------------------------------------------------- CPU
 def _cpu_operands(D=128, HQ=4, HKV=2, SQ=100, SKV=80, dtype=torch.bfloat16):
     from types import SimpleNamespace

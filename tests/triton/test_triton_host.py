@@ -473,6 +473,86 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
             assert kw["sink"] is None
 
 
+@pytest.mark.parametrize("case, gluon_chunks", [
+    ("causal_gqa_d128", 1), ("no_mask_d128", 1), ("sink_d128", 1), ("many_heads_d128", 2), ("d64", 0),
+    ("window_d128", 0), ("padded_varlen_d128", 0), ("floor_recipe_d128", 0), ("fp8_data_path_d128", 0)])
+def test_the_pre_backward_runs_the_gluon_dkdv_kernel_where_it_takes_the_chunk(monkeypatch, request, case,
+                                                                             gluon_chunks):
+    """On the bf16-scratch backward (mode "pre") each chunk of heads runs the Gluon dK/dV kernel where it takes
+    it (`gluon_attention_bwd.takes`: default recipe, dense, no mask or a causal band, head dim 128; a sink lives in
+    the stats) with the chunk's views, else the Triton dK/dV kernel; the FP8 data path never asks. The numbers are
+    compared on the GPU (tests/triton/test_gluon_bwd_gpu.py)."""
+    from types import SimpleNamespace
+
+    import mxattn
+    from mxattn import Recipe
+    from mxattn.backends import triton_backend as backend_module
+    from mxattn.kernels import gluon_attention_bwd as gb
+    from mxattn.kernels import triton_attention_bwd as tb
+    from triton_helpers import force_fp8_data_paths
+
+    launched = _record_launches(monkeypatch, request, keep_kwargs=True)
+    calls = []
+    fake = SimpleNamespace(takes=gb.takes, dkdv_gluon=lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(backend_module, "_gluon_backward", lambda device: fake)
+    monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
+    if case == "fp8_data_path_d128":
+        force_fp8_data_paths(monkeypatch)
+    if case == "many_heads_d128":  # two chunks of heads (a scratch budget of one KV head's scratch)
+        monkeypatch.setattr(tb, "PRE_BUDGET_BYTES", 1)
+        monkeypatch.setattr(tb, "SCRATCH_BUDGET_BYTES", tb._pre_scratch_per_kv_head(2, 2, 160, 160, 128))
+    d = 64 if case == "d64" else 128
+    q = torch.randn(2, 160, 4, d, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 160, 2, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    kwargs = dict(attn_mask_type="no_mask" if case == "no_mask_d128" else "causal", backend="triton")
+    if case == "sink_d128":
+        kwargs.update(softmax_type="learnable", softmax_offset=torch.zeros(4))
+    if case == "window_d128":
+        kwargs.update(window_size=(64, 0))
+    if case == "floor_recipe_d128":
+        kwargs.update(recipe=Recipe(scale_rounding="floor"))
+    if case == "padded_varlen_d128":
+        kwargs.update(attn_mask_type="padding_causal", cu_seqlens_q=_cu([160, 100]), cu_seqlens_kv=_cu([160, 100]))
+    o = mxattn.mxfp8_attention(q, k, v, **kwargs)
+    launched.clear()
+    o.backward(torch.randn_like(o))
+    names = [name for name, *_ in launched]
+    assert len(calls) == gluon_chunks
+    assert names.count("dkdv_kernel") == (0 if gluon_chunks else 1)
+    assert names.count("dq_kernel") == max(1, gluon_chunks)
+    for h, (args, kw) in enumerate(calls):
+        q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv = args
+        per = 2 // gluon_chunks  # KV heads per chunk
+        assert k_row.data.shape == (2, per, 160, 128) and dk.shape == dv.shape == (2, per, 160, 128)
+        assert q_r.shape == q_c.shape == do_r.shape == do_c.shape == (2, 2 * per, 160, 128)
+        assert q_r.dtype == torch.bfloat16 and stats.shape == (2, 2 * per, 160, 1) and delta.shape == (2, 2 * per, 160)
+        first_dk = calls[0][0][8]  # the chunks write head slices of one dK
+        assert dk.untyped_storage().data_ptr() == first_dk.untyped_storage().data_ptr()
+        assert dk.data_ptr() - first_dk.data_ptr() == h * per * dk.stride(1) * dk.element_size()
+        assert kw["checked"] and kw["softmax_scale"] == pytest.approx(128 ** -0.5)
+        assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
+
+
+def test_the_gluon_backward_is_used_on_sm90_only(monkeypatch):
+    """`_gluon_backward`: the Gluon dK/dV module on a CUDA SM 9.0 device (read once per device, apart from the
+    forward's), None elsewhere and with MXATTN_GLUON_BWD=0 (GLUON_BACKWARD off)."""
+    from mxattn.backends import triton_backend as backend_module
+    from mxattn.kernels import gluon_attention_bwd, gluon_attention_fwd
+    capability = {0: (9, 0), 1: (10, 0)}
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or capability[i])
+    monkeypatch.setattr(backend_module, "_GLUON", {})
+    assert backend_module._gluon_backward(torch.device("cpu")) is None
+    assert backend_module._gluon_backward(torch.device("cuda", 0)) is gluon_attention_bwd
+    assert backend_module._gluon_forward(torch.device("cuda", 0)) is gluon_attention_fwd
+    assert backend_module._gluon_backward(torch.device("cuda", 0)) is gluon_attention_bwd
+    assert backend_module._gluon_backward(torch.device("cuda", 1)) is None
+    assert asked == [0, 0, 1]
+    monkeypatch.setattr(backend_module, "GLUON_BACKWARD", False)
+    assert backend_module._gluon_backward(torch.device("cuda", 0)) is None
+    assert backend_module._gluon_forward(torch.device("cuda", 0)) is gluon_attention_fwd
+
+
 def test_the_gluon_forward_is_used_on_sm90_only(monkeypatch):
     """`_gluon_forward`: the Gluon module on a CUDA SM 9.0 device (read once per device), None on other
     capabilities, on the CPU, and with MXATTN_GLUON_FWD=0 (GLUON_FORWARD off)."""
