@@ -35,7 +35,7 @@ from ..formats import MXFP8Tensor, segment_rows
 from ..seqinfo import SeqInfo, grid_rows, quantizer_args, zero_padding
 from ..kernels.affine_plan import AffinePlanCache
 from ..kernels.launch_plan import PlanCache, plan_key
-from ..kernels.recipe_flags import kernel_recipe, unsupported_reason
+from ..kernels.recipe_flags import DEFAULT_FLAGS, kernel_recipe, unsupported_reason
 from .base import (AttentionBackend, AttentionParams, SavedForBackward, check_forward_quantized,
                    sink_grad_from_delta)
 
@@ -96,16 +96,24 @@ def _attend(like: torch.Tensor, q_data: torch.Tensor, q_scale: torch.Tensor, kv_
             stats.copy_(sink.view(1, -1, 1, 1).expand_as(stats))
     elif sq > 0 and B * hq > 0:
         k_data, k_scale, v = kv_operands()
-        kwargs = dict(softmax_scale=params.softmax_scale, out=o, stats=stats, sink=sink, flags=flags,
-                      **_mask_args(params, sq, skv))
-        gluon = _gluon_forward(q_data.device)
-        if gluon is not None and gluon.takes(
-                q_data, k_scale, v, k_data=k_data, left_bound=kwargs["left_bound"], seq=kwargs.get("seq"),
-                bottom_right=kwargs.get("bottom_right", False), sink=sink, flags=flags, out=o):
-            gluon.attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, checked=True, **kwargs)
-        else:
-            _kernels()[1].attention_fwd(q_data, q_scale, k_data, k_scale, v, **kwargs)
+        forward_kernel(q_data, q_scale, k_data, k_scale, v, softmax_scale=params.softmax_scale, out=o, stats=stats,
+                       sink=sink, flags=flags, **_mask_args(params, sq, skv))
     return o, stats
+
+
+def forward_kernel(q_data, q_scale, k_data, k_scale, v, *, out: torch.Tensor, sink=None, flags=DEFAULT_FLAGS,
+                   **kwargs) -> None:
+    """The forward kernel the backend runs on these operands (`triton_attention_fwd.attention_fwd`'s arguments,
+    either data path): the Gluon warp-specialised forward where it `takes` the call on this device
+    (`_gluon_forward`), else the Triton forward. Writes out and kwargs["stats"]."""
+    gluon = _gluon_forward(q_data.device)
+    if gluon is not None and gluon.takes(
+            q_data, k_scale, v, k_data=k_data, left_bound=kwargs.get("left_bound"), seq=kwargs.get("seq"),
+            bottom_right=kwargs.get("bottom_right", False), sink=sink, flags=flags, out=out):
+        gluon.attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, out=out, sink=sink, flags=flags,
+                                  checked=True, **kwargs)
+    else:
+        _kernels()[1].attention_fwd(q_data, q_scale, k_data, k_scale, v, out=out, sink=sink, flags=flags, **kwargs)
 
 
 #: the Gluon warp-specialised forward (`mxattn.kernels.gluon_attention_fwd`, issue 24) runs the forward on Hopper
