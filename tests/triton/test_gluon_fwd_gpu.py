@@ -395,6 +395,7 @@ def test_the_backends_fp8_path_runs_the_gluon_forward(monkeypatch, case, path):
     from mxattn.backends import triton_backend as backend_module
     from mxattn.kernels import gluon_attention_fwd as gf
     from triton_helpers import force_fp8_data_paths
+    _fresh_plan_caches(monkeypatch)  # (an earlier test's recorded op bodies of these signatures would replay)
     if path == "fp8":
         force_fp8_data_paths(monkeypatch)
     else:  # no launch plans: each run below takes the body (the toggled choice is not in the plan key)
