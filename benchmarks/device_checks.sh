@@ -4,7 +4,8 @@
 #   PART=all (default): the GPU tests, with the samples and a short GPT training beside them
 #   PART=tests: the GPU tests alone, on every CPU core; PART=samples: the samples and the training alone.
 #   (The whole set took about 570 s on an H100 machine in session 18, at the device tool's 600 s per call; the
-#   two parts fit one call each: the tests alone 303 s with 16 workers.)
+#   two parts fit one call each: the tests alone 303 s with 16 workers. Since session 29 the tests alone outgrow
+#   one call too: run them as two, PART=tests with "not gluon" (404 s on an H100) and with "gluon" (127 s).)
 set -u
 OUT=${OUT:-device-logs}
 PART=${PART:-all}
