@@ -542,43 +542,36 @@ def test_the_pre_backward_runs_the_gluon_dkdv_kernel_where_it_takes_the_chunk(mo
         assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
 
 
-def test_the_gluon_backward_is_used_on_sm90_only(monkeypatch):
-    """`_gluon_backward`: the Gluon dK/dV module on a CUDA SM 9.0 device (read once per device, apart from the
-    forward's), None elsewhere and with MXATTN_GLUON_BWD=0 (GLUON_BACKWARD off)."""
-    from mxattn.backends import triton_backend as backend_module
-    from mxattn.kernels import gluon_attention_bwd, gluon_attention_fwd
-    capability = {0: (9, 0), 1: (10, 0)}
-    asked = []
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or capability[i])
-    monkeypatch.setattr(backend_module, "_GLUON", {})
-    assert backend_module._gluon_backward(torch.device("cpu")) is None
-    assert backend_module._gluon_backward(torch.device("cuda", 0)) is gluon_attention_bwd
-    assert backend_module._gluon_forward(torch.device("cuda", 0)) is gluon_attention_fwd
-    assert backend_module._gluon_backward(torch.device("cuda", 0)) is gluon_attention_bwd
-    assert backend_module._gluon_backward(torch.device("cuda", 1)) is None
-    assert asked == [0, 0, 1]
-    monkeypatch.setattr(backend_module, "GLUON_BACKWARD", False)
-    assert backend_module._gluon_backward(torch.device("cuda", 0)) is None
-    assert backend_module._gluon_forward(torch.device("cuda", 0)) is gluon_attention_fwd
+@pytest.mark.parametrize("getter, module_name, switch", [
+    ("_gluon_forward", "gluon_attention_fwd", "GLUON_FORWARD"),
+    ("_gluon_backward", "gluon_attention_bwd", "GLUON_BACKWARD")], ids=["forward", "backward"])
+def test_the_gluon_kernels_are_used_on_sm90_only(monkeypatch, getter, module_name, switch):
+    """`_gluon_forward` / `_gluon_backward`: the Gluon module on a CUDA SM 9.0 device (read once per device and
+    module), None on other capabilities, on the CPU, and with its switch off (MXATTN_GLUON_FWD=0 /
+    MXATTN_GLUON_BWD=0), which leaves the other module's choice alone."""
+    import importlib
 
-
-def test_the_gluon_forward_is_used_on_sm90_only(monkeypatch):
-    """`_gluon_forward`: the Gluon module on a CUDA SM 9.0 device (read once per device), None on other
-    capabilities, on the CPU, and with MXATTN_GLUON_FWD=0 (GLUON_FORWARD off)."""
     from mxattn.backends import triton_backend as backend_module
-    from mxattn.kernels import gluon_attention_fwd
+    module = importlib.import_module(f"mxattn.kernels.{module_name}")
+    other, other_name = [(g, m) for g, m in (("_gluon_forward", "gluon_attention_fwd"),
+                                             ("_gluon_backward", "gluon_attention_bwd")) if g != getter][0]
     capability = {0: (9, 0), 1: (10, 0), 2: (8, 9)}
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or capability[i])
     monkeypatch.setattr(backend_module, "_GLUON", {})
-    assert backend_module._gluon_forward(torch.device("cpu")) is None
-    assert backend_module._gluon_forward(torch.device("cuda", 0)) is gluon_attention_fwd
-    assert backend_module._gluon_forward(torch.device("cuda", 0)) is gluon_attention_fwd
-    assert backend_module._gluon_forward(torch.device("cuda", 1)) is None
-    assert backend_module._gluon_forward(torch.device("cuda", 2)) is None
+    choose = getattr(backend_module, getter)
+    assert choose(torch.device("cpu")) is None
+    assert choose(torch.device("cuda", 0)) is module
+    assert choose(torch.device("cuda", 0)) is module
+    assert choose(torch.device("cuda", 1)) is None
+    assert choose(torch.device("cuda", 2)) is None
     assert asked == [0, 1, 2]
-    monkeypatch.setattr(backend_module, "GLUON_FORWARD", False)
-    assert backend_module._gluon_forward(torch.device("cuda", 0)) is None
+    other_module = importlib.import_module(f"mxattn.kernels.{other_name}")
+    assert getattr(backend_module, other)(torch.device("cuda", 0)) is other_module
+    assert asked == [0, 1, 2, 0]  # (cached apart from this module's choice)
+    monkeypatch.setattr(backend_module, switch, False)
+    assert choose(torch.device("cuda", 0)) is None
+    assert getattr(backend_module, other)(torch.device("cuda", 0)) is other_module
 
 
 def test_gluon_takes_sinks_and_windows_and_refuses_the_rest():
