@@ -25,10 +25,11 @@ Structure (FlashAttention-3's dQ side, Q-stationary): a CTA owns BLOCK_M = 128 q
 head); three partitions of one warpgroup each (`gl.warp_specialize`, setmaxnreg CONSUMER_REGS / PRODUCER_REGS,
 the default partition what is left):
 
-* the producer warpgroup: TMA-loads the CTA's Q and dO rows once (two [64, D] tiles each, one expect-tx
-  arrival on "q_ready"), then for t = 0, 1, ... over the KV blocks the CTA visits (block t: `_kv_blocks`, from
-  0) waits "empty" of stage t % NS and TMA-loads the three bf16 tiles K_r, V_r, K_c [BLOCK_N, D] (4-D
-  descriptors: rows past SQ / SKV read as zeros) with one expect-tx arrival on "ready".
+* the producer warpgroup: TMA-loads the CTA's Q and dO rows once (a [64, D] tile each per consumer warpgroup
+  whose rows start before SQ, one expect-tx arrival on "q_ready"), then for t = 0, 1, ... over the KV blocks
+  the CTA visits (block t: `_kv_blocks`, from 0) waits "empty" of stage t % NS and TMA-loads the three bf16
+  tiles K_r, V_r, K_c [BLOCK_N, D] (4-D descriptors: rows past SQ / SKV read as zeros) with one expect-tx
+  arrival on "ready".
 * two consumer warpgroups (the default partition and a worker), 64 query rows each: LSE and delta of their
   rows in registers, wait "q_ready", then per KV block: wait "ready", issue S and dP (async wgmma, A = their Q /
   dO rows from shared memory, B = K_r^T / V_r^T), P, the mask (blocks past `_kv_full_blocks` only), dS and its
@@ -80,7 +81,7 @@ def _kv_full_blocks(m0, SKV, offset, RB, HAS_RB: gl.constexpr, BN: gl.constexpr)
 
 @gluon.jit
 def _producer(q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
-              HQ, GROUP, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              HQ, GROUP, SQ, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               D: gl.constexpr, NS: gl.constexpr):
     """The producer warpgroup: the CTA's Q and dO rows once, then stage t % NS gets KV block t, once both
     consumer warpgroups released the stage."""
@@ -88,10 +89,17 @@ def _producer(q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc,
     m0 = tile * BM
     hk = hq // GROUP
     BMW: gl.constexpr = BM // 2
-    mbarrier.expect(q_ready, 4 * BMW * D * 2)  # Q and dO, two bf16 [BMW, D] tiles each
-    for w in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + w * BMW, 0], q_ready, q_s.index(w))
-        tma.async_copy_global_to_shared(do_desc, [b, hq, m0 + w * BMW, 0], q_ready, do_s.index(w))
+    # Q and dO, a bf16 [BMW, D] tile each per consumer warpgroup; none for the second one where its rows all lie
+    # past SQ (no TMA box wholly out of bounds; that warpgroup's rows are never stored)
+    if m0 + BMW < SQ:
+        mbarrier.expect(q_ready, 4 * BMW * D * 2)
+    else:
+        mbarrier.expect(q_ready, 2 * BMW * D * 2)
+    tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready, q_s.index(0))
+    tma.async_copy_global_to_shared(do_desc, [b, hq, m0, 0], q_ready, do_s.index(0))
+    if m0 + BMW < SQ:
+        tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + BMW, 0], q_ready, q_s.index(1))
+        tma.async_copy_global_to_shared(do_desc, [b, hq, m0 + BMW, 0], q_ready, do_s.index(1))
     for t in range(_kv_blocks(m0, SKV, offset, RB, HAS_RB, BM, BN)):
         s = t % NS
         mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)  # passes at once on a fresh barrier (first round)
@@ -209,7 +217,7 @@ def _gluon_dq_kernel(
                      slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
                      HAS_RB, BM, BN, D, NS, WG1)),
         (_producer, (q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
-                     HQ, GROUP, SKV, offset, RB, HAS_RB, BM, BN, D, NS)),
+                     HQ, GROUP, SQ, SKV, offset, RB, HAS_RB, BM, BN, D, NS)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
     mbarrier.invalidate(q_ready)

@@ -24,10 +24,11 @@ def _is_hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, right_bound, g, scale):
+def _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, right_bound, g, scale, with_kv=False):
     """(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta) as attention_bwd hands them to the dK/dV launch in
     mode "pre" (all heads in one chunk); stats the natural-log LSE of the masked logits of the dequantized Q, K
-    (-inf for rows without keys), o and dO random."""
+    (-inf for rows without keys), o and dO random. with_kv: followed by `kv_prep`'s bf16 scratch (k_r, k_c,
+    v_r) and K's column-wise MXFP8Tensor k_col (the dQ launch's key side)."""
     from mxattn.kernels.triton_bwd_prep import bwd_prep, kv_prep
     from mxattn.kernels.triton_quantize import quantize_rowcol
     from mxattn.seqinfo import kernel_cu_seqlens
@@ -38,7 +39,7 @@ def _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, right_bound, g, scale):
     qq, kq, vq = quantize_rowcol(q), quantize_rowcol(k), quantize_rowcol(v, col=False)
     stats = torch.empty(B, HQ, SQ, 1, device="cuda", dtype=torch.float32)
     cu = kernel_cu_seqlens(None, stats)
-    k_r, _, _ = kv_prep(kq.row, kq.col, vq.row, 0, HKV, None, cu)
+    k_r, k_c, v_r = kv_prep(kq.row, kq.col, vq.row, 0, HKV, None, cu)
     delta = torch.empty(B, HQ, SQ, device="cuda", dtype=torch.float32)
     do_r, do_c, q_r, q_c = bwd_prep(o, do, qq.row, qq.col, delta, 0, HQ, None, cu)
     drop = None
@@ -49,24 +50,32 @@ def _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, right_bound, g, scale):
         if drop is not None:
             logits.masked_fill_(drop, float("-inf"))
         stats[:, h] = torch.logsumexp(logits, dim=-1, keepdim=True)
-    return q_r, q_c, kq.row, vq.row, do_r, do_c, stats, delta
+    out = (q_r, q_c, kq.row, vq.row, do_r, do_c, stats, delta)
+    return out + (k_r, k_c, v_r, kq.col) if with_kv else out
+
+
+def _triton_pre_launch(which, q_shape, HKV, SKV, stats, scale, offset, right_bound):
+    """The trailing arguments of attention_bwd's mode-"pre" launch `which` (0: `_launch_dkdv`, 1: `_launch_dq`)
+    for a dense call with Q [B, HQ, SQ, D] (q_shape): (cfg, pre, args, common, seq, cu, flags), its default
+    config."""
+    from mxattn.kernels import triton_attention_bwd as tb
+    from mxattn.kernels.recipe_flags import DEFAULT_FLAGS
+    from mxattn.kernels.triton_quantize import padded_head_dim
+    from mxattn.seqinfo import kernel_cu_seqlens, kernel_flags
+    B, HQ, SQ, D = q_shape
+    dp = padded_head_dim(D)
+    args = (HQ // HKV, SQ, SKV, D, float(scale) * tb.LOG2E.value, float(scale), int(offset), 0,
+            0 if right_bound is None else int(right_bound))
+    common = dict(HAS_LB=False, HAS_RB=right_bound is not None, DP=dp, EVEN_D=dp == D, **kernel_flags(None, False))
+    return tb._bwd_config(dp, "pre")[which], True, args, common, None, kernel_cu_seqlens(None, stats), DEFAULT_FLAGS
 
 
 def _triton_dkdv(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, scale, offset, right_bound):
     """The Triton dK/dV launch of attention_bwd's mode "pre" (its config, args and constexprs)."""
     from mxattn.kernels import triton_attention_bwd as tb
-    from mxattn.kernels.recipe_flags import DEFAULT_FLAGS
-    from mxattn.kernels.triton_quantize import padded_head_dim
-    from mxattn.seqinfo import kernel_cu_seqlens, kernel_flags
-    B, HQ, SQ, D = q_r.shape
-    HKV, SKV = k_row.data.shape[1], k_row.data.shape[2]
-    dp = padded_head_dim(D)
-    cfg1 = tb._bwd_config(dp, "pre")[0]
-    args = (HQ // HKV, SQ, SKV, D, float(scale) * tb.LOG2E.value, float(scale), int(offset), 0,
-            0 if right_bound is None else int(right_bound))
-    common = dict(HAS_LB=False, HAS_RB=right_bound is not None, DP=dp, EVEN_D=dp == D, **kernel_flags(None, False))
-    tb._launch_dkdv(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, cfg1, True, args, common, None,
-                    kernel_cu_seqlens(None, stats), DEFAULT_FLAGS)
+    tb._launch_dkdv(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv,
+                    *_triton_pre_launch(0, q_r.shape, k_row.data.shape[1], k_row.data.shape[2], stats, scale, offset,
+                                        right_bound))
 
 
 def _assert_like_triton(x, ref, name):
