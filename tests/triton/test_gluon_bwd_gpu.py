@@ -105,21 +105,29 @@ CASES = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
-def test_gluon_dkdv_matches_triton_dkdv(case, D, heads):
+def over_cases(fn):
+    """A GPU comparison test over CASES x head dims 64 / 128 x MHA / GQA (arguments case, D, heads)."""
+    fn = pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])(fn)
+    fn = pytest.mark.parametrize("D", [64, 128])(fn)
+    return pytest.mark.gpu(pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])(fn))
+
+
+def case_inputs(case, D, heads, seed, with_kv=False):
+    """(B, HQ, HKV, SQ, SKV, offset, right bound, scale, `_pre_inputs`' tensors) of one of CASES (B = 2,
+    softmax scale 1 / sqrt(D), a causal case's right bound 0); skips unless an sm_90 GPU."""
     if not _is_hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
-    from mxattn.kernels import gluon_attention_bwd as gb
     _, SQ, SKV, offset, causal = case
-    HQ, HKV = heads
-    B = 2
-    scale = 1.0 / math.sqrt(D)
-    rb = 0 if causal else None
-    g = torch.Generator(device="cuda").manual_seed(4321 + D + SQ + SKV + HKV)
-    ins = _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, rb, g, scale)
+    (HQ, HKV), B, scale, rb = heads, 2, 1.0 / math.sqrt(D), 0 if causal else None
+    g = torch.Generator(device="cuda").manual_seed(seed + D + SQ + SKV + HKV)
+    ins = _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, rb, g, scale, with_kv)
+    return B, HQ, HKV, SQ, SKV, offset, rb, scale, ins
+
+
+@over_cases
+def test_gluon_dkdv_matches_triton_dkdv(case, D, heads):
+    from mxattn.kernels import gluon_attention_bwd as gb
+    B, HQ, HKV, SQ, SKV, offset, rb, scale, ins = case_inputs(case, D, heads, 4321)
     dk_ref, dv_ref = (torch.empty(B, HKV, SKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     _triton_dkdv(*ins, dk_ref, dv_ref, scale, offset, rb)
     dk, dv = (torch.full((B, HKV, SKV, D), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -257,12 +265,13 @@ def test_gluon_dkdv_takes_the_triton_launchs_arguments():
         assert kw in ours
 
 
-def _compile_or_skip(d, causal):
+def compile_or_skip(module: str, d, causal):
+    """mxattn.kernels.<module>.compile_sm90(d, causal), or a skip where Triton cannot build for sm_90a here."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed here")
     try:
-        from mxattn.kernels import gluon_attention_bwd as gb
-        return gb.compile_sm90(d, causal)
+        import importlib
+        return importlib.import_module(f"mxattn.kernels.{module}").compile_sm90(d, causal)
     except ImportError as e:  # pragma: no cover - a Triton without GPU-target compilation or without Gluon
         pytest.skip(f"cannot compile for sm_90a here: {e}")
 
@@ -273,4 +282,4 @@ def test_gluon_dkdv_compiles_for_sm90a_without_spills(d, causal):
     """The warp-specialised kernel builds for sm_90a with Triton's ptxas: no local memory (spills), the
     producer/consumer register split (setmaxnreg), wgmma (A from shared memory for S^T / dP^T, from registers for
     dV / dK), 4-D TMA loads, within the H100's shared memory."""
-    _assert_sm90_build(_compile_or_skip(d, causal))
+    _assert_sm90_build(compile_or_skip("gluon_attention_bwd", d, causal))

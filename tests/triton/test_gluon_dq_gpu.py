@@ -14,17 +14,22 @@ import math
 import pytest
 import torch
 
-from test_gluon_bwd_gpu import (CASES, HAS_TRITON, _assert_like_triton, _cpu_operands, _is_hopper, _pre_inputs,
-                                _triton_pre_launch)
+from test_gluon_bwd_gpu import (HAS_TRITON, _assert_like_triton, _cpu_operands, _is_hopper, _pre_inputs,
+                                _triton_pre_launch, case_inputs, compile_or_skip, over_cases)
 from test_gluon_fwd_gpu import _assert_sm90_build
 
 
 def _dq_inputs(B, HQ, HKV, SQ, SKV, D, offset, right_bound, g, scale):
     """(q_r, k_r, k_c, v_r, do_r, stats, delta) as attention_bwd hands them to the dQ launch in mode "pre" (all
     heads in one chunk), then (k_row, k_col, v_row) for chunks of heads."""
-    q_r, _, k_row, v_row, do_r, _, stats, delta, k_r, k_c, v_r, k_col = _pre_inputs(
-        B, HQ, HKV, SQ, SKV, D, offset, right_bound, g, scale, with_kv=True)
-    return (q_r, k_r, k_c, v_r, do_r, stats, delta), (k_row, k_col, v_row)
+    pre = _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, right_bound, g, scale, with_kv=True)
+    return _dq_operands(pre), (pre[2], pre[11], pre[3])
+
+
+def _dq_operands(pre):
+    """The dQ launch's tensors (q_r, k_r, k_c, v_r, do_r, stats, delta) of `_pre_inputs(.., with_kv=True)`."""
+    q_r, _, _, _, do_r, _, stats, delta, k_r, k_c, v_r, _ = pre
+    return q_r, k_r, k_c, v_r, do_r, stats, delta
 
 
 def _triton_dq(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, scale, offset, right_bound):
@@ -34,21 +39,11 @@ def _triton_dq(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, scale, offset, right_
                   *_triton_pre_launch(1, q_r.shape, k_r.shape[1], k_r.shape[2], stats, scale, offset, right_bound))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@over_cases
 def test_gluon_dq_matches_triton_dq(case, D, heads):
-    if not _is_hopper():
-        pytest.skip("needs an sm_90 (Hopper) GPU")
     from mxattn.kernels import gluon_attention_dq as gd
-    _, SQ, SKV, offset, causal = case
-    HQ, HKV = heads
-    B = 2
-    scale = 1.0 / math.sqrt(D)
-    rb = 0 if causal else None
-    g = torch.Generator(device="cuda").manual_seed(1234 + D + SQ + SKV + HKV)
-    ins, _ = _dq_inputs(B, HQ, HKV, SQ, SKV, D, offset, rb, g, scale)
+    B, HQ, HKV, SQ, SKV, offset, rb, scale, pre = case_inputs(case, D, heads, 1234, with_kv=True)
+    ins = _dq_operands(pre)
     dq_ref = torch.empty(B, HQ, SQ, D, device="cuda", dtype=torch.bfloat16)
     _triton_dq(*ins, dq_ref, scale, offset, rb)
     dq = torch.full((B, HQ, SQ, D), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -56,7 +51,7 @@ def test_gluon_dq_matches_triton_dq(case, D, heads):
     gd.dq_gluon(*ins, dq, softmax_scale=scale, offset=offset, left_bound=None, right_bound=rb)
     torch.cuda.synchronize()
     _assert_like_triton(dq, dq_ref, "dQ")
-    if causal and offset < 0:  # rows that meet no key
+    if rb is not None and offset < 0:  # rows that meet no key
         assert (dq[:, :, :-offset] == 0).all()
 
 
@@ -158,20 +153,10 @@ def test_gluon_dq_takes_the_triton_launchs_arguments():
             assert ours[kw].default == inspect.signature(gb.dkdv_gluon).parameters[kw].default
 
 
-def _compile_or_skip(d, causal):
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed here")
-    try:
-        from mxattn.kernels import gluon_attention_dq as gd
-        return gd.compile_sm90(d, causal)
-    except ImportError as e:  # pragma: no cover - a Triton without GPU-target compilation or without Gluon
-        pytest.skip(f"cannot compile for sm_90a here: {e}")
-
-
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)],
                          ids=["d64", "d64-causal", "d128", "d128-causal"])
 def test_gluon_dq_compiles_for_sm90a_without_spills(d, causal):
     """The warp-specialised kernel builds for sm_90a with Triton's ptxas: no local memory (spills), the
     producer/consumer register split (setmaxnreg), wgmma (A from shared memory for S / dP, from registers for
     dQ), 4-D TMA loads, within the H100's shared memory."""
-    _assert_sm90_build(_compile_or_skip(d, causal))
+    _assert_sm90_build(compile_or_skip("gluon_attention_dq", d, causal))
