@@ -62,8 +62,8 @@ CASES = [(sq, skv, off, rb, has_rb)
 @pytest.mark.parametrize("BN,triton_bn", [(128, 32), (64, 64)], ids=["d64", "d128"])
 def test_kv_block_walk(BN, triton_bn):
     """Per query tile: the walk is the Triton kernel's at the same BN (blocks, order, masks); at the Triton
-    kernel's own BN its keys, more only in masked blocks; an unmasked block keeps every pair of the tile's 128 rows; every
-    kept (query < SQ, key < SKV) pair lies in a visited block."""
+    kernel's own BN its keys, more only in masked blocks; an unmasked block keeps every pair of the tile's 128
+    rows; every kept (query < SQ, key < SKV) pair lies in a visited block."""
     for sq, skv, off, rb, has_rb in CASES:
         for m0 in range(0, sq, BM):
             walk = gluon_walk(m0, skv, off, rb, has_rb, BN)
