@@ -78,7 +78,7 @@ def test_gluon_dq_head_chunk_views_and_stages(D):
     dq_ref = torch.zeros(B, HQ, SQ, D, device="cuda", dtype=torch.bfloat16)
     _triton_dq(*chunk, dq_ref[:, q0:q1], scale, 0, 0)
     results = []
-    for stages in (None, 1, 2, 4):
+    for stages in (None, 1, 2) + ((4,) if D == 64 else ()):  # (4 stages of D128 tiles exceed shared memory)
         dq = torch.zeros(B, HQ, SQ, D, device="cuda", dtype=torch.bfloat16)
         gd.dq_gluon(*chunk, dq[:, q0:q1], softmax_scale=scale, offset=0, right_bound=0, stages=stages)
         torch.cuda.synchronize()
