@@ -3,13 +3,15 @@
 * gluon          the warp-specialised Gluon forward (mxattn.kernels.gluon_attention_fwd, issue 24) on FP8 Q/K/V
 * gluon_nopp     the same without the consumer warpgroups' ping-pong (config=(stages, fp8 stages, False))
 * triton_fp8     the Triton forward on the same FP8 operands (K/V dequantized on chip)
-* triton_bf16kv  the Triton forward on bf16 K/V scratch (the backend's choice at these sizes: `fwd_streams_bf16`)
+* triton_bf16kv  the Triton forward on bf16 K/V scratch (the backend's data path at these sizes: `fwd_streams_bf16`)
+* gluon_bf16kv   the Gluon forward's bf16-K/V variant on the same scratch (TMA straight into its bf16 ring)
 * sdpa_cudnn, sdpa_flash   torch SDPA on bf16 Q/K/V (mxattn.bench's runners: GQA through enable_gqa, or K/V
   expanded outside the timed region where a backend refuses it)
 
 Kernel time only (operands quantized once, outside the timing), triton.testing.do_bench (median ms), TFLOP/s
 from the kept (i, j) pairs, and the ratios of every kernel to sdpa_cudnn and of gluon to the two Triton paths.
-Before timing, each config checks the Gluon output against triton_fp8's (share within one bf16 ulp).
+Before timing, each config checks the outputs of gluon, gluon_bf16kv and triton_bf16kv against triton_fp8's
+(share within one bf16 ulp).
 
 --window W (a sliding window: keys kept where col > row - W) and --sink (fp32 sink logits per query head, drawn
 from N(0, 1)) time the Gluon forward's window and sink variants against the Triton forward on the same operands
@@ -64,6 +66,8 @@ def bench_config(name, B, HQ, HKV, S, D, causal, window=None, sink=False):
         "triton_fp8": lambda: tf.attention_fwd(*fp8, out=out, stats=stats, **kw),
         "triton_bf16kv": lambda: tf.attention_fwd(qq.row.data, qq.row.scale, kb.row_dequant, None, vb.col_dequant,
                                                   out=out, stats=stats, **kw),
+        "gluon_bf16kv": lambda: gf.attention_fwd_gluon(qq.row.data, qq.row.scale, kb.row_dequant, None,
+                                                       vb.col_dequant, out=out, stats=stats, **kw),
     }
     notes = []
     for kind in (() if window is not None or sink else ("cudnn", "flash")):
@@ -75,11 +79,13 @@ def bench_config(name, B, HQ, HKV, S, D, causal, window=None, sink=False):
     # agreement with the Triton forward on the same operands before timing
     runs["triton_fp8"]()
     o_ref, s_ref = out.clone(), stats.clone()
-    runs["gluon"]()
-    torch.cuda.synchronize()
-    ulps = (_ordered_bf16(out) - _ordered_bf16(o_ref)).abs()
-    check = dict(within_1ulp=(ulps <= 1).float().mean().item(), max_ulps=int(ulps.max().item()),
-                 stats_max_abs=(stats - s_ref).abs().nan_to_num(0).max().item())
+    check = {}
+    for name in ("gluon", "gluon_bf16kv", "triton_bf16kv"):
+        runs[name]()
+        torch.cuda.synchronize()
+        ulps = (_ordered_bf16(out) - _ordered_bf16(o_ref)).abs()
+        check[name] = dict(within_1ulp=(ulps <= 1).float().mean().item(), max_ulps=int(ulps.max().item()),
+                           stats_max_abs=(stats - s_ref).abs().nan_to_num(0).max().item())
     flops = 4.0 * B * HQ * D * kept_pairs(S, S, causal, window)
     res = {"config": name, "window": window, "sink": sink, "check": check, "notes": notes}
     for key, fn in runs.items():
@@ -92,6 +98,7 @@ def bench_config(name, B, HQ, HKV, S, D, causal, window=None, sink=False):
             res[f"{key}_vs_cudnn"] = base / res[f"{key}_ms"]
     res["gluon_vs_triton_fp8"] = res["triton_fp8_ms"] / res["gluon_ms"]
     res["gluon_vs_triton_bf16kv"] = res["triton_bf16kv_ms"] / res["gluon_ms"]
+    res["gluon_bf16kv_vs_triton_bf16kv"] = res["triton_bf16kv_ms"] / res["gluon_bf16kv_ms"]
     return res
 
 
@@ -108,16 +115,19 @@ def main():
     for cfg in args.config or DEFAULT_CONFIGS:
         r = bench_config(*cfg, window=args.window, sink=args.sink)
         results.append(r)
-        c = r["check"]
-        print(f"\n{r['config']}{'' if args.window is None else f' window {args.window}'}{' sink' if args.sink else ''}: O within 1 ulp of triton_fp8 {c['within_1ulp']:.5f} (max {c['max_ulps']} ulps), "
-              f"stats max abs diff {c['stats_max_abs']:.2e} {'; '.join(r['notes'])}")
-        for key in ("gluon", "gluon_nopp", "triton_fp8", "triton_bf16kv", "sdpa_cudnn", "sdpa_flash"):
+        checks = "; ".join(f"{name} {c['within_1ulp']:.5f} (max {c['max_ulps']} ulps, stats max abs diff "
+                           f"{c['stats_max_abs']:.2e})" for name, c in r["check"].items())
+        print(f"\n{r['config']}{'' if args.window is None else f' window {args.window}'}{' sink' if args.sink else ''}: "
+              f"O within 1 ulp of triton_fp8: {checks} {'; '.join(r['notes'])}")
+        for key in ("gluon", "gluon_nopp", "triton_fp8", "triton_bf16kv", "gluon_bf16kv", "sdpa_cudnn",
+                    "sdpa_flash"):
             if f"{key}_ms" in r:
                 ratio = r.get(f"{key}_vs_cudnn")
                 print(f"  {key:14s} {r[key + '_ms']:8.3f} ms {r[key + '_tflops']:7.1f} TFLOP/s"
                       + (f"  {ratio:5.2f}x cudnn" if ratio else ""))
         print(f"  gluon vs triton_fp8 {r['gluon_vs_triton_fp8']:.2f}x, vs triton_bf16kv "
-              f"{r['gluon_vs_triton_bf16kv']:.2f}x (>1: gluon faster)")
+              f"{r['gluon_vs_triton_bf16kv']:.2f}x; gluon_bf16kv vs triton_bf16kv "
+              f"{r['gluon_bf16kv_vs_triton_bf16kv']:.2f}x (>1: gluon faster)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -173,8 +173,7 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16, rounds: int
     medians), TFLOP/s, ratios and peak bytes."""
     from .backends.base import AttentionParams
     from .attention import mxfp8_attention
-    from .backends.triton_backend import TritonBackend
-    from .kernels import triton_attention_fwd as tf
+    from .backends.triton_backend import TritonBackend, forward_kernel
     from .kernels.triton_quantize import quantize_rowcol
     from .mask import MaskSpec
 
@@ -211,7 +210,7 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16, rounds: int
     timed = {  # name -> callable, all timed once per round
         "triton_fwd": lambda: be.forward(q, k, v, infer),
         "triton_fwd_train": lambda: be.forward(q, k, v, params),
-        "triton_fwd_kernel": lambda: tf.attention_fwd(
+        "triton_fwd_kernel": lambda: forward_kernel(  # the kernel the backend runs (Gluon on Hopper, or Triton)
             qq.row.data, qq.row.scale, *kv, softmax_scale=scale, offset=0, left_bound=None,
             right_bound=0 if causal else None, out=ob, stats=sb),
         "triton_bwd": lambda: be.backward(saved, o, stats, do, params),

@@ -35,7 +35,7 @@ from ..formats import MXFP8Tensor, segment_rows
 from ..seqinfo import SeqInfo, grid_rows, quantizer_args, zero_padding
 from ..kernels.affine_plan import AffinePlanCache
 from ..kernels.launch_plan import PlanCache, plan_key
-from ..kernels.recipe_flags import kernel_recipe, unsupported_reason
+from ..kernels.recipe_flags import DEFAULT_FLAGS, kernel_recipe, unsupported_reason
 from .base import (AttentionBackend, AttentionParams, SavedForBackward, check_forward_quantized,
                    sink_grad_from_delta)
 
@@ -96,24 +96,33 @@ def _attend(like: torch.Tensor, q_data: torch.Tensor, q_scale: torch.Tensor, kv_
             stats.copy_(sink.view(1, -1, 1, 1).expand_as(stats))
     elif sq > 0 and B * hq > 0:
         k_data, k_scale, v = kv_operands()
-        kwargs = dict(softmax_scale=params.softmax_scale, out=o, stats=stats, sink=sink, flags=flags,
-                      **_mask_args(params, sq, skv))
-        gluon = None if k_scale is None else _gluon_forward(q_data.device)
-        if gluon is not None and gluon.unsupported_reason(
-                q_data, k_scale, v, k_data=k_data, left_bound=kwargs["left_bound"], seq=kwargs.get("seq"),
-                bottom_right=kwargs.get("bottom_right", False), sink=sink, flags=flags, out=o) is None:
-            gluon.attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, checked=True, **kwargs)
-        else:
-            _kernels()[1].attention_fwd(q_data, q_scale, k_data, k_scale, v, **kwargs)
+        forward_kernel(q_data, q_scale, k_data, k_scale, v, softmax_scale=params.softmax_scale, out=o, stats=stats,
+                       sink=sink, flags=flags, **_mask_args(params, sq, skv))
     return o, stats
 
 
-#: the Gluon warp-specialised forward (`mxattn.kernels.gluon_attention_fwd`, issue 24) runs the forward's FP8
-#: data path on Hopper (SM 9.0) where it takes the call (default recipe, dense batches, any band incl. sliding
-#: windows, attention sinks, head dims 64/128, bf16 O): 1.3-1.7x the Triton forward on the same FP8 operands, the same numbers (the
-#: same operations per element; O equal bit for bit at the bench's four configs, within one bf16 ulp in the
-#: tests: H200, benchmarks/results/nvidia-h200/gluon_fwd/). The bf16-scratch path stays the Triton kernel's
-#: (faster still). MXATTN_GLUON_FWD=0 in the environment keeps the Triton forward everywhere.
+def forward_kernel(q_data, q_scale, k_data, k_scale, v, *, out: torch.Tensor, sink=None, flags=DEFAULT_FLAGS,
+                   **kwargs) -> None:
+    """The forward kernel the backend runs on these operands (`triton_attention_fwd.attention_fwd`'s arguments,
+    either data path): the Gluon warp-specialised forward where it `takes` the call on this device
+    (`_gluon_forward`), else the Triton forward. Writes out and kwargs["stats"]."""
+    gluon = _gluon_forward(q_data.device)
+    if gluon is not None and gluon.takes(
+            q_data, k_scale, v, k_data=k_data, left_bound=kwargs.get("left_bound"), seq=kwargs.get("seq"),
+            bottom_right=kwargs.get("bottom_right", False), sink=sink, flags=flags, out=out):
+        gluon.attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, out=out, sink=sink, flags=flags,
+                                  checked=True, **kwargs)
+    else:
+        _kernels()[1].attention_fwd(q_data, q_scale, k_data, k_scale, v, out=out, sink=sink, flags=flags, **kwargs)
+
+
+#: the Gluon warp-specialised forward (`mxattn.kernels.gluon_attention_fwd`, issue 24) runs the forward on Hopper
+#: (SM 9.0) where it `takes` the call (default recipe, dense batches, any band incl. sliding windows, attention
+#: sinks, head dims 64/128, bf16 O): on the FP8 data path 1.3-1.7x the Triton forward on the same FP8 operands
+#: (H200, benchmarks/results/nvidia-h200/gluon_fwd/), on the bf16-scratch path its bf16-K/V variant (session 29,
+#: benchmarks/results/nvidia-h100-80gb-hbm3/session29/); the same numbers (the same operations per element; O
+#: equal bit for bit at the bench's configs, within one bf16 ulp in the tests). MXATTN_GLUON_FWD=0 in the
+#: environment keeps the Triton forward everywhere.
 GLUON_FORWARD = os.environ.get("MXATTN_GLUON_FWD", "1") != "0"
 #: the Gluon warp-specialised dK/dV kernel (`mxattn.kernels.gluon_attention_bwd`, issue 24) runs the bf16-scratch
 #: backward's dK/dV pass on Hopper where it takes the chunk and is the faster kernel (`takes`: default recipe,

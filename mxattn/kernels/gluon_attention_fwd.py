@@ -5,7 +5,10 @@ dense caller (its offset; `right_bound` None or any int: causal-style, `left_bou
 window, keys kept where col > row + offset - left_bound), attention sinks (fp32 [Hq] logits joining every row's
 softmax as the Triton forward's `softmax_start`), head dims 64 and 128, MHA and GQA, bf16 output and fp32 stats. It reads the operands of the Triton forward's FP8 data path
 (`triton_attention_fwd.attention_fwd` with k_scale given): Q and K row-wise E4M3 with compact E8M0 scales, V
-column-wise seq-major (`SeqMajorColumns`), and computes the same numbers:
+column-wise seq-major (`SeqMajorColumns`), and computes the same numbers; or (KV_BF16, k_scale None) those of
+its bf16-scratch path: Q as before, K and V as the exact bf16 dequantizations the quantizer writes, TMA'd
+straight into the bf16 ring by `_producer_bf16` (no FP8 ring, no dequantization on chip), the consumers
+unchanged:
 
 * every operand tile is dequantized exactly to BF16 (`_dequant_chunk`: the integer E4M3 -> BF16 expansion and the
   two BF16 power-of-two factors of `triton_common.dequant_rows`), never written to HBM in bf16;
@@ -76,6 +79,10 @@ CONSUMER_REGS = 232
 PRODUCER_REGS = 32
 #: (bf16 stages, fp8 stages) of the rings by head dim: D128 bf16 K+V = 64 KiB a stage, fp8 = 32 KiB
 STAGES = {64: (3, 3), 128: (2, 2)}
+#: bf16 stages of the bf16-K/V variant (KV_BF16: TMA straight into the ring, no FP8 ring) by head dim
+BF16_KV_STAGES = {64: 4, 128: 3}
+#: head dims where the backend's bf16-scratch forward runs the bf16-K/V variant rather than the Triton kernel
+BF16_KV_FASTER_HEAD_DIMS = (64, 128)
 #: the two consumer warpgroups alternate their GEMM issues (FA3's ping-pong) by default; config can turn it off
 PINGPONG = True
 #: rows of one dequantization chunk in the producer (bounds its registers)
@@ -265,6 +272,46 @@ def _producer(k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready
 
 
 @gluon.jit
+def _producer_bf16(k_desc, v_desc, kb, vb, ready, empty, HQ, GROUP, SKV, offset, RB, LB,
+                   HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
+                   HAS_LB: gl.constexpr):
+    """The producer warpgroup of the bf16-K/V variant (KV_BF16): TMA of the bf16 K and V tiles [BN, D] of block
+    lo + j straight into bf16 stage j % NS once the consumers freed it (one expect-tx "ready" arrival per stage;
+    rows past SKV read as zeros)."""
+    tile, b, hq = _tile_of_program(HQ, HAS_RB)
+    hk = hq // GROUP
+    lo, n_blk = _kv_block_range(tile * BM, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
+    for j in range(n_blk):
+        s = j % NS
+        mbarrier.wait(empty.index(s), ((j // NS) & 1) ^ 1)  # passes at once on a fresh barrier (first round)
+        mbarrier.expect(ready.index(s), 2 * BN * D * 2)  # one bf16 K tile and one bf16 V tile
+        tma.async_copy_global_to_shared(k_desc, [b, hk, (lo + j) * BN, 0], ready.index(s), kb.index(s))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, (lo + j) * BN, 0], ready.index(s), vb.index(s))
+
+
+@gluon.jit
+def _k_operand(kb, s, BN: gl.constexpr, D: gl.constexpr, KV_BF16: gl.constexpr):
+    """K_s^T [D, BN], the S GEMM's B operand, from bf16 stage s: [BN, D] dequantized by the producer, or the
+    TMA'd [1, 1, BN, D] tile (KV_BF16)."""
+    if KV_BF16:
+        op = kb.index(s).reshape([BN, D]).permute((1, 0))
+    else:
+        op = kb.index(s).permute((1, 0))
+    return op
+
+
+@gluon.jit
+def _v_operand(vb, s, BN: gl.constexpr, D: gl.constexpr, KV_BF16: gl.constexpr):
+    """V_s [BN, D], the P V GEMM's B operand, from bf16 stage s: V^T [D, BN] dequantized by the producer, or the
+    TMA'd [1, 1, BN, D] tile (KV_BF16)."""
+    if KV_BF16:
+        op = vb.index(s).reshape([BN, D])
+    else:
+        op = vb.index(s).permute((1, 0))
+    return op
+
+
+@gluon.jit
 def _softmax_step(qk, m_i, l_i, rows, cols0, n0, m0, SKV, offset, RB, qk_scale, HAS_RB: gl.constexpr,
                   BN: gl.constexpr, p_op: gl.constexpr, MASK: gl.constexpr = True, LB=0,
                   HAS_LB: gl.constexpr = False, BMW: gl.constexpr = 64):
@@ -322,7 +369,7 @@ def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 def _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV, offset, RB, qk_scale, s_zero,
              HAS_RB: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
              MASK: gl.constexpr, p_op: gl.constexpr, row_o: gl.constexpr, lo=0, LB=0, HAS_LB: gl.constexpr = False,
-             BMW: gl.constexpr = 64):
+             BMW: gl.constexpr = 64, D: gl.constexpr = 128, KV_BF16: gl.constexpr = False):
     """The j-th visited KV block (j >= 1; block lo + j, keys from (lo + j) * BN, lo the range's first block) of a
     consumer warpgroup: S_j = Q K_j^T issued with O += P_{j-1} V_{j-1} (acc already rescaled by block j - 1's
     alpha), the softmax of block j under the latter, stage (j - 1) % NS released, O rescaled by alpha_j -> (P_j
@@ -332,8 +379,8 @@ def _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m
     sp = (j - 1) % NS
     mbarrier.wait(ready.index(s), (j // NS) & 1)
     _turn_wait(turn, WG, j, PINGPONG)
-    qk_t = warpgroup_mma(q, kb.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    acc_t = warpgroup_mma(pq, vb.index(sp).permute((1, 0)), acc, is_async=True)
+    qk_t = warpgroup_mma(q, _k_operand(kb, s, BN, D, KV_BF16), s_zero, use_acc=False, is_async=True)
+    acc_t = warpgroup_mma(pq, _v_operand(vb, sp, BN, D, KV_BF16), acc, is_async=True)
     _turn_pass(turn, WG, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
     pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, (lo + j) * BN, m0, SKV, offset, RB, qk_scale,
@@ -350,7 +397,8 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
               sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
               HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-              PINGPONG: gl.constexpr, WG: gl.constexpr, HAS_LB: gl.constexpr, HAS_SINK: gl.constexpr):
+              PINGPONG: gl.constexpr, WG: gl.constexpr, HAS_LB: gl.constexpr, HAS_SINK: gl.constexpr,
+              KV_BF16: gl.constexpr):
     """Consumer warpgroup WG (4 warps) of the CTA: query rows [tile * BM + 64 WG, + 64). Q dequantized into
     registers, then per KV block S = Q K^T, the online softmax, P rounding and O = O * alpha + P V; the epilogue
     writes its rows of O (bf16) and of the stats. The S GEMM of block j is issued together with the P V GEMM of
@@ -409,7 +457,7 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
     if n_blk > 0:
         mbarrier.wait(ready.index(0), 0)
         _turn_wait(turn, WG, 0, PINGPONG)
-        qk_t = warpgroup_mma(q, kb.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk_t = warpgroup_mma(q, _k_operand(kb, 0, BN, D, KV_BF16), s_zero, use_acc=False, is_async=True)
         _turn_pass(turn, WG, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, ))
         pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, lo * BN, m0, SKV, offset, RB, qk_scale,
@@ -428,18 +476,18 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
             for j in range(1, j_lb):
                 pq, acc, m_i, l_i = _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0,
                                              SKV, offset, RB, qk_scale, s_zero, HAS_RB, BN, NS, PINGPONG, WG, True,
-                                             p_op, row_o, lo, LB, HAS_LB, BMW)
+                                             p_op, row_o, lo, LB, HAS_LB, BMW, D, KV_BF16)
         for j in range(j_lb, n_full):
             pq, acc, m_i, l_i = _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV,
                                          offset, RB, qk_scale, s_zero, HAS_RB, BN, NS, PINGPONG, WG, False, p_op,
-                                         row_o, lo, LB, HAS_LB, BMW)
+                                         row_o, lo, LB, HAS_LB, BMW, D, KV_BF16)
         for j in range(gl.maximum(n_full, j_lb), n_blk):  # (from j_lb on no key is left of the window: no LB mask)
             pq, acc, m_i, l_i = _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV,
                                          offset, RB, qk_scale, s_zero, HAS_RB, BN, NS, PINGPONG, WG, True, p_op,
-                                         row_o, lo)
+                                         row_o, lo, 0, False, 64, D, KV_BF16)
         sl = (n_blk - 1) % NS  # the last visited block's stage
         _turn_wait(turn, WG, n_blk, PINGPONG)
-        acc_t = warpgroup_mma(pq, vb.index(sl).permute((1, 0)), acc, is_async=True)
+        acc_t = warpgroup_mma(pq, _v_operand(vb, sl, BN, D, KV_BF16), acc, is_async=True)
         _turn_pass(turn, WG, PINGPONG)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, ))
         gl.thread_barrier()
@@ -466,7 +514,8 @@ def _gluon_attn_fwd_kernel(
         HQ, GROUP, SQ, SKV, qk_scale, offset, RB, LB, SINK,
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
         NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, HAS_LB: gl.constexpr = False, HAS_SINK: gl.constexpr = False):
+        PRODUCER_REGS: gl.constexpr, HAS_LB: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
+        KV_BF16: gl.constexpr = False):
     """Grid (cdiv(SQ, BM), B * HQ), 4 warps per partition: consumer warpgroup 0 (the default partition),
     consumer warpgroup 1 and the producer (workers). Q [B,HQ,SQ,D] e4m3 (strides sqb, sqh, sqs, unit along D)
     with scales QS [B,HQ,SQ,D/32] u8; k_desc a TMA descriptor of K [B,HKV,SKV,D] e4m3 (block [1,1,BN,D]) with
@@ -474,47 +523,70 @@ def _gluon_attn_fwd_kernel(
     scales VS [B,HKV,L/32,D]; O [B,HQ,SQ,D] bf16, LSE [B,HQ,SQ,1] fp32. HAS_RB: causal-style band (keys kept
     where col <= row + offset + RB); HAS_LB: sliding window (keys kept where col > row + offset - LB); HAS_SINK:
     SINK holds fp32 [HQ] sink logits (else unread). The new run-time arguments (LB, SINK) follow the old ones, so
-    a variant without them keeps its parameter offsets (and its machine code)."""
-    k8 = gl.allocate_shared_memory(gl.float8e4nv, [NF, 1, 1, BN, D], k_desc.layout)
-    v8 = gl.allocate_shared_memory(gl.float8e4nv, [NF, 1, 1, D, BN], v_desc.layout)
-    kb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
-    vb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BN], gl.bfloat16)
-    kb = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D], kb_layout)
-    vb = gl.allocate_shared_memory(gl.bfloat16, [NS, D, BN], vb_layout)
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    ksc = gl.allocate_shared_memory(gl.uint8, [BN, D // 32], plain)
-    vsc = gl.allocate_shared_memory(gl.uint8, [BN // 32, D], plain)
-    fp8_ready = gl.allocate_shared_memory(gl.int64, [NF, 1], mbarrier.MBarrierLayout())
+    a variant without them keeps its parameter offsets (and its machine code).
+    KV_BF16: k_desc and v_desc describe bf16 K and V [B,HKV,SKV,D] (blocks [1,1,BN,D]: the exact dequantizations
+    the quantizer writes on the bf16-scratch path), TMA'd straight into the bf16 ring (`_producer_bf16`; NF, CH,
+    KS, VS and their strides unused); the consumers' arithmetic is the same."""
+    if KV_BF16:
+        kb = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BN, D], k_desc.layout)
+        vb = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BN, D], v_desc.layout)
+    else:
+        k8 = gl.allocate_shared_memory(gl.float8e4nv, [NF, 1, 1, BN, D], k_desc.layout)
+        v8 = gl.allocate_shared_memory(gl.float8e4nv, [NF, 1, 1, D, BN], v_desc.layout)
+        kb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
+        vb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BN], gl.bfloat16)
+        kb = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D], kb_layout)
+        vb = gl.allocate_shared_memory(gl.bfloat16, [NS, D, BN], vb_layout)
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        ksc = gl.allocate_shared_memory(gl.uint8, [BN, D // 32], plain)
+        vsc = gl.allocate_shared_memory(gl.uint8, [BN // 32, D], plain)
+        fp8_ready = gl.allocate_shared_memory(gl.int64, [NF, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    for i in gl.static_range(NF):
-        mbarrier.init(fp8_ready.index(i), count=1)
+    if not KV_BF16:
+        for i in gl.static_range(NF):
+            mbarrier.init(fp8_ready.index(i), count=1)
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     fence_async_shared()
 
-    gl.warp_specialize([
-        (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
-                     sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
-                     HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, HAS_RB, BM, BN, D, NS, PINGPONG, WG0,
-                     HAS_LB, HAS_SINK)),
-        (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
-                     sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
-                     HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, HAS_RB, BM, BN, D, NS, PINGPONG, WG1,
-                     HAS_LB, HAS_SINK)),
-        (_producer, (k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready, empty,
-                     sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SKV, offset, RB, LB,
-                     HAS_RB, BM, BN, D, NS, NF, CH, HAS_LB)),
-    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+    if KV_BF16:
+        gl.warp_specialize([
+            (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
+                         sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
+                         HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, HAS_RB, BM, BN, D, NS, PINGPONG, WG0,
+                         HAS_LB, HAS_SINK, KV_BF16)),
+            (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
+                         sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
+                         HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, HAS_RB, BM, BN, D, NS, PINGPONG, WG1,
+                         HAS_LB, HAS_SINK, KV_BF16)),
+            (_producer_bf16, (k_desc, v_desc, kb, vb, ready, empty, HQ, GROUP, SKV, offset, RB, LB,
+                              HAS_RB, BM, BN, D, NS, HAS_LB)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
+                         sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
+                         HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, HAS_RB, BM, BN, D, NS, PINGPONG, WG0,
+                         HAS_LB, HAS_SINK, KV_BF16)),
+            (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
+                         sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
+                         HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, HAS_RB, BM, BN, D, NS, PINGPONG, WG1,
+                         HAS_LB, HAS_SINK, KV_BF16)),
+            (_producer, (k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready, empty,
+                         sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SKV, offset, RB, LB,
+                         HAS_RB, BM, BN, D, NS, NF, CH, HAS_LB)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
     for i in gl.static_range(2):
         mbarrier.invalidate(turn.index(i))
-    for i in gl.static_range(NF):
-        mbarrier.invalidate(fp8_ready.index(i))
+    if not KV_BF16:
+        for i in gl.static_range(NF):
+            mbarrier.invalidate(fp8_ready.index(i))
     for i in gl.static_range(NS):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -529,26 +601,39 @@ def tma_layouts(d: int):
             gl.NVMMASharedLayout.get_default_for([1, 1, d, BLOCK_N], gl.float8e4nv))
 
 
+@functools.lru_cache(maxsize=None)
+def bf16_kv_tma_layout(d: int):
+    """The layout of the bf16 K and V tiles' TMA descriptors (blocks [1,1,BN,D]) of the bf16-K/V variant."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, d], gl.bfloat16)
+
+
 def unsupported_reason(q_data, k_scale, v, *, left_bound=None, seq=None, bottom_right=False, sink=None,
                        flags: KernelRecipe = DEFAULT_FLAGS, out=None, k_data=None) -> Optional[str]:
     """None where `attention_fwd_gluon` runs the call, else why not (one sentence). With k_data given, also
-    whether TMA can address K's and V's FP8 bytes (16-byte aligned, strides multiples of 16 bytes) and the grid
-    fits CUDA's y limit: the checks a caller choosing between this kernel and another needs."""
+    whether TMA can address K's and V's bytes (16-byte aligned, strides multiples of 16 bytes) and the grid
+    fits CUDA's y limit: the checks a caller choosing between this kernel and another needs. k_scale None: the
+    bf16-K/V variant (k_data and v the bf16 dequantizations of K and V)."""
     if flags != DEFAULT_FLAGS:
         return "the Gluon forward runs the default recipe only"
-    if k_scale is None:
-        return "the Gluon forward reads FP8 K/V (k_scale given), not their bf16 dequantizations"
     if seq is not None or bottom_right:
         return "the Gluon forward takes dense batches only (no seq / bottom_right)"
     if q_data.shape[3] not in SUPPORTED_HEAD_DIMS:
         return f"the Gluon forward takes head dims {SUPPORTED_HEAD_DIMS}, got {q_data.shape[3]}"
     if out is not None and out.dtype != torch.bfloat16:
         return f"the Gluon forward writes bf16 O, got {out.dtype}"
-    if isinstance(v, torch.Tensor) or not isinstance(getattr(v, "data", None), torch.Tensor):
-        return "v must be V's column-wise copy as SeqMajorColumns"
+    if k_scale is None:
+        for name, t in (("k_data", k_data), ("v", v)):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16):
+                return f"with bf16 K/V (k_scale None) {name} must be a bf16 tensor [B, Hkv, Skv, D]"
+        operands = (("k_data", k_data), ("v", v))
+    else:
+        if isinstance(v, torch.Tensor) or not isinstance(getattr(v, "data", None), torch.Tensor):
+            return "v must be V's column-wise copy as SeqMajorColumns"
+        operands = (("k_data", k_data), ("v.data", v.data))
     if k_data is not None:
-        for name, t in (("k_data", k_data), ("v.data", v.data)):
-            if t.data_ptr() % 16 or any(s % 16 for s in t.stride()[:3]):
+        for name, t in operands:
+            size = t.element_size()
+            if t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:3]):
                 return (f"{name} must be 16-byte aligned with strides multiple of 16 bytes (TMA), got strides "
                         f"{tuple(t.stride())}")
         if q_data.shape[0] * q_data.shape[1] > 65535:
@@ -557,11 +642,22 @@ def unsupported_reason(q_data, k_scale, v, *, left_bound=None, seq=None, bottom_
     return None
 
 
+def takes(q_data, k_scale, v, **kwargs) -> bool:
+    """Whether the triton backend runs this kernel for a forward: it takes the call (`unsupported_reason`, same
+    arguments, k_data given) and, for bf16 K/V, the head dim is one where it is the faster kernel
+    (BF16_KV_FASTER_HEAD_DIMS; on FP8 K/V it is faster at every head dim it takes)."""
+    if k_scale is None and q_data.shape[3] not in BF16_KV_FASTER_HEAD_DIMS:
+        return False
+    return unsupported_reason(q_data, k_scale, v, **kwargs) is None
+
+
 def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: float,
                         offset: int, left_bound, right_bound, out: torch.Tensor, stats: torch.Tensor,
                         config=None, seq=None, bottom_right: bool = False, sink: Optional[torch.Tensor] = None,
                         flags: KernelRecipe = DEFAULT_FLAGS, checked: bool = False) -> None:
-    """Launch the Gluon forward: `triton_attention_fwd.attention_fwd`'s arguments on its FP8 data path.
+    """Launch the Gluon forward: `triton_attention_fwd.attention_fwd`'s arguments on its FP8 data path, or with
+    k_scale None on its bf16-K/V path (k_data and v bf16 [B,Hkv,Skv,D], the exact dequantizations of K row-wise
+    and V column-wise, unit stride along D, 16-byte aligned with 16-byte multiple strides: the KV_BF16 variant).
 
     q_data [B,Hq,Sq,D] float8_e4m3fn, q_scale [B,Hq,Sq,D/32] E8M0 (uint8 or float8_e8m0fnu bytes), row-wise;
     k_data [B,Hkv,Skv,D] e4m3 and k_scale [B,Hkv,Skv,D/32] likewise; v V's column-wise copy as `SeqMajorColumns`
@@ -572,9 +668,10 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     window: keys kept where col > row + offset - left_bound); Hq a multiple of Hkv (GQA). sink: None or fp32 [Hq]
     contiguous sink logits on q's device (they join every row's softmax; a row without keys gets O = 0 and stats
     = its sink, as the Triton forward computes it).
-    config: optional (bf16 stages >= 2, fp8 stages[, pingpong]) override (benchmark sweeps, A/B of the schedule).
+    config: optional (bf16 stages >= 2, fp8 stages (unused with bf16 K/V)[, pingpong]) override (benchmark sweeps,
+    A/B of the schedule).
     Raises ValueError for what it does not take: seq (varlen), bottom_right, head dims other than 64/128,
-    non-default recipes, bf16 K/V, non-bf16 out, FP8 data TMA cannot address, a malformed sink. checked: the
+    non-default recipes, non-bf16 out, K/V bytes TMA cannot address, a malformed sink. checked: the
     caller has just had `unsupported_reason(..., k_data=k_data, out=out)` answer None for these arguments (not
     asked again)."""
     reason = None if checked else unsupported_reason(q_data, k_scale, v, left_bound=left_bound, seq=seq,
@@ -587,12 +684,20 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     HKV, SKV = k_data.shape[1], k_data.shape[2]
     if HKV == 0 or HQ % HKV:
         raise ValueError(f"q heads ({HQ}) must be a multiple of k/v heads ({HKV})")
-    v_data, vs = v.data, v.scale.view(torch.uint8)
-    L = v_data.shape[3]
-    if tuple(v_data.shape) != (B, HKV, D, L) or L < SKV or L % 32 or tuple(vs.shape) != (B, HKV, L // 32, D):
-        raise ValueError(f"v.data must be [{B}, {HKV}, {D}, L >= {SKV}] (L a multiple of 32) and v.scale "
-                         f"[{B}, {HKV}, L/32, {D}], got {tuple(v_data.shape)} and {tuple(vs.shape)}")
-    qs, ks = q_scale.view(torch.uint8), k_scale.view(torch.uint8)
+    kv_bf16 = k_scale is None
+    if kv_bf16:  # bf16 K and V [B, HKV, SKV, D]; the scale operands are unread (k_data stands in)
+        if tuple(k_data.shape) != (B, HKV, SKV, D) or tuple(v.shape) != (B, HKV, SKV, D):
+            raise ValueError(f"bf16 k_data and v must both be [{B}, {HKV}, Skv, {D}], got {tuple(k_data.shape)} "
+                             f"and {tuple(v.shape)}")
+        v_data, vs, ks = v, k_data, k_data
+    else:
+        v_data, vs = v.data, v.scale.view(torch.uint8)
+        L = v_data.shape[3]
+        if tuple(v_data.shape) != (B, HKV, D, L) or L < SKV or L % 32 or tuple(vs.shape) != (B, HKV, L // 32, D):
+            raise ValueError(f"v.data must be [{B}, {HKV}, {D}, L >= {SKV}] (L a multiple of 32) and v.scale "
+                             f"[{B}, {HKV}, L/32, {D}], got {tuple(v_data.shape)} and {tuple(vs.shape)}")
+        ks = k_scale.view(torch.uint8)
+    qs = q_scale.view(torch.uint8)
     for name, t in (("q_data", q_data), ("q_scale", qs), ("k_data", k_data), ("k_scale", ks), ("v.data", v_data),
                     ("v.scale", vs), ("out", out)):
         if t.shape[3] > 1 and t.stride(3) != 1:
@@ -609,13 +714,19 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         raise ValueError(reason)
     if B * HQ == 0 or SQ == 0:
         return
-    ns, nf, pingpong = (*STAGES[D], PINGPONG) if config is None else (*config, PINGPONG)[:3]
+    default = (BF16_KV_STAGES[D], 1) if kv_bf16 else STAGES[D]
+    ns, nf, pingpong = (*default, PINGPONG) if config is None else (*config, PINGPONG)[:3]
     if ns < 2 or nf < 1:
         raise ValueError(f"config needs at least two bf16 stages and one fp8 stage (a consumer holds block j - 1's V "
                          f"stage while it reads block j's K), got {ns} and {nf}")
-    k_layout, v_layout = tma_layouts(D)
+    if kv_bf16:
+        k_layout = v_layout = bf16_kv_tma_layout(D)
+        v_block = [1, 1, BLOCK_N, D]
+    else:
+        k_layout, v_layout = tma_layouts(D)
+        v_block = [1, 1, D, BLOCK_N]
     k_desc = TensorDescriptor(k_data, list(k_data.shape), list(k_data.stride()), [1, 1, BLOCK_N, D], k_layout)
-    v_desc = TensorDescriptor(v_data, list(v_data.shape), list(v_data.stride()), [1, 1, D, BLOCK_N], v_layout)
+    v_desc = TensorDescriptor(v_data, list(v_data.shape), list(v_data.stride()), v_block, v_layout)
     has_rb = right_bound is not None
     has_lb = left_bound is not None
     grid = (cdiv(SQ, BLOCK_M), B * HQ)
@@ -629,7 +740,7 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         int(left_bound) if has_lb else 0, stats if sink is None else sink,  # (SINK unread without a sink)
         HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=D, NS=ns, NF=nf, CH=CHUNK_ROWS, PINGPONG=pingpong,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, HAS_LB=has_lb, HAS_SINK=sink is not None,
-        num_warps=PARTITION_WARPS)
+        KV_BF16=kv_bf16, num_warps=PARTITION_WARPS)
 
 
 def _sink_stats(sink: torch.Tensor) -> torch.Tensor:
@@ -647,21 +758,28 @@ DIVISIBLE_INTS = ("sqb", "sqh", "sqs", "sqsb", "sqsh", "sksb", "sksh", "svsb", "
 
 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
-                 pingpong: bool = None, has_lb: bool = False, has_sink: bool = False):
+                 pingpong: bool = None, has_lb: bool = False, has_sink: bool = False, kv_bf16: bool = False):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel (asm:
     ttgir, llir, ptx, cubin; metadata: shared memory). Pointers and DIVISIBLE_INTS as the launcher sees them in a
     typical call (16-byte aligned, multiples of 16); the stats' row stride stays a run-time i32 (the launcher
     specialises a 1 to a constant). has_lb / has_sink: the sliding-window and sink variants (LB a run-time i32,
-    SINK an fp32 pointer)."""
+    SINK an fp32 pointer). kv_bf16: the bf16-K/V variant (stages: its bf16 stages, an int)."""
     fn = _gluon_attn_fwd_kernel
-    ns, nf = stages if stages is not None else STAGES[d]
-    k_layout, v_layout = tma_layouts(d)
-    types = dict(Q="*fp8e4nv", QS="*u8", KS="*u8", VS="*u8", O="*bf16", LSE="*fp32", SINK="*fp32", qk_scale="fp32",
-                 k_desc=f"tensordesc<fp8e4nv[1, 1, {BLOCK_N}, {d}],{k_layout!r}>",
-                 v_desc=f"tensordesc<fp8e4nv[1, 1, {d}, {BLOCK_N}],{v_layout!r}>")
+    if kv_bf16:
+        ns, nf = (stages if stages is not None else BF16_KV_STAGES[d]), 1
+        layout = bf16_kv_tma_layout(d)
+        desc = f"tensordesc<bf16[1, 1, {BLOCK_N}, {d}],{layout!r}>"
+        types = dict(k_desc=desc, v_desc=desc)
+    else:
+        ns, nf = stages if stages is not None else STAGES[d]
+        k_layout, v_layout = tma_layouts(d)
+        types = dict(k_desc=f"tensordesc<fp8e4nv[1, 1, {BLOCK_N}, {d}],{k_layout!r}>",
+                     v_desc=f"tensordesc<fp8e4nv[1, 1, {d}, {BLOCK_N}],{v_layout!r}>")
+    types.update(Q="*fp8e4nv", QS="*u8", KS="*u8", VS="*u8", O="*bf16", LSE="*fp32", SINK="*fp32", qk_scale="fp32")
     constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=d, NS=ns, NF=nf, CH=CHUNK_ROWS,
                       PINGPONG=PINGPONG if pingpong is None else pingpong,
-                      CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], HAS_LB=has_lb, HAS_SINK=has_sink)
+                      CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], HAS_LB=has_lb, HAS_SINK=has_sink,
+                      KV_BF16=kv_bf16)
     return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 
@@ -681,4 +799,5 @@ def compile_gluon_sm90(fn, types: dict, constexprs: dict, divisible_ints, num_wa
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
-__all__ = ["attention_fwd_gluon", "unsupported_reason", "compile_sm90", "BLOCK_M", "BLOCK_N", "STAGES"]
+__all__ = ["attention_fwd_gluon", "unsupported_reason", "takes", "compile_sm90", "BLOCK_M", "BLOCK_N", "STAGES",
+           "BF16_KV_STAGES", "BF16_KV_FASTER_HEAD_DIMS"]

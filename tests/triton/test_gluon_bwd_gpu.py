@@ -183,7 +183,9 @@ def test_public_backward_on_the_gluon_dkdv_kernel_equals_the_triton_kernels(monk
     import mxattn
     from mxattn.backends import triton_backend as backend_module
     from mxattn.kernels import gluon_attention_bwd as gb
-    monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)  # no replays: each path runs
+    from test_gluon_fwd_gpu import _fresh_plan_caches
+    _fresh_plan_caches(monkeypatch)  # no replays of earlier tests' recordings: each path runs its body
+    monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
     HQ, HKV = (8, 2) if case == "causal_gqa" else (4, 4)
     B, S, D = 2, 700, 128
     g = torch.Generator(device="cuda").manual_seed(7)

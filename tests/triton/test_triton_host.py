@@ -423,36 +423,38 @@ def _fake_gluon(monkeypatch):
     from mxattn.backends import triton_backend as backend_module
     from mxattn.kernels import gluon_attention_fwd as gluon
     calls = []
-    fake = SimpleNamespace(unsupported_reason=gluon.unsupported_reason,
-                           attention_fwd_gluon=lambda *args, **kwargs: calls.append(kwargs))
+    fake = SimpleNamespace(takes=gluon.takes,
+                           attention_fwd_gluon=lambda *args, **kwargs: calls.append(dict(kwargs, args=args)))
     monkeypatch.setattr(backend_module, "_gluon_forward", lambda device: fake)
     return calls
 
 
 @pytest.mark.parametrize("case, gluon_runs", [
     ("causal_gqa_d64", True), ("no_mask_d128", True), ("sink", True), ("window", True), ("fp16_out", False),
-    ("head_dim_96", False), ("padded_varlen", False), ("floor_recipe", False), ("bf16_scratch_path", False)])
+    ("head_dim_96", False), ("padded_varlen", False), ("floor_recipe", False), ("bf16_scratch_path", True),
+    ("bf16_scratch_path_d128", True), ("bf16_scratch_window", True), ("bf16_scratch_head_dim_96", False)])
 def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkeypatch, request, case, gluon_runs):
-    """On the FP8 data path (large problems, D > 128) the forward kernel is the Gluon warp-specialised one where
-    it takes the call (default recipe, dense, sinks and windows included, D 64/128, bf16 O), else the Triton forward; the
-    bf16-scratch path keeps the Triton forward (never asks the Gluon module). The numbers are compared on the GPU
-    (tests/triton/test_gluon_fwd_gpu.py)."""
+    """The forward kernel is the Gluon warp-specialised one where it takes the call (default recipe, dense, sinks
+    and windows included, D 64/128, bf16 O), else the Triton forward: on the FP8 data path (large problems) on the
+    FP8 operands, on the bf16-scratch path (the default at these sizes) its bf16-K/V variant on the quantizer's
+    bf16 K and V (k_scale None). The numbers are compared on the GPU (tests/triton/test_gluon_fwd_gpu.py)."""
     import mxattn
     from mxattn import Recipe
     from triton_helpers import force_fp8_data_paths
 
     launched = _record_launches(monkeypatch, request, keep_kwargs=True)
     calls = _fake_gluon(monkeypatch)
-    if case != "bf16_scratch_path":
+    bf16_kv = case.startswith("bf16_scratch")
+    if not bf16_kv:
         force_fp8_data_paths(monkeypatch)
-    d = {"no_mask_d128": 128, "head_dim_96": 96}.get(case, 64)
+    d = 128 if case.endswith("d128") else 96 if case.endswith("96") else 64
     dtype = torch.float16 if case == "fp16_out" else torch.bfloat16
     q = torch.randn(2, 160, 4, d, dtype=dtype)
     k, v = (torch.randn(2, 160, 2, d, dtype=dtype) for _ in range(2))
     kwargs = dict(attn_mask_type="no_mask" if case == "no_mask_d128" else "causal", backend="triton")
     if case == "sink":
         kwargs.update(softmax_type="learnable", softmax_offset=torch.zeros(4))
-    if case == "window":
+    if case in ("window", "bf16_scratch_window"):
         kwargs.update(window_size=(64, 0))
     if case == "floor_recipe":
         kwargs.update(recipe=Recipe(scale_rounding="floor"))
@@ -466,7 +468,14 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
         (kw,) = calls
         assert kw["out"].data_ptr() == o.data_ptr() and kw["softmax_scale"] == pytest.approx(d ** -0.5)
         assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
-        assert kw["left_bound"] == (65 if case == "window" else None)  # TE's window (64, 0): left_bound 65
+        assert kw["left_bound"] == (65 if "window" in case else None)  # TE's window (64, 0): left_bound 65
+        q_data, q_scale, k_data, k_scale, v_arg = kw["args"]
+        assert q_data.dtype == torch.float8_e4m3fn and q_data.shape == (2, 4, 160, d)
+        if bf16_kv:  # the quantizer's exact bf16 dequantizations of K (row-wise) and V (column-wise)
+            assert k_scale is None and k_data.dtype == v_arg.dtype == torch.bfloat16
+            assert k_data.shape == v_arg.shape == (2, 2, 160, d)
+        else:
+            assert k_scale is not None and k_data.dtype == torch.float8_e4m3fn and hasattr(v_arg, "scale")
         if case == "sink":
             assert kw["sink"].dtype == torch.float32 and kw["sink"].is_contiguous() and kw["sink"].shape == (4,)
         else:
@@ -574,8 +583,9 @@ def test_the_gluon_forward_is_used_on_sm90_only(monkeypatch):
 
 def test_gluon_takes_sinks_and_windows_and_refuses_the_rest():
     """`unsupported_reason` takes attention sinks and left bounds (sliding windows), alone or together, with or
-    without a right bound, and still refuses varlen / bottom_right, other recipes, bf16 K/V, head dims other than
-    64/128, non-bf16 O and a V that is not SeqMajorColumns."""
+    without a right bound, and still refuses varlen / bottom_right, other recipes, head dims other than 64/128,
+    non-bf16 O and, on FP8 K/V, a V that is not SeqMajorColumns; bf16 K/V (k_scale None: the bf16-K/V variant)
+    are taken as bf16 tensors only."""
     from mxattn.kernels.gluon_attention_fwd import unsupported_reason
     from mxattn.kernels.recipe_flags import KernelRecipe
     from mxattn.kernels.triton_quantize import SeqMajorColumns
@@ -593,7 +603,11 @@ def test_gluon_takes_sinks_and_windows_and_refuses_the_rest():
                (dict(out=torch.zeros(1, 2, 128, 64, dtype=torch.float16)), "bf16 O")]
     for extra, match in refused:
         assert match in unsupported_reason(q, ks, v, left_bound=64, sink=sink, **extra), extra
-    assert "bf16 dequantizations" in unsupported_reason(q, None, v, left_bound=64, sink=sink)
+    kb, vb = (torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16) for _ in range(2))
+    assert unsupported_reason(q, None, vb, k_data=kb, left_bound=64, sink=sink) is None
+    assert "v must be a bf16 tensor" in unsupported_reason(q, None, v, left_bound=64, sink=sink)
+    assert "k_data must be a bf16 tensor" in unsupported_reason(q, None, vb, k_data=k)
+    assert "v must be a bf16 tensor" in unsupported_reason(q, None, vb.half(), k_data=kb)
     assert "SeqMajorColumns" in unsupported_reason(q, ks, v.data, left_bound=64, sink=sink)
     q96 = torch.zeros(1, 2, 128, 96, dtype=f8)
     assert "head dims" in unsupported_reason(q96, ks, v, left_bound=64, sink=sink)
@@ -616,3 +630,10 @@ def test_gluon_refusals_name_what_tma_cannot_address():
     assert "v.data must be 16-byte aligned" in unsupported_reason(q, ks, v_odd, k_data=k)
     wide = torch.zeros(1, 65536, 1, 64, dtype=f8).expand(2, 65536, 1, 64)
     assert "y limit 65535" in unsupported_reason(wide, ks, v, k_data=k)
+    # bf16 K/V: the strides in bytes (2 per element)
+    kb = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16)
+    assert unsupported_reason(q, None, kb, k_data=kb) is None
+    kb_odd = torch.zeros(1, 2, 128, 68, dtype=torch.bfloat16)[..., :64]  # rows of 136 bytes
+    assert "k_data must be 16-byte aligned" in unsupported_reason(q, None, kb, k_data=kb_odd)
+    assert "v must be 16-byte aligned" in unsupported_reason(q, None, kb_odd, k_data=kb)
+    assert unsupported_reason(q, None, kb, k_data=torch.zeros(1, 2, 128, 72, dtype=torch.bfloat16)[..., :64]) is None
