@@ -1,6 +1,7 @@
 """Hopper (sm_90a) Gluon dQ kernel of the MXFP8 attention backward, warp-specialised, for the bf16-scratch data
 path (mode "pre" of `triton_attention_bwd.attention_bwd`), default recipe only. `dq_gluon` takes what
-`triton_attention_bwd._launch_dq` takes in mode "pre" and writes the same dQ (not wired into attention_bwd yet).
+`triton_attention_bwd._launch_dq` takes in mode "pre" and writes the same dQ; `attention_bwd` (gluon_dq) runs it
+for each head chunk it `takes`.
 
 Scope: dense batches, no mask or a causal-style band (offset, right bound; negative offsets included: rows
 without keys get dQ = 0), head dims 64 and 128, MHA and GQA (query head hq reads KV head hq // GROUP). Sliding
@@ -63,6 +64,11 @@ BLOCK_M = 128
 #: keys of one streamed KV block by head dim (a multiple of 32: whole qdq blocks of dS). Each consumer thread
 #: holds BLOCK_N / 2 fp32 registers of S and of dP next to dQ's D / 2
 BLOCK_N = {64: 128, 128: 64}
+#: head dims where the backward runs this kernel rather than the Triton dQ kernel (`takes`): measured on an H100
+#: (session 29, gluon_bwd_bench.py --dq at the bench's default configs, same inputs, dQ bit-equal to the Triton
+#: kernel's; benchmarks/results/nvidia-h100-80gb-hbm3/session29/): D128 0.82-0.86x the Triton kernel's time, D64
+#: 0.95x
+FASTER_HEAD_DIMS = (64, 128)
 #: stages of the KV ring by head dim: a stage holds three bf16 [BLOCK_N, D] tiles (48 KiB at D128 and D64) next
 #: to the CTA's bf16 Q and dO (D128: 64 KiB, D64: 32 KiB)
 STAGES = {64: 3, 128: 3}
@@ -250,9 +256,9 @@ def unsupported_reason(q_r, k_r, k_c, v_r, do_r, *, left_bound=None, seq=None, b
 
 
 def takes(q_r, k_r, k_c, v_r, do_r, **kwargs) -> bool:
-    """Whether this kernel takes the call (`unsupported_reason`, same arguments). Not asked by attention_bwd yet:
-    it will add a measured head-dim condition as `gluon_attention_bwd.takes` does once timed on a GPU."""
-    return unsupported_reason(q_r, k_r, k_c, v_r, do_r, **kwargs) is None
+    """Whether `attention_bwd` runs this kernel for a chunk: it takes the call (`unsupported_reason`, same
+    arguments) at a head dim where it is the faster kernel (FASTER_HEAD_DIMS)."""
+    return q_r.shape[3] in FASTER_HEAD_DIMS and unsupported_reason(q_r, k_r, k_c, v_r, do_r, **kwargs) is None
 
 
 def dq_gluon(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, *, softmax_scale: float, offset: int, left_bound=None,
@@ -320,4 +326,5 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
     return compile_gluon_sm90(_gluon_dq_kernel, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 
-__all__ = ["dq_gluon", "takes", "unsupported_reason", "compile_sm90", "BLOCK_M", "BLOCK_N", "STAGES"]
+__all__ = ["dq_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "BLOCK_M", "BLOCK_N",
+           "STAGES"]

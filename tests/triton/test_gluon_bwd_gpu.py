@@ -173,22 +173,24 @@ def test_gluon_dkdv_head_chunk_views_and_stages(D):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["causal_gqa", "no_mask_mha", "sink_causal", "bottom_right_cross"])
-def test_public_backward_on_the_gluon_dkdv_kernel_equals_the_triton_kernels(monkeypatch, case):
-    """The public backward at head dim 128 on Hopper runs the Gluon dK/dV kernel (`attention_bwd`'s gluon_dkdv,
-    asked per chunk) and gives the gradients of the Triton kernel (MXATTN_GLUON_BWD=0's path) bit for bit:
-    dK/dV from the other kernel, dQ (same dQ kernel) identical. Inputs as views (bshd from a fused QKV)."""
+@pytest.mark.parametrize("case, D", [("causal_gqa", 128), ("no_mask_mha", 128), ("sink_causal", 128),
+                                     ("bottom_right_cross", 128), ("causal_gqa", 64), ("bottom_right_cross", 64)])
+def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypatch, case, D):
+    """The public backward on Hopper runs the Gluon dK/dV kernel at head dim 128 and the Gluon dQ kernel at head
+    dims 64 and 128 (`attention_bwd`'s gluon_dkdv / gluon_dq, asked per chunk) and gives the gradients of the
+    Triton kernels (MXATTN_GLUON_BWD=0's path) bit for bit. Inputs as views (bshd from a fused QKV)."""
     if not _is_hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
     import mxattn
     from mxattn.backends import triton_backend as backend_module
     from mxattn.kernels import gluon_attention_bwd as gb
+    from mxattn.kernels import gluon_attention_dq as gd
     from test_gluon_fwd_gpu import _fresh_plan_caches
     _fresh_plan_caches(monkeypatch)  # no replays of earlier tests' recordings: each path runs its body
     monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
     HQ, HKV = (8, 2) if case == "causal_gqa" else (4, 4)
-    B, S, D = 2, 700, 128
-    g = torch.Generator(device="cuda").manual_seed(7)
+    B, S = 2, 700
+    g = torch.Generator(device="cuda").manual_seed(7 + D)
     qkv = torch.randn(B, S, HQ + 2 * HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
     do = torch.randn(B, S, HQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
     kwargs = dict(attn_mask_type="no_mask" if case == "no_mask_mha" else "causal", backend="triton")
@@ -197,9 +199,10 @@ def test_public_backward_on_the_gluon_dkdv_kernel_equals_the_triton_kernels(monk
     if case == "bottom_right_cross":
         kwargs.update(attn_mask_type="causal_bottom_right")
     runs = []
-    calls = []
-    real = gb.dkdv_gluon
-    monkeypatch.setattr(gb, "dkdv_gluon", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = {"dkdv": [], "dq": []}
+    for module, name, key in ((gb, "dkdv_gluon", "dkdv"), (gd, "dq_gluon", "dq")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, key=key, **k: calls[key].append(1) or real(*a, **k))
     for on in (True, False):
         monkeypatch.setattr(backend_module, "GLUON_BACKWARD", on)
         x = qkv.clone().requires_grad_(True)
@@ -209,9 +212,11 @@ def test_public_backward_on_the_gluon_dkdv_kernel_equals_the_triton_kernels(monk
         mxattn.mxfp8_attention(q, kq, vq, **kwargs).backward(do)
         runs.append(x.grad)
         if on:
-            assert calls, "the Gluon dK/dV kernel did not run"
-            calls.clear()
-    assert not calls
+            assert bool(calls["dkdv"]) == (D in gb.FASTER_HEAD_DIMS), "the Gluon dK/dV kernel's runs"
+            assert calls["dq"], "the Gluon dQ kernel did not run"
+            for c in calls.values():
+                c.clear()
+    assert not calls["dkdv"] and not calls["dq"]
     assert torch.equal(runs[0], runs[1])
 
 
