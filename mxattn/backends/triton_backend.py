@@ -131,7 +131,7 @@ GLUON_FORWARD = os.environ.get("MXATTN_GLUON_FWD", "1") != "0"
 #: dense batches, no mask or a causal-style band, head dim 128): 0.76-0.86x the Triton kernel's time, dK and dV
 #: bit-equal (H100, benchmarks/results/nvidia-h100-80gb-hbm3/session29/); likewise its Gluon dQ kernel
 #: (`mxattn.kernels.gluon_attention_dq`: the same refusals, head dims 64 and 128): 0.82-0.86x the Triton dQ
-#: kernel's time at D128, 0.95x at D64, dQ bit-equal (H100, session 29, gluon_bwd_bench.py --dq).
+#: kernel's time at D128, 0.95x at D64, dQ bit-equal (H100, session29/call9_dq_branch/dq_bench.txt there).
 #: MXATTN_GLUON_BWD=0 in the environment keeps the Triton kernels for both passes.
 GLUON_BACKWARD = os.environ.get("MXATTN_GLUON_BWD", "1") != "0"
 #: per (module name, CUDA device index): the Gluon module where its kernels run there, else None (read once)

@@ -66,8 +66,8 @@ BLOCK_M = 128
 BLOCK_N = {64: 128, 128: 64}
 #: head dims where the backward runs this kernel rather than the Triton dQ kernel (`takes`): measured on an H100
 #: (session 29, gluon_bwd_bench.py --dq at the bench's default configs, same inputs, dQ bit-equal to the Triton
-#: kernel's; benchmarks/results/nvidia-h100-80gb-hbm3/session29/): D128 0.82-0.86x the Triton kernel's time, D64
-#: 0.95x
+#: kernel's; benchmarks/results/nvidia-h100-80gb-hbm3/session29/call9_dq_branch/dq_bench.txt): D128 0.82-0.86x the
+#: Triton kernel's time, D64 0.95x
 FASTER_HEAD_DIMS = (64, 128)
 #: stages of the KV ring by head dim: a stage holds three bf16 [BLOCK_N, D] tiles (48 KiB at D128 and D64) next
 #: to the CTA's bf16 Q and dO (D128: 64 KiB, D64: 32 KiB)
