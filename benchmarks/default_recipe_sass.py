@@ -12,7 +12,9 @@ changed the 12th); check every kernel.
 
 --kernels gluon fingerprints the Gluon Hopper forward (`gluon_attention_fwd.compile_sm90`, sm_90a) at head dims
 128 and 64, no mask and causal, then its sink and sliding-window variants (`GLUON_VARIANTS`), then the Gluon
-dK/dV kernel of the "pre" backward (`gluon_attention_bwd.compile_sm90`) at head dims 128 and 64, no mask and causal.
+dK/dV kernel of the "pre" backward (`gluon_attention_bwd.compile_sm90`) at head dims 128 and 64, no mask and causal,
+then the forward's bf16-K/V variant (kv_bf16) and the Gluon dQ kernel (`gluon_attention_dq.compile_sm90`) likewise
+(each new set after the older lines, which keep their fingerprints).
 
 --kernels paged fingerprints the paged KV cache's kernels instead (`paged_builds`: the attention kernel's exact
 and decode data paths in each pass (the decode split passes with STORE_S, and without it as "recompute"), the split combine and the append, at head dims 128 and 64 over bf16 inputs, as
@@ -221,9 +223,15 @@ def gluon_builds() -> list:
 def gluon_bwd_builds() -> list:
     """[(name, compile thunk)] of the Gluon Hopper dK/dV kernel of the "pre" backward
     (`gluon_attention_bwd.compile_sm90`, as its launcher specialises a typical call) at head dims 128 and 64, no
-    mask and causal (after the forward's lines, which keep their fingerprints)."""
+    mask and causal (after the forward's lines, which keep their fingerprints); then the forward's bf16-K/V variant
+    and the Gluon dQ kernel (`gluon_attention_dq.compile_sm90`) likewise."""
     from mxattn.kernels import gluon_attention_bwd as gb
-    return [(f"gluon dkdv d{d}{' causal' if causal else ''}", lambda d=d, causal=causal: gb.compile_sm90(d, causal))
+    from mxattn.kernels import gluon_attention_dq as gd
+    from mxattn.kernels import gluon_attention_fwd as gf
+    return [(f"gluon {name} d{d}{' causal' if causal else ''}", lambda build=build, d=d, causal=causal: build(d, causal))
+            for name, build in (("dkdv", gb.compile_sm90),
+                                ("fwd kvbf16", lambda d, causal: gf.compile_sm90(d, causal, kv_bf16=True)),
+                                ("dq", gd.compile_sm90))
             for d in (128, 64) for causal in (False, True)]
 
 

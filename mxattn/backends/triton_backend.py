@@ -9,7 +9,9 @@ warp-specialised forward where it takes the call (`_gluon_forward`, same numbers
 (nothing without a backward).
 Backward: one prep pass computes delta = rowsum(O * dO) and, on the bf16-scratch path, quantizes dO both ways
 and dequantizes it and Q's copies to bf16 scratch; then the dK/dV kernel and the dQ kernel run (deterministic:
-no atomics, fixed summation order, also for GQA). See mxattn/kernels/.
+no atomics, fixed summation order, also for GQA); on Hopper the bf16-scratch path runs the Gluon warp-specialised
+dK/dV and dQ kernels on each head chunk they take (`_gluon_backward`, `_gluon_dq`; same numbers). See
+mxattn/kernels/.
 Variable lengths (`params.seq`, padded or packed): every kernel reads the per-sequence offsets and lengths
 itself (grids sized by the longest sequence); results equal the reference backend's sequence-by-sequence run.
 Already-quantized inputs (`forward_quantized`): the forward kernel alone, on the given bytes in the form the
@@ -126,8 +128,11 @@ def forward_kernel(q_data, q_scale, k_data, k_scale, v, *, out: torch.Tensor, si
 GLUON_FORWARD = os.environ.get("MXATTN_GLUON_FWD", "1") != "0"
 #: the Gluon warp-specialised dK/dV kernel (`mxattn.kernels.gluon_attention_bwd`, issue 24) runs the bf16-scratch
 #: backward's dK/dV pass on Hopper where it takes the chunk and is the faster kernel (`takes`: default recipe,
-#: dense batches, no mask or a causal-style band, head dim 128): 0.76-0.86x the Triton kernel's time, dK and dV
-#: bit-equal (H100, benchmarks/results/nvidia-h100-80gb-hbm3/session29/). MXATTN_GLUON_BWD=0 keeps the Triton one.
+#: dense batches, no mask or a causal-style band, head dim 128): 0.74-0.86x the Triton kernel's time, dK and dV
+#: bit-equal (H100, benchmarks/results/nvidia-h100-80gb-hbm3/session29/); likewise its Gluon dQ kernel
+#: (`mxattn.kernels.gluon_attention_dq`: the same refusals, head dims 64 and 128): 0.82-0.86x the Triton dQ
+#: kernel's time at D128, 0.95x at D64, dQ bit-equal (H100, session29/call9_dq_branch/dq_bench.txt there).
+#: MXATTN_GLUON_BWD=0 in the environment keeps the Triton kernels for both passes.
 GLUON_BACKWARD = os.environ.get("MXATTN_GLUON_BWD", "1") != "0"
 #: per (module name, CUDA device index): the Gluon module where its kernels run there, else None (read once)
 _GLUON = {}
@@ -158,6 +163,11 @@ def _gluon_forward(device: torch.device):
 def _gluon_backward(device: torch.device):
     """`mxattn.kernels.gluon_attention_bwd` where it runs on `device` and GLUON_BACKWARD is on, else None."""
     return _gluon_module(device, "gluon_attention_bwd", GLUON_BACKWARD)
+
+
+def _gluon_dq(device: torch.device):
+    """`mxattn.kernels.gluon_attention_dq` where it runs on `device` and GLUON_BACKWARD is on, else None."""
+    return _gluon_module(device, "gluon_attention_dq", GLUON_BACKWARD)
 
 
 def _bf16_scratch(x: MXFP8Tensor) -> torch.Tensor:
@@ -509,7 +519,7 @@ class TritonBackend(AttentionBackend):
             # bf16 scratch per chunk of heads; dO is quantized chunk by chunk inside
             delta = tb.attention_bwd(*parts, None, None, o, do, stats, softmax_scale=params.softmax_scale,
                                      dq=dq, dk=dk, dv=dv, mode="pre", flags=flags, gluon_dkdv=_gluon_backward(o.device),
-                                     **_mask_args(params, sq, skv))
+                                     gluon_dq=_gluon_dq(o.device), **_mask_args(params, sq, skv))
         else:
             do_q = tq.quantize_rowcol(do, floor=flags.floor, **quantizer_args(params.seq, "q"))
             delta = tb.attention_bwd(*parts, do_q.row, do_q.col, o, do, stats, softmax_scale=params.softmax_scale,

@@ -45,14 +45,14 @@ import functools
 from typing import Optional
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import constexpr_function
 
-from .gluon_attention_fwd import _chunk_layouts, _dequant3, _round_p_to_bf16
+from .gluon_attention_fwd import _chunk_layouts, _dequant3, _round_p_to_bf16, compile_gluon_sm90
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from .triton_launch import cdiv, launch
 
@@ -85,6 +85,12 @@ WG1 = gl.constexpr(1)
 
 
 # --------------------------------------------------------------------------- element helpers (triton_common's)
+@constexpr_function
+def _acc_layout(N, warps):
+    """The wgmma accumulator layout of an [64, N] fp32 tile of one warpgroup (`warps` warps, m64 nN k16)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, N, 16])
+
+
 @gluon.jit
 def _scale_exponent(abits):
     """triton_common.scale_exponent_from_bits, round-up rule: bits of amax -> E8M0 biased exponent (int32)."""
@@ -193,6 +199,22 @@ def _load_kv_rows(X, XS, dst, base, sbase, sxs, sxss, n0, SKV, R: gl.constexpr, 
 
 
 @gluon.jit
+def issue_s_dp(a_s, b_s, a_dp, b_dp, s_zero):
+    """S = a_s b_s and dP = a_dp b_dp issued as async wgmma (operands in shared memory, fresh fp32 accumulators
+    like s_zero) -> (S, dP's token): S waited for, dP still in flight (`warpgroup_mma_wait` it)."""
+    s_tok = warpgroup_mma(a_s, b_s, gl.zeros_like(s_zero), use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(a_dp, b_dp, gl.zeros_like(s_zero), use_acc=False, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, )), dp_tok
+
+
+@gluon.jit
+def release(empty, s):
+    """A consumer warpgroup done with ring stage s (every GEMM reading it waited for): its "empty" arrival."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(s), count=1)
+
+
+@gluon.jit
 def _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0, SQ,
             SKV, qk_scale, sm_scale, offset, RB, s_zero, MASK: gl.constexpr, HAS_RB: gl.constexpr,
             BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, a_op: gl.constexpr):
@@ -206,9 +228,7 @@ def _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
     mbarrier.wait(ready.index(s), (t // NS) & 1)
     q_t = qr.index(s).reshape([BM, D]).permute((1, 0))
     do_t = dor.index(s).reshape([BM, D]).permute((1, 0))
-    s_tok = warpgroup_mma(kw, q_t, gl.zeros_like(s_zero), use_acc=False, is_async=True)
-    dp_tok = warpgroup_mma(vw, do_t, gl.zeros_like(s_zero), use_acc=False, is_async=True)
-    st = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    st, dp_tok = issue_s_dp(kw, q_t, vw, do_t, s_zero)
     p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))  # P^T [keys, queries]
     if MASK:
         keep = gl.expand_dims(rows_k < SKV, 1) & gl.expand_dims(c_ok, 0)
@@ -225,8 +245,7 @@ def _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
     dsq = gl.convert_layout(_qdq_cols32(ds, BM), a_op)
     dk_tok = warpgroup_mma(dsq, qc.index(s).reshape([BM, D]), dk, is_async=True)
     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
-    gl.thread_barrier()  # the warpgroup is done with stage s
-    mbarrier.arrive(empty.index(s), count=1)
+    release(empty, s)
     return dk, dv
 
 
@@ -242,10 +261,8 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready,
     accumulated in registers and stored at the end."""
     nw: gl.constexpr = gl.num_warps()
     BNW: gl.constexpr = BN // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, BM, 16])
-    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = _acc_layout(BM, nw)
+    a_layout: gl.constexpr = _acc_layout(D, nw)
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -360,18 +377,55 @@ def _scratch_ok(t) -> bool:
             and t.data_ptr() % 16 == 0 and not any(s % 8 for s in t.stride()[:3]))
 
 
+def call_reason(kernel: str, left_bound, seq, bottom_right, sink, flags: KernelRecipe) -> Optional[str]:
+    """Why the Gluon backward kernel `kernel` ("dK/dV", "dQ") refuses a call's recipe, batch or mask (one
+    sentence), or None: both take the default recipe, dense batches, no mask or a causal-style band, no sinks."""
+    if flags != DEFAULT_FLAGS:
+        return f"the Gluon {kernel} kernel runs the default recipe only"
+    if seq is not None or bottom_right:
+        return f"the Gluon {kernel} kernel takes dense batches only (no seq / bottom_right)"
+    if left_bound is not None:
+        return f"the Gluon {kernel} kernel takes no mask or a causal-style band only (no sliding window)"
+    if sink is not None:
+        return f"the Gluon {kernel} kernel is not built for attention sinks"
+    return None
+
+
+def layout_reason(scratch, grid_bh, heads: str) -> Optional[str]:
+    """Why a Gluon backward kernel cannot launch on its operands (one sentence), or None: the first of `scratch`
+    ((name, bf16 tensor or None)) that a TMA descriptor cannot describe, or a grid of grid_bh = (batch, heads)
+    programs along y (`heads`: "KV" or "query") past CUDA's limit."""
+    for name, t in scratch:
+        if t is not None and not _scratch_ok(t):
+            return (f"{name} must be 16-byte aligned with unit stride along D and strides multiple of 16 bytes "
+                    f"(TMA), got strides {tuple(t.stride())}")
+    if grid_bh[0] * grid_bh[1] > 65535:
+        return (f"{grid_bh[0]} x {grid_bh[1]} (batch x {heads} heads) programs exceed the CUDA grid's y limit 65535; "
+                "split the batch")
+    return None
+
+
+def ring_stages(stages, default: int) -> int:
+    """The ring depth of a launch: the override `stages` (>= 1, else ValueError) or the kernel's default."""
+    ns = default if stages is None else int(stages)
+    if ns < 1:
+        raise ValueError(f"stages must be >= 1, got {ns}")
+    return ns
+
+
+def check_delta(delta, SQ: int) -> None:
+    """Raise ValueError unless delta [B, H, SQ] has the unit stride along SQ that the kernels assume."""
+    if delta.stride(2) != 1 and SQ > 1:
+        raise ValueError(f"delta must have unit stride along SQ, got strides {tuple(delta.stride())}")
+
+
 def unsupported_reason(q_r, k_row, v_row, *, left_bound=None, seq=None, bottom_right=False, sink=None,
                        flags: KernelRecipe = DEFAULT_FLAGS, q_c=None, do_r=None, do_c=None) -> Optional[str]:
     """None where `dkdv_gluon` runs the call, else why not (one sentence). q_r (and q_c, do_r, do_c where given):
     the "pre" backward's bf16 scratch; k_row, v_row: K's and V's row-wise MXFP8Tensors."""
-    if flags != DEFAULT_FLAGS:
-        return "the Gluon dK/dV kernel runs the default recipe only"
-    if seq is not None or bottom_right:
-        return "the Gluon dK/dV kernel takes dense batches only (no seq / bottom_right)"
-    if left_bound is not None:
-        return "the Gluon dK/dV kernel takes no mask or a causal-style band only (no sliding window)"
-    if sink is not None:
-        return "the Gluon dK/dV kernel is not built for attention sinks"
+    reason = call_reason("dK/dV", left_bound, seq, bottom_right, sink, flags)
+    if reason is not None:
+        return reason
     for name, t in (("q_r", q_r), ("q_c", q_c), ("do_r", do_r), ("do_c", do_c)):
         if t is None and name != "q_r":
             continue
@@ -382,14 +436,7 @@ def unsupported_reason(q_r, k_row, v_row, *, left_bound=None, seq=None, bottom_r
     for name, t in (("k_row", k_row), ("v_row", v_row)):
         if isinstance(t, torch.Tensor) or not isinstance(getattr(t, "data", None), torch.Tensor):
             return f"{name} must be an FP8 row-wise MXFP8Tensor (no bf16 V recipe)"
-    for name, t in (("q_r", q_r), ("q_c", q_c), ("do_r", do_r), ("do_c", do_c)):
-        if t is not None and not _scratch_ok(t):
-            return (f"{name} must be 16-byte aligned with unit stride along D and strides multiple of 16 bytes "
-                    f"(TMA), got strides {tuple(t.stride())}")
-    if k_row.data.shape[0] * k_row.data.shape[1] > 65535:
-        return (f"{k_row.data.shape[0]} x {k_row.data.shape[1]} (batch x KV heads) programs exceed the CUDA grid's "
-                "y limit 65535; split the batch")
-    return None
+    return layout_reason((("q_r", q_r), ("q_c", q_c), ("do_r", do_r), ("do_c", do_c)), k_row.data.shape[:2], "KV")
 
 
 def takes(q_r, k_row, v_row, **kwargs) -> bool:
@@ -427,17 +474,14 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
                     ("dk", dk), ("dv", dv)):
         if t.shape[3] > 1 and t.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride along its last axis, got strides {tuple(t.stride())}")
-    if delta.stride(2) != 1 and SQ > 1:
-        raise ValueError(f"delta must have unit stride along SQ, got strides {tuple(delta.stride())}")
+    check_delta(delta, SQ)
     if B * HKV == 0 or SKV == 0:
         return
     if SQ == 0:  # no query: zero gradients (TMA cannot describe an empty tensor)
         dk.zero_()
         dv.zero_()
         return
-    ns = STAGES[D] if stages is None else int(stages)
-    if ns < 1:
-        raise ValueError(f"stages must be >= 1, got {ns}")
+    ns = ring_stages(stages, STAGES[D])
     bm = BLOCK_M[D] if block_m is None else int(block_m)
     if bm < 32 or bm % 32:
         raise ValueError(f"block_m must be a positive multiple of 32, got {bm}")
@@ -468,8 +512,6 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
     `gluon_attention_fwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
     call)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     fn = _gluon_dkdv_kernel
     ns = stages if stages is not None else STAGES[d]
     bm = BLOCK_M[d] if block_m is None else block_m
@@ -482,13 +524,7 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
                       PRODUCER_REGS=regs[1])
     if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
         constexprs["sls"] = 1
-    names = fn.arg_names
-    signature = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
-    divisible = [n for n, t in signature.items() if t.startswith("*")] + list(DIVISIBLE_INTS)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(c),): v for c, v in constexprs.items()},
-                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=PARTITION_WARPS))
+    return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 
 __all__ = ["dkdv_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "BLOCK_M", "BLOCK_N",

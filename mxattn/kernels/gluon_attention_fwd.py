@@ -764,8 +764,6 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
     typical call (16-byte aligned, multiples of 16); the stats' row stride stays a run-time i32 (the launcher
     specialises a 1 to a constant). has_lb / has_sink: the sliding-window and sink variants (LB a run-time i32,
     SINK an fp32 pointer). kv_bf16: the bf16-K/V variant (stages: its bf16 stages, an int)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     fn = _gluon_attn_fwd_kernel
     if kv_bf16:
         ns, nf = (stages if stages is not None else BF16_KV_STAGES[d]), 1
@@ -782,13 +780,23 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
                       PINGPONG=PINGPONG if pingpong is None else pingpong,
                       CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], HAS_LB=has_lb, HAS_SINK=has_sink,
                       KV_BF16=kv_bf16)
+    return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
+
+
+def compile_gluon_sm90(fn, types: dict, constexprs: dict, divisible_ints, num_warps: int):
+    """A Gluon kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel: the
+    parameters in `types` (name -> Triton type string) typed so, the others i32 (constexprs: name -> value);
+    every pointer and the ints named in divisible_ints marked multiples of 16, as the launcher sees them in a
+    typical call."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     names = fn.arg_names
     signature = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
-    divisible = [n for n, t in signature.items() if t.startswith("*")] + list(DIVISIBLE_INTS)
+    divisible = [n for n, t in signature.items() if t.startswith("*")] + list(divisible_ints)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(c),): v for c, v in constexprs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=PARTITION_WARPS))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
 __all__ = ["attention_fwd_gluon", "unsupported_reason", "takes", "compile_sm90", "BLOCK_M", "BLOCK_N", "STAGES",

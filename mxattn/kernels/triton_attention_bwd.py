@@ -347,7 +347,7 @@ def bwd_streams_bf16(B: int, HQ: int, HKV: int, SQ: int, SKV: int, D: int) -> bo
 def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stats, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   config=None, mode: str = "fp8", seq=None, bottom_right: bool = False,
-                  flags: KernelRecipe = DEFAULT_FLAGS, gluon_dkdv=None) -> torch.Tensor:
+                  flags: KernelRecipe = DEFAULT_FLAGS, gluon_dkdv=None, gluon_dq=None) -> torch.Tensor:
     """Launch the prep pass, dK/dV kernel and dQ kernel (per chunk of heads in mode "pre").
 
     q_row, q_col: MXFP8Tensor [B,Hq,Sq,D] (row: scales [B,H,S,ceil(D/32)], col: scales [B,H,ceil(S/32),D]);
@@ -367,6 +367,9 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     (unit stride along D), and do_row/do_col (mode "fp8") must have been quantized with flags.floor's rule.
     gluon_dkdv: optional module `gluon_attention_bwd` (Hopper): in mode "pre" its warp-specialised dK/dV kernel
     runs each chunk it takes (`takes`; same numbers), the Triton kernel the others.
+    gluon_dq: likewise, optional module `gluon_attention_dq` (Hopper): in mode "pre" its warp-specialised dQ
+    kernel runs each chunk it takes (`takes`; same numbers), the Triton dQ kernel the others. Neither runs with
+    a config override (the Triton kernels' block sizes).
     """
     if mode not in ("fp8", "pre"):
         raise ValueError(f"mode must be 'fp8' or 'pre', got {mode!r}")
@@ -439,7 +442,12 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
                          common, seq, cu, flags)
         del q_c, do_c
         k_r, k_c, v_r = kv_prep(k_row, k_col, v_row, h0, h1, seq, cu)
-        _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common, seq, cu, flags)
+        if gluon_dq is not None and config is None and gluon_dq.takes(
+                q_r, k_r, k_c, v_r, do_r, left_bound=left_bound, seq=seq, bottom_right=bottom_right, flags=flags):
+            gluon_dq.dq_gluon(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], softmax_scale=softmax_scale,
+                              offset=offset, right_bound=right_bound, checked=True)
+        else:
+            _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common, seq, cu, flags)
         del q_r, do_r, k_r, k_c, v_r
     return delta
 

@@ -24,10 +24,11 @@ def _is_hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, right_bound, g, scale):
+def _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, right_bound, g, scale, with_kv=False):
     """(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta) as attention_bwd hands them to the dK/dV launch in
     mode "pre" (all heads in one chunk); stats the natural-log LSE of the masked logits of the dequantized Q, K
-    (-inf for rows without keys), o and dO random."""
+    (-inf for rows without keys), o and dO random. with_kv: followed by `kv_prep`'s bf16 scratch (k_r, k_c,
+    v_r) and K's column-wise MXFP8Tensor k_col (the dQ launch's key side)."""
     from mxattn.kernels.triton_bwd_prep import bwd_prep, kv_prep
     from mxattn.kernels.triton_quantize import quantize_rowcol
     from mxattn.seqinfo import kernel_cu_seqlens
@@ -38,7 +39,7 @@ def _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, right_bound, g, scale):
     qq, kq, vq = quantize_rowcol(q), quantize_rowcol(k), quantize_rowcol(v, col=False)
     stats = torch.empty(B, HQ, SQ, 1, device="cuda", dtype=torch.float32)
     cu = kernel_cu_seqlens(None, stats)
-    k_r, _, _ = kv_prep(kq.row, kq.col, vq.row, 0, HKV, None, cu)
+    k_r, k_c, v_r = kv_prep(kq.row, kq.col, vq.row, 0, HKV, None, cu)
     delta = torch.empty(B, HQ, SQ, device="cuda", dtype=torch.float32)
     do_r, do_c, q_r, q_c = bwd_prep(o, do, qq.row, qq.col, delta, 0, HQ, None, cu)
     drop = None
@@ -49,24 +50,32 @@ def _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, right_bound, g, scale):
         if drop is not None:
             logits.masked_fill_(drop, float("-inf"))
         stats[:, h] = torch.logsumexp(logits, dim=-1, keepdim=True)
-    return q_r, q_c, kq.row, vq.row, do_r, do_c, stats, delta
+    out = (q_r, q_c, kq.row, vq.row, do_r, do_c, stats, delta)
+    return out + (k_r, k_c, v_r, kq.col) if with_kv else out
+
+
+def _triton_pre_launch(which, q_shape, HKV, SKV, stats, scale, offset, right_bound):
+    """The trailing arguments of attention_bwd's mode-"pre" launch `which` (0: `_launch_dkdv`, 1: `_launch_dq`)
+    for a dense call with Q [B, HQ, SQ, D] (q_shape): (cfg, pre, args, common, seq, cu, flags), its default
+    config."""
+    from mxattn.kernels import triton_attention_bwd as tb
+    from mxattn.kernels.recipe_flags import DEFAULT_FLAGS
+    from mxattn.kernels.triton_quantize import padded_head_dim
+    from mxattn.seqinfo import kernel_cu_seqlens, kernel_flags
+    B, HQ, SQ, D = q_shape
+    dp = padded_head_dim(D)
+    args = (HQ // HKV, SQ, SKV, D, float(scale) * tb.LOG2E.value, float(scale), int(offset), 0,
+            0 if right_bound is None else int(right_bound))
+    common = dict(HAS_LB=False, HAS_RB=right_bound is not None, DP=dp, EVEN_D=dp == D, **kernel_flags(None, False))
+    return tb._bwd_config(dp, "pre")[which], True, args, common, None, kernel_cu_seqlens(None, stats), DEFAULT_FLAGS
 
 
 def _triton_dkdv(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, scale, offset, right_bound):
     """The Triton dK/dV launch of attention_bwd's mode "pre" (its config, args and constexprs)."""
     from mxattn.kernels import triton_attention_bwd as tb
-    from mxattn.kernels.recipe_flags import DEFAULT_FLAGS
-    from mxattn.kernels.triton_quantize import padded_head_dim
-    from mxattn.seqinfo import kernel_cu_seqlens, kernel_flags
-    B, HQ, SQ, D = q_r.shape
-    HKV, SKV = k_row.data.shape[1], k_row.data.shape[2]
-    dp = padded_head_dim(D)
-    cfg1 = tb._bwd_config(dp, "pre")[0]
-    args = (HQ // HKV, SQ, SKV, D, float(scale) * tb.LOG2E.value, float(scale), int(offset), 0,
-            0 if right_bound is None else int(right_bound))
-    common = dict(HAS_LB=False, HAS_RB=right_bound is not None, DP=dp, EVEN_D=dp == D, **kernel_flags(None, False))
-    tb._launch_dkdv(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, cfg1, True, args, common, None,
-                    kernel_cu_seqlens(None, stats), DEFAULT_FLAGS)
+    tb._launch_dkdv(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv,
+                    *_triton_pre_launch(0, q_r.shape, k_row.data.shape[1], k_row.data.shape[2], stats, scale, offset,
+                                        right_bound))
 
 
 def _assert_like_triton(x, ref, name):
@@ -96,21 +105,29 @@ CASES = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
-def test_gluon_dkdv_matches_triton_dkdv(case, D, heads):
+def over_cases(fn):
+    """A GPU comparison test over CASES x head dims 64 / 128 x MHA / GQA (arguments case, D, heads)."""
+    fn = pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])(fn)
+    fn = pytest.mark.parametrize("D", [64, 128])(fn)
+    return pytest.mark.gpu(pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])(fn))
+
+
+def case_inputs(case, D, heads, seed, with_kv=False):
+    """(B, HQ, HKV, SQ, SKV, offset, right bound, scale, `_pre_inputs`' tensors) of one of CASES (B = 2,
+    softmax scale 1 / sqrt(D), a causal case's right bound 0); skips unless an sm_90 GPU."""
     if not _is_hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
-    from mxattn.kernels import gluon_attention_bwd as gb
     _, SQ, SKV, offset, causal = case
-    HQ, HKV = heads
-    B = 2
-    scale = 1.0 / math.sqrt(D)
-    rb = 0 if causal else None
-    g = torch.Generator(device="cuda").manual_seed(4321 + D + SQ + SKV + HKV)
-    ins = _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, rb, g, scale)
+    (HQ, HKV), B, scale, rb = heads, 2, 1.0 / math.sqrt(D), 0 if causal else None
+    g = torch.Generator(device="cuda").manual_seed(seed + D + SQ + SKV + HKV)
+    ins = _pre_inputs(B, HQ, HKV, SQ, SKV, D, offset, rb, g, scale, with_kv)
+    return B, HQ, HKV, SQ, SKV, offset, rb, scale, ins
+
+
+@over_cases
+def test_gluon_dkdv_matches_triton_dkdv(case, D, heads):
+    from mxattn.kernels import gluon_attention_bwd as gb
+    B, HQ, HKV, SQ, SKV, offset, rb, scale, ins = case_inputs(case, D, heads, 4321)
     dk_ref, dv_ref = (torch.empty(B, HKV, SKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     _triton_dkdv(*ins, dk_ref, dv_ref, scale, offset, rb)
     dk, dv = (torch.full((B, HKV, SKV, D), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -156,22 +173,24 @@ def test_gluon_dkdv_head_chunk_views_and_stages(D):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["causal_gqa", "no_mask_mha", "sink_causal", "bottom_right_cross"])
-def test_public_backward_on_the_gluon_dkdv_kernel_equals_the_triton_kernels(monkeypatch, case):
-    """The public backward at head dim 128 on Hopper runs the Gluon dK/dV kernel (`attention_bwd`'s gluon_dkdv,
-    asked per chunk) and gives the gradients of the Triton kernel (MXATTN_GLUON_BWD=0's path) bit for bit:
-    dK/dV from the other kernel, dQ (same dQ kernel) identical. Inputs as views (bshd from a fused QKV)."""
+@pytest.mark.parametrize("case, D", [("causal_gqa", 128), ("no_mask_mha", 128), ("sink_causal", 128),
+                                     ("bottom_right_cross", 128), ("causal_gqa", 64), ("bottom_right_cross", 64)])
+def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypatch, case, D):
+    """The public backward on Hopper runs the Gluon dK/dV kernel at head dim 128 and the Gluon dQ kernel at head
+    dims 64 and 128 (`attention_bwd`'s gluon_dkdv / gluon_dq, asked per chunk) and gives the gradients of the
+    Triton kernels (MXATTN_GLUON_BWD=0's path) bit for bit. Inputs as views (bshd from a fused QKV)."""
     if not _is_hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
     import mxattn
     from mxattn.backends import triton_backend as backend_module
     from mxattn.kernels import gluon_attention_bwd as gb
+    from mxattn.kernels import gluon_attention_dq as gd
     from test_gluon_fwd_gpu import _fresh_plan_caches
     _fresh_plan_caches(monkeypatch)  # no replays of earlier tests' recordings: each path runs its body
     monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
     HQ, HKV = (8, 2) if case == "causal_gqa" else (4, 4)
-    B, S, D = 2, 700, 128
-    g = torch.Generator(device="cuda").manual_seed(7)
+    B, S = 2, 700
+    g = torch.Generator(device="cuda").manual_seed(7 + D)
     qkv = torch.randn(B, S, HQ + 2 * HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
     do = torch.randn(B, S, HQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
     kwargs = dict(attn_mask_type="no_mask" if case == "no_mask_mha" else "causal", backend="triton")
@@ -180,9 +199,10 @@ def test_public_backward_on_the_gluon_dkdv_kernel_equals_the_triton_kernels(monk
     if case == "bottom_right_cross":
         kwargs.update(attn_mask_type="causal_bottom_right")
     runs = []
-    calls = []
-    real = gb.dkdv_gluon
-    monkeypatch.setattr(gb, "dkdv_gluon", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = {"dkdv": [], "dq": []}
+    for module, name, key in ((gb, "dkdv_gluon", "dkdv"), (gd, "dq_gluon", "dq")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, key=key, **k: calls[key].append(1) or real(*a, **k))
     for on in (True, False):
         monkeypatch.setattr(backend_module, "GLUON_BACKWARD", on)
         x = qkv.clone().requires_grad_(True)
@@ -192,9 +212,11 @@ def test_public_backward_on_the_gluon_dkdv_kernel_equals_the_triton_kernels(monk
         mxattn.mxfp8_attention(q, kq, vq, **kwargs).backward(do)
         runs.append(x.grad)
         if on:
-            assert calls, "the Gluon dK/dV kernel did not run"
-            calls.clear()
-    assert not calls
+            assert bool(calls["dkdv"]) == (D in gb.FASTER_HEAD_DIMS), "the Gluon dK/dV kernel's runs"
+            assert calls["dq"], "the Gluon dQ kernel did not run"
+            for c in calls.values():
+                c.clear()
+    assert not calls["dkdv"] and not calls["dq"]
     assert torch.equal(runs[0], runs[1])
 
 
@@ -250,12 +272,13 @@ def test_gluon_dkdv_takes_the_triton_launchs_arguments():
         assert kw in ours
 
 
-def _compile_or_skip(d, causal):
+def compile_or_skip(module: str, d, causal):
+    """mxattn.kernels.<module>.compile_sm90(d, causal), or a skip where Triton cannot build for sm_90a here."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed here")
     try:
-        from mxattn.kernels import gluon_attention_bwd as gb
-        return gb.compile_sm90(d, causal)
+        import importlib
+        return importlib.import_module(f"mxattn.kernels.{module}").compile_sm90(d, causal)
     except ImportError as e:  # pragma: no cover - a Triton without GPU-target compilation or without Gluon
         pytest.skip(f"cannot compile for sm_90a here: {e}")
 
@@ -266,4 +289,4 @@ def test_gluon_dkdv_compiles_for_sm90a_without_spills(d, causal):
     """The warp-specialised kernel builds for sm_90a with Triton's ptxas: no local memory (spills), the
     producer/consumer register split (setmaxnreg), wgmma (A from shared memory for S^T / dP^T, from registers for
     dV / dK), 4-D TMA loads, within the H100's shared memory."""
-    _assert_sm90_build(_compile_or_skip(d, causal))
+    _assert_sm90_build(compile_or_skip("gluon_attention_bwd", d, causal))

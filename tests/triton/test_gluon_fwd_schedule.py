@@ -62,6 +62,23 @@ def _start(n, d):
         torch.zeros(n, dtype=torch.float64)
 
 
+def triton_blocks(t0, bm, skv, offset, rb, bn):
+    """[(KV block, masked)] that a Triton kernel's query tile of rows [t0, t0 + bm) visits with blocks of bn keys:
+    band_block_range (no left bound; rb None: no band) and the kernels' three loops (masked, full, masked)."""
+    lo, hi, full_lo = 0, skv, 0
+    full_hi = (skv // bn) * bn
+    if rb is not None:
+        hi = min(skv, max(t0 + bm + offset + rb, 0))
+        full_hi = min(full_hi, (max(t0 + offset + rb + 1, 0) // bn) * bn)
+    full_lo = max(full_lo, lo)
+    if full_hi <= full_lo:
+        full_lo = full_hi = hi
+    mask_hi = min(full_lo, hi)
+    blocks = [(j, True) for j in range(lo // bn, -(-mask_hi // bn))]
+    blocks += [(j, False) for j in range(full_lo // bn, full_hi // bn)]
+    return blocks + [(j, True) for j in range(-(-max(full_hi, mask_hi) // bn), -(-hi // bn))]
+
+
 def _triton_schedule(q, k, v, skv, qk_scale, offset, rb, bm):
     """triton_attention_fwd._attn_fwd_kernel's loops over band_block_range (no left bound), tiles of bm rows."""
     sq, d = q.shape
@@ -70,20 +87,8 @@ def _triton_schedule(q, k, v, skv, qk_scale, offset, rb, bm):
         rows = torch.arange(t0, t0 + bm)
         qt = torch.zeros(bm, d, dtype=q.dtype)
         qt[:min(bm, sq - t0)] = q[t0:t0 + bm]
-        lo, hi, full_lo = 0, skv, 0
-        full_hi = (skv // BN) * BN
-        if rb is not None:
-            hi = min(skv, max(t0 + bm + offset + rb, 0))
-            full_hi = min(full_hi, (max(t0 + offset + rb + 1, 0) // BN) * BN)
-        full_lo = max(full_lo, lo)
-        if full_hi <= full_lo:
-            full_lo = full_hi = hi
-        mask_hi = min(full_lo, hi)
         acc, m, l = _start(bm, d)
-        blocks = [(j, True) for j in range(lo // BN, -(-mask_hi // BN))]
-        blocks += [(j, False) for j in range(full_lo // BN, full_hi // BN)]
-        blocks += [(j, True) for j in range(-(-max(full_hi, mask_hi) // BN), -(-hi // BN))]
-        for j, msk in blocks:
+        for j, msk in triton_blocks(t0, bm, skv, offset, rb, BN):
             acc, m, l = _step(acc, m, l, qt, k, v, rows, j * BN, skv, qk_scale, offset, rb, msk)
         ot, lt = _finish(acc, m, l)
         n = min(bm, sq - t0)

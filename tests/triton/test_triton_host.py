@@ -482,35 +482,45 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
             assert kw["sink"] is None
 
 
-@pytest.mark.parametrize("case, gluon_chunks", [
-    ("causal_gqa_d128", 1), ("no_mask_d128", 1), ("sink_d128", 1), ("many_heads_d128", 2), ("d64", 0),
-    ("window_d128", 0), ("padded_varlen_d128", 0), ("floor_recipe_d128", 0), ("fp8_data_path_d128", 0)])
-def test_the_pre_backward_runs_the_gluon_dkdv_kernel_where_it_takes_the_chunk(monkeypatch, request, case,
-                                                                             gluon_chunks):
+@pytest.mark.parametrize("case, dkdv_chunks, dq_chunks", [
+    ("causal_gqa_d128", 1, 1), ("no_mask_d128", 1, 1), ("sink_d128", 1, 1), ("many_heads_d128", 2, 2),
+    ("d64", 0, 1), ("many_heads_d64", 0, 2), ("window_d128", 0, 0), ("padded_varlen_d128", 0, 0),
+    ("floor_recipe_d128", 0, 0), ("fp8_data_path_d128", 0, 0)])
+def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monkeypatch, request, case,
+                                                                          dkdv_chunks, dq_chunks):
     """On the bf16-scratch backward (mode "pre") each chunk of heads runs the Gluon dK/dV kernel where it takes
     it (`gluon_attention_bwd.takes`: default recipe, dense, no mask or a causal band, head dim 128; a sink lives in
-    the stats) with the chunk's views, else the Triton dK/dV kernel; the FP8 data path never asks. The numbers are
-    compared on the GPU (tests/triton/test_gluon_bwd_gpu.py)."""
+    the stats) with the chunk's views, else the Triton dK/dV kernel; likewise the Gluon dQ kernel
+    (`gluon_attention_dq.takes`: the same refusals, head dims 64 and 128) with the chunk's bf16 scratch (bwd_prep's
+    Q and dO, kv_prep's K both ways and V), stats and delta slices and dQ head slice, else the Triton dQ kernel;
+    the FP8 data path never asks. The numbers are compared on the GPU (tests/triton/test_gluon_bwd_gpu.py)."""
     from types import SimpleNamespace
 
     import mxattn
     from mxattn import Recipe
     from mxattn.backends import triton_backend as backend_module
     from mxattn.kernels import gluon_attention_bwd as gb
+    from mxattn.kernels import gluon_attention_dq as gd
     from mxattn.kernels import triton_attention_bwd as tb
     from triton_helpers import force_fp8_data_paths
 
     launched = _record_launches(monkeypatch, request, keep_kwargs=True)
-    calls = []
+    calls, dq_calls, preps = [], [], {"bwd": [], "kv": []}
     fake = SimpleNamespace(takes=gb.takes, dkdv_gluon=lambda *args, **kwargs: calls.append((args, kwargs)))
+    fake_dq = SimpleNamespace(takes=gd.takes, dq_gluon=lambda *args, **kwargs: dq_calls.append((args, kwargs)))
     monkeypatch.setattr(backend_module, "_gluon_backward", lambda device: fake)
+    monkeypatch.setattr(backend_module, "_gluon_dq", lambda device: fake_dq)
     monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
+    for name, key in (("bwd_prep", "bwd"), ("kv_prep", "kv")):  # each chunk's scratch, to follow it into the calls
+        real = getattr(tb, name)
+        monkeypatch.setattr(tb, name, lambda *a, real=real, key=key, **k: preps[key].append(real(*a, **k)) or
+                            preps[key][-1])
     if case == "fp8_data_path_d128":
         force_fp8_data_paths(monkeypatch)
-    if case == "many_heads_d128":  # two chunks of heads (a scratch budget of one KV head's scratch)
+    d = 64 if case.endswith("d64") else 128
+    if case.startswith("many_heads"):  # two chunks of heads (a scratch budget of one KV head's scratch)
         monkeypatch.setattr(tb, "PRE_BUDGET_BYTES", 1)
-        monkeypatch.setattr(tb, "SCRATCH_BUDGET_BYTES", tb._pre_scratch_per_kv_head(2, 2, 160, 160, 128))
-    d = 64 if case == "d64" else 128
+        monkeypatch.setattr(tb, "SCRATCH_BUDGET_BYTES", tb._pre_scratch_per_kv_head(2, 2, 160, 160, d))
     q = torch.randn(2, 160, 4, d, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(2, 160, 2, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     kwargs = dict(attn_mask_type="no_mask" if case == "no_mask_d128" else "causal", backend="triton")
@@ -526,12 +536,13 @@ def test_the_pre_backward_runs_the_gluon_dkdv_kernel_where_it_takes_the_chunk(mo
     launched.clear()
     o.backward(torch.randn_like(o))
     names = [name for name, *_ in launched]
-    assert len(calls) == gluon_chunks
-    assert names.count("dkdv_kernel") == (0 if gluon_chunks else 1)
-    assert names.count("dq_kernel") == max(1, gluon_chunks)
+    chunks = max(1, dkdv_chunks, dq_chunks)
+    assert len(calls) == dkdv_chunks and len(dq_calls) == dq_chunks
+    assert names.count("dkdv_kernel") == (0 if dkdv_chunks else chunks)
+    assert names.count("dq_kernel") == (0 if dq_chunks else chunks)
+    per = 2 // chunks  # KV heads per chunk
     for h, (args, kw) in enumerate(calls):
         q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv = args
-        per = 2 // gluon_chunks  # KV heads per chunk
         assert k_row.data.shape == (2, per, 160, 128) and dk.shape == dv.shape == (2, per, 160, 128)
         assert q_r.shape == q_c.shape == do_r.shape == do_c.shape == (2, 2 * per, 160, 128)
         assert q_r.dtype == torch.bfloat16 and stats.shape == (2, 2 * per, 160, 1) and delta.shape == (2, 2 * per, 160)
@@ -540,21 +551,41 @@ def test_the_pre_backward_runs_the_gluon_dkdv_kernel_where_it_takes_the_chunk(mo
         assert dk.data_ptr() - first_dk.data_ptr() == h * per * dk.stride(1) * dk.element_size()
         assert kw["checked"] and kw["softmax_scale"] == pytest.approx(128 ** -0.5)
         assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
+    if dq_chunks:
+        assert len(preps["bwd"]) == len(preps["kv"]) == chunks
+    for h, (args, kw) in enumerate(dq_calls):
+        q_r, k_r, k_c, v_r, do_r, stats, delta, dq = args
+        do_r_h, _, q_r_h, _ = preps["bwd"][h]  # the chunk's bf16 scratch: bwd_prep's Q and dO, kv_prep's K and V
+        assert q_r is q_r_h and do_r is do_r_h and (k_r, k_c, v_r) == preps["kv"][h]
+        assert q_r.shape == do_r.shape == dq.shape == (2, 2 * per, 160, d) and q_r.dtype == torch.bfloat16
+        assert k_r.shape == k_c.shape == v_r.shape == (2, per, 160, d) and k_c.dtype == torch.bfloat16
+        assert stats.shape == (2, 2 * per, 160, 1) and delta.shape == (2, 2 * per, 160)
+        if h < len(calls):  # the dK/dV pass's slices of the same chunk
+            assert stats is calls[h][0][6] and delta is calls[h][0][7]
+        first = dq_calls[0][0]  # the chunks read head slices of one stats / delta and write head slices of one dQ
+        for t, t0 in ((stats, first[5]), (delta, first[6]), (dq, first[7])):
+            assert t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr()
+            assert t.data_ptr() - t0.data_ptr() == h * 2 * per * t.stride(1) * t.element_size()
+        assert dq.stride(3) == 1
+        assert kw["checked"] and kw["softmax_scale"] == pytest.approx(d ** -0.5)
+        assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
 
 
-@pytest.mark.parametrize("getter, module_name, switch", [
-    ("_gluon_forward", "gluon_attention_fwd", "GLUON_FORWARD"),
-    ("_gluon_backward", "gluon_attention_bwd", "GLUON_BACKWARD")], ids=["forward", "backward"])
-def test_the_gluon_kernels_are_used_on_sm90_only(monkeypatch, getter, module_name, switch):
-    """`_gluon_forward` / `_gluon_backward`: the Gluon module on a CUDA SM 9.0 device (read once per device and
-    module), None on other capabilities, on the CPU, and with its switch off (MXATTN_GLUON_FWD=0 /
-    MXATTN_GLUON_BWD=0), which leaves the other module's choice alone."""
+_GLUON_CHOICES = {"_gluon_forward": ("gluon_attention_fwd", "GLUON_FORWARD"),
+                  "_gluon_backward": ("gluon_attention_bwd", "GLUON_BACKWARD"),
+                  "_gluon_dq": ("gluon_attention_dq", "GLUON_BACKWARD")}
+
+
+@pytest.mark.parametrize("getter", list(_GLUON_CHOICES), ids=["forward", "dkdv", "dq"])
+def test_the_gluon_kernels_are_used_on_sm90_only(monkeypatch, getter):
+    """`_gluon_forward` / `_gluon_backward` / `_gluon_dq`: the Gluon module on a CUDA SM 9.0 device (read once per
+    device and module), None on other capabilities, on the CPU, and with its switch off (MXATTN_GLUON_FWD=0 /
+    MXATTN_GLUON_BWD=0, the latter for both backward kernels), which leaves the other switch's modules alone."""
     import importlib
 
     from mxattn.backends import triton_backend as backend_module
+    module_name, switch = _GLUON_CHOICES[getter]
     module = importlib.import_module(f"mxattn.kernels.{module_name}")
-    other, other_name = [(g, m) for g, m in (("_gluon_forward", "gluon_attention_fwd"),
-                                             ("_gluon_backward", "gluon_attention_bwd")) if g != getter][0]
     capability = {0: (9, 0), 1: (10, 0), 2: (8, 9)}
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or capability[i])
@@ -566,12 +597,15 @@ def test_the_gluon_kernels_are_used_on_sm90_only(monkeypatch, getter, module_nam
     assert choose(torch.device("cuda", 1)) is None
     assert choose(torch.device("cuda", 2)) is None
     assert asked == [0, 1, 2]
-    other_module = importlib.import_module(f"mxattn.kernels.{other_name}")
-    assert getattr(backend_module, other)(torch.device("cuda", 0)) is other_module
-    assert asked == [0, 1, 2, 0]  # (cached apart from this module's choice)
+    others = {g: importlib.import_module(f"mxattn.kernels.{m}") for g, (m, _) in _GLUON_CHOICES.items() if g != getter}
+    for other, other_module in others.items():
+        assert getattr(backend_module, other)(torch.device("cuda", 0)) is other_module
+    assert asked == [0, 1, 2, 0, 0]  # (each module's choice cached apart)
     monkeypatch.setattr(backend_module, switch, False)
     assert choose(torch.device("cuda", 0)) is None
-    assert getattr(backend_module, other)(torch.device("cuda", 0)) is other_module
+    for other, other_module in others.items():  # the same switch turns both backward kernels off, not the forward
+        same_switch = _GLUON_CHOICES[other][1] == switch
+        assert getattr(backend_module, other)(torch.device("cuda", 0)) is (None if same_switch else other_module)
 
 
 def test_gluon_takes_sinks_and_windows_and_refuses_the_rest():

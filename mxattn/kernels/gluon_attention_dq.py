@@ -1,0 +1,330 @@
+"""Hopper (sm_90a) Gluon dQ kernel of the MXFP8 attention backward, warp-specialised, for the bf16-scratch data
+path (mode "pre" of `triton_attention_bwd.attention_bwd`), default recipe only. `dq_gluon` takes what
+`triton_attention_bwd._launch_dq` takes in mode "pre" and writes the same dQ; `attention_bwd` (gluon_dq) runs it
+for each head chunk it `takes`.
+
+Scope: dense batches, no mask or a causal-style band (offset, right bound; negative offsets included: rows
+without keys get dQ = 0), head dims 64 and 128, MHA and GQA (query head hq reads KV head hq // GROUP). Sliding
+windows, varlen, sinks and other recipes are refused (`unsupported_reason`).
+
+Inputs (mode "pre"): every operand is bf16 scratch, the exact dequantization of its MXFP8 copy: Q and dO
+row-wise from `bwd_prep` ([B, Hc, SQ, D], the chunk's query heads), K row-wise, K column-wise and V row-wise from
+`kv_prep` ([B, Hkv_c, SKV, D], the chunk's KV heads).
+
+Numerics: per element the operations of `triton_attention_bwd._dq_block` (PRE, default recipe), in the same
+order: S = Q K^T (bf16 wgmma, fp32), P = exp2(S * qk_scale - lse * LOG2E) (rows without keys: lse -inf read as
++inf, so P = 0), masked to 0 outside the band / past SKV; dP = dO V^T; dS = P * (dP - delta) * sm_scale; dS
+quantize-dequantized along the keys in blocks of 32 (qdq_rows on the [queries, keys] tile:
+`gluon_attention_bwd._qdq_cols32`); dQ += dS_qdq K_col; dQ stored in bf16. The query tile is the Triton kernel's
+(BLOCK_M = 128 rows, the same grid and program order); the KV blocks have BLOCK_N[D] keys (the Triton kernel's
+BN differs) but the qdq blocks are the same (32-aligned) and both dQ GEMM chains add k16 slices of keys in
+ascending order into the same fp32 accumulator, and a block masked here but not there (or the reverse) keeps
+every pair: dQ should agree bit for bit up to the tensor cores' internal sum order (tested on the GPU in
+tests/triton/test_gluon_dq_gpu.py: bit-equal in >= 99%, within one bf16 ulp).
+
+Structure (FlashAttention-3's dQ side, Q-stationary): a CTA owns BLOCK_M = 128 query rows of one (batch, query
+head); three partitions of one warpgroup each (`gl.warp_specialize`, setmaxnreg CONSUMER_REGS / PRODUCER_REGS,
+the default partition what is left):
+
+* the producer warpgroup: TMA-loads the CTA's Q and dO rows once (a [64, D] tile each per consumer warpgroup
+  whose rows start before SQ, one expect-tx arrival on "q_ready"), then for t = 0, 1, ... over the KV blocks
+  the CTA visits (block t: `_kv_blocks`, from 0) waits "empty" of stage t % NS and TMA-loads the three bf16
+  tiles K_r, V_r, K_c [BLOCK_N, D] (4-D descriptors: rows past SQ / SKV read as zeros) with one expect-tx
+  arrival on "ready".
+* two consumer warpgroups (the default partition and a worker), 64 query rows each: LSE and delta of their
+  rows in registers, wait "q_ready", then per KV block: wait "ready", issue S and dP (async wgmma, A = their Q /
+  dO rows from shared memory, B = K_r^T / V_r^T), P, the mask (blocks past `_kv_full_blocks` only), dS and its
+  qdq, the dQ GEMM (A = dS_qdq from registers, B = K_c), wait, release the stage ("empty", one arrival per
+  warpgroup). dQ stays in registers (D / 2 fp32 registers per thread) and is stored at the end.
+
+The ring protocol is the dK/dV kernel's (one extra one-shot barrier for Q / dO); simulated with the KV block
+walk in tests/triton/test_gluon_dq_protocol.py.
+"""
+
+import functools
+from typing import Optional
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# partition warps, setmaxnreg of the consumers / the producer, head dims: the dK/dV kernel's
+from .gluon_attention_bwd import (CONSUMER_REGS, LOG2E, LOG2E_K, PARTITION_WARPS, PRODUCER_REGS, SUPPORTED_HEAD_DIMS,
+                                  WG0, WG1, _acc_layout, _qdq_cols32, call_reason, check_delta,
+                                  issue_s_dp, layout_reason, release, ring_stages)
+from .gluon_attention_fwd import _kv_blocks, _tile_of_program, compile_gluon_sm90
+from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
+from .triton_launch import cdiv, launch
+
+#: query rows of one CTA: two consumer warpgroups of 64 (the Triton dQ kernel's BM in mode "pre": the same grid)
+BLOCK_M = 128
+#: keys of one streamed KV block by head dim (a multiple of 32: whole qdq blocks of dS). Each consumer thread
+#: holds BLOCK_N / 2 fp32 registers of S and of dP next to dQ's D / 2
+BLOCK_N = {64: 128, 128: 64}
+#: head dims where the backward runs this kernel rather than the Triton dQ kernel (`takes`): measured on an H100
+#: (session 29, gluon_bwd_bench.py --dq at the bench's default configs, same inputs, dQ bit-equal to the Triton
+#: kernel's; benchmarks/results/nvidia-h100-80gb-hbm3/session29/call9_dq_branch/dq_bench.txt): D128 0.82-0.86x the
+#: Triton kernel's time, D64 0.95x
+FASTER_HEAD_DIMS = (64, 128)
+#: stages of the KV ring by head dim: a stage holds three bf16 [BLOCK_N, D] tiles (48 KiB at D128 and D64) next
+#: to the CTA's bf16 Q and dO (D128: 64 KiB, D64: 32 KiB)
+STAGES = {64: 3, 128: 3}
+
+
+# --------------------------------------------------------------------------- partitions
+@gluon.jit
+def _kv_full_blocks(m0, SKV, offset, RB, HAS_RB: gl.constexpr, BN: gl.constexpr):
+    """KV blocks [0, n_full) that every query row [m0, m0 + BM) keeps whole (triton_common.band_block_range's
+    full_hi / BN for a query tile without a left bound); the CTA's blocks from n_full on need the mask."""
+    n_full = SKV // BN
+    if HAS_RB:
+        n_full = gl.minimum(n_full, gl.maximum(m0 + offset + RB + 1, 0) // BN)
+    return n_full
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
+              HQ, GROUP, SQ, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              D: gl.constexpr, NS: gl.constexpr):
+    """The producer warpgroup: the CTA's Q and dO rows once, then stage t % NS gets KV block t, once both
+    consumer warpgroups released the stage."""
+    tile, b, hq = _tile_of_program(HQ, HAS_RB)
+    m0 = tile * BM
+    hk = hq // GROUP
+    BMW: gl.constexpr = BM // 2
+    # Q and dO, a bf16 [BMW, D] tile each per consumer warpgroup; none for the second one where its rows all lie
+    # past SQ (no TMA box wholly out of bounds; that warpgroup's rows are never stored)
+    if m0 + BMW < SQ:
+        mbarrier.expect(q_ready, 4 * BMW * D * 2)
+    else:
+        mbarrier.expect(q_ready, 2 * BMW * D * 2)
+    tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready, q_s.index(0))
+    tma.async_copy_global_to_shared(do_desc, [b, hq, m0, 0], q_ready, do_s.index(0))
+    if m0 + BMW < SQ:
+        tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + BMW, 0], q_ready, q_s.index(1))
+        tma.async_copy_global_to_shared(do_desc, [b, hq, m0 + BMW, 0], q_ready, do_s.index(1))
+    for t in range(_kv_blocks(m0, SKV, offset, RB, HAS_RB, BM, BN)):
+        s = t % NS
+        mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)  # passes at once on a fresh barrier (first round)
+        bar = ready.index(s)
+        mbarrier.expect(bar, 3 * BN * D * 2)  # three bf16 tiles
+        tma.async_copy_global_to_shared(kr_desc, [b, hk, t * BN, 0], bar, kr.index(s))
+        tma.async_copy_global_to_shared(vr_desc, [b, hk, t * BN, 0], bar, vr.index(s))
+        tma.async_copy_global_to_shared(kc_desc, [b, hk, t * BN, 0], bar, kc.index(s))
+
+
+@gluon.jit
+def _kv_step(t, dq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale, sm_scale, offset,
+             RB, s_zero, MASK: gl.constexpr, HAS_RB: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+             NS: gl.constexpr, a_op: gl.constexpr):
+    """KV block t (keys [t * BN, + BN)) of a consumer warpgroup: `_dq_block`'s arithmetic on its 64 query rows
+    (qw, dow: its Q / dO rows in shared memory) -> dq."""
+    s = t % NS
+    mbarrier.wait(ready.index(s), (t // NS) & 1)
+    k_t = kr.index(s).reshape([BN, D]).permute((1, 0))
+    v_t = vr.index(s).reshape([BN, D]).permute((1, 0))
+    st, dp_tok = issue_s_dp(qw, k_t, dow, v_t, s_zero)
+    p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 1))  # P [queries, keys]
+    if MASK:
+        cols = t * BN + cols0
+        keep = gl.expand_dims(cols < SKV, 0) & gl.expand_dims(rows >= 0, 1)
+        if HAS_RB:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + offset + RB)
+        p = gl.where(keep, p, 0.0)
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+    ds = p * (dp - gl.expand_dims(delta, 1)) * sm_scale
+    dsq = gl.convert_layout(_qdq_cols32(ds, BN), a_op)  # blocks of 32 along the keys
+    dq_tok = warpgroup_mma(dsq, kc.index(s).reshape([BN, D]), dq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
+    release(empty, s)
+    return dq
+
+
+@gluon.jit
+def _consumer(LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
+              slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
+              HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
+              WG: gl.constexpr):
+    """Consumer warpgroup WG: query rows [tile * BM + 64 WG, + 64) of the CTA's head; the CTA's KV blocks
+    (`_kv_step`, unmasked ones first), dQ accumulated in registers and stored at the end."""
+    nw: gl.constexpr = gl.num_warps()
+    BMW: gl.constexpr = BM // 2
+    s_layout: gl.constexpr = _acc_layout(BN, nw)
+    a_layout: gl.constexpr = _acc_layout(D, nw)
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+
+    tile, b, hq = _tile_of_program(HQ, HAS_RB)
+    m_cta = tile * BM
+    b64 = b.to(gl.int64)
+    hq64 = hq.to(gl.int64)
+    rows = m_cta + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, s_layout))
+    r_ok = rows < SQ
+    lse = gl.load(LSE + b64 * slb + hq64 * slh + rows * sls, mask=r_ok, other=float("inf")) * LOG2E_K
+    lse = gl.where(lse == float("-inf"), float("inf"), lse)
+    delta = gl.load(DELTA + b64 * sdelb + hq64 * sdelh + rows, mask=r_ok, other=0.0)
+    cols0 = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+    dq = gl.zeros([BMW, D], gl.float32, a_layout)
+    s_zero = gl.zeros([BMW, BN], gl.float32, s_layout)
+    # the CTA's KV blocks (both warpgroups and the producer walk the same ones: a block kept whole for the CTA's
+    # 128 rows is for each warpgroup's 64, and the mask is a no-op where it keeps everything)
+    n_blk = _kv_blocks(m_cta, SKV, offset, RB, HAS_RB, BM, BN)
+    n_full = _kv_full_blocks(m_cta, SKV, offset, RB, HAS_RB, BN)
+    qw = q_s.index(WG).reshape([BMW, D])
+    dow = do_s.index(WG).reshape([BMW, D])
+    mbarrier.wait(q_ready, 0)
+    for t in range(0, n_full):
+        dq = _kv_step(t, dq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale, sm_scale,
+                      offset, RB, s_zero, False, HAS_RB, BN, D, NS, a_op)
+    for t in range(n_full, n_blk):
+        dq = _kv_step(t, dq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale, sm_scale,
+                      offset, RB, s_zero, True, HAS_RB, BN, D, NS, a_op)
+
+    rows_o = m_cta + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, a_layout))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, a_layout))
+    ok = gl.expand_dims(rows_o < SQ, 1) & gl.expand_dims(offs_d >= 0, 0)
+    gl.store(DQ + b64 * sdqb + hq64 * sdqh + gl.expand_dims(rows_o.to(gl.int64) * sdqs, 1)
+             + gl.expand_dims(offs_d, 0), dq.to(DQ.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def _gluon_dq_kernel(
+        q_desc, do_desc, kr_desc, vr_desc, kc_desc, LSE, DELTA, DQ,
+        slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs,
+        HQ, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
+        HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Grid (cdiv(SQ, BM), B * HQ), 4 warps per partition. q_desc, do_desc: TMA descriptors of the bf16 scratch
+    [B, HQ, SQ, D] (Q and dO row-wise; block [1, 1, BM / 2, D]); kr_desc, vr_desc, kc_desc: of the bf16 scratch
+    [B, HKV, SKV, D] (K row-wise, V row-wise, K column-wise; block [1, 1, BN, D]); LSE [B, HQ, SQ, 1] fp32
+    (natural log), DELTA [B, HQ, SQ] fp32; DQ [B, HQ, SQ, D] (unit stride along D). HAS_RB: causal-style band
+    (keys kept where key <= query + offset + RB)."""
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [2, 1, 1, BM // 2, D], q_desc.layout)
+    do_s = gl.allocate_shared_memory(gl.bfloat16, [2, 1, 1, BM // 2, D], do_desc.layout)
+    kr = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BN, D], kr_desc.layout)
+    vr = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BN, D], vr_desc.layout)
+    kc = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BN, D], kc_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_consumer, (LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
+                     slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
+                     HAS_RB, BM, BN, D, NS, WG0)),
+        (_consumer, (LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
+                     slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
+                     HAS_RB, BM, BN, D, NS, WG1)),
+        (_producer, (q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
+                     HQ, GROUP, SQ, SKV, offset, RB, HAS_RB, BM, BN, D, NS)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+    mbarrier.invalidate(q_ready)
+    for i in gl.static_range(NS):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+# --------------------------------------------------------------------------- host side
+@functools.lru_cache(maxsize=None)
+def tma_layout(rows: int, d: int):
+    """Shared layout of a bf16 scratch tile's TMA descriptor (block [1, 1, rows, d])."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gl.bfloat16)
+
+
+def unsupported_reason(q_r, k_r, k_c, v_r, do_r, *, left_bound=None, seq=None, bottom_right=False, sink=None,
+                       flags: KernelRecipe = DEFAULT_FLAGS) -> Optional[str]:
+    """None where `dq_gluon` runs the call, else why not (one sentence). q_r, do_r: the "pre" backward's bf16
+    scratch of Q and dO [B, Hc, SQ, D]; k_r, k_c, v_r: `kv_prep`'s bf16 scratch [B, Hkv_c, SKV, D]."""
+    reason = call_reason("dQ", left_bound, seq, bottom_right, sink, flags)
+    if reason is not None:
+        return reason
+    ops = (("q_r", q_r), ("k_r", k_r), ("k_c", k_c), ("v_r", v_r), ("do_r", do_r))
+    for name, t in ops:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 4:
+            return f"{name} must be 4-D bf16 scratch of the 'pre' backward (mode 'pre' only)"
+    if q_r.shape[3] not in SUPPORTED_HEAD_DIMS:
+        return f"the Gluon dQ kernel takes head dims {SUPPORTED_HEAD_DIMS}, got {q_r.shape[3]}"
+    return layout_reason(ops, q_r.shape[:2], "query")
+
+
+def takes(q_r, k_r, k_c, v_r, do_r, **kwargs) -> bool:
+    """Whether `attention_bwd` runs this kernel for a chunk: it takes the call (`unsupported_reason`, same
+    arguments) at a head dim where it is the faster kernel (FASTER_HEAD_DIMS)."""
+    return q_r.shape[3] in FASTER_HEAD_DIMS and unsupported_reason(q_r, k_r, k_c, v_r, do_r, **kwargs) is None
+
+
+def dq_gluon(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, *, softmax_scale: float, offset: int, left_bound=None,
+             right_bound=None, seq=None, bottom_right: bool = False, flags: KernelRecipe = DEFAULT_FLAGS,
+             stages: Optional[int] = None, checked: bool = False) -> None:
+    """The dQ pass of the "pre" backward for one chunk of heads: the tensors `triton_attention_bwd._launch_dq`
+    takes in mode "pre", in its order (q_r, do_r [B, Hc, SQ, D] the chunk's bf16 scratch from `bwd_prep`; k_r,
+    k_c, v_r [B, Hkv_c, SKV, D] the chunk's bf16 scratch from `kv_prep`; stats [B, Hc, SQ, 1] fp32 and delta
+    [B, Hc, SQ] fp32 (unit stride along SQ) the chunk's slices; dq [B, Hc, SQ, D] with unit stride along D, e.g.
+    a head slice of the full dQ) and attention_bwd's mask arguments; writes dq. stages: ring stages override
+    (>= 1). Raises ValueError for what it does not take (`unsupported_reason`)."""
+    reason = None if checked else unsupported_reason(q_r, k_r, k_c, v_r, do_r, left_bound=left_bound, seq=seq,
+                                                     bottom_right=bottom_right, flags=flags)
+    if reason is not None:
+        raise ValueError(reason)
+    B, HQ, SQ, D = q_r.shape
+    HKV, SKV = k_r.shape[1], k_r.shape[2]
+    if HKV == 0 or HQ % HKV:
+        raise ValueError(f"q heads ({HQ}) must be a multiple of k/v heads ({HKV})")
+    for name, t, want in (("do_r", do_r, (B, HQ, SQ, D)), ("dq", dq, (B, HQ, SQ, D)), ("k_c", k_c, (B, HKV, SKV, D)),
+                          ("v_r", v_r, (B, HKV, SKV, D))):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if dq.stride(3) != 1:
+        raise ValueError(f"dq must have unit stride along D, got strides {tuple(dq.stride())}")
+    check_delta(delta, SQ)
+    if dq.numel() == 0 or SKV == 0:  # no key: zero gradient (TMA cannot describe an empty tensor)
+        dq.zero_()
+        return
+    ns = ring_stages(stages, STAGES[D])
+    bn = BLOCK_N[D]
+    q_layout, kv_layout = tma_layout(BLOCK_M // 2, D), tma_layout(bn, D)
+    descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M // 2, D], q_layout)
+             for t in (q_r, do_r)]
+    descs += [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bn, D], kv_layout) for t in (k_r, v_r, k_c)]
+    has_rb = right_bound is not None
+    launch(
+        _gluon_dq_kernel, (cdiv(SQ, BLOCK_M), B * HQ),
+        *descs, stats, delta, dq, *stats.stride()[:3], delta.stride(0), delta.stride(1), *dq.stride()[:3],
+        HQ, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, float(softmax_scale), int(offset),
+        int(right_bound) if has_rb else 0,
+        HAS_RB=has_rb, BM=BLOCK_M, BN=bn, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=PARTITION_WARPS)
+
+
+#: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
+#: every stride except the stats' row stride (1), and the head counts
+DIVISIBLE_INTS = ("slb", "slh", "sdelb", "sdelh", "sdqb", "sdqh", "sdqs", "SQ", "SKV")
+
+
+def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
+                 dq_dtype: str = "bf16", unit_stats: bool = True, block_n: Optional[int] = None):
+    """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
+    `gluon_attention_bwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
+    call). block_n: KV block override (offline sweeps; dq_gluon runs BLOCK_N[d])."""
+    ns = stages if stages is not None else STAGES[d]
+    bn = BLOCK_N[d] if block_n is None else block_n
+    q_desc = f"tensordesc<bf16[1, 1, {BLOCK_M // 2}, {d}],{tma_layout(BLOCK_M // 2, d)!r}>"
+    kv_desc = f"tensordesc<bf16[1, 1, {bn}, {d}],{tma_layout(bn, d)!r}>"
+    types = dict(q_desc=q_desc, do_desc=q_desc, kr_desc=kv_desc, vr_desc=kv_desc, kc_desc=kv_desc, LSE="*fp32",
+                 DELTA="*fp32", DQ=f"*{dq_dtype}", qk_scale="fp32", sm_scale="fp32")
+    constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=bn, D=d, NS=ns, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
+    if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
+        constexprs["sls"] = 1
+    return compile_gluon_sm90(_gluon_dq_kernel, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
+
+
+__all__ = ["dq_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "BLOCK_M", "BLOCK_N",
+           "STAGES"]
