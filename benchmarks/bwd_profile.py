@@ -1,7 +1,8 @@
 """Per-kernel GPU time of the triton backward (torch.profiler), for finding where its time goes.
 
-Usage: python benchmarks/bwd_profile.py [--mode pre|fp8] [--causal] [--timeline] [B H S D]
-Prints one line per kernel name: total ms over the profiled calls / calls, and the share of the total.
+Usage: python benchmarks/bwd_profile.py [--mode pre|fp8] [--causal] [--gluon] [--timeline] [B H S D]
+--gluon: mode "pre" with the Gluon dK/dV and dQ kernels where they take the chunk (as the backend runs it on
+Hopper). Prints one line per kernel name: total ms over the profiled calls / calls, and the share of the total.
 --timeline: instead, one eager TritonBackend.backward call (as `python -m mxattn bench` times it) with the GPU
 idle before it: each kernel's start and duration, and the gaps in which the GPU waited for the host."""
 import argparse
@@ -18,6 +19,7 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--timeline", action="store_true")
+    ap.add_argument("--gluon", action="store_true")
     args = ap.parse_args()
     if args.timeline:
         timeline(*args.shape, causal=args.causal)
@@ -31,6 +33,9 @@ def main() -> None:
     qq, kq, vq, dq_ = (quantize_rowcol(t) for t in (q, k, v, do))
     g = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     mk = dict(softmax_scale=1 / math.sqrt(D), offset=0, left_bound=None, right_bound=0 if args.causal else None)
+    if args.gluon:
+        from mxattn.kernels import gluon_attention_bwd, gluon_attention_dq
+        mk.update(gluon_dkdv=gluon_attention_bwd, gluon_dq=gluon_attention_dq)
 
     def run():
         tb.attention_bwd(qq.row, qq.col, kq.row, kq.col, vq.row, dq_.row, dq_.col, o, do, st, dq=g[0], dk=g[1],
@@ -48,7 +53,7 @@ def main() -> None:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             tot[e.name[:60]] += e.device_time_total / 1e3
     all_ms = sum(tot.values())
-    print(f"B{B} H{H} S{S} D{D} causal={args.causal} mode={args.mode}: {all_ms / args.reps:.3f} ms of kernels per call")
+    print(f"B{B} H{H} S{S} D{D} causal={args.causal} mode={args.mode} gluon={args.gluon}: {all_ms / args.reps:.3f} ms of kernels per call")
     for name, ms in sorted(tot.items(), key=lambda x: -x[1]):
         print(f"  {ms / args.reps:8.3f} ms  {100 * ms / all_ms:5.1f}%  {name}")
 

@@ -76,12 +76,16 @@ def main():
     valid = mask.bool()
 
     outs, times = {}, {}
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
     for impl in (args.baseline, name):
         model.set_attn_implementation(impl)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=mask)
-        times[impl] = time.perf_counter() - t0
+        for call in ("first", "warm"):  # the first call compiles the kernels on a GPU; the second runs them
+            sync()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model(input_ids=ids, attention_mask=mask)
+            sync()
+            times[impl, call] = time.perf_counter() - t0
         outs[impl] = (out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state).float()
 
     ref, mx = outs[args.baseline][valid], outs[name][valid]
@@ -90,7 +94,10 @@ def main():
     print(f"model: {args.model or args.arch} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
           f"{model.config.num_hidden_layers} layers), batch {args.batch}, lengths {lengths.tolist()} (right padded), "
           f"device {args.device}")
-    print(f"{args.baseline}: {times[args.baseline]:.2f} s   {name} (backend {args.backend}): {times[name]:.2f} s")
+    print(f"forward time, first call: {args.baseline} {times[args.baseline, 'first']:.2f} s, {name} (backend "
+          f"{args.backend}) {times[name, 'first']:.2f} s (on a GPU it compiles the kernels); second call: "
+          f"{args.baseline} {1e3 * times[args.baseline, 'warm']:.1f} ms, {name} {1e3 * times[name, 'warm']:.1f} ms "
+          f"(one call, not a benchmark: benchmarks/models_bench.py times whole models)")
     print(f"{what} on {int(valid.sum())} real tokens, {name} vs {args.baseline}:")
     print(f"  rel-RMS {rel:.3e}   max |diff| {(mx - ref).abs().max().item():.3e}   "
           f"(max |{args.baseline}| {ref.abs().max().item():.3e})")

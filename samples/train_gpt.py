@@ -354,7 +354,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
     Returned keys: "steps" (list of int), "loss_bf16", "loss_mxfp8" (per-step training losses),
     "final_bf16", "final_mxfp8" (mean of the last --final-window steps), "val_bf16", "val_mxfp8",
-    "seconds_bf16", "seconds_mxfp8" (training time), "png" (path or None), "recipe" (the MXFP8 model's
+    "seconds_bf16", "seconds_mxfp8" (training time after the first step), "first_step_seconds_bf16",
+    "first_step_seconds_mxfp8", "png" (path or None), "recipe" (the MXFP8 model's
     mxattn.Recipe), "args" (dict).
     """
     args = parse_args(argv)
@@ -376,14 +377,15 @@ def main(argv: Optional[List[str]] = None) -> dict:
     # Same batches: one generator draws each step's batch, and both models train on it.
     generator = torch.Generator().manual_seed(args.seed)
     losses = {name: [] for name in models}
-    seconds = {name: 0.0 for name in models}
+    seconds = {name: 0.0 for name in models}  # after the first step (on a GPU, that step compiles the kernels)
+    first_step = {name: 0.0 for name in models}
     print(f"{'step':>6} {'loss_bf16':>10} {'loss_mxfp8':>11}")
     for step in range(args.steps):
         x, y = get_batch(train_data, args.batch, args.seq, generator, device)
         for name, model in models.items():
             start = time.perf_counter()
-            losses[name].append(train_step(model, optimizers[name], x, y, step, args, device))
-            seconds[name] += time.perf_counter() - start
+            losses[name].append(train_step(model, optimizers[name], x, y, step, args, device))  # (.item(): synced)
+            (seconds if step else first_step)[name] += time.perf_counter() - start
         if step % args.log_every == 0 or step == args.steps - 1:
             print(f"{step:>6} {losses['bf16'][-1]:>10.4f} {losses['mxfp8'][-1]:>11.4f}")
 
@@ -394,7 +396,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
     print(f"final training loss (mean of last {window} steps): bf16 {final['bf16']:.4f}, "
           f"mxfp8 {final['mxfp8']:.4f} (relative difference {100 * rel:.2f}%)")
     print(f"validation loss: bf16 {val['bf16']:.4f}, mxfp8 {val['mxfp8']:.4f}")
-    print(f"training time: bf16 {seconds['bf16']:.1f} s, mxfp8 {seconds['mxfp8']:.1f} s")
+    print(f"training time of steps 1-{args.steps - 1}: bf16 {seconds['bf16']:.1f} s, mxfp8 {seconds['mxfp8']:.1f} s "
+          f"(first step, where a GPU compiles the kernels: bf16 {first_step['bf16']:.1f} s, "
+          f"mxfp8 {first_step['mxfp8']:.1f} s; a one-off run beside the loss check, not a benchmark: "
+          f"benchmarks/models_bench.py times whole models)")
 
     steps = list(range(args.steps))
     png = save_plot({"BF16 attention (torch SDPA)": losses["bf16"],
@@ -406,7 +411,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     return {"steps": steps, "loss_bf16": losses["bf16"], "loss_mxfp8": losses["mxfp8"],
             "final_bf16": final["bf16"], "final_mxfp8": final["mxfp8"],
             "val_bf16": val["bf16"], "val_mxfp8": val["mxfp8"],
-            "seconds_bf16": seconds["bf16"], "seconds_mxfp8": seconds["mxfp8"], "png": png,
+            "seconds_bf16": seconds["bf16"], "seconds_mxfp8": seconds["mxfp8"],
+            "first_step_seconds_bf16": first_step["bf16"], "first_step_seconds_mxfp8": first_step["mxfp8"], "png": png,
             "recipe": mxattn.Recipe() if recipe is None else recipe, "args": vars(args)}
 
 

@@ -48,6 +48,13 @@ def test_curves_have_one_finite_loss_per_step(result):
     assert res["loss_bf16"] != res["loss_mxfp8"]
 
 
+def test_the_printed_training_time_leaves_the_first_step_apart(result):
+    """The first step (where a GPU compiles the kernels) is timed apart from the other steps, for both models."""
+    res, _ = result
+    for name in ("bf16", "mxfp8"):
+        assert res[f"first_step_seconds_{name}"] > 0 and res[f"seconds_{name}"] > 0
+
+
 @pytest.mark.parametrize("key", ["loss_bf16", "loss_mxfp8"])
 def test_loss_falls(result, key):
     curve = result[0][key]
