@@ -21,7 +21,8 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # (tests/triton_helpers.py: the library's plan caches)
 
 import torch  # noqa: E402
 
@@ -30,22 +31,16 @@ _CACHES = {}
 
 
 def _setting(budget_mib: int, waves: int):
-    """Patch the chunk rule (PRE_BUDGET_BYTES, and the waves of programs a chunk must fill) and swap in this
+    """Patch the chunk rule (PRE_BUDGET_BYTES, and the waves of programs a chunk must fill) and put in place this
     setting's own launch-plan caches (empty the first time): a replay never runs another setting's chunks."""
-    from mxattn import attention, op_plans
-    from mxattn.backends import triton_backend as backend_module
     from mxattn.kernels import triton_attention_bwd as bwd
-    from mxattn.kernels.affine_plan import AffinePlanCache
-    from mxattn.kernels.launch_plan import PlanCache
     from mxattn.kernels.triton_launch import sm_count
+    from triton_helpers import install_plan_caches, new_plan_caches
     bwd.PRE_BUDGET_BYTES = budget_mib << 20
     bwd.sm_count = lambda dev: max(1, sm_count(dev) * waves // 2)  # attention_bwd asks for 2 * sm_count programs
-    c = _CACHES.setdefault((budget_mib, waves), dict(
-        plans=PlanCache(), affine=AffinePlanCache(), op=PlanCache(min_replays=16), calls=PlanCache(min_replays=16),
-        calls_affine=AffinePlanCache(), attention={}))
-    backend_module._PLANS, backend_module._AFFINE_PLANS = c["plans"], c["affine"]
-    op_plans.PLANS, op_plans.CALLS, op_plans.CALLS_AFFINE = c["op"], c["calls"], c["calls_affine"]
-    attention._PLANS = c["attention"]
+    if (budget_mib, waves) not in _CACHES:
+        _CACHES[budget_mib, waves] = new_plan_caches()
+    install_plan_caches(_CACHES[budget_mib, waves])
 
 
 def main(argv=None) -> int:

@@ -22,6 +22,25 @@ def same_values(a, b):
     return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
 
 
+def new_plan_caches() -> dict:
+    """Empty launch-plan caches for every level the library keeps them (backend, op bodies, whole calls, call
+    signatures): {(module, attribute name): cache}. Installed (`install_plan_caches`), they make the next calls
+    record their own plans instead of replaying an earlier run's recordings (e.g. of another kernel choice)."""
+    from mxattn import attention, op_plans
+    from mxattn.backends import triton_backend as backend_module
+    from mxattn.kernels.affine_plan import AffinePlanCache
+    from mxattn.kernels.launch_plan import PlanCache
+    return {(backend_module, "_PLANS"): PlanCache(), (backend_module, "_AFFINE_PLANS"): AffinePlanCache(),
+            (op_plans, "PLANS"): PlanCache(min_replays=16), (op_plans, "CALLS"): PlanCache(min_replays=16),
+            (op_plans, "CALLS_AFFINE"): AffinePlanCache(), (attention, "_PLANS"): {}}
+
+
+def install_plan_caches(caches: dict, set_attr=setattr) -> None:
+    """Put `new_plan_caches()`'s caches in place (set_attr: e.g. a monkeypatch's setattr, undone after a test)."""
+    for (module, name), cache in caches.items():
+        set_attr(module, name, cache)
+
+
 def force_fp8_data_paths(monkeypatch):
     """Make the triton backend take its FP8 data paths (the forward dequantizing K and V on chip, the backward
     streaming FP8), as a large problem or D > 128 does, and keep launch plans out of the way: they key on the

@@ -363,16 +363,8 @@ def test_gluon_fwd_compiles_for_sm90a_without_spills(d, causal, pingpong, has_lb
 def _fresh_plan_caches(mp):
     """Empty launch-plan caches at every level (backend, op bodies, whole calls, call signatures) for the rest of
     mp's context: a run that toggles which kernel serves a signature records its own plans."""
-    from mxattn import attention, op_plans
-    from mxattn.backends import triton_backend as backend_module
-    from mxattn.kernels.affine_plan import AffinePlanCache
-    from mxattn.kernels.launch_plan import PlanCache
-    mp.setattr(backend_module, "_PLANS", PlanCache())
-    mp.setattr(backend_module, "_AFFINE_PLANS", AffinePlanCache())
-    mp.setattr(op_plans, "PLANS", PlanCache(min_replays=16))
-    mp.setattr(op_plans, "CALLS", PlanCache(min_replays=16))
-    mp.setattr(op_plans, "CALLS_AFFINE", AffinePlanCache())
-    mp.setattr(attention, "_PLANS", {})
+    from triton_helpers import install_plan_caches, new_plan_caches
+    install_plan_caches(new_plan_caches(), mp.setattr)
 
 
 def _rel_rms(a, b):
