@@ -64,11 +64,18 @@ BLOCK_M = 128
 #: keys of one streamed KV block by head dim (a multiple of 32: whole qdq blocks of dS). Each consumer thread
 #: holds BLOCK_N / 2 fp32 registers of S and of dP next to dQ's D / 2
 BLOCK_N = {64: 128, 128: 64}
-#: head dims where the backward runs this kernel rather than the Triton dQ kernel (`takes`): measured on an H100
-#: (session 29, gluon_bwd_bench.py --dq at the bench's default configs, same inputs, dQ bit-equal to the Triton
-#: kernel's; benchmarks/results/nvidia-h100-80gb-hbm3/session29/call9_dq_branch/dq_bench.txt): D128 0.82-0.86x the
-#: Triton kernel's time, D64 0.95x
+#: head dims where the backward runs this kernel rather than the Triton dQ kernel (`takes`), from enough keys on
+#: (MIN_KEYS): measured on an H100 (session 29, gluon_bwd_bench.py --dq at the bench's default configs, same
+#: inputs, dQ bit-equal to the Triton kernel's; benchmarks/results/nvidia-h100-80gb-hbm3/session29/call9_dq_branch/
+#: dq_bench.txt): D128 0.82-0.86x the Triton kernel's time, D64 0.95x
 FASTER_HEAD_DIMS = (64, 128)
+#: per head dim, the fewest keys a query block must stream (the KV length, half of it under a causal band) for
+#: this kernel to beat the Triton dQ kernel: its warp-specialised pipeline costs a set-up that short rows do not
+#: repay. Measured on an H200 (session 31, gluon_bwd_bench.py --dq, gluon / triton kernel time;
+#: benchmarks/results/nvidia-h200/session31/dq_bench*.txt): D64 1.39-1.50 at 512 keys (256 causal), 1.00-1.09 at
+#: 512-1024, 0.95 at 2048 (dense S2048, causal S4096); D128 1.49 at causal S512 (256), 0.85-0.90 from 512
+#: (causal S1024 and S2048, dense S1024 and S2048)
+MIN_KEYS = {64: 2048, 128: 512}
 #: stages of the KV ring by head dim: a stage holds three bf16 [BLOCK_N, D] tiles (48 KiB at D128 and D64) next
 #: to the CTA's bf16 Q and dO (D128: 64 KiB, D64: 32 KiB)
 STAGES = {64: 3, 128: 3}
@@ -255,10 +262,15 @@ def unsupported_reason(q_r, k_r, k_c, v_r, do_r, *, left_bound=None, seq=None, b
     return layout_reason(ops, q_r.shape[:2], "query")
 
 
-def takes(q_r, k_r, k_c, v_r, do_r, **kwargs) -> bool:
+def takes(q_r, k_r, k_c, v_r, do_r, right_bound=None, **kwargs) -> bool:
     """Whether `attention_bwd` runs this kernel for a chunk: it takes the call (`unsupported_reason`, same
-    arguments) at a head dim where it is the faster kernel (FASTER_HEAD_DIMS)."""
-    return q_r.shape[3] in FASTER_HEAD_DIMS and unsupported_reason(q_r, k_r, k_c, v_r, do_r, **kwargs) is None
+    arguments) at a head dim where it is the faster kernel (FASTER_HEAD_DIMS) with keys enough to repay its
+    set-up (MIN_KEYS: the KV length, halved under a causal band, i.e. right_bound not None)."""
+    d = q_r.shape[3]
+    if d not in FASTER_HEAD_DIMS:
+        return False
+    keys = k_r.shape[2] if right_bound is None else k_r.shape[2] // 2
+    return keys >= MIN_KEYS[d] and unsupported_reason(q_r, k_r, k_c, v_r, do_r, **kwargs) is None
 
 
 def dq_gluon(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, *, softmax_scale: float, offset: int, left_bound=None,
@@ -326,5 +338,5 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
     return compile_gluon_sm90(_gluon_dq_kernel, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 
-__all__ = ["dq_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "BLOCK_M", "BLOCK_N",
+__all__ = ["dq_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "MIN_KEYS", "BLOCK_M", "BLOCK_N",
            "STAGES"]

@@ -443,7 +443,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
         del q_c, do_c
         k_r, k_c, v_r = kv_prep(k_row, k_col, v_row, h0, h1, seq, cu)
         if gluon_dq is not None and config is None and gluon_dq.takes(
-                q_r, k_r, k_c, v_r, do_r, left_bound=left_bound, seq=seq, bottom_right=bottom_right, flags=flags):
+                q_r, k_r, k_c, v_r, do_r, right_bound=right_bound, left_bound=left_bound, seq=seq,
+                bottom_right=bottom_right, flags=flags):
             gluon_dq.dq_gluon(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], softmax_scale=softmax_scale,
                               offset=offset, right_bound=right_bound, checked=True)
         else:

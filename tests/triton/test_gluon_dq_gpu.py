@@ -98,9 +98,10 @@ def _cpu_scratch(D=128, HQ=4, HKV=2, SQ=100, SKV=80, dtype=torch.bfloat16):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
-def test_gluon_dq_refuses_unsupported_calls():
+def test_gluon_dq_refuses_unsupported_calls(monkeypatch):
     from mxattn.kernels import gluon_attention_dq as gd
     from mxattn.kernels.recipe_flags import DEFAULT_FLAGS
+    monkeypatch.setattr(gd, "MIN_KEYS", {64: 0, 128: 0})  # (80 keys; the minimum: test_gluon_dq_min_keys)
     ops = _cpu_scratch()
     assert gd.unsupported_reason(*ops) is None and gd.takes(*ops)
     assert "window" in gd.unsupported_reason(*ops, left_bound=64)
@@ -132,6 +133,22 @@ def test_gluon_dq_refuses_unsupported_calls():
         gd.dq_gluon(*ops, stats, delta, dq[:, :2], softmax_scale=0.1, offset=0)
     with pytest.raises(ValueError, match="stages"):
         gd.dq_gluon(*ops, stats, delta, dq, softmax_scale=0.1, offset=0, stages=0)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
+@pytest.mark.parametrize("d", [64, 128])
+def test_gluon_dq_min_keys(d):
+    """`takes` runs the kernel from MIN_KEYS keys per query block on (the KV length, half of it under a causal
+    band: right_bound set), where it was measured faster than the Triton dQ kernel, and not one key below."""
+    from mxattn.kernels import gluon_attention_dq as gd
+    least = gd.MIN_KEYS[d]
+    assert least > 0
+    for skv, right_bound, want in ((least, None, True), (least - 1, None, False), (2 * least, 0, True),
+                                   (2 * least - 2, 0, False), (2 * least, None, True)):
+        assert gd.takes(*_cpu_scratch(D=d, SQ=128, SKV=skv), right_bound=right_bound) is want, (skv, right_bound)
+    # refusals still apply above the minimum
+    assert not gd.takes(*_cpu_scratch(D=d, SQ=128, SKV=2 * least), right_bound=0, sink=torch.zeros(4))
+    assert not gd.takes(*_cpu_scratch(D=96, SQ=128, SKV=4096))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
