@@ -75,6 +75,12 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 #: (session 29, gluon_bwd_bench.py at the bench's default configs, same inputs, dK/dV bit-equal): D128
 #: 0.76-0.86x the Triton kernel's time; D64 (64-row query blocks) 1.09x, so the Triton kernel keeps D64
 FASTER_HEAD_DIMS = (128,)
+#: per head dim, the fewest query rows a KV block must stream (the query length times the queries per KV head,
+#: half of it under a causal band) for this kernel to beat the Triton one. Measured on an H200 (session 31,
+#: gluon_bwd_bench.py, gluon / triton kernel time; benchmarks/results/nvidia-h200/session31/dkdv_bench.txt): D128
+#: causal S512 (256 rows) 1.33, dense S512 and causal S1024 (512) 1.00-1.01, dense S1024 0.90, causal S1024 GQA
+#: 16:4 (2048) 0.67
+MIN_QUERY_ROWS = {128: 512}
 
 LOG2E = 1.4426950408889634
 LOG2E_K = gl.constexpr(LOG2E)
@@ -439,10 +445,18 @@ def unsupported_reason(q_r, k_row, v_row, *, left_bound=None, seq=None, bottom_r
     return layout_reason((("q_r", q_r), ("q_c", q_c), ("do_r", do_r), ("do_c", do_c)), k_row.data.shape[:2], "KV")
 
 
-def takes(q_r, k_row, v_row, **kwargs) -> bool:
+def takes(q_r, k_row, v_row, right_bound=None, **kwargs) -> bool:
     """Whether `attention_bwd` runs this kernel for a chunk: it takes the call (`unsupported_reason`, same
-    arguments) at a head dim where it is the faster kernel (FASTER_HEAD_DIMS)."""
-    return q_r.shape[3] in FASTER_HEAD_DIMS and unsupported_reason(q_r, k_row, v_row, **kwargs) is None
+    arguments) at a head dim where it is the faster kernel (FASTER_HEAD_DIMS) with query rows enough to repay
+    its set-up (MIN_QUERY_ROWS: query length times queries per KV head, halved under a causal band, i.e.
+    right_bound not None)."""
+    d = q_r.shape[3]
+    if d not in FASTER_HEAD_DIMS:
+        return False
+    hkv = getattr(getattr(k_row, "data", None), "shape", (0, 0))[1]
+    rows = q_r.shape[2] * (q_r.shape[1] // hkv if hkv else 1)
+    rows = rows if right_bound is None else rows // 2
+    return rows >= MIN_QUERY_ROWS[d] and unsupported_reason(q_r, k_row, v_row, **kwargs) is None
 
 
 def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, softmax_scale: float, offset: int,
@@ -527,5 +541,5 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
     return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 
-__all__ = ["dkdv_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "BLOCK_M", "BLOCK_N",
+__all__ = ["dkdv_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "MIN_QUERY_ROWS", "BLOCK_M", "BLOCK_N",
            "STAGES"]

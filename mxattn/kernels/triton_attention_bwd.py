@@ -433,8 +433,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
         st, de = stats[:, q0:q1], delta[:, q0:q1]
         k_h, v_h = _heads(k_row, h0, h1), _heads(v_row, h0, h1)
         if gluon_dkdv is not None and config is None and gluon_dkdv.takes(
-                q_r, k_h, v_h, left_bound=left_bound, seq=seq, bottom_right=bottom_right, flags=flags, q_c=q_c,
-                do_r=do_r, do_c=do_c):
+                q_r, k_h, v_h, right_bound=right_bound, left_bound=left_bound, seq=seq, bottom_right=bottom_right,
+                flags=flags, q_c=q_c, do_r=do_r, do_c=do_c):
             gluon_dkdv.dkdv_gluon(q_r, q_c, k_h, v_h, do_r, do_c, st, de, dk[:, h0:h1], dv[:, h0:h1],
                                   softmax_scale=softmax_scale, offset=offset, right_bound=right_bound, checked=True)
         else:

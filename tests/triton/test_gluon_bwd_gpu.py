@@ -189,6 +189,7 @@ def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypa
     _fresh_plan_caches(monkeypatch)  # no replays of earlier tests' recordings: each path runs its body
     monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
     monkeypatch.setattr(gd, "MIN_KEYS", {64: 0, 128: 0})  # (700 keys: below the D64 minimum; the kernel runs here)
+    monkeypatch.setattr(gb, "MIN_QUERY_ROWS", {128: 0})
     HQ, HKV = (8, 2) if case == "causal_gqa" else (4, 4)
     B, S = 2, 700
     g = torch.Generator(device="cuda").manual_seed(7 + D)
@@ -259,6 +260,26 @@ def test_gluon_dkdv_refuses_unsupported_calls():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
+def test_gluon_dkdv_min_query_rows():
+    """`takes` runs the kernel from MIN_QUERY_ROWS query rows per KV block on (query length times queries per KV
+    head, half of it under a causal band: right_bound set), where it was measured faster than the Triton dK/dV
+    kernel, and not one row below; the refusals still apply above it."""
+    from mxattn.kernels import gluon_attention_bwd as gb
+    least = gb.MIN_QUERY_ROWS[128]
+    assert least > 0
+    for hq, hkv, sq, right_bound, want in ((4, 4, least, None, True), (4, 4, least - 1, None, False),
+                                           (4, 4, 2 * least, 0, True), (4, 4, 2 * least - 2, 0, False),
+                                           (8, 2, least // 4, None, True), (8, 2, least // 2, 0, True),
+                                           (8, 2, least // 2 - 2, 0, False)):
+        q, k, v = _cpu_operands(D=128, HQ=hq, HKV=hkv, SQ=sq, SKV=64)
+        assert gb.takes(q, k, v, right_bound=right_bound) is want, (hq, hkv, sq, right_bound)
+    q, k, v = _cpu_operands(D=128, HQ=4, HKV=4, SQ=4 * least, SKV=64)
+    assert not gb.takes(q, k, v, sink=torch.zeros(4))
+    q, k, v = _cpu_operands(D=64, HQ=4, HKV=4, SQ=4 * least, SKV=64)
+    assert not gb.takes(q, k, v)
+
+
 def test_gluon_dkdv_takes_the_triton_launchs_arguments():
     """Drop-in: dkdv_gluon's positional parameters are `_launch_dkdv`'s tensors in order (q_r, q_c, k_row,
     v_row, do_r, do_c, stats, delta, dk, dv), and it takes attention_bwd's mask keywords."""
