@@ -18,7 +18,9 @@ the prep pass), works in rows relative to its sequence's start, and programs pas
 exit at once (padded batch: after writing zero gradients on the padding rows of their tile).
 """
 
+import os
 from types import SimpleNamespace
+from typing import List, Tuple
 
 import torch
 import triton
@@ -326,9 +328,41 @@ def _heads(t, h0: int, h1: int):
                            segments=getattr(t, "segments", None))
 
 
+def _pre_budget_from_environment(default: int) -> int:
+    """PRE_BUDGET_BYTES from MXATTN_BWD_SCRATCH_MIB (a whole number of MiB, 0 or more), else `default`."""
+    text = os.environ.get("MXATTN_BWD_SCRATCH_MIB")
+    if text is None or not text.strip():
+        return default
+    try:
+        mib = int(text.strip())
+    except ValueError:
+        mib = -1
+    if mib < 0:
+        raise ValueError(f"MXATTN_BWD_SCRATCH_MIB must be a whole number of MiB, 0 or more (the bf16 scratch one "
+                         f"head chunk of the backward aims at), got {text!r}")
+    return mib << 20
+
+
 #: the bf16 scratch one head chunk of the "pre" backward aims at (chunks of more heads keep more programs in
-#: flight); one KV head's alone may reach SCRATCH_BUDGET_BYTES
-PRE_BUDGET_BYTES = SCRATCH_BUDGET_BYTES // 4
+#: flight); one KV head's alone may reach SCRATCH_BUDGET_BYTES. A chunk always holds the KV heads for about two
+#: waves of dK/dV programs, so MXATTN_BWD_SCRATCH_MIB=0 in the environment keeps only those: on an H100 (session
+#: 30, benchmarks/bwd_scratch_budget.py) the fwd+bwd peak fell from 1.51-1.92x cuDNN's to 1.30x for 2-5% more
+#: backward time at the dense configs (0.96x the time at the GQA one). Default 128 MiB
+PRE_BUDGET_BYTES = _pre_budget_from_environment(SCRATCH_BUDGET_BYTES // 4)
+
+
+def head_chunks(hkv: int, per_head: int, want: int) -> List[Tuple[int, int]]:
+    """The "pre" backward's chunks of KV heads [(h0, h1)]: hkv heads of per_head bytes of bf16 scratch each, at
+    least `want` heads per chunk (about two waves of dK/dV programs) or PRE_BUDGET_BYTES of scratch, at most
+    SCRATCH_BUDGET_BYTES (one head at least); as many chunks as chunks of that size need, balanced (sizes differ
+    by at most one head: no small last chunk whose launches run a fraction of a wave, and the largest chunk's
+    scratch, the peak, is smaller)."""
+    hc = max(1, min(hkv, max(want, PRE_BUDGET_BYTES // max(1, per_head))))
+    if hc * per_head > SCRATCH_BUDGET_BYTES:
+        hc = max(1, SCRATCH_BUDGET_BYTES // per_head)
+    n_chunks = cdiv(hkv, hc)
+    bounds = [hkv * i // n_chunks for i in range(n_chunks + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _pre_scratch_per_kv_head(B: int, group: int, SQ: int, SKV: int, D: int) -> int:
@@ -420,14 +454,7 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     sms = sm_count(o.device) if o.is_cuda else 132
     # heads for about two waves of programs
     want = cdiv(2 * sms, max(1, row_tiles(grid_rows(seq, "kv", SKV), bn1) * seq_programs(grid_sequences(seq, B), 1)))
-    hc = max(1, min(HKV, max(want, PRE_BUDGET_BYTES // max(1, per_head))))
-    if hc * per_head > SCRATCH_BUDGET_BYTES:
-        hc = max(1, SCRATCH_BUDGET_BYTES // per_head)
-    # as many chunks as chunks of hc heads need, balanced (sizes differ by at most one head): no small last
-    # chunk whose launches run a fraction of a wave, and the largest chunk's scratch (the peak) is smaller
-    n_chunks = cdiv(HKV, hc)
-    bounds = [HKV * i // n_chunks for i in range(n_chunks + 1)]
-    for h0, h1 in zip(bounds[:-1], bounds[1:]):  # a loop over head chunks, not elements
+    for h0, h1 in head_chunks(HKV, per_head, want):  # a loop over head chunks, not elements
         q0, q1 = h0 * group, h1 * group
         do_r, do_c, q_r, q_c = bwd_prep(o, do, q_row, q_col, delta, q0, q1, seq, cu, floor=flags.floor)
         st, de = stats[:, q0:q1], delta[:, q0:q1]
@@ -453,4 +480,4 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     return delta
 
 
-__all__ = ["attention_bwd"]
+__all__ = ["attention_bwd", "head_chunks", "PRE_BUDGET_BYTES"]
