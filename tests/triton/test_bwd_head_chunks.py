@@ -45,18 +45,29 @@ def _import_with(value):
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_scratch_budget_is_read_from_the_environment():
+@pytest.mark.parametrize("value, want", [(None, 7), ("", 7), ("0", 0), ("64", 64 * MIB), (" 32 ", 32 * MIB)])
+def test_scratch_budget_parsing(monkeypatch, value, want):
     from mxattn.kernels import triton_attention_bwd as bwd
-    assert bwd._pre_budget_from_environment(7) == (7 if not os.environ.get("MXATTN_BWD_SCRATCH_MIB") else
-                                                    bwd.PRE_BUDGET_BYTES)
-    for value, want in (("0", 0), ("64", 64 * MIB), (" 32 ", 32 * MIB)):
-        run = _import_with(value)
-        assert run.returncode == 0, run.stderr
-        assert int(run.stdout.split()[-1]) == want
+    if value is None:
+        monkeypatch.delenv("MXATTN_BWD_SCRATCH_MIB", raising=False)
+    else:
+        monkeypatch.setenv("MXATTN_BWD_SCRATCH_MIB", value)
+    assert bwd._pre_budget_from_environment(7) == want
 
 
 @pytest.mark.parametrize("value", ["-1", "1.5", "lots"])
-def test_a_bad_scratch_budget_names_the_variable(value):
-    run = _import_with(value)
+def test_a_bad_scratch_budget_names_the_variable(monkeypatch, value):
+    from mxattn.kernels import triton_attention_bwd as bwd
+    monkeypatch.setenv("MXATTN_BWD_SCRATCH_MIB", value)
+    with pytest.raises(ValueError, match="MXATTN_BWD_SCRATCH_MIB must be a whole number of MiB") as err:
+        bwd._pre_budget_from_environment(7)
+    assert repr(value) in str(err.value)
+
+
+def test_the_import_reads_the_scratch_budget_and_stops_on_a_bad_one():
+    run = _import_with("64")
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout.split()[-1]) == 64 * MIB
+    run = _import_with("lots")
     assert run.returncode != 0
-    assert "MXATTN_BWD_SCRATCH_MIB must be a whole number of MiB" in run.stderr and repr(value) in run.stderr
+    assert "MXATTN_BWD_SCRATCH_MIB must be a whole number of MiB" in run.stderr and "'lots'" in run.stderr
