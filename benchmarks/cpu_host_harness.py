@@ -7,8 +7,9 @@ KV length no earlier call had (as in generation; one affine launch plan serves t
 recorded) against repeated calls at one length (launch plans replay).
 --ops: instead, the library ops as a compiled graph calls them (`torch.ops.mxattn.attention_fwd` / `attention_bwd`
 on GPT-2-shaped bshd views of a fused projection, B16 S512 H8 D64, no grad mode) against their bodies called
-directly: the dispatcher's share and the bodies' (min over interleaved rounds of medians; --profile adds cProfile
-of the ops).
+directly: the dispatcher's share and the bodies'; and the packed ops a compiled graph calls instead
+(`attention_fwd_packed` / `attention_bwd_packed`: stats and the saved copies in one block, `mxattn.saved_block`)
+(min over interleaved rounds of medians; --profile adds cProfile of the ops, of the packed ones with --packed).
 --hf-decode: instead, transformers' attention function registered by mxattn on decode steps (B8, Hq 16, Hkv 4, D64,
 K/V views of a preallocated cache, a new KV length each step, 8 layers' calls per step as in the Llama of
 models_bench.py, no mask) against transformers' own
@@ -19,6 +20,7 @@ checks and page bookkeeping, the append and attention launches replayed by `mxat
 transformers' `DynamicCache.update` and `sdpa_attention_forward` on the one-element problem; --profile adds cProfile
 (sorted by cumulative time, or by each function's own time with --tottime).
 Usage: python benchmarks/cpu_host_harness.py [--profile [--tottime]] [--decode | --ops | --hf-decode | --hf-paged]"""
+import os
 import statistics
 import sys
 import time
@@ -37,16 +39,29 @@ def _check_any_device(x, name, dtypes, device_type=None):
     return _real_check(x, name, dtypes, None)
 
 
-class _FakeKernel:
-    """Stands in for a compiled Triton kernel: run() counts the launch under the kernel's name."""
+class _FakeLauncher:
+    """Stands in for Triton 3.6's launcher of a compiled kernel (`CudaLauncher`): calling it, or its C `launch`
+    directly (as replays do, `triton_launch.direct_launcher`), counts the launch under the kernel's name."""
 
-    function = packed_metadata = None
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
 
     def __init__(self, name, counter):
         self.name, self.counter = name, counter
 
-    def run(self, *args):
+    def __call__(self, *args):
         self.counter[self.name] = self.counter.get(self.name, 0) + 1
+
+    launch = __call__
+
+
+class _FakeKernel:
+    """Stands in for a compiled Triton kernel: its run (a `_FakeLauncher`) counts launches."""
+
+    function = packed_metadata = None
+
+    def __init__(self, name, counter):
+        self.run = _FakeLauncher(name, counter)
 
 
 def install_stubs(counter):
@@ -217,8 +232,13 @@ def op_calls() -> None:
     with torch.no_grad():
         o, stats, *saved = ops.attention_fwd(*args)
         bwd = args.backward_args(torch.randn_like(o), o, stats, saved, list(k.shape), False)
+        o, block = ops.attention_fwd_packed(*args)
+        bwd_packed = args.packed_backward_args(torch.randn_like(o), o, block, list(k.shape), q.dtype,
+                                               False, (None, None), None)
         calls = {"forward op": lambda: ops.attention_fwd(*args), "forward body": lambda: ops._fwd_kernel(*args),
-                 "backward op": lambda: ops.attention_bwd(*bwd), "backward body": lambda: ops._bwd_kernel(*bwd)}
+                 "backward op": lambda: ops.attention_bwd(*bwd), "backward body": lambda: ops._bwd_kernel(*bwd),
+                 "packed fwd op": lambda: ops.attention_fwd_packed(*args),
+                 "packed bwd op": lambda: ops.attention_bwd_packed(*bwd_packed)}
         best = {name: float("inf") for name in calls}
         for _ in range(15):
             for name, fn in calls.items():
@@ -227,11 +247,21 @@ def op_calls() -> None:
             print(f"{name:14s} {us:7.1f} us")
         if "--profile" in sys.argv:
             import cProfile
-            cProfile.runctx("for _ in range(500): ops.attention_fwd(*args); ops.attention_bwd(*bwd)", globals(),
-                            locals(), sort="tottime")
+            statement = ("for _ in range(500): ops.attention_fwd_packed(*args); ops.attention_bwd_packed(*bwd_packed)"
+                         if "--packed" in sys.argv else
+                         "for _ in range(500): ops.attention_fwd(*args); ops.attention_bwd(*bwd)")
+            cProfile.runctx(statement, globals(), locals(), sort="tottime")
+
+
+#: glibc's malloc settings the harness runs under: without them, CPU tensors of several MB allocated and freed
+#: per call move between mmap and the heap as glibc's dynamic threshold moves, and one tree's backward measured
+#: 54-57 us in some processes and 68-77 us in others
+STABLE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "4000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000"}
 
 
 def main():
+    if any(os.environ.get(name) != value for name, value in STABLE_MALLOC.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **STABLE_MALLOC})  # (once)
     launches = {}
     install_stubs(launches)
     if "--decode" in sys.argv:

@@ -41,11 +41,13 @@ def _seq(args) -> Optional[SeqInfo]:
     return SeqInfo(args.cu_seqlens_q, args.cu_seqlens_kv, args.max_seqlen_q, args.max_seqlen_kv, args.packed)
 
 
-def _params(args, needs_backward: bool = True, sink_requires_grad: bool = False) -> AttentionParams:
+def _params(args, needs_backward: bool = True, sink_requires_grad: bool = False,
+            saved_layout: Optional[str] = None) -> AttentionParams:
     """The backend's AttentionParams of the call."""
     return AttentionParams(softmax_scale=args.softmax_scale, mask=_mask(args), out_dtype=args.out_dtype,
                            seq=_seq(args), sink=args.sink, sink_requires_grad=sink_requires_grad,
-                           needs_backward=needs_backward, recipe=Recipe.decode(args.recipe))
+                           needs_backward=needs_backward, recipe=Recipe.decode(args.recipe),
+                           saved_layout=saved_layout)
 
 
 def _seq_fields(seq: Optional[SeqInfo]) -> tuple:
@@ -120,6 +122,33 @@ class FwdArgs(NamedTuple):
                        self.max_seqlen_q, self.max_seqlen_kv, self.packed, self.sink if sink is None else sink,
                        sink_requires_grad, self.recipe)
 
+    def packed_backward_args(self, do: Tensor, o: Tensor, block: Tensor, kv_shape: List[int],
+                             input_dtype: torch.dtype, sink_requires_grad: bool, cu_seqlens: tuple,
+                             sink: Optional[Tensor]) -> "PackedBwdArgs":
+        """The packed backward op's arguments for this forward call's options (kept without their tensors), K's
+        shape, the inputs' dtype, its lengths (cu_seqlens_q, cu_seqlens_kv) and sink."""
+        return PackedBwdArgs(do, o, block, kv_shape, input_dtype, self.softmax_scale, self.bottom_right,
+                             self.left_bound, self.right_bound, self.out_dtype, self.qkv_format, self.backend,
+                             *cu_seqlens, self.max_seqlen_q, self.max_seqlen_kv, self.packed, sink,
+                             sink_requires_grad, self.recipe)
+
+
+class PackedBwdArgs(NamedTuple):
+    """`mxattn::attention_bwd_packed`'s arguments, in order: dO, O [B,Hq,Sq,D], the forward's block (stats and the
+    saved tensors, `mxattn.saved_block`), K's shape, the inputs' dtype, then `BwdArgs`' fields after K's shape."""
+
+    __annotations__ = {"do": Tensor, "o": Tensor, "block": Tensor, "kv_shape": List[int], "input_dtype": torch.dtype,
+                       **_OPTIONS, "sink_requires_grad": bool, "recipe": str}
+    recipe = DEFAULT_RECIPE_KEY
+
+    mask = _mask
+    seq = _seq
+    params = _params
+
+    def unpacked(self, stats: Tensor, saved: List[Tensor]) -> "BwdArgs":
+        """The `BwdArgs` of this call given the block's stats and saved tensors (`saved_block.unpack`)."""
+        return BwdArgs(self.do, self.o, stats, saved, self.kv_shape, *self[5:])
+
 
 class BwdArgs(NamedTuple):
     """`mxattn::attention_bwd`'s arguments, in order: dO, O [B,Hq,Sq,D], stats [B,Hq,Sq,1], the backend's saved
@@ -139,4 +168,4 @@ class BwdArgs(NamedTuple):
 SINK_INDEX = _SINK = FwdArgs._fields.index("sink")
 _CU_Q, _CU_KV = FwdArgs._fields.index("cu_seqlens_q"), FwdArgs._fields.index("cu_seqlens_kv")
 
-__all__ = ["FwdArgs", "BwdArgs", "SINK_INDEX"]
+__all__ = ["FwdArgs", "BwdArgs", "PackedBwdArgs", "SINK_INDEX"]

@@ -26,7 +26,7 @@ key, replays too.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,7 +35,9 @@ from .backends.base import AttentionBackend
 from .devices import device_guard
 from .kernels.affine_plan import AffinePlanCache
 from .kernels.launch_plan import PlanCache, allow_carving, plan_key
-from .op_args import BwdArgs, FwdArgs
+from . import saved_block
+from .op_args import BwdArgs, FwdArgs, PackedBwdArgs
+from .saved_block import BlockLayout
 
 #: recordings of op bodies; a family must replay 16 times per recording to keep recording new sizes. For eager
 #: callers (`carve`), outputs after the first (the forward's stats and saved copies, freed together after its
@@ -88,10 +90,8 @@ def run_forward_traced(args: FwdArgs, tag, body: Callable[[], List], carve: bool
             with allow_carving():
                 return body(), None
         return body(), None
-    roots = (args.q, args.k, args.v, args.sink, args.cu_seqlens_q, args.cu_seqlens_kv)
-    key = plan_key(("fwd", tag, carve, _variant(args.backend, args.q), args.softmax_scale, args.bottom_right, args.left_bound, args.right_bound,
-                    args.out_dtype, args.qkv_format, args.backend, args.packed, args.recipe), roots,
-                   (args.max_seqlen_q, args.max_seqlen_kv))
+    roots = _fwd_roots(args)
+    key = _fwd_key(args, tag, carve, roots)
     with device_guard(args.q.device):  # a replay launches on the current device: make it the tensors' one
         outputs, plan, block = PLANS.run_with_plan(key, body, roots, _CARVE_FROM if carve else None,
                                                    packed and carve)
@@ -103,6 +103,84 @@ def run_forward_traced(args: FwdArgs, tag, body: Callable[[], List], carve: bool
         return outputs, None
     o, stats, *saved = outputs
     return outputs, (plan, _addresses((o, stats, args.sink, args.cu_seqlens_q, args.cu_seqlens_kv, *saved)))
+
+
+def _fwd_roots(args: FwdArgs) -> tuple:
+    return args.q, args.k, args.v, args.sink, args.cu_seqlens_q, args.cu_seqlens_kv
+
+
+def _fwd_key(args: FwdArgs, tag, carve: bool, roots: tuple) -> tuple:
+    """The plan key of a forward body on args (tag: what else the body reads; carve: `run_forward_traced`'s)."""
+    return plan_key(("fwd", tag, carve, _variant(args.backend, args.q), args.softmax_scale, args.bottom_right,
+                     args.left_bound, args.right_bound, args.out_dtype, args.qkv_format, args.backend, args.packed,
+                     args.recipe), roots, (args.max_seqlen_q, args.max_seqlen_kv))
+
+
+#: plan key of a packed forward -> whether its plan's packed replay leaves the block in the op's layout
+#: (`run_forward_packed`; a property of the signature, so of the key)
+_BLOCK_MATCHES: dict = {}
+
+
+def run_forward_packed(args: FwdArgs, body: Callable[[], List], layout: Callable[[], BlockLayout]) -> List:
+    """[O, block] of the packed forward op (`mxattn.saved_block`): body() gives [o, stats, *saved]; layout() the
+    block layout the op promises. A replay whose carved outputs already lie in that layout hands its block over
+    as it is (no copy); otherwise (the first calls of a signature, a backend that does not replay, a plan laid
+    out otherwise) stats and the saved tensors are copied into a new block."""
+    if not replays(args.backend):
+        outputs = body()
+    else:
+        roots = _fwd_roots(args)
+        key = _fwd_key(args, "packed op", True, roots)
+        with device_guard(args.q.device):
+            outputs, plan, block = PLANS.run_with_plan(key, body, roots, _CARVE_FROM, True)
+        if block is not None:
+            matches = _BLOCK_MATCHES.get(key)
+            if matches is None:
+                want = layout()
+                matches = plan.packs_from == 1 and plan.packed_layout() == (want.entries, want.nbytes)
+                if len(_BLOCK_MATCHES) >= 1024:
+                    _BLOCK_MATCHES.clear()
+                _BLOCK_MATCHES[key] = matches
+            if matches:
+                return [outputs[0], block]
+            outputs += plan.unpack(block)
+    return [outputs[0], saved_block.pack(outputs[1:], layout())]
+
+
+def run_backward_from_block(args: PackedBwdArgs, layout_id: int, layout: BlockLayout,
+                            body: Callable[[BwdArgs], tuple]) -> tuple:
+    """body(args.unpacked(stats, saved))'s (dq, dk, dv, dsink) for the packed backward op's arguments, the block's
+    layout and its id (`saved_block.layout_for`). Replayed per signature, keyed on dO, O, the block, the lengths
+    and the sink (6 roots, not the 16 of `run_backward`); a replay needs only the block's address (the kept
+    tensors' views are made only when the body runs)."""
+    do, o, block = args.do, args.o, args.block
+    others = (args.sink, args.cu_seqlens_q, args.cu_seqlens_kv)
+    key = None
+    if replays(args.backend):
+        key = plan_key(("bwd block", layout_id, _variant(args.backend, do), args.softmax_scale, args.bottom_right,
+                        args.left_bound, args.right_bound, args.out_dtype, args.qkv_format, args.backend,
+                        args.packed, args.sink_requires_grad, args.recipe), (do, o, block, *others),
+                       (args.max_seqlen_q, args.max_seqlen_kv))
+        with device_guard(do.device):
+            outputs = PLANS.replay_only(key, *_block_roots(do, o, block, layout.offsets, others))
+        if outputs is not None:
+            return tuple(outputs)
+    stats, *saved = saved_block.unpack(block, layout)
+    unpacked = args.unpacked(stats, saved)
+    with device_guard(do.device):  # (roots in `run_backward`'s order: the replay's bases above follow it)
+        return tuple(PLANS.run_with_plan(key, lambda: body(unpacked), (do, o, stats, *others, *saved))[0])
+
+
+def _block_roots(do: torch.Tensor, o: torch.Tensor, block: torch.Tensor, offsets: Sequence[int],
+                 others: Sequence[Optional[torch.Tensor]]) -> Tuple[None, list, list]:
+    """`PlanCache.replay_only`'s (roots, bases, holders) for a backward plan recorded on the roots (dO, O, stats,
+    sink, cu_seqlens_q, cu_seqlens_kv, *saved) whose stats and saved tensors lie in `block` at `offsets`: their
+    addresses without views (others: sink and the lengths, None where absent), and each address's owner (the
+    block for the kept tensors: what a host call rebuilds its views from)."""
+    base = block.data_ptr()
+    bases = [do.data_ptr(), o.data_ptr(), base + offsets[0], *[0 if t is None else t.data_ptr() for t in others],
+             *[base + off for off in offsets[1:]]]
+    return None, bases, [do, o, block, *others, *[block] * (len(offsets) - 1)]
 
 
 class Packed(NamedTuple):
@@ -158,13 +236,8 @@ def run_backward_packed(packed: Packed, block: torch.Tensor, do: torch.Tensor, o
     plan = packed.plan
     if o.data_ptr() == packed.o and block.data_ptr() == packed.block:
         key = _after_key(plan, tag, True, sink_requires_grad, do, o)
-        base = packed.block
-        offsets = plan.packed_offsets
-        bases = [do.data_ptr(), packed.o, base + offsets[0], *[0 if t is None else t.data_ptr() for t in others],
-                 *[base + off for off in offsets[1:]]]
-        holders = [do, o, block, *others, *[block] * (len(offsets) - 1)]  # (each base's memory: host calls)
         with device_guard(do.device):
-            outputs = PLANS.replay_only(key, bases=bases, holders=holders)
+            outputs = PLANS.replay_only(key, *_block_roots(do, o, block, plan.packed_offsets, others))
         if outputs is not None:
             return outputs
     stats, *saved = plan.unpack(block)
@@ -238,4 +311,4 @@ def _run_fixed(plan_id: int, roots, flat) -> list:
 
 __all__ = ["PLANS", "CALLS", "CALLS_AFFINE", "FIXED", "AFFINE", "replays", "run_forward", "run_forward_traced",
            "run_backward",
-           "run_backward_packed", "Packed", "call_replay", "new_call_id", "run_call"]
+           "run_backward_packed", "Packed", "run_forward_packed", "run_backward_from_block", "call_replay", "new_call_id", "run_call"]

@@ -2,7 +2,10 @@
 
 `mxattn::attention_fwd` returns O, stats and, flat, what the backend keeps for backward (its `saved_format`: the
 FP8 copies by default); `mxattn::attention_fwd_no_grad` returns O alone (nothing kept: the backend may skip
-the column-wise copies); `mxattn::attention_bwd` turns the kept tensors and dO into dQ, dK, dV. The ops are
+the column-wise copies); `mxattn::attention_bwd` turns the kept tensors and dO into dQ, dK, dV.
+`mxattn::attention_fwd_packed` / `attention_bwd_packed` do the same with stats and the kept tensors in one uint8
+block (`mxattn.saved_block`): compiled graphs use them (two outputs and saved tensors instead of a dozen, fewer
+allocations and arguments per call) unless the backend says otherwise (`packs_compiled_saved`). The ops are
 defined with `torch.library.Library` (schema, one kernel for every device, a fake kernel for tracing) and are
 not differentiable themselves: `attention` wraps them in an autograd.Function, which eager mode runs without
 the dispatcher (the kernels' bodies called directly) and `torch.compile` traces into its graphs, forward and
@@ -25,10 +28,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import op_plans
-from .backends import get_backend
+from . import op_plans, saved_block
+from .backends import backend_class, get_backend
 from .layouts import dense_strides_bhsd, empty_bhsd, from_bhsd, to_bhsd
-from .op_args import BwdArgs, FwdArgs
+from .op_args import BwdArgs, FwdArgs, PackedBwdArgs
 from .recipe import DEFAULT_RECIPE_KEY, Recipe
 from .seqinfo import SeqInfo
 
@@ -42,10 +45,17 @@ _BWD_ARGUMENTS = ("Tensor do, Tensor o, Tensor stats, Tensor[] saved, SymInt[] k
                   "Tensor? cu_seqlens_q, Tensor? cu_seqlens_kv, SymInt max_seqlen_q, SymInt max_seqlen_kv, "
                   f"bool packed, Tensor? sink, bool sink_requires_grad, str recipe=\"{DEFAULT_RECIPE_KEY}\"")
 
+#: the packed backward's: dO, O, the forward's block, K's shape and the inputs' dtype, then the backward's
+#: arguments after K's shape
+_BWD_PACKED_ARGUMENTS = ("Tensor do, Tensor o, Tensor block, SymInt[] kv_shape, ScalarType input_dtype, "
+                         + _BWD_ARGUMENTS.split("SymInt[] kv_shape, ", 1)[1])
+
 _LIB = torch.library.Library("mxattn", "DEF")
 _LIB.define(f"attention_fwd({_FWD_ARGUMENTS}) -> Tensor[]")
 _LIB.define(f"attention_fwd_no_grad({_FWD_ARGUMENTS}) -> Tensor")
 _LIB.define(f"attention_bwd({_BWD_ARGUMENTS}) -> (Tensor, Tensor, Tensor, Tensor)")
+_LIB.define(f"attention_fwd_packed({_FWD_ARGUMENTS}) -> Tensor[]")
+_LIB.define(f"attention_bwd_packed({_BWD_PACKED_ARGUMENTS}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def _saved_format(backend: str, recipe: str) -> type:
@@ -115,9 +125,11 @@ def _fwd_impl(args: FwdArgs, needs_backward: bool = True, eager: bool = False):
     return out if needs_backward else out[0]
 
 
-def _fwd_body(args: FwdArgs, needs_backward: bool, eager: bool) -> list:
-    """`_fwd_impl`'s work, always as a flat list ([o] without a backward)."""
-    o, stats, saved = get_backend(args.backend).forward(args.q, args.k, args.v, args.params(needs_backward))
+def _fwd_body(args: FwdArgs, needs_backward: bool, eager: bool, saved_layout: Optional[str] = None) -> list:
+    """`_fwd_impl`'s work, always as a flat list ([o] without a backward); saved_layout: the layout the backend is
+    asked to keep its saved tensors in (`AttentionParams.saved_layout`)."""
+    o, stats, saved = get_backend(args.backend).forward(
+        args.q, args.k, args.v, args.params(needs_backward, saved_layout=saved_layout))
     dense = dense_strides_bhsd(tuple(o.shape), args.qkv_format)
     if o.stride() != dense and not (eager and _follows(o, args.q)):  # (eager: O in q's layout, as SDPA's)
         if all(a == b or n == 1 for a, b, n in zip(o.stride(), dense, o.shape)):
@@ -207,17 +219,58 @@ def _bwd_kernel(*inputs) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 def _bwd_fake(*inputs) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    args = BwdArgs(*inputs)
+    return _grads_fake(BwdArgs(*inputs))
+
+
+def _grads_fake(args) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What either backward op returns for args (`BwdArgs` or `PackedBwdArgs`): dQ like dO, dK and dV of K's shape,
+    dense in qkv_format order, and dsink ([Hq] fp32, or empty)."""
     do, fmt = args.do, args.qkv_format
     dq = empty_bhsd(tuple(do.shape), fmt, args.out_dtype, do.device)
     dk, dv = (empty_bhsd(tuple(args.kv_shape), fmt, args.out_dtype, do.device) for _ in range(2))
-    dsink = args.stats.new_empty((do.shape[1] if args.sink_requires_grad else 0,), dtype=torch.float32)
+    dsink = do.new_empty((do.shape[1] if args.sink_requires_grad else 0,), dtype=torch.float32)
     return dq, dk, dv, dsink
+
+
+def _fwd_packed_kernel(*inputs) -> List[Tensor]:
+    """`mxattn::attention_fwd_packed`: as `attention_fwd`, but [o, block]: stats and the saved tensors in one
+    uint8 block laid out as `saved_block.layout_for` says (q, k, v of one dtype)."""
+    args = FwdArgs(*inputs)
+    return op_plans.run_forward_packed(args, lambda: _fwd_body(args, True, False, saved_layout=args.qkv_format),
+                                       lambda: _block_layout(args)[1])
+
+
+def _block_layout(args: FwdArgs):
+    """(id, layout) of the forward call args' block (`saved_block.layout_for`)."""
+    return saved_block.layout_for(_saved_format(args.backend, args.recipe), args.q.shape, args.k.shape,
+                                  args.v.shape, args.q.dtype, args.qkv_format, args.seq())
+
+
+def _fwd_packed_fake(*inputs) -> List[Tensor]:
+    args = FwdArgs(*inputs)
+    layout = saved_block.fake_layout(_saved_format(args.backend, args.recipe), args.q, args.k, args.v,
+                                     args.qkv_format, args.seq())
+    return [_fwd_no_grad_fake(*inputs), args.q.new_empty((layout.nbytes,), dtype=torch.uint8)]
+
+
+def _bwd_packed_kernel(*inputs) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`mxattn::attention_bwd_packed`: `attention_bwd` on the packed forward's block (`PackedBwdArgs`)."""
+    args = PackedBwdArgs(*inputs)
+    layout_id, layout = saved_block.layout_for(_saved_format(args.backend, args.recipe),
+                                               *saved_block.shapes(args.do.shape, args.kv_shape, args.do.shape[3]),
+                                               args.input_dtype, args.qkv_format, args.seq())
+    return op_plans.run_backward_from_block(args, layout_id, layout, lambda unpacked: _bwd_body(unpacked, True))
+
+
+def _bwd_packed_fake(*inputs) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _grads_fake(PackedBwdArgs(*inputs))
 
 
 for _name, _kernel, _fake in (("attention_fwd", _fwd_kernel, _fwd_fake),
                               ("attention_fwd_no_grad", _fwd_no_grad_kernel, _fwd_no_grad_fake),
-                              ("attention_bwd", _bwd_kernel, _bwd_fake)):
+                              ("attention_bwd", _bwd_kernel, _bwd_fake),
+                              ("attention_fwd_packed", _fwd_packed_kernel, _fwd_packed_fake),
+                              ("attention_bwd_packed", _bwd_packed_kernel, _bwd_packed_fake)):
     _LIB.impl(_name, _kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"mxattn::{_name}", _fake, lib=_LIB)
 
@@ -225,6 +278,15 @@ for _name, _kernel, _fake in (("attention_fwd", _fwd_kernel, _fwd_fake),
 attention_fwd = torch.ops.mxattn.attention_fwd.default
 attention_fwd_no_grad = torch.ops.mxattn.attention_fwd_no_grad.default
 attention_bwd = torch.ops.mxattn.attention_bwd.default
+attention_fwd_packed = torch.ops.mxattn.attention_fwd_packed.default
+attention_bwd_packed = torch.ops.mxattn.attention_bwd_packed.default
+
+
+@torch.compiler.assume_constant_result
+def packs_compiled_saved(backend: str) -> bool:
+    """Whether compiled calls on `backend` (a concrete name) use the packed ops (`saved_block`): the backend's
+    `packs_compiled_saved` (a constant of the trace)."""
+    return bool(getattr(backend_class(backend), "packs_compiled_saved", True))
 
 
 # --------------------------------------------------------------------------- autograd
@@ -277,8 +339,14 @@ class _Attention(torch.autograd.Function):
         if layout is not None:  # q, k, v (and O, dO, dQ, dK, dV) in a dense layout: viewed here, not as nodes
             args = args.with_tensors(to_bhsd(args.q, layout), to_bhsd(args.k, layout), to_bhsd(args.v, layout),
                                      args.sink)
+        ctx.packed = False
         if torch.compiler.is_compiling():
-            (o, stats, *saved), ctx.trace = attention_fwd(*args), None
+            ctx.trace = None
+            if args.q.dtype == args.k.dtype == args.v.dtype and packs_compiled_saved(args.backend):
+                (o, stats), saved = attention_fwd_packed(*args), ()  # (stats: the block of stats and saved)
+                ctx.packed = True
+            else:
+                o, stats, *saved = attention_fwd(*args)
         else:  # the trace lets the backward find its plan from the forward's (`op_plans.run_backward`); a
             # replay may keep stats and the saved copies packed in one block (then `stats`, `saved` empty): not
             # under saved-tensor hooks (checkpointing matches the tensors a recomputation saves to the first's)
@@ -304,7 +372,10 @@ class _Attention(torch.autograd.Function):
         saved, cu = (rest[:-2], rest[-2:]) if ctx.has_seq else (rest, (None, None))
         where = ctx.where
         sink_requires_grad = ctx.has_sink and ctx.needs_input_grad[3 + where[5]]
-        if torch.compiler.is_compiling():
+        if ctx.packed:  # (compiled: `stats` is the block)
+            dq, dk, dv, dsink = attention_bwd_packed(*ctx.options.packed_backward_args(
+                grad_o, o, stats, ctx.kv_shape, ctx.input_dtypes[0], sink_requires_grad, cu, sink))
+        elif torch.compiler.is_compiling():
             dq, dk, dv, dsink = attention_bwd(*ctx.options.backward_args(grad_o, o, stats, list(saved), ctx.kv_shape,
                                                                          sink_requires_grad, cu_seqlens=cu,
                                                                          sink=sink))

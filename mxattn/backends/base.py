@@ -46,6 +46,10 @@ class AttentionParams:
     needs_backward: bool = True
     #: the numerics (`mxattn.Recipe`); a backend runs only those its `supports_recipe` accepts
     recipe: Recipe = DEFAULT_RECIPE
+    #: a qkv_format when the caller wants the saved tensors dense in its order whatever the inputs' strides
+    #: (the compiled path's block is laid out from shapes and format alone, `mxattn.saved_block`); a backend
+    #: that lays them out otherwise has them copied into place. None: the backend's own layout
+    saved_layout: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,10 @@ class AttentionBackend(abc.ABC):
     #: replayed (`mxattn.op_plans`). Work issued any other way would be missing from a replay, unless reported
     #: to the recording as a host call (`mxattn.kernels.host_calls.issue`: the cudnn backend's graph executions).
     replays_ops: bool = False
+    #: True when compiled calls keep stats and the saved tensors in one block (`mxattn.saved_block`: the packed
+    #: ops); a replayed forward that writes them as `AttentionParams.saved_layout` asks hands its block over,
+    #: other calls copy them in
+    packs_compiled_saved: bool = True
 
     @classmethod
     def replay_variant(cls, x: torch.Tensor):

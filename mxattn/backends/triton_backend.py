@@ -34,6 +34,7 @@ from ..constants import INPUT_DTYPES, KERNEL_OUT_DTYPES, MX_BLOCK
 from ..devices import device_guard
 from ..errors import MXFP8NotSupportedError
 from ..formats import MXFP8Tensor, segment_rows
+from ..layouts import empty_bhsd
 from ..seqinfo import SeqInfo, grid_rows, quantizer_args, zero_padding
 from ..kernels.affine_plan import AffinePlanCache
 from ..kernels.launch_plan import PlanCache, plan_key
@@ -400,16 +401,19 @@ class TritonBackend(AttentionBackend):
         if config is not None:  # one query tile (decode steps): one launch that quantizes as it reads
             return (*self._forward_quantizing(q, k, v, params, config), None)
         kv_bf16 = tf.fwd_streams_bf16(B, hkv, skv, d)  # the problem's data path: bf16 scratch or FP8 on chip
-        kv_args = quantizer_args(params.seq, "kv")
+        kv_args = dict(quantizer_args(params.seq, "kv"), data_layout=params.saved_layout)
         # one launch for the three; V's row=kv_bf16 without a backward too: the quantizer refuses col_dequant
         # without row (a Triton 3.6 sm_90 miscompile of that one combination), so V's row-wise copy is written
         # and dropped there. The bf16-V recipe quantizes Q and K only; V is read in bf16 (a copy when kept).
         v_bf16 = None
         if flags.v_raw:
-            v_bf16 = _like(v, torch.bfloat16).copy_(v) if bwd or v.dtype != torch.bfloat16 else _inner_unit(v)
+            v_bf16 = ((_like(v, torch.bfloat16) if params.saved_layout is None
+                       else empty_bhsd(tuple(v.shape), params.saved_layout, torch.bfloat16, v.device)).copy_(v)
+                      if bwd or v.dtype != torch.bfloat16 else _inner_unit(v))
         qq, kq, vq = tq.quantize_qkv(
             _inner_unit(q), _inner_unit(k), None if flags.v_raw else _inner_unit(v),
-            dict(col=bwd, **quantizer_args(params.seq, "q")), dict(col=bwd, row_dequant=kv_bf16, **kv_args),
+            dict(col=bwd, data_layout=params.saved_layout, **quantizer_args(params.seq, "q")),
+            dict(col=bwd, row_dequant=kv_bf16, **kv_args),
             None if flags.v_raw else dict(row=bwd or kv_bf16, col_seq_major=not kv_bf16, col_dequant=kv_bf16,
                                           **kv_args), floor=flags.floor)
         v_arg = v_bf16 if flags.v_raw else vq.col_dequant if kv_bf16 else vq.col_seq_major

@@ -266,6 +266,8 @@ class LaunchPlan:
                            for kind, spec in outputs]
         #: the host calls among the launches (`host_calls`): a replay needs the roots' tensors for them
         self._host_calls = tuple(entry for entry, *_ in launches if entry.__class__ is HostCall)
+        #: the launches as (generated function, its constants) (`_compile_issue`), made on the first replay
+        self._issue = None
 
     def stale(self) -> bool:
         """True when a host call of this plan may no longer be replayed (`host_calls.HostCall.current`)."""
@@ -357,34 +359,135 @@ class LaunchPlan:
         if holders is not None:  # the tensors owning each source's memory, parallel to bases
             holders.append(workspace)
             holders += [alloc_holder[j] for j in self._out_order]
-        stream = launcher.current_stream(self.index)
-        run = launcher.run_compiled
-        for entry, grid, template, slots in self._launches:
-            if entry is None:  # a zero-filled scratch allocation: (offset, nbytes) in grid
-                workspace[grid[0]:grid[0] + grid[1]].zero_()
-                continue
-            if entry.__class__ is HostCall:
-                entry.replay(slots, bases, holders)
-                continue
-            args = template.copy()
-            for pos, source, offset, described in slots:
-                args[pos] = (bases[source] + offset if described is None
-                             else ReplayedDescriptor(bases[source] + offset, *described))
-            run(entry, grid, stream, args)
+        program = self._issue
+        if program is None:
+            program = self._issue = _compile_issue(self._launches, launcher)
+        program[0](program[1], bases, launcher.current_stream(self.index), workspace, holders)
         del workspace  # the caching allocator keeps it from other streams' reuse until the launches ran
         if packed:
             outputs.append(block)
         return outputs
 
+    def packed_layout(self) -> Tuple[tuple, int]:
+        """(per output a packed replay leaves in its block: (byte offset, shape, strides, dtype); the block's
+        bytes), for a plan with `packs_from`: what a caller compares with a layout of its own
+        (`mxattn.saved_block.BlockLayout`) before handing the block on as that layout."""
+        return (tuple((off, shape, stride, dtype) for _, (_j, off, shape, stride, dtype, _z)
+                      in self._outputs[self.packs_from:]), self._block_bytes)
+
     def unpack(self, block: torch.Tensor) -> List[torch.Tensor]:
         """The outputs a packed replay (`replay`) left in `block`, as views, as an unpacked replay makes them."""
-        typed, out = {}, []
-        for _, (_j, nbytes_offset, shape, stride, dtype, _zero) in self._outputs[self.packs_from:]:
-            base = typed.get(dtype)
-            if base is None:
-                base = typed[dtype] = block.view(dtype)
-            out.append(base.as_strided(shape, stride, nbytes_offset // base.element_size()))
-        return out
+        return block_views(block, self.packed_layout()[0])
+
+
+def block_views(block: torch.Tensor, entries) -> List[torch.Tensor]:
+    """Views of a uint8 block: per entry (byte offset, shape, strides, dtype), a tensor of that dtype there (the
+    offset a multiple of its item size)."""
+    typed, out = {}, []
+    for offset, shape, stride, dtype in entries:
+        base = typed.get(dtype)
+        if base is None:
+            base = typed[dtype] = block.view(dtype)
+        out.append(base.as_strided(shape, stride, offset // base.element_size()))
+    return out
+
+
+def _compile_issue(launches, launcher):
+    """The plan's launches, zero fills and host calls as (issue, K): issue(K, bases, stream, workspace, holders)
+    is straight-line Python that issues exactly what a loop over the launches would, each kernel's plain arguments
+    taken from the tuple K (unpacked once into locals) and each pointer computed as `bases[source] + offset`,
+    calling Triton's C launcher directly where it allows (`triton_launch.direct_launcher`), else `run_compiled`:
+    without the loop's per-argument interpretation (the bulk of a replay's host time: tens of pointer arguments per
+    launch). Every value lives in K, so the code depends only on the plan's structure (which arguments are
+    pointers, and where): plans of one structure share one compiled function (`_PROGRAMS`), such as the plans an
+    affine plan instantiates at each decode step's new length, which then only gather their constants."""
+    K, structure = [], []
+    for entry, grid, template, slots in launches:
+        if entry is None:  # a zero-filled scratch allocation: (offset, nbytes) in grid
+            K += (grid[0], grid[0] + grid[1])
+            structure.append(_ZERO_FILL)
+            continue
+        if entry.__class__ is HostCall:
+            K += (entry, slots)
+            structure.append(_HOST_CALL)
+            continue
+        pointers = {pos: (source, offset, described) for pos, source, offset, described in slots}
+        spec = []
+        for pos, value in enumerate(template):
+            pointer = pointers.get(pos)
+            if pointer is None:
+                K.append(value)
+                continue
+            source, offset, described = pointer
+            K.append(offset)
+            if described is not None:
+                K.append(described)
+            spec.append((pos, int(source), described is not None))
+        direct = launcher.direct_launcher(entry)
+        if direct is None:
+            K += (entry, grid)
+        else:
+            K += (direct[0], *(tuple(int(n) for n in grid) + (1,) * (3 - len(grid))), direct[1], entry[1])
+        structure.append((direct is not None, len(template), tuple(spec)))
+    structure = tuple(structure)
+    issue = _PROGRAMS.get(structure)
+    if issue is None:
+        if len(_PROGRAMS) >= 256:
+            _PROGRAMS.clear()
+        issue = _PROGRAMS[structure] = _generate_issue(structure, launcher)
+    return issue, tuple(K)
+
+
+#: `_compile_issue`'s structure items other than a kernel launch's
+_ZERO_FILL, _HOST_CALL = "zero fill", "host call"
+
+
+def _generate_issue(structure: tuple, launcher):
+    """The issue function of a plan structure (`_compile_issue`), its constants named k0, k1, ... in the order
+    `_compile_issue` gathers them."""
+    count = 0
+
+    def k() -> str:
+        nonlocal count
+        count += 1
+        return f"k{count - 1}"
+
+    lines = []
+    for item in structure:
+        if item == _ZERO_FILL:
+            start, end = k(), k()
+            lines.append(f"    workspace[{start}:{end}].zero_()")
+            continue
+        if item == _HOST_CALL:
+            call, slots = k(), k()
+            lines.append(f"    {call}.replay({slots}, bases, holders)")
+            continue
+        direct, n_args, spec = item
+        pointers = {pos: (source, described) for pos, source, described in spec}
+        args = []
+        for pos in range(n_args):
+            pointer = pointers.get(pos)
+            if pointer is None:
+                args.append(k())
+                continue
+            address = f"bases[{pointer[0]}] + {k()}"
+            args.append(f"RD({address}, *{k()})" if pointer[1] else address)
+        if direct:
+            fn, g0, g1, g2, between, tail = (k() for _ in range(6))
+            lines.append(f"    {fn}({g0}, {g1}, {g2}, stream, *{between}, {''.join(a + ', ' for a in args)}*{tail})")
+        else:
+            entry, grid = k(), k()
+            lines.append(f"    run({entry}, {grid}, stream, [{', '.join(args)}])")
+    head = ["def issue(K, bases, stream, workspace, holders):"]
+    if count:  # the constants as fast locals (one unpacking; each use is then as cheap as a literal)
+        head.append(f"    {', '.join(f'k{i}' for i in range(count))}, = K")
+    names = {"RD": ReplayedDescriptor, "run": launcher.run_compiled}
+    exec(compile("\n".join(head + lines + ["    return None"]), "<mxattn launch plan>", "exec"), names)  # noqa: S102
+    return names["issue"]
+
+
+#: generated issue functions by plan structure (`_compile_issue`)
+_PROGRAMS: dict = {}
 
 
 #: per-thread: whether a recording is under way (a plan cache called inside a recorded body runs the body itself:

@@ -148,6 +148,22 @@ def run_compiled(entry, grid, stream, args) -> None:
     kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
 
 
+def direct_launcher(entry):
+    """(the C launch function, the arguments it takes between the stream and the kernel's own) for a cached
+    entry (kernel, constexpr tail) as `launch` caches it, so that a caller may call Triton 3.6's generated
+    launcher without its Python wrapper (`CudaLauncher.__call__`: a closure and two scratch checks per launch);
+    None where the wrapper must run (a kernel that needs global or profiler scratch memory, another launcher).
+    Its call: launch(gridX, gridY, gridZ, stream, *between, *args, *tail), as `run_compiled` would make it."""
+    kernel = entry[0]
+    run = kernel.run
+    launch_fn = getattr(run, "launch", None)
+    if (launch_fn is None or getattr(run, "global_scratch_size", 1) != 0
+            or getattr(run, "profile_scratch_size", 1) != 0):
+        return None
+    return launch_fn, (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                       kernel.packed_metadata, None, None, None)
+
+
 def current_device() -> int:
     """torch's current CUDA device index (launches go to its current stream)."""
     return torch.cuda.current_device()
@@ -173,5 +189,5 @@ def set_recording(recording) -> None:
     _LOCAL.recording = recording
 
 
-__all__ = ["launch", "run_compiled", "current_stream", "fast_path_usable", "set_recording", "is_tma_descriptor", "cdiv", "pow2_ceil",
+__all__ = ["launch", "run_compiled", "direct_launcher", "current_stream", "fast_path_usable", "set_recording", "is_tma_descriptor", "cdiv", "pow2_ceil",
            "FAST_PATH", "MAX_ENTRIES"]

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..checks import check_bhsd_tensor
 from ..formats import MXFP8Tensor
+from ..layouts import empty_bhsd
 from ..seqinfo import covered_rows
 from .triton_launch import cdiv, launch, pow2_ceil
 from ..constants import INPUT_DTYPES
@@ -252,9 +253,12 @@ def col_scale_rows(n_rows: int, cu_seqlens: Optional[torch.Tensor] = None, packe
     return cdiv(n_rows, MX_BLOCK.value)
 
 
-def _data_like(x: torch.Tensor) -> torch.Tensor:
+def _data_like(x: torch.Tensor, data_layout: Optional[str] = None) -> torch.Tensor:
     """FP8 tensor with x's strides when x is non-overlapping and dense, else contiguous (the MXFP8Tensor data
-    convention; torch's preserve_format rule, for x with a unit stride along D as the callers pass it)."""
+    convention; torch's preserve_format rule, for x with a unit stride along D as the callers pass it);
+    data_layout (a qkv_format): dense in that layout's order whatever x's strides."""
+    if data_layout is not None:
+        return empty_bhsd(tuple(x.shape), data_layout, torch.float8_e4m3fn, x.device)
     return torch.empty_like(x, dtype=torch.float8_e4m3fn)
 
 
@@ -266,7 +270,8 @@ QUANT_TILE = (32, 2, 64)
 def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swizzle: bool = False,
                     row_dequant: bool = False, col_dequant: bool = False, tile=None,
                     cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
-                    packed: bool = False, col_seq_major: bool = False, floor: bool = False) -> RowColQuantized:
+                    packed: bool = False, col_seq_major: bool = False, floor: bool = False,
+                    data_layout: Optional[str] = None) -> RowColQuantized:
     """Fused MXFP8 quantizer: x [B, H, S, D] bf16/fp16/fp32 (any strides, CUDA) read once ->
     row-wise (blocks of 32 along D) and/or column-wise (blocks of 32 along S) E4M3 data with compact E8M0
     scales, and on request the scales also in F8_128x4 order and the exact bf16 dequantizations.
@@ -278,10 +283,12 @@ def quantize_rowcol(x: torch.Tensor, *, row: bool = True, col: bool = True, swiz
     max_seqlen bounds the longest sequence of a packed batch (sizes the grid; default T). swizzle is not
     available for a packed batch. col_seq_major: return the column-wise copy as `SeqMajorColumns` (the forward
     kernel's V layout) in the col_seq_major field instead of an MXFP8Tensor in col (not with col_dequant).
-    floor: the OCP scale rule (`Recipe.scale_rounding="floor"`; equal to quantize_mxfp8's) instead of round-up."""
+    floor: the OCP scale rule (`Recipe.scale_rounding="floor"`; equal to quantize_mxfp8's) instead of round-up.
+    data_layout (a qkv_format): the FP8 data dense in that layout's order (else in x's layout when x is
+    dense, contiguous otherwise)."""
     call = _prepare(x, row=row, col=col, swizzle=swizzle, row_dequant=row_dequant, col_dequant=col_dequant,
                     tile=tile, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, packed=packed,
-                    col_seq_major=col_seq_major, floor=floor)
+                    col_seq_major=col_seq_major, floor=floor, data_layout=data_layout)
     if x.numel() > 0:
         _launch_one(call)
     return call.result
@@ -310,7 +317,7 @@ class _QuantizeCall(NamedTuple):
 
 def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequant: bool, col_dequant: bool, tile,
              cu_seqlens: Optional[torch.Tensor], max_seqlen: Optional[int], packed: bool,
-             col_seq_major: bool, floor: bool = False) -> _QuantizeCall:
+             col_seq_major: bool, floor: bool = False, data_layout: Optional[str] = None) -> _QuantizeCall:
     """`quantize_rowcol`'s checks and output allocations (its arguments), without the launch."""
     if not (row or col):
         raise ValueError("quantize_rowcol: at least one of row, col must be True")
@@ -336,12 +343,12 @@ def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequan
     dev = x.device
     # pointers of outputs not asked for are never dereferenced (their stores sit under false constexprs), so
     # an existing tensor stands in for them instead of fresh allocations (host time per call matters here)
-    qr = _data_like(x) if row else None
+    qr = _data_like(x, data_layout) if row else None
     sr = torch.empty((B, H, S, nr), dtype=torch.uint8, device=dev) if row else None
     if col_seq_major:  # [B, H, D, L]: every element is written by the kernel (zeros after each sequence)
         qc = torch.empty((B, H, D, nc * MX_BLOCK.value), dtype=torch.float8_e4m3fn, device=dev).transpose(2, 3)
     else:
-        qc = _data_like(x) if col else qr
+        qc = _data_like(x, data_layout) if col else qr
     # segmented scales: the rows between sequences belong to no block and hold byte 0
     sc = (torch.zeros if packed else torch.empty)((B, H, nc, D), dtype=torch.uint8, device=dev) if col else sr
     qr = qc if qr is None else qr
@@ -420,4 +427,4 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], q_
 _QKV_FLAG_NAMES = tuple(tuple(f"{name}{i}" for name in ("ROW", "COL", "ROW_DQ", "COL_DQ", "CSM")) for i in range(3))
 
 _QUANT_DEFAULTS = dict(row=True, col=True, swizzle=False, row_dequant=False, col_dequant=False, tile=None,
-                       cu_seqlens=None, max_seqlen=None, packed=False, col_seq_major=False)
+                       cu_seqlens=None, max_seqlen=None, packed=False, col_seq_major=False, data_layout=None)

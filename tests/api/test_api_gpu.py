@@ -88,6 +88,38 @@ def test_compile_forward_and_backward_on_gpu(mode):
             assert torch.equal(a, b), (mode, s, name)
 
 
+def test_compiled_fused_projection_calls_replay_packed_and_equal_eager(monkeypatch):
+    """A compiled layer in GPT-2's shape (q, k, v as bhsd views of one fused projection, new values every step):
+    the packed ops (`mxattn.saved_block`) give the eager call's O and gradients bit for bit at every step; from
+    the third step the forward's replay hands its block over without copying (its launches issued by the
+    generated code of `launch_plan`, through Triton's C launcher), and the backward replays onto the block."""
+    from mxattn import op_plans, saved_block
+    torch._dynamo.reset()
+    copies = []
+    real_pack = saved_block.pack
+    monkeypatch.setattr(saved_block, "pack", lambda tensors, layout: copies.append(1) or real_pack(tensors, layout))
+    b, s, h, d = 4, 256, 8, 64
+
+    def layer(x, do):  # x: the fused projection's output [B, S, 3 H D], viewed bshd as the HF path hands it over
+        q, k, v = (t.view(b, s, h, d) for t in x.split(h * d, dim=2))
+        o = mxattn.mxfp8_attention(q, k, v, qkv_format="bshd", attn_mask_type="causal", backend="triton")
+        return (o, *torch.autograd.grad(o, x, do))
+
+    compiled = torch.compile(layer)
+    for step in range(5):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(b, s, 3 * h * d, generator=gen).bfloat16().cuda().requires_grad_()
+        do = torch.randn(b, s, h, d, generator=gen).bfloat16().cuda()
+        expected = [t.clone() for t in layer(x, do)]
+        copies.clear()
+        got = [t.clone() for t in compiled(x, do)]
+        for name, a, e in zip(("o", "dx"), got, expected):
+            assert torch.equal(a, e), (step, name)
+        if step >= 2:
+            assert copies == [], step
+    assert any(key[0][0] == "bwd block" for key in op_plans.PLANS._plans)
+
+
 @pytest.mark.parametrize("grad", [True, False])
 def test_reduce_overhead_replays_follow_new_values(grad):
     """Under "reduce-overhead" the compiled calls replay CUDA graphs: mxattn's launches must be captured in them

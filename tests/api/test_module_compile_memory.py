@@ -338,6 +338,40 @@ def test_forward_ops_fake_matches_real_for_every_layout(case):
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_packed_ops_keep_what_the_unpacked_ops_keep_in_the_layout_their_fakes_promise(case):
+    """The packed ops (`saved_block`: what compiled graphs call): opcheck of the forward (its block as long as its
+    fake's), the block's views equal to the unpacked op's stats and saved tensors, the layout the backward
+    computes from dO's and K's shapes equal to the forward's, and the packed backward's gradients (and their layouts)
+    equal to the unpacked backward's, for every layout the eager path accepts."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mxattn import ops, saved_block
+    from mxattn.op_args import FwdArgs
+    q, k, v, fmt, seq = _op_case(case)
+    args = FwdArgs(q, k, v, 0.125, False, None, 0, torch.bfloat16, fmt, "reference", *seq, None)
+    torch.library.opcheck(ops.attention_fwd_packed, tuple(args), test_utils=("test_schema", "test_faketensor"))
+    o, stats, *saved = ops.attention_fwd(*args)
+    po, block = ops.attention_fwd_packed(*args)
+    layout_id, layout = ops._block_layout(args)
+    kept = saved_block.unpack(block, layout)
+    assert torch.equal(po, o) and block.dtype == torch.uint8 and block.shape == (layout.nbytes,)
+    for got, want in zip(kept, [stats, *saved], strict=True):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
+        assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
+    assert saved_block.layout_for(ops._saved_format("reference", args.recipe),
+                                  *saved_block.shapes(o.shape, k.shape, o.shape[3]), q.dtype, fmt,
+                                  args.seq()) == (layout_id, layout)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want = ops.attention_bwd(*args.backward_args(do, o, stats, saved, list(k.shape), False))
+    packed_args = args.packed_backward_args(do, po, block, list(k.shape), q.dtype, False, seq[:2], None)
+    got = ops.attention_bwd_packed(*packed_args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = ops.attention_bwd_packed(*packed_args._replace(do=mode.from_tensor(do)))
+    for g, w, f in zip(got, want, fake):
+        assert torch.equal(g, w) and (g.shape, g.stride()) == (f.shape, f.stride()) == (w.shape, w.stride())
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_backward_op_returns_the_layouts_its_fake_promises(case):
     """The backward op's dQ, dK, dV are dense in qkv_format order, as its fake kernel says, whatever strides dO
     arrives in (a compiled graph may hand it over otherwise than traced), and equal the eager gradients."""

@@ -7,7 +7,7 @@ import torch
 from mxattn import ops
 from mxattn.backends.base import Problem
 from mxattn.mask import MaskSpec
-from mxattn.op_args import SINK_INDEX, BwdArgs, FwdArgs
+from mxattn.op_args import SINK_INDEX, BwdArgs, FwdArgs, PackedBwdArgs
 from mxattn.recipe import DEFAULT_RECIPE_KEY, Recipe
 from mxattn.seqinfo import SeqInfo
 
@@ -19,6 +19,8 @@ def _schema_names(op):
 def test_named_arguments_follow_the_op_schemas():
     assert _schema_names(ops.attention_fwd) == list(FwdArgs._fields)
     assert _schema_names(ops.attention_bwd) == list(BwdArgs._fields)
+    assert _schema_names(ops.attention_fwd_packed) == list(FwdArgs._fields)
+    assert _schema_names(ops.attention_bwd_packed) == list(PackedBwdArgs._fields)
     assert FwdArgs._fields[SINK_INDEX] == "sink"
 
 

@@ -68,3 +68,43 @@ def test_plan_refuses_what_it_cannot_express():
     packed[..., 6, 4] = True
     with pytest.raises(mx_hf.UnsupportedMaskError):
         mx_hf.plan_attention_mask(packed, batch=1, q_len=8, kv_len=8)
+
+
+def test_dense_calls_hand_transformers_tensors_over_as_they_are(monkeypatch):
+    """Eagerly, a dense call passes transformers' [B, H, S, D] query, key and value to `mxfp8_attention` as they
+    are (qkv_format "bhsd": no transposes, no view nodes in autograd's graph) and returns O as [B, S, H, D]; under
+    torch.compile it passes bshd views, the order in which the ops promise O and the gradients dense. Both give
+    the same O and gradients."""
+    seen = []
+    real = mx_hf.mxfp8_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q, k, v, kw["qkv_format"]))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(mx_hf, "mxfp8_attention", spy)
+    fn = mx_hf.make_attention_function(backend="reference")
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 40, 3, 4, 32, generator=g).bfloat16()   # a fused projection, [B, S, 3, H, D]
+    do = torch.randn(2, 40, 4, 32, generator=g).bfloat16()
+    grads, outs = [], []
+    for compiled in (False, True):
+        xi = x.clone().requires_grad_()
+        q, k, v = (t.transpose(1, 2) for t in xi.unbind(2))    # transformers' [B, H, S, D] views
+        call = (lambda *a: fn(Module(), *a, None, scaling=0.2)[0])
+        if compiled:
+            call = torch.compile(call, fullgraph=True, backend="eager")
+        out = call(q, k, v)
+        out.backward(do)
+        outs.append(out.detach())
+        grads.append(xi.grad)
+        assert out.shape == (2, 40, 4, 32)
+    assert seen[0][3] == "bhsd" and seen[0][0] is not None
+    eager_q = seen[0][0]
+    assert eager_q.shape == (2, 4, 40, 32) and eager_q.stride() == x[:, :, 0].transpose(1, 2).stride()
+    assert [s[3] for s in seen[1:]] and all(s[3] == "bshd" for s in seen[1:])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])

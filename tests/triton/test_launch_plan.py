@@ -25,13 +25,52 @@ class _Kernel:
                                                    for a in args]))
 
 
-@pytest.fixture
-def launcher(monkeypatch):
-    """triton_launch with its dispatcher and launcher stubbed; returns (launch log, kernel factory)."""
+class _Launcher:
+    """Triton 3.6's launcher of a compiled kernel as replays may call it (`triton_launch.direct_launcher`): its
+    C `launch` takes the grid, the stream, then (function, cooperative, pdl, two scratch buffers, metadata,
+    launch metadata, two hooks) before the kernel's arguments; calling the launcher itself is `_Kernel.run`."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, *args):
+        _Kernel.run(self.kernel, *args)
+
+    def launch(self, g0, g1, g2, stream, function, cooperative, pdl, scratch, profile_scratch, metadata,
+               launch_metadata, enter_hook, exit_hook, *args):
+        assert (function, metadata, enter_hook, exit_hook) == ("function", "metadata", None, None)
+        self.kernel.direct += 1
+        _Kernel.run(self.kernel, g0, g1, g2, stream, function, metadata, None, None, None, *args)
+
+
+class _DirectKernel(_Kernel):
+    """A compiled kernel whose launcher a replay calls directly (`_Launcher`); counts those launches."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, name, log):
+        super().__init__(name, log)
+        self.direct = 0
+        self.run = _Launcher(self)
+
+
+class _Log(list):
+    """A launch log (list) that also holds the stand-in kernels by name (`kernels`)."""
+
+
+@pytest.fixture(params=["wrapper", "direct"])
+def launcher(monkeypatch, request):
+    """triton_launch with its dispatcher and launcher stubbed (replays calling the launcher's Python wrapper, or
+    its C launch directly); returns the launch log."""
     from triton_helpers import stub_compiled_launches
-    log, kernels = [], {}
-    stub_compiled_launches(monkeypatch, lambda fn: kernels.setdefault(fn.__name__, _Kernel(fn.__name__, log)))
-    return log
+    log, kernels = _Log(), {}
+    kind = _Kernel if request.param == "wrapper" else _DirectKernel
+    stub_compiled_launches(monkeypatch, lambda fn: kernels.setdefault(fn.__name__, kind(fn.__name__, log)))
+    log.kernels = kernels
+    yield log
 
 
 @pytest.fixture
@@ -113,6 +152,46 @@ def test_replay_rebases_every_pointer(launcher):
     assert abs(b_ptr - a_ptr) >= 1000 and (c_ptr >= b_ptr + 600 or c_ptr + 2000 <= b_ptr)
     assert plan.workspace_bytes <= 1024 + 768 + 2048  # no more than the three together, 256-aligned
     assert all(p % 256 == a_ptr % 256 for p in (b_ptr, c_ptr))
+
+
+def test_a_replay_calls_the_c_launcher_directly_where_it_may(launcher):
+    """A replay issues its launches through generated code: Triton's C launch function directly for kernels
+    without scratch memory (`triton_launch.direct_launcher`), else the launcher's Python wrapper; the recording
+    and the first calls go through the wrapper."""
+    from mxattn.kernels.launch_plan import record
+    x, y = torch.randn(4, 8), torch.randn(6, 6, dtype=torch.float64)
+    _, plan, _ = record(lambda: _body(x, y), (x, y))
+    kernels = launcher.kernels.values()
+    assert sum(getattr(k, "direct", 0) for k in kernels) == 0
+    plan.replay((torch.randn(4, 8), torch.randn(6, 6, dtype=torch.float64)))
+    plan.replay((torch.randn(4, 8), torch.randn(6, 6, dtype=torch.float64)))
+    expected = 2 if all(isinstance(k, _DirectKernel) for k in kernels) else 0
+    assert [getattr(k, "direct", 0) for k in kernels] == [expected] * 3
+    if expected:  # a kernel that needs scratch memory keeps the wrapper
+        k0 = launcher.kernels["k0"]
+        k0.run.global_scratch_size = 64
+        _, plan, _ = record(lambda: _body(x, y), (x, y))
+        plan.replay((torch.randn(4, 8), torch.randn(6, 6, dtype=torch.float64)))
+        assert [k.direct for k in kernels] == [2, 3, 3]
+
+
+def test_plans_of_one_structure_share_their_generated_code(launcher):
+    """A replay's generated code reads every value from its plan's constants, so plans that differ only in
+    sizes, offsets and grids (an affine plan's instantiation at each decode step's length, say) share one
+    compiled function, and each replays its own values."""
+    from mxattn.kernels.launch_plan import record
+    plans = []
+    for n in (8, 12):
+        x, y = torch.randn(4, n), torch.randn(6, 6, dtype=torch.float64)
+        plans.append((record(lambda: _body(x, y), (x, y))[1], n))
+    logs = []
+    for plan, n in plans:
+        launcher.clear()
+        plan.replay((torch.randn(4, n), torch.randn(6, 6, dtype=torch.float64)))
+        logs.append(list(launcher))
+    (p8, _), (p12, _) = plans
+    assert p8._issue[0] is p12._issue[0] and p8._issue[1] != p12._issue[1]
+    assert logs[0][0][2][2] == 4 * 8 and logs[1][0][2][2] == 4 * 12  # k0's x.numel(), each plan's own
 
 
 def test_outputs_from_carve_from_on_are_views_of_one_allocation(launcher):
@@ -607,20 +686,26 @@ def test_op_bodies_are_recorded_only_for_backends_that_launch_through_triton_lau
     assert op_plans.replays("cudnn") is True
 
 
+def _fused_projection_args():
+    """(q, k, v, the forward op's FwdArgs): bshd views of one fused projection (GPT-2's), causal, triton."""
+    from mxattn.mask import MaskSpec
+    from mxattn.op_args import FwdArgs
+    x = torch.randn(2, 96, 3 * 4 * 64, dtype=torch.bfloat16)
+    q, k, v = (t.view(2, 96, 4, 64).permute(0, 2, 1, 3) for t in x.split(4 * 64, dim=2))
+    return q, k, v, FwdArgs.encode(q, k, v, softmax_scale=0.125, mask=MaskSpec(causal=True),
+                                   out_dtype=torch.bfloat16, qkv_format="bshd", backend="triton", seq=None,
+                                   sink=None)
+
+
 def test_the_compiled_graphs_forward_op_replays_its_body(launcher, monkeypatch, request):
     """`mxattn::attention_fwd` (what a compiled graph calls) is recorded once per signature with its layout
     promise (`_as_faked`) inside and replayed after: the same launches, outputs laid out as the fake kernel
     promises."""
     from mxattn import ops
-    from mxattn.mask import MaskSpec
-    from mxattn.op_args import FwdArgs
     _, plans = _stub_backend(monkeypatch, request, ops_replay=True)
     runs = []
     for _ in range(3):
-        x = torch.randn(2, 96, 3 * 4 * 64, dtype=torch.bfloat16)  # a fused projection's q, k, v views
-        q, k, v = (t.view(2, 96, 4, 64).permute(0, 2, 1, 3) for t in x.split(4 * 64, dim=2))
-        args = FwdArgs.encode(q, k, v, softmax_scale=0.125, mask=MaskSpec(causal=True), out_dtype=torch.bfloat16,
-                              qkv_format="bshd", backend="triton", seq=None, sink=None)
+        q, k, v, args = _fused_projection_args()
         launcher.clear()
         outputs = ops.attention_fwd(*args)
         fakes = ops._fwd_fake(*args)
@@ -635,6 +720,60 @@ def test_the_compiled_graphs_forward_op_replays_its_body(launcher, monkeypatch, 
     grads = [ops.attention_bwd(*args.backward_args(torch.randn_like(o), o, stats, saved, list(k.shape), False))
              for _ in range(3)]
     assert all(len({t.untyped_storage().data_ptr() for t in g[:3]}) == 3 for g in grads)
+
+
+def test_the_compiled_graphs_packed_ops_replay_and_hand_the_block_over(launcher, monkeypatch, request):
+    """`mxattn::attention_fwd_packed` / `attention_bwd_packed` (what a compiled graph calls on the triton backend):
+    from the third call the forward's replay leaves stats and the saved copies in the block as the op's layout
+    says (no copy), and the backward replays onto the block's addresses: the same launches as the unpacked ops,
+    every pointer into the kept tensors at its place in the block."""
+    from mxattn import ops, saved_block
+    from mxattn.mask import MaskSpec
+    from mxattn.op_args import FwdArgs
+    _, plans = _stub_backend(monkeypatch, request, ops_replay=True)
+    copies = []
+    real_pack = saved_block.pack
+    monkeypatch.setattr(saved_block, "pack", lambda tensors, layout: copies.append(1) or real_pack(tensors, layout))
+    runs = []
+    for _ in range(4):
+        q, k, v, args = _fused_projection_args()
+        launcher.clear()
+        copies.clear()
+        o, block = ops.attention_fwd_packed(*args)
+        fwd = list(launcher)
+        fake_o, fake_block = ops._fwd_packed_fake(*args)
+        assert (o.shape, o.stride(), block.shape, block.dtype) == (fake_o.shape, fake_o.stride(), fake_block.shape,
+                                                                  fake_block.dtype)
+        _, layout = ops._block_layout(args)
+        do = torch.randn_like(o)
+        launcher.clear()
+        grads = ops.attention_bwd_packed(*args.packed_backward_args(do, o, block, list(k.shape),
+                                                                    q.dtype, False, (None, None), None))
+        runs.append((q, k, v, o, block, layout, fwd, list(launcher), len(copies), grads))
+    assert [r[8] for r in runs] == [1, 1, 0, 0]  # copied while unplanned or recording, then handed over
+    assert [n for n, _, _ in runs[3][6]] == ["_quantize_qkv_kernel", "_attn_fwd_kernel"]
+    assert [n for n, _, _ in runs[3][7]] == ["_bwd_prep_kernel", "_dkdv_kernel", "_bwd_prep_kernel", "_dq_kernel"]
+    q1, k1, v1, o1, block1, layout, fwd1, bwd1 = runs[0][:8]
+    q2, k2, v2, o2, block2, _, fwd2, bwd2 = runs[3][:8]
+    # the first call's kept tensors were separate allocations copied into its block: compare their places there
+    # through the unpacked views of both blocks
+    kept1, kept2 = saved_block.unpack(block1, layout), saved_block.unpack(block2, layout)
+    _assert_rebased(fwd1[:1], fwd2[:1], ((q1, q2), (k1, k2), (v1, v2)))
+    pointers2 = [a for _, _, args in bwd2 for a in args if isinstance(a, int) and a > 4096]
+    starts = {t.data_ptr() for t in kept2}
+    assert starts <= set(pointers2) | {kept2[0].data_ptr()}  # every kept tensor is read by the backward
+    # the fourth call's backward equals the unpacked op's on the same kept tensors
+    launcher.clear()
+    stats, *saved = kept2
+    args2 = FwdArgs.encode(q2, k2, v2, softmax_scale=0.125, mask=MaskSpec(causal=True), out_dtype=torch.bfloat16,
+                           qkv_format="bshd", backend="triton", seq=None, sink=None)
+    ops.attention_bwd(*args2.backward_args(torch.randn_like(o2), o2, stats, saved, list(k2.shape), False))
+    unpacked = [(n, g, [a[1] if isinstance(a, tuple) else a for a in args]) for n, g, args in launcher]
+    kept_ptrs = lambda log: [a for _, _, args in log for a in args if any(  # noqa: E731
+        t.data_ptr() <= a < t.data_ptr() + t.numel() * t.element_size() for t in kept2) and isinstance(a, int)]
+    assert kept_ptrs(unpacked) == kept_ptrs(bwd2)
+    from mxattn.kernels.launch_plan import LaunchPlan
+    assert [type(p) for k, p in plans._plans.items() if k[0][0] in ("fwd", "bwd block")] == [LaunchPlan] * 2
 
 
 @pytest.mark.parametrize("sink", [False, True])

@@ -183,6 +183,10 @@ class CudnnBackend(AttentionBackend):
     #: views, fused-quantizer launches and graph executions (`run.issue_execute`) replays; one that computes
     #: with torch (the torch-op quantizer, a padded or packed batch's masking, a sink) is refused and runs as is
     replays_ops = True
+    #: compiled calls keep the graphs' outputs as they are (the packed ops' block would be checked on Blackwell
+    #: first: cuDNN's scale layouts may not be carved as the block lays them out, and a copy per call would cost
+    #: what the kernels save)
+    packs_compiled_saved = False
 
     @classmethod
     def replay_variant(cls, x: torch.Tensor):
