@@ -21,14 +21,15 @@ from profiling import cprofile_steps, wall_per_call  # noqa: E402
 
 
 def training_step(attn: str, compiled: bool):
-    """A training step function of the GPT-2 with attention `attn` (compiled or eager)."""
+    """A training step function of the GPT-2 with attention `attn` (compiled or eager), on models_bench's device
+    (`mb.DEVICE`: its tiny GPT-2 at small shapes off CUDA)."""
     name, model, shape, vocab = mb.build(mb.gpt2_config, attn, False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     run = torch.compile(model) if compiled else model
-    ids = torch.randint(0, vocab, (shape["batch"], shape["seq"]), device="cuda")
+    ids = torch.randint(0, vocab, (shape["batch"], shape["seq"]), device=mb.DEVICE)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(mb.DEVICE, dtype=torch.bfloat16):
             loss = run(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -36,7 +37,7 @@ def training_step(attn: str, compiled: bool):
 
     for _ in range(8):
         step()
-    torch.cuda.synchronize()
+    mb.sync()
     return step
 
 

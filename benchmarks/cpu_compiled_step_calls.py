@@ -1,8 +1,8 @@
 """What a compiled transformers GPT-2 training step runs in Python with mxattn's attention against SDPA's, on a CPU
-(no GPU): the models_bench.py GPT-2's structure (4 layers, n_embd 512, 8 heads) at B2 S64, torch.compile(model),
-the triton backend with its launches stubbed (`cpu_host_harness.install_stubs`), SDPA on the CPU. Per attention:
-Python function calls per step (cProfile) and the functions with the most own time, so a difference in the
-compiled graph around the ops (guards, AOT wrappers, extra graph pieces) would show beside mxattn's own calls.
+(no GPU): `compiled_step_profile.training_step` (models_bench.py's GPT-2 as it builds it off CUDA: 2 layers,
+n_embd 128, 4 heads, B2 S64; AdamW), torch.compile(model), the triton backend with its launches stubbed
+(`cpu_host_harness.install_stubs`), SDPA on the CPU. Per attention: Python function calls per step (cProfile) and
+the functions with the most own time, so a difference in the compiled graph around the ops (guards, AOT wrappers, extra graph pieces) would show beside mxattn's own calls.
 Compute time on the CPU is not a GPU host's: read the call counts and the mxattn/torch split, not the times.
 Usage: python benchmarks/cpu_compiled_step_calls.py [--top N]"""
 import cProfile
@@ -12,41 +12,21 @@ import pstats
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import torch  # noqa: E402
 
 import cpu_host_harness  # noqa: E402
+import models_bench as mb  # noqa: E402
+from compiled_step_profile import training_step  # noqa: E402
 
 STEPS = 20
-
-
-def training_step(attn: str):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(vocab_size=512, n_positions=256, n_embd=512, n_layer=4, n_head=8, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0)
-    cfg._attn_implementation = attn
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(cfg)
-    run = torch.compile(model)
-    ids = torch.randint(0, 512, (2, 64))
-
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = run(input_ids=ids, labels=ids).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    for _ in range(4):
-        step()
-    return step
 
 
 def main() -> None:
     top = int(sys.argv[sys.argv.index("--top") + 1]) if "--top" in sys.argv else 15
     cpu_host_harness.install_stubs({})
-    import mxattn.integrations.transformers as mx_hf
-    mx_hf.register("mxfp8", backend="triton")
-    for attn in ("sdpa", "mxfp8"):
-        step = training_step(attn)
+    mb.DEVICE = "cpu"
+    mb.mx_hf.register(mb.NAME, backend="triton")
+    for attn in ("sdpa", mb.NAME):
+        step = training_step(attn, compiled=True)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(STEPS):
