@@ -2,7 +2,8 @@
 (no GPU): `compiled_step_profile.training_step` (models_bench.py's GPT-2 as it builds it off CUDA: 2 layers,
 n_embd 128, 4 heads, B2 S64; AdamW), torch.compile(model), the triton backend with its launches stubbed
 (`cpu_host_harness.install_stubs`), SDPA on the CPU. Per attention: Python function calls per step (cProfile) and
-the functions with the most own time, so a difference in the compiled graph around the ops (guards, AOT wrappers, extra graph pieces) would show beside mxattn's own calls.
+the functions with the most own time, so a difference in the compiled graph around the ops (guards, AOT wrappers,
+extra graph pieces) would show beside mxattn's own calls.
 Compute time on the CPU is not a GPU host's: read the call counts and the mxattn/torch split, not the times.
 Usage: python benchmarks/cpu_compiled_step_calls.py [--top N]"""
 import cProfile
