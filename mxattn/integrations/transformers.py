@@ -77,6 +77,10 @@ def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = No
     if backend not in ("auto",) + BACKEND_NAMES:
         raise ValueError(f"backend must be one of {('auto',) + BACKEND_NAMES}, got {backend!r}")
     recipe = resolve_recipe(recipe)
+    try:  # the mask registry read now, not at a compiled model's first trace: Dynamo guards on the list being
+        _mask_functions()  # empty there, so filling it inside the first trace recompiled the model at its second call
+    except ImportError:
+        pass  # (no transformers: the function is not called by transformers either)
     # what each call passes: None for the default, so a compiled model touches no Recipe object
     call_recipe = None if recipe.is_default else recipe
 

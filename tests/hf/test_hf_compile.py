@@ -167,6 +167,27 @@ def test_compiled_model_has_no_graph_breaks_and_no_recompiles():
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def test_compiled_model_without_a_mask_does_not_recompile_in_a_fresh_process(monkeypatch):
+    """Training a compiled model on unpadded batches (no attention_mask: the attention function then checks that
+    transformers has a mask builder for its name) compiles once. In a fresh process transformers' mask registry
+    had not been read before the first trace, which read it and so changed what the trace guarded on: the second
+    step recompiled the whole model."""
+    monkeypatch.setattr(mx_hf, "_MASK_FUNCTIONS", [])               # as after `import mxattn` in a new process
+    mx_hf.register(NAME, backend="reference")
+    model = build(llama, attn=NAME).train()
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+
+    def step(seed):
+        ids, _ = batch(lengths=(12, 12), seed=seed)
+        compiled(input_ids=ids, labels=ids).loss.backward()
+
+    step(0)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        step(1)
+        step(2)
+
+
 @pytest.mark.parametrize("factory", ["gpt2", "llama"])
 def test_compiled_training_gradients_equal_eager(factory):
     """Training steps of a compiled transformers model (GPT-2's fused QKV projection, a GQA Llama) give the eager
