@@ -109,16 +109,20 @@ def _fwd_roots(args: FwdArgs) -> tuple:
     return args.q, args.k, args.v, args.sink, args.cu_seqlens_q, args.cu_seqlens_kv
 
 
+def _options(args) -> tuple:
+    """The options every op body reads (`FwdArgs`, `BwdArgs` or `PackedBwdArgs`), for plan keys."""
+    return (args.softmax_scale, args.bottom_right, args.left_bound, args.right_bound, args.out_dtype,
+            args.qkv_format, args.backend, args.packed, args.recipe)
+
+
 def _fwd_key(args: FwdArgs, tag, carve: bool, roots: tuple) -> tuple:
     """The plan key of a forward body on args (tag: what else the body reads; carve: `run_forward_traced`'s)."""
-    return plan_key(("fwd", tag, carve, _variant(args.backend, args.q), args.softmax_scale, args.bottom_right,
-                     args.left_bound, args.right_bound, args.out_dtype, args.qkv_format, args.backend, args.packed,
-                     args.recipe), roots, (args.max_seqlen_q, args.max_seqlen_kv))
+    return plan_key(("fwd", tag, carve, _variant(args.backend, args.q), *_options(args)), roots,
+                    (args.max_seqlen_q, args.max_seqlen_kv))
 
 
-#: plan key of a packed forward -> whether its plan's packed replay leaves the block in the op's layout
-#: (`run_forward_packed`; a property of the signature, so of the key)
-_BLOCK_MATCHES: dict = {}
+#: `LaunchPlan.answers`' key: whether a packed forward's plan leaves its block in the op's layout
+_BLOCK_MATCHES = "packed op block layout"
 
 
 def run_forward_packed(args: FwdArgs, body: Callable[[], List], layout: Callable[[], BlockLayout]) -> List:
@@ -134,13 +138,11 @@ def run_forward_packed(args: FwdArgs, body: Callable[[], List], layout: Callable
         with device_guard(args.q.device):
             outputs, plan, block = PLANS.run_with_plan(key, body, roots, _CARVE_FROM, True)
         if block is not None:
-            matches = _BLOCK_MATCHES.get(key)
+            matches = plan.answers.get(_BLOCK_MATCHES)  # (a property of the signature: asked once per plan)
             if matches is None:
                 want = layout()
-                matches = plan.packs_from == 1 and plan.packed_layout() == (want.entries, want.nbytes)
-                if len(_BLOCK_MATCHES) >= 1024:
-                    _BLOCK_MATCHES.clear()
-                _BLOCK_MATCHES[key] = matches
+                matches = plan.answers[_BLOCK_MATCHES] = (plan.packs_from == 1
+                                                          and plan.packed_layout() == (want.entries, want.nbytes))
             if matches:
                 return [outputs[0], block]
             outputs += plan.unpack(block)
@@ -157,10 +159,8 @@ def run_backward_from_block(args: PackedBwdArgs, layout_id: int, layout: BlockLa
     others = (args.sink, args.cu_seqlens_q, args.cu_seqlens_kv)
     key = None
     if replays(args.backend):
-        key = plan_key(("bwd block", layout_id, _variant(args.backend, do), args.softmax_scale, args.bottom_right,
-                        args.left_bound, args.right_bound, args.out_dtype, args.qkv_format, args.backend,
-                        args.packed, args.sink_requires_grad, args.recipe), (do, o, block, *others),
-                       (args.max_seqlen_q, args.max_seqlen_kv))
+        key = plan_key(("bwd block", layout_id, _variant(args.backend, do), args.sink_requires_grad,
+                        *_options(args)), (do, o, block, *others), (args.max_seqlen_q, args.max_seqlen_kv))
         with device_guard(do.device):
             outputs = PLANS.replay_only(key, *_block_roots(do, o, block, layout.offsets, others))
         if outputs is not None:
@@ -208,11 +208,8 @@ def run_backward(args: BwdArgs, tag, body: Callable[[], List], after=None, carve
     if after is not None and _addresses(roots[1:]) == after[1]:
         key = _after_key(after[0], tag, carve, args.sink_requires_grad, do, o)
     else:
-        key = plan_key(("bwd", tag, carve, _variant(args.backend, do), len(args.saved), tuple(args.kv_shape), args.softmax_scale,
-                        args.bottom_right,
-                        args.left_bound, args.right_bound, args.out_dtype, args.qkv_format, args.backend,
-                        args.packed, args.sink_requires_grad, args.recipe), roots,
-                       (args.max_seqlen_q, args.max_seqlen_kv))
+        key = plan_key(("bwd", tag, carve, _variant(args.backend, do), len(args.saved), tuple(args.kv_shape),
+                        args.sink_requires_grad, *_options(args)), roots, (args.max_seqlen_q, args.max_seqlen_kv))
     with device_guard(do.device):
         return PLANS.run_with_plan(key, body, roots, _CARVE_FROM if carve else None)[0]
 

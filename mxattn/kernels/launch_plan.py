@@ -268,6 +268,12 @@ class LaunchPlan:
         self._host_calls = tuple(entry for entry, *_ in launches if entry.__class__ is HostCall)
         #: the launches as (generated function, its constants) (`_compile_issue`), made on the first replay
         self._issue = None
+        #: its family's [recordings, replays] in the `PlanCache` that stored it (counted without hashing the
+        #: family at each replay)
+        self.family_stats = [0, 0]
+        #: what callers learned about this plan, by question (e.g. whether its packed block is in a layout of
+        #: theirs: a property of the plan's signature, so asked once)
+        self.answers: dict = {}
 
     def stale(self) -> bool:
         """True when a host call of this plan may no longer be replayed (`host_calls.HostCall.current`)."""
@@ -568,6 +574,10 @@ def _build(rec: _Recorder, outputs, roots, carve_from: Optional[int] = None) -> 
         if kind != "alloc":
             raise RecordingRefused("an output is (a view of) a root, not memory the body allocated")
         a = rec.allocations[j]
+        if t.numel() == 0 and a.nbytes == 0:  # an empty output (an unused gradient): empty at each replay too
+            whole[j] = True
+            out_specs.append(("whole", (j, tuple(t.shape), tuple(t.stride()), t.dtype, False)))
+            continue
         if j not in whole and j not in out_allocs and _covers_allocation(t, a):
             whole[j] = True
             out_specs.append(("whole", (j, tuple(t.shape), tuple(t.stride()), t.dtype, a.zero)))
@@ -661,13 +671,15 @@ class PlanCache:
             return body(), None, None
         if plan is self._REFUSED:
             return body(), None, None
-        stats = self._families.setdefault(key[0], [0, 0])
         if plan is self._SEEN:
+            stats = self._families.setdefault(key[0], [0, 0])
             if stats[0] >= self.min_replays and stats[1] < self.min_replays * stats[0]:
                 return body(), None, None  # a volatile family: recordings would cost more than their replays save
             outputs, plan, self.last_reason = record(body, roots, carve_from)
             self._plans[key] = self._REFUSED if plan is None else plan
             stats[0] += 1
+            if plan is not None:
+                plan.family_stats = stats
             return outputs, plan, None
         packed = packed and plan.packs_from is not None
         outputs = plan.replay(roots, packed)
@@ -675,7 +687,7 @@ class PlanCache:
             if plan.stale():
                 self._plans[key] = self._SEEN  # (recorded again on the next call)
             return body(), None, None
-        stats[1] += 1
+        plan.family_stats[1] += 1
         return outputs, plan, outputs.pop() if packed else None
 
     def replay_only(self, key, roots=None, bases: Optional[list] = None, holders=None
@@ -688,7 +700,7 @@ class PlanCache:
             return None
         outputs = plan.replay(roots, False, bases, holders)
         if outputs is not None:
-            self._families.setdefault(key[0], [0, 0])[1] += 1
+            plan.family_stats[1] += 1
         return outputs
 
     def plan(self, key) -> Optional[LaunchPlan]:

@@ -154,6 +154,28 @@ def test_replay_rebases_every_pointer(launcher):
     assert all(p % 256 == a_ptr % 256 for p in (b_ptr, c_ptr))
 
 
+def test_empty_outputs_replay_as_empty_allocations_of_their_own(launcher):
+    """An empty output (the backward op's dsink without a learnable sink), even two of them, replays as an empty
+    tensor of its own: one allocation each, no second allocation to view, and the plan is not refused."""
+    from mxattn.kernels.launch_plan import record
+    from mxattn.kernels.triton_launch import launch
+
+    def body(x):
+        out = torch.empty_like(x)
+        launch(_fn("k0", 2), (1,), x, out, BLOCK=32)
+        return [out, torch.empty((0,), dtype=torch.float32), x.new_empty((2, 0), dtype=torch.bfloat16)]
+
+    x = torch.randn(4, 8)
+    outputs, plan, reason = record(lambda: body(x), (x,))
+    assert reason == "recorded" and [kind for kind, _ in plan._outputs] == ["whole"] * 3
+    assert plan.allocations_per_replay == 3
+    launcher.clear()
+    x2 = torch.randn(4, 8)
+    out2, empty, empty2 = plan.replay((x2,))
+    assert (empty.shape, empty.dtype, empty2.shape, empty2.dtype) == ((0,), torch.float32, (2, 0), torch.bfloat16)
+    assert launcher[0][2][:2] == [x2.data_ptr(), out2.data_ptr()]
+
+
 def test_a_replay_calls_the_c_launcher_directly_where_it_may(launcher):
     """A replay issues its launches through generated code: Triton's C launch function directly for kernels
     without scratch memory (`triton_launch.direct_launcher`), else the launcher's Python wrapper; the recording
