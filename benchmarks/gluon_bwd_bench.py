@@ -11,7 +11,9 @@ and dV, or dQ) against the Triton kernel's (share bit-equal, share within one bf
 for Gluon).
 
 Usage: python benchmarks/gluon_bwd_bench.py [--dq] [--config name:B:Hq:Hkv:S:D:causal ...] [--rounds 15]
-[--iters 10] [--stages N] [--block-m N (dK/dV only)] [--json FILE]
+[--iters 10] [--stages N] [--block-m N (dK/dV only)] [--variant name:defer=0|1[,block_n=N] ...] [--json FILE]
+(e.g. --variant base:defer=0 --variant pipelined:defer=1: the software-pipelined dK / dQ GEMM against the
+waited one, interleaved in one run, outputs compared bit for bit)
 """
 
 import argparse
@@ -46,35 +48,43 @@ def _time(runs: dict, rounds: int, iters: int) -> dict:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m):
-    """(runs {"triton": fn, "gluon": fn}, [(label, gluon output, triton output)], GEMMs of the pass, the Gluon
-    kernel's (stages, block rows)) of the dK/dV pass (kernel "dkdv") or the dQ pass ("dq") on one config's inputs."""
+def _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m, variants=None):
+    """(runs {"triton": fn, <variant>: fn ...}, [(label, output, triton output)], GEMMs of the pass, the Gluon
+    kernel's (stages, block rows)) of the dK/dV pass (kernel "dkdv") or the dQ pass ("dq") on one config's inputs.
+    variants: {name: launch keywords of the Gluon kernel (defer, block_n of dQ)}; {"gluon": {}} by default."""
     from test_gluon_bwd_gpu import _pre_inputs, _triton_dkdv
+    variants = variants or {"gluon": {}}
     scale = 1.0 / math.sqrt(D)
     rb = 0 if causal else None
     g = torch.Generator(device="cuda").manual_seed(0)
+    runs, outputs = {}, []
     if kernel == "dq":
         from test_gluon_dq_gpu import _dq_inputs, _triton_dq
         from mxattn.kernels import gluon_attention_dq as gd
         ins, _ = _dq_inputs(B, HQ, HKV, S, S, D, 0, rb, g, scale)
-        dq_t, dq_g = (torch.empty(B, HQ, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        runs = {"triton": lambda: _triton_dq(*ins, dq_t, scale, 0, rb),
-                "gluon": lambda: gd.dq_gluon(*ins, dq_g, softmax_scale=scale, offset=0, right_bound=rb,
-                                             stages=stages)}
-        return runs, [("dq", dq_g, dq_t)], 3, (stages or gd.STAGES[D], gd.BLOCK_M)
+        dq_t = torch.empty(B, HQ, S, D, device="cuda", dtype=torch.bfloat16)
+        runs["triton"] = lambda: _triton_dq(*ins, dq_t, scale, 0, rb)
+        for name, kw in variants.items():
+            dq_g = torch.empty(B, HQ, S, D, device="cuda", dtype=torch.bfloat16)
+            runs[name] = lambda dq_g=dq_g, kw=kw: gd.dq_gluon(*ins, dq_g, softmax_scale=scale, offset=0,
+                                                             right_bound=rb, stages=stages, **kw)
+            outputs.append((f"{name} dq", dq_g, dq_t))
+        return runs, outputs, 3, (stages or gd.STAGES[D], gd.BLOCK_M)
     from mxattn.kernels import gluon_attention_bwd as gb
     ins = _pre_inputs(B, HQ, HKV, S, S, D, 0, rb, g, scale)
-    dk_t, dv_t, dk_g, dv_g = (torch.empty(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    runs = {
-        "triton": lambda: _triton_dkdv(*ins, dk_t, dv_t, scale, 0, rb),
-        "gluon": lambda: gb.dkdv_gluon(*ins, dk_g, dv_g, softmax_scale=scale, offset=0, right_bound=rb,
-                                       stages=stages, block_m=block_m),
-    }
-    return runs, [("dk", dk_g, dk_t), ("dv", dv_g, dv_t)], 4, (stages or gb.STAGES[D], block_m or gb.BLOCK_M[D])
+    dk_t, dv_t = (torch.empty(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    runs["triton"] = lambda: _triton_dkdv(*ins, dk_t, dv_t, scale, 0, rb)
+    for name, kw in variants.items():
+        dk_g, dv_g = (torch.empty(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        runs[name] = lambda dk_g=dk_g, dv_g=dv_g, kw=kw: gb.dkdv_gluon(
+            *ins, dk_g, dv_g, softmax_scale=scale, offset=0, right_bound=rb, stages=stages, block_m=block_m, **kw)
+        outputs += [(f"{name} dk", dk_g, dk_t), (f"{name} dv", dv_g, dv_t)]
+    return runs, outputs, 4, (stages or gb.STAGES[D], block_m or gb.BLOCK_M[D])
 
 
-def bench_config(name, B, HQ, HKV, S, D, causal, rounds, iters, stages=None, block_m=None, kernel="dkdv"):
-    runs, outputs, gemms, (ns, bm) = _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m)
+def bench_config(name, B, HQ, HKV, S, D, causal, rounds, iters, stages=None, block_m=None, kernel="dkdv",
+                 variants=None):
+    runs, outputs, gemms, (ns, bm) = _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m, variants)
     for fn in runs.values():
         fn()
     torch.cuda.synchronize()
@@ -83,15 +93,35 @@ def bench_config(name, B, HQ, HKV, S, D, causal, rounds, iters, stages=None, blo
         ulps = (_ordered_bf16(x) - _ordered_bf16(ref)).abs()
         check[label] = dict(exact=(ulps == 0).float().mean().item(), within_1ulp=(ulps <= 1).float().mean().item(),
                             max_ulps=ulps.max().item())
+    first = {}  # each output of every variant against the first variant's (bit-equal where the GEMMs are the same)
+    for label, x, _ in outputs:
+        kind = label.split()[-1]
+        if kind in first:
+            check[label]["equal_to_" + first[kind][0]] = bool(torch.equal(x, first[kind][1]))
+        else:
+            first[kind] = (label.split()[0], x)
     ms = _time(runs, rounds, iters)
     pairs = S * (S + 1) // 2 if causal else S * S
     flops = gemms * 2 * B * HQ * pairs * D  # the pass's GEMMs (dK/dV: S, dP, dV, dK; dQ: S, dP, dQ)
+    gluon = [k for k in runs if k != "triton"]
     out = dict(kernel=kernel, config=name, B=B, Hq=HQ, Hkv=HKV, S=S, D=D, causal=causal, stages=ns, block_m=bm,
-               ms=ms, ratio_gluon_over_triton=ms["gluon"] / ms["triton"],
+               ms=ms, ratio_gluon_over_triton=ms[gluon[0]] / ms["triton"],
+               ratios_over_first_variant={k: ms[k] / ms[gluon[0]] for k in gluon[1:]},
+               variants=variants or {"gluon": {}},
                tflops={k: flops / (v * 1e-3) / 1e12 for k, v in ms.items()}, agreement=check)
     del runs, outputs
     torch.cuda.empty_cache()
     return out
+
+
+def _variant(text):
+    """name[:key=value,...] -> (name, launch keywords): defer=0/1, block_n=N (dQ)."""
+    name, _, rest = text.partition(":")
+    kw = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        kw[key] = bool(int(value)) if key == "defer" else int(value)
+    return name, kw
 
 
 def main() -> None:
@@ -104,6 +134,9 @@ def main() -> None:
                         help="the Gluon kernel's query rows per streamed block (default BLOCK_M)")
     parser.add_argument("--dq", action="store_true",
                         help="the dQ pass (gluon_attention_dq.dq_gluon vs the Triton dQ kernel) instead of dK/dV")
+    parser.add_argument("--variant", action="append", type=_variant,
+                        help="name[:defer=0|1,block_n=N]: a Gluon launch to time (repeatable; A/B in one run, "
+                             "ratios to the first); one default launch named gluon when none")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if args.dq and args.block_m is not None:
@@ -115,11 +148,14 @@ def main() -> None:
     from mxattn.bench import DEFAULT_CONFIGS
     results = dict(device=torch.cuda.get_device_name(), configs=[])
     for cfg in args.config or DEFAULT_CONFIGS:
-        r = bench_config(*cfg, args.rounds, args.iters, args.stages, args.block_m, "dq" if args.dq else "dkdv")
+        r = bench_config(*cfg, args.rounds, args.iters, args.stages, args.block_m, "dq" if args.dq else "dkdv",
+                         dict(args.variant) if args.variant else None)
         results["configs"].append(r)
-        print(f"{r['kernel']} {r['config']} (stages {r['stages']}, block_m {r['block_m']}): triton "
-              f"{r['ms']['triton']:.3f} ms, gluon {r['ms']['gluon']:.3f} ms "
-              f"(gluon / triton {r['ratio_gluon_over_triton']:.3f}); agreement {r['agreement']}", flush=True)
+        times = ", ".join(f"{k} {v:.3f} ms" for k, v in r["ms"].items())
+        ratios = "".join(f", {k} / first {v:.3f}" for k, v in r["ratios_over_first_variant"].items())
+        print(f"{r['kernel']} {r['config']} (stages {r['stages']}, block_m {r['block_m']}): {times} "
+              f"(first gluon / triton {r['ratio_gluon_over_triton']:.3f}{ratios}); agreement {r['agreement']}",
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

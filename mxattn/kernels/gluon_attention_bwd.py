@@ -71,6 +71,11 @@ PRODUCER_REGS = 24
 #: D64) next to the CTA's bf16 K and V (D128: 64 KiB, D64: 32 KiB)
 STAGES = {64: 4, 128: 4}
 SUPPORTED_HEAD_DIMS = (64, 128)
+#: software-pipelined dK (`_q_step`'s DEFER): query block t's dK GEMM is issued in step t + 1 after its S^T and dP^T,
+#: and runs with the dV GEMM under the softmax and dS, stage t released at the end of step t + 1 (needs two stages
+#: or more); each accumulator gets the same GEMMs in the same order, so dK and dV are the same bits. By head dim
+#: (no wgmma serialisation by ptxas at either: checked offline, tests/triton/test_gluon_bwd_gpu.py)
+DEFER_WAITS = {64: True, 128: True}
 #: head dims where the backward runs this kernel rather than the Triton one (`takes`): measured on an H100
 #: (session 29, gluon_bwd_bench.py at the bench's default configs, same inputs, dK/dV bit-equal): D128
 #: 0.76-0.86x the Triton kernel's time; D64 (64-row query blocks) 1.09x, so the Triton kernel keeps D64
@@ -221,11 +226,16 @@ def release(empty, s):
 
 
 @gluon.jit
-def _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0, SQ,
+def _q_step(t, m0, dk, dv, dsq, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0, SQ,
             SKV, qk_scale, sm_scale, offset, RB, s_zero, MASK: gl.constexpr, HAS_RB: gl.constexpr,
-            BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, a_op: gl.constexpr):
+            BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, a_op: gl.constexpr, DEFER: gl.constexpr):
     """The t-th visited query block (rows [m0, m0 + BM) of the head at lse_h / del_h) of a consumer warpgroup:
-    `_dkdv_block`'s arithmetic on its 64 keys (kw, vw: its K / V rows in shared memory) -> (dk, dv)."""
+    `_dkdv_block`'s arithmetic on its 64 keys (kw, vw: its K / V rows in shared memory) -> (dk, dv, dsq).
+    DEFER (software-pipelined dK): dsq is block t - 1's quantized dS^T, whose dK GEMM is issued here right after
+    this block's S^T and dP^T (t = 0: dsq is zeros and adds exact zeros), so it and this block's dV GEMM run under
+    the softmax and dS; both are waited for before the step ends (no wgmma in flight across steps), then stage
+    (t - 1) % NS is released; this block's dS^T is returned for the next step (`_dk_tail` issues the last one).
+    Else every GEMM of the block is issued and waited for here and stage t % NS released at the end."""
     s = t % NS
     cols = m0 + cols0  # query rows
     c_ok = cols < SQ
@@ -234,7 +244,14 @@ def _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
     mbarrier.wait(ready.index(s), (t // NS) & 1)
     q_t = qr.index(s).reshape([BM, D]).permute((1, 0))
     do_t = dor.index(s).reshape([BM, D]).permute((1, 0))
-    st, dp_tok = issue_s_dp(kw, q_t, vw, do_t, s_zero)
+    if DEFER:
+        sp = gl.where(t > 0, t + NS - 1, t) % NS  # block t - 1's stage (block 0's at t = 0: finite values)
+        s_tok = warpgroup_mma(kw, q_t, gl.zeros_like(s_zero), use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(vw, do_t, gl.zeros_like(s_zero), use_acc=False, is_async=True)
+        dk = warpgroup_mma(dsq, qc.index(sp).reshape([BM, D]), dk, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok, ))  # in flight: dP^T(t), dK(t - 1)
+    else:
+        st, dp_tok = issue_s_dp(kw, q_t, vw, do_t, s_zero)
     p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))  # P^T [keys, queries]
     if MASK:
         keep = gl.expand_dims(rows_k < SKV, 1) & gl.expand_dims(c_ok, 0)
@@ -242,17 +259,37 @@ def _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
             keep = keep & (gl.expand_dims(rows_k, 1) <= gl.expand_dims(cols, 0) + offset + RB)
         p = gl.where(keep, p, 0.0)
     pq = gl.convert_layout(_round_p_to_bf16(p * P_SCALE_K), a_op)
-    dv_tok = warpgroup_mma(pq, doc.index(s).reshape([BM, D]), dv, is_async=True)
-    # dP and dV done before dS (registers: P^T's rounded copy, the dV GEMM's A, dies here)
-    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
-    dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, ))
+    dv = warpgroup_mma(pq, doc.index(s).reshape([BM, D]), dv, is_async=True)
+    if DEFER:
+        dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp_tok, ))  # dK(t - 1) and dV(t) run on under dS
+    else:
+        # dP and dV done before dS (registers: P^T's rounded copy, the dV GEMM's A, dies here)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+        dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv, ))
     delta = gl.load(del_h + cols, mask=c_ok, other=0.0)
     ds = p * (dp - gl.expand_dims(delta, 0)) * sm_scale
-    dsq = gl.convert_layout(_qdq_cols32(ds, BM), a_op)
-    dk_tok = warpgroup_mma(dsq, qc.index(s).reshape([BM, D]), dk, is_async=True)
-    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, ))
-    release(empty, s)
-    return dk, dv
+    ds_a = gl.convert_layout(_qdq_cols32(ds, BM), a_op)
+    if DEFER:
+        dk, dv, dsq, pq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dsq, pq))
+        if t > 0:
+            release(empty, sp)
+        dsq = ds_a
+    else:
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(ds_a, qc.index(s).reshape([BM, D]), dk,
+                                                                       is_async=True), ))
+        release(empty, s)
+    return dk, dv, dsq
+
+
+@gluon.jit
+def _dk_tail(t, dk, dsq, qc, empty, BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr):
+    """DEFER, after a consumer's last block (t blocks visited): the last block's dK GEMM, then its stage."""
+    if t > 0:
+        sp = (t - 1) % NS
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(dsq, qc.index(sp).reshape([BM, D]), dk,
+                                                                       is_async=True), ))
+        release(empty, sp)
+    return dk
 
 
 @gluon.jit
@@ -261,7 +298,7 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready,
               slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
               HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-              WG: gl.constexpr):
+              WG: gl.constexpr, DEFER: gl.constexpr):
     """Consumer warpgroup WG: key rows [tile * BN + 64 WG, + 64) of the CTA. K, V dequantized into its own
     shared K / V tiles (kb / vb index WG), then the query blocks of every query head of the group (`_q_step`), dK and dV
     accumulated in registers and stored at the end."""
@@ -292,6 +329,7 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready,
     dk = gl.zeros([BNW, D], gl.float32, a_layout)
     dv = gl.zeros([BNW, D], gl.float32, a_layout)
     s_zero = gl.zeros([BNW, BM], gl.float32, s_layout)
+    dsq = gl.zeros([BNW, BM], gl.bfloat16, a_op)  # DEFER: the previous block's dS^T (none yet: zeros)
     # the CTA's query blocks (both warpgroups and the producer walk the same ones: a block masked for the CTA's
     # 128 keys is masked for each warpgroup's 64, a no-op where it keeps everything)
     lo, mask_hi, full_lo, full_hi, hi = _q_block_range(n_cta, SQ, SKV, offset, RB, HAS_RB, BM, BN)
@@ -301,17 +339,22 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready,
         lse_h = LSE + b64 * slb + hq64 * slh
         del_h = DELTA + b64 * sdelb + hq64 * sdelh
         for m0 in range(lo, mask_hi, BM):
-            dk, dv = _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0,
-                             SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True, HAS_RB, BM, D, NS, a_op)
+            dk, dv, dsq = _q_step(t, m0, dk, dv, dsq, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
+                                      sls, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True,
+                                      HAS_RB, BM, D, NS, a_op, DEFER)
             t += 1
         for m0 in range(full_lo, full_hi, BM):
-            dk, dv = _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0,
-                             SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, False, HAS_RB, BM, D, NS, a_op)
+            dk, dv, dsq = _q_step(t, m0, dk, dv, dsq, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
+                                      sls, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, False,
+                                      HAS_RB, BM, D, NS, a_op, DEFER)
             t += 1
         for m0 in range(gl.maximum(full_hi, mask_hi), hi, BM):
-            dk, dv = _q_step(t, m0, dk, dv, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0,
-                             SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True, HAS_RB, BM, D, NS, a_op)
+            dk, dv, dsq = _q_step(t, m0, dk, dv, dsq, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
+                                      sls, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True,
+                                      HAS_RB, BM, D, NS, a_op, DEFER)
             t += 1
+    if DEFER:
+        dk = _dk_tail(t, dk, dsq, qc, empty, BM, D, NS)
 
     rows = n0 + gl.arange(0, BNW, layout=row_a)
     offs_d = gl.arange(0, D, layout=col_a)
@@ -330,7 +373,7 @@ def _gluon_dkdv_kernel(
         slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
         HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEFER: gl.constexpr):
     """Grid (cdiv(SKV, BN), B * HKV), 4 warps per partition. qr/qc/dor/doc_desc: TMA descriptors of the bf16
     scratch [B, Hc, SQ, D] (Q row-wise, Q column-wise, dO row-wise, dO column-wise dequantizations; block
     [1, 1, BM, D]); K, V [B, HKV, SKV, D] e4m3 row-wise with scales KS, VS [B, HKV, SKV, D/32] u8; LSE
@@ -355,11 +398,11 @@ def _gluon_dkdv_kernel(
         (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready, empty,
                      skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
                      slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG0)),
+                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG0, DEFER)),
         (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready, empty,
                      skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
                      slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG1)),
+                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG1, DEFER)),
         (_producer, (qr_desc, qc_desc, dor_desc, doc_desc, qr, qc, dor, doc, ready, empty, HKV, GROUP, SQ, SKV,
                      offset, RB, HAS_RB, BM, BN, D, NS)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -411,11 +454,13 @@ def layout_reason(scratch, grid_bh, heads: str) -> Optional[str]:
     return None
 
 
-def ring_stages(stages, default: int) -> int:
-    """The ring depth of a launch: the override `stages` (>= 1, else ValueError) or the kernel's default."""
+def ring_stages(stages, default: int, defer: bool = False) -> int:
+    """The ring depth of a launch: the override `stages` (>= 1, >= 2 with deferred waits, else ValueError) or the
+    kernel's default."""
     ns = default if stages is None else int(stages)
-    if ns < 1:
-        raise ValueError(f"stages must be >= 1, got {ns}")
+    least = 2 if defer else 1
+    if ns < least:
+        raise ValueError(f"stages must be >= {least}{' with deferred GEMM waits' if defer else ''}, got {ns}")
     return ns
 
 
@@ -462,13 +507,14 @@ def takes(q_r, k_row, v_row, right_bound=None, **kwargs) -> bool:
 def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, softmax_scale: float, offset: int,
                left_bound=None, right_bound=None, seq=None, bottom_right: bool = False,
                flags: KernelRecipe = DEFAULT_FLAGS, stages: Optional[int] = None, block_m: Optional[int] = None,
-               checked: bool = False) -> None:
+               defer: Optional[bool] = None, checked: bool = False) -> None:
     """The dK/dV pass of the "pre" backward for one chunk of heads: what `triton_attention_bwd._launch_dkdv`
     takes in mode "pre" (q_r, q_c, do_r, do_c the chunk's bf16 scratch [B, Hc, SQ, D] from `bwd_prep`; k_row,
     v_row the chunk's KV heads of K's and V's row-wise MXFP8Tensors; stats [B, Hc, SQ, 1] fp32 and delta
     [B, Hc, SQ] fp32 (unit stride along SQ) the chunk's slices; dk, dv [B, Hkv_c, SKV, D] with unit stride along
-    D) and the same mask arguments; writes dk and dv. stages: ring stages override (>= 1); block_m: query rows
-    per streamed block override (a multiple of 32; sweeps, BLOCK_M[D] by default). Raises ValueError
+    D) and the same mask arguments; writes dk and dv. stages: ring stages override (>= 1, >= 2 with deferred
+    waits); block_m: query rows per streamed block override (a multiple of 32; sweeps, BLOCK_M[D] by default);
+    defer: the software-pipelined dK GEMM on or off (A/B runs; DEFER_WAITS[D] by default, same bits). Raises ValueError
     for what it does not take (`unsupported_reason`)."""
     reason = None if checked else unsupported_reason(q_r, k_row, v_row, left_bound=left_bound, seq=seq,
                                                      bottom_right=bottom_right, flags=flags, q_c=q_c, do_r=do_r,
@@ -495,7 +541,8 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
         dk.zero_()
         dv.zero_()
         return
-    ns = ring_stages(stages, STAGES[D])
+    defer = DEFER_WAITS[D] if defer is None else bool(defer)
+    ns = ring_stages(stages, STAGES[D], defer)
     bm = BLOCK_M[D] if block_m is None else int(block_m)
     if bm < 32 or bm % 32:
         raise ValueError(f"block_m must be a positive multiple of 32, got {bm}")
@@ -512,7 +559,7 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
         HKV, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, float(softmax_scale), int(offset),
         int(right_bound) if has_rb else 0,
         HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=PARTITION_WARPS)
+        PRODUCER_REGS=PRODUCER_REGS, DEFER=defer, num_warps=PARTITION_WARPS)
 
 
 #: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
@@ -522,24 +569,26 @@ DIVISIBLE_INTS = ("skb", "skh", "sks", "sksb", "sksh", "svb", "svh", "svs", "svs
 
 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
-                 dk_dtype: str = "bf16", unit_stats: bool = True, block_m: Optional[int] = None):
+                 dk_dtype: str = "bf16", unit_stats: bool = True, block_m: Optional[int] = None,
+                 defer: Optional[bool] = None):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
     `gluon_attention_fwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
     call)."""
     fn = _gluon_dkdv_kernel
     ns = stages if stages is not None else STAGES[d]
     bm = BLOCK_M[d] if block_m is None else block_m
+    defer = DEFER_WAITS[d] if defer is None else defer
     layout = tma_layout(d, bm)
     desc = f"tensordesc<bf16[1, 1, {bm}, {d}],{layout!r}>"
     types = dict(qr_desc=desc, qc_desc=desc, dor_desc=desc, doc_desc=desc, K="*fp8e4nv", KS="*u8", V="*fp8e4nv",
                  VS="*u8", LSE="*fp32", DELTA="*fp32", DK=f"*{dk_dtype}", DV=f"*{dk_dtype}", qk_scale="fp32",
                  sm_scale="fp32")
     constexprs = dict(HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=d, NS=ns, CONSUMER_REGS=regs[0],
-                      PRODUCER_REGS=regs[1])
+                      PRODUCER_REGS=regs[1], DEFER=defer)
     if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
         constexprs["sls"] = 1
     return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 
 __all__ = ["dkdv_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "MIN_QUERY_ROWS", "BLOCK_M", "BLOCK_N",
-           "STAGES"]
+           "STAGES", "DEFER_WAITS"]

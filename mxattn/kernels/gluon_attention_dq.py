@@ -79,6 +79,11 @@ MIN_KEYS = {64: 2048, 128: 512}
 #: stages of the KV ring by head dim: a stage holds three bf16 [BLOCK_N, D] tiles (48 KiB at D128 and D64) next
 #: to the CTA's bf16 Q and dO (D128: 64 KiB, D64: 32 KiB)
 STAGES = {64: 3, 128: 3}
+#: software-pipelined dQ (`_kv_step`'s DEFER): KV block t's dQ GEMM is issued in step t + 1 after its S and dP and
+#: runs under the softmax and dS, stage t released at the end of step t + 1 (needs two stages or more); the dQ
+#: accumulator gets the same GEMMs in the same order, so dQ is the same bits. By head dim: at D64 (KV blocks of
+#: 128 keys: S, dP and the carried dS take 160 registers a thread) ptxas serialises the wgmmas (C7512), so off
+DEFER_WAITS = {64: False, 128: True}
 
 
 # --------------------------------------------------------------------------- partitions
@@ -124,16 +129,27 @@ def _producer(q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc,
 
 
 @gluon.jit
-def _kv_step(t, dq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale, sm_scale, offset,
-             RB, s_zero, MASK: gl.constexpr, HAS_RB: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-             NS: gl.constexpr, a_op: gl.constexpr):
+def _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale, sm_scale,
+             offset, RB, s_zero, MASK: gl.constexpr, HAS_RB: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+             NS: gl.constexpr, a_op: gl.constexpr, DEFER: gl.constexpr):
     """KV block t (keys [t * BN, + BN)) of a consumer warpgroup: `_dq_block`'s arithmetic on its 64 query rows
-    (qw, dow: its Q / dO rows in shared memory) -> dq."""
+    (qw, dow: its Q / dO rows in shared memory) -> (dq, dsq). DEFER (software-pipelined dQ, as the dK/dV kernel's
+    dK): dsq is block t - 1's quantized dS, whose dQ GEMM is issued right after this block's S and dP (t = 0:
+    zeros, exact zeros added) and runs under the softmax and dS; waited for before the step ends, then stage
+    (t - 1) % NS released; this block's dS is returned (`_dq_tail` issues the last one). Else the block's dQ GEMM
+    is issued and waited for here and stage t % NS released at the end."""
     s = t % NS
     mbarrier.wait(ready.index(s), (t // NS) & 1)
     k_t = kr.index(s).reshape([BN, D]).permute((1, 0))
     v_t = vr.index(s).reshape([BN, D]).permute((1, 0))
-    st, dp_tok = issue_s_dp(qw, k_t, dow, v_t, s_zero)
+    if DEFER:
+        sp = gl.where(t > 0, t + NS - 1, t) % NS  # block t - 1's stage (block 0's at t = 0: finite values)
+        s_tok = warpgroup_mma(qw, k_t, gl.zeros_like(s_zero), use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(dow, v_t, gl.zeros_like(s_zero), use_acc=False, is_async=True)
+        dq = warpgroup_mma(dsq, kc.index(sp).reshape([BN, D]), dq, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok, ))  # in flight: dP(t), dQ(t - 1)
+    else:
+        st, dp_tok = issue_s_dp(qw, k_t, dow, v_t, s_zero)
     p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 1))  # P [queries, keys]
     if MASK:
         cols = t * BN + cols0
@@ -141,12 +157,32 @@ def _kv_step(t, dq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, 
         if HAS_RB:
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + offset + RB)
         p = gl.where(keep, p, 0.0)
-    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+    if DEFER:
+        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, ))  # dQ(t - 1) runs on under dS
+    else:
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     ds = p * (dp - gl.expand_dims(delta, 1)) * sm_scale
-    dsq = gl.convert_layout(_qdq_cols32(ds, BN), a_op)  # blocks of 32 along the keys
-    dq_tok = warpgroup_mma(dsq, kc.index(s).reshape([BN, D]), dq, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ))
-    release(empty, s)
+    ds_a = gl.convert_layout(_qdq_cols32(ds, BN), a_op)  # blocks of 32 along the keys
+    if DEFER:
+        dq, dsq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dsq))
+        if t > 0:
+            release(empty, sp)
+        dsq = ds_a
+    else:
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(ds_a, kc.index(s).reshape([BN, D]), dq,
+                                                                       is_async=True), ))
+        release(empty, s)
+    return dq, dsq
+
+
+@gluon.jit
+def _dq_tail(t, dq, dsq, kc, empty, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr):
+    """DEFER, after a consumer's last KV block (t blocks visited): that block's dQ GEMM, then its stage."""
+    if t > 0:
+        sp = (t - 1) % NS
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(dsq, kc.index(sp).reshape([BN, D]), dq,
+                                                                       is_async=True), ))
+        release(empty, sp)
     return dq
 
 
@@ -154,7 +190,7 @@ def _kv_step(t, dq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, 
 def _consumer(LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
               slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-              WG: gl.constexpr):
+              WG: gl.constexpr, DEFER: gl.constexpr):
     """Consumer warpgroup WG: query rows [tile * BM + 64 WG, + 64) of the CTA's head; the CTA's KV blocks
     (`_kv_step`, unmasked ones first), dQ accumulated in registers and stored at the end."""
     nw: gl.constexpr = gl.num_warps()
@@ -182,12 +218,15 @@ def _consumer(LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
     qw = q_s.index(WG).reshape([BMW, D])
     dow = do_s.index(WG).reshape([BMW, D])
     mbarrier.wait(q_ready, 0)
+    dsq = gl.zeros([BMW, BN], gl.bfloat16, a_op)  # DEFER: the previous block's dS (none yet: zeros)
     for t in range(0, n_full):
-        dq = _kv_step(t, dq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale, sm_scale,
-                      offset, RB, s_zero, False, HAS_RB, BN, D, NS, a_op)
+        dq, dsq = _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale,
+                           sm_scale, offset, RB, s_zero, False, HAS_RB, BN, D, NS, a_op, DEFER)
     for t in range(n_full, n_blk):
-        dq = _kv_step(t, dq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale, sm_scale,
-                      offset, RB, s_zero, True, HAS_RB, BN, D, NS, a_op)
+        dq, dsq = _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale,
+                           sm_scale, offset, RB, s_zero, True, HAS_RB, BN, D, NS, a_op, DEFER)
+    if DEFER:
+        dq = _dq_tail(n_blk, dq, dsq, kc, empty, BN, D, NS)
 
     rows_o = m_cta + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, a_layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, a_layout))
@@ -202,7 +241,7 @@ def _gluon_dq_kernel(
         slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs,
         HQ, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEFER: gl.constexpr):
     """Grid (cdiv(SQ, BM), B * HQ), 4 warps per partition. q_desc, do_desc: TMA descriptors of the bf16 scratch
     [B, HQ, SQ, D] (Q and dO row-wise; block [1, 1, BM / 2, D]); kr_desc, vr_desc, kc_desc: of the bf16 scratch
     [B, HKV, SKV, D] (K row-wise, V row-wise, K column-wise; block [1, 1, BN, D]); LSE [B, HQ, SQ, 1] fp32
@@ -225,10 +264,10 @@ def _gluon_dq_kernel(
     gl.warp_specialize([
         (_consumer, (LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
                      slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
-                     HAS_RB, BM, BN, D, NS, WG0)),
+                     HAS_RB, BM, BN, D, NS, WG0, DEFER)),
         (_consumer, (LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
                      slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
-                     HAS_RB, BM, BN, D, NS, WG1)),
+                     HAS_RB, BM, BN, D, NS, WG1, DEFER)),
         (_producer, (q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
                      HQ, GROUP, SQ, SKV, offset, RB, HAS_RB, BM, BN, D, NS)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -275,13 +314,16 @@ def takes(q_r, k_r, k_c, v_r, do_r, right_bound=None, **kwargs) -> bool:
 
 def dq_gluon(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, *, softmax_scale: float, offset: int, left_bound=None,
              right_bound=None, seq=None, bottom_right: bool = False, flags: KernelRecipe = DEFAULT_FLAGS,
-             stages: Optional[int] = None, checked: bool = False) -> None:
+             stages: Optional[int] = None, defer: Optional[bool] = None, block_n: Optional[int] = None,
+             checked: bool = False) -> None:
     """The dQ pass of the "pre" backward for one chunk of heads: the tensors `triton_attention_bwd._launch_dq`
     takes in mode "pre", in its order (q_r, do_r [B, Hc, SQ, D] the chunk's bf16 scratch from `bwd_prep`; k_r,
     k_c, v_r [B, Hkv_c, SKV, D] the chunk's bf16 scratch from `kv_prep`; stats [B, Hc, SQ, 1] fp32 and delta
     [B, Hc, SQ] fp32 (unit stride along SQ) the chunk's slices; dq [B, Hc, SQ, D] with unit stride along D, e.g.
     a head slice of the full dQ) and attention_bwd's mask arguments; writes dq. stages: ring stages override
-    (>= 1). Raises ValueError for what it does not take (`unsupported_reason`)."""
+    (>= 1, >= 2 with deferred waits); defer: the software-pipelined dQ GEMM on or off (A/B runs; DEFER_WAITS[D]
+    by default, same bits); block_n: keys per KV block override (a multiple of 32; sweeps, BLOCK_N[D] by
+    default). Raises ValueError for what it does not take (`unsupported_reason`)."""
     reason = None if checked else unsupported_reason(q_r, k_r, k_c, v_r, do_r, left_bound=left_bound, seq=seq,
                                                      bottom_right=bottom_right, flags=flags)
     if reason is not None:
@@ -300,8 +342,11 @@ def dq_gluon(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, *, softmax_scale: float
     if dq.numel() == 0 or SKV == 0:  # no key: zero gradient (TMA cannot describe an empty tensor)
         dq.zero_()
         return
-    ns = ring_stages(stages, STAGES[D])
-    bn = BLOCK_N[D]
+    defer = DEFER_WAITS[D] if defer is None else bool(defer)
+    ns = ring_stages(stages, STAGES[D], defer)
+    bn = BLOCK_N[D] if block_n is None else int(block_n)
+    if bn < 32 or bn % 32:
+        raise ValueError(f"block_n must be a positive multiple of 32, got {bn}")
     q_layout, kv_layout = tma_layout(BLOCK_M // 2, D), tma_layout(bn, D)
     descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M // 2, D], q_layout)
              for t in (q_r, do_r)]
@@ -313,7 +358,7 @@ def dq_gluon(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, *, softmax_scale: float
         HQ, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, float(softmax_scale), int(offset),
         int(right_bound) if has_rb else 0,
         HAS_RB=has_rb, BM=BLOCK_M, BN=bn, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=PARTITION_WARPS)
+        DEFER=defer, num_warps=PARTITION_WARPS)
 
 
 #: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
@@ -322,21 +367,24 @@ DIVISIBLE_INTS = ("slb", "slh", "sdelb", "sdelh", "sdqb", "sdqh", "sdqs", "SQ", 
 
 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
-                 dq_dtype: str = "bf16", unit_stats: bool = True, block_n: Optional[int] = None):
+                 dq_dtype: str = "bf16", unit_stats: bool = True, block_n: Optional[int] = None,
+                 defer: Optional[bool] = None):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
     `gluon_attention_bwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
     call). block_n: KV block override (offline sweeps; dq_gluon runs BLOCK_N[d])."""
     ns = stages if stages is not None else STAGES[d]
     bn = BLOCK_N[d] if block_n is None else block_n
+    defer = DEFER_WAITS[d] if defer is None else defer
     q_desc = f"tensordesc<bf16[1, 1, {BLOCK_M // 2}, {d}],{tma_layout(BLOCK_M // 2, d)!r}>"
     kv_desc = f"tensordesc<bf16[1, 1, {bn}, {d}],{tma_layout(bn, d)!r}>"
     types = dict(q_desc=q_desc, do_desc=q_desc, kr_desc=kv_desc, vr_desc=kv_desc, kc_desc=kv_desc, LSE="*fp32",
                  DELTA="*fp32", DQ=f"*{dq_dtype}", qk_scale="fp32", sm_scale="fp32")
-    constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=bn, D=d, NS=ns, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1])
+    constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=bn, D=d, NS=ns, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1],
+                      DEFER=defer)
     if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
         constexprs["sls"] = 1
     return compile_gluon_sm90(_gluon_dq_kernel, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 
 __all__ = ["dq_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "MIN_KEYS", "BLOCK_M", "BLOCK_N",
-           "STAGES"]
+           "STAGES", "DEFER_WAITS"]

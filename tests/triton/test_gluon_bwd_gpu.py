@@ -142,8 +142,9 @@ def test_gluon_dkdv_matches_triton_dkdv(case, D, heads):
 @pytest.mark.parametrize("D", [64, 128])
 def test_gluon_dkdv_head_chunk_views_and_stages(D):
     """A chunk of KV heads as attention_bwd passes it (head slices of K / V / dK / dV, the chunk's stats and
-    delta slices, scratch of the chunk's query heads) gives the Triton kernel's numbers; every ring depth gives
-    the same bits (the protocol, not the numbers, changes with it)."""
+    delta slices, scratch of the chunk's query heads) gives the Triton kernel's numbers; every ring depth, with
+    and without the software-pipelined dK GEMM, gives the same bits (the schedule, not the numbers, changes).
+    One stage with the pipelined dK is refused (it would deadlock: a step holds the previous block's stage)."""
     if not _is_hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
     from mxattn.kernels import gluon_attention_bwd as gb
@@ -159,10 +160,11 @@ def test_gluon_dkdv_head_chunk_views_and_stages(D):
     dk_ref, dv_ref = (torch.zeros(B, HKV, SKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     _triton_dkdv(*chunk, dk_ref[:, h0:h1], dv_ref[:, h0:h1], scale, 0, 0)
     results = []
-    for stages in (None, 1, 2, 3):
+    # (ring depth, software-pipelined dK GEMM): one ring stage only without it (its stage is held a step longer)
+    for stages, defer in ((None, None), (1, False), (2, True), (3, True), (3, False), (None, not gb.DEFER_WAITS[D])):
         dk, dv = (torch.zeros(B, HKV, SKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         gb.dkdv_gluon(*chunk, dk[:, h0:h1], dv[:, h0:h1], softmax_scale=scale, offset=0, right_bound=0,
-                      stages=stages)
+                      stages=stages, defer=defer)
         torch.cuda.synchronize()
         assert (dk[:, :h0] == 0).all() and (dk[:, h1:] == 0).all() and (dv[:, h1:] == 0).all()
         results.append((dk, dv))
@@ -170,6 +172,9 @@ def test_gluon_dkdv_head_chunk_views_and_stages(D):
     _assert_like_triton(results[0][0][:, h0:h1], dk_ref[:, h0:h1], "dK")
     for dk, dv in results[1:]:
         assert torch.equal(dk, results[0][0]) and torch.equal(dv, results[0][1])
+    with pytest.raises(ValueError, match="stages must be >= 2 with deferred GEMM waits"):
+        gb.dkdv_gluon(*chunk, dk[:, h0:h1], dv[:, h0:h1], softmax_scale=scale, offset=0, right_bound=0, stages=1,
+                      defer=True)
 
 
 @pytest.mark.gpu
@@ -310,5 +315,9 @@ def compile_or_skip(module: str, d, causal):
 def test_gluon_dkdv_compiles_for_sm90a_without_spills(d, causal):
     """The warp-specialised kernel builds for sm_90a with Triton's ptxas: no local memory (spills), the
     producer/consumer register split (setmaxnreg), wgmma (A from shared memory for S^T / dP^T, from registers for
-    dV / dK), 4-D TMA loads, within the H100's shared memory."""
-    _assert_sm90_build(compile_or_skip("gluon_attention_bwd", d, causal))
+    dV / dK), 4-D TMA loads, within the H100's shared memory, wgmmas left asynchronous by ptxas; where
+    DEFER_WAITS is on, the dK GEMM is software-pipelined (waits that leave two GEMMs in flight)."""
+    from mxattn.kernels import gluon_attention_bwd as gb
+    kernel = compile_or_skip("gluon_attention_bwd", d, causal)
+    _assert_sm90_build(kernel)
+    assert ("wgmma.wait_group.sync.aligned 2;" in kernel.asm["ptx"]) == gb.DEFER_WAITS[d]

@@ -61,8 +61,11 @@ def producer_blocks(n0, SQ, SKV, offset, RB, has_rb, BM, BN):
     return [lo + i * BM for i in range(n_blk)]
 
 
-def _simulate(blocks, group, NS, seed):
-    """blocks: the m0 of one head's visited query blocks; the CTA walks them for `group` query heads."""
+def _simulate(blocks, group, NS, seed, deferred=False):
+    """blocks: the m0 of one head's visited query blocks; the CTA walks them for `group` query heads. deferred:
+    the consumers' software-pipelined last GEMM (DEFER): step t reads stage t % NS and the previous block's
+    stage (its dK / dQ GEMM issued there) and releases the previous one at its end; the last block's stage is
+    read and released after the walk."""
     rng = random.Random(seed)
     n_blk = len(blocks)
     ready = [_Bar(1) for _ in range(NS)]
@@ -86,18 +89,31 @@ def _simulate(blocks, group, NS, seed):
 
     def consumer(wg):
         t = 0
+        prev = None  # deferred: (stage, block) of the previous block, still read by its last GEMM
         for g in range(group):
             for m0 in blocks:
                 s = t % NS
                 yield ready[s], (t // NS) & 1
                 assert holds[s] == (g, m0), f"wg {wg} wants {(g, m0)} in stage {s}, which holds {holds[s]}"
                 readers[s].add(wg)
-                yield None  # the GEMMs read the stage
+                yield None  # the GEMMs read the stage (and, deferred, the previous block's)
                 assert holds[s] == (g, m0)
-                readers[s].discard(wg)
+                if deferred:
+                    if prev is not None:
+                        assert holds[prev[0]] == prev[1]
+                        readers[prev[0]].discard(wg)
+                        empty[prev[0]].arrive()
+                    prev = (s, (g, m0))
+                else:
+                    readers[s].discard(wg)
+                    empty[s].arrive()
                 consumed[wg].append((g, m0))
-                empty[s].arrive()
                 t += 1
+        if prev is not None:  # the last block's GEMM after the walk, then its stage
+            yield None
+            assert holds[prev[0]] == prev[1]
+            readers[prev[0]].discard(wg)
+            empty[prev[0]].arrive()
 
     agents = {"p": producer(), 0: consumer(0), 1: consumer(1)}
     waiting = {k: None for k in agents}
@@ -129,12 +145,26 @@ def _simulate(blocks, group, NS, seed):
     assert consumed[0] == want and consumed[1] == want
 
 
-@pytest.mark.parametrize("NS", [1, 2, 3, 4])
+@pytest.mark.parametrize("NS,deferred", [(ns, d) for d in (False, True) for ns in (1, 2, 3, 4) if ns > 1 or not d],
+                         ids=lambda x: str(x) if isinstance(x, int) else ("deferred" if x else "waited"))
 @pytest.mark.parametrize("n_blk", [0, 1, 2, 5, 9])
 @pytest.mark.parametrize("group", [1, 3])
-def test_rings_never_deadlock_or_race(NS, n_blk, group):
+def test_rings_never_deadlock_or_race(NS, n_blk, group, deferred):
+    """No deadlock or race at any ring depth (one stage only without deferred GEMMs:
+    test_one_stage_with_deferred_gemms_deadlocks)."""
     for seed in range(20):
-        _simulate([64 * i for i in range(n_blk)], group, NS, seed)
+        _simulate([64 * i for i in range(n_blk)], group, NS, seed, deferred)
+
+
+def test_one_stage_with_deferred_gemms_deadlocks():
+    """Why dkdv_gluon / dq_gluon refuse stages=1 with defer on (`ring_stages`): the second block's stage is the
+    first's, which the consumers release only after the second block is in."""
+    with pytest.raises(AssertionError, match="deadlock"):
+        _simulate([0, 64], 1, 1, 0, deferred=True)
+    from mxattn.kernels.gluon_attention_bwd import ring_stages
+    with pytest.raises(ValueError, match="stages must be >= 2"):
+        ring_stages(1, 4, defer=True)
+    assert ring_stages(1, 4) == 1 and ring_stages(2, 4, defer=True) == 2 and ring_stages(None, 3, True) == 3
 
 
 CASES = [(sq, skv, off, rb, has_rb, bm)

@@ -60,7 +60,8 @@ def test_gluon_dq_matches_triton_dq(case, D, heads):
 def test_gluon_dq_head_chunk_views_and_stages(D):
     """A chunk of heads as attention_bwd passes it (scratch of the chunk's query heads from the prep pass and of
     its KV heads from `kv_prep(.., h0, h1, ..)`, the chunk's stats and delta slices, a head slice of dQ) gives the
-    Triton kernel's numbers and leaves the other heads' dQ alone; every ring depth gives the same bits."""
+    Triton kernel's numbers and leaves the other heads' dQ alone; every ring depth, with and without the
+    software-pipelined dQ GEMM, gives the same bits; other KV block sizes the Triton kernel's numbers."""
     if not _is_hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
     from mxattn.kernels import gluon_attention_dq as gd
@@ -78,15 +79,27 @@ def test_gluon_dq_head_chunk_views_and_stages(D):
     dq_ref = torch.zeros(B, HQ, SQ, D, device="cuda", dtype=torch.bfloat16)
     _triton_dq(*chunk, dq_ref[:, q0:q1], scale, 0, 0)
     results = []
-    for stages in (None, 1, 2) + ((4,) if D == 64 else ()):  # (4 stages of D128 tiles exceed shared memory)
+    # (ring depth, software-pipelined dQ GEMM): one stage only without it; 4 stages of D128 tiles exceed shared
+    # memory; at D64 the pipelined dQ runs with 64-key blocks (128: ptxas serialises its wgmmas)
+    runs = [(None, None), (1, False), (2, not gd.DEFER_WAITS[D]), (3, False)] + ([(4, False)] if D == 64 else [])
+    for stages, defer in runs:
         dq = torch.zeros(B, HQ, SQ, D, device="cuda", dtype=torch.bfloat16)
-        gd.dq_gluon(*chunk, dq[:, q0:q1], softmax_scale=scale, offset=0, right_bound=0, stages=stages)
+        gd.dq_gluon(*chunk, dq[:, q0:q1], softmax_scale=scale, offset=0, right_bound=0, stages=stages,
+                    defer=defer)
         torch.cuda.synchronize()
         assert (dq[:, :q0] == 0).all() and (dq[:, q1:] == 0).all()
         results.append(dq)
     _assert_like_triton(results[0][:, q0:q1], dq_ref[:, q0:q1], "dQ")
     for dq in results[1:]:
         assert torch.equal(dq, results[0])
+    for block_n, defer in ((64, True), (64, False)) if D == 64 else ((32, True), (32, False)):
+        dq = torch.zeros(B, HQ, SQ, D, device="cuda", dtype=torch.bfloat16)
+        gd.dq_gluon(*chunk, dq[:, q0:q1], softmax_scale=scale, offset=0, right_bound=0, defer=defer,
+                    block_n=block_n)
+        torch.cuda.synchronize()
+        _assert_like_triton(dq[:, q0:q1], dq_ref[:, q0:q1], f"dQ (block_n {block_n})")
+    with pytest.raises(ValueError, match="stages must be >= 2 with deferred GEMM waits"):
+        gd.dq_gluon(*chunk, dq[:, q0:q1], softmax_scale=scale, offset=0, right_bound=0, stages=1, defer=True)
 
 
 # --------------------------------------------------------------------------- CPU
@@ -175,5 +188,9 @@ def test_gluon_dq_takes_the_triton_launchs_arguments():
 def test_gluon_dq_compiles_for_sm90a_without_spills(d, causal):
     """The warp-specialised kernel builds for sm_90a with Triton's ptxas: no local memory (spills), the
     producer/consumer register split (setmaxnreg), wgmma (A from shared memory for S / dP, from registers for
-    dQ), 4-D TMA loads, within the H100's shared memory."""
-    _assert_sm90_build(compile_or_skip("gluon_attention_dq", d, causal))
+    dQ), 4-D TMA loads, within the H100's shared memory, wgmmas left asynchronous by ptxas; where DEFER_WAITS is
+    on, the dQ GEMM is software-pipelined (waits that leave two GEMMs in flight)."""
+    from mxattn.kernels import gluon_attention_dq as gd
+    kernel = compile_or_skip("gluon_attention_dq", d, causal)
+    _assert_sm90_build(kernel)
+    assert ("wgmma.wait_group.sync.aligned 2;" in kernel.asm["ptx"]) == gd.DEFER_WAITS[d]

@@ -44,11 +44,13 @@ def triton_walk(m0, SKV, offset, RB, has_rb, BN):
     return triton_blocks(m0, BM, SKV, offset, RB if has_rb else None, BN)
 
 
-@pytest.mark.parametrize("NS", [1, 2, 3, 4])
+@pytest.mark.parametrize("NS,deferred", [(ns, d) for d in (False, True) for ns in (1, 2, 3, 4) if ns > 1 or not d],
+                         ids=lambda x: str(x) if isinstance(x, int) else ("deferred" if x else "waited"))
 @pytest.mark.parametrize("n_blk", [0, 1, 2, 5, 9])
-def test_ring_never_deadlocks_or_races(NS, n_blk):
+def test_ring_never_deadlocks_or_races(NS, n_blk, deferred):
+    """No deadlock or race at any ring depth (one stage only without deferred GEMMs: test_gluon_bwd_protocol)."""
     for seed in range(20):
-        _simulate(list(range(n_blk)), 1, NS, seed)
+        _simulate(list(range(n_blk)), 1, NS, seed, deferred)
 
 
 CASES = [(sq, skv, off, rb, has_rb)

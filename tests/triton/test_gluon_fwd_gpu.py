@@ -324,7 +324,8 @@ def _compile_or_skip(d, causal, pingpong, has_lb=False, has_sink=False, kv_bf16=
 
 def _assert_sm90_build(kernel):
     """An sm_90a build (CompiledKernel) of a warp-specialised Gluon kernel: wgmma, 4-D TMA loads and setmaxnreg in
-    its PTX, within the H100's shared memory, and no local memory (spills) in its cubin (Triton's cuobjdump)."""
+    its PTX, within the H100's shared memory, no local memory (spills) in its cubin (Triton's cuobjdump), and no
+    wgmma serialisation by ptxas."""
     import os
     import subprocess
     import tempfile
@@ -344,6 +345,15 @@ def _assert_sm90_build(kernel):
                               check=True).stdout
     assert "LOCAL:0" in usage and "STACK:0" in usage, usage
     assert "STL" not in sass and "LDL" not in sass
+    # ptxas keeps the wgmmas asynchronous (no C7512 "wgmma.mma_async instructions are serialized" for lack of
+    # registers, which would wait for every GEMM as it is issued)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", path, "-o",
+                              os.path.join(tmp, "k.cubin")], capture_output=True, text=True, check=True).stderr
+    assert "C7512" not in log and "serialized" not in log, log
 
 
 @pytest.mark.parametrize("d,causal,pingpong,has_lb,has_sink,kv_bf16", [
