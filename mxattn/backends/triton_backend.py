@@ -129,8 +129,10 @@ def forward_kernel(q_data, q_scale, k_data, k_scale, v, *, out: torch.Tensor, si
 GLUON_FORWARD = os.environ.get("MXATTN_GLUON_FWD", "1") != "0"
 #: the Gluon warp-specialised dK/dV kernel (`mxattn.kernels.gluon_attention_bwd`, issue 24) runs the bf16-scratch
 #: backward's dK/dV pass on Hopper where it takes the chunk and is the faster kernel (`takes`: default recipe,
-#: dense batches, no mask or a causal-style band, head dim 128): 0.74-0.86x the Triton kernel's time, dK and dV
-#: bit-equal (H100, benchmarks/results/nvidia-h100-80gb-hbm3/session29/); likewise its Gluon dQ kernel
+#: dense batches, no mask or a causal-style band, head dim 128, or 64 with GQA): 0.74-0.86x the Triton kernel's
+#: time (H100, benchmarks/results/nvidia-h100-80gb-hbm3/session29/), with its software-pipelined dK 0.75-0.83x
+#: at D128 and 0.60-0.89x at D64 GQA causal (H200, benchmarks/results/nvidia-h200/session35/), dK and dV
+#: bit-equal; likewise its Gluon dQ kernel
 #: (`mxattn.kernels.gluon_attention_dq`: the same refusals, head dims 64 and 128): 0.82-0.86x the Triton dQ
 #: kernel's time at D128, 0.95x at D64, dQ bit-equal (H100, session29/call9_dq_branch/dq_bench.txt there).
 #: MXATTN_GLUON_BWD=0 in the environment keeps the Triton kernels for both passes.

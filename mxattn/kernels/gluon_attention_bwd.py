@@ -74,18 +74,28 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 #: software-pipelined dK (`_q_step`'s DEFER): query block t's dK GEMM is issued in step t + 1 after its S^T and dP^T,
 #: and runs with the dV GEMM under the softmax and dS, stage t released at the end of step t + 1 (needs two stages
 #: or more); each accumulator gets the same GEMMs in the same order, so dK and dV are the same bits. By head dim
-#: (no wgmma serialisation by ptxas at either: checked offline, tests/triton/test_gluon_bwd_gpu.py)
+#: (no wgmma serialisation by ptxas at either: checked offline, tests/triton/test_gluon_bwd_gpu.py). Measured on
+#: an H200 (session 35, gluon_bwd_bench.py --variant waited:defer=0 --variant pipelined:defer=1, interleaved, same
+#: bits): D128 0.85 of the waited kernel's time (B2 H16 S4096 dense; B8 H16 S1024 0.86), causal 0.97, GQA causal
+#: S8192 0.99; D64 0.98-1.01
 DEFER_WAITS = {64: True, 128: True}
-#: head dims where the backward runs this kernel rather than the Triton one (`takes`): measured on an H100
-#: (session 29, gluon_bwd_bench.py at the bench's default configs, same inputs, dK/dV bit-equal): D128
-#: 0.76-0.86x the Triton kernel's time; D64 (64-row query blocks) 1.09x, so the Triton kernel keeps D64
-FASTER_HEAD_DIMS = (128,)
+#: head dims where the backward may run this kernel rather than the Triton one (`takes`, with MIN_GROUP and
+#: MIN_QUERY_ROWS): measured on an H100 (session 29, gluon_bwd_bench.py at the bench's default configs, same
+#: inputs, dK/dV bit-equal): D128 0.76-0.86x the Triton kernel's time; D64 by MIN_GROUP
+FASTER_HEAD_DIMS = (64, 128)
+#: per head dim, the fewest query heads per KV head for this kernel to beat the Triton one: its CTA walks the
+#: group's query heads over one K / V tile dequantized once. Measured on an H200 with the pipelined dK (session
+#: 35, gluon_bwd_bench.py, gluon / triton kernel time; benchmarks/results/nvidia-h200/session35/): D64 MHA
+#: 1.03-1.18 (S512-4096, dense and causal), D64 GQA 0.60-1.00 (group 2 causal S1024 0.89, dense 0.96-1.00;
+#: group 4 causal S512 0.82, S1024 0.62, dense S2048 0.99; group 8 causal S1024 0.60); D128 MHA wins already
+MIN_GROUP = {64: 2, 128: 1}
 #: per head dim, the fewest query rows a KV block must stream (the query length times the queries per KV head,
 #: half of it under a causal band) for this kernel to beat the Triton one. Measured on an H200 (session 31,
 #: gluon_bwd_bench.py, gluon / triton kernel time; benchmarks/results/nvidia-h200/session31/dkdv_bench.txt): D128
 #: causal S512 (256 rows) 1.33, dense S512 and causal S1024 (512) 1.00-1.01, dense S1024 0.90, causal S1024 GQA
-#: 16:4 (2048) 0.67
-MIN_QUERY_ROWS = {128: 512}
+#: 16:4 (2048) 0.67; with the pipelined dK (session 35) causal S512 1.41, dense S512 0.93, causal S1024 1.01.
+#: D64 (GQA): measured from 1024 rows (group 4 causal S512, group 2 dense S512 0.96), so from there
+MIN_QUERY_ROWS = {64: 1024, 128: 512}
 
 LOG2E = 1.4426950408889634
 LOG2E_K = gl.constexpr(LOG2E)
@@ -492,16 +502,18 @@ def unsupported_reason(q_r, k_row, v_row, *, left_bound=None, seq=None, bottom_r
 
 def takes(q_r, k_row, v_row, right_bound=None, **kwargs) -> bool:
     """Whether `attention_bwd` runs this kernel for a chunk: it takes the call (`unsupported_reason`, same
-    arguments) at a head dim where it is the faster kernel (FASTER_HEAD_DIMS) with query rows enough to repay
-    its set-up (MIN_QUERY_ROWS: query length times queries per KV head, halved under a causal band, i.e.
-    right_bound not None)."""
+    arguments) at a head dim where it is the faster kernel (FASTER_HEAD_DIMS) with query heads per KV head
+    (MIN_GROUP) and query rows (MIN_QUERY_ROWS: query length times queries per KV head, halved under a causal
+    band, i.e. right_bound not None) enough to repay its set-up."""
     d = q_r.shape[3]
     if d not in FASTER_HEAD_DIMS:
         return False
     hkv = getattr(getattr(k_row, "data", None), "shape", (0, 0))[1]
-    rows = q_r.shape[2] * (q_r.shape[1] // hkv if hkv else 1)
+    group = q_r.shape[1] // hkv if hkv else 1
+    rows = q_r.shape[2] * group
     rows = rows if right_bound is None else rows // 2
-    return rows >= MIN_QUERY_ROWS[d] and unsupported_reason(q_r, k_row, v_row, **kwargs) is None
+    return (group >= MIN_GROUP[d] and rows >= MIN_QUERY_ROWS[d]
+            and unsupported_reason(q_r, k_row, v_row, **kwargs) is None)
 
 
 def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, softmax_scale: float, offset: int,
@@ -590,5 +602,5 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
     return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 
-__all__ = ["dkdv_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "MIN_QUERY_ROWS", "BLOCK_M", "BLOCK_N",
-           "STAGES", "DEFER_WAITS"]
+__all__ = ["dkdv_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "MIN_GROUP",
+           "MIN_QUERY_ROWS", "BLOCK_M", "BLOCK_N", "STAGES", "DEFER_WAITS"]

@@ -81,9 +81,12 @@ MIN_KEYS = {64: 2048, 128: 512}
 STAGES = {64: 3, 128: 3}
 #: software-pipelined dQ (`_kv_step`'s DEFER): KV block t's dQ GEMM is issued in step t + 1 after its S and dP and
 #: runs under the softmax and dS, stage t released at the end of step t + 1 (needs two stages or more); the dQ
-#: accumulator gets the same GEMMs in the same order, so dQ is the same bits. By head dim: at D64 (KV blocks of
-#: 128 keys: S, dP and the carried dS take 160 registers a thread) ptxas serialises the wgmmas (C7512), so off
-DEFER_WAITS = {64: False, 128: True}
+#: accumulator gets the same GEMMs in the same order, so dQ is the same bits. Off by default: measured on an H200
+#: (session 35, gluon_bwd_bench.py --dq, interleaved with the waited kernel) it is slower at D128, 1.03-1.08x the
+#: waited kernel's time (the dK/dV kernel's pipelined dK gains: its GEMMs are smaller next to the softmax); at D64
+#: (KV blocks of 128 keys: S, dP and the carried dS take 160 registers a thread) ptxas serialises the wgmmas
+#: (C7512), and with 64-key blocks it is 1.06x. Kept as a launch option for such sweeps (`defer`)
+DEFER_WAITS = {64: False, 128: False}
 
 
 # --------------------------------------------------------------------------- partitions

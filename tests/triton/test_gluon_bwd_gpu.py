@@ -181,8 +181,8 @@ def test_gluon_dkdv_head_chunk_views_and_stages(D):
 @pytest.mark.parametrize("case, D", [("causal_gqa", 128), ("no_mask_mha", 128), ("sink_causal", 128),
                                      ("bottom_right_cross", 128), ("causal_gqa", 64), ("bottom_right_cross", 64)])
 def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypatch, case, D):
-    """The public backward on Hopper runs the Gluon dK/dV kernel at head dim 128 and the Gluon dQ kernel at head
-    dims 64 and 128 (`attention_bwd`'s gluon_dkdv / gluon_dq, asked per chunk) and gives the gradients of the
+    """The public backward on Hopper runs the Gluon dK/dV kernel at head dim 128 (and 64 with GQA) and the Gluon
+    dQ kernel at head dims 64 and 128 (`attention_bwd`'s gluon_dkdv / gluon_dq, asked per chunk) and gives the gradients of the
     Triton kernels (MXATTN_GLUON_BWD=0's path) bit for bit. Inputs as views (bshd from a fused QKV)."""
     if not _is_hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
@@ -194,7 +194,7 @@ def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypa
     _fresh_plan_caches(monkeypatch)  # no replays of earlier tests' recordings: each path runs its body
     monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
     monkeypatch.setattr(gd, "MIN_KEYS", {64: 0, 128: 0})  # (700 keys: below the D64 minimum; the kernel runs here)
-    monkeypatch.setattr(gb, "MIN_QUERY_ROWS", {128: 0})
+    monkeypatch.setattr(gb, "MIN_QUERY_ROWS", {64: 0, 128: 0})
     HQ, HKV = (8, 2) if case == "causal_gqa" else (4, 4)
     B, S = 2, 700
     g = torch.Generator(device="cuda").manual_seed(7 + D)
@@ -219,7 +219,7 @@ def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypa
         mxattn.mxfp8_attention(q, kq, vq, **kwargs).backward(do)
         runs.append(x.grad)
         if on:
-            assert bool(calls["dkdv"]) == (D in gb.FASTER_HEAD_DIMS), "the Gluon dK/dV kernel's runs"
+            assert bool(calls["dkdv"]) == (HQ // HKV >= gb.MIN_GROUP[D]), "the Gluon dK/dV kernel's runs"
             assert calls["dq"], "the Gluon dQ kernel did not run"
             for c in calls.values():
                 c.clear()
@@ -269,7 +269,7 @@ def test_gluon_dkdv_refuses_unsupported_calls():
 def test_gluon_dkdv_min_query_rows():
     """`takes` runs the kernel from MIN_QUERY_ROWS query rows per KV block on (query length times queries per KV
     head, half of it under a causal band: right_bound set), where it was measured faster than the Triton dK/dV
-    kernel, and not one row below; the refusals still apply above it."""
+    kernel, and not one row below; at D64 only with GQA (MIN_GROUP); the refusals still apply above it."""
     from mxattn.kernels import gluon_attention_bwd as gb
     least = gb.MIN_QUERY_ROWS[128]
     assert least > 0
@@ -281,8 +281,16 @@ def test_gluon_dkdv_min_query_rows():
         assert gb.takes(q, k, v, right_bound=right_bound) is want, (hq, hkv, sq, right_bound)
     q, k, v = _cpu_operands(D=128, HQ=4, HKV=4, SQ=4 * least, SKV=64)
     assert not gb.takes(q, k, v, sink=torch.zeros(4))
-    q, k, v = _cpu_operands(D=64, HQ=4, HKV=4, SQ=4 * least, SKV=64)
-    assert not gb.takes(q, k, v)
+    # D64: with queries enough, only GQA (MIN_GROUP query heads per KV head)
+    least = gb.MIN_QUERY_ROWS[64]
+    assert gb.MIN_GROUP[64] == 2 and gb.MIN_GROUP[128] == 1
+    for hq, hkv, sq, right_bound, want in ((4, 4, 4 * least, None, False), (4, 2, least // 2, None, True),
+                                           (4, 2, least // 2 - 1, None, False), (8, 2, least // 2, 0, True),
+                                           (8, 2, least // 2 - 2, 0, False), (16, 2, 8 * least, 0, True)):
+        q, k, v = _cpu_operands(D=64, HQ=hq, HKV=hkv, SQ=sq, SKV=64)
+        assert gb.takes(q, k, v, right_bound=right_bound) is want, (hq, hkv, sq, right_bound)
+    q, k, v = _cpu_operands(D=64, HQ=4, HKV=2, SQ=4 * least, SKV=64)
+    assert not gb.takes(q, k, v, left_bound=5)
 
 
 def test_gluon_dkdv_takes_the_triton_launchs_arguments():

@@ -484,13 +484,13 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
 
 @pytest.mark.parametrize("case, dkdv_chunks, dq_chunks", [
     ("causal_gqa_d128", 1, 1), ("no_mask_d128", 1, 1), ("sink_d128", 1, 1), ("many_heads_d128", 2, 2),
-    ("d64", 0, 1), ("many_heads_d64", 0, 2), ("window_d128", 0, 0), ("padded_varlen_d128", 0, 0),
+    ("d64", 1, 1), ("many_heads_d64", 2, 2), ("window_d128", 0, 0), ("padded_varlen_d128", 0, 0),
     ("floor_recipe_d128", 0, 0), ("fp8_data_path_d128", 0, 0)])
 def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monkeypatch, request, case,
                                                                           dkdv_chunks, dq_chunks):
     """On the bf16-scratch backward (mode "pre") each chunk of heads runs the Gluon dK/dV kernel where it takes
-    it (`gluon_attention_bwd.takes`: default recipe, dense, no mask or a causal band, head dim 128; a sink lives in
-    the stats) with the chunk's views, else the Triton dK/dV kernel; likewise the Gluon dQ kernel
+    it (`gluon_attention_bwd.takes`: default recipe, dense, no mask or a causal band, head dim 128 or 64 with GQA,
+    as here: 4 query heads on 2 KV heads; a sink lives in the stats) with the chunk's views, else the Triton dK/dV kernel; likewise the Gluon dQ kernel
     (`gluon_attention_dq.takes`: the same refusals, head dims 64 and 128) with the chunk's bf16 scratch (bwd_prep's
     Q and dO, kv_prep's K both ways and V), stats and delta slices and dQ head slice, else the Triton dQ kernel;
     the FP8 data path never asks. The numbers are compared on the GPU (tests/triton/test_gluon_bwd_gpu.py)."""
@@ -512,7 +512,7 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
     monkeypatch.setattr(backend_module, "_gluon_dq", lambda device: fake_dq)
     monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
     monkeypatch.setattr(gd, "MIN_KEYS", {64: 0, 128: 0})  # (160 keys: below the kernel's minimum, tested apart)
-    monkeypatch.setattr(gb, "MIN_QUERY_ROWS", {128: 0})
+    monkeypatch.setattr(gb, "MIN_QUERY_ROWS", {64: 0, 128: 0})
     for name, key in (("bwd_prep", "bwd"), ("kv_prep", "kv")):  # each chunk's scratch, to follow it into the calls
         real = getattr(tb, name)
         monkeypatch.setattr(tb, name, lambda *a, real=real, key=key, **k: preps[key].append(real(*a, **k)) or
@@ -545,13 +545,13 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
     per = 2 // chunks  # KV heads per chunk
     for h, (args, kw) in enumerate(calls):
         q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv = args
-        assert k_row.data.shape == (2, per, 160, 128) and dk.shape == dv.shape == (2, per, 160, 128)
-        assert q_r.shape == q_c.shape == do_r.shape == do_c.shape == (2, 2 * per, 160, 128)
+        assert k_row.data.shape == (2, per, 160, d) and dk.shape == dv.shape == (2, per, 160, d)
+        assert q_r.shape == q_c.shape == do_r.shape == do_c.shape == (2, 2 * per, 160, d)
         assert q_r.dtype == torch.bfloat16 and stats.shape == (2, 2 * per, 160, 1) and delta.shape == (2, 2 * per, 160)
         first_dk = calls[0][0][8]  # the chunks write head slices of one dK
         assert dk.untyped_storage().data_ptr() == first_dk.untyped_storage().data_ptr()
         assert dk.data_ptr() - first_dk.data_ptr() == h * per * dk.stride(1) * dk.element_size()
-        assert kw["checked"] and kw["softmax_scale"] == pytest.approx(128 ** -0.5)
+        assert kw["checked"] and kw["softmax_scale"] == pytest.approx(d ** -0.5)
         assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
     if dq_chunks:
         assert len(preps["bwd"]) == len(preps["kv"]) == chunks
