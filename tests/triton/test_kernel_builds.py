@@ -113,3 +113,26 @@ def test_sass_loops_reports_the_decode_kernels_loop_bodies(capsys):
         counts = [int(n) for n in re.findall(r"(\d+) instructions per iteration and warp", out)]
         per_block[pass_] = max(counts)
     assert per_block[1] < per_block[2]
+
+
+@pytest.mark.parametrize("defer", [0, 1])
+def test_sass_loops_reports_the_gluon_dkdv_kernels_consumer_loops(capsys, defer):
+    """benchmarks/sass_loops.py on the Gluon dK/dV kernel (D128, 32-row query blocks): ptxas keeps its wgmmas
+    asynchronous with and without the software-pipelined dK, and each innermost consumer loop (masked, mask-free
+    and masked again) issues one streamed block's four GEMMs per iteration, S^T and dP^T (D / 16 k-steps each)
+    and dV and dK (32 / 16 each): 20 HGMMA, whichever schedule."""
+    import importlib.util
+    import os
+    import re
+    from repo_paths import ROOT
+    spec = importlib.util.spec_from_file_location("sass_loops", os.path.join(ROOT, "benchmarks", "sass_loops.py"))
+    sass_loops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass_loops)
+    assert sass_loops.main(["--kernel", "gluon-dkdv", "--head-dim", "128", "--defer", str(defer)]) == 0
+    out = capsys.readouterr().out
+    assert "wgmma serialised by ptxas: no" in out
+    found = [(int(a, 16), int(b, 16), int(g)) for a, b, g in
+             re.findall(r"loop 0x([0-9a-f]+)-0x([0-9a-f]+): \d+ instructions.*tensor-core instructions (\d+)", out)]
+    innermost = [g for a, b, g in found if not any(a <= a2 and b2 <= b and (a2, b2) != (a, b) for a2, b2, _ in found)]
+    assert len(innermost) == 6  # three loops in each of the two consumer warpgroups' code
+    assert set(innermost) == {2 * 128 // 16 + 2 * 32 // 16}
