@@ -32,11 +32,7 @@ the default partition what is left):
   block: LSE loaded, wait "ready", issue S^T and dP^T (async, A from shared memory, m64 n=BLOCK_M), P^T, the dV
   GEMM (A = rounded P^T from registers, n = D), wait for dP^T and dV (the rounded P^T's registers free), delta
   loaded, dS^T and its qdq, the dK GEMM (A from registers), wait, release the stage ("empty", one arrival per
-  warpgroup). With DEFER_WAITS (the default) the dK GEMM is software-pipelined: block t's is issued in step
-  t + 1 right after its S^T and dP^T (A = block t's qdq'd dS^T, carried in registers), runs with the dV GEMM
-  under the softmax and dS, and is waited for at the end of step t + 1, which then releases block t's stage
-  (`_dk_tail` does the last block's). dK and dV stay in registers (D / 2 fp32 registers per thread each); the
-  epilogue stores them.
+  warpgroup). dK and dV stay in registers (D / 2 fp32 registers per thread each); the epilogue stores them.
   Registers per consumer thread: 240 (setmaxnreg), no spills at D64 / D128 in the offline sm_90a build.
 * the producer warpgroup (24 registers): for t = 0, 1, ... over (query head of the group, query block) in the
   consumers' order, waits "empty" of stage t % NS and TMA-loads the four bf16 tiles [BLOCK_M, D] (4-D

@@ -35,8 +35,7 @@ the default partition what is left):
   rows in registers, wait "q_ready", then per KV block: wait "ready", issue S and dP (async wgmma, A = their Q /
   dO rows from shared memory, B = K_r^T / V_r^T), P, the mask (blocks past `_kv_full_blocks` only), dS and its
   qdq, the dQ GEMM (A = dS_qdq from registers, B = K_c), wait, release the stage ("empty", one arrival per
-  warpgroup). dQ stays in registers (D / 2 fp32 registers per thread) and is stored at the end. (The option
-  `defer` software-pipelines the dQ GEMM as the dK/dV kernel does its dK GEMM; measured slower, so off.)
+  warpgroup). dQ stays in registers (D / 2 fp32 registers per thread) and is stored at the end.
 
 The ring protocol is the dK/dV kernel's (one extra one-shot barrier for Q / dO); simulated with the KV block
 walk in tests/triton/test_gluon_dq_protocol.py.
