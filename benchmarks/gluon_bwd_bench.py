@@ -11,7 +11,8 @@ and dV, or dQ) against the Triton kernel's (share bit-equal, share within one bf
 for Gluon).
 
 Usage: python benchmarks/gluon_bwd_bench.py [--dq] [--config name:B:Hq:Hkv:S:D:causal ...] [--rounds 15]
-[--iters 10] [--stages N] [--block-m N (dK/dV only)] [--variant name:defer=0|1[,block_n=N] ...] [--json FILE]
+[--iters 10] [--stages N] [--block-m N (dK/dV only)] [--variant name:defer=0|1[,block_n=N][,stats_loads=N] ...]
+[--json FILE]
 (e.g. --variant base:defer=0 --variant pipelined:defer=1: the software-pipelined dK / dQ GEMM against the
 waited one, interleaved in one run, outputs compared bit for bit)
 """
@@ -115,12 +116,12 @@ def bench_config(name, B, HQ, HKV, S, D, causal, rounds, iters, stages=None, blo
 
 
 def _variant(text):
-    """name[:key=value,...] -> (name, launch keywords): defer=0/1, block_n=N (dQ)."""
+    """name[:key=value,...] -> (name, launch keywords): defer=0/1, block_n=N (dQ), stats_loads=N (dK/dV)."""
     name, _, rest = text.partition(":")
     kw = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        kw[key] = bool(int(value)) if key == "defer" else int(value)
+        kw[key] = bool(int(value)) if key == "defer" else int(value)  # block_n, stats_loads (dK/dV: 0, 1, 4)
     return name, kw
 
 
@@ -135,7 +136,7 @@ def main() -> None:
     parser.add_argument("--dq", action="store_true",
                         help="the dQ pass (gluon_attention_dq.dq_gluon vs the Triton dQ kernel) instead of dK/dV")
     parser.add_argument("--variant", action="append", type=_variant,
-                        help="name[:defer=0|1,block_n=N]: a Gluon launch to time (repeatable; A/B in one run, "
+                        help="name[:defer=0|1,block_n=N,stats_loads=N]: a Gluon launch to time (repeatable; A/B in one run, "
                              "ratios to the first); one default launch named gluon when none")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()

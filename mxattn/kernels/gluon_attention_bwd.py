@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -79,6 +80,11 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 #: bits): D128 0.85 of the waited kernel's time (B2 H16 S4096 dense; B8 H16 S1024 0.86), causal 0.97, GQA causal
 #: S8192 0.99; D64 0.98-1.01
 DEFER_WAITS = {64: True, 128: True}
+#: where the consumers load a query block's LSE and delta (`_q_step`'s STATS): 0 LSE at the step's start and
+#: delta after the dV GEMM's issue, 1 both at the step's start, 2 one step ahead. With 0 the offline SASS shows the
+#: use of the LSE load (its L2 latency) between the S^T GEMM's first and second wgmma, delta's just before dS. The
+#: same numbers either way. By head dim
+STATS_LOADS = {64: 0, 128: 0}
 #: head dims where the backward may run this kernel rather than the Triton one (`takes`, with MIN_GROUP and
 #: MIN_QUERY_ROWS): measured on an H100 (session 29, gluon_bwd_bench.py at the bench's default configs, same
 #: inputs, dK/dV bit-equal): D128 0.76-0.86x the Triton kernel's time; D64 by MIN_GROUP
@@ -236,21 +242,120 @@ def release(empty, s):
 
 
 @gluon.jit
-def _q_step(t, m0, dk, dv, dsq, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, rows_k, cols0, SQ,
-            SKV, qk_scale, sm_scale, offset, RB, s_zero, MASK: gl.constexpr, HAS_RB: gl.constexpr,
-            BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, a_op: gl.constexpr, DEFER: gl.constexpr):
-    """The t-th visited query block (rows [m0, m0 + BM) of the head at lse_h / del_h) of a consumer warpgroup:
-    `_dkdv_block`'s arithmetic on its 64 keys (kw, vw: its K / V rows in shared memory) -> (dk, dv, dsq).
+def gemm_release(acc, a, b, empty, s):
+    """acc + a b (a from registers, b ring stage s's tile in shared memory) issued, waited for, then stage s
+    released -> the new acc (the waited kernels' last GEMM of a step, and the deferred one after the last step)."""
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(a, b, acc, is_async=True), ))
+    release(empty, s)
+    return acc
+
+
+@gluon.jit
+def deferred_tail(t, acc, a, ring, empty, ROWS: gl.constexpr, D: gl.constexpr, NS: gl.constexpr):
+    """DEFER, after a consumer's last step (t steps taken): the last step's deferred GEMM, acc + a (its quantized
+    dS, registers) times its stage of `ring` ([NS, .., ROWS, D] tiles), then that stage released -> acc."""
+    if t > 0:
+        sp = (t - 1) % NS
+        acc = gemm_release(acc, a, ring.index(sp).reshape([ROWS, D]), empty, sp)
+    return acc
+
+
+@gluon.jit
+def _block_stats(lse_h, del_h, cols, ok, sls):
+    """The LSE (natural log; +inf where not ok) and delta (0 where not ok) of query rows `cols` of one head."""
+    lse = gl.load(lse_h + cols * sls, mask=ok, other=float("inf"))
+    delta = gl.load(del_h + cols, mask=ok, other=0.0)
+    return lse, delta
+
+
+@gluon.jit
+def _copy_stats(lse_dst, del_dst, lse_h, del_h, cols, ok, sls):
+    """Asynchronous copies (cp.async, one group) of the LSE and delta of query rows `cols` of one head into the
+    shared [BM] buffers lse_dst / del_dst (zeros where not ok: such columns are masked or never used). Each thread
+    copies the columns it reads back (cols' layout), so its own wait_group is all the reader needs."""
+    async_copy.async_copy_global_to_shared(lse_dst, lse_h + cols * sls, mask=ok)
+    async_copy.async_copy_global_to_shared(del_dst, del_h + cols, mask=ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _log2_lse(lse):
+    """LSE (natural log) -> log2 units for exp2, -inf (a row without keys) read as +inf (its P is 0)."""
+    lse = lse * LOG2E_K
+    return gl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@gluon.jit
+def _q_steps(t, start, stop, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls,
+             slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero,
+             MASK: gl.constexpr, HAS_RB: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
+             a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr):
+    """`_q_step` for the query blocks m0 in range(start, stop, BM), t counting on -> (t, dk, dv, dsq, lse_c, del_c);
+    lse_c / del_c are carried from step to step only where STATS == 2."""
+    for m0 in range(start, stop, BM):
+        if STATS == 2 or STATS == 3:
+            dk, dv, dsq, lse_c, del_c = _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready,
+                                                empty, lse_h, del_h, sls, slh, sdelh, g, GROUP, lo, hi, rows_k,
+                                                cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, MASK,
+                                                HAS_RB, BM, D, NS, a_op, DEFER, STATS)
+        else:
+            dk, dv, dsq, _l, _d = _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty,
+                                          lse_h, del_h, sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV,
+                                          qk_scale, sm_scale, offset, RB, s_zero, MASK, HAS_RB, BM, D, NS, a_op,
+                                          DEFER, STATS)
+        t += 1
+    return t, dk, dv, dsq, lse_c, del_c
+
+
+@gluon.jit
+def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, slh,
+            sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero,
+            MASK: gl.constexpr, HAS_RB: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
+            a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr):
+    """The t-th visited query block (rows [m0, m0 + BM) of head g, at lse_h / del_h) of a consumer warpgroup:
+    `_dkdv_block`'s arithmetic on its 64 keys (kw, vw: its K / V rows in shared memory) -> (dk, dv, dsq, lse_c,
+    del_c).
     DEFER (software-pipelined dK): dsq is block t - 1's quantized dS^T, whose dK GEMM is issued here right after
     this block's S^T and dP^T (t = 0: dsq is zeros and adds exact zeros), so it and this block's dV GEMM run under
     the softmax and dS; both are waited for before the step ends (no wgmma in flight across steps), then stage
-    (t - 1) % NS is released; this block's dS^T is returned for the next step (`_dk_tail` issues the last one).
-    Else every GEMM of the block is issued and waited for here and stage t % NS released at the end."""
+    (t - 1) % NS is released; this block's dS^T is returned for the next step (`deferred_tail` issues the last one).
+    Else every GEMM of the block is issued and waited for here and stage t % NS released at the end.
+    STATS, where the block's LSE and delta are loaded (`STATS_LOADS`): 0 LSE at the step's start, delta after the
+    dV GEMM's issue; 1 both at the step's start, LSE's use after the S^T and dP^T GEMMs' issue; 2 one step ahead:
+    lse_c / del_c are this block's, the next block's (rows m0 + BM of head g, or rows lo of head g + 1 after head
+    g's last block; none after the last head) are loaded here and returned. Else lse_c / del_c pass through."""
     s = t % NS
     cols = m0 + cols0  # query rows
     c_ok = cols < SQ
-    lse = gl.load(lse_h + cols * sls, mask=c_ok, other=float("inf")) * LOG2E_K
-    lse = gl.where(lse == float("-inf"), float("inf"), lse)
+    if STATS == 4:  # lse_c / del_c: this warpgroup's [2, BM] buffers in shared memory, slot t % 2 is block t's
+        async_copy.wait_group(0)  # block t's copies (issued a step ago) have landed
+        lse_raw = lse_c.index(t % 2).load(cols0.type.layout)
+        nm0 = m0 + BM
+        wrap = nm0 >= hi
+        n_cols = gl.where(wrap, lo, nm0) + cols0
+        n_ok = (n_cols < SQ) & ((nm0 < hi) | (g + 1 < GROUP))
+        step = wrap.to(gl.int64)
+        _copy_stats(lse_c.index((t + 1) % 2), del_c.index((t + 1) % 2), lse_h + step * slh, del_h + step * sdelh,
+                    n_cols, n_ok, sls)
+    elif STATS == 2 or STATS == 3:
+        nm0 = m0 + BM
+        wrap = nm0 >= hi
+        n_cols = gl.where(wrap, lo, nm0) + cols0
+        n_ok = (n_cols < SQ) & ((nm0 < hi) | (g + 1 < GROUP))
+        step = wrap.to(gl.int64)
+        lse_raw = lse_c
+        if STATS == 2:
+            delta = del_c
+            lse_c, del_c = _block_stats(lse_h + step * slh, del_h + step * sdelh, n_cols, n_ok, sls)
+        else:
+            lse_c = gl.load(lse_h + step * slh + n_cols * sls, mask=n_ok, other=float("inf"))
+            delta = gl.load(del_h + cols, mask=c_ok, other=0.0)
+    elif STATS == 1:
+        lse_raw, delta = _block_stats(lse_h, del_h, cols, c_ok, sls)
+    else:
+        lse_raw = gl.load(lse_h + cols * sls, mask=c_ok, other=float("inf"))
+    if STATS == 0:
+        lse = _log2_lse(lse_raw)
     mbarrier.wait(ready.index(s), (t // NS) & 1)
     q_t = qr.index(s).reshape([BM, D]).permute((1, 0))
     do_t = dor.index(s).reshape([BM, D]).permute((1, 0))
@@ -262,6 +367,8 @@ def _q_step(t, m0, dk, dv, dsq, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, d
         st = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok, ))  # in flight: dP^T(t), dK(t - 1)
     else:
         st, dp_tok = issue_s_dp(kw, q_t, vw, do_t, s_zero)
+    if STATS != 0:
+        lse = _log2_lse(lse_raw)
     p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))  # P^T [keys, queries]
     if MASK:
         keep = gl.expand_dims(rows_k < SKV, 1) & gl.expand_dims(c_ok, 0)
@@ -276,7 +383,10 @@ def _q_step(t, m0, dk, dv, dsq, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, d
         # dP and dV done before dS (registers: P^T's rounded copy, the dV GEMM's A, dies here)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv, ))
-    delta = gl.load(del_h + cols, mask=c_ok, other=0.0)
+    if STATS == 0:
+        delta = gl.load(del_h + cols, mask=c_ok, other=0.0)
+    elif STATS == 4:
+        delta = del_c.index(t % 2).load(cols0.type.layout)
     ds = p * (dp - gl.expand_dims(delta, 0)) * sm_scale
     ds_a = gl.convert_layout(_qdq_cols32(ds, BM), a_op)
     if DEFER:
@@ -285,21 +395,8 @@ def _q_step(t, m0, dk, dv, dsq, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, d
             release(empty, sp)
         dsq = ds_a
     else:
-        dk = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(ds_a, qc.index(s).reshape([BM, D]), dk,
-                                                                       is_async=True), ))
-        release(empty, s)
-    return dk, dv, dsq
-
-
-@gluon.jit
-def _dk_tail(t, dk, dsq, qc, empty, BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr):
-    """DEFER, after a consumer's last block (t blocks visited): the last block's dK GEMM, then its stage."""
-    if t > 0:
-        sp = (t - 1) % NS
-        dk = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(dsq, qc.index(sp).reshape([BM, D]), dk,
-                                                                       is_async=True), ))
-        release(empty, sp)
-    return dk
+        dk = gemm_release(dk, ds_a, qc.index(s).reshape([BM, D]), empty, s)
+    return dk, dv, dsq, lse_c, del_c
 
 
 @gluon.jit
@@ -308,7 +405,7 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready,
               slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
               HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-              WG: gl.constexpr, DEFER: gl.constexpr):
+              WG: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr):
     """Consumer warpgroup WG: key rows [tile * BN + 64 WG, + 64) of the CTA. K, V dequantized into its own
     shared K / V tiles (kb / vb index WG), then the query blocks of every query head of the group (`_q_step`), dK and dV
     accumulated in registers and stored at the end."""
@@ -343,28 +440,40 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready,
     # the CTA's query blocks (both warpgroups and the producer walk the same ones: a block masked for the CTA's
     # 128 keys is masked for each warpgroup's 64, a no-op where it keeps everything)
     lo, mask_hi, full_lo, full_hi, hi = _q_block_range(n_cta, SQ, SKV, offset, RB, HAS_RB, BM, BN)
+    hq0 = (hk * GROUP).to(gl.int64)
+    if STATS == 4:  # shared buffers of the LSE and delta (two slots), the first block's copies issued
+        stats_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        lse_c = gl.allocate_shared_memory(gl.float32, [2, BM], stats_layout)
+        del_c = gl.allocate_shared_memory(gl.float32, [2, BM], stats_layout)
+        _copy_stats(lse_c.index(0), del_c.index(0), LSE + b64 * slb + hq0 * slh, DELTA + b64 * sdelb + hq0 * sdelh,
+                    lo + cols0, (lo + cols0 < SQ) & (lo < hi), sls)
+    elif STATS >= 2:  # the first block's LSE and delta (head hk * GROUP, rows lo); each step loads the next block's
+        lse_c, del_c = _block_stats(LSE + b64 * slb + hq0 * slh, DELTA + b64 * sdelb + hq0 * sdelh, lo + cols0,
+                                    (lo + cols0 < SQ) & (lo < hi), sls)
+    else:  # unused: each step loads its own
+        lse_c = gl.zeros([BM], gl.float32, col_s)
+        del_c = gl.zeros([BM], gl.float32, col_s)
     t = 0
     for g in range(GROUP):
-        hq64 = (hk * GROUP + g).to(gl.int64)
+        hq64 = hq0 + g
         lse_h = LSE + b64 * slb + hq64 * slh
         del_h = DELTA + b64 * sdelb + hq64 * sdelh
-        for m0 in range(lo, mask_hi, BM):
-            dk, dv, dsq = _q_step(t, m0, dk, dv, dsq, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
-                                      sls, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True,
-                                      HAS_RB, BM, D, NS, a_op, DEFER)
-            t += 1
-        for m0 in range(full_lo, full_hi, BM):
-            dk, dv, dsq = _q_step(t, m0, dk, dv, dsq, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
-                                      sls, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, False,
-                                      HAS_RB, BM, D, NS, a_op, DEFER)
-            t += 1
-        for m0 in range(gl.maximum(full_hi, mask_hi), hi, BM):
-            dk, dv, dsq = _q_step(t, m0, dk, dv, dsq, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
-                                      sls, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True,
-                                      HAS_RB, BM, D, NS, a_op, DEFER)
-            t += 1
+        t, dk, dv, dsq, lse_c, del_c = _q_steps(
+            t, lo, mask_hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls,
+            slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True,
+            HAS_RB, BM, D, NS, a_op, DEFER, STATS)
+        t, dk, dv, dsq, lse_c, del_c = _q_steps(
+            t, full_lo, full_hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
+            sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, False,
+            HAS_RB, BM, D, NS, a_op, DEFER, STATS)
+        t, dk, dv, dsq, lse_c, del_c = _q_steps(
+            t, gl.maximum(full_hi, mask_hi), hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty,
+            lse_h, del_h, sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB,
+            s_zero, True, HAS_RB, BM, D, NS, a_op, DEFER, STATS)
+    if STATS == 4:
+        async_copy.wait_group(0)  # the copies issued in the last step (for no block) land before the exit
     if DEFER:
-        dk = _dk_tail(t, dk, dsq, qc, empty, BM, D, NS)
+        dk = deferred_tail(t, dk, dsq, qc, empty, BM, D, NS)
 
     rows = n0 + gl.arange(0, BNW, layout=row_a)
     offs_d = gl.arange(0, D, layout=col_a)
@@ -383,7 +492,7 @@ def _gluon_dkdv_kernel(
         slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
         HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEFER: gl.constexpr):
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr):
     """Grid (cdiv(SKV, BN), B * HKV), 4 warps per partition. qr/qc/dor/doc_desc: TMA descriptors of the bf16
     scratch [B, Hc, SQ, D] (Q row-wise, Q column-wise, dO row-wise, dO column-wise dequantizations; block
     [1, 1, BM, D]); K, V [B, HKV, SKV, D] e4m3 row-wise with scales KS, VS [B, HKV, SKV, D/32] u8; LSE
@@ -408,11 +517,13 @@ def _gluon_dkdv_kernel(
         (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready, empty,
                      skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
                      slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG0, DEFER)),
+                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG0, DEFER,
+                     STATS)),
         (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready, empty,
                      skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
                      slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG1, DEFER)),
+                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG1, DEFER,
+                     STATS)),
         (_producer, (qr_desc, qc_desc, dor_desc, doc_desc, qr, qc, dor, doc, ready, empty, HKV, GROUP, SQ, SKV,
                      offset, RB, HAS_RB, BM, BN, D, NS)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -519,14 +630,15 @@ def takes(q_r, k_row, v_row, right_bound=None, **kwargs) -> bool:
 def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, softmax_scale: float, offset: int,
                left_bound=None, right_bound=None, seq=None, bottom_right: bool = False,
                flags: KernelRecipe = DEFAULT_FLAGS, stages: Optional[int] = None, block_m: Optional[int] = None,
-               defer: Optional[bool] = None, checked: bool = False) -> None:
+               defer: Optional[bool] = None, stats_loads: Optional[int] = None, checked: bool = False) -> None:
     """The dK/dV pass of the "pre" backward for one chunk of heads: what `triton_attention_bwd._launch_dkdv`
     takes in mode "pre" (q_r, q_c, do_r, do_c the chunk's bf16 scratch [B, Hc, SQ, D] from `bwd_prep`; k_row,
     v_row the chunk's KV heads of K's and V's row-wise MXFP8Tensors; stats [B, Hc, SQ, 1] fp32 and delta
     [B, Hc, SQ] fp32 (unit stride along SQ) the chunk's slices; dk, dv [B, Hkv_c, SKV, D] with unit stride along
     D) and the same mask arguments; writes dk and dv. stages: ring stages override (>= 1, >= 2 with deferred
     waits); block_m: query rows per streamed block override (a multiple of 32; sweeps, BLOCK_M[D] by default);
-    defer: the software-pipelined dK GEMM on or off (A/B runs; DEFER_WAITS[D] by default, same bits). Raises ValueError
+    defer: the software-pipelined dK GEMM on or off (A/B runs; DEFER_WAITS[D] by default, same bits); stats_loads:
+    where the LSE / delta loads go (A/B runs; STATS_LOADS[D] by default, same bits). Raises ValueError
     for what it does not take (`unsupported_reason`)."""
     reason = None if checked else unsupported_reason(q_r, k_row, v_row, left_bound=left_bound, seq=seq,
                                                      bottom_right=bottom_right, flags=flags, q_c=q_c, do_r=do_r,
@@ -571,7 +683,8 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
         HKV, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, float(softmax_scale), int(offset),
         int(right_bound) if has_rb else 0,
         HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, DEFER=defer, num_warps=PARTITION_WARPS)
+        PRODUCER_REGS=PRODUCER_REGS, DEFER=defer,
+        STATS=STATS_LOADS[D] if stats_loads is None else int(stats_loads), num_warps=PARTITION_WARPS)
 
 
 #: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
@@ -582,7 +695,7 @@ DIVISIBLE_INTS = ("skb", "skh", "sks", "sksb", "sksh", "svb", "svh", "svs", "svs
 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
                  dk_dtype: str = "bf16", unit_stats: bool = True, block_m: Optional[int] = None,
-                 defer: Optional[bool] = None):
+                 defer: Optional[bool] = None, stats_loads: Optional[int] = None):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
     `gluon_attention_fwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
     call)."""
@@ -596,11 +709,12 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
                  VS="*u8", LSE="*fp32", DELTA="*fp32", DK=f"*{dk_dtype}", DV=f"*{dk_dtype}", qk_scale="fp32",
                  sm_scale="fp32")
     constexprs = dict(HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=d, NS=ns, CONSUMER_REGS=regs[0],
-                      PRODUCER_REGS=regs[1], DEFER=defer)
+                      PRODUCER_REGS=regs[1], DEFER=defer,
+                      STATS=STATS_LOADS[d] if stats_loads is None else stats_loads)
     if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
         constexprs["sls"] = 1
     return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 
 __all__ = ["dkdv_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "MIN_GROUP",
-           "MIN_QUERY_ROWS", "BLOCK_M", "BLOCK_N", "STAGES", "DEFER_WAITS"]
+           "MIN_QUERY_ROWS", "BLOCK_M", "BLOCK_N", "STAGES", "DEFER_WAITS", "STATS_LOADS"]

@@ -54,7 +54,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # partition warps, setmaxnreg of the consumers / the producer, head dims: the dK/dV kernel's
 from .gluon_attention_bwd import (CONSUMER_REGS, LOG2E, LOG2E_K, PARTITION_WARPS, PRODUCER_REGS, SUPPORTED_HEAD_DIMS,
                                   WG0, WG1, _acc_layout, _qdq_cols32, call_reason, check_delta,
-                                  issue_s_dp, layout_reason, release, ring_stages)
+                                  deferred_tail, gemm_release, issue_s_dp, layout_reason, release, ring_stages)
 from .gluon_attention_fwd import _kv_blocks, _tile_of_program, compile_gluon_sm90
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from .triton_launch import cdiv, launch
@@ -139,7 +139,7 @@ def _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, co
     (qw, dow: its Q / dO rows in shared memory) -> (dq, dsq). DEFER (software-pipelined dQ, as the dK/dV kernel's
     dK): dsq is block t - 1's quantized dS, whose dQ GEMM is issued right after this block's S and dP (t = 0:
     zeros, exact zeros added) and runs under the softmax and dS; waited for before the step ends, then stage
-    (t - 1) % NS released; this block's dS is returned (`_dq_tail` issues the last one). Else the block's dQ GEMM
+    (t - 1) % NS released; this block's dS is returned (`deferred_tail` issues the last one). Else the block's dQ GEMM
     is issued and waited for here and stage t % NS released at the end."""
     s = t % NS
     mbarrier.wait(ready.index(s), (t // NS) & 1)
@@ -172,21 +172,8 @@ def _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, co
             release(empty, sp)
         dsq = ds_a
     else:
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(ds_a, kc.index(s).reshape([BN, D]), dq,
-                                                                       is_async=True), ))
-        release(empty, s)
+        dq = gemm_release(dq, ds_a, kc.index(s).reshape([BN, D]), empty, s)
     return dq, dsq
-
-
-@gluon.jit
-def _dq_tail(t, dq, dsq, kc, empty, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr):
-    """DEFER, after a consumer's last KV block (t blocks visited): that block's dQ GEMM, then its stage."""
-    if t > 0:
-        sp = (t - 1) % NS
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(dsq, kc.index(sp).reshape([BN, D]), dq,
-                                                                       is_async=True), ))
-        release(empty, sp)
-    return dq
 
 
 @gluon.jit
@@ -229,7 +216,7 @@ def _consumer(LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
         dq, dsq = _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale,
                            sm_scale, offset, RB, s_zero, True, HAS_RB, BN, D, NS, a_op, DEFER)
     if DEFER:
-        dq = _dq_tail(n_blk, dq, dsq, kc, empty, BN, D, NS)
+        dq = deferred_tail(n_blk, dq, dsq, kc, empty, BN, D, NS)
 
     rows_o = m_cta + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, a_layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, a_layout))

@@ -160,11 +160,14 @@ def test_gluon_dkdv_head_chunk_views_and_stages(D):
     dk_ref, dv_ref = (torch.zeros(B, HKV, SKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     _triton_dkdv(*chunk, dk_ref[:, h0:h1], dv_ref[:, h0:h1], scale, 0, 0)
     results = []
-    # (ring depth, software-pipelined dK GEMM): one ring stage only without it (its stage is held a step longer)
-    for stages, defer in ((None, None), (1, False), (2, True), (3, True), (3, False), (None, not gb.DEFER_WAITS[D])):
+    # (ring depth, software-pipelined dK GEMM, where the LSE / delta loads go): one ring stage only without the
+    # pipelining (its stage is held a step longer)
+    runs = [(None, None, None), (1, False, None), (2, True, None), (3, True, None), (3, False, None),
+            (None, not gb.DEFER_WAITS[D], None)] + [(ns, None, mode) for mode in (0, 1, 4) for ns in (None, 2)]
+    for stages, defer, stats_loads in runs:
         dk, dv = (torch.zeros(B, HKV, SKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         gb.dkdv_gluon(*chunk, dk[:, h0:h1], dv[:, h0:h1], softmax_scale=scale, offset=0, right_bound=0,
-                      stages=stages, defer=defer)
+                      stages=stages, defer=defer, stats_loads=stats_loads)
         torch.cuda.synchronize()
         assert (dk[:, :h0] == 0).all() and (dk[:, h1:] == 0).all() and (dv[:, h1:] == 0).all()
         results.append((dk, dv))
@@ -329,3 +332,21 @@ def test_gluon_dkdv_compiles_for_sm90a_without_spills(d, causal):
     kernel = compile_or_skip("gluon_attention_bwd", d, causal)
     _assert_sm90_build(kernel)
     assert ("wgmma.wait_group.sync.aligned 2;" in kernel.asm["ptx"]) == gb.DEFER_WAITS[d]
+    assert ("cp.async.ca.shared.global" in kernel.asm["ptx"]) == (gb.STATS_LOADS[d] == 4)
+
+
+@pytest.mark.parametrize("d,causal,mode", [(d, c, m) for m in (1, 4) for d in (64, 128) for c in (False, True)
+                                           if not (m == 1 and d == 128 and c)])
+def test_gluon_dkdv_stats_loads_variants_build_without_spills(d, causal, mode):
+    """The other placements of the LSE / delta loads (`STATS_LOADS`, A/B runs) build without spills and with
+    asynchronous wgmmas; mode 4 copies them one step ahead into shared memory (cp.async, one wait per step). Mode 1
+    at D128 with a causal band spills 8 bytes (offline), so it is left out."""
+    from mxattn.kernels import gluon_attention_bwd as gb
+    try:
+        kernel = gb.compile_sm90(d, causal, stats_loads=mode)
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"cannot compile for sm_90a here: {e}")
+    _assert_sm90_build(kernel)
+    ptx = kernel.asm["ptx"]
+    assert ("cp.async.ca.shared.global" in ptx) == (mode == 4)
+    assert ("cp.async.wait_group" in ptx) == (mode == 4)
