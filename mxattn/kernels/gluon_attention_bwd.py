@@ -29,11 +29,15 @@ the default partition what is left):
 
 * two consumer warpgroups (the default partition and a worker), 64 key rows each: their K and V rows
   dequantized into the CTA's bf16 K / V tiles in shared memory (the wgmma A operands), then per streamed query
-  block: LSE loaded, wait "ready", issue S^T and dP^T (async, A from shared memory, m64 n=BLOCK_M), P^T, the dV
-  GEMM (A = rounded P^T from registers, n = D), wait for dP^T and dV (the rounded P^T's registers free), delta
-  loaded, dS^T and its qdq, the dK GEMM (A from registers), wait, release the stage ("empty", one arrival per
-  warpgroup). dK and dV stay in registers (D / 2 fp32 registers per thread each); the epilogue stores them.
-  Registers per consumer thread: 240 (setmaxnreg), no spills at D64 / D128 in the offline sm_90a build.
+  block t (`_q_step`, DEFER_WAITS on, the default): block t's LSE and delta read from shared memory, where the
+  consumer copied them (cp.async) one step before (STATS_LOADS), block t + 1's copies issued; wait "ready"; issue
+  S^T and dP^T (async, A from shared memory, m64 n=BLOCK_M) and block t - 1's dK GEMM (A = its quantized dS^T,
+  kept in registers); P^T, the dV GEMM (A = rounded P^T from registers, n = D); wait for dP^T; dS^T and its qdq
+  while the dK and dV GEMMs run; wait for both, release block t - 1's stage ("empty", one arrival per warpgroup).
+  After the last block its dK GEMM (`deferred_tail`). With DEFER off, each block's GEMMs are waited for within
+  its step and its own stage released at the end. dK and dV stay in registers (D / 2 fp32 registers per thread
+  each); the epilogue stores them. Registers per consumer thread: 240 (setmaxnreg), no spills at D64 / D128 in
+  the offline sm_90a build.
 * the producer warpgroup (24 registers): for t = 0, 1, ... over (query head of the group, query block) in the
   consumers' order, waits "empty" of stage t % NS and TMA-loads the four bf16 tiles [BLOCK_M, D] (4-D
   descriptors: rows past SQ read as zeros) with one expect-tx "ready" arrival.
@@ -80,28 +84,30 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 #: bits): D128 0.85 of the waited kernel's time (B2 H16 S4096 dense; B8 H16 S1024 0.86), causal 0.97, GQA causal
 #: S8192 0.99; D64 0.98-1.01
 DEFER_WAITS = {64: True, 128: True}
-#: where the consumers load a query block's LSE and delta (`_q_step`'s STATS): 0 LSE at the step's start and
-#: delta after the dV GEMM's issue, 1 both at the step's start, 2 one step ahead. With 0 the offline SASS shows the
-#: use of the LSE load (its L2 latency) between the S^T GEMM's first and second wgmma, delta's just before dS. The
-#: same numbers either way. By head dim
-STATS_LOADS = {64: 0, 128: 0}
-#: head dims where the backward may run this kernel rather than the Triton one (`takes`, with MIN_GROUP and
-#: MIN_QUERY_ROWS): measured on an H100 (session 29, gluon_bwd_bench.py at the bench's default configs, same
-#: inputs, dK/dV bit-equal): D128 0.76-0.86x the Triton kernel's time; D64 by MIN_GROUP
+#: where the consumers load a query block's LSE and delta (`_q_step`'s STATS; A/B runs): 0 LSE at the step's start
+#: and delta after the dV GEMM's issue (the offline SASS has the LSE load's use, so its L2 latency, between the S^T
+#: GEMM's first and second wgmma, delta's just before dS), 1 both at the step's start, 4 one step ahead, copied
+#: into shared memory (cp.async, no registers held across the step; 2 and 3, one step ahead in registers, spill at
+#: D128). The same bits in every mode. Measured on an H200 (session 36, gluon_bwd_bench.py --variant
+#: s0:stats_loads=0 --variant s1:stats_loads=1 --variant s4:stats_loads=4, interleaved rounds), mode 4 over mode 0:
+#: D128 B2 H16 S4096 0.955, causal 0.835, B8 H16 S1024 0.936, B1 H32/8 S8192 causal 0.765; D64 B4 H16 S2048 0.791,
+#: B8 H16/4 S1024 causal 0.805, B16 H8 S512 0.961 (mode 1: 0.90-1.13)
+STATS_LOADS = {64: 4, 128: 4}
+#: head dims where the backward may run this kernel rather than the Triton one (`takes`, with MIN_QUERY_ROWS and
+#: MHA_MIN_QUERY_ROWS)
 FASTER_HEAD_DIMS = (64, 128)
-#: per head dim, the fewest query heads per KV head for this kernel to beat the Triton one: its CTA walks the
-#: group's query heads over one K / V tile dequantized once. Measured on an H200 with the pipelined dK (session
-#: 35, gluon_bwd_bench.py, gluon / triton kernel time; benchmarks/results/nvidia-h200/session35/): D64 MHA
-#: 1.03-1.18 (S512-4096, dense and causal), D64 GQA 0.60-1.00 (group 2 causal S1024 0.89, dense 0.96-1.00;
-#: group 4 causal S512 0.82, S1024 0.62, dense S2048 0.99; group 8 causal S1024 0.60); D128 MHA wins already
-MIN_GROUP = {64: 2, 128: 1}
 #: per head dim, the fewest query rows a KV block must stream (the query length times the queries per KV head,
-#: half of it under a causal band) for this kernel to beat the Triton one. Measured on an H200 (session 31,
-#: gluon_bwd_bench.py, gluon / triton kernel time; benchmarks/results/nvidia-h200/session31/dkdv_bench.txt): D128
-#: causal S512 (256 rows) 1.33, dense S512 and causal S1024 (512) 1.00-1.01, dense S1024 0.90, causal S1024 GQA
-#: 16:4 (2048) 0.67; with the pipelined dK (session 35) causal S512 1.41, dense S512 0.93, causal S1024 1.01.
-#: D64 (GQA): measured from 1024 rows (group 4 causal S512, group 2 dense S512 0.96), so from there
+#: half of it under a causal band) for this kernel to beat the Triton one with GQA. Measured on an H200 (session
+#: 31, gluon_bwd_bench.py, gluon / triton kernel time; benchmarks/results/nvidia-h200/session31/dkdv_bench.txt):
+#: D128 causal S512 (256 rows) 1.33, dense S512 and causal S1024 (512) 1.00-1.01, dense S1024 0.90, causal S1024
+#: GQA 16:4 (2048) 0.67; with the pipelined dK (session 35) causal S512 1.41, dense S512 0.93, causal S1024 1.01.
+#: D64 GQA (session 35, before STATS_LOADS 4, which made it 0.79-0.96 of its time): from 1024 rows (group 4 causal
+#: S512 0.82, group 2 dense S512 0.96; group 2 causal S1024 0.89, group 4 causal S1024 0.62, group 8 0.60)
 MIN_QUERY_ROWS = {64: 1024, 128: 512}
+#: the same for MHA (one query head per KV head: the CTA dequantizes its K / V tile for one head's queries only).
+#: D64, measured on an H200 (session 36, STATS_LOADS 4, gluon / triton kernel time): B4 H16 S2048 dense (2048 rows)
+#: 0.87, B16 H8 S512 dense (512 rows) 1.36 (session 35, before: 1.03-1.18 from 512 to 4096 rows); so from 2048
+MHA_MIN_QUERY_ROWS = {64: 2048, 128: 512}
 
 LOG2E = 1.4426950408889634
 LOG2E_K = gl.constexpr(LOG2E)
@@ -291,7 +297,7 @@ def _q_steps(t, start, stop, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc
              MASK: gl.constexpr, HAS_RB: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
              a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr):
     """`_q_step` for the query blocks m0 in range(start, stop, BM), t counting on -> (t, dk, dv, dsq, lse_c, del_c);
-    lse_c / del_c are carried from step to step only where STATS == 2."""
+    lse_c / del_c are carried from step to step only where STATS is 2 or 3."""
     for m0 in range(start, stop, BM):
         if STATS == 2 or STATS == 3:
             dk, dv, dsq, lse_c, del_c = _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready,
@@ -321,9 +327,12 @@ def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, e
     (t - 1) % NS is released; this block's dS^T is returned for the next step (`deferred_tail` issues the last one).
     Else every GEMM of the block is issued and waited for here and stage t % NS released at the end.
     STATS, where the block's LSE and delta are loaded (`STATS_LOADS`): 0 LSE at the step's start, delta after the
-    dV GEMM's issue; 1 both at the step's start, LSE's use after the S^T and dP^T GEMMs' issue; 2 one step ahead:
-    lse_c / del_c are this block's, the next block's (rows m0 + BM of head g, or rows lo of head g + 1 after head
-    g's last block; none after the last head) are loaded here and returned. Else lse_c / del_c pass through."""
+    dV GEMM's issue; 1 both at the step's start, LSE's use after the S^T and dP^T GEMMs' issue; 2 (3: the LSE only)
+    one step ahead in registers: lse_c / del_c are this block's, the next block's (rows m0 + BM of head g, or rows
+    lo of head g + 1 after head g's last block; none after the last head) are loaded here and returned; 4 the same
+    one step ahead, copied into shared memory: lse_c / del_c are the warpgroup's two-slot buffers, slot t % 2 holds
+    this block's (copied a step ago), the next block's copies go to the other slot. Else lse_c / del_c pass
+    through."""
     s = t % NS
     cols = m0 + cols0  # query rows
     c_ok = cols < SQ
@@ -613,9 +622,9 @@ def unsupported_reason(q_r, k_row, v_row, *, left_bound=None, seq=None, bottom_r
 
 def takes(q_r, k_row, v_row, right_bound=None, **kwargs) -> bool:
     """Whether `attention_bwd` runs this kernel for a chunk: it takes the call (`unsupported_reason`, same
-    arguments) at a head dim where it is the faster kernel (FASTER_HEAD_DIMS) with query heads per KV head
-    (MIN_GROUP) and query rows (MIN_QUERY_ROWS: query length times queries per KV head, halved under a causal
-    band, i.e. right_bound not None) enough to repay its set-up."""
+    arguments) at a head dim where it is the faster kernel (FASTER_HEAD_DIMS) with query rows per KV block enough to
+    repay its set-up (query length times queries per KV head, halved under a causal band, i.e. right_bound not
+    None: MIN_QUERY_ROWS with GQA, MHA_MIN_QUERY_ROWS with one query head per KV head)."""
     d = q_r.shape[3]
     if d not in FASTER_HEAD_DIMS:
         return False
@@ -623,8 +632,8 @@ def takes(q_r, k_row, v_row, right_bound=None, **kwargs) -> bool:
     group = q_r.shape[1] // hkv if hkv else 1
     rows = q_r.shape[2] * group
     rows = rows if right_bound is None else rows // 2
-    return (group >= MIN_GROUP[d] and rows >= MIN_QUERY_ROWS[d]
-            and unsupported_reason(q_r, k_row, v_row, **kwargs) is None)
+    least = MIN_QUERY_ROWS[d] if group > 1 else MHA_MIN_QUERY_ROWS[d]
+    return rows >= least and unsupported_reason(q_r, k_row, v_row, **kwargs) is None
 
 
 def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, softmax_scale: float, offset: int,
@@ -716,5 +725,5 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
     return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 
-__all__ = ["dkdv_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "MIN_GROUP",
+__all__ = ["dkdv_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "MHA_MIN_QUERY_ROWS",
            "MIN_QUERY_ROWS", "BLOCK_M", "BLOCK_N", "STAGES", "DEFER_WAITS", "STATS_LOADS"]

@@ -513,6 +513,7 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
     monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
     monkeypatch.setattr(gd, "MIN_KEYS", {64: 0, 128: 0})  # (160 keys: below the kernel's minimum, tested apart)
     monkeypatch.setattr(gb, "MIN_QUERY_ROWS", {64: 0, 128: 0})
+    monkeypatch.setattr(gb, "MHA_MIN_QUERY_ROWS", {64: 0, 128: 0})
     for name, key in (("bwd_prep", "bwd"), ("kv_prep", "kv")):  # each chunk's scratch, to follow it into the calls
         real = getattr(tb, name)
         monkeypatch.setattr(tb, name, lambda *a, real=real, key=key, **k: preps[key].append(real(*a, **k)) or
