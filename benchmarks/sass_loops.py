@@ -86,15 +86,19 @@ def build_paged(kernel: str, pass_: int, head_dim: int, warps: int, stages: int,
 GLUON_KERNELS = {"gluon-fwd": "gluon_attention_fwd", "gluon-dkdv": "gluon_attention_bwd", "gluon-dq": "gluon_attention_dq"}
 
 
-def build_gluon(kernel: str, head_dim: int, causal: bool, stages=None, defer=None, block=None, kv_bf16=False):
+def build_gluon(kernel: str, head_dim: int, causal: bool, stages=None, defer=None, block=None, kv_bf16=False,
+                stats_loads=None):
     """The sm_90a build of a Gluon kernel (`compile_sm90` of its module): defer the backward kernels'
     software-pipelined last GEMM (None: the module's default), block the dK/dV kernel's query rows (block_m) or the
-    dQ kernel's keys (block_n) per streamed block, kv_bf16 the forward's bf16-K/V variant."""
+    dQ kernel's keys (block_n) per streamed block, kv_bf16 the forward's bf16-K/V variant, stats_loads where the
+    dK/dV kernel loads the LSE and delta (`STATS_LOADS`; None: its default)."""
     module = importlib.import_module(f"mxattn.kernels.{GLUON_KERNELS[kernel]}")
     if kernel == "gluon-fwd":
         return module.compile_sm90(head_dim, causal, stages=stages, kv_bf16=kv_bf16)
-    size = dict(block_m=block) if kernel == "gluon-dkdv" else dict(block_n=block)
-    return module.compile_sm90(head_dim, causal, stages=stages, defer=defer, **size)
+    if kernel == "gluon-dkdv":
+        return module.compile_sm90(head_dim, causal, stages=stages, defer=defer, block_m=block,
+                                   stats_loads=stats_loads)
+    return module.compile_sm90(head_dim, causal, stages=stages, defer=defer, block_n=block)
 
 
 def wgmma_serialised(ptx: str) -> bool:
@@ -141,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=None,
                     help="Gluon dK/dV kernel: query rows per streamed block; dQ kernel: keys per block (default theirs)")
     ap.add_argument("--kv-bf16", action="store_true", help="Gluon forward: the bf16-K/V variant")
+    ap.add_argument("--stats-loads", type=int, choices=(0, 1, 2, 3, 4), default=None,
+                    help="Gluon dK/dV kernel: where the LSE / delta loads go (default: STATS_LOADS)")
     ap.add_argument("--pass", dest="pass_", type=int, choices=(0, 1, 2), default=2,
                     help="0 single pass, 1 split maximum pass, 2 split pass (default)")
     ap.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
@@ -158,10 +164,15 @@ def main(argv=None) -> int:
         return 2
     if args.kernel in GLUON_KERNELS:
         defer = None if args.defer is None else bool(args.defer)
-        kernel = build_gluon(args.kernel, args.head_dim, args.causal, args.stages, defer, args.block, args.kv_bf16)
+        if args.stats_loads is not None and args.kernel != "gluon-dkdv":
+            ap.error("--stats-loads applies to --kernel gluon-dkdv only")
+        kernel = build_gluon(args.kernel, args.head_dim, args.causal, args.stages, defer, args.block, args.kv_bf16,
+                             args.stats_loads)
+        stats = "" if args.kernel != "gluon-dkdv" else \
+            f", stats loads {'default' if args.stats_loads is None else args.stats_loads}"
         print(f"{args.kernel}, D {args.head_dim}{' causal' if args.causal else ''}, stages "
               f"{args.stages or 'default'}, defer {'default' if defer is None else int(defer)}, block "
-              f"{args.block or 'default'}; shared memory {kernel.metadata.shared} bytes; wgmma serialised by ptxas: "
+              f"{args.block or 'default'}{stats}; shared memory {kernel.metadata.shared} bytes; wgmma serialised by ptxas: "
               f"{'yes' if wgmma_serialised(kernel.asm['ptx']) else 'no'}")
         print(report(kernel.asm["cubin"], args.top))
         return 0

@@ -136,3 +136,29 @@ def test_sass_loops_reports_the_gluon_dkdv_kernels_consumer_loops(capsys, defer)
     innermost = [g for a, b, g in found if not any(a <= a2 and b2 <= b and (a2, b2) != (a, b) for a2, b2, _ in found)]
     assert len(innermost) == 6  # three loops in each of the two consumer warpgroups' code
     assert set(innermost) == {2 * 128 // 16 + 2 * 32 // 16}
+
+
+@pytest.mark.parametrize("mode", [0, 4])
+def test_sass_loops_shows_where_the_gluon_dkdv_kernel_loads_lse_and_delta(capsys, mode):
+    """benchmarks/sass_loops.py --stats-loads on the Gluon dK/dV kernel (D128): with session 35's loads (mode 0)
+    each innermost consumer loop issues global loads (LDG) of its block's LSE and delta, whose results the step
+    waits for; with the default (mode 4, STATS_LOADS) it issues no LDG at all, only the next block's asynchronous
+    copies into shared memory (LDGSTS) and shared-memory loads (LDS) of this block's."""
+    import importlib.util
+    import os
+    import re
+    from repo_paths import ROOT
+    from mxattn.kernels import gluon_attention_bwd as gb
+    assert gb.STATS_LOADS[128] == 4
+    spec = importlib.util.spec_from_file_location("sass_loops", os.path.join(ROOT, "benchmarks", "sass_loops.py"))
+    sass_loops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass_loops)
+    assert sass_loops.main(["--kernel", "gluon-dkdv", "--head-dim", "128", "--stats-loads", str(mode),
+                            "--top", "200"]) == 0
+    out = capsys.readouterr().out
+    loops = [line for line in out.splitlines() if re.match(r"loop 0x", line) and "tensor-core instructions 20" in line]
+    assert len(loops) == 6  # the innermost consumer loops (three per consumer warpgroup)
+    for line in loops:
+        ops = dict((name, int(n)) for name, n in re.findall(r"([A-Z][A-Z0-9_.]*) (\d+)(?:,|;)", line))
+        assert ("LDG.E.64" in ops) == (mode == 0), line
+        assert ("LDGSTS.E.64" in ops) == (mode == 4), line
