@@ -184,8 +184,8 @@ def test_gluon_dkdv_head_chunk_views_and_stages(D):
 @pytest.mark.parametrize("case, D", [("causal_gqa", 128), ("no_mask_mha", 128), ("sink_causal", 128),
                                      ("bottom_right_cross", 128), ("causal_gqa", 64), ("bottom_right_cross", 64)])
 def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypatch, case, D):
-    """The public backward on Hopper runs the Gluon dK/dV kernel at head dim 128 (and 64 with GQA) and the Gluon
-    dQ kernel at head dims 64 and 128 (`attention_bwd`'s gluon_dkdv / gluon_dq, asked per chunk) and gives the gradients of the
+    """The public backward on Hopper runs the Gluon dK/dV kernel (MHA and GQA; at D64 MHA in bottom_right_cross) and
+    the Gluon dQ kernel at head dims 64 and 128 (their query-row / key minimums patched to 0) (`attention_bwd`'s gluon_dkdv / gluon_dq, asked per chunk) and gives the gradients of the
     Triton kernels (MXATTN_GLUON_BWD=0's path) bit for bit. Inputs as views (bshd from a fused QKV)."""
     if not _is_hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
