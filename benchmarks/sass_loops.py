@@ -145,8 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=None,
                     help="Gluon dK/dV kernel: query rows per streamed block; dQ kernel: keys per block (default theirs)")
     ap.add_argument("--kv-bf16", action="store_true", help="Gluon forward: the bf16-K/V variant")
-    ap.add_argument("--stats-loads", type=int, choices=(0, 1, 2, 3, 4), default=None,
-                    help="Gluon dK/dV kernel: where the LSE / delta loads go (default: STATS_LOADS)")
+    ap.add_argument("--stats-loads", type=int, choices=(0, 4, 5), default=None,
+                    help="Gluon dK/dV kernel: where the LSE / delta come from (default: STATS_LOADS)")
     ap.add_argument("--pass", dest="pass_", type=int, choices=(0, 1, 2), default=2,
                     help="0 single pass, 1 split maximum pass, 2 split pass (default)")
     ap.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")

@@ -29,8 +29,8 @@ the default partition what is left):
 
 * two consumer warpgroups (the default partition and a worker), 64 key rows each: their K and V rows
   dequantized into the CTA's bf16 K / V tiles in shared memory (the wgmma A operands), then per streamed query
-  block t (`_q_step`, DEFER_WAITS on, the default): block t's LSE and delta read from shared memory, where the
-  consumer copied them (cp.async) one step before (STATS_LOADS), block t + 1's copies issued; wait "ready"; issue
+  block t (`_q_step`, DEFER_WAITS on, the default): wait "ready"; block t's LSE read from shared memory, where
+  the producer loaded it and delta with the tiles (STATS_LOADS; or each consumer copies them one step ahead); issue
   S^T and dP^T (async, A from shared memory, m64 n=BLOCK_M) and block t - 1's dK GEMM (A = its quantized dS^T,
   kept in registers); P^T, the dV GEMM (A = rounded P^T from registers, n = D); wait for dP^T; dS^T and its qdq
   while the dK and dV GEMMs run; wait for both, release block t - 1's stage ("empty", one arrival per warpgroup).
@@ -40,7 +40,8 @@ the default partition what is left):
   the offline sm_90a build.
 * the producer warpgroup (24 registers): for t = 0, 1, ... over (query head of the group, query block) in the
   consumers' order, waits "empty" of stage t % NS and TMA-loads the four bf16 tiles [BLOCK_M, D] (4-D
-  descriptors: rows past SQ read as zeros) with one expect-tx "ready" arrival.
+  descriptors: rows past SQ read as zeros) and, with STATS_LOADS 5, the block's LSE and delta (3-D descriptors,
+  [BLOCK_M] fp32 each) with one expect-tx "ready" arrival.
 
 The protocol is simulated in tests/triton/test_gluon_bwd_protocol.py.
 """
@@ -84,15 +85,19 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 #: bits): D128 0.85 of the waited kernel's time (B2 H16 S4096 dense; B8 H16 S1024 0.86), causal 0.97, GQA causal
 #: S8192 0.99; D64 0.98-1.01
 DEFER_WAITS = {64: True, 128: True}
-#: where the consumers load a query block's LSE and delta (`_q_step`'s STATS; A/B runs): 0 LSE at the step's start
-#: and delta after the dV GEMM's issue (the offline SASS has the LSE load's use, so its L2 latency, between the S^T
-#: GEMM's first and second wgmma, delta's just before dS), 1 both at the step's start, 4 one step ahead, copied
-#: into shared memory (cp.async, no registers held across the step; 2 and 3, one step ahead in registers, spill at
-#: D128). The same bits in every mode. Measured on an H200 (session 36, gluon_bwd_bench.py --variant
-#: s0:stats_loads=0 --variant s1:stats_loads=1 --variant s4:stats_loads=4, interleaved rounds), mode 4 over mode 0:
-#: D128 B2 H16 S4096 0.955, causal 0.835, B8 H16 S1024 0.936, B1 H32/8 S8192 causal 0.765; D64 B4 H16 S2048 0.791,
-#: B8 H16/4 S1024 causal 0.805, B16 H8 S512 0.961 (mode 1: 0.90-1.13)
-STATS_LOADS = {64: 4, 128: 4}
+#: where a query block's LSE and delta come from (`_q_step`'s STATS; A/B runs; the same bits in every mode): 0 the
+#: consumers' global loads in the step (session 35; the offline SASS has the LSE load's use, so its L2 latency,
+#: between the S^T GEMM's first and second wgmma), 4 copied one step ahead by each consumer into shared memory
+#: (cp.async), 5 TMA-loaded by the producer with the block's tiles (the fallback to 4 where TMA cannot describe
+#: them: `stats_tma_ok`). Session 36 removed modes 1 (both loads at the step's start: 0.90-1.13 of mode 0's time)
+#: and 2 / 3 (one step ahead in registers: spill at D128). Measured on an H200, gluon_bwd_bench.py's interleaved
+#: rounds: mode 4 over mode 0 (session 36) D128 B2 H16 S4096 0.955, causal 0.835, B8 H16 S1024 0.936, B1 H32/8
+#: S8192 causal 0.765; D64 B4 H16 S2048 0.791, B8 H16/4 S1024 causal 0.805, B16 H8 S512 0.961; mode 5 over mode 4
+#: (session 37) D128 B2 H16 S4096 0.931, causal 0.905, B8 H16 S1024 0.936, B1 H32/8 S8192 causal 0.966; D64 B4 H16
+#: S2048 0.896, B8 H16/4 S1024 causal 0.870
+STATS_LOADS = {64: 5, 128: 5}
+#: the modes `dkdv_gluon`'s stats_loads takes
+STATS_MODES = (0, 4, 5)
 #: head dims where the backward may run this kernel rather than the Triton one (`takes`, with MIN_QUERY_ROWS and
 #: MHA_MIN_QUERY_ROWS)
 FASTER_HEAD_DIMS = (64, 128)
@@ -190,8 +195,9 @@ def _q_block_range(n0, SQ, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constex
 
 # --------------------------------------------------------------------------- partitions
 @gluon.jit
-def _producer(qr_desc, qc_desc, dor_desc, doc_desc, qr, qc, dor, doc, ready, empty, HKV, GROUP, SQ, SKV, offset, RB,
-              HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr):
+def _producer(qr_desc, qc_desc, dor_desc, doc_desc, lse_desc, del_desc, qr, qc, dor, doc, lse_s, del_s, ready, empty,
+              HKV, GROUP, SQ, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              D: gl.constexpr, NS: gl.constexpr, STATS: gl.constexpr):
     """The producer warpgroup: stage t % NS gets the t-th query block the consumers visit (query head
     hk * GROUP + t // n_blk, rows lo + (t % n_blk) * BM), once both consumer warpgroups released it."""
     tile, b, hk = _kv_tile_of_program(HKV, HAS_RB)
@@ -204,7 +210,12 @@ def _producer(qr_desc, qc_desc, dor_desc, doc_desc, qr, qc, dor, doc, ready, emp
         s = t % NS
         mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)  # passes at once on a fresh barrier (first round)
         bar = ready.index(s)
-        mbarrier.expect(bar, 4 * BM * D * 2)  # four bf16 tiles
+        if STATS == 5:  # four bf16 tiles, the block's LSE and delta
+            mbarrier.expect(bar, 4 * BM * D * 2 + 2 * BM * 4)
+            tma.async_copy_global_to_shared(lse_desc, [b, hq, m0], bar, lse_s.index(s))
+            tma.async_copy_global_to_shared(del_desc, [b, hq, m0], bar, del_s.index(s))
+        else:
+            mbarrier.expect(bar, 4 * BM * D * 2)  # four bf16 tiles
         tma.async_copy_global_to_shared(qr_desc, [b, hq, m0, 0], bar, qr.index(s))
         tma.async_copy_global_to_shared(dor_desc, [b, hq, m0, 0], bar, dor.index(s))
         tma.async_copy_global_to_shared(doc_desc, [b, hq, m0, 0], bar, doc.index(s))
@@ -267,14 +278,6 @@ def deferred_tail(t, acc, a, ring, empty, ROWS: gl.constexpr, D: gl.constexpr, N
 
 
 @gluon.jit
-def _block_stats(lse_h, del_h, cols, ok, sls):
-    """The LSE (natural log; +inf where not ok) and delta (0 where not ok) of query rows `cols` of one head."""
-    lse = gl.load(lse_h + cols * sls, mask=ok, other=float("inf"))
-    delta = gl.load(del_h + cols, mask=ok, other=0.0)
-    return lse, delta
-
-
-@gluon.jit
 def _copy_stats(lse_dst, del_dst, lse_h, del_h, cols, ok, sls):
     """Asynchronous copies (cp.async, one group) of the LSE and delta of query rows `cols` of one head into the
     shared [BM] buffers lse_dst / del_dst (zeros where not ok: such columns are masked or never used). Each thread
@@ -296,21 +299,13 @@ def _q_steps(t, start, stop, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc
              slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero,
              MASK: gl.constexpr, HAS_RB: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
              a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr):
-    """`_q_step` for the query blocks m0 in range(start, stop, BM), t counting on -> (t, dk, dv, dsq, lse_c, del_c);
-    lse_c / del_c are carried from step to step only where STATS is 2 or 3."""
+    """`_q_step` for the query blocks m0 in range(start, stop, BM), t counting on -> (t, dk, dv, dsq)."""
     for m0 in range(start, stop, BM):
-        if STATS == 2 or STATS == 3:
-            dk, dv, dsq, lse_c, del_c = _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready,
-                                                empty, lse_h, del_h, sls, slh, sdelh, g, GROUP, lo, hi, rows_k,
-                                                cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, MASK,
-                                                HAS_RB, BM, D, NS, a_op, DEFER, STATS)
-        else:
-            dk, dv, dsq, _l, _d = _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty,
-                                          lse_h, del_h, sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV,
-                                          qk_scale, sm_scale, offset, RB, s_zero, MASK, HAS_RB, BM, D, NS, a_op,
-                                          DEFER, STATS)
+        dk, dv, dsq = _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
+                              sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset,
+                              RB, s_zero, MASK, HAS_RB, BM, D, NS, a_op, DEFER, STATS)
         t += 1
-    return t, dk, dv, dsq, lse_c, del_c
+    return t, dk, dv, dsq
 
 
 @gluon.jit
@@ -319,20 +314,18 @@ def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, e
             MASK: gl.constexpr, HAS_RB: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
             a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr):
     """The t-th visited query block (rows [m0, m0 + BM) of head g, at lse_h / del_h) of a consumer warpgroup:
-    `_dkdv_block`'s arithmetic on its 64 keys (kw, vw: its K / V rows in shared memory) -> (dk, dv, dsq, lse_c,
-    del_c).
+    `_dkdv_block`'s arithmetic on its 64 keys (kw, vw: its K / V rows in shared memory) -> (dk, dv, dsq).
     DEFER (software-pipelined dK): dsq is block t - 1's quantized dS^T, whose dK GEMM is issued here right after
     this block's S^T and dP^T (t = 0: dsq is zeros and adds exact zeros), so it and this block's dV GEMM run under
     the softmax and dS; both are waited for before the step ends (no wgmma in flight across steps), then stage
     (t - 1) % NS is released; this block's dS^T is returned for the next step (`deferred_tail` issues the last one).
     Else every GEMM of the block is issued and waited for here and stage t % NS released at the end.
-    STATS, where the block's LSE and delta are loaded (`STATS_LOADS`): 0 LSE at the step's start, delta after the
-    dV GEMM's issue; 1 both at the step's start, LSE's use after the S^T and dP^T GEMMs' issue; 2 (3: the LSE only)
-    one step ahead in registers: lse_c / del_c are this block's, the next block's (rows m0 + BM of head g, or rows
-    lo of head g + 1 after head g's last block; none after the last head) are loaded here and returned; 4 the same
-    one step ahead, copied into shared memory: lse_c / del_c are the warpgroup's two-slot buffers, slot t % 2 holds
-    this block's (copied a step ago), the next block's copies go to the other slot. Else lse_c / del_c pass
-    through."""
+    STATS, where the block's LSE and delta come from (`STATS_LOADS`): 0 global loads, the LSE at the step's start,
+    delta after the dV GEMM's issue (lse_c / del_c unused); 4 shared memory, copied one step ahead by this
+    warpgroup: lse_c / del_c are its two-slot buffers, slot t % 2 holds this block's (copied a step ago), the next
+    block's copies (rows m0 + BM of head g, or rows lo of head g + 1 after head g's last block; none after the last
+    head) go to the other slot; 5 shared memory, loaded by the producer with the block's tiles: lse_c / del_c are
+    the [NS, 1, 1, BM] rings, stage s holds this block's."""
     s = t % NS
     cols = m0 + cols0  # query rows
     c_ok = cols < SQ
@@ -346,26 +339,11 @@ def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, e
         step = wrap.to(gl.int64)
         _copy_stats(lse_c.index((t + 1) % 2), del_c.index((t + 1) % 2), lse_h + step * slh, del_h + step * sdelh,
                     n_cols, n_ok, sls)
-    elif STATS == 2 or STATS == 3:
-        nm0 = m0 + BM
-        wrap = nm0 >= hi
-        n_cols = gl.where(wrap, lo, nm0) + cols0
-        n_ok = (n_cols < SQ) & ((nm0 < hi) | (g + 1 < GROUP))
-        step = wrap.to(gl.int64)
-        lse_raw = lse_c
-        if STATS == 2:
-            delta = del_c
-            lse_c, del_c = _block_stats(lse_h + step * slh, del_h + step * sdelh, n_cols, n_ok, sls)
-        else:
-            lse_c = gl.load(lse_h + step * slh + n_cols * sls, mask=n_ok, other=float("inf"))
-            delta = gl.load(del_h + cols, mask=c_ok, other=0.0)
-    elif STATS == 1:
-        lse_raw, delta = _block_stats(lse_h, del_h, cols, c_ok, sls)
-    else:
-        lse_raw = gl.load(lse_h + cols * sls, mask=c_ok, other=float("inf"))
-    if STATS == 0:
-        lse = _log2_lse(lse_raw)
+    elif STATS == 0:
+        lse = _log2_lse(gl.load(lse_h + cols * sls, mask=c_ok, other=float("inf")))
     mbarrier.wait(ready.index(s), (t // NS) & 1)
+    if STATS == 5:  # lse_c / del_c: the rings' [NS, 1, 1, BM] LSE / delta tiles the producer loaded with the block's
+        lse_raw = lse_c.index(s).reshape([BM]).load(cols0.type.layout)
     q_t = qr.index(s).reshape([BM, D]).permute((1, 0))
     do_t = dor.index(s).reshape([BM, D]).permute((1, 0))
     if DEFER:
@@ -396,6 +374,8 @@ def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, e
         delta = gl.load(del_h + cols, mask=c_ok, other=0.0)
     elif STATS == 4:
         delta = del_c.index(t % 2).load(cols0.type.layout)
+    elif STATS == 5:
+        delta = del_c.index(s).reshape([BM]).load(cols0.type.layout)
     ds = p * (dp - gl.expand_dims(delta, 0)) * sm_scale
     ds_a = gl.convert_layout(_qdq_cols32(ds, BM), a_op)
     if DEFER:
@@ -405,11 +385,11 @@ def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, e
         dsq = ds_a
     else:
         dk = gemm_release(dk, ds_a, qc.index(s).reshape([BM, D]), empty, s)
-    return dk, dv, dsq, lse_c, del_c
+    return dk, dv, dsq
 
 
 @gluon.jit
-def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready, empty,
+def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s, del_s, ready, empty,
               skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
               slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
               HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
@@ -456,9 +436,9 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready,
         del_c = gl.allocate_shared_memory(gl.float32, [2, BM], stats_layout)
         _copy_stats(lse_c.index(0), del_c.index(0), LSE + b64 * slb + hq0 * slh, DELTA + b64 * sdelb + hq0 * sdelh,
                     lo + cols0, (lo + cols0 < SQ) & (lo < hi), sls)
-    elif STATS >= 2:  # the first block's LSE and delta (head hk * GROUP, rows lo); each step loads the next block's
-        lse_c, del_c = _block_stats(LSE + b64 * slb + hq0 * slh, DELTA + b64 * sdelb + hq0 * sdelh, lo + cols0,
-                                    (lo + cols0 < SQ) & (lo < hi), sls)
+    elif STATS == 5:  # the producer's rings
+        lse_c = lse_s
+        del_c = del_s
     else:  # unused: each step loads its own
         lse_c = gl.zeros([BM], gl.float32, col_s)
         del_c = gl.zeros([BM], gl.float32, col_s)
@@ -467,15 +447,15 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready,
         hq64 = hq0 + g
         lse_h = LSE + b64 * slb + hq64 * slh
         del_h = DELTA + b64 * sdelb + hq64 * sdelh
-        t, dk, dv, dsq, lse_c, del_c = _q_steps(
+        t, dk, dv, dsq = _q_steps(
             t, lo, mask_hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls,
             slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True,
             HAS_RB, BM, D, NS, a_op, DEFER, STATS)
-        t, dk, dv, dsq, lse_c, del_c = _q_steps(
+        t, dk, dv, dsq = _q_steps(
             t, full_lo, full_hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
             sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, False,
             HAS_RB, BM, D, NS, a_op, DEFER, STATS)
-        t, dk, dv, dsq, lse_c, del_c = _q_steps(
+        t, dk, dv, dsq = _q_steps(
             t, gl.maximum(full_hi, mask_hi), hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty,
             lse_h, del_h, sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB,
             s_zero, True, HAS_RB, BM, D, NS, a_op, DEFER, STATS)
@@ -496,7 +476,7 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready,
 
 @gluon.jit
 def _gluon_dkdv_kernel(
-        qr_desc, qc_desc, dor_desc, doc_desc, K, KS, V, VS, LSE, DELTA, DK, DV,
+        qr_desc, qc_desc, dor_desc, doc_desc, lse_desc, del_desc, K, KS, V, VS, LSE, DELTA, DK, DV,
         skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
         slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
         HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
@@ -515,6 +495,12 @@ def _gluon_dkdv_kernel(
     qc = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BM, D], qc_desc.layout)
     dor = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BM, D], dor_desc.layout)
     doc = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BM, D], doc_desc.layout)
+    if STATS == 5:  # the LSE / delta of each stage's block, loaded by the producer with the tiles
+        lse_s = gl.allocate_shared_memory(gl.float32, [NS, 1, 1, BM], lse_desc.layout)
+        del_s = gl.allocate_shared_memory(gl.float32, [NS, 1, 1, BM], del_desc.layout)
+    else:
+        lse_s = qr
+        del_s = qr
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
@@ -523,18 +509,18 @@ def _gluon_dkdv_kernel(
     fence_async_shared()
 
     gl.warp_specialize([
-        (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready, empty,
+        (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s, del_s, ready, empty,
                      skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
                      slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                      HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG0, DEFER,
                      STATS)),
-        (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, ready, empty,
+        (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s, del_s, ready, empty,
                      skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
                      slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                      HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG1, DEFER,
                      STATS)),
-        (_producer, (qr_desc, qc_desc, dor_desc, doc_desc, qr, qc, dor, doc, ready, empty, HKV, GROUP, SQ, SKV,
-                     offset, RB, HAS_RB, BM, BN, D, NS)),
+        (_producer, (qr_desc, qc_desc, dor_desc, doc_desc, lse_desc, del_desc, qr, qc, dor, doc, lse_s, del_s, ready,
+                     empty, HKV, GROUP, SQ, SKV, offset, RB, HAS_RB, BM, BN, D, NS, STATS)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
     for i in gl.static_range(NS):
@@ -543,6 +529,19 @@ def _gluon_dkdv_kernel(
 
 
 # --------------------------------------------------------------------------- host side
+@functools.lru_cache(maxsize=None)
+def stats_tma_layout(block_m: int):
+    """Shared layout of the LSE / delta TMA descriptors (STATS 5): block [1, 1, block_m] fp32, no swizzle."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+
+
+def stats_tma_ok(t) -> bool:
+    """Whether a TMA descriptor can describe t [B, H, SQ] fp32 (16-byte aligned, unit stride along SQ, the other
+    strides multiples of 16 bytes)."""
+    return (t.dtype == torch.float32 and t.dim() == 3 and t.stride(2) == 1 and t.data_ptr() % 16 == 0
+            and not any(x % 4 for x in t.stride()[:2]))
+
+
 @functools.lru_cache(maxsize=None)
 def tma_layout(d: int, block_m: Optional[int] = None):
     """Shared layout of the bf16 scratch tiles' TMA descriptors at head dim d (block [1, 1, block_m, d],
@@ -647,7 +646,8 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
     D) and the same mask arguments; writes dk and dv. stages: ring stages override (>= 1, >= 2 with deferred
     waits); block_m: query rows per streamed block override (a multiple of 32; sweeps, BLOCK_M[D] by default);
     defer: the software-pipelined dK GEMM on or off (A/B runs; DEFER_WAITS[D] by default, same bits); stats_loads:
-    where the LSE / delta loads go (A/B runs; STATS_LOADS[D] by default, same bits). Raises ValueError
+    where the LSE / delta come from (A/B runs; one of STATS_MODES, STATS_LOADS[D] by default, same bits). Raises
+    ValueError
     for what it does not take (`unsupported_reason`)."""
     reason = None if checked else unsupported_reason(q_r, k_row, v_row, left_bound=left_bound, seq=seq,
                                                      bottom_right=bottom_right, flags=flags, q_c=q_c, do_r=do_r,
@@ -684,6 +684,17 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
              for t in (q_r, q_c, do_r, do_c)]
     has_rb = right_bound is not None
     grid = (cdiv(SKV, BLOCK_N), B * HKV)
+    st = STATS_LOADS[D] if stats_loads is None else int(stats_loads)
+    if st not in STATS_MODES:
+        raise ValueError(f"stats_loads must be one of {STATS_MODES}, got {stats_loads!r}")
+    lse3 = stats[..., 0]  # [B, Hc, SQ] (strides slb, slh, sls)
+    if st == 5 and not (stats_tma_ok(lse3) and stats_tma_ok(delta)):
+        st = 4  # TMA cannot describe them (SQ not a multiple of 4, or an offset view): the consumers copy them
+    if st == 5:
+        sl = stats_tma_layout(bm)
+        descs += [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bm], sl) for t in (lse3, delta)]
+    else:
+        descs += descs[:2]
     launch(
         _gluon_dkdv_kernel, grid,
         *descs, k_data, ks, v_data, vs, stats, delta, dk, dv,
@@ -693,7 +704,7 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
         int(right_bound) if has_rb else 0,
         HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, DEFER=defer,
-        STATS=STATS_LOADS[D] if stats_loads is None else int(stats_loads), num_warps=PARTITION_WARPS)
+        STATS=st, num_warps=PARTITION_WARPS)
 
 
 #: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
@@ -714,16 +725,20 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
     defer = DEFER_WAITS[d] if defer is None else defer
     layout = tma_layout(d, bm)
     desc = f"tensordesc<bf16[1, 1, {bm}, {d}],{layout!r}>"
-    types = dict(qr_desc=desc, qc_desc=desc, dor_desc=desc, doc_desc=desc, K="*fp8e4nv", KS="*u8", V="*fp8e4nv",
+    st = STATS_LOADS[d] if stats_loads is None else stats_loads
+    sdesc = f"tensordesc<fp32[1, 1, {bm}],{stats_tma_layout(bm)!r}>" if st == 5 else desc
+    types = dict(qr_desc=desc, qc_desc=desc, dor_desc=desc, doc_desc=desc, lse_desc=sdesc, del_desc=sdesc,
+                 K="*fp8e4nv", KS="*u8", V="*fp8e4nv",
                  VS="*u8", LSE="*fp32", DELTA="*fp32", DK=f"*{dk_dtype}", DV=f"*{dk_dtype}", qk_scale="fp32",
                  sm_scale="fp32")
     constexprs = dict(HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=d, NS=ns, CONSUMER_REGS=regs[0],
                       PRODUCER_REGS=regs[1], DEFER=defer,
-                      STATS=STATS_LOADS[d] if stats_loads is None else stats_loads)
+                      STATS=st)
     if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
         constexprs["sls"] = 1
     return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 
 __all__ = ["dkdv_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "MHA_MIN_QUERY_ROWS",
-           "MIN_QUERY_ROWS", "BLOCK_M", "BLOCK_N", "STAGES", "DEFER_WAITS", "STATS_LOADS"]
+           "MIN_QUERY_ROWS", "BLOCK_M", "BLOCK_N", "STAGES", "DEFER_WAITS", "STATS_LOADS",
+           "STATS_MODES"]

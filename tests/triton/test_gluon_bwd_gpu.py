@@ -163,7 +163,7 @@ def test_gluon_dkdv_head_chunk_views_and_stages(D):
     # (ring depth, software-pipelined dK GEMM, where the LSE / delta loads go): one ring stage only without the
     # pipelining (its stage is held a step longer)
     runs = [(None, None, None), (1, False, None), (2, True, None), (3, True, None), (3, False, None),
-            (None, not gb.DEFER_WAITS[D], None)] + [(ns, None, mode) for mode in (0, 1, 4) for ns in (None, 2)]
+            (None, not gb.DEFER_WAITS[D], None)] + [(ns, None, mode) for mode in gb.STATS_MODES for ns in (None, 2)]
     for stages, defer, stats_loads in runs:
         dk, dv = (torch.zeros(B, HKV, SKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         gb.dkdv_gluon(*chunk, dk[:, h0:h1], dv[:, h0:h1], softmax_scale=scale, offset=0, right_bound=0,
@@ -237,8 +237,10 @@ def test_transformers_llama_trains_on_the_gluon_backward_eager_and_compiled(monk
     backend), one training step on a dense batch (no padding: padded and packed batches take the Triton kernels,
     which the Gluon ones refuse) eager and under torch.compile, with the Gluon backward kernels taking every chunk
     (their minimums patched to 0): both kernels run, the eager gradients match the Triton kernels' path (the
-    attention's are bit-equal; rel-RMS 1e-5 leaves room for atomics elsewhere in the model), and the compiled
-    step's loss and gradients match the eager ones."""
+    attention's are bit-equal; rel-RMS 1e-5 leaves room for atomics elsewhere in the model), the same holds for
+    the compiled model (Gluon against Triton, each compiled afresh), and the compiled step's loss is the eager
+    one's within 1e-3 (its gradients within rel-RMS 0.1: the bf16 model's other ops round differently compiled,
+    which moves some FP8 codes; session 37's device run had them above 1e-2)."""
     if not _is_hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
     transformers = pytest.importorskip("transformers")
@@ -279,13 +281,25 @@ def test_transformers_llama_trains_on_the_gluon_backward_eager_and_compiled(monk
         loss_t, grads_t = step(model, False)
         assert loss_g == loss_t
         assert all(_rel_rms(a, b) <= 1e-5 for a, b in zip(grads_g, grads_t))
-        for c in calls.values():
-            c.clear()
-        torch._dynamo.reset()
-        loss_c, grads_c = step(torch.compile(model), True)
+
+        def compiled_step(gluon):
+            for c in calls.values():
+                c.clear()
+            torch._dynamo.reset()
+            return step(torch.compile(model), gluon)
+
+        loss_c, grads_c = compiled_step(True)
         assert calls["dkdv"] and calls["dq"], "the Gluon backward kernels did not run in the compiled model"
-        assert abs(loss_c - loss_g) <= 1e-3 * abs(loss_g)
-        assert all(_rel_rms(a, b) < 1e-2 for a, b in zip(grads_c, grads_g))
+        loss_ct, grads_ct = compiled_step(False)
+        assert not calls["dkdv"] and not calls["dq"]
+        assert loss_c == loss_ct
+        worst = max(_rel_rms(a, b) for a, b in zip(grads_c, grads_ct))
+        assert worst <= 1e-5, worst
+        # compiled against eager: inductor rounds the bf16 model's other ops differently (fused), which moves some
+        # of the attention's FP8 codes; a layout or stride error would be O(1)
+        assert abs(loss_c - loss_g) <= 1e-3 * abs(loss_g), (loss_c, loss_g)
+        worst = max(_rel_rms(a, b) for a, b in zip(grads_c, grads_g))
+        assert worst < 0.1, worst
     finally:
         mx_hf.unregister(name)
         torch._dynamo.reset()
@@ -389,14 +403,37 @@ def test_gluon_dkdv_compiles_for_sm90a_without_spills(d, causal):
     _assert_sm90_build(kernel)
     assert ("wgmma.wait_group.sync.aligned 2;" in kernel.asm["ptx"]) == gb.DEFER_WAITS[d]
     assert ("cp.async.ca.shared.global" in kernel.asm["ptx"]) == (gb.STATS_LOADS[d] == 4)
+    assert ("cp.async.bulk.tensor.3d" in kernel.asm["ptx"]) == (gb.STATS_LOADS[d] == 5)  # LSE / delta by TMA
 
 
-@pytest.mark.parametrize("d,causal,mode", [(d, c, m) for m in (0, 1) for d in (64, 128) for c in (False, True)
-                                           if not (m == 1 and d == 128 and c)])
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gluon_dkdv_stats_tma_falls_back_where_tma_cannot(D):
+    """STATS 5 (the producer TMA-loads the LSE and delta) needs [B, H, SQ] fp32 views TMA can describe; at SQ = 901
+    (rows of 3604 bytes) dkdv_gluon runs mode 4 instead, and both give mode 0's bits."""
+    if not _is_hopper():
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    from mxattn.kernels import gluon_attention_bwd as gb
+    B, HQ, HKV = 1, 4, 2
+    scale = 1.0 / math.sqrt(D)
+    for S in (901, 904):
+        g = torch.Generator(device="cuda").manual_seed(5 + D + S)
+        ins = _pre_inputs(B, HQ, HKV, S, S, D, 0, 0, g, scale)
+        assert gb.stats_tma_ok(ins[7]) == (S % 4 == 0)
+        out = []
+        for mode in (0, 5):
+            dk, dv = (torch.zeros(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            gb.dkdv_gluon(*ins, dk, dv, softmax_scale=scale, offset=0, right_bound=0, stats_loads=mode)
+            out.append((dk, dv))
+        torch.cuda.synchronize()
+        assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+@pytest.mark.parametrize("d,causal,mode", [(d, c, m) for m in (0, 4, 5) for d in (64, 128) for c in (False, True)])
 def test_gluon_dkdv_stats_loads_variants_build_without_spills(d, causal, mode):
-    """The other placements of the LSE / delta loads (`STATS_LOADS`, A/B runs: 0 the loads of session 35, 1 both at
-    the step's start) build without spills and with asynchronous wgmmas, and without the cp.async of mode 4 (the
-    default). Mode 1 at D128 with a causal band spills 8 bytes (offline), so it is left out."""
+    """Every source of the LSE / delta (`STATS_LOADS`, A/B runs: 0 the consumers' global loads of session 35, 4
+    the consumers' cp.async copies one step ahead, 5 the producer's TMA loads with the tiles, the default) builds
+    without spills and with asynchronous wgmmas; cp.async only in mode 4, 3-D bulk tensor copies only in mode 5."""
     from mxattn.kernels import gluon_attention_bwd as gb
     try:
         kernel = gb.compile_sm90(d, causal, stats_loads=mode)
@@ -406,3 +443,4 @@ def test_gluon_dkdv_stats_loads_variants_build_without_spills(d, causal, mode):
     ptx = kernel.asm["ptx"]
     assert ("cp.async.ca.shared.global" in ptx) == (mode == 4)
     assert ("cp.async.wait_group" in ptx) == (mode == 4)
+    assert ("cp.async.bulk.tensor.3d" in ptx) == (mode == 5)  # the producer's LSE / delta loads

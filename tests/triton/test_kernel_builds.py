@@ -138,18 +138,19 @@ def test_sass_loops_reports_the_gluon_dkdv_kernels_consumer_loops(capsys, defer)
     assert set(innermost) == {2 * 128 // 16 + 2 * 32 // 16}
 
 
-@pytest.mark.parametrize("mode", [0, 4])
+@pytest.mark.parametrize("mode", [0, 4, 5])
 def test_sass_loops_shows_where_the_gluon_dkdv_kernel_loads_lse_and_delta(capsys, mode):
     """benchmarks/sass_loops.py --stats-loads on the Gluon dK/dV kernel (D128): with session 35's loads (mode 0)
     each innermost consumer loop issues global loads (LDG) of its block's LSE and delta, whose results the step
-    waits for; with the default (mode 4, STATS_LOADS) it issues no LDG at all, only the next block's asynchronous
-    copies into shared memory (LDGSTS) and shared-memory loads (LDS) of this block's."""
+    waits for; with mode 4 it issues no LDG, only the next block's asynchronous copies into shared memory
+    (LDGSTS) and shared-memory loads (LDS) of this block's; with the default (mode 5, STATS_LOADS: the producer
+    TMA-loads them with the block's tiles) neither LDG nor LDGSTS, only LDS."""
     import importlib.util
     import os
     import re
     from repo_paths import ROOT
     from mxattn.kernels import gluon_attention_bwd as gb
-    assert gb.STATS_LOADS[128] == 4
+    assert gb.STATS_LOADS[128] == 5
     spec = importlib.util.spec_from_file_location("sass_loops", os.path.join(ROOT, "benchmarks", "sass_loops.py"))
     sass_loops = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sass_loops)
@@ -162,3 +163,7 @@ def test_sass_loops_shows_where_the_gluon_dkdv_kernel_loads_lse_and_delta(capsys
         ops = dict((name, int(n)) for name, n in re.findall(r"([A-Z][A-Z0-9_.]*) (\d+)(?:,|;)", line))
         assert ("LDG.E.64" in ops) == (mode == 0), line
         assert ("LDGSTS.E.64" in ops) == (mode == 4), line
+        if mode == 5:
+            assert not any(name.startswith("LDG") for name in ops), line
+        if mode != 0:
+            assert any(name.startswith("LDS") for name in ops), line
