@@ -11,7 +11,8 @@ and dV, or dQ) against the Triton kernel's (share bit-equal, share within one bf
 for Gluon).
 
 Usage: python benchmarks/gluon_bwd_bench.py [--dq] [--config name:B:Hq:Hkv:S:D:causal ...] [--rounds 15]
-[--iters 10] [--stages N] [--block-m N (dK/dV only)] [--variant name:defer=0|1[,block_n=N][,stats_loads=N] ...]
+[--iters 10] [--stages N] [--block-m N (dK/dV only)]
+[--variant name:defer=0|1[,block_n=N (dQ)][,block_m=N][,stages=N][,stats_loads=N (dK/dV)] ...]
 [--json FILE]
 (e.g. --variant base:defer=0 --variant pipelined:defer=1: the software-pipelined dK / dQ GEMM against the
 waited one, interleaved in one run, outputs compared bit for bit)
@@ -49,10 +50,16 @@ def _time(runs: dict, rounds: int, iters: int) -> dict:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def _distinct(values):
+    """The one value of `values`, or their sorted list where the variants differ (a report's stages / block rows)."""
+    xs = sorted(set(values))
+    return xs[0] if len(xs) == 1 else xs
+
+
 def _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m, variants=None):
     """(runs {"triton": fn, <variant>: fn ...}, [(label, output, triton output)], GEMMs of the pass, the Gluon
     kernel's (stages, block rows)) of the dK/dV pass (kernel "dkdv") or the dQ pass ("dq") on one config's inputs.
-    variants: {name: launch keywords of the Gluon kernel (defer, block_n of dQ)}; {"gluon": {}} by default."""
+    variants: {name: launch keywords of the Gluon kernel (`_variant`)}; {"gluon": {}} by default."""
     from test_gluon_bwd_gpu import _pre_inputs, _triton_dkdv
     variants = variants or {"gluon": {}}
     scale = 1.0 / math.sqrt(D)
@@ -67,20 +74,24 @@ def _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m, variants=None):
         runs["triton"] = lambda: _triton_dq(*ins, dq_t, scale, 0, rb)
         for name, kw in variants.items():
             dq_g = torch.empty(B, HQ, S, D, device="cuda", dtype=torch.bfloat16)
+            kw = {"stages": stages, **kw}
             runs[name] = lambda dq_g=dq_g, kw=kw: gd.dq_gluon(*ins, dq_g, softmax_scale=scale, offset=0,
-                                                             right_bound=rb, stages=stages, **kw)
+                                                             right_bound=rb, **kw)
             outputs.append((f"{name} dq", dq_g, dq_t))
-        return runs, outputs, 3, (stages or gd.STAGES[D], gd.BLOCK_M)
+        return runs, outputs, 3, (_distinct(kw.get("stages", stages) or gd.STAGES[D] for kw in variants.values()),
+                                  gd.BLOCK_M)
     from mxattn.kernels import gluon_attention_bwd as gb
     ins = _pre_inputs(B, HQ, HKV, S, S, D, 0, rb, g, scale)
     dk_t, dv_t = (torch.empty(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     runs["triton"] = lambda: _triton_dkdv(*ins, dk_t, dv_t, scale, 0, rb)
     for name, kw in variants.items():
         dk_g, dv_g = (torch.empty(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        kw = {"stages": stages, "block_m": block_m, **kw}  # a variant's own ring depth / block rows win
         runs[name] = lambda dk_g=dk_g, dv_g=dv_g, kw=kw: gb.dkdv_gluon(
-            *ins, dk_g, dv_g, softmax_scale=scale, offset=0, right_bound=rb, stages=stages, block_m=block_m, **kw)
+            *ins, dk_g, dv_g, softmax_scale=scale, offset=0, right_bound=rb, **kw)
         outputs += [(f"{name} dk", dk_g, dk_t), (f"{name} dv", dv_g, dv_t)]
-    return runs, outputs, 4, (stages or gb.STAGES[D], block_m or gb.BLOCK_M[D])
+    return runs, outputs, 4, (_distinct(kw.get("stages", stages) or gb.STAGES[D] for kw in variants.values()),
+                              _distinct(kw.get("block_m", block_m) or gb.BLOCK_M[D] for kw in variants.values()))
 
 
 def bench_config(name, B, HQ, HKV, S, D, causal, rounds, iters, stages=None, block_m=None, kernel="dkdv",
@@ -116,12 +127,15 @@ def bench_config(name, B, HQ, HKV, S, D, causal, rounds, iters, stages=None, blo
 
 
 def _variant(text):
-    """name[:key=value,...] -> (name, launch keywords): defer=0/1, block_n=N (dQ), stats_loads=N (dK/dV)."""
+    """name[:key=value,...] -> (name, launch keywords): defer=0/1, block_n=N (dQ), block_m=N, stages=N and
+    stats_loads=N (dK/dV)."""
     name, _, rest = text.partition(":")
     kw = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        kw[key] = bool(int(value)) if key == "defer" else int(value)  # block_n, stats_loads (dK/dV: 0, 1, 4)
+        if key not in ("defer", "block_n", "block_m", "stages", "stats_loads"):
+            raise argparse.ArgumentTypeError(f"unknown variant key {key!r} in {text!r}")
+        kw[key] = bool(int(value)) if key == "defer" else int(value)
     return name, kw
 
 
@@ -136,8 +150,9 @@ def main() -> None:
     parser.add_argument("--dq", action="store_true",
                         help="the dQ pass (gluon_attention_dq.dq_gluon vs the Triton dQ kernel) instead of dK/dV")
     parser.add_argument("--variant", action="append", type=_variant,
-                        help="name[:defer=0|1,block_n=N,stats_loads=N]: a Gluon launch to time (repeatable; A/B in one run, "
-                             "ratios to the first); one default launch named gluon when none")
+                        help="name[:defer=0|1,block_n=N,block_m=N,stages=N,stats_loads=N]: a Gluon launch to time "
+                             "(repeatable; A/B in one run, ratios to the first); one default launch named gluon when "
+                             "none")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if args.dq and args.block_m is not None:
