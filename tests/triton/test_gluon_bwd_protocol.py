@@ -1,6 +1,7 @@
 """The Gluon dK/dV kernel's synchronisation protocol and block walk (mxattn/kernels/gluon_attention_bwd.py),
 simulated on the CPU under random interleavings: the producer (for t = 0, 1, ...: wait "empty" of stage t % NS,
-one expect-tx arrival on "ready" and four TMA copies that land later) and the two consumer warpgroups (per
+one expect-tx arrival on "ready" and the stage's TMA copies, which land one by one in any order: four bf16 tiles,
+and with STATS_LOADS 5 the block's LSE and delta too) and the two consumer warpgroups (per
 visited query block: wait "ready", read the stage's tiles with their GEMMs, one "empty" arrival each), with
 mbarrier phase/parity semantics (a wait on parity P passes once the barrier's phase parity differs from P; a
 fresh barrier is in phase 0). Checks: no deadlock, a consumer only reads a stage holding the block it wants, the
@@ -61,8 +62,9 @@ def producer_blocks(n0, SQ, SKV, offset, RB, has_rb, BM, BN):
     return [lo + i * BM for i in range(n_blk)]
 
 
-def _simulate(blocks, group, NS, seed, deferred=False):
-    """blocks: the m0 of one head's visited query blocks; the CTA walks them for `group` query heads. deferred:
+def _simulate(blocks, group, NS, seed, deferred=False, copies=4):
+    """blocks: the m0 of one head's visited query blocks; the CTA walks them for `group` query heads. copies: TMA
+    copies per stage (4 tiles; 6 with the LSE and delta of STATS_LOADS 5), each landing on its own. deferred:
     the consumers' software-pipelined last GEMM (DEFER): step t reads stage t % NS and the previous block's
     stage (its dK / dQ GEMM issued there) and releases the previous one at its end; the last block's stage is
     read and released after the walk."""
@@ -82,10 +84,10 @@ def _simulate(blocks, group, NS, seed, deferred=False):
             s = t % NS
             yield empty[s], ((t // NS) & 1) ^ 1
             assert not readers[s], f"stage {s} overwritten while read by {readers[s]}"
-            ready[s].tx += 1  # expect (one arrival with the bytes of the four tiles), then the copies
+            ready[s].tx += copies  # expect (one arrival with the bytes of every copy), then the copies
             ready[s].arrive()
-            holds[s] = None  # the copies write the stage from now on
-            landing.append((s, (g, m0)))
+            holds[s] = [None] * copies  # the copies write the stage from now on
+            landing.extend((s, c, (g, m0)) for c in range(copies))
 
     def consumer(wg):
         t = 0
@@ -94,13 +96,14 @@ def _simulate(blocks, group, NS, seed, deferred=False):
             for m0 in blocks:
                 s = t % NS
                 yield ready[s], (t // NS) & 1
-                assert holds[s] == (g, m0), f"wg {wg} wants {(g, m0)} in stage {s}, which holds {holds[s]}"
+                want = [(g, m0)] * copies
+                assert holds[s] == want, f"wg {wg} wants {(g, m0)} in stage {s}, which holds {holds[s]}"
                 readers[s].add(wg)
                 yield None  # the GEMMs read the stage (and, deferred, the previous block's)
-                assert holds[s] == (g, m0)
+                assert holds[s] == want
                 if deferred:
                     if prev is not None:
-                        assert holds[prev[0]] == prev[1]
+                        assert holds[prev[0]] == [prev[1]] * copies
                         readers[prev[0]].discard(wg)
                         empty[prev[0]].arrive()
                     prev = (s, (g, m0))
@@ -111,7 +114,7 @@ def _simulate(blocks, group, NS, seed, deferred=False):
                 t += 1
         if prev is not None:  # the last block's GEMM after the walk, then its stage
             yield None
-            assert holds[prev[0]] == prev[1]
+            assert holds[prev[0]] == [prev[1]] * copies
             readers[prev[0]].discard(wg)
             empty[prev[0]].arrive()
 
@@ -127,9 +130,9 @@ def _simulate(blocks, group, NS, seed, deferred=False):
         assert options, f"deadlock: {waiting}"
         k = rng.choice(options)
         if k == "tma":
-            s, blk = landing.pop(rng.randrange(len(landing)))  # copies of different stages land in any order
+            s, c, blk = landing.pop(rng.randrange(len(landing)))  # copies land in any order, across stages too
             assert not readers[s]
-            holds[s] = blk
+            holds[s][c] = blk
             ready[s].complete_tx()
             continue
         waiting[k] = None
@@ -149,11 +152,13 @@ def _simulate(blocks, group, NS, seed, deferred=False):
                          ids=lambda x: str(x) if isinstance(x, int) else ("deferred" if x else "waited"))
 @pytest.mark.parametrize("n_blk", [0, 1, 2, 5, 9])
 @pytest.mark.parametrize("group", [1, 3])
-def test_rings_never_deadlock_or_race(NS, n_blk, group, deferred):
+@pytest.mark.parametrize("copies", [4, 6], ids=["tiles", "tiles+stats"])
+def test_rings_never_deadlock_or_race(NS, n_blk, group, deferred, copies):
     """No deadlock or race at any ring depth (one stage only without deferred GEMMs:
-    test_one_stage_with_deferred_gemms_deadlocks)."""
+    test_one_stage_with_deferred_gemms_deadlocks), with the four tiles per stage and with the LSE and delta too
+    (STATS_LOADS 5)."""
     for seed in range(20):
-        _simulate([64 * i for i in range(n_blk)], group, NS, seed, deferred)
+        _simulate([64 * i for i in range(n_blk)], group, NS, seed, deferred, copies)
 
 
 def test_one_stage_with_deferred_gemms_deadlocks():

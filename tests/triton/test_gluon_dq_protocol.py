@@ -50,7 +50,7 @@ def triton_walk(m0, SKV, offset, RB, has_rb, BN):
 def test_ring_never_deadlocks_or_races(NS, n_blk, deferred):
     """No deadlock or race at any ring depth (one stage only without deferred GEMMs: test_gluon_bwd_protocol)."""
     for seed in range(20):
-        _simulate(list(range(n_blk)), 1, NS, seed, deferred)
+        _simulate(list(range(n_blk)), 1, NS, seed, deferred, copies=3)  # K_r, V_r, K_c
 
 
 CASES = [(sq, skv, off, rb, has_rb)
