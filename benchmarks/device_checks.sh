@@ -18,12 +18,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python -m mxattn info 2>&1 | tee "$OUT/info.txt"
 # every test marked gpu or blackwell, in every file (new GPU test files are picked up without editing this);
 # in parallel workers when pytest-xdist is there (Triton compiles dominate): 8 beside the samples, one per CPU
-# core alone. test_formats.py needs torchao (a CPU-only oracle) and holds no GPU test.
+# core alone. test_formats.py needs torchao (a CPU-only oracle) and holds no GPU test. --durations: the slowest
+# tests in the log (the two test calls fill most of a session's device time).
 WORKERS=$([ "$PART" = tests ] && nproc || echo 8)
 XDIST=$(python -c "import xdist" 2>/dev/null && echo "-n $WORKERS -p no:benchmark")
 TESTS=
 if [ "$PART" != samples ]; then
-  python -m pytest -q -ra -p no:cacheprovider $XDIST -m "gpu or blackwell" tests --ignore tests/quantization/test_formats.py \
+  python -m pytest -q -ra --durations=30 -p no:cacheprovider $XDIST -m "gpu or blackwell" tests --ignore tests/quantization/test_formats.py \
       ${1:+-k "$1"} > "$OUT/gpu_tests.txt" 2>&1 &
   TESTS=$!
 fi
