@@ -167,3 +167,21 @@ def test_sass_loops_shows_where_the_gluon_dkdv_kernel_loads_lse_and_delta(capsys
             assert not any(name.startswith("LDG") for name in ops), line
         if mode != 0:
             assert any(name.startswith("LDS") for name in ops), line
+
+
+def test_gluon_bwd_bench_variants_take_launch_keywords():
+    """benchmarks/gluon_bwd_bench.py --variant: name:key=value,... -> the Gluon kernel's launch keywords (defer a
+    bool, the others ints; a variant's own stages / block_m override the command line's), unknown keys refused
+    by argparse's type error, and a report's stages / block rows one value or the sorted distinct ones."""
+    import argparse
+    import os
+    import sys
+    from repo_paths import ROOT
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gluon_bwd_bench as bench
+    assert bench._variant("cur") == ("cur", {})
+    assert bench._variant("w64:defer=0,block_m=64,stages=2") == ("w64", {"defer": False, "block_m": 64, "stages": 2})
+    assert bench._variant("s5:stats_loads=5,defer=1") == ("s5", {"stats_loads": 5, "defer": True})
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown variant key 'bm'"):
+        bench._variant("x:bm=64")
+    assert bench._distinct([4, 4, 4]) == 4 and bench._distinct([32, 64, 32]) == [32, 64]
