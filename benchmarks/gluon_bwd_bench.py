@@ -90,8 +90,11 @@ def _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m, variants=None):
         runs[name] = lambda dk_g=dk_g, dv_g=dv_g, kw=kw: gb.dkdv_gluon(
             *ins, dk_g, dv_g, softmax_scale=scale, offset=0, right_bound=rb, **kw)
         outputs += [(f"{name} dk", dk_g, dk_t), (f"{name} dv", dv_g, dv_t)]
-    return runs, outputs, 4, (_distinct(kw.get("stages", stages) or gb.STAGES[D] for kw in variants.values()),
-                              _distinct(kw.get("block_m", block_m) or gb.BLOCK_M[D] for kw in variants.values()))
+    launched = [gb.resolve_schedule(D, gb.STATS_LOADS[D] if kw.get("stats_loads") is None else kw["stats_loads"],
+                                    False, False, kw.get("block_m"), kw.get("stages"), kw.get("defer"))
+                for kw in ({"stages": stages, "block_m": block_m, **kw} for kw in variants.values())]
+    return runs, outputs, 4, (_distinct(ns or gb.STAGES[D] for _, ns, _ in launched),
+                              _distinct(bm for bm, _, _ in launched))
 
 
 def bench_config(name, B, HQ, HKV, S, D, causal, rounds, iters, stages=None, block_m=None, kernel="dkdv",

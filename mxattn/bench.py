@@ -243,6 +243,13 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16, rounds: int
                                                                                        retain_graph=True)
         timed[f"sdpa_{kind}_fwdbwd"] = fb
 
+    # GPU time alone, both sides replayed from CUDA graphs: `time_cuda` starts each call's clock from an idle queue,
+    # so the host's work before the first launch is in those figures (the kernel row's most of all)
+    res["triton_fwd_kernel_graph_ms"] = time_graph(timed["triton_fwd_kernel"], warmup, iters)
+    for kind in ("cudnn", "flash"):
+        if f"sdpa_{kind}_fwd" in timed:
+            res[f"sdpa_{kind}_fwd_graph_ms"] = time_graph(timed[f"sdpa_{kind}_fwd"], warmup, iters)
+            res[f"sdpa_{kind}_fwdbwd_graph_ms"] = time_graph(timed[f"sdpa_{kind}_fwdbwd"], warmup, iters)
     samples = {key: [] for key in timed}
     for _ in range(rounds):
         for key, fn in timed.items():
@@ -266,7 +273,20 @@ def bench_config(cfg, warmup: int, iters: int, dtype=torch.bfloat16, rounds: int
     r = res.get("sdpa_cudnn_fwd_ms")
     if r:
         res["ratio_fwd_kernel_vs_cudnn"] = r / res["triton_fwd_kernel_ms"]
+    res.update(graph_ratios(res))
     return res
+
+
+def graph_ratios(res: Dict) -> Dict:
+    """{ratio_<x>_graph_vs_cudnn_graph: cuDNN's CUDA-graph ms / triton's} from a config's results, for x in
+    fwd_kernel (against cuDNN's forward), fwd and fwdbwd; those whose figures are missing (a capture failed)
+    are left out."""
+    out = {}
+    for ours, theirs in (("fwd_kernel", "fwd"), ("fwd", "fwd"), ("fwdbwd", "fwdbwd")):
+        t, c = res.get(f"triton_{ours}_graph_ms"), res.get(f"sdpa_cudnn_{theirs}_graph_ms")
+        if t and c:
+            out[f"ratio_{ours}_graph_vs_cudnn_graph"] = c / t
+    return out
 
 
 def bench_quantizer(warmup: int, iters: int) -> Dict:

@@ -3,9 +3,12 @@ data path (mode "pre" of `triton_attention_bwd.attention_bwd`), default recipe o
 `dkdv_gluon` takes what `triton_attention_bwd._launch_dkdv` takes in mode "pre" and writes the same dK, dV;
 `attention_bwd` runs it on Hopper for the chunks it `takes` (those where it is the faster kernel).
 
-Scope: dense batches, no mask or a causal-style band (offset, right bound), head dims 64 and 128, MHA and GQA
-(the CTA walks its KV head's group of query heads in order, as the Triton kernel). Sliding windows, varlen,
-sinks and other recipes are refused (`unsupported_reason`).
+Scope: dense and padded batches (a padded batch's lengths from its cu_seqlens, VARLEN: masks and query blocks per
+sequence, bottom-right offsets per sequence, the padding key rows' dK = dV = 0), no mask, a causal-style band
+(offset, right bound) and / or a sliding window (HAS_LB: keys kept where key > query + offset - left bound; the
+query range of a KV tile ends before its last key - offset + left bound), head dims 64 and 128, MHA and GQA (the
+CTA walks its KV head's group of query heads in order, as the Triton kernel). Packed batches, sinks (passed to the
+kernel: the backward keeps them in the stats) and other recipes are refused (`unsupported_reason`).
 
 Inputs (mode "pre"): the query-side operands are the prep pass's bf16 scratch (`bwd_prep`: Q row- and
 column-wise, dO row- and column-wise, each the exact dequantization of its MXFP8 copy, contiguous
@@ -18,8 +21,8 @@ read as +inf), masked to 0 outside the band / past the sequences; dV += E4M3(P^T
 round_p_to_bf16, equal to the Triton kernel's `.to(float8e4nv).to(bfloat16)` on [0, 448]); dP^T = V dO^T;
 dS^T = P^T * (dP^T - delta) * sm_scale; dS quantize-dequantized along s_q in blocks of 32 (qdq_rows on the
 [keys, queries] tile: int max of |bits|, the round-up scale rule, E4M3 RNE, back to bf16); dK += dS_c^T Q_col;
-dV stored times 1/256. The query blocks here have BLOCK_M[D] rows (64 at D64, 32 at D128; the Triton kernel's
-are 32): the qdq blocks are the same (32-aligned), and both GEMM chains add k16 slices of queries in ascending
+dV stored times 1/256. The query blocks here have 64 rows (`schedule`: 32 at D128 in some variants; the
+Triton kernel's are 32): the qdq blocks are the same (32-aligned), and both GEMM chains add k16 slices of queries in ascending
 order into the same fp32 accumulator, so dK and dV should agree bit for bit up to the tensor cores' internal sum
 order (tested on the GPU in tests/triton/test_gluon_bwd_gpu.py: bit-equal in >= 99%, within one bf16 ulp).
 
@@ -29,13 +32,13 @@ the default partition what is left):
 
 * two consumer warpgroups (the default partition and a worker), 64 key rows each: their K and V rows
   dequantized into the CTA's bf16 K / V tiles in shared memory (the wgmma A operands), then per streamed query
-  block t (`_q_step`, DEFER_WAITS on, the default): wait "ready"; block t's LSE read from shared memory, where
+  block t (`_q_step`, DEFER on: the default at D64): wait "ready"; block t's LSE read from shared memory, where
   the producer loaded it and delta with the tiles (STATS_LOADS; or each consumer copies them one step ahead); issue
   S^T and dP^T (async, A from shared memory, m64 n=BLOCK_M) and block t - 1's dK GEMM (A = its quantized dS^T,
   kept in registers); P^T, the dV GEMM (A = rounded P^T from registers, n = D); wait for dP^T; dS^T and its qdq
   while the dK and dV GEMMs run; wait for both, release block t - 1's stage ("empty", one arrival per warpgroup).
-  After the last block its dK GEMM (`deferred_tail`). With DEFER off, each block's GEMMs are waited for within
-  its step and its own stage released at the end. dK and dV stay in registers (D / 2 fp32 registers per thread
+  After the last block its dK GEMM (`deferred_tail`). With DEFER off (the wide schedule at D128), each block's GEMMs are
+  waited for within its step (its dV GEMM under dS) and its own stage released at the end. dK and dV stay in registers (D / 2 fp32 registers per thread
   each); the epilogue stores them. Registers per consumer thread: 240 (setmaxnreg), no spills at D64 / D128 in
   the offline sm_90a build.
 * the producer warpgroup (24 registers): for t = 0, 1, ... over (query head of the group, query block) in the
@@ -58,23 +61,25 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
-from .gluon_attention_fwd import _chunk_layouts, _dequant3, _round_p_to_bf16, compile_gluon_sm90
+from .gluon_attention_fwd import _chunk_layouts, _dequant3, _round_p_to_bf16, _seq_lengths, compile_gluon_sm90
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from .triton_launch import cdiv, launch
+from .triton_attention_fwd import check_seq
+from ..seqinfo import kernel_cu_seqlens
 
 #: key rows of one CTA (the Triton dK/dV kernel's BN in mode "pre": the same grid)
 BLOCK_N = 128
-#: query rows of one streamed block by head dim (a multiple of 32: whole qdq blocks of dS). Each thread of a
-#: consumer holds BLOCK_M / 4 columns of S^T / dP^T and their LSE / delta values next to dK and dV (D / 2 fp32
-#: registers each): at D128 64-row blocks spilled (offline sm_90a build), 32-row blocks do not
+#: query rows of one streamed block by head dim (a multiple of 32: whole qdq blocks of dS) in the narrow schedule
+#: (`schedule`): each thread of a consumer holds BLOCK_M / 4 columns of S^T / dP^T next to dK and dV (D / 2 fp32
+#: registers each); every variant builds without spills with these
 BLOCK_M = {64: 64, 128: 32}
 PARTITION_WARPS = 4
 #: setmaxnreg of the second consumer warpgroup and of the producer; the default partition (first consumer) gets
 #: what is left of 504 per thread
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
-#: stages of the query-side ring by head dim: a stage holds four bf16 [BLOCK_M, D] tiles (32 KiB at D128 and
-#: D64) next to the CTA's bf16 K and V (D128: 64 KiB, D64: 32 KiB)
+#: stages of the query-side ring by head dim: a stage holds four bf16 [BLOCK_M, D] tiles (D128: 64 KiB, D64:
+#: 32 KiB) next to the CTA's bf16 K and V (D128: 64 KiB, D64: 32 KiB)
 STAGES = {64: 4, 128: 4}
 SUPPORTED_HEAD_DIMS = (64, 128)
 #: software-pipelined dK (`_q_step`'s DEFER): query block t's dK GEMM is issued in step t + 1 after its S^T and dP^T,
@@ -85,6 +90,32 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 #: bits): D128 0.85 of the waited kernel's time (B2 H16 S4096 dense; B8 H16 S1024 0.86), causal 0.97, GQA causal
 #: S8192 0.99; D64 0.98-1.01
 DEFER_WAITS = {64: True, 128: True}
+#: the wide schedule by head dim, (block_m, stages, defer): 64-row query blocks at D128 fit the consumers' registers
+#: only with the waited schedule (DEFER off; the pipelined dK makes ptxas serialise the wgmmas or spill) and two
+#: stages (193 KB of shared memory), and only where the producer TMA-loads the LSE / delta (STATS 5) in a dense batch
+#: without a window (the padded, window and STATS 0 / 4 builds keep 16-136 stack bytes). Offline sm_90a SASS per
+#: 64 queries and consumer warp: 712 instructions against 854 for two 32-row blocks (dense); the causal build keeps
+#: 40 stack bytes of loop bounds (28 STL / LDL, one per masked block, none in the unmasked loop). Measured on an
+#: H200 (session 38, gluon_bwd_bench.py, interleaved rounds, same bits), wide over narrow: B2 H16 S4096 D128 0.833
+#: of the time, causal 0.906, B1 H32/8 S8192 causal 0.847, B8 H16 S1024 0.848
+WIDE_SCHEDULE = {128: (64, 2, False)}
+
+
+def schedule(d: int, stats_mode: int, varlen: bool = False, has_lb: bool = False):
+    """(block_m, stages, defer) of the dK/dV kernel at head dim d: WIDE_SCHEDULE[d] for a dense batch without a
+    window whose LSE / delta the producer TMA-loads (stats_mode 5), else (BLOCK_M[d], STAGES[d], DEFER_WAITS[d])."""
+    if d in WIDE_SCHEDULE and stats_mode == 5 and not varlen and not has_lb:
+        return WIDE_SCHEDULE[d]
+    return BLOCK_M[d], STAGES[d], DEFER_WAITS[d]
+
+
+def resolve_schedule(d, stats_mode, varlen, has_lb, block_m, stages, defer):
+    """(block_m, stages or None for STAGES[d], defer) of a launch: `schedule`, or with any of block_m / stages /
+    defer given (sweeps), those over the narrow schedule's."""
+    if block_m is None and stages is None and defer is None:
+        return schedule(d, stats_mode, varlen, has_lb)
+    return (BLOCK_M[d] if block_m is None else int(block_m), stages,
+            DEFER_WAITS[d] if defer is None else bool(defer))
 #: where a query block's LSE and delta come from (`_q_step`'s STATS; A/B runs; the same bits in every mode): 0 the
 #: consumers' global loads in the step (session 35; the offline SASS has the LSE load's use, so its L2 latency,
 #: between the S^T GEMM's first and second wgmma), 4 copied one step ahead by each consumer into shared memory
@@ -170,8 +201,9 @@ def _kv_tile_of_program(HKV, HAS_RB: gl.constexpr):
 
 
 @gluon.jit
-def _q_block_range(n0, SQ, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-    """triton_common.band_block_range(KV_TILE) without a left bound: the query rows [lo, hi) that the keys
+def _q_block_range(n0, SQ, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, LB=0,
+                   HAS_LB: gl.constexpr = False):
+    """triton_common.band_block_range(KV_TILE): the query rows [lo, hi) that the keys
     [n0, n0 + BN) meet, in blocks of BM from lo (a multiple of BM); blocks [lo, mask_hi) and
     [max(full_hi, mask_hi), hi) need the mask, [full_lo, full_hi) are kept whole -> (lo, mask_hi, full_lo,
     full_hi, hi). The three ranges together are [lo, hi) in ascending order (the producer walks that)."""
@@ -183,6 +215,10 @@ def _q_block_range(n0, SQ, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constex
     if HAS_RB:
         lo = (gl.maximum(n0 - offset - RB, 0) // BM) * BM
         full_lo = ((gl.maximum(n0 + BN - 1 - offset - RB, 0) + BM - 1) // BM) * BM
+    if HAS_LB:  # a sliding window (keys kept where key > query + offset - LB): no query at or past the tile's last
+        # key - offset + LB, and whole blocks only below its first key - offset + LB
+        hi = gl.minimum(SQ, gl.maximum(n0 + BN - 1 - offset + LB, 0))
+        full_hi = gl.minimum(full_hi, (gl.maximum(n0 - offset + LB - 1, 0) // BM) * BM)
     if n0 + BN > SKV:
         full_hi = zero
     full_lo = gl.maximum(full_lo, lo)
@@ -193,15 +229,34 @@ def _q_block_range(n0, SQ, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constex
     return lo, mask_hi, full_lo, full_hi, hi
 
 
+@gluon.jit
+def _tile_q_range(n0, len_q, len_kv, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                  VARLEN: gl.constexpr, LB=0, HAS_LB: gl.constexpr = False):
+    """`_q_block_range` of the keys [n0, n0 + BN) over a sequence's len_q queries and len_kv keys; VARLEN (a
+    padded batch): no query block for a tile past the sequence's keys (its rows are padding: dK = dV = 0). The
+    range the producer and both consumer warpgroups walk."""
+    lo, mask_hi, full_lo, full_hi, hi = _q_block_range(n0, len_q, len_kv, offset, RB, HAS_RB, BM, BN, LB, HAS_LB)
+    if VARLEN:
+        if n0 >= len_kv:
+            mask_hi = lo
+            full_lo = lo
+            full_hi = lo
+            hi = lo
+    return lo, mask_hi, full_lo, full_hi, hi
+
+
 # --------------------------------------------------------------------------- partitions
 @gluon.jit
 def _producer(qr_desc, qc_desc, dor_desc, doc_desc, lse_desc, del_desc, qr, qc, dor, doc, lse_s, del_s, ready, empty,
-              HKV, GROUP, SQ, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              D: gl.constexpr, NS: gl.constexpr, STATS: gl.constexpr):
+              HKV, GROUP, SQ, SKV, offset, RB, CU_Q, CU_KV, LB, HAS_RB: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, STATS: gl.constexpr, VARLEN: gl.constexpr,
+              BOTTOM_RIGHT: gl.constexpr, HAS_LB: gl.constexpr):
     """The producer warpgroup: stage t % NS gets the t-th query block the consumers visit (query head
     hk * GROUP + t // n_blk, rows lo + (t % n_blk) * BM), once both consumer warpgroups released it."""
     tile, b, hk = _kv_tile_of_program(HKV, HAS_RB)
-    lo, mask_hi, full_lo, full_hi, hi = _q_block_range(tile * BN, SQ, SKV, offset, RB, HAS_RB, BM, BN)
+    len_q, len_kv, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
+    lo, mask_hi, full_lo, full_hi, hi = _tile_q_range(tile * BN, len_q, len_kv, offset, RB, HAS_RB, BM, BN, VARLEN,
+                                                      LB, HAS_LB)
     n_blk = gl.cdiv(gl.maximum(hi - lo, 0), BM)
     for t in range(GROUP * n_blk):
         g = t // n_blk
@@ -298,12 +353,12 @@ def _log2_lse(lse):
 def _q_steps(t, start, stop, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls,
              slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero,
              MASK: gl.constexpr, HAS_RB: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-             a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr):
+             a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr, LB=0, HAS_LB: gl.constexpr = False):
     """`_q_step` for the query blocks m0 in range(start, stop, BM), t counting on -> (t, dk, dv, dsq)."""
     for m0 in range(start, stop, BM):
         dk, dv, dsq = _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
                               sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset,
-                              RB, s_zero, MASK, HAS_RB, BM, D, NS, a_op, DEFER, STATS)
+                              RB, s_zero, MASK, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB)
         t += 1
     return t, dk, dv, dsq
 
@@ -312,14 +367,15 @@ def _q_steps(t, start, stop, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc
 def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, slh,
             sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero,
             MASK: gl.constexpr, HAS_RB: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-            a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr):
+            a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr, LB=0, HAS_LB: gl.constexpr = False):
     """The t-th visited query block (rows [m0, m0 + BM) of head g, at lse_h / del_h) of a consumer warpgroup:
     `_dkdv_block`'s arithmetic on its 64 keys (kw, vw: its K / V rows in shared memory) -> (dk, dv, dsq).
     DEFER (software-pipelined dK): dsq is block t - 1's quantized dS^T, whose dK GEMM is issued here right after
     this block's S^T and dP^T (t = 0: dsq is zeros and adds exact zeros), so it and this block's dV GEMM run under
     the softmax and dS; both are waited for before the step ends (no wgmma in flight across steps), then stage
     (t - 1) % NS is released; this block's dS^T is returned for the next step (`deferred_tail` issues the last one).
-    Else every GEMM of the block is issued and waited for here and stage t % NS released at the end.
+    Else every GEMM of the block is issued and waited for here (the dV GEMM runs on under dS, waited for with the
+    dK GEMM) and stage t % NS released at the end.
     STATS, where the block's LSE and delta come from (`STATS_LOADS`): 0 global loads, the LSE at the step's start,
     delta after the dV GEMM's issue (lse_c / del_c unused); 4 shared memory, copied one step ahead by this
     warpgroup: lse_c / del_c are its two-slot buffers, slot t % 2 holds this block's (copied a step ago), the next
@@ -361,15 +417,15 @@ def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, e
         keep = gl.expand_dims(rows_k < SKV, 1) & gl.expand_dims(c_ok, 0)
         if HAS_RB:
             keep = keep & (gl.expand_dims(rows_k, 1) <= gl.expand_dims(cols, 0) + offset + RB)
+        if HAS_LB:
+            keep = keep & (gl.expand_dims(rows_k, 1) > gl.expand_dims(cols, 0) + offset - LB)
         p = gl.where(keep, p, 0.0)
     pq = gl.convert_layout(_round_p_to_bf16(p * P_SCALE_K), a_op)
     dv = warpgroup_mma(pq, doc.index(s).reshape([BM, D]), dv, is_async=True)
     if DEFER:
         dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp_tok, ))  # dK(t - 1) and dV(t) run on under dS
     else:
-        # dP and dV done before dS (registers: P^T's rounded copy, the dV GEMM's A, dies here)
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
-        dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv, ))
+        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, ))  # dV(t) runs on under dS
     if STATS == 0:
         delta = gl.load(del_h + cols, mask=c_ok, other=0.0)
     elif STATS == 4:
@@ -384,7 +440,9 @@ def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, e
             release(empty, sp)
         dsq = ds_a
     else:
-        dk = gemm_release(dk, ds_a, qc.index(s).reshape([BM, D]), empty, s)
+        dk = warpgroup_mma(ds_a, qc.index(s).reshape([BM, D]), dk, is_async=True)
+        dk, dv, pq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pq))
+        release(empty, s)
     return dk, dv, dsq
 
 
@@ -392,9 +450,10 @@ def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, e
 def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s, del_s, ready, empty,
               skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
               slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-              HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
+              HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q, CU_KV, LB,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-              WG: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr):
+              WG: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr, VARLEN: gl.constexpr,
+              BOTTOM_RIGHT: gl.constexpr, HAS_LB: gl.constexpr):
     """Consumer warpgroup WG: key rows [tile * BN + 64 WG, + 64) of the CTA. K, V dequantized into its own
     shared K / V tiles (kb / vb index WG), then the query blocks of every query head of the group (`_q_step`), dK and dV
     accumulated in registers and stored at the end."""
@@ -409,14 +468,17 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s,
     col_a: gl.constexpr = gl.SliceLayout(0, a_layout)
 
     tile, b, hk = _kv_tile_of_program(HKV, HAS_RB)
+    # VARLEN: from here on SQ is the sequence's queries and len_kv its keys (masks, blocks); SKV stays the
+    # tensors' rows (the epilogue writes the padding rows' zeros)
+    SQ, len_kv, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
     n_cta = tile * BN
     n0 = n_cta + WG * BNW
     b64 = b.to(gl.int64)
     hk64 = hk.to(gl.int64)
     kw = kb.index(WG)
     vw = vb.index(WG)
-    _load_kv_rows(K, KS, kw, b64 * skb + hk64 * skh, b64 * sksb + hk64 * sksh, sks, skss, n0, SKV, BNW, D, nw)
-    _load_kv_rows(V, VS, vw, b64 * svb + hk64 * svh, b64 * svsb + hk64 * svsh, svs, svss, n0, SKV, BNW, D, nw)
+    _load_kv_rows(K, KS, kw, b64 * skb + hk64 * skh, b64 * sksb + hk64 * sksh, sks, skss, n0, len_kv, BNW, D, nw)
+    _load_kv_rows(V, VS, vw, b64 * svb + hk64 * svh, b64 * svsb + hk64 * svsh, svs, svss, n0, len_kv, BNW, D, nw)
     fence_async_shared()  # the generic-proxy stores before this warpgroup's wgmma (async proxy) reads
     gl.thread_barrier()
 
@@ -428,7 +490,8 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s,
     dsq = gl.zeros([BNW, BM], gl.bfloat16, a_op)  # DEFER: the previous block's dS^T (none yet: zeros)
     # the CTA's query blocks (both warpgroups and the producer walk the same ones: a block masked for the CTA's
     # 128 keys is masked for each warpgroup's 64, a no-op where it keeps everything)
-    lo, mask_hi, full_lo, full_hi, hi = _q_block_range(n_cta, SQ, SKV, offset, RB, HAS_RB, BM, BN)
+    lo, mask_hi, full_lo, full_hi, hi = _tile_q_range(n_cta, SQ, len_kv, offset, RB, HAS_RB, BM, BN, VARLEN, LB,
+                                                      HAS_LB)
     hq0 = (hk * GROUP).to(gl.int64)
     if STATS == 4:  # shared buffers of the LSE and delta (two slots), the first block's copies issued
         stats_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -449,16 +512,16 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s,
         del_h = DELTA + b64 * sdelb + hq64 * sdelh
         t, dk, dv, dsq = _q_steps(
             t, lo, mask_hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls,
-            slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, True,
-            HAS_RB, BM, D, NS, a_op, DEFER, STATS)
+            slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, len_kv, qk_scale, sm_scale, offset, RB, s_zero, True,
+            HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB)
         t, dk, dv, dsq = _q_steps(
             t, full_lo, full_hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
-            sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero, False,
-            HAS_RB, BM, D, NS, a_op, DEFER, STATS)
+            sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, len_kv, qk_scale, sm_scale, offset, RB, s_zero,
+            False, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB)
         t, dk, dv, dsq = _q_steps(
             t, gl.maximum(full_hi, mask_hi), hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty,
-            lse_h, del_h, sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB,
-            s_zero, True, HAS_RB, BM, D, NS, a_op, DEFER, STATS)
+            lse_h, del_h, sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, len_kv, qk_scale, sm_scale, offset,
+            RB, s_zero, True, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB)
     if STATS == 4:
         async_copy.wait_group(0)  # the copies issued in the last step (for no block) land before the exit
     if DEFER:
@@ -479,9 +542,10 @@ def _gluon_dkdv_kernel(
         qr_desc, qc_desc, dor_desc, doc_desc, lse_desc, del_desc, K, KS, V, VS, LSE, DELTA, DK, DV,
         skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
         slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-        HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
+        HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q, CU_KV, LB,
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr):
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr,
+        VARLEN: gl.constexpr = False, BOTTOM_RIGHT: gl.constexpr = False, HAS_LB: gl.constexpr = False):
     """Grid (cdiv(SKV, BN), B * HKV), 4 warps per partition. qr/qc/dor/doc_desc: TMA descriptors of the bf16
     scratch [B, Hc, SQ, D] (Q row-wise, Q column-wise, dO row-wise, dO column-wise dequantizations; block
     [1, 1, BM, D]); K, V [B, HKV, SKV, D] e4m3 row-wise with scales KS, VS [B, HKV, SKV, D/32] u8; LSE
@@ -512,15 +576,16 @@ def _gluon_dkdv_kernel(
         (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s, del_s, ready, empty,
                      skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
                      slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG0, DEFER,
-                     STATS)),
+                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q, CU_KV, LB, HAS_RB, BM, BN, D,
+                     NS, WG0, DEFER, STATS, VARLEN, BOTTOM_RIGHT, HAS_LB)),
         (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s, del_s, ready, empty,
                      skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
                      slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, HAS_RB, BM, BN, D, NS, WG1, DEFER,
-                     STATS)),
+                     HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q, CU_KV, LB, HAS_RB, BM, BN, D,
+                     NS, WG1, DEFER, STATS, VARLEN, BOTTOM_RIGHT, HAS_LB)),
         (_producer, (qr_desc, qc_desc, dor_desc, doc_desc, lse_desc, del_desc, qr, qc, dor, doc, lse_s, del_s, ready,
-                     empty, HKV, GROUP, SQ, SKV, offset, RB, HAS_RB, BM, BN, D, NS, STATS)),
+                     empty, HKV, GROUP, SQ, SKV, offset, RB, CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, STATS, VARLEN,
+                     BOTTOM_RIGHT, HAS_LB)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
     for i in gl.static_range(NS):
@@ -530,8 +595,9 @@ def _gluon_dkdv_kernel(
 
 # --------------------------------------------------------------------------- host side
 @functools.lru_cache(maxsize=None)
-def stats_tma_layout(block_m: int):
-    """Shared layout of the LSE / delta TMA descriptors (STATS 5): block [1, 1, block_m] fp32, no swizzle."""
+def stats_tma_layout():
+    """Shared layout of the LSE / delta TMA descriptors (STATS 5): blocks [1, 1, block_m] fp32, no swizzle (the
+    same at every block_m)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
 
 
@@ -555,14 +621,18 @@ def _scratch_ok(t) -> bool:
             and t.data_ptr() % 16 == 0 and not any(s % 8 for s in t.stride()[:3]))
 
 
-def call_reason(kernel: str, left_bound, seq, bottom_right, sink, flags: KernelRecipe) -> Optional[str]:
+def call_reason(kernel: str, left_bound, seq, bottom_right, sink, flags: KernelRecipe,
+                window: bool = False) -> Optional[str]:
     """Why the Gluon backward kernel `kernel` ("dK/dV", "dQ") refuses a call's recipe, batch or mask (one
-    sentence), or None: both take the default recipe, dense batches, no mask or a causal-style band, no sinks."""
+    sentence), or None: both take the default recipe, dense and padded batches (with their per-sequence
+    bottom-right offsets), no mask or a causal-style band (and, where `window`, a sliding window), no sinks."""
     if flags != DEFAULT_FLAGS:
         return f"the Gluon {kernel} kernel runs the default recipe only"
-    if seq is not None or bottom_right:
-        return f"the Gluon {kernel} kernel takes dense batches only (no seq / bottom_right)"
-    if left_bound is not None:
+    if seq is not None and seq.packed:
+        return f"the Gluon {kernel} kernel takes dense and padded batches, not packed ones (thd)"
+    if bottom_right and seq is None:
+        return "bottom_right is for variable-length (padded) calls"
+    if left_bound is not None and not window:
         return f"the Gluon {kernel} kernel takes no mask or a causal-style band only (no sliding window)"
     if sink is not None:
         return f"the Gluon {kernel} kernel is not built for attention sinks"
@@ -603,7 +673,7 @@ def unsupported_reason(q_r, k_row, v_row, *, left_bound=None, seq=None, bottom_r
                        flags: KernelRecipe = DEFAULT_FLAGS, q_c=None, do_r=None, do_c=None) -> Optional[str]:
     """None where `dkdv_gluon` runs the call, else why not (one sentence). q_r (and q_c, do_r, do_c where given):
     the "pre" backward's bf16 scratch; k_row, v_row: K's and V's row-wise MXFP8Tensors."""
-    reason = call_reason("dK/dV", left_bound, seq, bottom_right, sink, flags)
+    reason = call_reason("dK/dV", left_bound, seq, bottom_right, sink, flags, window=True)
     if reason is not None:
         return reason
     for name, t in (("q_r", q_r), ("q_c", q_c), ("do_r", do_r), ("do_c", do_c)):
@@ -619,20 +689,25 @@ def unsupported_reason(q_r, k_row, v_row, *, left_bound=None, seq=None, bottom_r
     return layout_reason((("q_r", q_r), ("q_c", q_c), ("do_r", do_r), ("do_c", do_c)), k_row.data.shape[:2], "KV")
 
 
-def takes(q_r, k_row, v_row, right_bound=None, **kwargs) -> bool:
+def takes(q_r, k_row, v_row, right_bound=None, left_bound=None, **kwargs) -> bool:
     """Whether `attention_bwd` runs this kernel for a chunk: it takes the call (`unsupported_reason`, same
     arguments) at a head dim where it is the faster kernel (FASTER_HEAD_DIMS) with query rows per KV block enough to
     repay its set-up (query length times queries per KV head, halved under a causal band, i.e. right_bound not
-    None: MIN_QUERY_ROWS with GQA, MHA_MIN_QUERY_ROWS with one query head per KV head)."""
+    None; under a sliding window its width plus BLOCK_N where fewer, the rows a KV block meets:
+    MIN_QUERY_ROWS with GQA, MHA_MIN_QUERY_ROWS with one query head per KV head). The window's threshold is this
+    reasoning's, not a measurement."""
     d = q_r.shape[3]
     if d not in FASTER_HEAD_DIMS:
         return False
     hkv = getattr(getattr(k_row, "data", None), "shape", (0, 0))[1]
     group = q_r.shape[1] // hkv if hkv else 1
-    rows = q_r.shape[2] * group
-    rows = rows if right_bound is None else rows // 2
+    if left_bound is not None and int(left_bound) + BLOCK_N < q_r.shape[2]:
+        rows = (int(left_bound) + BLOCK_N) * group
+    else:
+        rows = q_r.shape[2] * group
+        rows = rows if right_bound is None else rows // 2
     least = MIN_QUERY_ROWS[d] if group > 1 else MHA_MIN_QUERY_ROWS[d]
-    return rows >= least and unsupported_reason(q_r, k_row, v_row, **kwargs) is None
+    return rows >= least and unsupported_reason(q_r, k_row, v_row, left_bound=left_bound, **kwargs) is None
 
 
 def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, softmax_scale: float, offset: int,
@@ -644,11 +719,13 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
     v_row the chunk's KV heads of K's and V's row-wise MXFP8Tensors; stats [B, Hc, SQ, 1] fp32 and delta
     [B, Hc, SQ] fp32 (unit stride along SQ) the chunk's slices; dk, dv [B, Hkv_c, SKV, D] with unit stride along
     D) and the same mask arguments; writes dk and dv. stages: ring stages override (>= 1, >= 2 with deferred
-    waits); block_m: query rows per streamed block override (a multiple of 32; sweeps, BLOCK_M[D] by default);
-    defer: the software-pipelined dK GEMM on or off (A/B runs; DEFER_WAITS[D] by default, same bits); stats_loads:
-    where the LSE / delta come from (A/B runs; one of STATS_MODES, STATS_LOADS[D] by default, same bits). Raises
-    ValueError
-    for what it does not take (`unsupported_reason`)."""
+    waits); block_m: query rows per streamed block override (a multiple of 32; sweeps); defer: the
+    software-pipelined dK GEMM on or off (A/B runs, same bits); without any of these three `schedule` picks them,
+    with some the others are the narrow schedule's (BLOCK_M, STAGES, DEFER_WAITS); stats_loads:
+    where the LSE / delta come from (A/B runs; one of STATS_MODES, STATS_LOADS[D] by default, same bits). seq: None
+    (dense) or a padded batch's SeqInfo (sequence b is rows 0 .. len of batch b; bottom_right with it: each
+    sequence's diagonal offset len_kv - len_q, offset 0): masks and query blocks per sequence, the padding key rows'
+    dK = dV = 0. Raises ValueError for what it does not take (`unsupported_reason`: packed batches among them)."""
     reason = None if checked else unsupported_reason(q_r, k_row, v_row, left_bound=left_bound, seq=seq,
                                                      bottom_right=bottom_right, flags=flags, q_c=q_c, do_r=do_r,
                                                      do_c=do_c)
@@ -657,6 +734,8 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
     B, HQ, SQ, D = q_r.shape
     k_data, v_data = k_row.data, v_row.data
     HKV, SKV = k_data.shape[1], k_data.shape[2]
+    if not checked:
+        check_seq(seq, q_r, k_data, bottom_right, offset)
     if HKV == 0 or HQ % HKV:
         raise ValueError(f"q heads ({HQ}) must be a multiple of k/v heads ({HKV})")
     for name, t in (("q_c", q_c), ("do_r", do_r), ("do_c", do_c)):
@@ -674,24 +753,24 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
         dk.zero_()
         dv.zero_()
         return
-    defer = DEFER_WAITS[D] if defer is None else bool(defer)
-    ns = ring_stages(stages, STAGES[D], defer)
-    bm = BLOCK_M[D] if block_m is None else int(block_m)
-    if bm < 32 or bm % 32:
-        raise ValueError(f"block_m must be a positive multiple of 32, got {bm}")
-    layout = tma_layout(D, bm)
-    descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bm, D], layout)
-             for t in (q_r, q_c, do_r, do_c)]
-    has_rb = right_bound is not None
-    grid = (cdiv(SKV, BLOCK_N), B * HKV)
     st = STATS_LOADS[D] if stats_loads is None else int(stats_loads)
     if st not in STATS_MODES:
         raise ValueError(f"stats_loads must be one of {STATS_MODES}, got {stats_loads!r}")
     lse3 = stats[..., 0]  # [B, Hc, SQ] (strides slb, slh, sls)
     if st == 5 and not (stats_tma_ok(lse3) and stats_tma_ok(delta)):
         st = 4  # TMA cannot describe them (SQ not a multiple of 4, or an offset view): the consumers copy them
+    has_rb = right_bound is not None
+    has_lb = left_bound is not None
+    bm, stages, defer = resolve_schedule(D, st, seq is not None, has_lb, block_m, stages, defer)
+    ns = ring_stages(stages, STAGES[D], defer)
+    if bm < 32 or bm % 32:
+        raise ValueError(f"block_m must be a positive multiple of 32, got {bm}")
+    layout = tma_layout(D, bm)
+    descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bm, D], layout)
+             for t in (q_r, q_c, do_r, do_c)]
+    grid = (cdiv(SKV, BLOCK_N), B * HKV)
     if st == 5:
-        sl = stats_tma_layout(bm)
+        sl = stats_tma_layout()
         descs += [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bm], sl) for t in (lse3, delta)]
     else:
         descs += descs[:2]
@@ -701,10 +780,12 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
         *k_data.stride()[:3], *ks.stride()[:3], *v_data.stride()[:3], *vs.stride()[:3],
         *stats.stride()[:3], delta.stride(0), delta.stride(1), *dk.stride()[:3], *dv.stride()[:3],
         HKV, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, float(softmax_scale), int(offset),
-        int(right_bound) if has_rb else 0,
+        int(right_bound) if has_rb else 0, *kernel_cu_seqlens(seq, stats),  # (unread for a dense call)
+        int(left_bound) if has_lb else 0,
         HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, DEFER=defer,
-        STATS=st, num_warps=PARTITION_WARPS)
+        STATS=st, VARLEN=seq is not None, BOTTOM_RIGHT=seq is not None and bool(bottom_right), HAS_LB=has_lb,
+        num_warps=PARTITION_WARPS)
 
 
 #: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
@@ -715,25 +796,25 @@ DIVISIBLE_INTS = ("skb", "skh", "sks", "sksb", "sksh", "svb", "svh", "svs", "svs
 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
                  dk_dtype: str = "bf16", unit_stats: bool = True, block_m: Optional[int] = None,
-                 defer: Optional[bool] = None, stats_loads: Optional[int] = None):
+                 defer: Optional[bool] = None, stats_loads: Optional[int] = None, varlen: bool = False,
+                 bottom_right: bool = False, has_lb: bool = False):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
     `gluon_attention_fwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
     call)."""
     fn = _gluon_dkdv_kernel
+    st = STATS_LOADS[d] if stats_loads is None else stats_loads
+    bm, stages, defer = resolve_schedule(d, st, varlen, has_lb, block_m, stages, defer)
     ns = stages if stages is not None else STAGES[d]
-    bm = BLOCK_M[d] if block_m is None else block_m
-    defer = DEFER_WAITS[d] if defer is None else defer
     layout = tma_layout(d, bm)
     desc = f"tensordesc<bf16[1, 1, {bm}, {d}],{layout!r}>"
-    st = STATS_LOADS[d] if stats_loads is None else stats_loads
-    sdesc = f"tensordesc<fp32[1, 1, {bm}],{stats_tma_layout(bm)!r}>" if st == 5 else desc
+    sdesc = f"tensordesc<fp32[1, 1, {bm}],{stats_tma_layout()!r}>" if st == 5 else desc
     types = dict(qr_desc=desc, qc_desc=desc, dor_desc=desc, doc_desc=desc, lse_desc=sdesc, del_desc=sdesc,
                  K="*fp8e4nv", KS="*u8", V="*fp8e4nv",
                  VS="*u8", LSE="*fp32", DELTA="*fp32", DK=f"*{dk_dtype}", DV=f"*{dk_dtype}", qk_scale="fp32",
-                 sm_scale="fp32")
+                 sm_scale="fp32", CU_Q="*i32", CU_KV="*i32")
     constexprs = dict(HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=d, NS=ns, CONSUMER_REGS=regs[0],
                       PRODUCER_REGS=regs[1], DEFER=defer,
-                      STATS=st)
+                      STATS=st, VARLEN=varlen, BOTTOM_RIGHT=bottom_right, HAS_LB=has_lb)
     if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
         constexprs["sls"] = 1
     return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
@@ -741,4 +822,4 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
 
 __all__ = ["dkdv_gluon", "takes", "unsupported_reason", "compile_sm90", "FASTER_HEAD_DIMS", "MHA_MIN_QUERY_ROWS",
            "MIN_QUERY_ROWS", "BLOCK_M", "BLOCK_N", "STAGES", "DEFER_WAITS", "STATS_LOADS",
-           "STATS_MODES"]
+           "STATS_MODES", "WIDE_SCHEDULE", "schedule", "resolve_schedule"]

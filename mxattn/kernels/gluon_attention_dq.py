@@ -3,9 +3,12 @@ path (mode "pre" of `triton_attention_bwd.attention_bwd`), default recipe only. 
 `triton_attention_bwd._launch_dq` takes in mode "pre" and writes the same dQ; `attention_bwd` (gluon_dq) runs it
 for each head chunk it `takes`.
 
-Scope: dense batches, no mask or a causal-style band (offset, right bound; negative offsets included: rows
-without keys get dQ = 0), head dims 64 and 128, MHA and GQA (query head hq reads KV head hq // GROUP). Sliding
-windows, varlen, sinks and other recipes are refused (`unsupported_reason`).
+Scope: dense and padded batches (VARLEN: each sequence's lengths from cu_seqlens, bottom-right offsets per
+sequence, padding rows dQ = 0), no mask, a causal-style band (offset, right bound; negative offsets included:
+rows without keys get dQ = 0) and / or a sliding window (HAS_LB: the KV walk starts at the window's first block,
+blocks cut by its left edge masked), head dims 64 and 128, MHA and GQA (query head hq reads KV head hq // GROUP).
+Packed batches, sinks (passed to the kernel: the backward keeps them in the stats) and other recipes are refused
+(`unsupported_reason`).
 
 Inputs (mode "pre"): every operand is bf16 scratch, the exact dequantization of its MXFP8 copy: Q and dO
 row-wise from `bwd_prep` ([B, Hc, SQ, D], the chunk's query heads), K row-wise, K column-wise and V row-wise from
@@ -52,12 +55,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # partition warps, setmaxnreg of the consumers / the producer, head dims: the dK/dV kernel's
-from .gluon_attention_bwd import (CONSUMER_REGS, LOG2E, LOG2E_K, PARTITION_WARPS, PRODUCER_REGS, SUPPORTED_HEAD_DIMS,
-                                  WG0, WG1, _acc_layout, _qdq_cols32, call_reason, check_delta,
+from .gluon_attention_bwd import (CONSUMER_REGS, LOG2E, PARTITION_WARPS, PRODUCER_REGS, SUPPORTED_HEAD_DIMS,
+                                  WG0, WG1, _acc_layout, _log2_lse, _qdq_cols32, call_reason, check_delta,
                                   deferred_tail, gemm_release, issue_s_dp, layout_reason, release, ring_stages)
-from .gluon_attention_fwd import _kv_blocks, _tile_of_program, compile_gluon_sm90
+from .gluon_attention_fwd import _seq_lengths, _tile_of_program, _visited_blocks, compile_gluon_sm90
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from .triton_launch import cdiv, launch
+from .triton_attention_fwd import check_seq
+from ..seqinfo import kernel_cu_seqlens
 
 #: query rows of one CTA: two consumer warpgroups of 64 (the Triton dQ kernel's BM in mode "pre": the same grid)
 BLOCK_M = 128
@@ -102,8 +107,9 @@ def _kv_full_blocks(m0, SKV, offset, RB, HAS_RB: gl.constexpr, BN: gl.constexpr)
 
 @gluon.jit
 def _producer(q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
-              HQ, GROUP, SQ, SKV, offset, RB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              D: gl.constexpr, NS: gl.constexpr):
+              HQ, GROUP, SQ, SKV, offset, RB, CU_Q, CU_KV, LB, HAS_RB: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+              HAS_LB: gl.constexpr):
     """The producer warpgroup: the CTA's Q and dO rows once, then stage t % NS gets KV block t, once both
     consumer warpgroups released the stage."""
     tile, b, hq = _tile_of_program(HQ, HAS_RB)
@@ -121,26 +127,30 @@ def _producer(q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc,
     if m0 + BMW < SQ:
         tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + BMW, 0], q_ready, q_s.index(1))
         tma.async_copy_global_to_shared(do_desc, [b, hq, m0 + BMW, 0], q_ready, do_s.index(1))
-    for t in range(_kv_blocks(m0, SKV, offset, RB, HAS_RB, BM, BN)):
+    len_q, len_kv, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
+    lo, n_blk = _visited_blocks(m0, len_q, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN, VARLEN)
+    for t in range(n_blk):  # the t-th visited block, block lo + t (lo 0 without a window)
         s = t % NS
         mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)  # passes at once on a fresh barrier (first round)
         bar = ready.index(s)
         mbarrier.expect(bar, 3 * BN * D * 2)  # three bf16 tiles
-        tma.async_copy_global_to_shared(kr_desc, [b, hk, t * BN, 0], bar, kr.index(s))
-        tma.async_copy_global_to_shared(vr_desc, [b, hk, t * BN, 0], bar, vr.index(s))
-        tma.async_copy_global_to_shared(kc_desc, [b, hk, t * BN, 0], bar, kc.index(s))
+        tma.async_copy_global_to_shared(kr_desc, [b, hk, (lo + t) * BN, 0], bar, kr.index(s))
+        tma.async_copy_global_to_shared(vr_desc, [b, hk, (lo + t) * BN, 0], bar, vr.index(s))
+        tma.async_copy_global_to_shared(kc_desc, [b, hk, (lo + t) * BN, 0], bar, kc.index(s))
 
 
 @gluon.jit
 def _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale, sm_scale,
              offset, RB, s_zero, MASK: gl.constexpr, HAS_RB: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-             NS: gl.constexpr, a_op: gl.constexpr, DEFER: gl.constexpr):
-    """KV block t (keys [t * BN, + BN)) of a consumer warpgroup: `_dq_block`'s arithmetic on its 64 query rows
-    (qw, dow: its Q / dO rows in shared memory) -> (dq, dsq). DEFER (software-pipelined dQ, as the dK/dV kernel's
-    dK): dsq is block t - 1's quantized dS, whose dQ GEMM is issued right after this block's S and dP (t = 0:
-    zeros, exact zeros added) and runs under the softmax and dS; waited for before the step ends, then stage
-    (t - 1) % NS released; this block's dS is returned (`deferred_tail` issues the last one). Else the block's dQ GEMM
-    is issued and waited for here and stage t % NS released at the end."""
+             NS: gl.constexpr, a_op: gl.constexpr, DEFER: gl.constexpr, lo=0, LB=0, HAS_LB: gl.constexpr = False):
+    """The t-th visited KV block (block lo + t, keys [(lo + t) * BN, + BN); lo the window's first block, 0
+    without one; t counts ring stages) of a consumer warpgroup: `_dq_block`'s arithmetic on its 64 query rows
+    (qw, dow: its Q / dO rows in shared memory) -> (dq, dsq). HAS_LB: keys kept where key > query + offset - LB.
+    DEFER (software-pipelined dQ, as the dK/dV kernel's dK): dsq is block t - 1's quantized dS, whose dQ GEMM is
+    issued right after this block's S and dP (t = 0: zeros, exact zeros added) and runs under the softmax and dS;
+    waited for before the step ends, then stage (t - 1) % NS released; this block's dS is returned
+    (`deferred_tail` issues the last one). Else the block's dQ GEMM is issued and waited for here and stage
+    t % NS released at the end."""
     s = t % NS
     mbarrier.wait(ready.index(s), (t // NS) & 1)
     k_t = kr.index(s).reshape([BN, D]).permute((1, 0))
@@ -155,10 +165,12 @@ def _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, co
         st, dp_tok = issue_s_dp(qw, k_t, dow, v_t, s_zero)
     p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 1))  # P [queries, keys]
     if MASK:
-        cols = t * BN + cols0
+        cols = (lo + t) * BN + cols0
         keep = gl.expand_dims(cols < SKV, 0) & gl.expand_dims(rows >= 0, 1)
         if HAS_RB:
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + offset + RB)
+        if HAS_LB:
+            keep = keep & (gl.expand_dims(cols, 0) > gl.expand_dims(rows, 1) + offset - LB)
         p = gl.where(keep, p, 0.0)
     if DEFER:
         dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, ))  # dQ(t - 1) runs on under dS
@@ -178,9 +190,10 @@ def _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, co
 
 @gluon.jit
 def _consumer(LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
-              slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
-              HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-              WG: gl.constexpr, DEFER: gl.constexpr):
+              slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q,
+              CU_KV, LB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
+              WG: gl.constexpr, DEFER: gl.constexpr, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+              HAS_LB: gl.constexpr):
     """Consumer warpgroup WG: query rows [tile * BM + 64 WG, + 64) of the CTA's head; the CTA's KV blocks
     (`_kv_step`, unmasked ones first), dQ accumulated in registers and stored at the end."""
     nw: gl.constexpr = gl.num_warps()
@@ -190,31 +203,45 @@ def _consumer(LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
 
     tile, b, hq = _tile_of_program(HQ, HAS_RB)
+    # VARLEN: len_q / SKV the sequence's queries / keys (LSE, masks, blocks); SQ stays the tensors' rows (stores)
+    len_q, SKV, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
     m_cta = tile * BM
     b64 = b.to(gl.int64)
     hq64 = hq.to(gl.int64)
     rows = m_cta + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, s_layout))
-    r_ok = rows < SQ
-    lse = gl.load(LSE + b64 * slb + hq64 * slh + rows * sls, mask=r_ok, other=float("inf")) * LOG2E_K
-    lse = gl.where(lse == float("-inf"), float("inf"), lse)
+    r_ok = rows < len_q  # padding rows: LSE +inf, so P = dS = 0 and their dQ rows 0
+    lse = _log2_lse(gl.load(LSE + b64 * slb + hq64 * slh + rows * sls, mask=r_ok, other=float("inf")))
     delta = gl.load(DELTA + b64 * sdelb + hq64 * sdelh + rows, mask=r_ok, other=0.0)
     cols0 = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     dq = gl.zeros([BMW, D], gl.float32, a_layout)
     s_zero = gl.zeros([BMW, BN], gl.float32, s_layout)
     # the CTA's KV blocks (both warpgroups and the producer walk the same ones: a block kept whole for the CTA's
     # 128 rows is for each warpgroup's 64, and the mask is a no-op where it keeps everything)
-    n_blk = _kv_blocks(m_cta, SKV, offset, RB, HAS_RB, BM, BN)
-    n_full = _kv_full_blocks(m_cta, SKV, offset, RB, HAS_RB, BN)
+    lo, n_blk = _visited_blocks(m_cta, len_q, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN, VARLEN)
+    n_full = _kv_full_blocks(m_cta, SKV, offset, RB, HAS_RB, BN)  # (a block index, from 0)
+    if VARLEN:  # (a tile past the sequence's queries visits no block)
+        n_full = gl.minimum(n_full, n_blk)
+    j_lb = 0
+    if HAS_LB:  # visited blocks from here on: [0, j_lb) cut by the window's left edge for some row, masked;
+        # [j_lb, n_full) kept whole; [max(n_full, j_lb), n_blk) masked (`gluon_attention_fwd._consumer`'s walk)
+        n_full = gl.minimum(gl.maximum(n_full - lo, 0), n_blk)
+        j_lb = gl.maximum(gl.minimum(gl.cdiv(gl.maximum(m_cta + BM + offset - LB, 0), BN) - lo, n_blk), 0)
     qw = q_s.index(WG).reshape([BMW, D])
     dow = do_s.index(WG).reshape([BMW, D])
     mbarrier.wait(q_ready, 0)
     dsq = gl.zeros([BMW, BN], gl.bfloat16, a_op)  # DEFER: the previous block's dS (none yet: zeros)
-    for t in range(0, n_full):
+    if HAS_LB:
+        for t in range(0, j_lb):
+            dq, dsq = _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV,
+                               qk_scale, sm_scale, offset, RB, s_zero, True, HAS_RB, BN, D, NS, a_op, DEFER, lo, LB,
+                               HAS_LB)
+        n_full = gl.maximum(n_full, j_lb)
+    for t in range(j_lb, n_full):
         dq, dsq = _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale,
-                           sm_scale, offset, RB, s_zero, False, HAS_RB, BN, D, NS, a_op, DEFER)
+                           sm_scale, offset, RB, s_zero, False, HAS_RB, BN, D, NS, a_op, DEFER, lo, LB, HAS_LB)
     for t in range(n_full, n_blk):
         dq, dsq = _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale,
-                           sm_scale, offset, RB, s_zero, True, HAS_RB, BN, D, NS, a_op, DEFER)
+                           sm_scale, offset, RB, s_zero, True, HAS_RB, BN, D, NS, a_op, DEFER, lo, LB, HAS_LB)
     if DEFER:
         dq = deferred_tail(n_blk, dq, dsq, kc, empty, BN, D, NS)
 
@@ -229,9 +256,10 @@ def _consumer(LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
 def _gluon_dq_kernel(
         q_desc, do_desc, kr_desc, vr_desc, kc_desc, LSE, DELTA, DQ,
         slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs,
-        HQ, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB,
+        HQ, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q, CU_KV, LB,
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEFER: gl.constexpr):
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEFER: gl.constexpr,
+        VARLEN: gl.constexpr = False, BOTTOM_RIGHT: gl.constexpr = False, HAS_LB: gl.constexpr = False):
     """Grid (cdiv(SQ, BM), B * HQ), 4 warps per partition. q_desc, do_desc: TMA descriptors of the bf16 scratch
     [B, HQ, SQ, D] (Q and dO row-wise; block [1, 1, BM / 2, D]); kr_desc, vr_desc, kc_desc: of the bf16 scratch
     [B, HKV, SKV, D] (K row-wise, V row-wise, K column-wise; block [1, 1, BN, D]); LSE [B, HQ, SQ, 1] fp32
@@ -254,12 +282,13 @@ def _gluon_dq_kernel(
     gl.warp_specialize([
         (_consumer, (LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
                      slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
-                     HAS_RB, BM, BN, D, NS, WG0, DEFER)),
+                     CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, WG0, DEFER, VARLEN, BOTTOM_RIGHT, HAS_LB)),
         (_consumer, (LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
                      slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
-                     HAS_RB, BM, BN, D, NS, WG1, DEFER)),
+                     CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, WG1, DEFER, VARLEN, BOTTOM_RIGHT, HAS_LB)),
         (_producer, (q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
-                     HQ, GROUP, SQ, SKV, offset, RB, HAS_RB, BM, BN, D, NS)),
+                     HQ, GROUP, SQ, SKV, offset, RB, CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, VARLEN, BOTTOM_RIGHT,
+                     HAS_LB)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
     mbarrier.invalidate(q_ready)
@@ -279,7 +308,7 @@ def unsupported_reason(q_r, k_r, k_c, v_r, do_r, *, left_bound=None, seq=None, b
                        flags: KernelRecipe = DEFAULT_FLAGS) -> Optional[str]:
     """None where `dq_gluon` runs the call, else why not (one sentence). q_r, do_r: the "pre" backward's bf16
     scratch of Q and dO [B, Hc, SQ, D]; k_r, k_c, v_r: `kv_prep`'s bf16 scratch [B, Hkv_c, SKV, D]."""
-    reason = call_reason("dQ", left_bound, seq, bottom_right, sink, flags)
+    reason = call_reason("dQ", left_bound, seq, bottom_right, sink, flags, window=True)
     if reason is not None:
         return reason
     ops = (("q_r", q_r), ("k_r", k_r), ("k_c", k_c), ("v_r", v_r), ("do_r", do_r))
@@ -291,15 +320,20 @@ def unsupported_reason(q_r, k_r, k_c, v_r, do_r, *, left_bound=None, seq=None, b
     return layout_reason(ops, q_r.shape[:2], "query")
 
 
-def takes(q_r, k_r, k_c, v_r, do_r, right_bound=None, **kwargs) -> bool:
+def takes(q_r, k_r, k_c, v_r, do_r, right_bound=None, left_bound=None, **kwargs) -> bool:
     """Whether `attention_bwd` runs this kernel for a chunk: it takes the call (`unsupported_reason`, same
     arguments) at a head dim where it is the faster kernel (FASTER_HEAD_DIMS) with keys enough to repay its
-    set-up (MIN_KEYS: the KV length, halved under a causal band, i.e. right_bound not None)."""
+    set-up (MIN_KEYS: the KV length, halved under a causal band, i.e. right_bound not None; under a sliding window
+    its width plus BLOCK_M where fewer, the keys a query tile meets: this reasoning's, not a measurement)."""
     d = q_r.shape[3]
     if d not in FASTER_HEAD_DIMS:
         return False
-    keys = k_r.shape[2] if right_bound is None else k_r.shape[2] // 2
-    return keys >= MIN_KEYS[d] and unsupported_reason(q_r, k_r, k_c, v_r, do_r, **kwargs) is None
+    if left_bound is not None and int(left_bound) + BLOCK_M < k_r.shape[2]:
+        keys = int(left_bound) + BLOCK_M
+    else:
+        keys = k_r.shape[2] if right_bound is None else k_r.shape[2] // 2
+    return keys >= MIN_KEYS[d] and unsupported_reason(q_r, k_r, k_c, v_r, do_r, left_bound=left_bound,
+                                                      **kwargs) is None
 
 
 def dq_gluon(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, *, softmax_scale: float, offset: int, left_bound=None,
@@ -313,7 +347,9 @@ def dq_gluon(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, *, softmax_scale: float
     a head slice of the full dQ) and attention_bwd's mask arguments; writes dq. stages: ring stages override
     (>= 1, >= 2 with deferred waits); defer: the software-pipelined dQ GEMM on or off (A/B runs; DEFER_WAITS[D]
     by default, same bits); block_n: keys per KV block override (a multiple of 32; sweeps, BLOCK_N[D] by
-    default). Raises ValueError for what it does not take (`unsupported_reason`)."""
+    default). seq: None (dense) or a padded batch's SeqInfo (bottom_right with it: each sequence's offset
+    len_kv - len_q, offset 0): masks and KV blocks per sequence, the padding rows' dQ = 0. Raises ValueError for
+    what it does not take (`unsupported_reason`: packed batches among them)."""
     reason = None if checked else unsupported_reason(q_r, k_r, k_c, v_r, do_r, left_bound=left_bound, seq=seq,
                                                      bottom_right=bottom_right, flags=flags)
     if reason is not None:
@@ -329,6 +365,8 @@ def dq_gluon(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, *, softmax_scale: float
     if dq.stride(3) != 1:
         raise ValueError(f"dq must have unit stride along D, got strides {tuple(dq.stride())}")
     check_delta(delta, SQ)
+    if not checked:
+        check_seq(seq, q_r, k_r, bottom_right, offset)
     if dq.numel() == 0 or SKV == 0:  # no key: zero gradient (TMA cannot describe an empty tensor)
         dq.zero_()
         return
@@ -342,13 +380,16 @@ def dq_gluon(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, *, softmax_scale: float
              for t in (q_r, do_r)]
     descs += [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bn, D], kv_layout) for t in (k_r, v_r, k_c)]
     has_rb = right_bound is not None
+    has_lb = left_bound is not None
     launch(
         _gluon_dq_kernel, (cdiv(SQ, BLOCK_M), B * HQ),
         *descs, stats, delta, dq, *stats.stride()[:3], delta.stride(0), delta.stride(1), *dq.stride()[:3],
         HQ, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, float(softmax_scale), int(offset),
-        int(right_bound) if has_rb else 0,
+        int(right_bound) if has_rb else 0, *kernel_cu_seqlens(seq, stats),  # (unread for a dense call)
+        int(left_bound) if has_lb else 0,
         HAS_RB=has_rb, BM=BLOCK_M, BN=bn, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        DEFER=defer, num_warps=PARTITION_WARPS)
+        DEFER=defer, VARLEN=seq is not None, BOTTOM_RIGHT=seq is not None and bool(bottom_right), HAS_LB=has_lb,
+        num_warps=PARTITION_WARPS)
 
 
 #: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
@@ -358,19 +399,21 @@ DIVISIBLE_INTS = ("slb", "slh", "sdelb", "sdelh", "sdqb", "sdqh", "sdqs", "SQ", 
 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
                  dq_dtype: str = "bf16", unit_stats: bool = True, block_n: Optional[int] = None,
-                 defer: Optional[bool] = None):
+                 defer: Optional[bool] = None, varlen: bool = False, bottom_right: bool = False,
+                 has_lb: bool = False):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
     `gluon_attention_bwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
-    call). block_n: KV block override (offline sweeps; dq_gluon runs BLOCK_N[d])."""
+    call). block_n: KV block override (offline sweeps; dq_gluon runs BLOCK_N[d]). varlen / bottom_right: the
+    padded-batch variant."""
     ns = stages if stages is not None else STAGES[d]
     bn = BLOCK_N[d] if block_n is None else block_n
     defer = DEFER_WAITS[d] if defer is None else defer
     q_desc = f"tensordesc<bf16[1, 1, {BLOCK_M // 2}, {d}],{tma_layout(BLOCK_M // 2, d)!r}>"
     kv_desc = f"tensordesc<bf16[1, 1, {bn}, {d}],{tma_layout(bn, d)!r}>"
     types = dict(q_desc=q_desc, do_desc=q_desc, kr_desc=kv_desc, vr_desc=kv_desc, kc_desc=kv_desc, LSE="*fp32",
-                 DELTA="*fp32", DQ=f"*{dq_dtype}", qk_scale="fp32", sm_scale="fp32")
+                 DELTA="*fp32", DQ=f"*{dq_dtype}", qk_scale="fp32", sm_scale="fp32", CU_Q="*i32", CU_KV="*i32")
     constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=bn, D=d, NS=ns, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1],
-                      DEFER=defer)
+                      DEFER=defer, VARLEN=varlen, BOTTOM_RIGHT=bottom_right, HAS_LB=has_lb)
     if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
         constexprs["sls"] = 1
     return compile_gluon_sm90(_gluon_dq_kernel, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)

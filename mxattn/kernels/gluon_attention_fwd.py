@@ -1,6 +1,7 @@
 """Hopper (sm_90a) Gluon MXFP8 attention forward, warp-specialised (issue 24), default recipe only.
 
-Scope: dense batches (any [B, H, S, D] strides with a unit stride along D: bhsd or bshd views), any band of a
+Scope: dense and padded batches (any [B, H, S, D] strides with a unit stride along D: bhsd or bshd views; a
+padded batch's lengths from its cu_seqlens, VARLEN; packed batches stay on the Triton forward), any band of a
 dense caller (its offset; `right_bound` None or any int: causal-style, `left_bound` None or an int: sliding
 window, keys kept where col > row + offset - left_bound), attention sinks (fp32 [Hq] logits joining every row's
 softmax as the Triton forward's `softmax_start`), head dims 64 and 128, MHA and GQA, bf16 output and fp32 stats. It reads the operands of the Triton forward's FP8 data path
@@ -64,7 +65,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from .triton_launch import cdiv, launch
-from .triton_attention_fwd import _check_sink
+from .triton_attention_fwd import _check_sink, check_seq
+from ..seqinfo import kernel_cu_seqlens
 from .triton_common import (E4M3_TO_BF16_ASM, E4M3_TO_BF16_CONSTRAINTS, E4M3_TO_BF16_PACK, ROUND_P_ASM,
                             ROUND_P_CONSTRAINTS, ROUND_P_PACK)
 
@@ -217,6 +219,33 @@ def _kv_block_range(m0, SKV, offset, LB, RB, HAS_LB: gl.constexpr, HAS_RB: gl.co
 
 
 @gluon.jit
+def _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr):
+    """(len_q, len_kv, offset) of batch b: with VARLEN (a padded batch: sequence b is rows 0 .. len of batch b,
+    lengths from the int32 cu_seqlens CU_Q / CU_KV) its lengths and, with BOTTOM_RIGHT, its own diagonal offset
+    len_kv - len_q (triton_common.seq_prologue's); else the tensors' SQ, SKV and the offset passed in."""
+    len_q = SQ
+    len_kv = SKV
+    if VARLEN:
+        len_q = gl.load(CU_Q + b + 1) - gl.load(CU_Q + b)
+        len_kv = gl.load(CU_KV + b + 1) - gl.load(CU_KV + b)
+        if BOTTOM_RIGHT:
+            offset = len_kv - len_q
+    return len_q, len_kv, offset
+
+
+@gluon.jit
+def _visited_blocks(m_cta, len_q, len_kv, offset, LB, RB, HAS_LB: gl.constexpr, HAS_RB: gl.constexpr,
+                    BM: gl.constexpr, BN: gl.constexpr, VARLEN: gl.constexpr):
+    """`_kv_block_range` of the CTA's rows [m_cta, m_cta + BM) over its sequence's len_kv keys, none where the
+    tile starts past the sequence's len_q rows (VARLEN: a padded tile; its rows get O = 0 and stats = -inf): the
+    range all three partitions walk."""
+    lo, n = _kv_block_range(m_cta, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
+    if VARLEN:
+        n = n * (m_cta < len_q).to(gl.int32)
+    return lo, n
+
+
+@gluon.jit
 def _issue_tma(k_desc, v_desc, k8, v8, bar, b, hk, n0, BN: gl.constexpr, D: gl.constexpr):
     mbarrier.expect(bar, BN * D * 2)  # one FP8 K tile and one FP8 V tile
     tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], bar, k8)
@@ -225,9 +254,10 @@ def _issue_tma(k_desc, v_desc, k8, v8, bar, b, hk, n0, BN: gl.constexpr, D: gl.c
 
 @gluon.jit
 def _producer(k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready, empty,
-              sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SKV, offset, RB, LB,
+              sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SQ, SKV, offset, RB, LB, CU_Q, CU_KV,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-              NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, HAS_LB: gl.constexpr):
+              NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, HAS_LB: gl.constexpr, VARLEN: gl.constexpr,
+              BOTTOM_RIGHT: gl.constexpr):
     """The producer warpgroup: TMA of FP8 K/V tiles NF blocks ahead, their scales one block ahead (registers,
     then shared memory), dequantization into the bf16 ring once the consumers freed it. Block lo + j (the j-th
     visited, `_kv_block_range`) goes to FP8 stage j % NF and bf16 stage j % NS."""
@@ -235,7 +265,8 @@ def _producer(k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready
     tile, b, hq = _tile_of_program(HQ, HAS_RB)
     hk = hq // GROUP
     m0 = tile * BM
-    lo, n_blk = _kv_block_range(m0, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
+    len_q, SKV, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)  # SKV: its keys
+    lo, n_blk = _visited_blocks(m0, len_q, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN, VARLEN)
     b64 = b.to(gl.int64)
     hk64 = hk.to(gl.int64)
     # the scales are addressed from block lo on (rows past SKV - lo * BN read as 127): the row indices of the loop
@@ -272,15 +303,16 @@ def _producer(k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready
 
 
 @gluon.jit
-def _producer_bf16(k_desc, v_desc, kb, vb, ready, empty, HQ, GROUP, SKV, offset, RB, LB,
+def _producer_bf16(k_desc, v_desc, kb, vb, ready, empty, HQ, GROUP, SQ, SKV, offset, RB, LB, CU_Q, CU_KV,
                    HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-                   HAS_LB: gl.constexpr):
+                   HAS_LB: gl.constexpr, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr):
     """The producer warpgroup of the bf16-K/V variant (KV_BF16): TMA of the bf16 K and V tiles [BN, D] of block
     lo + j straight into bf16 stage j % NS once the consumers freed it (one expect-tx "ready" arrival per stage;
     rows past SKV read as zeros)."""
     tile, b, hq = _tile_of_program(HQ, HAS_RB)
     hk = hq // GROUP
-    lo, n_blk = _kv_block_range(tile * BM, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
+    len_q, len_kv, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
+    lo, n_blk = _visited_blocks(tile * BM, len_q, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN, VARLEN)
     for j in range(n_blk):
         s = j % NS
         mbarrier.wait(empty.index(s), ((j // NS) & 1) ^ 1)  # passes at once on a fresh barrier (first round)
@@ -395,10 +427,10 @@ def _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m
 @gluon.jit
 def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
               sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
-              HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK,
+              HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
               PINGPONG: gl.constexpr, WG: gl.constexpr, HAS_LB: gl.constexpr, HAS_SINK: gl.constexpr,
-              KV_BF16: gl.constexpr):
+              KV_BF16: gl.constexpr, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr):
     """Consumer warpgroup WG (4 warps) of the CTA: query rows [tile * BM + 64 WG, + 64). Q dequantized into
     registers, then per KV block S = Q K^T, the online softmax, P rounding and O = O * alpha + P V; the epilogue
     writes its rows of O (bf16) and of the stats. The S GEMM of block j is issued together with the P V GEMM of
@@ -421,6 +453,8 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     tile, b, hq = _tile_of_program(HQ, HAS_RB)
+    # VARLEN: from here on SKV is the sequence's keys (masks, blocks); SQ stays the tensors' rows (loads, stores)
+    len_q, SKV, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
     m_cta = tile * BM
     m0 = m_cta + WG * BMW
     b64 = b.to(gl.int64)
@@ -453,7 +487,7 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
     s_zero = gl.zeros([BMW, BN], gl.float32, s_layout)
 
     # the CTA's blocks lo, ..., lo + n_blk - 1 (the producer's); j below counts them (ring stages, turns)
-    lo, n_blk = _kv_block_range(m_cta, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN)
+    lo, n_blk = _visited_blocks(m_cta, len_q, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN, VARLEN)
     if n_blk > 0:
         mbarrier.wait(ready.index(0), 0)
         _turn_wait(turn, WG, 0, PINGPONG)
@@ -493,7 +527,9 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
         gl.thread_barrier()
         mbarrier.arrive(empty.index(sl), count=1)
 
-    has = l_i != 0.0
+    has = l_i != 0.0  # a NaN row (l_i NaN) stays NaN
+    if VARLEN:
+        has = has & (rows < len_q)  # padding rows of a padded tile: O = 0, stats = -inf (the Triton forward's)
     denom = gl.where(has, l_i, 1.0)
     has_o = gl.convert_layout(has, row_o)
     o = gl.where(gl.expand_dims(has_o, 1), acc / gl.expand_dims(gl.convert_layout(denom, row_o), 1), 0.0)
@@ -511,19 +547,22 @@ def _gluon_attn_fwd_kernel(
         sqb, sqh, sqs, sqsb, sqsh, sqss,
         sksb, sksh, skss, svsb, svsh, svss,
         sob, soh, sos, slb, slh, sls,
-        HQ, GROUP, SQ, SKV, qk_scale, offset, RB, LB, SINK,
+        HQ, GROUP, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV,
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
         NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, HAS_LB: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
-        KV_BF16: gl.constexpr = False):
+        KV_BF16: gl.constexpr = False, VARLEN: gl.constexpr = False, BOTTOM_RIGHT: gl.constexpr = False):
     """Grid (cdiv(SQ, BM), B * HQ), 4 warps per partition: consumer warpgroup 0 (the default partition),
     consumer warpgroup 1 and the producer (workers). Q [B,HQ,SQ,D] e4m3 (strides sqb, sqh, sqs, unit along D)
     with scales QS [B,HQ,SQ,D/32] u8; k_desc a TMA descriptor of K [B,HKV,SKV,D] e4m3 (block [1,1,BN,D]) with
     scales KS [B,HKV,SKV,D/32]; v_desc one of V's seq-major data [B,HKV,D,L] e4m3 (block [1,1,D,BN]) with
     scales VS [B,HKV,L/32,D]; O [B,HQ,SQ,D] bf16, LSE [B,HQ,SQ,1] fp32. HAS_RB: causal-style band (keys kept
     where col <= row + offset + RB); HAS_LB: sliding window (keys kept where col > row + offset - LB); HAS_SINK:
-    SINK holds fp32 [HQ] sink logits (else unread). The new run-time arguments (LB, SINK) follow the old ones, so
-    a variant without them keeps its parameter offsets (and its machine code).
+    SINK holds fp32 [HQ] sink logits (else unread). The new run-time arguments (LB, SINK, CU_Q, CU_KV) follow the
+    old ones, so a variant without them keeps its parameter offsets (and its machine code).
+    VARLEN: a padded batch, sequence b rows 0 .. len of batch b with lengths from the int32 [B + 1] cu_seqlens
+    CU_Q / CU_KV (else unread): masks and KV blocks per sequence, its padding rows O = 0 and stats = -inf, tiles
+    past its queries visit no block; BOTTOM_RIGHT: each sequence's diagonal offset is len_kv - len_q.
     KV_BF16: k_desc and v_desc describe bf16 K and V [B,HKV,SKV,D] (blocks [1,1,BN,D]: the exact dequantizations
     the quantizer writes on the bf16-scratch path), TMA'd straight into the bf16 ring (`_producer_bf16`; NF, CH,
     KS, VS and their strides unused); the consumers' arithmetic is the same."""
@@ -558,28 +597,28 @@ def _gluon_attn_fwd_kernel(
         gl.warp_specialize([
             (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                          sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
-                         HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, HAS_RB, BM, BN, D, NS, PINGPONG, WG0,
-                         HAS_LB, HAS_SINK, KV_BF16)),
+                         HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV, HAS_RB, BM, BN, D, NS,
+                         PINGPONG, WG0, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT)),
             (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                          sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
-                         HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, HAS_RB, BM, BN, D, NS, PINGPONG, WG1,
-                         HAS_LB, HAS_SINK, KV_BF16)),
-            (_producer_bf16, (k_desc, v_desc, kb, vb, ready, empty, HQ, GROUP, SKV, offset, RB, LB,
-                              HAS_RB, BM, BN, D, NS, HAS_LB)),
+                         HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV, HAS_RB, BM, BN, D, NS,
+                         PINGPONG, WG1, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT)),
+            (_producer_bf16, (k_desc, v_desc, kb, vb, ready, empty, HQ, GROUP, SQ, SKV, offset, RB, LB, CU_Q,
+                              CU_KV, HAS_RB, BM, BN, D, NS, HAS_LB, VARLEN, BOTTOM_RIGHT)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                          sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
-                         HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, HAS_RB, BM, BN, D, NS, PINGPONG, WG0,
-                         HAS_LB, HAS_SINK, KV_BF16)),
+                         HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV, HAS_RB, BM, BN, D, NS,
+                         PINGPONG, WG0, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT)),
             (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                          sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
-                         HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, HAS_RB, BM, BN, D, NS, PINGPONG, WG1,
-                         HAS_LB, HAS_SINK, KV_BF16)),
+                         HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV, HAS_RB, BM, BN, D, NS,
+                         PINGPONG, WG1, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT)),
             (_producer, (k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready, empty,
-                         sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SKV, offset, RB, LB,
-                         HAS_RB, BM, BN, D, NS, NF, CH, HAS_LB)),
+                         sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SQ, SKV, offset, RB, LB, CU_Q, CU_KV,
+                         HAS_RB, BM, BN, D, NS, NF, CH, HAS_LB, VARLEN, BOTTOM_RIGHT)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
     for i in gl.static_range(2):
@@ -615,8 +654,10 @@ def unsupported_reason(q_data, k_scale, v, *, left_bound=None, seq=None, bottom_
     bf16-K/V variant (k_data and v the bf16 dequantizations of K and V)."""
     if flags != DEFAULT_FLAGS:
         return "the Gluon forward runs the default recipe only"
-    if seq is not None or bottom_right:
-        return "the Gluon forward takes dense batches only (no seq / bottom_right)"
+    if seq is not None and seq.packed:
+        return "the Gluon forward takes dense and padded batches, not packed ones (thd)"
+    if bottom_right and seq is None:
+        return "bottom_right is for variable-length (padded) calls"
     if q_data.shape[3] not in SUPPORTED_HEAD_DIMS:
         return f"the Gluon forward takes head dims {SUPPORTED_HEAD_DIMS}, got {q_data.shape[3]}"
     if out is not None and out.dtype != torch.bfloat16:
@@ -670,7 +711,10 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     = its sink, as the Triton forward computes it).
     config: optional (bf16 stages >= 2, fp8 stages (unused with bf16 K/V)[, pingpong]) override (benchmark sweeps,
     A/B of the schedule).
-    Raises ValueError for what it does not take: seq (varlen), bottom_right, head dims other than 64/128,
+    seq: None (dense) or a padded batch's SeqInfo (cu_seqlens_q / _kv int32 [B + 1], packed False; sequence b is
+    rows 0 .. len of batch b): masks and KV blocks per sequence, padding rows O = 0 and stats = -inf, as the
+    Triton forward; bottom_right (with seq, offset 0): each sequence's diagonal offset is len_kv - len_q.
+    Raises ValueError for what it does not take: packed batches (seq.packed), head dims other than 64/128,
     non-default recipes, non-bf16 out, K/V bytes TMA cannot address, a malformed sink. checked: the
     caller has just had `unsupported_reason(..., k_data=k_data, out=out)` answer None for these arguments (not
     asked again)."""
@@ -680,6 +724,7 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         raise ValueError(reason)
     if sink is not None:
         _check_sink(sink, q_data)
+    seq = check_seq(seq, q_data, k_data, bottom_right, offset)
     B, HQ, SQ, D = q_data.shape
     HKV, SKV = k_data.shape[1], k_data.shape[2]
     if HKV == 0 or HQ % HKV:
@@ -706,8 +751,13 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         out.zero_()
         if sink is None:
             stats.fill_(float("-inf"))
-        else:
+        elif seq is None:
             stats.copy_(_sink_stats(sink).view(1, -1, 1, 1).expand_as(stats))
+        else:  # a padded batch: its sequences' rows get the sink's stats, the padding rows -inf
+            cu = seq.cu_seqlens_q.to(torch.int64)
+            valid = torch.arange(SQ, device=cu.device)[None, :] < (cu[1:] - cu[:-1])[:, None]  # [B, SQ]
+            stats.copy_(torch.where(valid[:, None, :, None], _sink_stats(sink).view(1, -1, 1, 1),
+                                    torch.tensor(float("-inf"), device=stats.device)))
         return
     reason = None if checked else unsupported_reason(q_data, k_scale, v, k_data=k_data)  # TMA, grid's y limit
     if reason is not None:
@@ -738,9 +788,11 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         *out.stride()[:3], *stats.stride()[:3],
         HQ, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, int(offset), int(right_bound) if has_rb else 0,
         int(left_bound) if has_lb else 0, stats if sink is None else sink,  # (SINK unread without a sink)
+        *kernel_cu_seqlens(seq, stats),  # (unread for a dense call)
         HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=D, NS=ns, NF=nf, CH=CHUNK_ROWS, PINGPONG=pingpong,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, HAS_LB=has_lb, HAS_SINK=sink is not None,
-        KV_BF16=kv_bf16, num_warps=PARTITION_WARPS)
+        KV_BF16=kv_bf16, VARLEN=seq is not None, BOTTOM_RIGHT=seq is not None and bool(bottom_right),
+        num_warps=PARTITION_WARPS)
 
 
 def _sink_stats(sink: torch.Tensor) -> torch.Tensor:
@@ -758,12 +810,14 @@ DIVISIBLE_INTS = ("sqb", "sqh", "sqs", "sqsb", "sqsh", "sksb", "sksh", "svsb", "
 
 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
-                 pingpong: bool = None, has_lb: bool = False, has_sink: bool = False, kv_bf16: bool = False):
+                 pingpong: bool = None, has_lb: bool = False, has_sink: bool = False, kv_bf16: bool = False,
+                 varlen: bool = False, bottom_right: bool = False):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel (asm:
     ttgir, llir, ptx, cubin; metadata: shared memory). Pointers and DIVISIBLE_INTS as the launcher sees them in a
     typical call (16-byte aligned, multiples of 16); the stats' row stride stays a run-time i32 (the launcher
     specialises a 1 to a constant). has_lb / has_sink: the sliding-window and sink variants (LB a run-time i32,
-    SINK an fp32 pointer). kv_bf16: the bf16-K/V variant (stages: its bf16 stages, an int)."""
+    SINK an fp32 pointer). kv_bf16: the bf16-K/V variant (stages: its bf16 stages, an int). varlen /
+    bottom_right: the padded-batch variant (CU_Q, CU_KV int32 pointers) and its per-sequence offset."""
     fn = _gluon_attn_fwd_kernel
     if kv_bf16:
         ns, nf = (stages if stages is not None else BF16_KV_STAGES[d]), 1
@@ -775,11 +829,12 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
         k_layout, v_layout = tma_layouts(d)
         types = dict(k_desc=f"tensordesc<fp8e4nv[1, 1, {BLOCK_N}, {d}],{k_layout!r}>",
                      v_desc=f"tensordesc<fp8e4nv[1, 1, {d}, {BLOCK_N}],{v_layout!r}>")
-    types.update(Q="*fp8e4nv", QS="*u8", KS="*u8", VS="*u8", O="*bf16", LSE="*fp32", SINK="*fp32", qk_scale="fp32")
+    types.update(Q="*fp8e4nv", QS="*u8", KS="*u8", VS="*u8", O="*bf16", LSE="*fp32", SINK="*fp32", qk_scale="fp32",
+                 CU_Q="*i32", CU_KV="*i32")
     constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=d, NS=ns, NF=nf, CH=CHUNK_ROWS,
                       PINGPONG=PINGPONG if pingpong is None else pingpong,
                       CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], HAS_LB=has_lb, HAS_SINK=has_sink,
-                      KV_BF16=kv_bf16)
+                      KV_BF16=kv_bf16, VARLEN=varlen, BOTTOM_RIGHT=bottom_right)
     return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 

@@ -162,12 +162,15 @@ def test_gluon_dkdv_head_chunk_views_and_stages(D):
     results = []
     # (ring depth, software-pipelined dK GEMM, where the LSE / delta loads go): one ring stage only without the
     # pipelining (its stage is held a step longer)
-    runs = [(None, None, None), (1, False, None), (2, True, None), (3, True, None), (3, False, None),
-            (None, not gb.DEFER_WAITS[D], None)] + [(ns, None, mode) for mode in gb.STATS_MODES for ns in (None, 2)]
-    for stages, defer, stats_loads in runs:
+    # (and the query rows per block: the wide schedule, 64-row blocks, waited, two stages, in every STATS mode)
+    runs = [(None, None, None, None), (1, False, None, None), (2, True, None, None), (3, True, None, None),
+            (3, False, None, None), (None, not gb.DEFER_WAITS[D], None, None)] + [
+        (ns, None, mode, None) for mode in gb.STATS_MODES for ns in (None, 2)] + [
+        (2, False, mode, 64) for mode in gb.STATS_MODES]
+    for stages, defer, stats_loads, block_m in runs:
         dk, dv = (torch.zeros(B, HKV, SKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         gb.dkdv_gluon(*chunk, dk[:, h0:h1], dv[:, h0:h1], softmax_scale=scale, offset=0, right_bound=0,
-                      stages=stages, defer=defer, stats_loads=stats_loads)
+                      stages=stages, defer=defer, stats_loads=stats_loads, block_m=block_m)
         torch.cuda.synchronize()
         assert (dk[:, :h0] == 0).all() and (dk[:, h1:] == 0).all() and (dv[:, h1:] == 0).all()
         results.append((dk, dv))
@@ -182,11 +185,16 @@ def test_gluon_dkdv_head_chunk_views_and_stages(D):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case, D", [("causal_gqa", 128), ("no_mask_mha", 128), ("sink_causal", 128),
-                                     ("bottom_right_cross", 128), ("causal_gqa", 64), ("bottom_right_cross", 64)])
+                                     ("bottom_right_cross", 128), ("causal_gqa", 64), ("bottom_right_cross", 64),
+                                     ("padded_causal_gqa", 128), ("padded_bottom_right", 64),
+                                     ("window_causal_gqa", 128), ("window_padded", 64)])
 def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypatch, case, D):
     """The public backward on Hopper runs the Gluon dK/dV kernel (MHA and GQA; at D64 MHA in bottom_right_cross) and
     the Gluon dQ kernel at head dims 64 and 128 (their query-row / key minimums patched to 0) (`attention_bwd`'s gluon_dkdv / gluon_dq, asked per chunk) and gives the gradients of the
-    Triton kernels (MXATTN_GLUON_BWD=0's path) bit for bit. Inputs as views (bshd from a fused QKV)."""
+    Triton kernels (MXATTN_GLUON_BWD=0's path) bit for bit. Inputs as views (bshd from a fused QKV). Padded
+    batches (cu_seqlens, valid lengths below the tensors' rows; bottom-right offsets per sequence) run both Gluon
+    kernels too, and their padding rows get zero gradients; so do sliding windows (with a causal edge, dense and
+    padded)."""
     if not _is_hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
     import mxattn
@@ -199,7 +207,7 @@ def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypa
     monkeypatch.setattr(gd, "MIN_KEYS", {64: 0, 128: 0})  # (700 keys: below the D64 minimum; the kernel runs here)
     monkeypatch.setattr(gb, "MIN_QUERY_ROWS", {64: 0, 128: 0})
     monkeypatch.setattr(gb, "MHA_MIN_QUERY_ROWS", {64: 0, 128: 0})
-    HQ, HKV = (8, 2) if case == "causal_gqa" else (4, 4)
+    HQ, HKV = (8, 2) if case in ("causal_gqa", "padded_causal_gqa", "window_causal_gqa") else (4, 4)
     B, S = 2, 700
     g = torch.Generator(device="cuda").manual_seed(7 + D)
     qkv = torch.randn(B, S, HQ + 2 * HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -209,6 +217,15 @@ def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypa
         kwargs.update(softmax_type="learnable", softmax_offset=torch.randn(HQ, device="cuda", generator=g))
     if case == "bottom_right_cross":
         kwargs.update(attn_mask_type="causal_bottom_right")
+    if case.startswith("window"):
+        kwargs.update(window_size=(90, 0))
+    padded = case.startswith("padded") or case == "window_padded"
+    if padded:
+        lens_q, lens_kv = (700, 333), ((600, 450) if case == "padded_bottom_right" else (700, 333))
+        cu = lambda lens: torch.tensor([0, lens[0], lens[0] + lens[1]], dtype=torch.int32,  # noqa: E731
+                                       device="cuda")
+        kwargs.update(attn_mask_type="padding_causal_bottom_right" if case == "padded_bottom_right"
+                      else "padding_causal", cu_seqlens_q=cu(lens_q), cu_seqlens_kv=cu(lens_kv))
     runs = []
     calls = {"dkdv": [], "dq": []}
     for module, name, key in ((gb, "dkdv_gluon", "dkdv"), (gd, "dq_gluon", "dq")):
@@ -218,8 +235,9 @@ def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypa
         monkeypatch.setattr(backend_module, "GLUON_BACKWARD", on)
         x = qkv.clone().requires_grad_(True)
         q, k, v = x.split([HQ, HKV, HKV], dim=2)
-        kq = k[:, : S - 100] if case == "bottom_right_cross" else k
-        vq = v[:, : S - 100] if case == "bottom_right_cross" else v
+        cut = case in ("bottom_right_cross", "padded_bottom_right")
+        kq = k[:, : S - 100] if cut else k
+        vq = v[:, : S - 100] if cut else v
         mxattn.mxfp8_attention(q, kq, vq, **kwargs).backward(do)
         runs.append(x.grad)
         if on:
@@ -229,6 +247,9 @@ def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypa
                 c.clear()
     assert not calls["dkdv"] and not calls["dq"]
     assert torch.equal(runs[0], runs[1])
+    if padded:  # padding rows get zero gradients
+        for b, (n_q, n_kv) in enumerate(zip(lens_q, lens_kv)):
+            assert (runs[0][b, n_q:, :HQ] == 0).all() and (runs[0][b, n_kv:, HQ:] == 0).all()
 
 
 @pytest.mark.gpu
@@ -321,9 +342,14 @@ def test_gluon_dkdv_refuses_unsupported_calls():
     from mxattn.kernels.recipe_flags import DEFAULT_FLAGS
     q, k, v = _cpu_operands()
     assert gb.unsupported_reason(q, k, v, q_c=q, do_r=q, do_c=q) is None
-    assert "window" in gb.unsupported_reason(q, k, v, left_bound=64)
-    assert "dense" in gb.unsupported_reason(q, k, v, seq=object())
-    assert "dense" in gb.unsupported_reason(q, k, v, bottom_right=True)
+    assert gb.unsupported_reason(q, k, v, left_bound=64) is None  # sliding windows are taken
+    from mxattn.seqinfo import SeqInfo
+    cu = torch.tensor([0, 100], dtype=torch.int32)
+    padded, packed = SeqInfo(cu, cu, 100, 100, False), SeqInfo(cu, cu, 100, 100, True)
+    assert gb.unsupported_reason(q, k, v, seq=padded) is None  # padded batches are taken, with their own offsets
+    assert gb.unsupported_reason(q, k, v, seq=padded, bottom_right=True) is None
+    assert "not packed" in gb.unsupported_reason(q, k, v, seq=packed)
+    assert "variable-length" in gb.unsupported_reason(q, k, v, bottom_right=True)
     assert "sinks" in gb.unsupported_reason(q, k, v, sink=torch.zeros(4))
     assert "head dims" in gb.unsupported_reason(*_cpu_operands(D=96))
     assert "head dims" in gb.unsupported_reason(*_cpu_operands(D=32))
@@ -336,18 +362,19 @@ def test_gluon_dkdv_refuses_unsupported_calls():
     assert "TMA" in gb.unsupported_reason(q, k, v, q_c=odd)
     for name in ("v_raw", "ds_bf16", "floor"):
         assert "default recipe" in gb.unsupported_reason(q, k, v, flags=DEFAULT_FLAGS._replace(**{name: True}))
-    with pytest.raises(ValueError, match="window"):
+    with pytest.raises(ValueError, match="packed"):
         gb.dkdv_gluon(q, q, k, v, q, q, torch.zeros(1, 4, 100, 1), torch.zeros(1, 4, 100),
                       torch.zeros(1, 2, 80, 128), torch.zeros(1, 2, 80, 128), softmax_scale=0.1, offset=0,
-                      left_bound=3, right_bound=0)
+                      left_bound=3, right_bound=0, seq=packed)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
 def test_gluon_dkdv_min_query_rows():
     """`takes` runs the kernel from MIN_QUERY_ROWS query rows per KV block on with GQA, MHA_MIN_QUERY_ROWS with MHA
-    (query length times queries per KV head, half of it under a causal band: right_bound set), where it was
-    measured faster than the Triton dK/dV kernel, and not one row below; the refusals still apply above it."""
+    (query length times queries per KV head, half of it under a causal band: right_bound set; under a sliding
+    window the window's width plus BLOCK_N, if fewer, times queries per KV head), where it was measured faster
+    than the Triton dK/dV kernel, and not one row below; the refusals still apply above it."""
     from mxattn.kernels import gluon_attention_bwd as gb
     for d in (128, 64):
         least, mha = gb.MIN_QUERY_ROWS[d], gb.MHA_MIN_QUERY_ROWS[d]
@@ -361,8 +388,11 @@ def test_gluon_dkdv_min_query_rows():
             assert gb.takes(q, k, v, right_bound=right_bound) is want, (d, hq, hkv, sq, right_bound)
         q, k, v = _cpu_operands(D=d, HQ=4, HKV=4, SQ=4 * mha, SKV=64)
         assert not gb.takes(q, k, v, sink=torch.zeros(4))
+        # a sliding window bounds the query rows a KV block meets by its width plus the block's keys
         q, k, v = _cpu_operands(D=d, HQ=4, HKV=2, SQ=4 * least, SKV=64)
-        assert not gb.takes(q, k, v, left_bound=5)
+        assert not gb.takes(q, k, v, left_bound=5, right_bound=0)
+        assert gb.takes(q, k, v, left_bound=least // 2 - gb.BLOCK_N, right_bound=0)
+        assert not gb.takes(q, k, v, left_bound=least // 2 - gb.BLOCK_N - 1, right_bound=0)
     assert gb.MHA_MIN_QUERY_ROWS[64] > gb.MIN_QUERY_ROWS[64]  # D64 MHA: measured slower below 2048 rows
 
 
@@ -391,6 +421,13 @@ def compile_or_skip(module: str, d, causal):
         pytest.skip(f"cannot compile for sm_90a here: {e}")
 
 
+def _dkdv_stack_allowance(d, causal, block_m):
+    """(stack bytes, STL / LDL instructions) a dK/dV build may keep: D128 causal with 64-query blocks (the wide
+    schedule) keeps 40 bytes of loop bounds (28 STL / LDL, none in the unmasked block loop; WIDE_SCHEDULE's
+    comment), measured faster than 32-query blocks without a stack; every other build none."""
+    return (40, 28) if (d, causal, block_m) == (128, True, 64) else (0, 0)
+
+
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)],
                          ids=["d64", "d64-causal", "d128", "d128-causal"])
 def test_gluon_dkdv_compiles_for_sm90a_without_spills(d, causal):
@@ -400,10 +437,43 @@ def test_gluon_dkdv_compiles_for_sm90a_without_spills(d, causal):
     DEFER_WAITS is on, the dK GEMM is software-pipelined (waits that leave two GEMMs in flight)."""
     from mxattn.kernels import gluon_attention_bwd as gb
     kernel = compile_or_skip("gluon_attention_bwd", d, causal)
-    _assert_sm90_build(kernel)
-    assert ("wgmma.wait_group.sync.aligned 2;" in kernel.asm["ptx"]) == gb.DEFER_WAITS[d]
+    block_m, _, defer = gb.schedule(d, gb.STATS_LOADS[d])
+    _assert_sm90_build(kernel, *_dkdv_stack_allowance(d, causal, block_m))
+    assert ("wgmma.wait_group.sync.aligned 2;" in kernel.asm["ptx"]) == defer
     assert ("cp.async.ca.shared.global" in kernel.asm["ptx"]) == (gb.STATS_LOADS[d] == 4)
     assert ("cp.async.bulk.tensor.3d" in kernel.asm["ptx"]) == (gb.STATS_LOADS[d] == 5)  # LSE / delta by TMA
+
+
+def test_gluon_dkdv_schedule_is_wide_only_where_it_builds_clean():
+    """`schedule`: the wide schedule (WIDE_SCHEDULE, 64-row blocks at D128) only for a dense batch without a
+    window in STATS mode 5 (the builds that keep their registers); the narrow one (BLOCK_M, STAGES, DEFER_WAITS)
+    for padded batches, windows and modes 0 / 4; any sweep override starts from the narrow one."""
+    from mxattn.kernels import gluon_attention_bwd as gb
+    narrow = {d: (gb.BLOCK_M[d], gb.STAGES[d], gb.DEFER_WAITS[d]) for d in gb.SUPPORTED_HEAD_DIMS}
+    assert gb.schedule(128, 5) == gb.WIDE_SCHEDULE[128] == (64, 2, False)
+    assert gb.schedule(64, 5) == narrow[64]
+    for mode, varlen, has_lb in [(4, False, False), (0, False, False), (5, True, False), (5, False, True)]:
+        assert gb.schedule(128, mode, varlen, has_lb) == narrow[128]
+    assert gb.resolve_schedule(128, 5, False, False, None, None, None) == (64, 2, False)
+    assert gb.resolve_schedule(128, 5, False, False, None, None, False) == (32, None, False)
+    assert gb.resolve_schedule(128, 5, False, False, 64, 2, None) == (64, 2, True)
+
+
+@pytest.mark.parametrize("block_m,stages", [(32, None), (64, 2)], ids=["bm32", "bm64"])
+def test_gluon_dkdv_waited_schedule_builds_without_spills_at_d128(block_m, stages):
+    """With DEFER off the dV GEMM runs on under dS (waited for with the dK GEMM): at D128, dense, with 32- and
+    64-query blocks (two ring stages: four 64 x 128 bf16 tiles a stage) the kernel builds for sm_90a without
+    spills and with asynchronous wgmmas (the A/B candidates against the software-pipelined dK)."""
+    from mxattn.kernels import gluon_attention_bwd as gb
+    try:
+        kernel = gb.compile_sm90(128, False, stages=stages, block_m=block_m, defer=False)
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"cannot compile for sm_90a here: {e}")
+    _assert_sm90_build(kernel)
+    # per step two waits leave a GEMM in flight (S with dP^T, dP^T with dV) and one waits for all (dK, dV): more
+    # of the former than the latter (the schedule that waited for dV before dS had one and three)
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("wgmma.wait_group.sync.aligned 1;") > ptx.count("wgmma.wait_group.sync.aligned 0;")
 
 
 @pytest.mark.gpu
@@ -439,8 +509,41 @@ def test_gluon_dkdv_stats_loads_variants_build_without_spills(d, causal, mode):
         kernel = gb.compile_sm90(d, causal, stats_loads=mode)
     except ImportError as e:  # pragma: no cover
         pytest.skip(f"cannot compile for sm_90a here: {e}")
-    _assert_sm90_build(kernel)
+    _assert_sm90_build(kernel, *_dkdv_stack_allowance(d, causal, gb.schedule(d, mode)[0]))
     ptx = kernel.asm["ptx"]
     assert ("cp.async.ca.shared.global" in ptx) == (mode == 4)
     assert ("cp.async.wait_group" in ptx) == (mode == 4)
     assert ("cp.async.bulk.tensor.3d" in ptx) == (mode == 5)  # the producer's LSE / delta loads
+
+
+@pytest.mark.parametrize("d,causal,bottom_right", [(128, False, False), (128, True, True), (64, False, False),
+                                                   (64, True, True)])
+@pytest.mark.parametrize("kernel", ["gluon_attention_bwd", "gluon_attention_dq"], ids=["dkdv", "dq"])
+def test_gluon_backward_padded_variants_build_without_spills(kernel, d, causal, bottom_right):
+    """The padded-batch variant (VARLEN: each sequence's lengths from cu_seqlens, BOTTOM_RIGHT its own offset) of
+    the dK/dV and dQ kernels builds for sm_90a without spills and with asynchronous wgmmas (the dense builds' SASS
+    is unchanged by it)."""
+    import importlib
+    module = importlib.import_module(f"mxattn.kernels.{kernel}")
+    try:
+        build = module.compile_sm90(d, causal, varlen=True, bottom_right=bottom_right)
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"cannot compile for sm_90a here: {e}")
+    _assert_sm90_build(build)
+    dense = module.compile_sm90(d, causal).asm["ptx"]  # the lengths: more global loads than the dense build's
+    assert build.asm["ptx"].count("ld.global") > dense.count("ld.global")
+
+
+@pytest.mark.parametrize("d,causal,varlen", [(128, False, False), (128, True, False), (64, True, False),
+                                             (128, True, True), (64, True, True)])
+@pytest.mark.parametrize("kernel", ["gluon_attention_bwd", "gluon_attention_dq"], ids=["dkdv", "dq"])
+def test_gluon_backward_window_variants_build_without_spills(kernel, d, causal, varlen):
+    """The sliding-window variant (HAS_LB) of the dK/dV and dQ kernels, alone, with a causal edge and with padded
+    batches (bottom-right), builds for sm_90a without spills and with asynchronous wgmmas."""
+    import importlib
+    module = importlib.import_module(f"mxattn.kernels.{kernel}")
+    try:
+        build = module.compile_sm90(d, causal, has_lb=True, varlen=varlen, bottom_right=varlen)
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"cannot compile for sm_90a here: {e}")
+    _assert_sm90_build(build)

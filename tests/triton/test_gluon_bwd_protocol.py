@@ -33,13 +33,16 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-def q_block_range(n0, SQ, SKV, offset, RB, has_rb, BM, BN):
+def q_block_range(n0, SQ, SKV, offset, RB, has_rb, BM, BN, LB=0, has_lb=False):
     """`gluon_attention_bwd._q_block_range`, line by line (Python's // floors like the kernel's on the
     non-negative operands it divides)."""
     lo, hi, full_lo, full_hi = 0, SQ, 0, (SQ // BM) * BM
     if has_rb:
         lo = (max(n0 - offset - RB, 0) // BM) * BM
         full_lo = ((max(n0 + BN - 1 - offset - RB, 0) + BM - 1) // BM) * BM
+    if has_lb:
+        hi = min(SQ, max(n0 + BN - 1 - offset + LB, 0))
+        full_hi = min(full_hi, (max(n0 - offset + LB - 1, 0) // BM) * BM)
     if n0 + BN > SKV:
         full_hi = 0
     full_lo = max(full_lo, lo)
@@ -49,15 +52,15 @@ def q_block_range(n0, SQ, SKV, offset, RB, has_rb, BM, BN):
     return lo, mask_hi, full_lo, full_hi, hi
 
 
-def consumer_blocks(n0, SQ, SKV, offset, RB, has_rb, BM, BN):
+def consumer_blocks(n0, SQ, SKV, offset, RB, has_rb, BM, BN, LB=0, has_lb=False):
     """[(m0, masked)] of one query head, as the consumer's three loops visit them."""
-    lo, mask_hi, full_lo, full_hi, hi = q_block_range(n0, SQ, SKV, offset, RB, has_rb, BM, BN)
+    lo, mask_hi, full_lo, full_hi, hi = q_block_range(n0, SQ, SKV, offset, RB, has_rb, BM, BN, LB, has_lb)
     return ([(m, True) for m in range(lo, mask_hi, BM)] + [(m, False) for m in range(full_lo, full_hi, BM)]
             + [(m, True) for m in range(max(full_hi, mask_hi), hi, BM)])
 
 
-def producer_blocks(n0, SQ, SKV, offset, RB, has_rb, BM, BN):
-    lo, _, _, _, hi = q_block_range(n0, SQ, SKV, offset, RB, has_rb, BM, BN)
+def producer_blocks(n0, SQ, SKV, offset, RB, has_rb, BM, BN, LB=0, has_lb=False):
+    lo, _, _, _, hi = q_block_range(n0, SQ, SKV, offset, RB, has_rb, BM, BN, LB, has_lb)
     n_blk = _cdiv(max(hi - lo, 0), BM)
     return [lo + i * BM for i in range(n_blk)]
 
@@ -181,15 +184,22 @@ CASES = [(sq, skv, off, rb, has_rb, bm)
          for bm in (32, 64)]
 
 
+@pytest.mark.parametrize("lb", [None, 1, 50, 200], ids=["no_window", "window1", "window50", "window200"])
 @pytest.mark.parametrize("sq,skv,off,rb,has_rb,bm", CASES[::7] + [c for c in CASES if c[1] == 130 and c[4]])
-def test_query_block_walk(sq, skv, off, rb, has_rb, bm):
+def test_query_block_walk(sq, skv, off, rb, has_rb, bm, lb):
     """For every KV tile: the producer's blocks are the consumers' (in order, multiples of BM); an unmasked block
     keeps every (key, query) pair of the tile; every kept pair with key < SKV and query < SQ lies in a visited
-    block (no block skipped that the Triton kernel, with its 32-row blocks, would visit with a kept pair)."""
+    block (no block skipped that the Triton kernel, with its 32-row blocks, would visit with a kept pair). With a
+    sliding window (lb: keys kept where key > query + offset - lb) too."""
     BN = 128
+    has_lb, LB = lb is not None, lb or 0
+
+    def kept(key, q):
+        return (not has_rb or key <= q + off + rb) and (not has_lb or key > q + off - LB)
+
     for n0 in range(0, skv, BN):
-        cons = consumer_blocks(n0, sq, skv, off, rb, has_rb, bm, BN)
-        prod = producer_blocks(n0, sq, skv, off, rb, has_rb, bm, BN)
+        cons = consumer_blocks(n0, sq, skv, off, rb, has_rb, bm, BN, LB, has_lb)
+        prod = producer_blocks(n0, sq, skv, off, rb, has_rb, bm, BN, LB, has_lb)
         assert [m for m, _ in cons] == prod
         assert all(m % bm == 0 for m in prod) and prod == sorted(set(prod))
         visited = set(prod)
@@ -197,10 +207,10 @@ def test_query_block_walk(sq, skv, off, rb, has_rb, bm):
             if not masked:
                 for key in range(n0, n0 + BN):
                     for q in (m0, m0 + bm - 1):
-                        assert key < skv and q < sq and (not has_rb or key <= q + off + rb), (n0, m0, key, q)
+                        assert key < skv and q < sq and kept(key, q), (n0, m0, key, q)
         for q in range(sq):
             for key in range(n0, min(n0 + BN, skv)):
-                if not has_rb or key <= q + off + rb:
+                if kept(key, q):
                     assert (q // bm) * bm in visited, (n0, q, key)
                     break
 

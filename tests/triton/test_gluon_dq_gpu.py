@@ -117,9 +117,13 @@ def test_gluon_dq_refuses_unsupported_calls(monkeypatch):
     monkeypatch.setattr(gd, "MIN_KEYS", {64: 0, 128: 0})  # (80 keys; the minimum: test_gluon_dq_min_keys)
     ops = _cpu_scratch()
     assert gd.unsupported_reason(*ops) is None and gd.takes(*ops)
-    assert "window" in gd.unsupported_reason(*ops, left_bound=64)
-    assert "dense" in gd.unsupported_reason(*ops, seq=object())
-    assert "dense" in gd.unsupported_reason(*ops, bottom_right=True)
+    assert gd.unsupported_reason(*ops, left_bound=64) is None  # sliding windows are taken
+    from mxattn.seqinfo import SeqInfo
+    cu = torch.tensor([0, 100], dtype=torch.int32)
+    assert gd.unsupported_reason(*ops, seq=SeqInfo(cu, cu, 100, 100, False)) is None  # padded batches are taken
+    assert gd.unsupported_reason(*ops, seq=SeqInfo(cu, cu, 100, 100, False), bottom_right=True) is None
+    assert "not packed" in gd.unsupported_reason(*ops, seq=SeqInfo(cu, cu, 100, 100, True))
+    assert "variable-length" in gd.unsupported_reason(*ops, bottom_right=True)
     assert "sinks" in gd.unsupported_reason(*ops, sink=torch.zeros(4))
     assert not gd.takes(*ops, sink=torch.zeros(4))
     assert "head dims" in gd.unsupported_reason(*_cpu_scratch(D=96))
@@ -138,8 +142,9 @@ def test_gluon_dq_refuses_unsupported_calls(monkeypatch):
     big = torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16).expand(65536, 1, 64, 128)
     assert "65535" in gd.unsupported_reason(big, k_r, k_c, v_r, big)
     stats, delta, dq = torch.zeros(1, 4, 100, 1), torch.zeros(1, 4, 100), torch.zeros(1, 4, 100, 128)
-    with pytest.raises(ValueError, match="window"):
-        gd.dq_gluon(*ops, stats, delta, dq, softmax_scale=0.1, offset=0, left_bound=3, right_bound=0)
+    with pytest.raises(ValueError, match="packed"):
+        gd.dq_gluon(*ops, stats, delta, dq, softmax_scale=0.1, offset=0, left_bound=3, right_bound=0,
+                    seq=SeqInfo(cu, cu, 100, 100, True))
     with pytest.raises(ValueError, match="multiple"):
         gd.dq_gluon(*_cpu_scratch(HQ=3), stats, delta, dq, softmax_scale=0.1, offset=0)
     with pytest.raises(ValueError, match="dq must have shape"):
@@ -152,13 +157,18 @@ def test_gluon_dq_refuses_unsupported_calls(monkeypatch):
 @pytest.mark.parametrize("d", [64, 128])
 def test_gluon_dq_min_keys(d):
     """`takes` runs the kernel from MIN_KEYS keys per query block on (the KV length, half of it under a causal
-    band: right_bound set), where it was measured faster than the Triton dQ kernel, and not one key below."""
+    band: right_bound set; under a sliding window its width plus BLOCK_M where fewer), where it was measured
+    faster than the Triton dQ kernel, and not one key below."""
     from mxattn.kernels import gluon_attention_dq as gd
     least = gd.MIN_KEYS[d]
     assert least > 0
     for skv, right_bound, want in ((least, None, True), (least - 1, None, False), (2 * least, 0, True),
                                    (2 * least - 2, 0, False), (2 * least, None, True)):
         assert gd.takes(*_cpu_scratch(D=d, SQ=128, SKV=skv), right_bound=right_bound) is want, (skv, right_bound)
+    # a sliding window bounds the keys a query tile meets by its width plus the tile's rows
+    ops = _cpu_scratch(D=d, SQ=128, SKV=4 * least)
+    assert gd.takes(*ops, left_bound=least - gd.BLOCK_M, right_bound=0)
+    assert not gd.takes(*ops, left_bound=least - gd.BLOCK_M - 1, right_bound=0)
     # refusals still apply above the minimum
     assert not gd.takes(*_cpu_scratch(D=d, SQ=128, SKV=2 * least), right_bound=0, sink=torch.zeros(4))
     assert not gd.takes(*_cpu_scratch(D=96, SQ=128, SKV=4096))

@@ -33,10 +33,38 @@ def kv_blocks(m0, SKV, offset, RB, has_rb, BN):
     return n_full, _cdiv(hi, BN)
 
 
-def gluon_walk(m0, SKV, offset, RB, has_rb, BN):
-    """[(block, masked)] as both consumer warpgroups visit them (the producer loads blocks 0 .. n_blk - 1)."""
+def gluon_walk(m0, SKV, offset, RB, has_rb, BN, LB=None):
+    """[(block, masked)] as both consumer warpgroups visit them (the producer loads blocks lo .. lo + n_blk - 1);
+    LB: a sliding window (HAS_LB), `_consumer`'s lo / j_lb lines."""
     n_full, n_blk = kv_blocks(m0, SKV, offset, RB, has_rb, BN)
-    return [(j, False) for j in range(n_full)] + [(j, True) for j in range(n_full, n_blk)]
+    if LB is None:
+        return [(j, False) for j in range(n_full)] + [(j, True) for j in range(n_full, n_blk)]
+    lo = max(m0 + offset - LB + 1, 0) // BN  # gluon_attention_fwd._kv_block_range with HAS_LB
+    n_blk = max(n_blk - lo, 0)
+    n_full = min(max(n_full - lo, 0), n_blk)
+    j_lb = max(min(_cdiv(max(m0 + BM + offset - LB, 0), BN) - lo, n_blk), 0)
+    n_full = max(n_full, j_lb)
+    visits = [(t, True) for t in range(0, j_lb)] + [(t, False) for t in range(j_lb, n_full)]
+    visits += [(t, True) for t in range(n_full, n_blk)]
+    return [(lo + t, masked) for t, masked in visits]
+
+
+def triton_window_walk(m0, SKV, offset, RB, has_rb, BN, LB):
+    """[(block, masked)] of triton_common.band_block_range (query tile, with a left bound) and the Triton dQ
+    kernel's three loops (masked, full, masked)."""
+    lo, hi, full_lo, full_hi = 0, SKV, 0, (SKV // BN) * BN
+    if has_rb:
+        hi = min(SKV, max(m0 + BM + offset + RB, 0))
+        full_hi = min(full_hi, (max(m0 + offset + RB + 1, 0) // BN) * BN)
+    lo = (max(m0 + offset - LB + 1, 0) // BN) * BN
+    full_lo = ((max(m0 + BM + offset - LB, 0) + BN - 1) // BN) * BN
+    full_lo = max(full_lo, lo)
+    if full_hi <= full_lo:
+        full_lo = full_hi = hi
+    mask_hi = min(full_lo, hi)
+    blocks = [(j, True) for j in range(lo // BN, _cdiv(mask_hi, BN))]
+    blocks += [(j, False) for j in range(full_lo // BN, full_hi // BN)]
+    return blocks + [(j, True) for j in range(_cdiv(max(full_hi, mask_hi), BN), _cdiv(hi, BN))]
 
 
 def triton_walk(m0, SKV, offset, RB, has_rb, BN):
@@ -87,3 +115,31 @@ def test_kv_block_walk(BN, triton_bn):
                 top = skv - 1 if not has_rb else min(skv - 1, q + off + rb)
                 if top >= 0:
                     assert top // BN in visited, (m0, q, top)
+
+
+@pytest.mark.parametrize("lb", [1, 50, 127, 128, 200, 500])
+@pytest.mark.parametrize("BN", [128, 64], ids=["d64", "d128"])
+def test_kv_block_walk_with_a_window(BN, lb):
+    """A sliding window (keys kept where key > query + offset - lb): per query tile the walk covers every kept
+    (query < SQ, key < SKV) pair, keeps every pair of the tile's rows in its unmasked blocks, visits blocks in
+    ascending order from the window's first, and equals the Triton kernel's at the same BN wherever that one keeps
+    no empty block (both visit the same blocks; the masks may differ only where both choices compute the same)."""
+    for sq, skv, off, rb, has_rb in CASES[::3]:
+        for m0 in range(0, sq, BM):
+            walk = gluon_walk(m0, skv, off, rb, has_rb, BN, lb)
+            blocks = [j for j, _ in walk]
+            assert blocks == sorted(set(blocks))
+            assert blocks == [j for j, _ in triton_window_walk(m0, skv, off, rb, has_rb, BN, lb)], (m0, sq, skv)
+
+            def kept(key, q):
+                return key < skv and (not has_rb or key <= q + off + rb) and key > q + off - lb
+            for j, masked in walk:
+                if not masked:
+                    for key in (j * BN, j * BN + BN - 1):
+                        for q in (m0, m0 + BM - 1):
+                            assert kept(key, q), (m0, j, key, q)
+            visited = set(blocks)
+            for q in range(m0, min(m0 + BM, sq)):
+                for key in range(skv):
+                    if kept(key, q):
+                        assert key // BN in visited, (m0, q, key)

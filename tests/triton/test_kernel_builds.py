@@ -140,7 +140,7 @@ def test_sass_loops_reports_the_gluon_dkdv_kernels_consumer_loops(capsys, defer)
 
 @pytest.mark.parametrize("mode", [0, 4, 5])
 def test_sass_loops_shows_where_the_gluon_dkdv_kernel_loads_lse_and_delta(capsys, mode):
-    """benchmarks/sass_loops.py --stats-loads on the Gluon dK/dV kernel (D128): with session 35's loads (mode 0)
+    """benchmarks/sass_loops.py --stats-loads on the Gluon dK/dV kernel (D128, its default schedule): with session 35's loads (mode 0)
     each innermost consumer loop issues global loads (LDG) of its block's LSE and delta, whose results the step
     waits for; with mode 4 it issues no LDG, only the next block's asynchronous copies into shared memory
     (LDGSTS) and shared-memory loads (LDS) of this block's; with the default (mode 5, STATS_LOADS: the producer
@@ -157,7 +157,10 @@ def test_sass_loops_shows_where_the_gluon_dkdv_kernel_loads_lse_and_delta(capsys
     assert sass_loops.main(["--kernel", "gluon-dkdv", "--head-dim", "128", "--stats-loads", str(mode),
                             "--top", "200"]) == 0
     out = capsys.readouterr().out
-    loops = [line for line in out.splitlines() if re.match(r"loop 0x", line) and "tensor-core instructions 20" in line]
+    block_m = gb.schedule(128, mode)[0]  # the wide schedule's 64-row blocks in mode 5, 32-row ones otherwise
+    gemms = 2 * 128 // 16 + 2 * block_m // 16  # S^T and dP^T (D / 16 k-steps each), dV and dK (block_m / 16 each)
+    loops = [line for line in out.splitlines()
+             if re.match(r"loop 0x", line) and f"tensor-core instructions {gemms}" in line]
     assert len(loops) == 6  # the innermost consumer loops (three per consumer warpgroup)
     for line in loops:
         ops = dict((name, int(n)) for name, n in re.findall(r"([A-Z][A-Z0-9_.]*) (\d+)(?:,|;)", line))

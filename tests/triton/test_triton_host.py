@@ -431,13 +431,14 @@ def _fake_gluon(monkeypatch):
 
 @pytest.mark.parametrize("case, gluon_runs", [
     ("causal_gqa_d64", True), ("no_mask_d128", True), ("sink", True), ("window", True), ("fp16_out", False),
-    ("head_dim_96", False), ("padded_varlen", False), ("floor_recipe", False), ("bf16_scratch_path", True),
+    ("head_dim_96", False), ("padded_varlen", True), ("packed_varlen", False), ("floor_recipe", False),
+    ("bf16_scratch_path", True),
     ("bf16_scratch_path_d128", True), ("bf16_scratch_window", True), ("bf16_scratch_head_dim_96", False)])
 def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkeypatch, request, case, gluon_runs):
-    """The forward kernel is the Gluon warp-specialised one where it takes the call (default recipe, dense, sinks
-    and windows included, D 64/128, bf16 O), else the Triton forward: on the FP8 data path (large problems) on the
-    FP8 operands, on the bf16-scratch path (the default at these sizes) its bf16-K/V variant on the quantizer's
-    bf16 K and V (k_scale None). The numbers are compared on the GPU (tests/triton/test_gluon_fwd_gpu.py)."""
+    """The forward kernel is the Gluon warp-specialised one where it takes the call (default recipe, dense or
+    padded batches, sinks and windows included, D 64/128, bf16 O; not packed batches), else the Triton forward:
+    on the FP8 data path (large problems) on the FP8 operands, on the bf16-scratch path (the default at these
+    sizes) its bf16-K/V variant on the quantizer's bf16 K and V (k_scale None). The numbers are compared on the GPU (tests/triton/test_gluon_fwd_gpu.py)."""
     import mxattn
     from mxattn import Recipe
     from triton_helpers import force_fp8_data_paths
@@ -452,6 +453,10 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
     q = torch.randn(2, 160, 4, d, dtype=dtype)
     k, v = (torch.randn(2, 160, 2, d, dtype=dtype) for _ in range(2))
     kwargs = dict(attn_mask_type="no_mask" if case == "no_mask_d128" else "causal", backend="triton")
+    if case == "packed_varlen":  # thd: the two sequences of padded_varlen, one after the other
+        q, k, v = (torch.cat([t[0], t[1, :100]]) for t in (q, k, v))
+        kwargs.update(qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=_cu([160, 100]),
+                      cu_seqlens_kv=_cu([160, 100]))
     if case == "sink":
         kwargs.update(softmax_type="learnable", softmax_offset=torch.zeros(4))
     if case in ("window", "bf16_scratch_window"):
@@ -467,6 +472,9 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
     if gluon_runs:
         (kw,) = calls
         assert kw["out"].data_ptr() == o.data_ptr() and kw["softmax_scale"] == pytest.approx(d ** -0.5)
+        assert (kw.get("seq") is not None) == (case == "padded_varlen")
+        if case == "padded_varlen":
+            assert not kw["seq"].packed and kw["seq"].cu_seqlens_q.tolist() == [0, 160, 260]
         assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
         assert kw["left_bound"] == (65 if "window" in case else None)  # TE's window (64, 0): left_bound 65
         q_data, q_scale, k_data, k_scale, v_arg = kw["args"]
@@ -484,13 +492,14 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
 
 @pytest.mark.parametrize("case, dkdv_chunks, dq_chunks", [
     ("causal_gqa_d128", 1, 1), ("no_mask_d128", 1, 1), ("sink_d128", 1, 1), ("many_heads_d128", 2, 2),
-    ("d64", 1, 1), ("many_heads_d64", 2, 2), ("window_d128", 0, 0), ("padded_varlen_d128", 0, 0),
-    ("floor_recipe_d128", 0, 0), ("fp8_data_path_d128", 0, 0)])
+    ("d64", 1, 1), ("many_heads_d64", 2, 2), ("window_d128", 1, 1), ("padded_varlen_d128", 1, 1),
+    ("packed_varlen_d128", 0, 0), ("floor_recipe_d128", 0, 0), ("fp8_data_path_d128", 0, 0)])
 def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monkeypatch, request, case,
                                                                           dkdv_chunks, dq_chunks):
     """On the bf16-scratch backward (mode "pre") each chunk of heads runs the Gluon dK/dV kernel where it takes
-    it (`gluon_attention_bwd.takes`: default recipe, dense, no mask or a causal band, head dim 128 or 64 with GQA,
-    as here: 4 query heads on 2 KV heads; a sink lives in the stats) with the chunk's views, else the Triton dK/dV kernel; likewise the Gluon dQ kernel
+    it (`gluon_attention_bwd.takes`: default recipe, dense or padded (not packed), no mask, a causal band or a
+    sliding window, head dim 128 or 64 with GQA, as here: 4 query heads on 2 KV heads; a sink lives in the stats)
+    with the chunk's views, else the Triton dK/dV kernel; likewise the Gluon dQ kernel
     (`gluon_attention_dq.takes`: the same refusals, head dims 64 and 128) with the chunk's bf16 scratch (bwd_prep's
     Q and dO, kv_prep's K both ways and V), stats and delta slices and dQ head slice, else the Triton dQ kernel;
     the FP8 data path never asks. The numbers are compared on the GPU (tests/triton/test_gluon_bwd_gpu.py)."""
@@ -527,6 +536,10 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
     q = torch.randn(2, 160, 4, d, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(2, 160, 2, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     kwargs = dict(attn_mask_type="no_mask" if case == "no_mask_d128" else "causal", backend="triton")
+    if case == "packed_varlen_d128":  # thd: two sequences of 160 and 100 tokens
+        q, k, v = (torch.cat([t[0], t[1, :100]]).detach().requires_grad_(True) for t in (q, k, v))
+        kwargs.update(qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=_cu([160, 100]),
+                      cu_seqlens_kv=_cu([160, 100]))
     if case == "sink_d128":
         kwargs.update(softmax_type="learnable", softmax_offset=torch.zeros(4))
     if case == "window_d128":
@@ -554,6 +567,8 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
         assert dk.data_ptr() - first_dk.data_ptr() == h * per * dk.stride(1) * dk.element_size()
         assert kw["checked"] and kw["softmax_scale"] == pytest.approx(d ** -0.5)
         assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
+        assert (kw.get("seq") is not None) == (case == "padded_varlen_d128")
+        assert kw["left_bound"] == (65 if case == "window_d128" else None)  # TE's window (64, 0)
     if dq_chunks:
         assert len(preps["bwd"]) == len(preps["kv"]) == chunks
     for h, (args, kw) in enumerate(dq_calls):
@@ -572,6 +587,8 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
         assert dq.stride(3) == 1
         assert kw["checked"] and kw["softmax_scale"] == pytest.approx(d ** -0.5)
         assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
+        assert (kw.get("seq") is not None) == (case == "padded_varlen_d128")  # the lengths reach the dQ kernel
+        assert kw["left_bound"] == (65 if case == "window_d128" else None)
 
 
 _GLUON_CHOICES = {"_gluon_forward": ("gluon_attention_fwd", "GLUON_FORWARD"),
@@ -613,7 +630,8 @@ def test_the_gluon_kernels_are_used_on_sm90_only(monkeypatch, getter):
 
 def test_gluon_takes_sinks_and_windows_and_refuses_the_rest():
     """`unsupported_reason` takes attention sinks and left bounds (sliding windows), alone or together, with or
-    without a right bound, and still refuses varlen / bottom_right, other recipes, head dims other than 64/128,
+    without a right bound, and padded batches, and still refuses packed ones / bottom_right without seq, other
+    recipes, head dims other than 64/128,
     non-bf16 O and, on FP8 K/V, a V that is not SeqMajorColumns; bf16 K/V (k_scale None: the bf16-K/V variant)
     are taken as bf16 tensors only."""
     from mxattn.kernels.gluon_attention_fwd import unsupported_reason
@@ -628,7 +646,11 @@ def test_gluon_takes_sinks_and_windows_and_refuses_the_rest():
     for extra in (dict(sink=sink), dict(left_bound=1), dict(left_bound=300), dict(left_bound=64, sink=sink)):
         assert unsupported_reason(q, ks, v, **extra) is None, extra
         assert unsupported_reason(q, ks, v, k_data=k, **extra) is None, extra
-    refused = [(dict(seq=object()), "dense batches"), (dict(bottom_right=True), "dense batches"),
+    from mxattn.seqinfo import SeqInfo
+    cu = torch.tensor([0, 128], dtype=torch.int32)
+    assert unsupported_reason(q, ks, v, seq=SeqInfo(cu, cu, 128, 128, False), bottom_right=True) is None  # padded
+    refused = [(dict(seq=SeqInfo(cu, cu, 128, 128, True)), "not packed"),
+               (dict(bottom_right=True), "variable-length"),
                (dict(flags=KernelRecipe(p_mode=2)), "default recipe"),
                (dict(out=torch.zeros(1, 2, 128, 64, dtype=torch.float16)), "bf16 O")]
     for extra, match in refused:

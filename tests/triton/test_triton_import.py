@@ -80,6 +80,14 @@ def test_bench_helpers_and_markdown(tmp_path):
     md = bench.markdown({"gpu": "X", "torch": "t", "triton": "tr", "iters": 20, "warmup": 5, "configs": [cfg],
                          "host": {"bshd_s4096_fwd_host_us": 301.2, "sdpa_cudnn_bf16_bshd_s4096_fwd_host_us": 41.0}})
     assert "idle launch queue, median; target <= 40 us): bshd_s4096 301 us, sdpa_cudnn_bf16_bshd_s4096 41 us." in md
+    assert "both sides replayed from CUDA graphs" not in md  # no graph figures: no such table
+    graphs = {"triton_fwd_kernel_graph_ms": 0.5, "triton_fwd_graph_ms": 0.6, "triton_fwdbwd_graph_ms": 2.5,
+              "sdpa_cudnn_fwd_graph_ms": 0.45, "sdpa_cudnn_fwdbwd_graph_ms": None}
+    ratios = bench.graph_ratios(graphs)
+    assert ratios == {"ratio_fwd_kernel_graph_vs_cudnn_graph": 0.9, "ratio_fwd_graph_vs_cudnn_graph": 0.75}
+    md = bench.markdown({"gpu": "X", "torch": "t", "triton": "tr", "iters": 20, "warmup": 5,
+                         "configs": [{**cfg, **graphs, **ratios}]})
+    assert "both sides replayed from CUDA graphs" in md and "| c | 0.90 | 0.75 | - | 0.500 / 0.450 |" in md
     p = tmp_path / "results.json"
     p.write_text(json.dumps({"gpu": "X", "configs": [cfg]}))
     rc = bench.main(["--plot-from", str(p)])
