@@ -57,11 +57,12 @@ def markdown(results: Dict) -> str:
                       for r in results["configs"])]
     lines += ["", "Triton GPU time without host overhead (CUDA-graph replay), ms: " + "; ".join(
         f"{r['config']}: fwd {fmt(r.get('triton_fwd_graph_ms'), 3)}, fwd+bwd {fmt(r.get('triton_fwdbwd_graph_ms'), 3)}"
-        f" (vs cuDNN fwd+bwd {fmt(r.get('sdpa_cudnn_fwdbwd_ms'), 3)})" for r in results["configs"])]
+        f" (cuDNN fwd+bwd timed per call, not from a graph: {fmt(r.get('sdpa_cudnn_fwdbwd_ms'), 3)})"
+        for r in results["configs"])]
     if any("ratio_fwd_kernel_graph_vs_cudnn_graph" in r for r in results["configs"]):
         lines += ["", "GPU time alone, both sides replayed from CUDA graphs (the host's work before each call's first "
                   "launch is out of these; the tables above time each call from an idle queue), ratios cuDNN / "
-                  "triton:", "", "| config | fwd kernel (target 0.85) | fwd incl. quantization | fwd+bwd | "
+                  "triton ('-': a side's CUDA-graph capture failed):", "", "| config | fwd kernel (target 0.85) | fwd incl. quantization | fwd+bwd | "
                   "triton fwd kernel / cuDNN fwd ms |", "|---|---|---|---|---|"]
         lines += [f"| {r['config']} | {fmt(r.get('ratio_fwd_kernel_graph_vs_cudnn_graph'), 2)} | "
                   f"{fmt(r.get('ratio_fwd_graph_vs_cudnn_graph'), 2)} | "
