@@ -13,7 +13,7 @@ for Gluon).
 Usage: python benchmarks/gluon_bwd_bench.py [--dq] [--config name:B:Hq:Hkv:S:D:causal ...] [--rounds 15]
 [--iters 10] [--stages N] [--block-m N (dK/dV only)]
 [--variant name:defer=0|1[,block_n=N (dQ)][,block_m=N][,stages=N][,stats_loads=N (dK/dV)] ...]
-[--json FILE]
+[--padded (dK/dV)] [--json FILE]
 (e.g. --variant base:defer=0 --variant pipelined:defer=1: the software-pipelined dK / dQ GEMM against the
 waited one, interleaved in one run, outputs compared bit for bit)
 """
@@ -56,10 +56,28 @@ def _distinct(values):
     return xs[0] if len(xs) == 1 else xs
 
 
-def _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m, variants=None):
+def padded_lengths(B: int, S: int):
+    """The per-sequence lengths of --padded: a padded batch of B sequences in S rows, the first full and each next
+    one shorter by S / (2B), none below 1 (B = 2, S = 4096: 4096, 3072)."""
+    return [max(S - (b * S) // (2 * B), 1) for b in range(B)]
+
+
+def _padded_seq(B: int, S: int):
+    """SeqInfo of `padded_lengths` (padded, not packed) on the GPU."""
+    from mxattn.seqinfo import SeqInfo
+    cu = [0]
+    for n in padded_lengths(B, S):
+        cu.append(cu[-1] + n)
+    cu_t = torch.tensor(cu, device="cuda", dtype=torch.int32)
+    return SeqInfo(cu_t, cu_t, S, S, False)
+
+
+def _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m, variants=None, padded=False):
     """(runs {"triton": fn, <variant>: fn ...}, [(label, output, triton output)], GEMMs of the pass, the Gluon
     kernel's (stages, block rows)) of the dK/dV pass (kernel "dkdv") or the dQ pass ("dq") on one config's inputs.
-    variants: {name: launch keywords of the Gluon kernel (`_variant`)}; {"gluon": {}} by default."""
+    variants: {name: launch keywords of the Gluon kernel (`_variant`)}; {"gluon": {}} by default. padded (dK/dV):
+    the Gluon launches take the inputs as a padded batch (`padded_lengths`, bottom-right causal), the Triton one
+    stays dense (its outputs and time are then a reference point, not the same problem)."""
     from test_gluon_bwd_gpu import _pre_inputs, _triton_dkdv
     variants = variants or {"gluon": {}}
     scale = 1.0 / math.sqrt(D)
@@ -84,22 +102,23 @@ def _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m, variants=None):
     ins = _pre_inputs(B, HQ, HKV, S, S, D, 0, rb, g, scale)
     dk_t, dv_t = (torch.empty(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     runs["triton"] = lambda: _triton_dkdv(*ins, dk_t, dv_t, scale, 0, rb)
+    extra = dict(seq=_padded_seq(B, S), bottom_right=causal) if padded else {}
     for name, kw in variants.items():
         dk_g, dv_g = (torch.empty(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        kw = {"stages": stages, "block_m": block_m, **kw}  # a variant's own ring depth / block rows win
+        kw = {"stages": stages, "block_m": block_m, **kw, **extra}  # a variant's own ring depth / block rows win
         runs[name] = lambda dk_g=dk_g, dv_g=dv_g, kw=kw: gb.dkdv_gluon(
             *ins, dk_g, dv_g, softmax_scale=scale, offset=0, right_bound=rb, **kw)
         outputs += [(f"{name} dk", dk_g, dk_t), (f"{name} dv", dv_g, dv_t)]
     launched = [gb.resolve_schedule(D, gb.STATS_LOADS[D] if kw.get("stats_loads") is None else kw["stats_loads"],
-                                    False, False, kw.get("block_m"), kw.get("stages"), kw.get("defer"))
+                                    padded, False, kw.get("block_m"), kw.get("stages"), kw.get("defer"))
                 for kw in ({"stages": stages, "block_m": block_m, **kw} for kw in variants.values())]
     return runs, outputs, 4, (_distinct(ns or gb.STAGES[D] for _, ns, _ in launched),
                               _distinct(bm for bm, _, _ in launched))
 
 
 def bench_config(name, B, HQ, HKV, S, D, causal, rounds, iters, stages=None, block_m=None, kernel="dkdv",
-                 variants=None):
-    runs, outputs, gemms, (ns, bm) = _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m, variants)
+                 variants=None, padded=False):
+    runs, outputs, gemms, (ns, bm) = _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m, variants, padded)
     for fn in runs.values():
         fn()
     torch.cuda.synchronize()
@@ -119,7 +138,8 @@ def bench_config(name, B, HQ, HKV, S, D, causal, rounds, iters, stages=None, blo
     pairs = S * (S + 1) // 2 if causal else S * S
     flops = gemms * 2 * B * HQ * pairs * D  # the pass's GEMMs (dK/dV: S, dP, dV, dK; dQ: S, dP, dQ)
     gluon = [k for k in runs if k != "triton"]
-    out = dict(kernel=kernel, config=name, B=B, Hq=HQ, Hkv=HKV, S=S, D=D, causal=causal, stages=ns, block_m=bm,
+    out = dict(kernel=kernel, config=name, B=B, Hq=HQ, Hkv=HKV, S=S, D=D, causal=causal, padded=padded,
+               lengths=padded_lengths(B, S) if padded else None, stages=ns, block_m=bm,
                ms=ms, ratio_gluon_over_triton=ms[gluon[0]] / ms["triton"],
                ratios_over_first_variant={k: ms[k] / ms[gluon[0]] for k in gluon[1:]},
                variants=variants or {"gluon": {}},
@@ -156,10 +176,15 @@ def main() -> None:
                         help="name[:defer=0|1,block_n=N,block_m=N,stages=N,stats_loads=N]: a Gluon launch to time "
                              "(repeatable; A/B in one run, ratios to the first); one default launch named gluon when "
                              "none")
+    parser.add_argument("--padded", action="store_true",
+                        help="dK/dV: the Gluon launches take a padded batch (lengths S, S - S/2B, ...; bottom-right "
+                             "causal); the Triton launch stays dense")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if args.dq and args.block_m is not None:
         parser.error("--block-m sets the dK/dV kernel's query block; the dQ kernel's is fixed (BLOCK_M)")
+    if args.dq and args.padded:
+        parser.error("--padded is for the dK/dV pass")
     if not torch.cuda.is_available():
         sys.exit("gluon_bwd_bench.py needs a CUDA GPU (an sm_90 one for the Gluon kernel)")
     if torch.cuda.get_device_capability()[0] != 9:
@@ -168,11 +193,12 @@ def main() -> None:
     results = dict(device=torch.cuda.get_device_name(), configs=[])
     for cfg in args.config or DEFAULT_CONFIGS:
         r = bench_config(*cfg, args.rounds, args.iters, args.stages, args.block_m, "dq" if args.dq else "dkdv",
-                         dict(args.variant) if args.variant else None)
+                         dict(args.variant) if args.variant else None, args.padded)
         results["configs"].append(r)
         times = ", ".join(f"{k} {v:.3f} ms" for k, v in r["ms"].items())
         ratios = "".join(f", {k} / first {v:.3f}" for k, v in r["ratios_over_first_variant"].items())
-        print(f"{r['kernel']} {r['config']} (stages {r['stages']}, block_m {r['block_m']}): {times} "
+        shape = f", padded {r['lengths']}" if args.padded else ""
+        print(f"{r['kernel']} {r['config']} (stages {r['stages']}, block_m {r['block_m']}{shape}): {times} "
               f"(first gluon / triton {r['ratio_gluon_over_triton']:.3f}{ratios}); agreement {r['agreement']}",
               flush=True)
     if args.json:

@@ -255,8 +255,8 @@ def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypa
 @pytest.mark.gpu
 def test_transformers_llama_trains_on_the_gluon_backward_eager_and_compiled(monkeypatch):
     """A transformers Llama built from a config (GQA 4:2, head dim 64, the project's HF registration, triton
-    backend), one training step on a dense batch (no padding: padded and packed batches take the Triton kernels,
-    which the Gluon ones refuse) eager and under torch.compile, with the Gluon backward kernels taking every chunk
+    backend), one training step on a dense batch (no padding: the public-backward test above covers padded
+    batches on the Gluon kernels; packed ones take the Triton kernels) eager and under torch.compile, with the Gluon backward kernels taking every chunk
     (their minimums patched to 0): both kernels run, the eager gradients match the Triton kernels' path (the
     attention's are bit-equal; rel-RMS 1e-5 leaves room for atomics elsewhere in the model), the same holds for
     the compiled model (Gluon against Triton, each compiled afresh), and the compiled step's loss is the eager

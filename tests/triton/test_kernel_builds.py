@@ -175,7 +175,8 @@ def test_sass_loops_shows_where_the_gluon_dkdv_kernel_loads_lse_and_delta(capsys
 def test_gluon_bwd_bench_variants_take_launch_keywords():
     """benchmarks/gluon_bwd_bench.py --variant: name:key=value,... -> the Gluon kernel's launch keywords (defer a
     bool, the others ints; a variant's own stages / block_m override the command line's), unknown keys refused
-    by argparse's type error, and a report's stages / block rows one value or the sorted distinct ones."""
+    by argparse's type error, a report's stages / block rows one value or the sorted distinct ones, and --padded's
+    per-sequence lengths."""
     import argparse
     import os
     import sys
@@ -188,3 +189,7 @@ def test_gluon_bwd_bench_variants_take_launch_keywords():
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant key 'bm'"):
         bench._variant("x:bm=64")
     assert bench._distinct([4, 4, 4]) == 4 and bench._distinct([32, 64, 32]) == [32, 64]
+    # --padded's lengths: the first sequence full, each next shorter by S / 2B, never empty
+    assert bench.padded_lengths(2, 4096) == [4096, 3072]
+    assert bench.padded_lengths(4, 1000) == [1000, 875, 750, 625]
+    assert bench.padded_lengths(3, 1) == [1, 1, 1]
