@@ -103,15 +103,16 @@ def _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m, variants=None, p
     dk_t, dv_t = (torch.empty(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     runs["triton"] = lambda: _triton_dkdv(*ins, dk_t, dv_t, scale, 0, rb)
     extra = dict(seq=_padded_seq(B, S), bottom_right=causal) if padded else {}
+    launched = []  # each variant's (block rows, ring depth or None, defer) as dkdv_gluon resolves them
     for name, kw in variants.items():
         dk_g, dv_g = (torch.empty(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         kw = {"stages": stages, "block_m": block_m, **kw, **extra}  # a variant's own ring depth / block rows win
+        launched.append(gb.resolve_schedule(D, gb.STATS_LOADS[D] if kw.get("stats_loads") is None
+                                            else kw["stats_loads"], padded, False, kw["block_m"], kw["stages"],
+                                            kw.get("defer")))
         runs[name] = lambda dk_g=dk_g, dv_g=dv_g, kw=kw: gb.dkdv_gluon(
             *ins, dk_g, dv_g, softmax_scale=scale, offset=0, right_bound=rb, **kw)
         outputs += [(f"{name} dk", dk_g, dk_t), (f"{name} dv", dv_g, dv_t)]
-    launched = [gb.resolve_schedule(D, gb.STATS_LOADS[D] if kw.get("stats_loads") is None else kw["stats_loads"],
-                                    padded, False, kw.get("block_m"), kw.get("stages"), kw.get("defer"))
-                for kw in ({"stages": stages, "block_m": block_m, **kw} for kw in variants.values())]
     return runs, outputs, 4, (_distinct(ns or gb.STAGES[D] for _, ns, _ in launched),
                               _distinct(bm for bm, _, _ in launched))
 
