@@ -8,6 +8,9 @@
 #   one call too: run them as two, PART=tests with "not gluon" (404 s on an H100, 449 s on an H200 in session 30) and
 #   with "gluon" (127 s; 198 s in session 30 with the dQ kernel's tests, when the kernel cache was warm from the
 #   first part: on a fresh machine it ran past 300 s, so give it the call's whole limit).)
+#   On a machine of two GPUs both parts fit one call side by side (session 39), e.g.
+#     CUDA_VISIBLE_DEVICES=0 WORKERS=16 OUT=$OUT/g PART=tests bash benchmarks/device_checks.sh gluon &
+#     CUDA_VISIBLE_DEVICES=1 WORKERS=16 OUT=$OUT/ng PART=tests bash benchmarks/device_checks.sh "not gluon"; wait
 set -u
 OUT=${OUT:-device-logs}
 PART=${PART:-all}
@@ -20,7 +23,7 @@ python -m mxattn info 2>&1 | tee "$OUT/info.txt"
 # in parallel workers when pytest-xdist is there (Triton compiles dominate): 8 beside the samples, one per CPU
 # core alone. test_formats.py needs torchao (a CPU-only oracle) and holds no GPU test. --durations: the slowest
 # tests in the log (the two test calls fill most of a session's device time).
-WORKERS=$([ "$PART" = tests ] && nproc || echo 8)
+WORKERS=${WORKERS:-$([ "$PART" = tests ] && nproc || echo 8)}  # (WORKERS in the environment wins: two parts side by side on two GPUs)
 XDIST=$(python -c "import xdist" 2>/dev/null && echo "-n $WORKERS -p no:benchmark")
 TESTS=
 if [ "$PART" != samples ]; then

@@ -108,7 +108,7 @@ def _kernels(kernel, B, HQ, HKV, S, D, causal, stages, block_m, variants=None, p
         dk_g, dv_g = (torch.empty(B, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         kw = {"stages": stages, "block_m": block_m, **kw, **extra}  # a variant's own ring depth / block rows win
         launched.append(gb.resolve_schedule(D, gb.STATS_LOADS[D] if kw.get("stats_loads") is None
-                                            else kw["stats_loads"], padded, False, kw["block_m"], kw["stages"],
+                                            else kw["stats_loads"], False, False, kw["block_m"], kw["stages"],
                                             kw.get("defer")))
         runs[name] = lambda dk_g=dk_g, dv_g=dv_g, kw=kw: gb.dkdv_gluon(
             *ins, dk_g, dv_g, softmax_scale=scale, offset=0, right_bound=rb, **kw)

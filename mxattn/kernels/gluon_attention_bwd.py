@@ -3,12 +3,14 @@ data path (mode "pre" of `triton_attention_bwd.attention_bwd`), default recipe o
 `dkdv_gluon` takes what `triton_attention_bwd._launch_dkdv` takes in mode "pre" and writes the same dK, dV;
 `attention_bwd` runs it on Hopper for the chunks it `takes` (those where it is the faster kernel).
 
-Scope: dense and padded batches (a padded batch's lengths from its cu_seqlens, VARLEN: masks and query blocks per
-sequence, bottom-right offsets per sequence, the padding key rows' dK = dV = 0), no mask, a causal-style band
+Scope: dense, padded and packed batches (a padded batch's lengths from its cu_seqlens, VARLEN: masks and query
+blocks per sequence, bottom-right offsets per sequence, the padding key rows' dK = dV = 0; a packed batch, PACKED:
+each sequence's K / V / dK / dV / LSE / delta rows from its first, its query-side scratch gapped by `bwd_prep`
+(PACKED_GAP zero rows after each sequence, so no TMA tile reads another sequence's rows)), no mask, a causal-style band
 (offset, right bound) and / or a sliding window (HAS_LB: keys kept where key > query + offset - left bound; the
 query range of a KV tile ends before its last key - offset + left bound), head dims 64 and 128, MHA and GQA (the
-CTA walks its KV head's group of query heads in order, as the Triton kernel). Packed batches, sinks (passed to the
-kernel: the backward keeps them in the stats) and other recipes are refused (`unsupported_reason`).
+CTA walks its KV head's group of query heads in order, as the Triton kernel). Sinks (passed to the kernel: the
+backward keeps them in the stats) and other recipes are refused (`unsupported_reason`).
 
 Inputs (mode "pre"): the query-side operands are the prep pass's bf16 scratch (`bwd_prep`: Q row- and
 column-wise, dO row- and column-wise, each the exact dequantization of its MXFP8 copy, contiguous
@@ -61,11 +63,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
-from .gluon_attention_fwd import _chunk_layouts, _dequant3, _round_p_to_bf16, _seq_lengths, compile_gluon_sm90
+from .gluon_attention_fwd import (_chunk_layouts, _dequant3, _round_p_to_bf16, _seq_lengths, _seq_rows,
+                                  compile_gluon_sm90)
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from .triton_launch import cdiv, launch
 from .triton_attention_fwd import check_seq
-from ..seqinfo import kernel_cu_seqlens
+from .triton_bwd_prep import PACKED_GAP
+from ..seqinfo import grid_rows, grid_sequences, kernel_cu_seqlens
 
 #: key rows of one CTA (the Triton dK/dV kernel's BN in mode "pre": the same grid)
 BLOCK_N = 128
@@ -92,28 +96,33 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 DEFER_WAITS = {64: True, 128: True}
 #: the wide schedule by head dim, (block_m, stages, defer): 64-row query blocks at D128 fit the consumers' registers
 #: only with the waited schedule (DEFER off; the pipelined dK makes ptxas serialise the wgmmas or spill) and two
-#: stages (193 KB of shared memory), and only where the producer TMA-loads the LSE / delta (STATS 5) in a dense batch
-#: without a window (the padded, window and STATS 0 / 4 builds keep 16-136 stack bytes). Offline sm_90a SASS per
+#: stages (193 KB of shared memory), and only where the producer TMA-loads the LSE / delta (STATS 5) without a window
+#: (the window and STATS 0 / 4 builds keep 56-136 stack bytes, with STL / LDL in the block loops; the padded ones
+#: 16 bytes, none in the block loops, and causal bottom-right 56, a few LDL per masked block). Offline sm_90a SASS per
 #: 64 queries and consumer warp: 712 instructions against 854 for two 32-row blocks (dense); the causal build keeps
 #: 40 stack bytes of loop bounds (28 STL / LDL, one per masked block, none in the unmasked loop). Measured on an
 #: H200 (session 38, gluon_bwd_bench.py, interleaved rounds, same bits), wide over narrow: B2 H16 S4096 D128 0.833
-#: of the time, causal 0.906, B1 H32/8 S8192 causal 0.847, B8 H16 S1024 0.848
+#: of the time, causal 0.906, B1 H32/8 S8192 causal 0.847, B8 H16 S1024 0.848; padded batches (session 39,
+#: gluon_bwd_bench.py --padded, lengths S .. S - S/2B, causal bottom-right): B2 H16 S4096 0.857, causal 0.900,
+#: B8 H16 S1024 0.886, B8 H16/4 S1024 causal 0.879. Packed batches keep the narrow schedule (`schedule`)
 WIDE_SCHEDULE = {128: (64, 2, False)}
 
 
-def schedule(d: int, stats_mode: int, varlen: bool = False, has_lb: bool = False):
-    """(block_m, stages, defer) of the dK/dV kernel at head dim d: WIDE_SCHEDULE[d] for a dense batch without a
-    window whose LSE / delta the producer TMA-loads (stats_mode 5), else (BLOCK_M[d], STAGES[d], DEFER_WAITS[d])."""
-    if d in WIDE_SCHEDULE and stats_mode == 5 and not varlen and not has_lb:
+def schedule(d: int, stats_mode: int, packed: bool = False, has_lb: bool = False):
+    """(block_m, stages, defer) of the dK/dV kernel at head dim d: WIDE_SCHEDULE[d] for a dense or padded batch
+    without a window whose LSE / delta the producer TMA-loads (stats_mode 5), else (BLOCK_M[d], STAGES[d],
+    DEFER_WAITS[d]): windows, modes 0 / 4 and packed batches (whose 64-row D128 builds keep 32-104 stack bytes,
+    the causal ones with STL / LDL in the block loops; their 32-row builds none)."""
+    if d in WIDE_SCHEDULE and stats_mode == 5 and not has_lb and not packed:
         return WIDE_SCHEDULE[d]
     return BLOCK_M[d], STAGES[d], DEFER_WAITS[d]
 
 
-def resolve_schedule(d, stats_mode, varlen, has_lb, block_m, stages, defer):
+def resolve_schedule(d, stats_mode, packed, has_lb, block_m, stages, defer):
     """(block_m, stages or None for STAGES[d], defer) of a launch: `schedule`, or with any of block_m / stages /
     defer given (sweeps), those over the narrow schedule's."""
     if block_m is None and stages is None and defer is None:
-        return schedule(d, stats_mode, varlen, has_lb)
+        return schedule(d, stats_mode, packed, has_lb)
     return (BLOCK_M[d] if block_m is None else int(block_m), stages,
             DEFER_WAITS[d] if defer is None else bool(defer))
 #: where a query block's LSE and delta come from (`_q_step`'s STATS; A/B runs; the same bits in every mode): 0 the
@@ -250,11 +259,17 @@ def _tile_q_range(n0, len_q, len_kv, offset, RB, HAS_RB: gl.constexpr, BM: gl.co
 def _producer(qr_desc, qc_desc, dor_desc, doc_desc, lse_desc, del_desc, qr, qc, dor, doc, lse_s, del_s, ready, empty,
               HKV, GROUP, SQ, SKV, offset, RB, CU_Q, CU_KV, LB, HAS_RB: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, STATS: gl.constexpr, VARLEN: gl.constexpr,
-              BOTTOM_RIGHT: gl.constexpr, HAS_LB: gl.constexpr):
+              BOTTOM_RIGHT: gl.constexpr, HAS_LB: gl.constexpr, PACKED: gl.constexpr = False,
+              GAP: gl.constexpr = 0):
     """The producer warpgroup: stage t % NS gets the t-th query block the consumers visit (query head
-    hk * GROUP + t // n_blk, rows lo + (t % n_blk) * BM), once both consumer warpgroups released it."""
+    hk * GROUP + t // n_blk, rows lo + (t % n_blk) * BM), once both consumer warpgroups released it. PACKED: the
+    scratch tiles from the sequence's gapped rows (cu_q[b] + GAP * b on), the LSE / delta from its packed rows."""
     tile, b, hk = _kv_tile_of_program(HKV, HAS_RB)
     len_q, len_kv, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
+    bt, q0, kv0, kvb0 = _seq_rows(CU_Q, CU_KV, b, PACKED)
+    qs0 = q0  # the sequence's first scratch row
+    if PACKED:
+        qs0 = q0 + GAP * b
     lo, mask_hi, full_lo, full_hi, hi = _tile_q_range(tile * BN, len_q, len_kv, offset, RB, HAS_RB, BM, BN, VARLEN,
                                                       LB, HAS_LB)
     n_blk = gl.cdiv(gl.maximum(hi - lo, 0), BM)
@@ -267,14 +282,14 @@ def _producer(qr_desc, qc_desc, dor_desc, doc_desc, lse_desc, del_desc, qr, qc, 
         bar = ready.index(s)
         if STATS == 5:  # four bf16 tiles, the block's LSE and delta
             mbarrier.expect(bar, 4 * BM * D * 2 + 2 * BM * 4)
-            tma.async_copy_global_to_shared(lse_desc, [b, hq, m0], bar, lse_s.index(s))
-            tma.async_copy_global_to_shared(del_desc, [b, hq, m0], bar, del_s.index(s))
+            tma.async_copy_global_to_shared(lse_desc, [bt, hq, q0 + m0], bar, lse_s.index(s))
+            tma.async_copy_global_to_shared(del_desc, [bt, hq, q0 + m0], bar, del_s.index(s))
         else:
             mbarrier.expect(bar, 4 * BM * D * 2)  # four bf16 tiles
-        tma.async_copy_global_to_shared(qr_desc, [b, hq, m0, 0], bar, qr.index(s))
-        tma.async_copy_global_to_shared(dor_desc, [b, hq, m0, 0], bar, dor.index(s))
-        tma.async_copy_global_to_shared(doc_desc, [b, hq, m0, 0], bar, doc.index(s))
-        tma.async_copy_global_to_shared(qc_desc, [b, hq, m0, 0], bar, qc.index(s))
+        tma.async_copy_global_to_shared(qr_desc, [bt, hq, qs0 + m0, 0], bar, qr.index(s))
+        tma.async_copy_global_to_shared(dor_desc, [bt, hq, qs0 + m0, 0], bar, dor.index(s))
+        tma.async_copy_global_to_shared(doc_desc, [bt, hq, qs0 + m0, 0], bar, doc.index(s))
+        tma.async_copy_global_to_shared(qc_desc, [bt, hq, qs0 + m0, 0], bar, qc.index(s))
 
 
 @gluon.jit
@@ -353,12 +368,13 @@ def _log2_lse(lse):
 def _q_steps(t, start, stop, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls,
              slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero,
              MASK: gl.constexpr, HAS_RB: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-             a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr, LB=0, HAS_LB: gl.constexpr = False):
+             a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr, LB=0, HAS_LB: gl.constexpr = False,
+             PACKED: gl.constexpr = False):
     """`_q_step` for the query blocks m0 in range(start, stop, BM), t counting on -> (t, dk, dv, dsq)."""
     for m0 in range(start, stop, BM):
         dk, dv, dsq = _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
                               sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset,
-                              RB, s_zero, MASK, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB)
+                              RB, s_zero, MASK, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB, PACKED)
         t += 1
     return t, dk, dv, dsq
 
@@ -367,7 +383,8 @@ def _q_steps(t, start, stop, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc
 def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls, slh,
             sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero,
             MASK: gl.constexpr, HAS_RB: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-            a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr, LB=0, HAS_LB: gl.constexpr = False):
+            a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr, LB=0, HAS_LB: gl.constexpr = False,
+            PACKED: gl.constexpr = False):
     """The t-th visited query block (rows [m0, m0 + BM) of head g, at lse_h / del_h) of a consumer warpgroup:
     `_dkdv_block`'s arithmetic on its 64 keys (kw, vw: its K / V rows in shared memory) -> (dk, dv, dsq).
     DEFER (software-pipelined dK): dsq is block t - 1's quantized dS^T, whose dK GEMM is issued here right after
@@ -381,7 +398,9 @@ def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, e
     warpgroup: lse_c / del_c are its two-slot buffers, slot t % 2 holds this block's (copied a step ago), the next
     block's copies (rows m0 + BM of head g, or rows lo of head g + 1 after head g's last block; none after the last
     head) go to the other slot; 5 shared memory, loaded by the producer with the block's tiles: lse_c / del_c are
-    the [NS, 1, 1, BM] rings, stage s holds this block's."""
+    the [NS, 1, 1, BM] rings, stage s holds this block's. PACKED (STATS 5): the producer's LSE / delta past the
+    sequence's queries are the next sequence's; delta is read as 0 there (P is masked to 0 and dP^T is 0 on the
+    gapped scratch's zero rows, so dS^T = 0 even where that delta is not finite)."""
     s = t % NS
     cols = m0 + cols0  # query rows
     c_ok = cols < SQ
@@ -432,6 +451,8 @@ def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, e
         delta = del_c.index(t % 2).load(cols0.type.layout)
     elif STATS == 5:
         delta = del_c.index(s).reshape([BM]).load(cols0.type.layout)
+        if PACKED:
+            delta = gl.where(c_ok, delta, 0.0)
     ds = p * (dp - gl.expand_dims(delta, 0)) * sm_scale
     ds_a = gl.convert_layout(_qdq_cols32(ds, BM), a_op)
     if DEFER:
@@ -453,10 +474,11 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s,
               HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q, CU_KV, LB,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
               WG: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr, VARLEN: gl.constexpr,
-              BOTTOM_RIGHT: gl.constexpr, HAS_LB: gl.constexpr):
+              BOTTOM_RIGHT: gl.constexpr, HAS_LB: gl.constexpr, PACKED: gl.constexpr = False):
     """Consumer warpgroup WG: key rows [tile * BN + 64 WG, + 64) of the CTA. K, V dequantized into its own
     shared K / V tiles (kb / vb index WG), then the query blocks of every query head of the group (`_q_step`), dK and dV
-    accumulated in registers and stored at the end."""
+    accumulated in registers and stored at the end. PACKED: K, V, dK, dV rows from the sequence's first key row,
+    the LSE / delta from its first query row (the tensors' batch 0); dK, dV stored for its own keys only."""
     nw: gl.constexpr = gl.num_warps()
     BNW: gl.constexpr = BN // 2
     s_layout: gl.constexpr = _acc_layout(BM, nw)
@@ -471,14 +493,23 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s,
     # VARLEN: from here on SQ is the sequence's queries and len_kv its keys (masks, blocks); SKV stays the
     # tensors' rows (the epilogue writes the padding rows' zeros)
     SQ, len_kv, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
+    bt, q0, kv0, kvb0 = _seq_rows(CU_Q, CU_KV, b, PACKED)
     n_cta = tile * BN
     n0 = n_cta + WG * BNW
-    b64 = b.to(gl.int64)
+    b64 = bt.to(gl.int64)
     hk64 = hk.to(gl.int64)
+    kv64 = kv0.to(gl.int64)  # PACKED: the sequence's first key and query rows of the packed tensors (else 0)
+    q64 = q0.to(gl.int64)
     kw = kb.index(WG)
     vw = vb.index(WG)
-    _load_kv_rows(K, KS, kw, b64 * skb + hk64 * skh, b64 * sksb + hk64 * sksh, sks, skss, n0, len_kv, BNW, D, nw)
-    _load_kv_rows(V, VS, vw, b64 * svb + hk64 * svh, b64 * svsb + hk64 * svsh, svs, svss, n0, len_kv, BNW, D, nw)
+    if PACKED:
+        _load_kv_rows(K, KS, kw, b64 * skb + hk64 * skh + kv64 * sks, b64 * sksb + hk64 * sksh + kv64 * skss, sks,
+                      skss, n0, len_kv, BNW, D, nw)
+        _load_kv_rows(V, VS, vw, b64 * svb + hk64 * svh + kv64 * svs, b64 * svsb + hk64 * svsh + kv64 * svss, svs,
+                      svss, n0, len_kv, BNW, D, nw)
+    else:
+        _load_kv_rows(K, KS, kw, b64 * skb + hk64 * skh, b64 * sksb + hk64 * sksh, sks, skss, n0, len_kv, BNW, D, nw)
+        _load_kv_rows(V, VS, vw, b64 * svb + hk64 * svh, b64 * svsb + hk64 * svsh, svs, svss, n0, len_kv, BNW, D, nw)
     fence_async_shared()  # the generic-proxy stores before this warpgroup's wgmma (async proxy) reads
     gl.thread_barrier()
 
@@ -497,8 +528,12 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s,
         stats_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         lse_c = gl.allocate_shared_memory(gl.float32, [2, BM], stats_layout)
         del_c = gl.allocate_shared_memory(gl.float32, [2, BM], stats_layout)
-        _copy_stats(lse_c.index(0), del_c.index(0), LSE + b64 * slb + hq0 * slh, DELTA + b64 * sdelb + hq0 * sdelh,
-                    lo + cols0, (lo + cols0 < SQ) & (lo < hi), sls)
+        lse_0 = LSE + b64 * slb + hq0 * slh
+        del_0 = DELTA + b64 * sdelb + hq0 * sdelh
+        if PACKED:
+            lse_0 += q64 * sls
+            del_0 += q64
+        _copy_stats(lse_c.index(0), del_c.index(0), lse_0, del_0, lo + cols0, (lo + cols0 < SQ) & (lo < hi), sls)
     elif STATS == 5:  # the producer's rings
         lse_c = lse_s
         del_c = del_s
@@ -510,18 +545,21 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s,
         hq64 = hq0 + g
         lse_h = LSE + b64 * slb + hq64 * slh
         del_h = DELTA + b64 * sdelb + hq64 * sdelh
+        if PACKED:
+            lse_h += q64 * sls
+            del_h += q64
         t, dk, dv, dsq = _q_steps(
             t, lo, mask_hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls,
             slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, len_kv, qk_scale, sm_scale, offset, RB, s_zero, True,
-            HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB)
+            HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB, PACKED)
         t, dk, dv, dsq = _q_steps(
             t, full_lo, full_hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
             sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, len_kv, qk_scale, sm_scale, offset, RB, s_zero,
-            False, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB)
+            False, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB, PACKED)
         t, dk, dv, dsq = _q_steps(
             t, gl.maximum(full_hi, mask_hi), hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty,
             lse_h, del_h, sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, len_kv, qk_scale, sm_scale, offset,
-            RB, s_zero, True, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB)
+            RB, s_zero, True, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB, PACKED)
     if STATS == 4:
         async_copy.wait_group(0)  # the copies issued in the last step (for no block) land before the exit
     if DEFER:
@@ -529,8 +567,12 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s,
 
     rows = n0 + gl.arange(0, BNW, layout=row_a)
     offs_d = gl.arange(0, D, layout=col_a)
-    ok = gl.expand_dims(rows < SKV, 1) & gl.expand_dims(offs_d >= 0, 0)
-    r64 = gl.expand_dims(rows.to(gl.int64), 1)
+    if PACKED:  # the sequence's own keys (the next rows are the next sequence's), from its first row
+        ok = gl.expand_dims(rows < len_kv, 1) & gl.expand_dims(offs_d >= 0, 0)
+        r64 = gl.expand_dims(rows.to(gl.int64) + kv64, 1)
+    else:  # the tensors' rows (a padded sequence's padding rows get zeros)
+        ok = gl.expand_dims(rows < SKV, 1) & gl.expand_dims(offs_d >= 0, 0)
+        r64 = gl.expand_dims(rows.to(gl.int64), 1)
     gl.store(DK + b64 * sdkb + hk64 * sdkh + r64 * sdks + gl.expand_dims(offs_d, 0),
              dk.to(DK.dtype.element_ty), mask=ok)
     gl.store(DV + b64 * sdvb + hk64 * sdvh + r64 * sdvs + gl.expand_dims(offs_d, 0),
@@ -545,12 +587,15 @@ def _gluon_dkdv_kernel(
         HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q, CU_KV, LB,
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr,
-        VARLEN: gl.constexpr = False, BOTTOM_RIGHT: gl.constexpr = False, HAS_LB: gl.constexpr = False):
+        VARLEN: gl.constexpr = False, BOTTOM_RIGHT: gl.constexpr = False, HAS_LB: gl.constexpr = False,
+        PACKED: gl.constexpr = False, GAP: gl.constexpr = 0):
     """Grid (cdiv(SKV, BN), B * HKV), 4 warps per partition. qr/qc/dor/doc_desc: TMA descriptors of the bf16
     scratch [B, Hc, SQ, D] (Q row-wise, Q column-wise, dO row-wise, dO column-wise dequantizations; block
     [1, 1, BM, D]); K, V [B, HKV, SKV, D] e4m3 row-wise with scales KS, VS [B, HKV, SKV, D/32] u8; LSE
     [B, Hc, SQ, 1] fp32 (natural log), DELTA [B, Hc, SQ] fp32; DK, DV [B, HKV, SKV, D]. HAS_RB: causal-style
-    band (keys kept where key <= query + offset + RB)."""
+    band (keys kept where key <= query + offset + RB). PACKED (a packed batch, VARLEN too): grid (tiles of the
+    longest sequence's keys, sequences * HKV); K, V, DK, DV [1, HKV, TKV, D], LSE [1, Hc, TQ, 1], DELTA [1, Hc, TQ]
+    packed, the scratch gapped ([1, Hc, TQ + GAP * B, D]: `triton_bwd_prep.bwd_prep`'s gap)."""
     # K and V as two [BN / 2, D] tiles each, one per consumer warpgroup (indexed like ring stages, not row-sliced)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN // 2, D], gl.bfloat16)
     kb = gl.allocate_shared_memory(gl.bfloat16, [2, BN // 2, D], kv_layout)
@@ -577,15 +622,15 @@ def _gluon_dkdv_kernel(
                      skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
                      slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                      HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q, CU_KV, LB, HAS_RB, BM, BN, D,
-                     NS, WG0, DEFER, STATS, VARLEN, BOTTOM_RIGHT, HAS_LB)),
+                     NS, WG0, DEFER, STATS, VARLEN, BOTTOM_RIGHT, HAS_LB, PACKED)),
         (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s, del_s, ready, empty,
                      skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
                      slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                      HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q, CU_KV, LB, HAS_RB, BM, BN, D,
-                     NS, WG1, DEFER, STATS, VARLEN, BOTTOM_RIGHT, HAS_LB)),
+                     NS, WG1, DEFER, STATS, VARLEN, BOTTOM_RIGHT, HAS_LB, PACKED)),
         (_producer, (qr_desc, qc_desc, dor_desc, doc_desc, lse_desc, del_desc, qr, qc, dor, doc, lse_s, del_s, ready,
                      empty, HKV, GROUP, SQ, SKV, offset, RB, CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, STATS, VARLEN,
-                     BOTTOM_RIGHT, HAS_LB)),
+                     BOTTOM_RIGHT, HAS_LB, PACKED, GAP)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
     for i in gl.static_range(NS):
@@ -625,17 +670,29 @@ def call_reason(kernel: str, left_bound, seq, bottom_right, sink, flags: KernelR
                 window: bool = False) -> Optional[str]:
     """Why the Gluon backward kernel `kernel` ("dK/dV", "dQ") refuses a call's recipe, batch or mask (one
     sentence), or None: both take the default recipe, dense and padded batches (with their per-sequence
-    bottom-right offsets), no mask or a causal-style band (and, where `window`, a sliding window), no sinks."""
+    bottom-right offsets), packed ones on gapped scratch (`packed_scratch_reason`), no mask or a causal-style band
+    (and, where `window`, a sliding window), no sinks."""
     if flags != DEFAULT_FLAGS:
         return f"the Gluon {kernel} kernel runs the default recipe only"
-    if seq is not None and seq.packed:
-        return f"the Gluon {kernel} kernel takes dense and padded batches, not packed ones (thd)"
     if bottom_right and seq is None:
         return "bottom_right is for variable-length (padded) calls"
     if left_bound is not None and not window:
         return f"the Gluon {kernel} kernel takes no mask or a causal-style band only (no sliding window)"
     if sink is not None:
         return f"the Gluon {kernel} kernel is not built for attention sinks"
+    return None
+
+
+def packed_scratch_reason(name: str, scratch, rows: int, seq) -> Optional[str]:
+    """Why `scratch` (a bf16 [1, H, R, D] tensor) is not a packed batch's gapped scratch over `rows` packed rows
+    (R = rows + PACKED_GAP * sequences: `triton_bwd_prep.bwd_prep` / `kv_prep` with gap=PACKED_GAP), or None (also
+    for a dense or padded call, seq None or not packed)."""
+    if seq is None or not seq.packed or scratch is None:
+        return None
+    want = rows + PACKED_GAP * grid_sequences(seq, 1)
+    if scratch.dim() != 4 or scratch.shape[2] != want:
+        return (f"{name} of a packed batch must be the gapped scratch (bwd_prep / kv_prep gap=PACKED_GAP) of "
+                f"{want} rows, got shape {tuple(scratch.shape)}")
     return None
 
 
@@ -663,6 +720,11 @@ def ring_stages(stages, default: int, defer: bool = False) -> int:
     return ns
 
 
+def sequences_by_heads(seq, batch: int, heads: int):
+    """(sequences, heads) along a Gluon backward grid's y axis: a packed batch's sequences, else the batch."""
+    return grid_sequences(seq, batch), heads
+
+
 def check_delta(delta, SQ: int) -> None:
     """Raise ValueError unless delta [B, H, SQ] has the unit stride along SQ that the kernels assume."""
     if delta.stride(2) != 1 and SQ > 1:
@@ -686,7 +748,8 @@ def unsupported_reason(q_r, k_row, v_row, *, left_bound=None, seq=None, bottom_r
     for name, t in (("k_row", k_row), ("v_row", v_row)):
         if isinstance(t, torch.Tensor) or not isinstance(getattr(t, "data", None), torch.Tensor):
             return f"{name} must be an FP8 row-wise MXFP8Tensor (no bf16 V recipe)"
-    return layout_reason((("q_r", q_r), ("q_c", q_c), ("do_r", do_r), ("do_c", do_c)), k_row.data.shape[:2], "KV")
+    return layout_reason((("q_r", q_r), ("q_c", q_c), ("do_r", do_r), ("do_c", do_c)),
+                         sequences_by_heads(seq, k_row.data.shape[0], k_row.data.shape[1]), "KV")
 
 
 def takes(q_r, k_row, v_row, right_bound=None, left_bound=None, **kwargs) -> bool:
@@ -725,7 +788,9 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
     where the LSE / delta come from (A/B runs; one of STATS_MODES, STATS_LOADS[D] by default, same bits). seq: None
     (dense) or a padded batch's SeqInfo (sequence b is rows 0 .. len of batch b; bottom_right with it: each
     sequence's diagonal offset len_kv - len_q, offset 0): masks and query blocks per sequence, the padding key rows'
-    dK = dV = 0. Raises ValueError for what it does not take (`unsupported_reason`: packed batches among them)."""
+    dK = dV = 0; or a packed batch's (thd: K, V, dk, dv [1, Hkv_c, TKV, D], stats [1, Hc, TQ, 1], delta [1, Hc, TQ],
+    the scratch gapped, [1, Hc, TQ + PACKED_GAP * B, D]: `bwd_prep`'s gap): each sequence's dK, dV rows written,
+    the rows between or after them untouched. Raises ValueError for what it does not take (`unsupported_reason`)."""
     reason = None if checked else unsupported_reason(q_r, k_row, v_row, left_bound=left_bound, seq=seq,
                                                      bottom_right=bottom_right, flags=flags, q_c=q_c, do_r=do_r,
                                                      do_c=do_c)
@@ -734,8 +799,13 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
     B, HQ, SQ, D = q_r.shape
     k_data, v_data = k_row.data, v_row.data
     HKV, SKV = k_data.shape[1], k_data.shape[2]
+    packed = seq is not None and bool(seq.packed)
+    rows_q = stats.shape[2]  # the LSE's query rows (a packed batch's scratch has PACKED_GAP more per sequence)
     if not checked:
-        check_seq(seq, q_r, k_data, bottom_right, offset)
+        check_seq(seq, stats if packed else q_r, k_data, bottom_right, offset)
+        reason = packed_scratch_reason("q_r", q_r, rows_q, seq)
+        if reason is not None:
+            raise ValueError(reason)
     if HKV == 0 or HQ % HKV:
         raise ValueError(f"q heads ({HQ}) must be a multiple of k/v heads ({HKV})")
     for name, t in (("q_c", q_c), ("do_r", do_r), ("do_c", do_c)):
@@ -746,10 +816,10 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
                     ("dk", dk), ("dv", dv)):
         if t.shape[3] > 1 and t.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride along its last axis, got strides {tuple(t.stride())}")
-    check_delta(delta, SQ)
+    check_delta(delta, rows_q)
     if B * HKV == 0 or SKV == 0:
         return
-    if SQ == 0:  # no query: zero gradients (TMA cannot describe an empty tensor)
+    if rows_q == 0:  # no query: zero gradients (TMA cannot describe an empty tensor)
         dk.zero_()
         dv.zero_()
         return
@@ -757,18 +827,21 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
     if st not in STATS_MODES:
         raise ValueError(f"stats_loads must be one of {STATS_MODES}, got {stats_loads!r}")
     lse3 = stats[..., 0]  # [B, Hc, SQ] (strides slb, slh, sls)
-    if st == 5 and not (stats_tma_ok(lse3) and stats_tma_ok(delta)):
-        st = 4  # TMA cannot describe them (SQ not a multiple of 4, or an offset view): the consumers copy them
+    if st == 5 and (packed or not (stats_tma_ok(lse3) and stats_tma_ok(delta))):
+        # TMA cannot describe them (SQ not a multiple of 4, or an offset view), or a packed batch's blocks would start
+        # at rows TMA cannot begin a box at (its sequences' first rows: the innermost dimension's box start must
+        # be 16-byte aligned; on an H200 such a launch stopped with an illegal instruction): the consumers copy them
+        st = 4
     has_rb = right_bound is not None
     has_lb = left_bound is not None
-    bm, stages, defer = resolve_schedule(D, st, seq is not None, has_lb, block_m, stages, defer)
+    bm, stages, defer = resolve_schedule(D, st, packed, has_lb, block_m, stages, defer)
     ns = ring_stages(stages, STAGES[D], defer)
     if bm < 32 or bm % 32:
         raise ValueError(f"block_m must be a positive multiple of 32, got {bm}")
     layout = tma_layout(D, bm)
     descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bm, D], layout)
              for t in (q_r, q_c, do_r, do_c)]
-    grid = (cdiv(SKV, BLOCK_N), B * HKV)
+    grid = (cdiv(grid_rows(seq, "kv", SKV), BLOCK_N), grid_sequences(seq, B) * HKV)
     if st == 5:
         sl = stats_tma_layout()
         descs += [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bm], sl) for t in (lse3, delta)]
@@ -785,7 +858,7 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
         HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, DEFER=defer,
         STATS=st, VARLEN=seq is not None, BOTTOM_RIGHT=seq is not None and bool(bottom_right), HAS_LB=has_lb,
-        num_warps=PARTITION_WARPS)
+        PACKED=packed, GAP=PACKED_GAP if packed else 0, num_warps=PARTITION_WARPS)
 
 
 #: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
@@ -797,13 +870,14 @@ DIVISIBLE_INTS = ("skb", "skh", "sks", "sksb", "sksh", "svb", "svh", "svs", "svs
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
                  dk_dtype: str = "bf16", unit_stats: bool = True, block_m: Optional[int] = None,
                  defer: Optional[bool] = None, stats_loads: Optional[int] = None, varlen: bool = False,
-                 bottom_right: bool = False, has_lb: bool = False):
+                 bottom_right: bool = False, has_lb: bool = False, packed: bool = False):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
     `gluon_attention_fwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
-    call)."""
+    call). packed (varlen implied): the packed-batch variant (PACKED, GAP)."""
+    varlen = varlen or packed
     fn = _gluon_dkdv_kernel
-    st = STATS_LOADS[d] if stats_loads is None else stats_loads
-    bm, stages, defer = resolve_schedule(d, st, varlen, has_lb, block_m, stages, defer)
+    st = (4 if packed else STATS_LOADS[d]) if stats_loads is None else stats_loads  # (packed: `dkdv_gluon`'s 4)
+    bm, stages, defer = resolve_schedule(d, st, packed, has_lb, block_m, stages, defer)
     ns = stages if stages is not None else STAGES[d]
     layout = tma_layout(d, bm)
     desc = f"tensordesc<bf16[1, 1, {bm}, {d}],{layout!r}>"
@@ -814,7 +888,8 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
                  sm_scale="fp32", CU_Q="*i32", CU_KV="*i32")
     constexprs = dict(HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=d, NS=ns, CONSUMER_REGS=regs[0],
                       PRODUCER_REGS=regs[1], DEFER=defer,
-                      STATS=st, VARLEN=varlen, BOTTOM_RIGHT=bottom_right, HAS_LB=has_lb)
+                      STATS=st, VARLEN=varlen, BOTTOM_RIGHT=bottom_right, HAS_LB=has_lb, PACKED=packed,
+                      GAP=PACKED_GAP if packed else 0)
     if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
         constexprs["sls"] = 1
     return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)

@@ -3,11 +3,12 @@ path (mode "pre" of `triton_attention_bwd.attention_bwd`), default recipe only. 
 `triton_attention_bwd._launch_dq` takes in mode "pre" and writes the same dQ; `attention_bwd` (gluon_dq) runs it
 for each head chunk it `takes`.
 
-Scope: dense and padded batches (VARLEN: each sequence's lengths from cu_seqlens, bottom-right offsets per
-sequence, padding rows dQ = 0), no mask, a causal-style band (offset, right bound; negative offsets included:
+Scope: dense, padded and packed batches (VARLEN: each sequence's lengths from cu_seqlens, bottom-right offsets per
+sequence, padding rows dQ = 0; PACKED: LSE / delta / dQ rows from each sequence's first, the scratch gapped by
+`bwd_prep` / `kv_prep`), no mask, a causal-style band (offset, right bound; negative offsets included:
 rows without keys get dQ = 0) and / or a sliding window (HAS_LB: the KV walk starts at the window's first block,
 blocks cut by its left edge masked), head dims 64 and 128, MHA and GQA (query head hq reads KV head hq // GROUP).
-Packed batches, sinks (passed to the kernel: the backward keeps them in the stats) and other recipes are refused
+Sinks (passed to the kernel: the backward keeps them in the stats) and other recipes are refused
 (`unsupported_reason`).
 
 Inputs (mode "pre"): every operand is bf16 scratch, the exact dequantization of its MXFP8 copy: Q and dO
@@ -57,12 +58,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # partition warps, setmaxnreg of the consumers / the producer, head dims: the dK/dV kernel's
 from .gluon_attention_bwd import (CONSUMER_REGS, LOG2E, PARTITION_WARPS, PRODUCER_REGS, SUPPORTED_HEAD_DIMS,
                                   WG0, WG1, _acc_layout, _log2_lse, _qdq_cols32, call_reason, check_delta,
-                                  deferred_tail, gemm_release, issue_s_dp, layout_reason, release, ring_stages)
-from .gluon_attention_fwd import _seq_lengths, _tile_of_program, _visited_blocks, compile_gluon_sm90
+                                  deferred_tail, gemm_release, issue_s_dp, layout_reason, packed_scratch_reason,
+                                  release, ring_stages, sequences_by_heads)
+from .gluon_attention_fwd import _seq_lengths, _seq_rows, _tile_of_program, _visited_blocks, compile_gluon_sm90
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from .triton_launch import cdiv, launch
 from .triton_attention_fwd import check_seq
-from ..seqinfo import kernel_cu_seqlens
+from .triton_bwd_prep import PACKED_GAP
+from ..seqinfo import grid_rows, grid_sequences, kernel_cu_seqlens
 
 #: query rows of one CTA: two consumer warpgroups of 64 (the Triton dQ kernel's BM in mode "pre": the same grid)
 BLOCK_M = 128
@@ -109,34 +112,52 @@ def _kv_full_blocks(m0, SKV, offset, RB, HAS_RB: gl.constexpr, BN: gl.constexpr)
 def _producer(q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
               HQ, GROUP, SQ, SKV, offset, RB, CU_Q, CU_KV, LB, HAS_RB: gl.constexpr, BM: gl.constexpr,
               BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-              HAS_LB: gl.constexpr):
+              HAS_LB: gl.constexpr, PACKED: gl.constexpr = False, GAP: gl.constexpr = 0):
     """The producer warpgroup: the CTA's Q and dO rows once, then stage t % NS gets KV block t, once both
-    consumer warpgroups released the stage."""
+    consumer warpgroups released the stage. PACKED: every tile from the sequence's gapped scratch rows (query
+    rows from cu_q[b] + GAP * b, key rows from cu_kv[b] + GAP * b); a tile past the sequence's queries reads the
+    zero rows after them (it visits no KV block and stores nothing)."""
     tile, b, hq = _tile_of_program(HQ, HAS_RB)
     m0 = tile * BM
     hk = hq // GROUP
     BMW: gl.constexpr = BM // 2
-    # Q and dO, a bf16 [BMW, D] tile each per consumer warpgroup; none for the second one where its rows all lie
-    # past SQ (no TMA box wholly out of bounds; that warpgroup's rows are never stored)
-    if m0 + BMW < SQ:
+    if PACKED:  # both halves, from rows inside the sequence or its GAP (>= BM) zero rows: never out of bounds
+        len_q, len_kv, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
+        bt, q0, kv0, kvb0 = _seq_rows(CU_Q, CU_KV, b, PACKED)
+        qs = q0 + GAP * b + gl.minimum(m0, len_q)
+        ks0 = kv0 + GAP * b
         mbarrier.expect(q_ready, 4 * BMW * D * 2)
+        tma.async_copy_global_to_shared(q_desc, [bt, hq, qs, 0], q_ready, q_s.index(0))
+        tma.async_copy_global_to_shared(do_desc, [bt, hq, qs, 0], q_ready, do_s.index(0))
+        tma.async_copy_global_to_shared(q_desc, [bt, hq, qs + BMW, 0], q_ready, q_s.index(1))
+        tma.async_copy_global_to_shared(do_desc, [bt, hq, qs + BMW, 0], q_ready, do_s.index(1))
     else:
-        mbarrier.expect(q_ready, 2 * BMW * D * 2)
-    tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready, q_s.index(0))
-    tma.async_copy_global_to_shared(do_desc, [b, hq, m0, 0], q_ready, do_s.index(0))
-    if m0 + BMW < SQ:
-        tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + BMW, 0], q_ready, q_s.index(1))
-        tma.async_copy_global_to_shared(do_desc, [b, hq, m0 + BMW, 0], q_ready, do_s.index(1))
-    len_q, len_kv, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
+        # Q and dO, a bf16 [BMW, D] tile each per consumer warpgroup; none for the second one where its rows all
+        # lie past SQ (no TMA box wholly out of bounds; that warpgroup's rows are never stored)
+        if m0 + BMW < SQ:
+            mbarrier.expect(q_ready, 4 * BMW * D * 2)
+        else:
+            mbarrier.expect(q_ready, 2 * BMW * D * 2)
+        tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready, q_s.index(0))
+        tma.async_copy_global_to_shared(do_desc, [b, hq, m0, 0], q_ready, do_s.index(0))
+        if m0 + BMW < SQ:
+            tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + BMW, 0], q_ready, q_s.index(1))
+            tma.async_copy_global_to_shared(do_desc, [b, hq, m0 + BMW, 0], q_ready, do_s.index(1))
+        len_q, len_kv, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
     lo, n_blk = _visited_blocks(m0, len_q, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN, VARLEN)
     for t in range(n_blk):  # the t-th visited block, block lo + t (lo 0 without a window)
         s = t % NS
         mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)  # passes at once on a fresh barrier (first round)
         bar = ready.index(s)
         mbarrier.expect(bar, 3 * BN * D * 2)  # three bf16 tiles
-        tma.async_copy_global_to_shared(kr_desc, [b, hk, (lo + t) * BN, 0], bar, kr.index(s))
-        tma.async_copy_global_to_shared(vr_desc, [b, hk, (lo + t) * BN, 0], bar, vr.index(s))
-        tma.async_copy_global_to_shared(kc_desc, [b, hk, (lo + t) * BN, 0], bar, kc.index(s))
+        if PACKED:
+            tma.async_copy_global_to_shared(kr_desc, [bt, hk, ks0 + (lo + t) * BN, 0], bar, kr.index(s))
+            tma.async_copy_global_to_shared(vr_desc, [bt, hk, ks0 + (lo + t) * BN, 0], bar, vr.index(s))
+            tma.async_copy_global_to_shared(kc_desc, [bt, hk, ks0 + (lo + t) * BN, 0], bar, kc.index(s))
+        else:
+            tma.async_copy_global_to_shared(kr_desc, [b, hk, (lo + t) * BN, 0], bar, kr.index(s))
+            tma.async_copy_global_to_shared(vr_desc, [b, hk, (lo + t) * BN, 0], bar, vr.index(s))
+            tma.async_copy_global_to_shared(kc_desc, [b, hk, (lo + t) * BN, 0], bar, kc.index(s))
 
 
 @gluon.jit
@@ -193,9 +214,10 @@ def _consumer(LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
               slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q,
               CU_KV, LB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
               WG: gl.constexpr, DEFER: gl.constexpr, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-              HAS_LB: gl.constexpr):
+              HAS_LB: gl.constexpr, PACKED: gl.constexpr = False):
     """Consumer warpgroup WG: query rows [tile * BM + 64 WG, + 64) of the CTA's head; the CTA's KV blocks
-    (`_kv_step`, unmasked ones first), dQ accumulated in registers and stored at the end."""
+    (`_kv_step`, unmasked ones first), dQ accumulated in registers and stored at the end. PACKED: the LSE, delta
+    and dQ rows from the sequence's first query row (the tensors' batch 0), dQ stored for its own rows only."""
     nw: gl.constexpr = gl.num_warps()
     BMW: gl.constexpr = BM // 2
     s_layout: gl.constexpr = _acc_layout(BN, nw)
@@ -206,12 +228,19 @@ def _consumer(LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
     # VARLEN: len_q / SKV the sequence's queries / keys (LSE, masks, blocks); SQ stays the tensors' rows (stores)
     len_q, SKV, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
     m_cta = tile * BM
-    b64 = b.to(gl.int64)
     hq64 = hq.to(gl.int64)
     rows = m_cta + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, s_layout))
     r_ok = rows < len_q  # padding rows: LSE +inf, so P = dS = 0 and their dQ rows 0
-    lse = _log2_lse(gl.load(LSE + b64 * slb + hq64 * slh + rows * sls, mask=r_ok, other=float("inf")))
-    delta = gl.load(DELTA + b64 * sdelb + hq64 * sdelh + rows, mask=r_ok, other=0.0)
+    if PACKED:
+        bt, q0, kv0, kvb0 = _seq_rows(CU_Q, CU_KV, b, PACKED)
+        b64 = bt.to(gl.int64)
+        q64 = q0.to(gl.int64)
+        lse = _log2_lse(gl.load(LSE + b64 * slb + hq64 * slh + (q64 + rows) * sls, mask=r_ok, other=float("inf")))
+        delta = gl.load(DELTA + b64 * sdelb + hq64 * sdelh + q64 + rows, mask=r_ok, other=0.0)
+    else:
+        b64 = b.to(gl.int64)
+        lse = _log2_lse(gl.load(LSE + b64 * slb + hq64 * slh + rows * sls, mask=r_ok, other=float("inf")))
+        delta = gl.load(DELTA + b64 * sdelb + hq64 * sdelh + rows, mask=r_ok, other=0.0)
     cols0 = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     dq = gl.zeros([BMW, D], gl.float32, a_layout)
     s_zero = gl.zeros([BMW, BN], gl.float32, s_layout)
@@ -247,9 +276,14 @@ def _consumer(LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
 
     rows_o = m_cta + WG * BMW + gl.arange(0, BMW, layout=gl.SliceLayout(1, a_layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, a_layout))
-    ok = gl.expand_dims(rows_o < SQ, 1) & gl.expand_dims(offs_d >= 0, 0)
-    gl.store(DQ + b64 * sdqb + hq64 * sdqh + gl.expand_dims(rows_o.to(gl.int64) * sdqs, 1)
-             + gl.expand_dims(offs_d, 0), dq.to(DQ.dtype.element_ty), mask=ok)
+    if PACKED:  # the sequence's own rows (the next rows are the next sequence's)
+        ok = gl.expand_dims(rows_o < len_q, 1) & gl.expand_dims(offs_d >= 0, 0)
+        gl.store(DQ + b64 * sdqb + hq64 * sdqh + gl.expand_dims((rows_o.to(gl.int64) + q64) * sdqs, 1)
+                 + gl.expand_dims(offs_d, 0), dq.to(DQ.dtype.element_ty), mask=ok)
+    else:
+        ok = gl.expand_dims(rows_o < SQ, 1) & gl.expand_dims(offs_d >= 0, 0)
+        gl.store(DQ + b64 * sdqb + hq64 * sdqh + gl.expand_dims(rows_o.to(gl.int64) * sdqs, 1)
+                 + gl.expand_dims(offs_d, 0), dq.to(DQ.dtype.element_ty), mask=ok)
 
 
 @gluon.jit
@@ -259,12 +293,16 @@ def _gluon_dq_kernel(
         HQ, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q, CU_KV, LB,
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEFER: gl.constexpr,
-        VARLEN: gl.constexpr = False, BOTTOM_RIGHT: gl.constexpr = False, HAS_LB: gl.constexpr = False):
+        VARLEN: gl.constexpr = False, BOTTOM_RIGHT: gl.constexpr = False, HAS_LB: gl.constexpr = False,
+        PACKED: gl.constexpr = False, GAP: gl.constexpr = 0):
     """Grid (cdiv(SQ, BM), B * HQ), 4 warps per partition. q_desc, do_desc: TMA descriptors of the bf16 scratch
     [B, HQ, SQ, D] (Q and dO row-wise; block [1, 1, BM / 2, D]); kr_desc, vr_desc, kc_desc: of the bf16 scratch
     [B, HKV, SKV, D] (K row-wise, V row-wise, K column-wise; block [1, 1, BN, D]); LSE [B, HQ, SQ, 1] fp32
     (natural log), DELTA [B, HQ, SQ] fp32; DQ [B, HQ, SQ, D] (unit stride along D). HAS_RB: causal-style band
-    (keys kept where key <= query + offset + RB)."""
+    (keys kept where key <= query + offset + RB). PACKED (a packed batch, VARLEN too): grid (tiles of the longest
+    sequence's queries, sequences * HQ); LSE [1, HQ, TQ, 1], DELTA [1, HQ, TQ], DQ [1, HQ, TQ, D] packed, the
+    scratch gapped (query side [1, HQ, TQ + GAP * B, D], key side [1, HKV, TKV + GAP * B, D]: `bwd_prep` /
+    `kv_prep` with gap)."""
     q_s = gl.allocate_shared_memory(gl.bfloat16, [2, 1, 1, BM // 2, D], q_desc.layout)
     do_s = gl.allocate_shared_memory(gl.bfloat16, [2, 1, 1, BM // 2, D], do_desc.layout)
     kr = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BN, D], kr_desc.layout)
@@ -282,13 +320,13 @@ def _gluon_dq_kernel(
     gl.warp_specialize([
         (_consumer, (LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
                      slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
-                     CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, WG0, DEFER, VARLEN, BOTTOM_RIGHT, HAS_LB)),
+                     CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, WG0, DEFER, VARLEN, BOTTOM_RIGHT, HAS_LB, PACKED)),
         (_consumer, (LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
                      slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
-                     CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, WG1, DEFER, VARLEN, BOTTOM_RIGHT, HAS_LB)),
+                     CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, WG1, DEFER, VARLEN, BOTTOM_RIGHT, HAS_LB, PACKED)),
         (_producer, (q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
                      HQ, GROUP, SQ, SKV, offset, RB, CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, VARLEN, BOTTOM_RIGHT,
-                     HAS_LB)),
+                     HAS_LB, PACKED, GAP)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
     mbarrier.invalidate(q_ready)
@@ -317,7 +355,7 @@ def unsupported_reason(q_r, k_r, k_c, v_r, do_r, *, left_bound=None, seq=None, b
             return f"{name} must be 4-D bf16 scratch of the 'pre' backward (mode 'pre' only)"
     if q_r.shape[3] not in SUPPORTED_HEAD_DIMS:
         return f"the Gluon dQ kernel takes head dims {SUPPORTED_HEAD_DIMS}, got {q_r.shape[3]}"
-    return layout_reason(ops, q_r.shape[:2], "query")
+    return layout_reason(ops, sequences_by_heads(seq, q_r.shape[0], q_r.shape[1]), "query")
 
 
 def takes(q_r, k_r, k_c, v_r, do_r, right_bound=None, left_bound=None, **kwargs) -> bool:
@@ -348,33 +386,46 @@ def dq_gluon(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, *, softmax_scale: float
     (>= 1, >= 2 with deferred waits); defer: the software-pipelined dQ GEMM on or off (A/B runs; DEFER_WAITS[D]
     by default, same bits); block_n: keys per KV block override (a multiple of 32; sweeps, BLOCK_N[D] by
     default). seq: None (dense) or a padded batch's SeqInfo (bottom_right with it: each sequence's offset
-    len_kv - len_q, offset 0): masks and KV blocks per sequence, the padding rows' dQ = 0. Raises ValueError for
-    what it does not take (`unsupported_reason`: packed batches among them)."""
+    len_kv - len_q, offset 0): masks and KV blocks per sequence, the padding rows' dQ = 0; or a packed batch's
+    (thd: stats [1, Hc, TQ, 1], delta [1, Hc, TQ], dq [1, Hc, TQ, D] packed; the scratch gapped, q_r / do_r
+    [1, Hc, TQ + PACKED_GAP * B, D] and k_r / k_c / v_r [1, Hkv_c, TKV + PACKED_GAP * B, D]: `bwd_prep` /
+    `kv_prep` with gap): each sequence's dQ rows written, the rows between or after them untouched. Raises
+    ValueError for what it does not take (`unsupported_reason`)."""
     reason = None if checked else unsupported_reason(q_r, k_r, k_c, v_r, do_r, left_bound=left_bound, seq=seq,
                                                      bottom_right=bottom_right, flags=flags)
     if reason is not None:
         raise ValueError(reason)
     B, HQ, SQ, D = q_r.shape
     HKV, SKV = k_r.shape[1], k_r.shape[2]
+    packed = seq is not None and bool(seq.packed)
+    gap = PACKED_GAP if packed else 0
+    rows_q = stats.shape[2]  # the packed rows (the gapped scratch has gap more per sequence)
+    n_keys = SKV - gap * grid_sequences(seq, B)  # the key rows, 0: no key
     if HKV == 0 or HQ % HKV:
         raise ValueError(f"q heads ({HQ}) must be a multiple of k/v heads ({HKV})")
-    for name, t, want in (("do_r", do_r, (B, HQ, SQ, D)), ("dq", dq, (B, HQ, SQ, D)), ("k_c", k_c, (B, HKV, SKV, D)),
-                          ("v_r", v_r, (B, HKV, SKV, D))):
+    for name, t, want in (("do_r", do_r, (B, HQ, SQ, D)), ("dq", dq, (B, HQ, rows_q, D)),
+                          ("k_c", k_c, (B, HKV, SKV, D)), ("v_r", v_r, (B, HKV, SKV, D))):
         if tuple(t.shape) != want:
             raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
     if dq.stride(3) != 1:
         raise ValueError(f"dq must have unit stride along D, got strides {tuple(dq.stride())}")
-    check_delta(delta, SQ)
+    check_delta(delta, rows_q)
     if not checked:
         check_seq(seq, q_r, k_r, bottom_right, offset)
-    if dq.numel() == 0 or SKV == 0:  # no key: zero gradient (TMA cannot describe an empty tensor)
+        reason = packed_scratch_reason("q_r", q_r, rows_q, seq)
+        if reason is None and n_keys < 0:
+            reason = f"k_r of a packed batch must be the gapped scratch (kv_prep gap=PACKED_GAP), got {SKV} rows"
+        if reason is not None:
+            raise ValueError(reason)
+    if dq.numel() == 0 or n_keys == 0:  # no key: zero gradient (TMA cannot describe an empty tensor)
         dq.zero_()
         return
     defer = DEFER_WAITS[D] if defer is None else bool(defer)
     ns = ring_stages(stages, STAGES[D], defer)
     bn = BLOCK_N[D] if block_n is None else int(block_n)
-    if bn < 32 or bn % 32:
-        raise ValueError(f"block_n must be a positive multiple of 32, got {bn}")
+    if bn < 32 or bn % 32 or (packed and bn > PACKED_GAP):
+        raise ValueError(f"block_n must be a positive multiple of 32{' up to PACKED_GAP' if packed else ''}, "
+                         f"got {bn}")
     q_layout, kv_layout = tma_layout(BLOCK_M // 2, D), tma_layout(bn, D)
     descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_M // 2, D], q_layout)
              for t in (q_r, do_r)]
@@ -382,14 +433,14 @@ def dq_gluon(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, *, softmax_scale: float
     has_rb = right_bound is not None
     has_lb = left_bound is not None
     launch(
-        _gluon_dq_kernel, (cdiv(SQ, BLOCK_M), B * HQ),
+        _gluon_dq_kernel, (cdiv(grid_rows(seq, "q", rows_q), BLOCK_M), grid_sequences(seq, B) * HQ),
         *descs, stats, delta, dq, *stats.stride()[:3], delta.stride(0), delta.stride(1), *dq.stride()[:3],
         HQ, HQ // HKV, SQ, SKV, float(softmax_scale) * LOG2E, float(softmax_scale), int(offset),
         int(right_bound) if has_rb else 0, *kernel_cu_seqlens(seq, stats),  # (unread for a dense call)
         int(left_bound) if has_lb else 0,
         HAS_RB=has_rb, BM=BLOCK_M, BN=bn, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         DEFER=defer, VARLEN=seq is not None, BOTTOM_RIGHT=seq is not None and bool(bottom_right), HAS_LB=has_lb,
-        num_warps=PARTITION_WARPS)
+        PACKED=packed, GAP=gap, num_warps=PARTITION_WARPS)
 
 
 #: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
@@ -400,11 +451,12 @@ DIVISIBLE_INTS = ("slb", "slh", "sdelb", "sdelh", "sdqb", "sdqh", "sdqs", "SQ", 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
                  dq_dtype: str = "bf16", unit_stats: bool = True, block_n: Optional[int] = None,
                  defer: Optional[bool] = None, varlen: bool = False, bottom_right: bool = False,
-                 has_lb: bool = False):
+                 has_lb: bool = False, packed: bool = False):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
     `gluon_attention_bwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
     call). block_n: KV block override (offline sweeps; dq_gluon runs BLOCK_N[d]). varlen / bottom_right: the
-    padded-batch variant."""
+    padded-batch variant; packed (varlen implied) the packed-batch one (PACKED, GAP)."""
+    varlen = varlen or packed
     ns = stages if stages is not None else STAGES[d]
     bn = BLOCK_N[d] if block_n is None else block_n
     defer = DEFER_WAITS[d] if defer is None else defer
@@ -413,7 +465,8 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
     types = dict(q_desc=q_desc, do_desc=q_desc, kr_desc=kv_desc, vr_desc=kv_desc, kc_desc=kv_desc, LSE="*fp32",
                  DELTA="*fp32", DQ=f"*{dq_dtype}", qk_scale="fp32", sm_scale="fp32", CU_Q="*i32", CU_KV="*i32")
     constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=bn, D=d, NS=ns, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1],
-                      DEFER=defer, VARLEN=varlen, BOTTOM_RIGHT=bottom_right, HAS_LB=has_lb)
+                      DEFER=defer, VARLEN=varlen, BOTTOM_RIGHT=bottom_right, HAS_LB=has_lb, PACKED=packed,
+                      GAP=PACKED_GAP if packed else 0)
     if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
         constexprs["sls"] = 1
     return compile_gluon_sm90(_gluon_dq_kernel, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)

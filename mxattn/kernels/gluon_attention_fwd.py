@@ -1,7 +1,8 @@
 """Hopper (sm_90a) Gluon MXFP8 attention forward, warp-specialised (issue 24), default recipe only.
 
-Scope: dense and padded batches (any [B, H, S, D] strides with a unit stride along D: bhsd or bshd views; a
-padded batch's lengths from its cu_seqlens, VARLEN; packed batches stay on the Triton forward), any band of a
+Scope: dense, padded and packed batches (any [B, H, S, D] strides with a unit stride along D: bhsd or bshd views;
+a variable-length batch's lengths from its cu_seqlens, VARLEN; PACKED: thd, each sequence read and written from its
+first row, and a KV block running past its keys never brings the next sequence's V), any band of a
 dense caller (its offset; `right_bound` None or any int: causal-style, `left_bound` None or an int: sliding
 window, keys kept where col > row + offset - left_bound), attention sinks (fp32 [Hq] logits joining every row's
 softmax as the Triton forward's `softmax_start`), head dims 64 and 128, MHA and GQA, bf16 output and fp32 stats. It reads the operands of the Triton forward's FP8 data path
@@ -66,7 +67,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from .triton_launch import cdiv, launch
 from .triton_attention_fwd import _check_sink, check_seq
-from ..seqinfo import kernel_cu_seqlens
+from ..seqinfo import grid_rows, grid_sequences, kernel_cu_seqlens
 from .triton_common import (E4M3_TO_BF16_ASM, E4M3_TO_BF16_CONSTRAINTS, E4M3_TO_BF16_PACK, ROUND_P_ASM,
                             ROUND_P_CONSTRAINTS, ROUND_P_PACK)
 
@@ -139,12 +140,17 @@ def _chunk_layouts(C, warps):
 
 
 @gluon.jit
-def _dequant_chunk(src, dst, sc, r0, CH: gl.constexpr, C: gl.constexpr, num_warps: gl.constexpr):
+def _dequant_chunk(src, dst, sc, r0, CH: gl.constexpr, C: gl.constexpr, num_warps: gl.constexpr, ncol=0,
+                   MASK_COLS: gl.constexpr = False):
     """Rows [r0, r0 + CH) of the FP8 tile `src` (shared, [R, C], E8M0 scales along C in blocks of 32: `sc`, shared
-    [R, C // 32] u8) dequantized into the same rows of the bf16 tile `dst` (shared, NVMMA)."""
+    [R, C // 32] u8) dequantized into the same rows of the bf16 tile `dst` (shared, NVMMA). MASK_COLS: columns from
+    ncol on are written as zeros (a packed batch's tail block: the next sequence's keys)."""
     l2: gl.constexpr = _chunk_layouts(C, num_warps)[0]
     l3: gl.constexpr = _chunk_layouts(C, num_warps)[1]
     x = src.slice(r0, CH, dim=0).load(l2)
+    if MASK_COLS:  # the E4M3 bits of zero, so NaN or Inf codes there dequantize to 0 too
+        cols = gl.arange(0, C, layout=gl.SliceLayout(0, l2))
+        x = gl.where(gl.expand_dims(cols < ncol, 0), x, gl.zeros_like(x))
     x3 = gl.convert_layout(gl.reshape(x.to(gl.uint8, bitcast=True), [CH, C // 32, 32]), l3)
     s = sc.slice(r0, CH, dim=0).load(gl.SliceLayout(2, l3))
     y = gl.reshape(_dequant3(x3, s), [CH, C])
@@ -234,6 +240,46 @@ def _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN: gl.constexpr, BOTTOM_R
 
 
 @gluon.jit
+def _seq_rows(CU_Q, CU_KV, b, PACKED: gl.constexpr):
+    """(bt, q0, kv0, kvb0) of sequence b: the tensors' batch index, the sequence's first query and key rows and
+    the first column block of V's seq-major data (triton_common.seq_span's): in a packed batch (thd, the tensors'
+    batch 0) q0 = cu_q[b], kv0 = cu_kv[b] and kvb0 = kv0 // 32 + b (V quantized per sequence: segments restart at
+    each sequence's first key); else (b, 0, 0, 0)."""
+    bt = b
+    q0 = 0
+    kv0 = 0
+    kvb0 = 0
+    if PACKED:
+        bt = b * 0
+        q0 = gl.load(CU_Q + b)
+        kv0 = gl.load(CU_KV + b)
+        kvb0 = kv0 // 32 + b
+    return bt, q0, kv0, kvb0
+
+
+@constexpr_function
+def _tail_layout(D, warps):
+    """Blocked layout of a [rows, D] bf16 tile loaded from global memory by `warps` warps (16-byte vectors)."""
+    return gl.BlockedLayout([1, 8], [256 // D, D // 8], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _load_tail_rows(V, dst, b64, hk64, svb, svh, svs, row0, n0, len_kv, BN: gl.constexpr, D: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """Rows [n0, n0 + BN) of a sequence's bf16 V [.., rows, D] (its first row row0) into the bf16 tile `dst`
+    (shared, NVMMA, [BN, D]) by ordinary loads, rows from len_kv on as zeros: a packed batch's tail block, whose
+    TMA box would bring the next sequence's rows (a NaN there times P = 0 would reach this sequence's O)."""
+    RCH: gl.constexpr = 16
+    lt: gl.constexpr = _tail_layout(D, num_warps)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, lt))
+    for c in gl.static_range(BN // RCH):
+        r = n0 + c * RCH + gl.arange(0, RCH, layout=gl.SliceLayout(1, lt))
+        ptrs = V + b64 * svb + hk64 * svh + gl.expand_dims((row0 + r).to(gl.int64) * svs, 1) + gl.expand_dims(cols, 0)
+        x = gl.load(ptrs, mask=gl.expand_dims(r < len_kv, 1) & gl.expand_dims(cols >= 0, 0), other=0.0)
+        dst.slice(c * RCH, RCH, dim=0).store(x)
+
+
+@gluon.jit
 def _visited_blocks(m_cta, len_q, len_kv, offset, LB, RB, HAS_LB: gl.constexpr, HAS_RB: gl.constexpr,
                     BM: gl.constexpr, BN: gl.constexpr, VARLEN: gl.constexpr):
     """`_kv_block_range` of the CTA's rows [m_cta, m_cta + BM) over its sequence's len_kv keys, none where the
@@ -246,10 +292,11 @@ def _visited_blocks(m_cta, len_q, len_kv, offset, LB, RB, HAS_LB: gl.constexpr, 
 
 
 @gluon.jit
-def _issue_tma(k_desc, v_desc, k8, v8, bar, b, hk, n0, BN: gl.constexpr, D: gl.constexpr):
+def _issue_tma(k_desc, v_desc, k8, v8, bar, b, hk, n0, BN: gl.constexpr, D: gl.constexpr, kv0=0, vc0=0):
+    """TMA of KV block n0's FP8 K tile (rows kv0 + n0 ...) and V^T tile (columns vc0 + n0 ...) onto `bar`."""
     mbarrier.expect(bar, BN * D * 2)  # one FP8 K tile and one FP8 V tile
-    tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], bar, k8)
-    tma.async_copy_global_to_shared(v_desc, [b, hk, 0, n0], bar, v8)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, kv0 + n0, 0], bar, k8)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, 0, vc0 + n0], bar, v8)
 
 
 @gluon.jit
@@ -257,26 +304,32 @@ def _producer(k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready
               sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SQ, SKV, offset, RB, LB, CU_Q, CU_KV,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
               NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, HAS_LB: gl.constexpr, VARLEN: gl.constexpr,
-              BOTTOM_RIGHT: gl.constexpr):
+              BOTTOM_RIGHT: gl.constexpr, PACKED: gl.constexpr):
     """The producer warpgroup: TMA of FP8 K/V tiles NF blocks ahead, their scales one block ahead (registers,
     then shared memory), dequantization into the bf16 ring once the consumers freed it. Block lo + j (the j-th
-    visited, `_kv_block_range`) goes to FP8 stage j % NF and bf16 stage j % NS."""
+    visited, `_kv_block_range`) goes to FP8 stage j % NF and bf16 stage j % NS. PACKED: the sequence's rows from
+    its first (`_seq_rows`); V's columns past its keys are written as zeros (the next sequence's)."""
     nw: gl.constexpr = gl.num_warps()
     tile, b, hq = _tile_of_program(HQ, HAS_RB)
     hk = hq // GROUP
     m0 = tile * BM
     len_q, SKV, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)  # SKV: its keys
     lo, n_blk = _visited_blocks(m0, len_q, SKV, offset, LB, RB, HAS_LB, HAS_RB, BM, BN, VARLEN)
-    b64 = b.to(gl.int64)
+    bt, q0, kv0, kvb0 = _seq_rows(CU_Q, CU_KV, b, PACKED)
+    b64 = bt.to(gl.int64)
     hk64 = hk.to(gl.int64)
     # the scales are addressed from block lo on (rows past SKV - lo * BN read as 127): the row indices of the loop
     # below stay those of a range from block 0, whose registers the producer's 32 hold
     ks_base = KS + b64 * sksb + hk64 * sksh + (lo * BN) * skss
     vs_base = VS + b64 * svsb + hk64 * svsh + (lo * (BN // 32)) * svss
+    if PACKED:
+        ks_base = ks_base + kv0.to(gl.int64) * skss
+        vs_base = vs_base + kvb0.to(gl.int64) * svss
     skv_lo = SKV - lo * BN
     for i in gl.static_range(NF):
         if i < n_blk:
-            _issue_tma(k_desc, v_desc, k8.index(i), v8.index(i), fp8_ready.index(i), b, hk, (lo + i) * BN, BN, D)
+            _issue_tma(k_desc, v_desc, k8.index(i), v8.index(i), fp8_ready.index(i), bt, hk, (lo + i) * BN, BN, D,
+                       kv0, kvb0 * 32)
     ks_next, vs_next = _load_scales(KS, VS, ks_base, vs_base, skss, svss, 0, skv_lo, BN, D, nw)
     for j in range(n_blk):  # the j-th visited block, block lo + j
         f = j % NF
@@ -293,32 +346,52 @@ def _producer(k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready
             _dequant_chunk(k_src, kb.index(s), ksc, c * CH, CH, D, nw)
         vsc_t = vsc.permute((1, 0))
         for c in gl.static_range(D // CH):  # V^T [D, BN]: scales along the keys ([BN/32, D] in shared memory)
-            _dequant_chunk(v_src, vb.index(s), vsc_t, c * CH, CH, BN, nw)
+            _dequant_chunk(v_src, vb.index(s), vsc_t, c * CH, CH, BN, nw, skv_lo - j * BN, PACKED)
         fence_async_shared()  # the generic-proxy stores before the consumers' wgmma (async proxy) reads
         gl.thread_barrier()  # every producer warp done with stage s, FP8 stage f and the scales
         mbarrier.arrive(ready.index(s), count=1)
         jn = j + NF
         if jn < n_blk:  # refill FP8 stage f
-            _issue_tma(k_desc, v_desc, k8.index(f), v8.index(f), fp8_ready.index(f), b, hk, (lo + jn) * BN, BN, D)
+            _issue_tma(k_desc, v_desc, k8.index(f), v8.index(f), fp8_ready.index(f), bt, hk, (lo + jn) * BN, BN, D,
+                       kv0, kvb0 * 32)
 
 
 @gluon.jit
 def _producer_bf16(k_desc, v_desc, kb, vb, ready, empty, HQ, GROUP, SQ, SKV, offset, RB, LB, CU_Q, CU_KV,
+                   V, svb, svh, svs,
                    HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
-                   HAS_LB: gl.constexpr, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr):
+                   HAS_LB: gl.constexpr, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, PACKED: gl.constexpr):
     """The producer warpgroup of the bf16-K/V variant (KV_BF16): TMA of the bf16 K and V tiles [BN, D] of block
     lo + j straight into bf16 stage j % NS once the consumers freed it (one expect-tx "ready" arrival per stage;
-    rows past SKV read as zeros)."""
+    rows past SKV read as zeros). PACKED: the sequence's rows from its first (`_seq_rows`); a block running past
+    its keys gets V by ordinary loads from V (strides svb, svh, svs; zeros past the keys, `_load_tail_rows`),
+    stored and fenced before the K tile's TMA arms "ready"."""
+    nw: gl.constexpr = gl.num_warps()
     tile, b, hq = _tile_of_program(HQ, HAS_RB)
     hk = hq // GROUP
     len_q, len_kv, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
     lo, n_blk = _visited_blocks(tile * BM, len_q, len_kv, offset, LB, RB, HAS_LB, HAS_RB, BM, BN, VARLEN)
+    bt, q0, kv0, kvb0 = _seq_rows(CU_Q, CU_KV, b, PACKED)
     for j in range(n_blk):
         s = j % NS
+        n0 = (lo + j) * BN
         mbarrier.wait(empty.index(s), ((j // NS) & 1) ^ 1)  # passes at once on a fresh barrier (first round)
-        mbarrier.expect(ready.index(s), 2 * BN * D * 2)  # one bf16 K tile and one bf16 V tile
-        tma.async_copy_global_to_shared(k_desc, [b, hk, (lo + j) * BN, 0], ready.index(s), kb.index(s))
-        tma.async_copy_global_to_shared(v_desc, [b, hk, (lo + j) * BN, 0], ready.index(s), vb.index(s))
+        if PACKED:
+            if n0 + BN > len_kv:  # the tail block: V rows past the sequence as zeros, K by TMA (masked logits)
+                _load_tail_rows(V, vb.index(s).reshape([BN, D]), bt.to(gl.int64), hk.to(gl.int64), svb, svh, svs,
+                                kv0, n0, len_kv, BN, D, nw)
+                fence_async_shared()  # the generic-proxy stores before the consumers' wgmma reads
+                gl.thread_barrier()
+                mbarrier.expect(ready.index(s), BN * D * 2)
+                tma.async_copy_global_to_shared(k_desc, [bt, hk, kv0 + n0, 0], ready.index(s), kb.index(s))
+            else:
+                mbarrier.expect(ready.index(s), 2 * BN * D * 2)
+                tma.async_copy_global_to_shared(k_desc, [bt, hk, kv0 + n0, 0], ready.index(s), kb.index(s))
+                tma.async_copy_global_to_shared(v_desc, [bt, hk, kv0 + n0, 0], ready.index(s), vb.index(s))
+        else:
+            mbarrier.expect(ready.index(s), 2 * BN * D * 2)  # one bf16 K tile and one bf16 V tile
+            tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], ready.index(s), kb.index(s))
+            tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], ready.index(s), vb.index(s))
 
 
 @gluon.jit
@@ -430,7 +503,7 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
               HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
               PINGPONG: gl.constexpr, WG: gl.constexpr, HAS_LB: gl.constexpr, HAS_SINK: gl.constexpr,
-              KV_BF16: gl.constexpr, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr):
+              KV_BF16: gl.constexpr, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, PACKED: gl.constexpr):
     """Consumer warpgroup WG (4 warps) of the CTA: query rows [tile * BM + 64 WG, + 64). Q dequantized into
     registers, then per KV block S = Q K^T, the online softmax, P rounding and O = O * alpha + P V; the epilogue
     writes its rows of O (bf16) and of the stats. The S GEMM of block j is issued together with the P V GEMM of
@@ -438,7 +511,9 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
     with PINGPONG the two warpgroups also alternate their GEMM issues (`_turn_wait`). The arithmetic and its
     order per element are unchanged. HAS_SINK: the softmax starts from the head's sink logit (max = sink in log2
     units, sum = 1 in units of P's scale 256: triton_common.softmax_start), so a row that meets no key ends with
-    O = 0 and stats = the sink through the ordinary epilogue, as in the Triton kernel."""
+    O = 0 and stats = the sink through the ordinary epilogue, as in the Triton kernel. PACKED: the sequence's rows
+    from its first (`_seq_rows`), and only its own rows are read and written (the next rows are another
+    sequence's)."""
     nw: gl.constexpr = gl.num_warps()
     BMW: gl.constexpr = BM // 2  # two consumer warpgroups of 4 warps
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
@@ -455,9 +530,13 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
     tile, b, hq = _tile_of_program(HQ, HAS_RB)
     # VARLEN: from here on SKV is the sequence's keys (masks, blocks); SQ stays the tensors' rows (loads, stores)
     len_q, SKV, offset = _seq_lengths(CU_Q, CU_KV, b, SQ, SKV, offset, VARLEN, BOTTOM_RIGHT)
+    bt, q0, kv0, kvb0 = _seq_rows(CU_Q, CU_KV, b, PACKED)
+    n_rows = SQ  # the rows this program may read and write: the tensors' (padding rows included), or its sequence's
+    if PACKED:
+        n_rows = len_q
     m_cta = tile * BM
     m0 = m_cta + WG * BMW
-    b64 = b.to(gl.int64)
+    b64 = bt.to(gl.int64)
     hq64 = hq.to(gl.int64)
 
     # Q [BMW, D] FP8 + scales -> bf16 registers (the S GEMM's A operand)
@@ -466,12 +545,12 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
     qr = m0 + gl.arange(0, BMW, layout=gl.SliceLayout(1, lqs))
     qb = gl.arange(0, D // 32, layout=gl.SliceLayout(0, lqs))
     qe = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, lq)))
-    q_ok2 = gl.expand_dims(qr < SQ, 1) & gl.expand_dims(qb >= 0, 0)
-    q_offs2 = gl.expand_dims(qr.to(gl.int64) * sqs, 1) + gl.expand_dims(qb * 32, 0)
+    q_ok2 = gl.expand_dims(qr < n_rows, 1) & gl.expand_dims(qb >= 0, 0)
+    q_offs2 = gl.expand_dims((q0 + qr).to(gl.int64) * sqs, 1) + gl.expand_dims(qb * 32, 0)
     q_offs = gl.expand_dims(q_offs2, 2) + gl.expand_dims(gl.expand_dims(qe, 0), 1)
     q_ok = gl.expand_dims(q_ok2, 2) & gl.expand_dims(gl.expand_dims(qe >= 0, 0), 1)
     q8 = gl.load(Q.cast(gl.pointer_type(gl.uint8)) + b64 * sqb + hq64 * sqh + q_offs, mask=q_ok, other=0)
-    qsc = gl.load(QS + b64 * sqsb + hq64 * sqsh + gl.expand_dims(qr.to(gl.int64) * sqss, 1)
+    qsc = gl.load(QS + b64 * sqsb + hq64 * sqsh + gl.expand_dims((q0 + qr).to(gl.int64) * sqss, 1)
                   + gl.expand_dims(qb, 0), mask=q_ok2, other=127)
     q = gl.convert_layout(gl.reshape(_dequant3(q8, qsc), [BMW, D]), q_op)
 
@@ -536,9 +615,10 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
     lse = gl.where(has, (m_i + gl.log2(denom) - LOG2_PS) * LN2, float("-inf"))
     rows_o = m0 + gl.arange(0, BMW, layout=row_o)
     offs_d = gl.arange(0, D, layout=col_o)
-    o_ptrs = O + b64 * sob + hq64 * soh + gl.expand_dims(rows_o.to(gl.int64) * sos, 1) + gl.expand_dims(offs_d, 0)
-    gl.store(o_ptrs, o.to(gl.bfloat16), mask=gl.expand_dims(rows_o < SQ, 1) & gl.expand_dims(offs_d >= 0, 0))
-    gl.store(LSE + b64 * slb + hq64 * slh + rows.to(gl.int64) * sls, lse, mask=rows < SQ)
+    o_ptrs = (O + b64 * sob + hq64 * soh + gl.expand_dims((q0 + rows_o).to(gl.int64) * sos, 1)
+              + gl.expand_dims(offs_d, 0))
+    gl.store(o_ptrs, o.to(gl.bfloat16), mask=gl.expand_dims(rows_o < n_rows, 1) & gl.expand_dims(offs_d >= 0, 0))
+    gl.store(LSE + b64 * slb + hq64 * slh + (q0 + rows).to(gl.int64) * sls, lse, mask=rows < n_rows)
 
 
 @gluon.jit
@@ -551,7 +631,8 @@ def _gluon_attn_fwd_kernel(
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
         NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, HAS_LB: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
-        KV_BF16: gl.constexpr = False, VARLEN: gl.constexpr = False, BOTTOM_RIGHT: gl.constexpr = False):
+        KV_BF16: gl.constexpr = False, VARLEN: gl.constexpr = False, BOTTOM_RIGHT: gl.constexpr = False,
+        PACKED: gl.constexpr = False):
     """Grid (cdiv(SQ, BM), B * HQ), 4 warps per partition: consumer warpgroup 0 (the default partition),
     consumer warpgroup 1 and the producer (workers). Q [B,HQ,SQ,D] e4m3 (strides sqb, sqh, sqs, unit along D)
     with scales QS [B,HQ,SQ,D/32] u8; k_desc a TMA descriptor of K [B,HKV,SKV,D] e4m3 (block [1,1,BN,D]) with
@@ -563,6 +644,10 @@ def _gluon_attn_fwd_kernel(
     VARLEN: a padded batch, sequence b rows 0 .. len of batch b with lengths from the int32 [B + 1] cu_seqlens
     CU_Q / CU_KV (else unread): masks and KV blocks per sequence, its padding rows O = 0 and stats = -inf, tiles
     past its queries visit no block; BOTTOM_RIGHT: each sequence's diagonal offset is len_kv - len_q.
+    PACKED (with VARLEN): a packed batch (thd: the tensors' batch 0, sequence b rows cu[b] .. cu[b + 1], V's
+    seq-major data and scales segmented per sequence), grid (tiles of the longest sequence, sequences * HQ); only
+    the sequence's own rows are read and written, and a KV block running past its keys gets zeros for V there
+    (never the next sequence's values: each sequence's numbers are a dense call's on it alone).
     KV_BF16: k_desc and v_desc describe bf16 K and V [B,HKV,SKV,D] (blocks [1,1,BN,D]: the exact dequantizations
     the quantizer writes on the bf16-scratch path), TMA'd straight into the bf16 ring (`_producer_bf16`; NF, CH,
     KS, VS and their strides unused); the consumers' arithmetic is the same."""
@@ -598,27 +683,28 @@ def _gluon_attn_fwd_kernel(
             (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                          sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
                          HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV, HAS_RB, BM, BN, D, NS,
-                         PINGPONG, WG0, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT)),
+                         PINGPONG, WG0, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT, PACKED)),
             (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                          sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
                          HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV, HAS_RB, BM, BN, D, NS,
-                         PINGPONG, WG1, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT)),
+                         PINGPONG, WG1, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT, PACKED)),
             (_producer_bf16, (k_desc, v_desc, kb, vb, ready, empty, HQ, GROUP, SQ, SKV, offset, RB, LB, CU_Q,
-                              CU_KV, HAS_RB, BM, BN, D, NS, HAS_LB, VARLEN, BOTTOM_RIGHT)),
+                              CU_KV, VS, svsb, svsh, svss, HAS_RB, BM, BN, D, NS, HAS_LB, VARLEN, BOTTOM_RIGHT,
+                              PACKED)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                          sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
                          HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV, HAS_RB, BM, BN, D, NS,
-                         PINGPONG, WG0, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT)),
+                         PINGPONG, WG0, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT, PACKED)),
             (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                          sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
                          HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV, HAS_RB, BM, BN, D, NS,
-                         PINGPONG, WG1, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT)),
+                         PINGPONG, WG1, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT, PACKED)),
             (_producer, (k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready, empty,
                          sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SQ, SKV, offset, RB, LB, CU_Q, CU_KV,
-                         HAS_RB, BM, BN, D, NS, NF, CH, HAS_LB, VARLEN, BOTTOM_RIGHT)),
+                         HAS_RB, BM, BN, D, NS, NF, CH, HAS_LB, VARLEN, BOTTOM_RIGHT, PACKED)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
     for i in gl.static_range(2):
@@ -654,8 +740,6 @@ def unsupported_reason(q_data, k_scale, v, *, left_bound=None, seq=None, bottom_
     bf16-K/V variant (k_data and v the bf16 dequantizations of K and V)."""
     if flags != DEFAULT_FLAGS:
         return "the Gluon forward runs the default recipe only"
-    if seq is not None and seq.packed:
-        return "the Gluon forward takes dense and padded batches, not packed ones (thd)"
     if bottom_right and seq is None:
         return "bottom_right is for variable-length (padded) calls"
     if q_data.shape[3] not in SUPPORTED_HEAD_DIMS:
@@ -677,8 +761,9 @@ def unsupported_reason(q_data, k_scale, v, *, left_bound=None, seq=None, bottom_
             if t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:3]):
                 return (f"{name} must be 16-byte aligned with strides multiple of 16 bytes (TMA), got strides "
                         f"{tuple(t.stride())}")
-        if q_data.shape[0] * q_data.shape[1] > 65535:
-            return (f"{q_data.shape[0]} x {q_data.shape[1]} (batch x query heads) programs exceed the CUDA grid's "
+        n_seq = grid_sequences(seq, q_data.shape[0])
+        if n_seq * q_data.shape[1] > 65535:
+            return (f"{n_seq} x {q_data.shape[1]} (sequences x query heads) programs exceed the CUDA grid's "
                     "y limit 65535; split the batch")
     return None
 
@@ -711,10 +796,12 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     = its sink, as the Triton forward computes it).
     config: optional (bf16 stages >= 2, fp8 stages (unused with bf16 K/V)[, pingpong]) override (benchmark sweeps,
     A/B of the schedule).
-    seq: None (dense) or a padded batch's SeqInfo (cu_seqlens_q / _kv int32 [B + 1], packed False; sequence b is
-    rows 0 .. len of batch b): masks and KV blocks per sequence, padding rows O = 0 and stats = -inf, as the
-    Triton forward; bottom_right (with seq, offset 0): each sequence's diagonal offset is len_kv - len_q.
-    Raises ValueError for what it does not take: packed batches (seq.packed), head dims other than 64/128,
+    seq: None (dense) or a variable-length batch's SeqInfo (cu_seqlens_q / _kv int32 [B + 1]): padded (packed
+    False: sequence b is rows 0 .. len of batch b; padding rows O = 0 and stats = -inf) or packed (thd: the
+    tensors' batch 1, sequence b rows cu[b] .. cu[b + 1], V's seq-major copy quantized per sequence; rows past
+    the last sequence untouched): masks and KV blocks per sequence, as the Triton forward; bottom_right (with
+    seq, offset 0): each sequence's diagonal offset is len_kv - len_q.
+    Raises ValueError for what it does not take: head dims other than 64/128,
     non-default recipes, non-bf16 out, K/V bytes TMA cannot address, a malformed sink. checked: the
     caller has just had `unsupported_reason(..., k_data=k_data, out=out)` answer None for these arguments (not
     asked again)."""
@@ -734,7 +821,9 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         if tuple(k_data.shape) != (B, HKV, SKV, D) or tuple(v.shape) != (B, HKV, SKV, D):
             raise ValueError(f"bf16 k_data and v must both be [{B}, {HKV}, Skv, {D}], got {tuple(k_data.shape)} "
                              f"and {tuple(v.shape)}")
-        v_data, vs, ks = v, k_data, k_data
+        # the scale operands are unread, except VS in a packed batch: the producer loads V's tail blocks itself
+        v_data, ks = v, k_data
+        vs = v if seq is not None and seq.packed else k_data
     else:
         v_data, vs = v.data, v.scale.view(torch.uint8)
         L = v_data.shape[3]
@@ -747,9 +836,18 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
                     ("v.scale", vs), ("out", out)):
         if t.shape[3] > 1 and t.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride along its last axis, got strides {tuple(t.stride())}")
+    packed = seq is not None and bool(seq.packed)
     if SKV == 0:  # no key: the Triton forward's O = 0 and stats (TMA cannot describe an empty tensor)
-        out.zero_()
-        if sink is None:
+        if packed:
+            out.masked_fill_((torch.arange(SQ, device=out.device) < seq.cu_seqlens_q[-1]).view(1, 1, SQ, 1), 0.0)
+        else:
+            out.zero_()
+        if seq is not None and seq.packed:  # the sequences' rows (up to cu_q[-1]) only: -inf or the sink's stats
+            rows = (torch.arange(SQ, device=out.device) < seq.cu_seqlens_q[-1]).view(1, 1, SQ, 1)
+            fill = torch.tensor(float("-inf"), device=stats.device) if sink is None else \
+                _sink_stats(sink).view(1, -1, 1, 1)
+            stats.copy_(torch.where(rows, fill, stats))
+        elif sink is None:
             stats.fill_(float("-inf"))
         elif seq is None:
             stats.copy_(_sink_stats(sink).view(1, -1, 1, 1).expand_as(stats))
@@ -779,7 +877,7 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     v_desc = TensorDescriptor(v_data, list(v_data.shape), list(v_data.stride()), v_block, v_layout)
     has_rb = right_bound is not None
     has_lb = left_bound is not None
-    grid = (cdiv(SQ, BLOCK_M), B * HQ)
+    grid = (cdiv(grid_rows(seq, "q", SQ), BLOCK_M), grid_sequences(seq, B) * HQ)
     launch(  # Triton's dispatcher on a signature's first call, then the cached compiled kernel (`triton_launch`)
         _gluon_attn_fwd_kernel, grid,
         q_data, qs, k_desc, ks, v_desc, vs, out, stats,
@@ -792,7 +890,7 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=D, NS=ns, NF=nf, CH=CHUNK_ROWS, PINGPONG=pingpong,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, HAS_LB=has_lb, HAS_SINK=sink is not None,
         KV_BF16=kv_bf16, VARLEN=seq is not None, BOTTOM_RIGHT=seq is not None and bool(bottom_right),
-        num_warps=PARTITION_WARPS)
+        PACKED=packed, num_warps=PARTITION_WARPS)
 
 
 def _sink_stats(sink: torch.Tensor) -> torch.Tensor:
@@ -811,30 +909,32 @@ DIVISIBLE_INTS = ("sqb", "sqh", "sqs", "sqsb", "sqsh", "sksb", "sksh", "svsb", "
 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
                  pingpong: bool = None, has_lb: bool = False, has_sink: bool = False, kv_bf16: bool = False,
-                 varlen: bool = False, bottom_right: bool = False):
+                 varlen: bool = False, bottom_right: bool = False, packed: bool = False):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel (asm:
     ttgir, llir, ptx, cubin; metadata: shared memory). Pointers and DIVISIBLE_INTS as the launcher sees them in a
     typical call (16-byte aligned, multiples of 16); the stats' row stride stays a run-time i32 (the launcher
     specialises a 1 to a constant). has_lb / has_sink: the sliding-window and sink variants (LB a run-time i32,
     SINK an fp32 pointer). kv_bf16: the bf16-K/V variant (stages: its bf16 stages, an int). varlen /
-    bottom_right: the padded-batch variant (CU_Q, CU_KV int32 pointers) and its per-sequence offset."""
+    bottom_right: the padded-batch variant (CU_Q, CU_KV int32 pointers) and its per-sequence offset; packed (with
+    varlen): the packed-batch variant (with kv_bf16, VS a bf16 pointer: V's tail blocks)."""
     fn = _gluon_attn_fwd_kernel
     if kv_bf16:
         ns, nf = (stages if stages is not None else BF16_KV_STAGES[d]), 1
         layout = bf16_kv_tma_layout(d)
         desc = f"tensordesc<bf16[1, 1, {BLOCK_N}, {d}],{layout!r}>"
-        types = dict(k_desc=desc, v_desc=desc)
+        types = dict(k_desc=desc, v_desc=desc, **(dict(VS="*bf16") if packed else {}))
     else:
         ns, nf = stages if stages is not None else STAGES[d]
         k_layout, v_layout = tma_layouts(d)
         types = dict(k_desc=f"tensordesc<fp8e4nv[1, 1, {BLOCK_N}, {d}],{k_layout!r}>",
                      v_desc=f"tensordesc<fp8e4nv[1, 1, {d}, {BLOCK_N}],{v_layout!r}>")
-    types.update(Q="*fp8e4nv", QS="*u8", KS="*u8", VS="*u8", O="*bf16", LSE="*fp32", SINK="*fp32", qk_scale="fp32",
+    types = {"VS": "*u8", **types}
+    types.update(Q="*fp8e4nv", QS="*u8", KS="*u8", O="*bf16", LSE="*fp32", SINK="*fp32", qk_scale="fp32",
                  CU_Q="*i32", CU_KV="*i32")
     constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=d, NS=ns, NF=nf, CH=CHUNK_ROWS,
                       PINGPONG=PINGPONG if pingpong is None else pingpong,
                       CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], HAS_LB=has_lb, HAS_SINK=has_sink,
-                      KV_BF16=kv_bf16, VARLEN=varlen, BOTTOM_RIGHT=bottom_right)
+                      KV_BF16=kv_bf16, VARLEN=varlen, BOTTOM_RIGHT=bottom_right, PACKED=packed)
     return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 

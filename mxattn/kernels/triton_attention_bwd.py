@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .triton_launch import cdiv, launch, sm_count
 from .triton_attention_fwd import SCRATCH_BUDGET_BYTES, check_seq
-from .triton_bwd_prep import bwd_prep, kv_prep
+from .triton_bwd_prep import PACKED_GAP, bwd_prep, kv_prep
 from .triton_bwd_tiles import _col_tile, _row_tile, _store_rows
 from .triton_common import (LOG2E, P_DESCALE, P_SCALE, band_block_range, program_prologue, qdq_rows,
                             tile_offsets)
@@ -378,6 +378,24 @@ def bwd_streams_bf16(B: int, HQ: int, HKV: int, SQ: int, SKV: int, D: int) -> bo
     return _pre_scratch_per_kv_head(B, max(1, HQ // max(1, HKV)), SQ, SKV, D) <= SCRATCH_BUDGET_BYTES
 
 
+def _packed_gap(gluon_dkdv, gluon_dq, k_row, v_row, seq, group: int, heads: int, D: int, **call) -> int:
+    """A packed batch's scratch gap for a "pre" backward: PACKED_GAP where both Gluon kernels take the call (asked
+    with shape-only stand-ins of the gapped scratch of a chunk of `heads` KV heads, their length heuristics
+    seeing the longest sequence), else 0 (both Triton kernels, packed scratch). Both or neither: the Triton
+    kernels read the packed scratch layout, the Gluon ones the gapped one."""
+    if gluon_dkdv is None or gluon_dq is None:
+        return 0
+    n_seq = grid_sequences(seq, 1)
+
+    def stand_in(h: int, rows: int):
+        return torch.empty((1, h, rows + PACKED_GAP * n_seq, D), dtype=torch.bfloat16, device="meta")
+    q_s, kv_s = stand_in(heads * group, seq.max_seqlen_q), stand_in(heads, seq.max_seqlen_kv)
+    k_h, v_h = _heads(k_row, 0, heads), _heads(v_row, 0, heads)
+    takes = gluon_dkdv.takes(q_s, k_h, v_h, seq=seq, q_c=q_s, do_r=q_s, do_c=q_s, **call) and \
+        gluon_dq.takes(q_s, kv_s, kv_s, kv_s, q_s, seq=seq, **call)
+    return PACKED_GAP if takes else 0
+
+
 def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stats, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   config=None, mode: str = "fp8", seq=None, bottom_right: bool = False,
@@ -400,7 +418,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     flags: the recipe's switches (`recipe_flags`); with flags.v_raw, v_row is V rounded to bf16 [B,Hkv,Skv,D]
     (unit stride along D), and do_row/do_col (mode "fp8") must have been quantized with flags.floor's rule.
     gluon_dkdv: optional module `gluon_attention_bwd` (Hopper): in mode "pre" its warp-specialised dK/dV kernel
-    runs each chunk it takes (`takes`; same numbers), the Triton kernel the others.
+    runs each chunk it takes (`takes`; same numbers), the Triton kernel the others. A packed batch runs both
+    Gluon kernels on gapped scratch (`bwd_prep`'s gap) where both take it, else both Triton kernels.
     gluon_dq: likewise, optional module `gluon_attention_dq` (Hopper): in mode "pre" its warp-specialised dQ
     kernel runs each chunk it takes (`takes`; same numbers), the Triton dQ kernel the others. Neither runs with
     a config override (the Triton kernels' block sizes).
@@ -454,14 +473,18 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     sms = sm_count(o.device) if o.is_cuda else 132
     # heads for about two waves of programs
     want = cdiv(2 * sms, max(1, row_tiles(grid_rows(seq, "kv", SKV), bn1) * seq_programs(grid_sequences(seq, B), 1)))
-    for h0, h1 in head_chunks(HKV, per_head, want):  # a loop over head chunks, not elements
+    chunks = head_chunks(HKV, per_head, want)
+    packed = seq is not None and seq.packed
+    masks = dict(right_bound=right_bound, left_bound=left_bound, bottom_right=bottom_right, flags=flags)
+    gap = _packed_gap(gluon_dkdv, gluon_dq, k_row, v_row, seq, group, max(h1 - h0 for h0, h1 in chunks), D,
+                      **masks) if packed and config is None else 0
+    for h0, h1 in chunks:  # a loop over head chunks, not elements
         q0, q1 = h0 * group, h1 * group
-        do_r, do_c, q_r, q_c = bwd_prep(o, do, q_row, q_col, delta, q0, q1, seq, cu, floor=flags.floor)
+        do_r, do_c, q_r, q_c = bwd_prep(o, do, q_row, q_col, delta, q0, q1, seq, cu, floor=flags.floor, gap=gap)
         st, de = stats[:, q0:q1], delta[:, q0:q1]
         k_h, v_h = _heads(k_row, h0, h1), _heads(v_row, h0, h1)
-        if gluon_dkdv is not None and config is None and gluon_dkdv.takes(
-                q_r, k_h, v_h, right_bound=right_bound, left_bound=left_bound, seq=seq, bottom_right=bottom_right,
-                flags=flags, q_c=q_c, do_r=do_r, do_c=do_c):
+        if gap or (not packed and gluon_dkdv is not None and config is None and gluon_dkdv.takes(
+                q_r, k_h, v_h, seq=seq, q_c=q_c, do_r=do_r, do_c=do_c, **masks)):
             gluon_dkdv.dkdv_gluon(q_r, q_c, k_h, v_h, do_r, do_c, st, de, dk[:, h0:h1], dv[:, h0:h1],
                                   softmax_scale=softmax_scale, offset=offset, left_bound=left_bound,
                                   right_bound=right_bound, seq=seq, bottom_right=bottom_right, checked=True)
@@ -469,10 +492,9 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
             _launch_dkdv(q_r, q_c, k_h, v_h, do_r, do_c, st, de, dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args,
                          common, seq, cu, flags)
         del q_c, do_c
-        k_r, k_c, v_r = kv_prep(k_row, k_col, v_row, h0, h1, seq, cu)
-        if gluon_dq is not None and config is None and gluon_dq.takes(
-                q_r, k_r, k_c, v_r, do_r, right_bound=right_bound, left_bound=left_bound, seq=seq,
-                bottom_right=bottom_right, flags=flags):
+        k_r, k_c, v_r = kv_prep(k_row, k_col, v_row, h0, h1, seq, cu, gap=gap)
+        if gap or (not packed and gluon_dq is not None and config is None and gluon_dq.takes(
+                q_r, k_r, k_c, v_r, do_r, seq=seq, **masks)):
             gluon_dq.dq_gluon(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], softmax_scale=softmax_scale,
                               offset=offset, left_bound=left_bound, right_bound=right_bound, seq=seq,
                               bottom_right=bottom_right, checked=True)

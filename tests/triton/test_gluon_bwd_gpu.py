@@ -253,10 +253,82 @@ def test_public_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case, D", [("causal_gqa", 128), ("no_mask_mha", 64), ("bottom_right_cross", 128),
+                                     ("bottom_right_cross", 64), ("window_causal_gqa", 128), ("causal_gqa", 64)])
+def test_packed_backward_on_the_gluon_kernels_equals_the_triton_kernels(monkeypatch, case, D):
+    """A packed batch (thd, sequences of 300, 1, 129 and 518 queries: 948 rows, a multiple of 4, where the LSE and
+    delta could be TMA-loaded but the sequences start at rows TMA cannot begin a box at, so the consumers copy them;
+    with bottom_right_cross other key lengths,
+    each sequence's own diagonal) runs the Gluon dK/dV and dQ kernels on the gapped scratch (`bwd_prep` /
+    `kv_prep` gap=PACKED_GAP: every tile that starts inside a sequence reads zeros past its end) and gives the
+    Triton kernels' gradients (MXATTN_GLUON_BWD=0's path) bit for bit, q, k, v as views split from one fused thd
+    QKV. A NaN in one sequence's dO stays in that sequence: every other sequence's dQ, dK, dV are the clean run's
+    bits (the Triton kernels' masked loads keep that contract; on the Gluon kernels the gap's zero rows and the
+    masked delta do)."""
+    if not _is_hopper():
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    import mxattn
+    from mxattn.backends import triton_backend as backend_module
+    from mxattn.kernels import gluon_attention_bwd as gb
+    from mxattn.kernels import gluon_attention_dq as gd
+    from test_gluon_fwd_gpu import _fresh_plan_caches
+    _fresh_plan_caches(monkeypatch)
+    monkeypatch.setattr(backend_module, "_backward_key", lambda roots, params: None)
+    monkeypatch.setattr(gd, "MIN_KEYS", {64: 0, 128: 0})
+    monkeypatch.setattr(gb, "MIN_QUERY_ROWS", {64: 0, 128: 0})
+    monkeypatch.setattr(gb, "MHA_MIN_QUERY_ROWS", {64: 0, 128: 0})
+    HQ, HKV = (8, 2) if case.endswith("gqa") else (4, 4)
+    lens_q = [300, 1, 129, 518]
+    lens_kv = [250, 7, 129, 600] if case == "bottom_right_cross" else lens_q
+    cu = [torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+          for n in (lens_q, lens_kv)]
+    tq, tkv = sum(lens_q), sum(lens_kv)
+    g = torch.Generator(device="cuda").manual_seed(11 + D)
+    qkv = torch.randn(max(tq, tkv), HQ + 2 * HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    do = torch.randn(tq, HQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    kwargs = dict(qkv_format="thd", backend="triton", cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1],
+                  attn_mask_type={"no_mask_mha": "padding", "bottom_right_cross": "padding_causal_bottom_right"}.get(
+                      case, "padding_causal"))
+    if case.startswith("window"):
+        kwargs.update(window_size=(90, 0))
+    calls = {"dkdv": [], "dq": []}
+    for module, name, key in ((gb, "dkdv_gluon", "dkdv"), (gd, "dq_gluon", "dq")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, key=key, **k: calls[key].append(1) or real(*a, **k))
+
+    def grads(on, d_o):
+        monkeypatch.setattr(backend_module, "GLUON_BACKWARD", on)
+        x = qkv.clone().requires_grad_(True)
+        q, k, v = x.split([HQ, HKV, HKV], dim=1)
+        mxattn.mxfp8_attention(q[:tq], k[:tkv], v[:tkv], **kwargs).backward(d_o)
+        return x.grad[:tq, :HQ], x.grad[:tkv, HQ:]
+
+    dq_g, dkv_g = grads(True, do)
+    assert calls["dkdv"] and calls["dq"], "the Gluon backward kernels did not run"
+    for c in calls.values():
+        c.clear()
+    dq_t, dkv_t = grads(False, do)
+    assert not calls["dkdv"] and not calls["dq"]
+    assert torch.equal(dq_g, dq_t) and torch.equal(dkv_g, dkv_t)
+    assert dq_g.abs().sum() > 0 and dkv_g.abs().sum() > 0
+    bad = 2  # sequence 2's dO all NaN: the other sequences' gradients are the clean run's bits
+    do_nan = do.clone()
+    do_nan[cu[0][bad]:cu[0][bad + 1]] = float("nan")
+    dq_n, dkv_n = grads(True, do_nan)
+    assert calls["dkdv"] and calls["dq"]
+    for b in range(len(lens_q)):
+        rq, rk = slice(cu[0][b], cu[0][b + 1]), slice(cu[1][b], cu[1][b + 1])
+        if b == bad:
+            assert dq_n[rq].isnan().any() and dkv_n[rk].isnan().any()
+        else:
+            assert torch.equal(dq_n[rq], dq_g[rq]) and torch.equal(dkv_n[rk], dkv_g[rk]), b
+
+
+@pytest.mark.gpu
 def test_transformers_llama_trains_on_the_gluon_backward_eager_and_compiled(monkeypatch):
     """A transformers Llama built from a config (GQA 4:2, head dim 64, the project's HF registration, triton
-    backend), one training step on a dense batch (no padding: the public-backward test above covers padded
-    batches on the Gluon kernels; packed ones take the Triton kernels) eager and under torch.compile, with the Gluon backward kernels taking every chunk
+    backend), one training step on a dense batch (no padding: the public-backward tests above cover padded and
+    packed batches on the Gluon kernels) eager and under torch.compile, with the Gluon backward kernels taking every chunk
     (their minimums patched to 0): both kernels run, the eager gradients match the Triton kernels' path (the
     attention's are bit-equal; rel-RMS 1e-5 leaves room for atomics elsewhere in the model), the same holds for
     the compiled model (Gluon against Triton, each compiled afresh), and the compiled step's loss is the eager
@@ -348,7 +420,13 @@ def test_gluon_dkdv_refuses_unsupported_calls():
     padded, packed = SeqInfo(cu, cu, 100, 100, False), SeqInfo(cu, cu, 100, 100, True)
     assert gb.unsupported_reason(q, k, v, seq=padded) is None  # padded batches are taken, with their own offsets
     assert gb.unsupported_reason(q, k, v, seq=padded, bottom_right=True) is None
-    assert "not packed" in gb.unsupported_reason(q, k, v, seq=packed)
+    assert gb.unsupported_reason(q, k, v, seq=packed) is None  # packed batches too, on gapped scratch
+    assert gb.packed_scratch_reason("q_r", q, 100, padded) is None  # (padded: any scratch)
+    assert "gapped scratch" in gb.packed_scratch_reason("q_r", q, 100, packed)  # 100 rows, not 100 + PACKED_GAP
+    gapped = torch.zeros(1, 4, 100 + gb.PACKED_GAP, 128, dtype=torch.bfloat16)
+    assert gb.packed_scratch_reason("q_r", gapped, 100, packed) is None
+    many = torch.arange(0, 40001, dtype=torch.int32)  # 40000 one-token sequences x 2 KV heads: past the y limit
+    assert "65535" in gb.unsupported_reason(q, k, v, seq=SeqInfo(many, many, 1, 1, True))
     assert "variable-length" in gb.unsupported_reason(q, k, v, bottom_right=True)
     assert "sinks" in gb.unsupported_reason(q, k, v, sink=torch.zeros(4))
     assert "head dims" in gb.unsupported_reason(*_cpu_operands(D=96))
@@ -362,7 +440,7 @@ def test_gluon_dkdv_refuses_unsupported_calls():
     assert "TMA" in gb.unsupported_reason(q, k, v, q_c=odd)
     for name in ("v_raw", "ds_bf16", "floor"):
         assert "default recipe" in gb.unsupported_reason(q, k, v, flags=DEFAULT_FLAGS._replace(**{name: True}))
-    with pytest.raises(ValueError, match="packed"):
+    with pytest.raises(ValueError, match="packed batch must be the gapped scratch"):
         gb.dkdv_gluon(q, q, k, v, q, q, torch.zeros(1, 4, 100, 1), torch.zeros(1, 4, 100),
                       torch.zeros(1, 2, 80, 128), torch.zeros(1, 2, 80, 128), softmax_scale=0.1, offset=0,
                       left_bound=3, right_bound=0, seq=packed)
@@ -421,11 +499,14 @@ def compile_or_skip(module: str, d, causal):
         pytest.skip(f"cannot compile for sm_90a here: {e}")
 
 
-def _dkdv_stack_allowance(d, causal, block_m):
-    """(stack bytes, STL / LDL instructions) a dK/dV build may keep: D128 causal with 64-query blocks (the wide
-    schedule) keeps 40 bytes of loop bounds (28 STL / LDL, none in the unmasked block loop; WIDE_SCHEDULE's
-    comment), measured faster than 32-query blocks without a stack; every other build none."""
-    return (40, 28) if (d, causal, block_m) == (128, True, 64) else (0, 0)
+def _dkdv_stack_allowance(d, causal, block_m, varlen=False):
+    """(stack bytes, STL / LDL instructions) a dK/dV build may keep: at D128 with 64-query blocks (the wide
+    schedule) causal keeps 40 bytes of loop bounds (28 STL / LDL, none in the unmasked block loop; WIDE_SCHEDULE's
+    comment), measured faster than 32-query blocks without a stack; padded 16 bytes (10, none in a block loop),
+    padded causal bottom-right 56 (48); every other build none."""
+    if (d, block_m) != (128, 64):
+        return (0, 0)
+    return {(True, False): (40, 28), (False, True): (16, 10), (True, True): (56, 48)}.get((causal, varlen), (0, 0))
 
 
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False), (128, True)],
@@ -445,15 +526,18 @@ def test_gluon_dkdv_compiles_for_sm90a_without_spills(d, causal):
 
 
 def test_gluon_dkdv_schedule_is_wide_only_where_it_builds_clean():
-    """`schedule`: the wide schedule (WIDE_SCHEDULE, 64-row blocks at D128) only for a dense batch without a
-    window in STATS mode 5 (the builds that keep their registers); the narrow one (BLOCK_M, STAGES, DEFER_WAITS)
-    for padded batches, windows and modes 0 / 4; any sweep override starts from the narrow one."""
+    """`schedule`: the wide schedule (WIDE_SCHEDULE, 64-row blocks at D128) only for dense and padded batches
+    without a window in STATS mode 5 (the builds that keep their registers in the block loops); the narrow one
+    (BLOCK_M, STAGES, DEFER_WAITS) for windows, modes 0 / 4 and packed batches; any sweep override starts from the
+    narrow one."""
     from mxattn.kernels import gluon_attention_bwd as gb
     narrow = {d: (gb.BLOCK_M[d], gb.STAGES[d], gb.DEFER_WAITS[d]) for d in gb.SUPPORTED_HEAD_DIMS}
     assert gb.schedule(128, 5) == gb.WIDE_SCHEDULE[128] == (64, 2, False)
     assert gb.schedule(64, 5) == narrow[64]
-    for mode, varlen, has_lb in [(4, False, False), (0, False, False), (5, True, False), (5, False, True)]:
-        assert gb.schedule(128, mode, varlen, has_lb) == narrow[128]
+    for mode, packed, has_lb in [(4, False, False), (0, False, False), (5, False, True), (5, True, True),
+                                 (5, True, False)]:
+        assert gb.schedule(128, mode, packed, has_lb) == narrow[128]
+    assert gb.schedule(128, 5, packed=False) == gb.WIDE_SCHEDULE[128]  # dense and padded batches
     assert gb.resolve_schedule(128, 5, False, False, None, None, None) == (64, 2, False)
     assert gb.resolve_schedule(128, 5, False, False, None, None, False) == (32, None, False)
     assert gb.resolve_schedule(128, 5, False, False, 64, 2, None) == (64, 2, True)
@@ -529,9 +613,38 @@ def test_gluon_backward_padded_variants_build_without_spills(kernel, d, causal, 
         build = module.compile_sm90(d, causal, varlen=True, bottom_right=bottom_right)
     except ImportError as e:  # pragma: no cover
         pytest.skip(f"cannot compile for sm_90a here: {e}")
-    _assert_sm90_build(build)
+    wide = kernel == "gluon_attention_bwd" and module.schedule(d, module.STATS_LOADS[d])[0] == 64
+    _assert_sm90_build(build, *(_dkdv_stack_allowance(d, causal, 64, varlen=True) if wide else (0, 0)))
     dense = module.compile_sm90(d, causal).asm["ptx"]  # the lengths: more global loads than the dense build's
     assert build.asm["ptx"].count("ld.global") > dense.count("ld.global")
+
+
+@pytest.mark.parametrize("d,causal,bottom_right,has_lb", [(128, False, False, False), (128, True, True, False),
+                                                          (64, True, False, False), (64, True, True, True),
+                                                          (128, True, False, True)])
+@pytest.mark.parametrize("kernel", ["gluon_attention_bwd", "gluon_attention_dq"], ids=["dkdv", "dq"])
+def test_gluon_backward_packed_variants_build_without_spills(kernel, d, causal, bottom_right, has_lb):
+    """The packed-batch variant (PACKED: rows from each sequence's first, the scratch gapped by GAP rows) of the
+    dK/dV kernel (its narrow schedule: `schedule`) and of the dQ kernel builds for sm_90a without spills and with
+    asynchronous wgmmas, with causal edges, bottom-right offsets and sliding windows. The dK/dV builds (STATS 4,
+    what `dkdv_gluon` runs for packed batches) keep a few loop bounds on the stack, allowed exactly as measured
+    offline (Triton 3.6's ptxas; stack bytes, STL / LDL): none in the block loops without a window, 2 (D128,
+    window, causal) and 8 (D64, window, bottom-right) in masked-block loops with one."""
+    import importlib
+    module = importlib.import_module(f"mxattn.kernels.{kernel}")
+    try:
+        build = module.compile_sm90(d, causal, packed=True, bottom_right=bottom_right, has_lb=has_lb)
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"cannot compile for sm_90a here: {e}")
+    if kernel == "gluon_attention_bwd":  # (the LSE / delta copied by the consumers: `dkdv_gluon` for packed batches)
+        assert "cp.async.ca.shared.global" in build.asm["ptx"] and "cp.async.bulk.tensor.3d" not in build.asm["ptx"]
+    allowance = {(128, False, False, False): (8, 6), (128, True, True, False): (24, 18), (64, True, False, False): (8, 2),
+                 (64, True, True, True): (56, 50), (128, True, False, True): (72, 63)}
+    _assert_sm90_build(build, *(allowance[d, causal, bottom_right, has_lb] if kernel == "gluon_attention_bwd"
+                                else (0, 0)))
+    if kernel == "gluon_attention_bwd":
+        assert module.schedule(d, module.STATS_LOADS[d], packed=True) == (module.BLOCK_M[d], module.STAGES[d],
+                                                                           module.DEFER_WAITS[d])
 
 
 @pytest.mark.parametrize("d,causal,varlen", [(128, False, False), (128, True, False), (64, True, False),

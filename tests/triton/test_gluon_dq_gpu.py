@@ -122,7 +122,9 @@ def test_gluon_dq_refuses_unsupported_calls(monkeypatch):
     cu = torch.tensor([0, 100], dtype=torch.int32)
     assert gd.unsupported_reason(*ops, seq=SeqInfo(cu, cu, 100, 100, False)) is None  # padded batches are taken
     assert gd.unsupported_reason(*ops, seq=SeqInfo(cu, cu, 100, 100, False), bottom_right=True) is None
-    assert "not packed" in gd.unsupported_reason(*ops, seq=SeqInfo(cu, cu, 100, 100, True))
+    assert gd.unsupported_reason(*ops, seq=SeqInfo(cu, cu, 100, 100, True)) is None  # packed: gapped scratch
+    many = torch.arange(0, 20001, dtype=torch.int32)  # 20000 one-token sequences x 4 query heads: past the y limit
+    assert "65535" in gd.unsupported_reason(*ops, seq=SeqInfo(many, many, 1, 1, True))
     assert "variable-length" in gd.unsupported_reason(*ops, bottom_right=True)
     assert "sinks" in gd.unsupported_reason(*ops, sink=torch.zeros(4))
     assert not gd.takes(*ops, sink=torch.zeros(4))
@@ -142,7 +144,7 @@ def test_gluon_dq_refuses_unsupported_calls(monkeypatch):
     big = torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16).expand(65536, 1, 64, 128)
     assert "65535" in gd.unsupported_reason(big, k_r, k_c, v_r, big)
     stats, delta, dq = torch.zeros(1, 4, 100, 1), torch.zeros(1, 4, 100), torch.zeros(1, 4, 100, 128)
-    with pytest.raises(ValueError, match="packed"):
+    with pytest.raises(ValueError, match="packed batch must be the gapped scratch"):
         gd.dq_gluon(*ops, stats, delta, dq, softmax_scale=0.1, offset=0, left_bound=3, right_bound=0,
                     seq=SeqInfo(cu, cu, 100, 100, True))
     with pytest.raises(ValueError, match="multiple"):

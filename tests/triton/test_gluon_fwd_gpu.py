@@ -280,15 +280,13 @@ def test_gluon_fwd_refuses_unsupported_calls():
     q96 = torch.zeros(1, 2, 64, 96, dtype=torch.uint8).view(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="head dims"):
         gf.attention_fwd_gluon(q96, s, q96, s, v, **base)
-    # packed batches (thd) stay on the Triton forward; padded ones are taken, with their own diagonal offsets
+    # padded and packed batches (thd) are taken, with their own diagonal offsets
     from mxattn.seqinfo import SeqInfo
     cu = torch.tensor([0, 30, 64], dtype=torch.int32)
     packed, padded = SeqInfo(cu, cu, 34, 34, True), SeqInfo(cu[:2], cu[:2], 30, 30, False)
-    assert "packed" in gf.unsupported_reason(q, s, v, seq=packed)
-    assert gf.unsupported_reason(q, s, v, seq=padded) is None
-    assert gf.unsupported_reason(q, s, v, seq=padded, bottom_right=True) is None
-    with pytest.raises(ValueError, match="packed"):
-        gf.attention_fwd_gluon(q, s, q, s, v, **base, seq=packed)
+    for seq in (packed, padded):
+        assert gf.unsupported_reason(q, s, v, seq=seq) is None
+        assert gf.unsupported_reason(q, s, v, seq=seq, bottom_right=True) is None
 
 
 #: padded-batch cases (lengths of the queries and keys per batch entry, Sq / Skv the tensors' rows, mask, sink):
@@ -304,31 +302,45 @@ PADDED_CASES = [
 ]
 
 
+def _varlen_cases(test):
+    """The padded and packed forward tests' cases: PADDED_CASES x head dims 64 / 128 x MHA / GQA x FP8 / bf16 K/V."""
+    for mark in (pytest.mark.parametrize("kv", ["fp8", "bf16"]),
+                 pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"]),
+                 pytest.mark.parametrize("D", [64, 128]),
+                 pytest.mark.parametrize("case", PADDED_CASES, ids=[c[0] for c in PADDED_CASES]), pytest.mark.gpu):
+        test = mark(test)
+    return test
+
+
+def _varlen_operands(q, k, v, seq, kv):
+    """The forward kernels' operands of a variable-length batch, quantized as the backend does (the quantizer told
+    seq's lengths): (Q's data and scales, K's, V's) with kv "fp8" (K row-wise, V's seq-major copy) or "bf16" (the
+    quantizer's exact dequantizations of K and V)."""
+    from mxattn.kernels.triton_quantize import quantize_qkv
+    from mxattn.seqinfo import quantizer_args
+    aq, akv = quantizer_args(seq, "q"), quantizer_args(seq, "kv")
+    if kv == "bf16":
+        qq, kq, vq = quantize_qkv(q, k, v, dict(col=False, **aq), dict(col=False, row_dequant=True, **akv),
+                                  dict(row=True, col=True, col_dequant=True, **akv))
+        return qq.row.data, qq.row.scale, kq.row_dequant, None, vq.col_dequant
+    qq, kq, vq = quantize_qkv(q, k, v, dict(col=False, **aq), dict(col=False, **akv),
+                              dict(row=False, col_seq_major=True, **akv))
+    return qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col_seq_major
+
+
 def _padded(B, HQ, HKV, SQ, SKV, D, lens_q, lens_kv, g, kv):
     """A padded batch's (seq, operands) as the backend quantizes it: randn rows everywhere (padding rows too),
     the quantizer told the lengths (padding rows quantized as zeros); kv "fp8" or "bf16" as `_quantized`."""
-    from mxattn.kernels.triton_quantize import quantize_qkv
-    from mxattn.seqinfo import SeqInfo, quantizer_args
+    from mxattn.seqinfo import SeqInfo
     cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,  # noqa: E731
                                    device="cuda")
     seq = SeqInfo(cu(lens_q), cu(lens_kv), max(lens_q), max(lens_kv), False)
     q, k, v = (torch.randn(B, h, n, D, device="cuda", generator=g).to(torch.bfloat16)
                for h, n in ((HQ, SQ), (HKV, SKV), (HKV, SKV)))
-    aq, akv = quantizer_args(seq, "q"), quantizer_args(seq, "kv")
-    if kv == "bf16":
-        qq, kq, vq = quantize_qkv(q, k, v, dict(col=False, **aq), dict(col=False, row_dequant=True, **akv),
-                                  dict(row=True, col=True, col_dequant=True, **akv))
-        return seq, (qq.row.data, qq.row.scale, kq.row_dequant, None, vq.col_dequant)
-    qq, kq, vq = quantize_qkv(q, k, v, dict(col=False, **aq), dict(col=False, **akv),
-                              dict(row=False, col_seq_major=True, **akv))
-    return seq, (qq.row.data, qq.row.scale, kq.row.data, kq.row.scale, vq.col_seq_major)
+    return seq, _varlen_operands(q, k, v, seq, kv)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", PADDED_CASES, ids=[c[0] for c in PADDED_CASES])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+@_varlen_cases
 def test_gluon_fwd_padded_batches_match_triton_fwd(case, D, heads, kv):
     """A padded batch (seq with packed False: sequence b is rows 0 .. len of batch b) on the Gluon forward against
     the Triton forward on the same operands and seq: O within one bf16 ulp, the stats close, padding rows O = 0
@@ -356,9 +368,73 @@ def test_gluon_fwd_padded_batches_match_triton_fwd(case, D, heads, kv):
         assert (o[b, :, n:] == 0).all() and (st[b, :, n:] == float("-inf")).all()
 
 
+def _packed(HQ, HKV, D, lens_q, lens_kv, g, kv, extra_rows=5, nan_in=None):
+    """A packed batch's (seq, operands) as the backend quantizes it (thd as [1, H, T, D]; V's seq-major copy
+    quantized per sequence), with extra_rows rows after the last sequence on both sides; nan_in: the index of a
+    sequence whose V rows are all NaN (the others' numbers must not change: `test_gluon_fwd_packed_batches_...`)."""
+    from mxattn.seqinfo import SeqInfo
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,  # noqa: E731
+                                   device="cuda")
+    seq = SeqInfo(cu(lens_q), cu(lens_kv), max(lens_q), max(lens_kv), True)
+    tq, tkv = sum(lens_q) + extra_rows, sum(lens_kv) + extra_rows
+    q, k, v = (torch.randn(1, h, n, D, device="cuda", generator=g).to(torch.bfloat16)
+               for h, n in ((HQ, tq), (HKV, tkv), (HKV, tkv)))
+    if nan_in is not None:
+        c = seq.cu_seqlens_kv.tolist()
+        v[:, :, c[nan_in]:c[nan_in + 1]] = float("nan")
+    return seq, _varlen_operands(q, k, v, seq, kv)
+
+
+@_varlen_cases
+def test_gluon_fwd_packed_batches_match_triton_fwd(case, D, heads, kv):
+    """A packed batch (thd: sequence b rows cu[b] .. cu[b + 1] of the tensors' batch 0) on the Gluon forward
+    against the Triton forward on the same operands and seq: O within one bf16 ulp, the stats close, the rows
+    after the last sequence untouched by both; the backend's forward takes the Gluon kernel for it (`takes`).
+    Isolation: with every V row of the second sequence NaN, every other sequence's O and stats are the bits of
+    the clean run (a KV block running past a sequence's keys never reads the next sequence's V)."""
+    if not _is_hopper():
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    from mxattn.kernels import gluon_attention_fwd as gf, triton_attention_fwd as tf
+    name, lens_q, lens_kv, _, _, rb, bottom_right, sink = case
+    HQ, HKV = heads
+    kw = dict(softmax_scale=1.0 / math.sqrt(D), offset=0, left_bound=200 if name.startswith("window") else None,
+              right_bound=rb, bottom_right=bottom_right,
+              sink=torch.tensor(SINKS[:HQ], device="cuda") if sink else None)
+    runs = {}
+    for nan_in in (None, 1):
+        g = torch.Generator(device="cuda").manual_seed(91 + D + HKV + len(name))
+        seq, ops = _packed(HQ, HKV, D, lens_q, lens_kv, g, kv, nan_in=nan_in)
+        assert gf.takes(ops[0], ops[3], ops[4], k_data=ops[2], left_bound=kw["left_bound"], seq=seq,
+                        bottom_right=bottom_right, sink=kw["sink"])
+        T = ops[0].shape[2]
+        o_ref, s_ref = _outputs(1, HQ, T, D, "bhsd")
+        o, st = _outputs(1, HQ, T, D, "bhsd")
+        for x in (o_ref, o):
+            x.fill_(7.0)
+        for x in (s_ref, st):
+            x.fill_(5.0)
+        tf.attention_fwd(*ops, out=o_ref, stats=s_ref, seq=seq, **kw)
+        gf.attention_fwd_gluon(*ops, out=o, stats=st, seq=seq, **kw)
+        torch.cuda.synchronize()
+        end = sum(lens_q)
+        assert (o[:, :, end:] == 7).all() and (st[:, :, end:] == 5).all()  # past the last sequence
+        runs[nan_in] = (seq, o, st, o_ref, s_ref)
+    seq, o, st, o_ref, s_ref = runs[None]
+    _assert_like_triton(o, st, o_ref, s_ref)
+    c = seq.cu_seqlens_q.tolist()
+    _, o_nan, st_nan, o_ref_nan, _ = runs[1]
+    for b in range(len(lens_q)):
+        if b == 1:
+            continue
+        rows = slice(c[b], c[b + 1])
+        assert torch.equal(o_nan[:, :, rows], o[:, :, rows]), f"sequence {b} changed with NaN in sequence 1's V"
+        assert torch.equal(st_nan[:, :, rows], st[:, :, rows])
+        assert torch.equal(o_ref_nan[:, :, rows], o_ref[:, :, rows])  # the Triton forward's isolation too
+
+
 def test_gluon_fwd_no_keys_and_v_length():
     """Skv = 0 gives the Triton forward's O = 0 and stats = -inf without a launch (TMA cannot describe an empty
-    tensor); a V length that is not a multiple of 32 is refused (the producer would read scale rows past v.scale)."""
+    tensor; in a packed batch the sequences' rows only); a V length that is not a multiple of 32 is refused (the producer would read scale rows past v.scale)."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed here")
     from mxattn.kernels import gluon_attention_fwd as gf
@@ -381,6 +457,16 @@ def test_gluon_fwd_no_keys_and_v_length():
     want = ((m + 8.0 - 8.0) * 0.6931471805599453).view(2, 1).expand(2, 64)
     assert (out == 0).all() and torch.equal(st[0, :, :, 0], want)
     torch.testing.assert_close(st[0, :, :, 0], sink.view(2, 1).expand(2, 64))
+    # a packed batch without keys: its sequences' rows (up to cu_q[-1] = 50) only, the rows after untouched
+    from mxattn.seqinfo import SeqInfo
+    packed = SeqInfo(torch.tensor([0, 30, 50], dtype=torch.int32), torch.zeros(3, dtype=torch.int32), 30, 0, True)
+    for sk, fill in ((sink, want), (None, torch.full((2, 64), float("-inf")))):
+        out.fill_(7.0)
+        st.fill_(5.0)
+        gf.attention_fwd_gluon(q, s, k0, s[:, :, :0], v0, softmax_scale=0.1, offset=0, left_bound=None,
+                               right_bound=None, out=out, stats=st, sink=sk, seq=packed)
+        assert (out[:, :, :50] == 0).all() and (out[:, :, 50:] == 7).all()
+        assert torch.equal(st[0, :, :50, 0], fill[:, :50]) and (st[:, :, 50:] == 5).all()
     v48 = SeqMajorColumns(torch.zeros(1, 2, 128, 48, dtype=torch.uint8).view(torch.float8_e4m3fn),
                           torch.zeros(1, 2, 1, 128, dtype=torch.uint8))
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -388,15 +474,19 @@ def test_gluon_fwd_no_keys_and_v_length():
                                right_bound=None, out=out, stats=st)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("d,causal,bottom_right,kv_bf16,has_sink", [
     (128, False, False, False, False), (128, True, True, False, False), (64, True, True, False, True),
     (128, True, False, True, False), (64, False, False, True, False)],
     ids=["d128", "d128-causal-br", "d64-causal-br-sink", "d128-causal-bf16kv", "d64-bf16kv"])
-def test_gluon_fwd_padded_variant_builds_without_spills_in_its_loops(d, causal, bottom_right, kv_bf16, has_sink):
-    """The padded-batch variant (VARLEN: lengths read from cu_seqlens, so SKV and the offset sit in registers
-    rather than the constant bank) builds for sm_90a with asynchronous wgmmas and no local memory in its KV loops;
-    at D128 on FP8 K/V ptxas spills 6-7 registers in the epilogue (once per CTA, outside the loops), which this
-    test allows and the dense builds' test does not. The dense builds' SASS is unchanged by the variant."""
+def test_gluon_fwd_varlen_variants_build_without_spills_in_their_loops(d, causal, bottom_right, kv_bf16, has_sink,
+                                                                       packed):
+    """The padded- and packed-batch variants (VARLEN: lengths read from cu_seqlens, so SKV and the offset sit in
+    registers rather than the constant bank; PACKED: each sequence from its first row, the tail block's V columns
+    zeroed or, bf16 K/V, its V rows loaded by the producer) build for sm_90a with asynchronous wgmmas and no local
+    memory in their KV loops; at D128 on FP8 K/V ptxas spills a few registers in the epilogue (once per CTA,
+    outside the loops), which this test allows and the dense builds' test does not. The dense builds' SASS is
+    unchanged by the variants."""
     import os
     import subprocess
     import tempfile
@@ -404,7 +494,7 @@ def test_gluon_fwd_padded_variant_builds_without_spills_in_its_loops(d, causal, 
     from mxattn.kernels import gluon_attention_fwd as gf
     try:
         kernel = gf.compile_sm90(d, causal, kv_bf16=kv_bf16, has_sink=has_sink, varlen=True,
-                                 bottom_right=bottom_right)
+                                 bottom_right=bottom_right, packed=packed)
     except ImportError as e:  # pragma: no cover
         pytest.skip(f"cannot compile for sm_90a here: {e}")
     ptx = kernel.asm["ptx"]

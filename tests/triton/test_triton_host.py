@@ -431,12 +431,12 @@ def _fake_gluon(monkeypatch):
 
 @pytest.mark.parametrize("case, gluon_runs", [
     ("causal_gqa_d64", True), ("no_mask_d128", True), ("sink", True), ("window", True), ("fp16_out", False),
-    ("head_dim_96", False), ("padded_varlen", True), ("packed_varlen", False), ("floor_recipe", False),
-    ("bf16_scratch_path", True),
+    ("head_dim_96", False), ("padded_varlen", True), ("packed_varlen", True), ("floor_recipe", False),
+    ("bf16_scratch_path", True), ("bf16_scratch_packed", True),
     ("bf16_scratch_path_d128", True), ("bf16_scratch_window", True), ("bf16_scratch_head_dim_96", False)])
 def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkeypatch, request, case, gluon_runs):
-    """The forward kernel is the Gluon warp-specialised one where it takes the call (default recipe, dense or
-    padded batches, sinks and windows included, D 64/128, bf16 O; not packed batches), else the Triton forward:
+    """The forward kernel is the Gluon warp-specialised one where it takes the call (default recipe, dense,
+    padded and packed batches, sinks and windows included, D 64/128, bf16 O), else the Triton forward:
     on the FP8 data path (large problems) on the FP8 operands, on the bf16-scratch path (the default at these
     sizes) its bf16-K/V variant on the quantizer's bf16 K and V (k_scale None). The numbers are compared on the GPU (tests/triton/test_gluon_fwd_gpu.py)."""
     import mxattn
@@ -453,7 +453,8 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
     q = torch.randn(2, 160, 4, d, dtype=dtype)
     k, v = (torch.randn(2, 160, 2, d, dtype=dtype) for _ in range(2))
     kwargs = dict(attn_mask_type="no_mask" if case == "no_mask_d128" else "causal", backend="triton")
-    if case == "packed_varlen":  # thd: the two sequences of padded_varlen, one after the other
+    packed = case in ("packed_varlen", "bf16_scratch_packed")
+    if packed:  # thd: the two sequences of padded_varlen, one after the other
         q, k, v = (torch.cat([t[0], t[1, :100]]) for t in (q, k, v))
         kwargs.update(qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=_cu([160, 100]),
                       cu_seqlens_kv=_cu([160, 100]))
@@ -472,16 +473,17 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
     if gluon_runs:
         (kw,) = calls
         assert kw["out"].data_ptr() == o.data_ptr() and kw["softmax_scale"] == pytest.approx(d ** -0.5)
-        assert (kw.get("seq") is not None) == (case == "padded_varlen")
-        if case == "padded_varlen":
-            assert not kw["seq"].packed and kw["seq"].cu_seqlens_q.tolist() == [0, 160, 260]
+        assert (kw.get("seq") is not None) == (case == "padded_varlen" or packed)
+        if kw.get("seq") is not None:
+            assert kw["seq"].packed == packed and kw["seq"].cu_seqlens_q.tolist() == [0, 160, 260]
         assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
         assert kw["left_bound"] == (65 if "window" in case else None)  # TE's window (64, 0): left_bound 65
         q_data, q_scale, k_data, k_scale, v_arg = kw["args"]
-        assert q_data.dtype == torch.float8_e4m3fn and q_data.shape == (2, 4, 160, d)
+        B, S = (1, 260) if packed else (2, 160)  # a packed batch: the tensors' batch 1, the tokens along S
+        assert q_data.dtype == torch.float8_e4m3fn and q_data.shape == (B, 4, S, d)
         if bf16_kv:  # the quantizer's exact bf16 dequantizations of K (row-wise) and V (column-wise)
             assert k_scale is None and k_data.dtype == v_arg.dtype == torch.bfloat16
-            assert k_data.shape == v_arg.shape == (2, 2, 160, d)
+            assert k_data.shape == v_arg.shape == (B, 2, S, d)
         else:
             assert k_scale is not None and k_data.dtype == torch.float8_e4m3fn and hasattr(v_arg, "scale")
         if case == "sink":
@@ -493,16 +495,19 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
 @pytest.mark.parametrize("case, dkdv_chunks, dq_chunks", [
     ("causal_gqa_d128", 1, 1), ("no_mask_d128", 1, 1), ("sink_d128", 1, 1), ("many_heads_d128", 2, 2),
     ("d64", 1, 1), ("many_heads_d64", 2, 2), ("window_d128", 1, 1), ("padded_varlen_d128", 1, 1),
-    ("packed_varlen_d128", 0, 0), ("floor_recipe_d128", 0, 0), ("fp8_data_path_d128", 0, 0)])
+    ("packed_varlen_d128", 1, 1), ("packed_dq_refuses_d128", 0, 0), ("floor_recipe_d128", 0, 0),
+    ("fp8_data_path_d128", 0, 0)])
 def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monkeypatch, request, case,
                                                                           dkdv_chunks, dq_chunks):
     """On the bf16-scratch backward (mode "pre") each chunk of heads runs the Gluon dK/dV kernel where it takes
-    it (`gluon_attention_bwd.takes`: default recipe, dense or padded (not packed), no mask, a causal band or a
-    sliding window, head dim 128 or 64 with GQA, as here: 4 query heads on 2 KV heads; a sink lives in the stats)
-    with the chunk's views, else the Triton dK/dV kernel; likewise the Gluon dQ kernel
+    it (`gluon_attention_bwd.takes`: default recipe, dense or padded, no mask, a causal band or a sliding window,
+    head dim 128 or 64 with GQA, as here: 4 query heads on 2 KV heads; a sink lives in the stats) with the chunk's
+    views, else the Triton dK/dV kernel; likewise the Gluon dQ kernel
     (`gluon_attention_dq.takes`: the same refusals, head dims 64 and 128) with the chunk's bf16 scratch (bwd_prep's
     Q and dO, kv_prep's K both ways and V), stats and delta slices and dQ head slice, else the Triton dQ kernel;
-    the FP8 data path never asks. The numbers are compared on the GPU (tests/triton/test_gluon_bwd_gpu.py)."""
+    the FP8 data path never asks. A packed batch runs both Gluon kernels on the gapped scratch (PACKED_GAP zero rows
+    after each sequence) where both take the call, else both Triton kernels on the packed scratch (here: the dQ
+    kernel's key minimum raised). The numbers are compared on the GPU (tests/triton/test_gluon_bwd_gpu.py)."""
     from types import SimpleNamespace
 
     import mxattn
@@ -536,7 +541,10 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
     q = torch.randn(2, 160, 4, d, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(2, 160, 2, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     kwargs = dict(attn_mask_type="no_mask" if case == "no_mask_d128" else "causal", backend="triton")
-    if case == "packed_varlen_d128":  # thd: two sequences of 160 and 100 tokens
+    if case == "packed_dq_refuses_d128":
+        monkeypatch.setattr(gd, "MIN_KEYS", {64: 0, 128: 10 ** 6})
+    packed = case.startswith("packed")
+    if packed:  # thd: two sequences of 160 and 100 tokens
         q, k, v = (torch.cat([t[0], t[1, :100]]).detach().requires_grad_(True) for t in (q, k, v))
         kwargs.update(qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=_cu([160, 100]),
                       cu_seqlens_kv=_cu([160, 100]))
@@ -557,17 +565,23 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
     assert names.count("dkdv_kernel") == (0 if dkdv_chunks else chunks)
     assert names.count("dq_kernel") == (0 if dq_chunks else chunks)
     per = 2 // chunks  # KV heads per chunk
+    # (batch, rows) of the tensors and of the scratch: a packed batch's [1, H, 260, D], gapped scratch 260 + 2 gaps
+    bs, rows = (1, 260) if packed else (2, 160)
+    scratch_rows = rows + 2 * tb.PACKED_GAP if packed else rows
+    if packed:
+        assert [p[0].shape[2] for p in preps["bwd"]] == [scratch_rows if dkdv_chunks else rows] * chunks
     for h, (args, kw) in enumerate(calls):
         q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv = args
-        assert k_row.data.shape == (2, per, 160, d) and dk.shape == dv.shape == (2, per, 160, d)
-        assert q_r.shape == q_c.shape == do_r.shape == do_c.shape == (2, 2 * per, 160, d)
-        assert q_r.dtype == torch.bfloat16 and stats.shape == (2, 2 * per, 160, 1) and delta.shape == (2, 2 * per, 160)
+        assert k_row.data.shape == (bs, per, rows, d) and dk.shape == dv.shape == (bs, per, rows, d)
+        assert q_r.shape == q_c.shape == do_r.shape == do_c.shape == (bs, 2 * per, scratch_rows, d)
+        assert q_r.dtype == torch.bfloat16 and stats.shape == (bs, 2 * per, rows, 1)
+        assert delta.shape == (bs, 2 * per, rows)
         first_dk = calls[0][0][8]  # the chunks write head slices of one dK
         assert dk.untyped_storage().data_ptr() == first_dk.untyped_storage().data_ptr()
         assert dk.data_ptr() - first_dk.data_ptr() == h * per * dk.stride(1) * dk.element_size()
         assert kw["checked"] and kw["softmax_scale"] == pytest.approx(d ** -0.5)
         assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
-        assert (kw.get("seq") is not None) == (case == "padded_varlen_d128")
+        assert (kw.get("seq") is not None) == (case in ("padded_varlen_d128", "packed_varlen_d128"))
         assert kw["left_bound"] == (65 if case == "window_d128" else None)  # TE's window (64, 0)
     if dq_chunks:
         assert len(preps["bwd"]) == len(preps["kv"]) == chunks
@@ -575,9 +589,10 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
         q_r, k_r, k_c, v_r, do_r, stats, delta, dq = args
         do_r_h, _, q_r_h, _ = preps["bwd"][h]  # the chunk's bf16 scratch: bwd_prep's Q and dO, kv_prep's K and V
         assert q_r is q_r_h and do_r is do_r_h and (k_r, k_c, v_r) == preps["kv"][h]
-        assert q_r.shape == do_r.shape == dq.shape == (2, 2 * per, 160, d) and q_r.dtype == torch.bfloat16
-        assert k_r.shape == k_c.shape == v_r.shape == (2, per, 160, d) and k_c.dtype == torch.bfloat16
-        assert stats.shape == (2, 2 * per, 160, 1) and delta.shape == (2, 2 * per, 160)
+        assert q_r.shape == do_r.shape == (bs, 2 * per, scratch_rows, d) and q_r.dtype == torch.bfloat16
+        assert dq.shape == (bs, 2 * per, rows, d)
+        assert k_r.shape == k_c.shape == v_r.shape == (bs, per, scratch_rows, d) and k_c.dtype == torch.bfloat16
+        assert stats.shape == (bs, 2 * per, rows, 1) and delta.shape == (bs, 2 * per, rows)
         if h < len(calls):  # the dK/dV pass's slices of the same chunk
             assert stats is calls[h][0][6] and delta is calls[h][0][7]
         first = dq_calls[0][0]  # the chunks read head slices of one stats / delta and write head slices of one dQ
@@ -587,7 +602,7 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
         assert dq.stride(3) == 1
         assert kw["checked"] and kw["softmax_scale"] == pytest.approx(d ** -0.5)
         assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
-        assert (kw.get("seq") is not None) == (case == "padded_varlen_d128")  # the lengths reach the dQ kernel
+        assert (kw.get("seq") is not None) == (case in ("padded_varlen_d128", "packed_varlen_d128"))  # the lengths
         assert kw["left_bound"] == (65 if case == "window_d128" else None)
 
 
@@ -630,8 +645,8 @@ def test_the_gluon_kernels_are_used_on_sm90_only(monkeypatch, getter):
 
 def test_gluon_takes_sinks_and_windows_and_refuses_the_rest():
     """`unsupported_reason` takes attention sinks and left bounds (sliding windows), alone or together, with or
-    without a right bound, and padded batches, and still refuses packed ones / bottom_right without seq, other
-    recipes, head dims other than 64/128,
+    without a right bound, and padded and packed batches (the grid's y limit counted in sequences for a packed
+    one), and still refuses bottom_right without seq, other recipes, head dims other than 64/128,
     non-bf16 O and, on FP8 K/V, a V that is not SeqMajorColumns; bf16 K/V (k_scale None: the bf16-K/V variant)
     are taken as bf16 tensors only."""
     from mxattn.kernels.gluon_attention_fwd import unsupported_reason
@@ -648,9 +663,12 @@ def test_gluon_takes_sinks_and_windows_and_refuses_the_rest():
         assert unsupported_reason(q, ks, v, k_data=k, **extra) is None, extra
     from mxattn.seqinfo import SeqInfo
     cu = torch.tensor([0, 128], dtype=torch.int32)
-    assert unsupported_reason(q, ks, v, seq=SeqInfo(cu, cu, 128, 128, False), bottom_right=True) is None  # padded
-    refused = [(dict(seq=SeqInfo(cu, cu, 128, 128, True)), "not packed"),
-               (dict(bottom_right=True), "variable-length"),
+    for packed in (False, True):
+        assert unsupported_reason(q, ks, v, seq=SeqInfo(cu, cu, 128, 128, packed), bottom_right=True) is None
+    many = torch.arange(0, 40001, dtype=torch.int32) // 313  # 40000 sequences (most empty) x 2 heads
+    assert "40000 x 2 (sequences x query heads)" in unsupported_reason(q, ks, v, k_data=k,
+                                                                        seq=SeqInfo(many, many, 1, 1, True))
+    refused = [(dict(bottom_right=True), "variable-length"),
                (dict(flags=KernelRecipe(p_mode=2)), "default recipe"),
                (dict(out=torch.zeros(1, 2, 128, 64, dtype=torch.float16)), "bf16 O")]
     for extra, match in refused:

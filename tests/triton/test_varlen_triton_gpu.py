@@ -511,3 +511,47 @@ def test_backward_prep_equals_the_separate_kernels(kind, d):
     for rows in kv_pieces:
         for name, a, e in zip(("K row", "K col", "V row"), got, expected):
             assert same_values(a[:, :, rows], e[:, :, rows]), (kind, d, name)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_gapped_prep_equals_the_packed_prep(d):
+    """`bwd_prep` / `kv_prep` with gap=PACKED_GAP (the Gluon backward kernels' layout of a packed batch's scratch):
+    sequence b's rows at cu[b] + PACKED_GAP * b equal the packed scratch's rows bit for bit (NaN included), the
+    PACKED_GAP rows after each sequence are zeros (garbage in the empty allocation otherwise), the scratch has
+    T + PACKED_GAP * B rows, and delta is written for the sequences' rows exactly as without the gap. Lengths with
+    an empty sequence on each side (LENS_Q, LENS_KV)."""
+    from mxattn.kernels import triton_bwd_prep as tp
+    from mxattn.kernels.triton_attention_fwd import check_seq
+    from mxattn.kernels.triton_quantize import quantize_rowcol
+    from mxattn.seqinfo import kernel_cu_seqlens
+    gap = tp.PACKED_GAP
+    hq, h0, h1 = 6, 2, 5
+    bt = Batch("packed", LENS_Q, LENS_KV, hq, 3, d, torch.bfloat16, seed=4)
+    seq, o = bt.seq, torch.randn_like(bt.do)
+    bt.do[0, 3, bt.cq[5] + 2, 1] = float("nan")
+    qs = dict(cu_seqlens=seq.cu_seqlens_q, max_seqlen=seq.max_seqlen_q, packed=True)
+    ks = dict(cu_seqlens=seq.cu_seqlens_kv, max_seqlen=seq.max_seqlen_kv, packed=True)
+    qq, kq, vq = quantize_rowcol(bt.q, **qs), quantize_rowcol(bt.k, **ks), quantize_rowcol(bt.v, col=False, **ks)
+    cu = kernel_cu_seqlens(check_seq(seq, qq.row.data, kq.row.data), o)
+    n = len(LENS_Q)
+    for side, cuts in (("q", bt.cq), ("kv", bt.ckv)):
+        deltas, outs = [], []
+        for g in (0, gap):
+            torch.cuda.empty_cache()
+            if side == "q":
+                delta = torch.full((1, hq, bt.cq[-1]), float("nan"), device="cuda")
+                outs.append(tp.bwd_prep(o, bt.do, qq.row, qq.col, delta, h0, h1, seq, cu, gap=g))
+                deltas.append(delta)
+            else:
+                outs.append(tp.kv_prep(kq.row, kq.col, vq.row, 1, 3, seq, cu, gap=g))
+        packed, gapped = outs
+        for a, e in zip(gapped, packed):
+            assert a.shape[2] == e.shape[2] + gap * n
+            for b in range(n):
+                s0 = cuts[b] + gap * b
+                ln = cuts[b + 1] - cuts[b]
+                assert same_values(a[:, :, s0:s0 + ln], e[:, :, cuts[b]:cuts[b + 1]]), (side, b)
+                assert (a[:, :, s0 + ln:s0 + ln + gap] == 0).all(), (side, b)
+        if side == "q":
+            assert torch.equal(deltas[0].isnan(), deltas[1].isnan())
+            assert torch.equal(deltas[0].nan_to_num(7.0), deltas[1].nan_to_num(7.0))
