@@ -8,9 +8,9 @@
 #   one call too: run them as two, PART=tests with "not gluon" (404 s on an H100, 449 s on an H200 in session 30) and
 #   with "gluon" (127 s; 198 s in session 30 with the dQ kernel's tests, when the kernel cache was warm from the
 #   first part: on a fresh machine it ran past 300 s, so give it the call's whole limit).)
-#   On a machine of two GPUs both parts fit one call side by side (session 39), e.g.
-#     CUDA_VISIBLE_DEVICES=0 WORKERS=16 OUT=$OUT/g PART=tests bash benchmarks/device_checks.sh gluon &
-#     CUDA_VISIBLE_DEVICES=1 WORKERS=16 OUT=$OUT/ng PART=tests bash benchmarks/device_checks.sh "not gluon"; wait
+#   On a machine of two GPUs the parts can run side by side, one GPU each (CUDA_VISIBLE_DEVICES, WORKERS=16 each,
+#   OUT a folder each). Session 39 on nvidia-h200-x2: "not gluon" took 492 s, while "gluon" beside it was cut at
+#   440 s (78%); the next call ran "gluon and fwd" (211 s) beside "gluon and not fwd" (64 s) and the samples.
 set -u
 OUT=${OUT:-device-logs}
 PART=${PART:-all}
