@@ -137,7 +137,7 @@ def test_grid_helpers():
 def test_attention_kernels_check_seq_before_any_kernel():
     from mxattn.kernels.triton_attention_fwd import check_seq
     from mxattn.kernels.triton_quantize import row_tiles, seq_programs
-    from mxattn.seqinfo import grid_rows, grid_sequences, kernel_cu_seqlens, kernel_flags
+    from mxattn.seqinfo import grid_rows, grid_sequences, kernel_flags
     q = torch.zeros(1, 4, 70, 64)
     k = torch.zeros(1, 2, 90, 64)
     with pytest.raises(ValueError, match="bottom_right=True is for variable-length calls"):
