@@ -469,15 +469,20 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
                      seq, cu, flags)
         _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, False, args, common, seq, cu, flags)
         return delta
-    per_head = _pre_scratch_per_kv_head(B, group, SQ, SKV, D)
+    packed = seq is not None and seq.packed
+    # a packed batch's gapped scratch (the Gluon kernels) only where its gaps add at most the batch's own rows (many
+    # short documents keep the packed scratch and the Triton kernels), its rows counted in the chunks' budget
+    gap_rows = PACKED_GAP * grid_sequences(seq, B) if packed and config is None else 0
+    if gap_rows > min(SQ, SKV):
+        gap_rows = 0
+    per_head = _pre_scratch_per_kv_head(B, group, SQ + gap_rows, SKV + gap_rows, D)
     sms = sm_count(o.device) if o.is_cuda else 132
     # heads for about two waves of programs
     want = cdiv(2 * sms, max(1, row_tiles(grid_rows(seq, "kv", SKV), bn1) * seq_programs(grid_sequences(seq, B), 1)))
     chunks = head_chunks(HKV, per_head, want)
-    packed = seq is not None and seq.packed
     masks = dict(right_bound=right_bound, left_bound=left_bound, bottom_right=bottom_right, flags=flags)
     gap = _packed_gap(gluon_dkdv, gluon_dq, k_row, v_row, seq, group, max(h1 - h0 for h0, h1 in chunks), D,
-                      **masks) if packed and config is None else 0
+                      **masks) if gap_rows else 0
     for h0, h1 in chunks:  # a loop over head chunks, not elements
         q0, q1 = h0 * group, h1 * group
         do_r, do_c, q_r, q_c = bwd_prep(o, do, q_row, q_col, delta, q0, q1, seq, cu, floor=flags.floor, gap=gap)

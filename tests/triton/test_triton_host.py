@@ -495,7 +495,8 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
 @pytest.mark.parametrize("case, dkdv_chunks, dq_chunks", [
     ("causal_gqa_d128", 1, 1), ("no_mask_d128", 1, 1), ("sink_d128", 1, 1), ("many_heads_d128", 2, 2),
     ("d64", 1, 1), ("many_heads_d64", 2, 2), ("window_d128", 1, 1), ("padded_varlen_d128", 1, 1),
-    ("packed_varlen_d128", 1, 1), ("packed_dq_refuses_d128", 0, 0), ("floor_recipe_d128", 0, 0),
+    ("packed_varlen_d128", 1, 1), ("packed_dq_refuses_d128", 0, 0), ("packed_short_docs_d128", 0, 0),
+    ("floor_recipe_d128", 0, 0),
     ("fp8_data_path_d128", 0, 0)])
 def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monkeypatch, request, case,
                                                                           dkdv_chunks, dq_chunks):
@@ -506,8 +507,9 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
     (`gluon_attention_dq.takes`: the same refusals, head dims 64 and 128) with the chunk's bf16 scratch (bwd_prep's
     Q and dO, kv_prep's K both ways and V), stats and delta slices and dQ head slice, else the Triton dQ kernel;
     the FP8 data path never asks. A packed batch runs both Gluon kernels on the gapped scratch (PACKED_GAP zero rows
-    after each sequence) where both take the call, else both Triton kernels on the packed scratch (here: the dQ
-    kernel's key minimum raised). The numbers are compared on the GPU (tests/triton/test_gluon_bwd_gpu.py)."""
+    after each sequence) where both take the call and the gaps add at most the batch's own rows, else both Triton
+    kernels on the packed scratch (here: the dQ kernel's key minimum raised; three documents in 260 rows). The
+    numbers are compared on the GPU (tests/triton/test_gluon_bwd_gpu.py)."""
     from types import SimpleNamespace
 
     import mxattn
@@ -544,10 +546,12 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
     if case == "packed_dq_refuses_d128":
         monkeypatch.setattr(gd, "MIN_KEYS", {64: 0, 128: 10 ** 6})
     packed = case.startswith("packed")
-    if packed:  # thd: two sequences of 160 and 100 tokens
+    if packed:  # thd: two sequences of 160 and 100 tokens (short_docs: three, 160, 50 and 50, whose gaps, 3 x 128
+        # rows, would outnumber their 260 rows: the packed scratch and the Triton kernels)
+        docs = [160, 50, 50] if case == "packed_short_docs_d128" else [160, 100]
         q, k, v = (torch.cat([t[0], t[1, :100]]).detach().requires_grad_(True) for t in (q, k, v))
-        kwargs.update(qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=_cu([160, 100]),
-                      cu_seqlens_kv=_cu([160, 100]))
+        kwargs.update(qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=_cu(docs),
+                      cu_seqlens_kv=_cu(docs))
     if case == "sink_d128":
         kwargs.update(softmax_type="learnable", softmax_offset=torch.zeros(4))
     if case == "window_d128":
