@@ -6,7 +6,8 @@ off the same `mxattn.bench.peak_bytes` measure; this script says where the bytes
 
 How: `torch.cuda.memory._record_memory_history` over the call, then the allocator's trace replayed (allocations
 and frees in order) to find the peak and the blocks alive there; each block is labelled by the innermost Python
-frame in mxattn (or, for SDPA, torch) that allocated it. Bytes allocated before the call (the inputs q, k, v, dO)
+frame in mxattn that allocated it (launch plans are emptied first, so the call runs its body), for SDPA the
+innermost Python frame (none for what autograd's backward thread allocates). Bytes allocated before the call (the inputs q, k, v, dO)
 are outside, as in `peak_bytes`. CUDA only.
 
 Usage: python benchmarks/peak_memory_breakdown.py [--json FILE]
@@ -27,20 +28,38 @@ import torch  # noqa: E402
 MIB = 2 ** 20
 
 
+#: frames that allocate on another function's behalf (launch plans recording or replaying a call)
+_PASS_THROUGH = ("launch_plan.py", "affine_plan.py", "peak_memory_breakdown")
+
+
 def _label(frames, marker: str) -> str:
-    """'file.py:function' of the innermost frame whose file path holds `marker` (frames innermost first)."""
+    """'file.py:function' of the innermost frame whose file path holds `marker` (frames innermost first),
+    launch plans' own frames skipped."""
     for f in frames:
         name = f.get("filename", "")
-        if marker in name and "peak_memory_breakdown" not in name:
+        if marker in name and not any(p in name for p in _PASS_THROUGH):
             return f"{os.path.basename(name)}:{f.get('name', '?')}"
-    return "(other)"
+    return "(other)" if frames else "(no Python frame: autograd's backward thread)"
+
+
+def _clear_launch_plans() -> None:
+    """Empty every launch-plan cache, so the next call runs its body (whose frames name what it allocates)
+    rather than a plan's replay."""
+    import gc
+    from mxattn.kernels.affine_plan import AffinePlanCache
+    from mxattn.kernels.launch_plan import PlanCache
+    for obj in gc.get_objects():
+        if isinstance(obj, (PlanCache, AffinePlanCache)):
+            obj.clear()
 
 
 def live_at_peak(fn, marker: str):
     """(peak bytes above the start, {label: (bytes, blocks)} alive at the peak, peak_bytes' figure) of fn()."""
     from mxattn.bench import peak_bytes
+    _clear_launch_plans()  # (plans recorded under another scratch budget replay that budget's chunks)
     measured = peak_bytes(fn)  # the bench's own figure, and a warm-up (compiles, caches, launch plans)
     torch.cuda.synchronize()
+    _clear_launch_plans()
     torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=1_000_000)
     try:
         out = fn()
@@ -99,7 +118,7 @@ def run_config(cfg):
     got, note = _sdpa_runner("cudnn", qg, kg, vg, causal, hq != hkv)
     if got is not None:
         run, (kk, vv) = got
-        rows["SDPA cuDNN bf16"] = live_at_peak(lambda: torch.autograd.grad(run(qg), (qg, kk, vv), do), "/torch/")
+        rows["SDPA cuDNN bf16"] = live_at_peak(lambda: torch.autograd.grad(run(qg), (qg, kk, vv), do), "/")
     return name, rows, note
 
 
