@@ -68,7 +68,15 @@ def live_at_peak(fn, marker: str):
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    trace = snap["device_traces"][torch.cuda.current_device()]
+    peak, groups = replay(snap["device_traces"][torch.cuda.current_device()], marker)
+    return peak, groups, measured
+
+
+def replay(trace, marker: str):
+    """The allocator's trace (`torch.cuda.memory._snapshot()["device_traces"][device]`: events in order, each a dict
+    with action, addr, size, frames) replayed -> (peak bytes above the start, {label: [bytes, blocks]} of the blocks
+    alive at the peak, labelled by `_label`). A block counts from its "alloc" to its "free_requested" (when
+    memory_allocated drops); blocks allocated before the trace began are outside; other actions are ignored."""
     live, total, peak, at_peak = {}, 0, 0, {}
     for ev in trace:
         act = ev["action"]
@@ -77,13 +85,13 @@ def live_at_peak(fn, marker: str):
             total += ev["size"]
             if total > peak:
                 peak, at_peak = total, dict(live)
-        elif act in ("free_requested",) and ev["addr"] in live:
+        elif act == "free_requested" and ev["addr"] in live:
             total -= live.pop(ev["addr"])[0]
     groups = collections.defaultdict(lambda: [0, 0])
     for size, label in at_peak.values():
         groups[label][0] += size
         groups[label][1] += 1
-    return peak, dict(groups), measured
+    return peak, dict(groups)
 
 
 def run_config(cfg):
