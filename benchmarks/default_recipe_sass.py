@@ -13,8 +13,9 @@ changed the 12th); check every kernel.
 --kernels gluon fingerprints the Gluon Hopper forward (`gluon_attention_fwd.compile_sm90`, sm_90a) at head dims
 128 and 64, no mask and causal, then its sink and sliding-window variants (`GLUON_VARIANTS`), then the Gluon
 dK/dV kernel of the "pre" backward (`gluon_attention_bwd.compile_sm90`) at head dims 128 and 64, no mask and causal,
-then the forward's bf16-K/V variant (kv_bf16) and the Gluon dQ kernel (`gluon_attention_dq.compile_sm90`) likewise
-(each new set after the older lines, which keep their fingerprints).
+then the forward's bf16-K/V variant (kv_bf16) and the Gluon dQ kernel (`gluon_attention_dq.compile_sm90`) likewise,
+then the three Gluon kernels' padded and packed builds (`GLUON_VARLEN`) (each new set after the older lines, which
+keep their fingerprints).
 
 --kernels paged fingerprints the paged KV cache's kernels instead (`paged_builds`: the attention kernel's exact
 and decode data paths in each pass (the decode split passes with STORE_S, and without it as "recompute"), the split combine and the append, at head dims 128 and 64 over bf16 inputs, as
@@ -232,7 +233,24 @@ def gluon_bwd_builds() -> list:
             for name, build in (("dkdv", gb.compile_sm90),
                                 ("fwd kvbf16", lambda d, causal: gf.compile_sm90(d, causal, kv_bf16=True)),
                                 ("dq", gd.compile_sm90))
-            for d in (128, 64) for causal in (False, True)]
+            for d in (128, 64) for causal in (False, True)] + gluon_varlen_builds()
+
+
+#: the three Gluon kernels' variable-length builds fingerprinted last: (name suffix, compile_sm90 keywords)
+GLUON_VARLEN = (("padded causal br", dict(has_rb=True, varlen=True, bottom_right=True)),
+                ("padded window", dict(has_rb=True, has_lb=True, varlen=True)),
+                ("packed causal", dict(has_rb=True, varlen=True, packed=True)))
+
+
+def gluon_varlen_builds() -> list:
+    """[(name, compile thunk)] of the Gluon forward, dK/dV and dQ kernels' padded and packed builds (`GLUON_VARLEN`)
+    at head dims 128 and 64, after every older line."""
+    from mxattn.kernels import gluon_attention_bwd as gb
+    from mxattn.kernels import gluon_attention_dq as gd
+    from mxattn.kernels import gluon_attention_fwd as gf
+    return [(f"gluon {name} d{d} {suffix}", lambda build=build, d=d, kw=kw: build(d, **kw))
+            for name, build in (("fwd", gf.compile_sm90), ("dkdv", gb.compile_sm90), ("dq", gd.compile_sm90))
+            for d in (128, 64) for suffix, kw in GLUON_VARLEN]
 
 
 def compile_jobs(kernels: str) -> list:
