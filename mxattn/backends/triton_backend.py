@@ -120,16 +120,18 @@ def forward_kernel(q_data, q_scale, k_data, k_scale, v, *, out: torch.Tensor, si
 
 
 #: the Gluon warp-specialised forward (`mxattn.kernels.gluon_attention_fwd`, issue 24) runs the forward on Hopper
-#: (SM 9.0) where it `takes` the call (default recipe, dense batches, any band incl. sliding windows, attention
-#: sinks, head dims 64/128, bf16 O): on the FP8 data path 1.3-1.7x the Triton forward on the same FP8 operands
+#: (SM 9.0) where it `takes` the call (every P recipe, bf16 V on the bf16-scratch path, dense, padded and
+#: packed batches, any band incl. sliding windows, attention sinks, head dims 64/128, bf16 or fp16 O): on the FP8
+#: data path 1.3-1.7x the Triton forward on the same FP8 operands
 #: (H200, benchmarks/results/nvidia-h200/gluon_fwd/), on the bf16-scratch path its bf16-K/V variant (session 29,
 #: benchmarks/results/nvidia-h100-80gb-hbm3/session29/); the same numbers (the same operations per element; O
 #: equal bit for bit at the bench's configs, within one bf16 ulp in the tests). MXATTN_GLUON_FWD=0 in the
 #: environment keeps the Triton forward everywhere.
 GLUON_FORWARD = os.environ.get("MXATTN_GLUON_FWD", "1") != "0"
 #: the Gluon warp-specialised dK/dV kernel (`mxattn.kernels.gluon_attention_bwd`, issue 24) runs the bf16-scratch
-#: backward's dK/dV pass on Hopper where it takes the chunk and is the faster kernel (`takes`: default recipe,
-#: dense batches, no mask or a causal-style band, head dim 128, or 64 with GQA): 0.74-0.86x the Triton kernel's
+#: backward's dK/dV pass on Hopper where it takes the chunk and is the faster kernel (`takes`: every recipe's
+#: backward switches, dense, padded and packed batches, no mask or a causal-style band, head dim 128, or 64 with
+#: GQA): 0.74-0.86x the Triton kernel's
 #: time (H100, benchmarks/results/nvidia-h100-80gb-hbm3/session29/), with its software-pipelined dK 0.75-0.83x
 #: at D128 and 0.60-0.89x at D64 GQA causal (H200, benchmarks/results/nvidia-h200/session35/), dK and dV
 #: bit-equal; likewise its Gluon dQ kernel

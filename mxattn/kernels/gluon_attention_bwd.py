@@ -1,5 +1,5 @@
 """Hopper (sm_90a) Gluon dK/dV kernel of the MXFP8 attention backward, warp-specialised, for the bf16-scratch
-data path (mode "pre" of `triton_attention_bwd.attention_bwd`), default recipe only.
+data path (mode "pre" of `triton_attention_bwd.attention_bwd`), every recipe variant's backward (RECIPE).
 `dkdv_gluon` takes what `triton_attention_bwd._launch_dkdv` takes in mode "pre" and writes the same dK, dV;
 `attention_bwd` runs it on Hopper for the chunks it `takes` (those where it is the faster kernel).
 
@@ -10,23 +10,26 @@ each sequence's K / V / dK / dV / LSE / delta rows from its first, its query-sid
 (offset, right bound) and / or a sliding window (HAS_LB: keys kept where key > query + offset - left bound; the
 query range of a KV tile ends before its last key - offset + left bound), head dims 64 and 128, MHA and GQA (the
 CTA walks its KV head's group of query heads in order, as the Triton kernel). Sinks (passed to the kernel: the
-backward keeps them in the stats) and other recipes are refused (`unsupported_reason`).
+backward keeps them in the stats) are refused (`unsupported_reason`); recipe variants are taken through the RECIPE
+constexpr (`recipe_bits`: P rounded to bf16, dS rounded to bf16, the floor scale rule for dS's blocks, V a bf16
+tensor read as it is; bf16 V not with a packed batch), each the Triton kernel's switch of the same name.
 
 Inputs (mode "pre"): the query-side operands are the prep pass's bf16 scratch (`bwd_prep`: Q row- and
 column-wise, dO row- and column-wise, each the exact dequantization of its MXFP8 copy, contiguous
 [B, Hc, SQ, D]); K and V are FP8 row-wise (MXFP8Tensor) and are dequantized exactly to bf16 once per CTA
 (`gluon_attention_fwd._dequant3`, triton_common.dequant_rows' arithmetic) into shared memory.
 
-Numerics: per element the operations of `triton_attention_bwd._dkdv_block` (PRE, default recipe), in the same
-order: S^T = K Q^T (bf16 wgmma, fp32), P^T = exp2(S^T * qk_scale - lse * LOG2E) (rows without keys: lse -inf
-read as +inf), masked to 0 outside the band / past the sequences; dV += E4M3(P^T * 256) dO_col (P rounded as
-round_p_to_bf16, equal to the Triton kernel's `.to(float8e4nv).to(bfloat16)` on [0, 448]); dP^T = V dO^T;
-dS^T = P^T * (dP^T - delta) * sm_scale; dS quantize-dequantized along s_q in blocks of 32 (qdq_rows on the
-[keys, queries] tile: int max of |bits|, the round-up scale rule, E4M3 RNE, back to bf16); dK += dS_c^T Q_col;
-dV stored times 1/256. The query blocks here have 64 rows (`schedule`: 32 at D128 in some variants; the
-Triton kernel's are 32): the qdq blocks are the same (32-aligned), and both GEMM chains add k16 slices of queries in ascending
-order into the same fp32 accumulator, so dK and dV should agree bit for bit up to the tensor cores' internal sum
-order (tested on the GPU in tests/triton/test_gluon_bwd_gpu.py: bit-equal in >= 99%, within one bf16 ulp).
+Numerics (the default recipe's; the variants switch P's and dS's roundings as the Triton kernel does): per element
+the operations of `triton_attention_bwd._dkdv_block` (PRE), in the same order: S^T = K Q^T (bf16 wgmma, fp32), P^T =
+exp2(S^T * qk_scale - lse * LOG2E) (rows without keys: lse -inf read as +inf), masked to 0 outside the band / past
+the sequences; dV += E4M3(P^T * 256) dO_col (P rounded as round_p_to_bf16, equal to the Triton kernel's
+`.to(float8e4nv).to(bfloat16)` on [0, 448]); dP^T = V dO^T; dS^T = P^T * (dP^T - delta) * sm_scale; dS
+quantize-dequantized along s_q in blocks of 32 (qdq_rows on the [keys, queries] tile: int max of |bits|, the
+round-up scale rule, E4M3 RNE, back to bf16); dK += dS_c^T Q_col; dV stored times 1/256. The query blocks here have
+64 rows (`schedule`: 32 at D128 in some variants; the Triton kernel's are 32): the qdq blocks are the same
+(32-aligned), and both GEMM chains add k16 slices of queries in ascending order into the same fp32 accumulator, so
+dK and dV should agree bit for bit up to the tensor cores' internal sum order (tested on the GPU in
+tests/triton/test_gluon_bwd_gpu.py: bit-equal in >= 99%, within one bf16 ulp).
 
 Structure (FlashAttention-3's backward without its dQ): a CTA owns BLOCK_N = 128 key rows of one (batch, KV
 head); three partitions of one warpgroup each (`gl.warp_specialize`, setmaxnreg CONSUMER_REGS / PRODUCER_REGS,
@@ -154,6 +157,23 @@ MIN_QUERY_ROWS = {64: 1024, 128: 512}
 #: 0.87, B16 H8 S512 dense (512 rows) 1.36 (session 35, before: 1.03-1.18 from 512 to 4096 rows); so from 2048
 MHA_MIN_QUERY_ROWS = {64: 2048, 128: 512}
 
+#: the bits of the backward kernels' RECIPE constexpr (`recipe_bits`): the recipe's backward switches
+#: (`recipe_flags.KernelRecipe.bwd`); 0 is the default recipe, whose builds are the kernels' code without switches
+P_BF16_BIT = gl.constexpr(1)
+DS_BF16_BIT = gl.constexpr(2)
+FLOOR_BIT = gl.constexpr(4)
+V_RAW_BIT = gl.constexpr(8)
+
+
+def recipe_bits(flags: KernelRecipe) -> int:
+    """The RECIPE constexpr of a recipe's backward switches: P rounded to bf16 (p_quant "none"), dS rounded to bf16
+    (ds_quant "bf16"), the OCP scale rule for dS's blocks (scale_rounding "floor"), V a bf16 tensor (v_operand
+    "bf16"; the dK/dV kernel reads it as it is)."""
+    sw = flags.bwd()
+    return ((P_BF16_BIT.value if sw["P_BF16"] else 0) | (DS_BF16_BIT.value if sw["DS_BF16"] else 0)
+            | (FLOOR_BIT.value if sw["FLOOR"] else 0) | (V_RAW_BIT.value if sw["V_RAW"] else 0))
+
+
 LOG2E = 1.4426950408889634
 LOG2E_K = gl.constexpr(LOG2E)
 P_SCALE_K = gl.constexpr(256.0)
@@ -170,28 +190,52 @@ def _acc_layout(N, warps):
 
 
 @gluon.jit
-def _scale_exponent(abits):
-    """triton_common.scale_exponent_from_bits, round-up rule: bits of amax -> E8M0 biased exponent (int32)."""
+def _scale_exponent(abits, FLOOR: gl.constexpr = False):
+    """triton_common.scale_exponent_from_bits: bits of amax -> E8M0 biased exponent (int32), the round-up rule, or
+    with FLOOR the OCP rule (amax's exponent field minus 8, clamped to [0, 254], NaN 255)."""
     expo = (abits >> 23) & 0xFF
     mant = abits & 0x7FFFFF
+    if FLOOR:
+        e = gl.minimum(gl.maximum(expo - 8, 0), 254)
+        return gl.where((expo == 255) & (mant != 0), 255, e)
     e = gl.minimum(gl.maximum(expo - 8 + (mant > 0x600000).to(gl.int32), 0), 254)
     return gl.where(expo == 255, gl.where(mant != 0, 255, 254), e)
 
 
 @gluon.jit
-def _qdq_cols32(x, BM: gl.constexpr):
+def _qdq_cols32(x, BM: gl.constexpr, FLOOR: gl.constexpr = False):
     """triton_common.qdq_rows on the [keys, queries] tile x (fp32, BM queries) with blocks of 32 along the queries
     (axis 1) -> bf16 tile: the int max of |bits| per block, the round-up scale rule, E4M3 (RNE) and back. The
     [R, BM / 32, 32] view is a register relabelling of the wgmma accumulator layout (a quad of threads holds a
     block's 32 columns of a row: two shuffles per max), and so is the conversion of the result to the next
-    GEMM's A operand (no shared memory in the SASS of the loop)."""
+    GEMM's A operand (no shared memory in the SASS of the loop). FLOOR: the OCP scale rule (elements past 448
+    saturate, as the Triton kernels' conversion does)."""
     R: gl.constexpr = x.shape[0]
     x3 = gl.reshape(x, [R, BM // 32, 32])
-    e = gl.expand_dims(_scale_exponent(gl.max(x3.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)), 2)
+    e = gl.expand_dims(_scale_exponent(gl.max(x3.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), FLOOR), 2)
     inv = gl.where(e >= 254, 0x400000, (254 - e) << 23).to(gl.float32, bitcast=True)  # 2^(127 - e)
     q = (x3 * inv).to(gl.float8e4nv)
     pw = gl.where(e == 0, 0x400000, e << 23).to(gl.float32, bitcast=True)  # 2^(e - 127)
     return gl.reshape((q.to(gl.float32) * pw).to(gl.bfloat16), [R, BM])
+
+
+@gluon.jit
+def _ds_operand(ds, BM: gl.constexpr, RECIPE: gl.constexpr, layout: gl.constexpr):
+    """dS [rows, BM] (fp32) as the next GEMM takes it, bf16 in `layout` (its A operand's): quantize-dequantized in
+    blocks of 32 along axis 1 (`_qdq_cols32`, with RECIPE's scale rule), or with RECIPE's DS_BF16 bit rounded to
+    bf16 (RNE)."""
+    if (RECIPE & DS_BF16_BIT) != 0:
+        return gl.convert_layout(ds.to(gl.bfloat16), layout)
+    return gl.convert_layout(_qdq_cols32(ds, BM, (RECIPE & FLOOR_BIT) != 0), layout)
+
+
+@gluon.jit
+def _p_operand(p, RECIPE: gl.constexpr):
+    """P times 256 (fp32) as the dV GEMM takes it, bf16: E4M3-rounded (`_round_p_to_bf16`), or with RECIPE's P_BF16
+    bit rounded to bf16 (RNE; `triton_attention_bwd._dkdv_block`'s P_BF16)."""
+    if (RECIPE & P_BF16_BIT) != 0:
+        return p.to(gl.bfloat16)
+    return _round_p_to_bf16(p)
 
 
 @gluon.jit
@@ -313,6 +357,19 @@ def _load_kv_rows(X, XS, dst, base, sbase, sxs, sxss, n0, SKV, R: gl.constexpr, 
 
 
 @gluon.jit
+def _load_bf16_rows(X, dst, base, sxs, n0, SKV, R: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
+    """Rows [n0, n0 + R) of a bf16 [.., SKV, D] tensor (X at its head) into the shared tile dst [R, D]; rows past SKV
+    as zeros (`_load_kv_rows` for the bf16-V recipe)."""
+    tc: gl.constexpr = D // 8
+    lx: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tc, tc], [num_warps, 1], [1, 0])
+    xr = n0 + gl.arange(0, R, layout=gl.SliceLayout(1, lx))
+    xd = gl.arange(0, D, layout=gl.SliceLayout(0, lx))
+    ok = gl.expand_dims(xr < SKV, 1) & gl.expand_dims(xd >= 0, 0)
+    x = gl.load(X + base + gl.expand_dims(xr.to(gl.int64) * sxs, 1) + gl.expand_dims(xd, 0), mask=ok, other=0.0)
+    dst.store(x)
+
+
+@gluon.jit
 def issue_s_dp(a_s, b_s, a_dp, b_dp, s_zero):
     """S = a_s b_s and dP = a_dp b_dp issued as async wgmma (operands in shared memory, fresh fp32 accumulators
     like s_zero) -> (S, dP's token): S waited for, dP still in flight (`warpgroup_mma_wait` it)."""
@@ -369,12 +426,12 @@ def _q_steps(t, start, stop, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc
              slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero,
              MASK: gl.constexpr, HAS_RB: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
              a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr, LB=0, HAS_LB: gl.constexpr = False,
-             PACKED: gl.constexpr = False):
+             PACKED: gl.constexpr = False, RECIPE: gl.constexpr = 0):
     """`_q_step` for the query blocks m0 in range(start, stop, BM), t counting on -> (t, dk, dv, dsq)."""
     for m0 in range(start, stop, BM):
         dk, dv, dsq = _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
                               sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset,
-                              RB, s_zero, MASK, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB, PACKED)
+                              RB, s_zero, MASK, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB, PACKED, RECIPE)
         t += 1
     return t, dk, dv, dsq
 
@@ -384,7 +441,7 @@ def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, e
             sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, SKV, qk_scale, sm_scale, offset, RB, s_zero,
             MASK: gl.constexpr, HAS_RB: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
             a_op: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr, LB=0, HAS_LB: gl.constexpr = False,
-            PACKED: gl.constexpr = False):
+            PACKED: gl.constexpr = False, RECIPE: gl.constexpr = 0):
     """The t-th visited query block (rows [m0, m0 + BM) of head g, at lse_h / del_h) of a consumer warpgroup:
     `_dkdv_block`'s arithmetic on its 64 keys (kw, vw: its K / V rows in shared memory) -> (dk, dv, dsq).
     DEFER (software-pipelined dK): dsq is block t - 1's quantized dS^T, whose dK GEMM is issued here right after
@@ -439,7 +496,7 @@ def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, e
         if HAS_LB:
             keep = keep & (gl.expand_dims(rows_k, 1) > gl.expand_dims(cols, 0) + offset - LB)
         p = gl.where(keep, p, 0.0)
-    pq = gl.convert_layout(_round_p_to_bf16(p * P_SCALE_K), a_op)
+    pq = gl.convert_layout(_p_operand(p * P_SCALE_K, RECIPE), a_op)
     dv = warpgroup_mma(pq, doc.index(s).reshape([BM, D]), dv, is_async=True)
     if DEFER:
         dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp_tok, ))  # dK(t - 1) and dV(t) run on under dS
@@ -454,7 +511,7 @@ def _q_step(t, m0, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, e
         if PACKED:
             delta = gl.where(c_ok, delta, 0.0)
     ds = p * (dp - gl.expand_dims(delta, 0)) * sm_scale
-    ds_a = gl.convert_layout(_qdq_cols32(ds, BM), a_op)
+    ds_a = _ds_operand(ds, BM, RECIPE, a_op)
     if DEFER:
         dk, dv, dsq, pq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dsq, pq))
         if t > 0:
@@ -474,7 +531,8 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s,
               HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q, CU_KV, LB,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
               WG: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr, VARLEN: gl.constexpr,
-              BOTTOM_RIGHT: gl.constexpr, HAS_LB: gl.constexpr, PACKED: gl.constexpr = False):
+              BOTTOM_RIGHT: gl.constexpr, HAS_LB: gl.constexpr, PACKED: gl.constexpr = False,
+              RECIPE: gl.constexpr = 0):
     """Consumer warpgroup WG: key rows [tile * BN + 64 WG, + 64) of the CTA. K, V dequantized into its own
     shared K / V tiles (kb / vb index WG), then the query blocks of every query head of the group (`_q_step`), dK and dV
     accumulated in registers and stored at the end. PACKED: K, V, dK, dV rows from the sequence's first key row,
@@ -509,7 +567,11 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s,
                       svss, n0, len_kv, BNW, D, nw)
     else:
         _load_kv_rows(K, KS, kw, b64 * skb + hk64 * skh, b64 * sksb + hk64 * sksh, sks, skss, n0, len_kv, BNW, D, nw)
-        _load_kv_rows(V, VS, vw, b64 * svb + hk64 * svh, b64 * svsb + hk64 * svsh, svs, svss, n0, len_kv, BNW, D, nw)
+        if (RECIPE & V_RAW_BIT) != 0:  # V a bf16 tensor, read as it is
+            _load_bf16_rows(V, vw, b64 * svb + hk64 * svh, svs, n0, len_kv, BNW, D, nw)
+        else:
+            _load_kv_rows(V, VS, vw, b64 * svb + hk64 * svh, b64 * svsb + hk64 * svsh, svs, svss, n0, len_kv, BNW, D,
+                          nw)
     fence_async_shared()  # the generic-proxy stores before this warpgroup's wgmma (async proxy) reads
     gl.thread_barrier()
 
@@ -551,15 +613,15 @@ def _consumer(K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s,
         t, dk, dv, dsq = _q_steps(
             t, lo, mask_hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h, sls,
             slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, len_kv, qk_scale, sm_scale, offset, RB, s_zero, True,
-            HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB, PACKED)
+            HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB, PACKED, RECIPE)
         t, dk, dv, dsq = _q_steps(
             t, full_lo, full_hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty, lse_h, del_h,
             sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, len_kv, qk_scale, sm_scale, offset, RB, s_zero,
-            False, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB, PACKED)
+            False, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB, PACKED, RECIPE)
         t, dk, dv, dsq = _q_steps(
             t, gl.maximum(full_hi, mask_hi), hi, dk, dv, dsq, lse_c, del_c, kw, vw, qr, qc, dor, doc, ready, empty,
             lse_h, del_h, sls, slh, sdelh, g, GROUP, lo, hi, rows_k, cols0, SQ, len_kv, qk_scale, sm_scale, offset,
-            RB, s_zero, True, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB, PACKED)
+            RB, s_zero, True, HAS_RB, BM, D, NS, a_op, DEFER, STATS, LB, HAS_LB, PACKED, RECIPE)
     if STATS == 4:
         async_copy.wait_group(0)  # the copies issued in the last step (for no block) land before the exit
     if DEFER:
@@ -588,14 +650,16 @@ def _gluon_dkdv_kernel(
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEFER: gl.constexpr, STATS: gl.constexpr,
         VARLEN: gl.constexpr = False, BOTTOM_RIGHT: gl.constexpr = False, HAS_LB: gl.constexpr = False,
-        PACKED: gl.constexpr = False, GAP: gl.constexpr = 0):
+        PACKED: gl.constexpr = False, GAP: gl.constexpr = 0, RECIPE: gl.constexpr = 0):
     """Grid (cdiv(SKV, BN), B * HKV), 4 warps per partition. qr/qc/dor/doc_desc: TMA descriptors of the bf16
     scratch [B, Hc, SQ, D] (Q row-wise, Q column-wise, dO row-wise, dO column-wise dequantizations; block
     [1, 1, BM, D]); K, V [B, HKV, SKV, D] e4m3 row-wise with scales KS, VS [B, HKV, SKV, D/32] u8; LSE
     [B, Hc, SQ, 1] fp32 (natural log), DELTA [B, Hc, SQ] fp32; DK, DV [B, HKV, SKV, D]. HAS_RB: causal-style
     band (keys kept where key <= query + offset + RB). PACKED (a packed batch, VARLEN too): grid (tiles of the
     longest sequence's keys, sequences * HKV); K, V, DK, DV [1, HKV, TKV, D], LSE [1, Hc, TQ, 1], DELTA [1, Hc, TQ]
-    packed, the scratch gapped ([1, Hc, TQ + GAP * B, D]: `triton_bwd_prep.bwd_prep`'s gap)."""
+    packed, the scratch gapped ([1, Hc, TQ + GAP * B, D]: `triton_bwd_prep.bwd_prep`'s gap). RECIPE: the recipe's
+    backward switches (`recipe_bits`); with its V_RAW bit V is a bf16 [B, HKV, SKV, D] tensor (VS unread; not built
+    with PACKED)."""
     # K and V as two [BN / 2, D] tiles each, one per consumer warpgroup (indexed like ring stages, not row-sliced)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN // 2, D], gl.bfloat16)
     kb = gl.allocate_shared_memory(gl.bfloat16, [2, BN // 2, D], kv_layout)
@@ -622,12 +686,12 @@ def _gluon_dkdv_kernel(
                      skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
                      slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                      HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q, CU_KV, LB, HAS_RB, BM, BN, D,
-                     NS, WG0, DEFER, STATS, VARLEN, BOTTOM_RIGHT, HAS_LB, PACKED)),
+                     NS, WG0, DEFER, STATS, VARLEN, BOTTOM_RIGHT, HAS_LB, PACKED, RECIPE)),
         (_consumer, (K, KS, V, VS, LSE, DELTA, DK, DV, kb, vb, qr, qc, dor, doc, lse_s, del_s, ready, empty,
                      skb, skh, sks, sksb, sksh, skss, svb, svh, svs, svsb, svsh, svss,
                      slb, slh, sls, sdelb, sdelh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                      HKV, GROUP, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q, CU_KV, LB, HAS_RB, BM, BN, D,
-                     NS, WG1, DEFER, STATS, VARLEN, BOTTOM_RIGHT, HAS_LB, PACKED)),
+                     NS, WG1, DEFER, STATS, VARLEN, BOTTOM_RIGHT, HAS_LB, PACKED, RECIPE)),
         (_producer, (qr_desc, qc_desc, dor_desc, doc_desc, lse_desc, del_desc, qr, qc, dor, doc, lse_s, del_s, ready,
                      empty, HKV, GROUP, SQ, SKV, offset, RB, CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, STATS, VARLEN,
                      BOTTOM_RIGHT, HAS_LB, PACKED, GAP)),
@@ -669,11 +733,12 @@ def _scratch_ok(t) -> bool:
 def call_reason(kernel: str, left_bound, seq, bottom_right, sink, flags: KernelRecipe,
                 window: bool = False) -> Optional[str]:
     """Why the Gluon backward kernel `kernel` ("dK/dV", "dQ") refuses a call's recipe, batch or mask (one
-    sentence), or None: both take the default recipe, dense and padded batches (with their per-sequence
+    sentence), or None: both take every recipe's backward switches (`recipe_bits`; bf16 V not with a packed batch,
+    whose gapped scratch `kv_prep` does not write for it), dense and padded batches (with their per-sequence
     bottom-right offsets), packed ones on gapped scratch (`packed_scratch_reason`), no mask or a causal-style band
     (and, where `window`, a sliding window), no sinks."""
-    if flags != DEFAULT_FLAGS:
-        return f"the Gluon {kernel} kernel runs the default recipe only"
+    if flags.v_raw and seq is not None and seq.packed:
+        return f"the Gluon {kernel} kernel does not take a packed batch with bf16 V (v_operand='bf16')"
     if bottom_right and seq is None:
         return "bottom_right is for variable-length (padded) calls"
     if left_bound is not None and not window:
@@ -745,9 +810,14 @@ def unsupported_reason(q_r, k_row, v_row, *, left_bound=None, seq=None, bottom_r
             return f"{name} must be the bf16 scratch of the 'pre' backward (mode 'pre' only)"
     if q_r.shape[3] not in SUPPORTED_HEAD_DIMS:
         return f"the Gluon dK/dV kernel takes head dims {SUPPORTED_HEAD_DIMS}, got {q_r.shape[3]}"
-    for name, t in (("k_row", k_row), ("v_row", v_row)):
-        if isinstance(t, torch.Tensor) or not isinstance(getattr(t, "data", None), torch.Tensor):
-            return f"{name} must be an FP8 row-wise MXFP8Tensor (no bf16 V recipe)"
+    if isinstance(k_row, torch.Tensor) or not isinstance(getattr(k_row, "data", None), torch.Tensor):
+        return "k_row must be an FP8 row-wise MXFP8Tensor"
+    if flags.v_raw:
+        if not isinstance(v_row, torch.Tensor) or v_row.dtype != torch.bfloat16 or \
+                tuple(v_row.shape) != tuple(k_row.data.shape):
+            return "with bf16 V (v_operand='bf16') v_row must be a bf16 tensor of k_row's shape"
+    elif isinstance(v_row, torch.Tensor) or not isinstance(getattr(v_row, "data", None), torch.Tensor):
+        return "v_row must be an FP8 row-wise MXFP8Tensor"
     return layout_reason((("q_r", q_r), ("q_c", q_c), ("do_r", do_r), ("do_c", do_c)),
                          sequences_by_heads(seq, k_row.data.shape[0], k_row.data.shape[1]), "KV")
 
@@ -797,7 +867,9 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
     if reason is not None:
         raise ValueError(reason)
     B, HQ, SQ, D = q_r.shape
-    k_data, v_data = k_row.data, v_row.data
+    v_raw = bool(flags.v_raw)
+    k_data = k_row.data
+    v_data = v_row if v_raw else v_row.data
     HKV, SKV = k_data.shape[1], k_data.shape[2]
     packed = seq is not None and bool(seq.packed)
     rows_q = stats.shape[2]  # the LSE's query rows (a packed batch's scratch has PACKED_GAP more per sequence)
@@ -811,7 +883,8 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
     for name, t in (("q_c", q_c), ("do_r", do_r), ("do_c", do_c)):
         if tuple(t.shape) != (B, HQ, SQ, D):
             raise ValueError(f"{name} must have q_r's shape {(B, HQ, SQ, D)}, got {tuple(t.shape)}")
-    ks, vs = k_row.scale.view(torch.uint8), v_row.scale.view(torch.uint8)
+    ks = k_row.scale.view(torch.uint8)
+    vs = ks if v_raw else v_row.scale.view(torch.uint8)  # (V_RAW: VS unread)
     for name, t in (("k_row.data", k_data), ("k_row.scale", ks), ("v_row.data", v_data), ("v_row.scale", vs),
                     ("dk", dk), ("dv", dv)):
         if t.shape[3] > 1 and t.stride(3) != 1:
@@ -858,7 +931,7 @@ def dkdv_gluon(q_r, q_c, k_row, v_row, do_r, do_c, stats, delta, dk, dv, *, soft
         HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, DEFER=defer,
         STATS=st, VARLEN=seq is not None, BOTTOM_RIGHT=seq is not None and bool(bottom_right), HAS_LB=has_lb,
-        PACKED=packed, GAP=PACKED_GAP if packed else 0, num_warps=PARTITION_WARPS)
+        PACKED=packed, GAP=PACKED_GAP if packed else 0, RECIPE=recipe_bits(flags), num_warps=PARTITION_WARPS)
 
 
 #: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
@@ -870,10 +943,11 @@ DIVISIBLE_INTS = ("skb", "skh", "sks", "sksb", "sksh", "svb", "svh", "svs", "svs
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
                  dk_dtype: str = "bf16", unit_stats: bool = True, block_m: Optional[int] = None,
                  defer: Optional[bool] = None, stats_loads: Optional[int] = None, varlen: bool = False,
-                 bottom_right: bool = False, has_lb: bool = False, packed: bool = False):
+                 bottom_right: bool = False, has_lb: bool = False, packed: bool = False,
+                 flags: KernelRecipe = DEFAULT_FLAGS):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
     `gluon_attention_fwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
-    call). packed (varlen implied): the packed-batch variant (PACKED, GAP)."""
+    call). packed (varlen implied): the packed-batch variant (PACKED, GAP); flags: a recipe's (RECIPE)."""
     varlen = varlen or packed
     fn = _gluon_dkdv_kernel
     st = (4 if packed else STATS_LOADS[d]) if stats_loads is None else stats_loads  # (packed: `dkdv_gluon`'s 4)
@@ -883,13 +957,13 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
     desc = f"tensordesc<bf16[1, 1, {bm}, {d}],{layout!r}>"
     sdesc = f"tensordesc<fp32[1, 1, {bm}],{stats_tma_layout()!r}>" if st == 5 else desc
     types = dict(qr_desc=desc, qc_desc=desc, dor_desc=desc, doc_desc=desc, lse_desc=sdesc, del_desc=sdesc,
-                 K="*fp8e4nv", KS="*u8", V="*fp8e4nv",
+                 K="*fp8e4nv", KS="*u8", V="*bf16" if flags.v_raw else "*fp8e4nv",
                  VS="*u8", LSE="*fp32", DELTA="*fp32", DK=f"*{dk_dtype}", DV=f"*{dk_dtype}", qk_scale="fp32",
                  sm_scale="fp32", CU_Q="*i32", CU_KV="*i32")
     constexprs = dict(HAS_RB=has_rb, BM=bm, BN=BLOCK_N, D=d, NS=ns, CONSUMER_REGS=regs[0],
                       PRODUCER_REGS=regs[1], DEFER=defer,
                       STATS=st, VARLEN=varlen, BOTTOM_RIGHT=bottom_right, HAS_LB=has_lb, PACKED=packed,
-                      GAP=PACKED_GAP if packed else 0)
+                      GAP=PACKED_GAP if packed else 0, RECIPE=recipe_bits(flags))
     if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
         constexprs["sls"] = 1
     return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)

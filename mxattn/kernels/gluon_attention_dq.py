@@ -1,5 +1,5 @@
 """Hopper (sm_90a) Gluon dQ kernel of the MXFP8 attention backward, warp-specialised, for the bf16-scratch data
-path (mode "pre" of `triton_attention_bwd.attention_bwd`), default recipe only. `dq_gluon` takes what
+path (mode "pre" of `triton_attention_bwd.attention_bwd`), every recipe variant's backward. `dq_gluon` takes what
 `triton_attention_bwd._launch_dq` takes in mode "pre" and writes the same dQ; `attention_bwd` (gluon_dq) runs it
 for each head chunk it `takes`.
 
@@ -8,8 +8,9 @@ sequence, padding rows dQ = 0; PACKED: LSE / delta / dQ rows from each sequence'
 `bwd_prep` / `kv_prep`), no mask, a causal-style band (offset, right bound; negative offsets included:
 rows without keys get dQ = 0) and / or a sliding window (HAS_LB: the KV walk starts at the window's first block,
 blocks cut by its left edge masked), head dims 64 and 128, MHA and GQA (query head hq reads KV head hq // GROUP).
-Sinks (passed to the kernel: the backward keeps them in the stats) and other recipes are refused
-(`unsupported_reason`).
+Sinks (passed to the kernel: the backward keeps them in the stats) are refused (`unsupported_reason`); recipe
+variants through RECIPE (`gluon_attention_bwd.recipe_bits`: dS rounded to bf16 or its blocks' scale rule; a bf16 V
+is the vr scratch as `kv_prep` hands it, not with a packed batch).
 
 Inputs (mode "pre"): every operand is bf16 scratch, the exact dequantization of its MXFP8 copy: Q and dO
 row-wise from `bwd_prep` ([B, Hc, SQ, D], the chunk's query heads), K row-wise, K column-wise and V row-wise from
@@ -57,9 +58,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # partition warps, setmaxnreg of the consumers / the producer, head dims: the dK/dV kernel's
 from .gluon_attention_bwd import (CONSUMER_REGS, LOG2E, PARTITION_WARPS, PRODUCER_REGS, SUPPORTED_HEAD_DIMS,
-                                  WG0, WG1, _acc_layout, _log2_lse, _qdq_cols32, call_reason, check_delta,
+                                  WG0, WG1, _acc_layout, _ds_operand, _log2_lse, call_reason, check_delta,
                                   deferred_tail, gemm_release, issue_s_dp, layout_reason, packed_scratch_reason,
-                                  release, ring_stages, sequences_by_heads)
+                                  recipe_bits, release, ring_stages, sequences_by_heads)
 from .gluon_attention_fwd import _seq_lengths, _seq_rows, _tile_of_program, _visited_blocks, compile_gluon_sm90
 from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from .triton_launch import cdiv, launch
@@ -163,7 +164,8 @@ def _producer(q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc,
 @gluon.jit
 def _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale, sm_scale,
              offset, RB, s_zero, MASK: gl.constexpr, HAS_RB: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-             NS: gl.constexpr, a_op: gl.constexpr, DEFER: gl.constexpr, lo=0, LB=0, HAS_LB: gl.constexpr = False):
+             NS: gl.constexpr, a_op: gl.constexpr, DEFER: gl.constexpr, lo=0, LB=0, HAS_LB: gl.constexpr = False,
+             RECIPE: gl.constexpr = 0):
     """The t-th visited KV block (block lo + t, keys [(lo + t) * BN, + BN); lo the window's first block, 0
     without one; t counts ring stages) of a consumer warpgroup: `_dq_block`'s arithmetic on its 64 query rows
     (qw, dow: its Q / dO rows in shared memory) -> (dq, dsq). HAS_LB: keys kept where key > query + offset - LB.
@@ -198,7 +200,7 @@ def _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, co
     else:
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     ds = p * (dp - gl.expand_dims(delta, 1)) * sm_scale
-    ds_a = gl.convert_layout(_qdq_cols32(ds, BN), a_op)  # blocks of 32 along the keys
+    ds_a = _ds_operand(ds, BN, RECIPE, a_op)  # blocks of 32 along the keys (or bf16: RECIPE)
     if DEFER:
         dq, dsq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dsq))
         if t > 0:
@@ -214,7 +216,7 @@ def _consumer(LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
               slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB, CU_Q,
               CU_KV, LB, HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
               WG: gl.constexpr, DEFER: gl.constexpr, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-              HAS_LB: gl.constexpr, PACKED: gl.constexpr = False):
+              HAS_LB: gl.constexpr, PACKED: gl.constexpr = False, RECIPE: gl.constexpr = 0):
     """Consumer warpgroup WG: query rows [tile * BM + 64 WG, + 64) of the CTA's head; the CTA's KV blocks
     (`_kv_step`, unmasked ones first), dQ accumulated in registers and stored at the end. PACKED: the LSE, delta
     and dQ rows from the sequence's first query row (the tensors' batch 0), dQ stored for its own rows only."""
@@ -263,14 +265,16 @@ def _consumer(LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
         for t in range(0, j_lb):
             dq, dsq = _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV,
                                qk_scale, sm_scale, offset, RB, s_zero, True, HAS_RB, BN, D, NS, a_op, DEFER, lo, LB,
-                               HAS_LB)
+                               HAS_LB, RECIPE)
         n_full = gl.maximum(n_full, j_lb)
     for t in range(j_lb, n_full):
         dq, dsq = _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale,
-                           sm_scale, offset, RB, s_zero, False, HAS_RB, BN, D, NS, a_op, DEFER, lo, LB, HAS_LB)
+                           sm_scale, offset, RB, s_zero, False, HAS_RB, BN, D, NS, a_op, DEFER, lo, LB, HAS_LB,
+                           RECIPE)
     for t in range(n_full, n_blk):
         dq, dsq = _kv_step(t, dq, dsq, qw, dow, kr, vr, kc, ready, empty, lse, delta, rows, cols0, SKV, qk_scale,
-                           sm_scale, offset, RB, s_zero, True, HAS_RB, BN, D, NS, a_op, DEFER, lo, LB, HAS_LB)
+                           sm_scale, offset, RB, s_zero, True, HAS_RB, BN, D, NS, a_op, DEFER, lo, LB, HAS_LB,
+                           RECIPE)
     if DEFER:
         dq = deferred_tail(n_blk, dq, dsq, kc, empty, BN, D, NS)
 
@@ -294,7 +298,7 @@ def _gluon_dq_kernel(
         HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEFER: gl.constexpr,
         VARLEN: gl.constexpr = False, BOTTOM_RIGHT: gl.constexpr = False, HAS_LB: gl.constexpr = False,
-        PACKED: gl.constexpr = False, GAP: gl.constexpr = 0):
+        PACKED: gl.constexpr = False, GAP: gl.constexpr = 0, RECIPE: gl.constexpr = 0):
     """Grid (cdiv(SQ, BM), B * HQ), 4 warps per partition. q_desc, do_desc: TMA descriptors of the bf16 scratch
     [B, HQ, SQ, D] (Q and dO row-wise; block [1, 1, BM / 2, D]); kr_desc, vr_desc, kc_desc: of the bf16 scratch
     [B, HKV, SKV, D] (K row-wise, V row-wise, K column-wise; block [1, 1, BN, D]); LSE [B, HQ, SQ, 1] fp32
@@ -302,7 +306,8 @@ def _gluon_dq_kernel(
     (keys kept where key <= query + offset + RB). PACKED (a packed batch, VARLEN too): grid (tiles of the longest
     sequence's queries, sequences * HQ); LSE [1, HQ, TQ, 1], DELTA [1, HQ, TQ], DQ [1, HQ, TQ, D] packed, the
     scratch gapped (query side [1, HQ, TQ + GAP * B, D], key side [1, HKV, TKV + GAP * B, D]: `bwd_prep` /
-    `kv_prep` with gap)."""
+    `kv_prep` with gap). RECIPE: the recipe's backward switches (`gluon_attention_bwd.recipe_bits`: dS rounded to
+    bf16, or its blocks' scale rule; a bf16 V arrives as the vr scratch)."""
     q_s = gl.allocate_shared_memory(gl.bfloat16, [2, 1, 1, BM // 2, D], q_desc.layout)
     do_s = gl.allocate_shared_memory(gl.bfloat16, [2, 1, 1, BM // 2, D], do_desc.layout)
     kr = gl.allocate_shared_memory(gl.bfloat16, [NS, 1, 1, BN, D], kr_desc.layout)
@@ -320,10 +325,12 @@ def _gluon_dq_kernel(
     gl.warp_specialize([
         (_consumer, (LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
                      slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
-                     CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, WG0, DEFER, VARLEN, BOTTOM_RIGHT, HAS_LB, PACKED)),
+                     CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, WG0, DEFER, VARLEN, BOTTOM_RIGHT, HAS_LB, PACKED,
+                     RECIPE)),
         (_consumer, (LSE, DELTA, DQ, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
                      slb, slh, sls, sdelb, sdelh, sdqb, sdqh, sdqs, HQ, SQ, SKV, qk_scale, sm_scale, offset, RB,
-                     CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, WG1, DEFER, VARLEN, BOTTOM_RIGHT, HAS_LB, PACKED)),
+                     CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, WG1, DEFER, VARLEN, BOTTOM_RIGHT, HAS_LB, PACKED,
+                     RECIPE)),
         (_producer, (q_desc, do_desc, kr_desc, vr_desc, kc_desc, q_s, do_s, kr, vr, kc, q_ready, ready, empty,
                      HQ, GROUP, SQ, SKV, offset, RB, CU_Q, CU_KV, LB, HAS_RB, BM, BN, D, NS, VARLEN, BOTTOM_RIGHT,
                      HAS_LB, PACKED, GAP)),
@@ -440,7 +447,7 @@ def dq_gluon(q_r, k_r, k_c, v_r, do_r, stats, delta, dq, *, softmax_scale: float
         int(left_bound) if has_lb else 0,
         HAS_RB=has_rb, BM=BLOCK_M, BN=bn, D=D, NS=ns, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         DEFER=defer, VARLEN=seq is not None, BOTTOM_RIGHT=seq is not None and bool(bottom_right), HAS_LB=has_lb,
-        PACKED=packed, GAP=gap, num_warps=PARTITION_WARPS)
+        PACKED=packed, GAP=gap, RECIPE=recipe_bits(flags), num_warps=PARTITION_WARPS)
 
 
 #: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
@@ -451,7 +458,7 @@ DIVISIBLE_INTS = ("slb", "slh", "sdelb", "sdelh", "sdqb", "sdqh", "sdqs", "SQ", 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
                  dq_dtype: str = "bf16", unit_stats: bool = True, block_n: Optional[int] = None,
                  defer: Optional[bool] = None, varlen: bool = False, bottom_right: bool = False,
-                 has_lb: bool = False, packed: bool = False):
+                 has_lb: bool = False, packed: bool = False, flags: KernelRecipe = DEFAULT_FLAGS):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel, as
     `gluon_attention_bwd.compile_sm90` (pointers and DIVISIBLE_INTS as the launcher sees them in a typical
     call). block_n: KV block override (offline sweeps; dq_gluon runs BLOCK_N[d]). varlen / bottom_right: the
@@ -466,7 +473,7 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
                  DELTA="*fp32", DQ=f"*{dq_dtype}", qk_scale="fp32", sm_scale="fp32", CU_Q="*i32", CU_KV="*i32")
     constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=bn, D=d, NS=ns, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1],
                       DEFER=defer, VARLEN=varlen, BOTTOM_RIGHT=bottom_right, HAS_LB=has_lb, PACKED=packed,
-                      GAP=PACKED_GAP if packed else 0)
+                      GAP=PACKED_GAP if packed else 0, RECIPE=recipe_bits(flags))
     if unit_stats:  # the launcher's specialisation of the stats' row stride 1 (contiguous [B, H, S, 1] stats)
         constexprs["sls"] = 1
     return compile_gluon_sm90(_gluon_dq_kernel, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)

@@ -1,4 +1,5 @@
-"""Hopper (sm_90a) Gluon MXFP8 attention forward, warp-specialised (issue 24), default recipe only.
+"""Hopper (sm_90a) Gluon MXFP8 attention forward, warp-specialised (issue 24): every P recipe (P_MODE / PS: fixed256,
+lazy16, none), either scale rule (the quantizer's), bf16 V on the bf16-K/V variant; bf16 or fp16 O.
 
 Scope: dense, padded and packed batches (any [B, H, S, D] strides with a unit stride along D: bhsd or bshd views;
 a variable-length batch's lengths from its cu_seqlens, VARLEN; PACKED: thd, each sequence read and written from its
@@ -64,12 +65,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
+from .recipe_flags import DEFAULT_FLAGS, P_MODE_BF16, P_MODE_LAZY16, KernelRecipe
 from .triton_launch import cdiv, launch
 from .triton_attention_fwd import _check_sink, check_seq
 from ..seqinfo import grid_rows, grid_sequences, kernel_cu_seqlens
-from .triton_common import (E4M3_TO_BF16_ASM, E4M3_TO_BF16_CONSTRAINTS, E4M3_TO_BF16_PACK, ROUND_P_ASM,
-                            ROUND_P_CONSTRAINTS, ROUND_P_PACK)
+from .triton_common import (E4M3_TO_BF16_ASM, E4M3_TO_BF16_CONSTRAINTS, E4M3_TO_BF16_PACK, LAZY_THRESHOLD,
+                            ROUND_P_ASM, ROUND_P_CONSTRAINTS, ROUND_P_PACK)
 
 #: KV block of the online softmax (fixed by the recipe) and the query rows of one CTA (two consumer warpgroups)
 BLOCK_N = 128
@@ -96,7 +97,10 @@ LOG2E = 1.4426950408889634
 #: LOG2E for the kernel (the sink logits' conversion to log2 units, triton_common.softmax_start's)
 LOG2E_K = gl.constexpr(LOG2E)
 LN2 = gl.constexpr(0.6931471805599453)
-LOG2_PS = gl.constexpr(8.0)
+#: P_MODE values (recipe_flags') and the lazy16 max's threshold (triton_common's) as the kernel's constexprs
+P_LAZY16_K = gl.constexpr(P_MODE_LAZY16)
+P_BF16_K = gl.constexpr(P_MODE_BF16)
+LAZY_THRESHOLD_K = gl.constexpr(LAZY_THRESHOLD.value)
 #: the consumer warpgroups' indices (rows [64 WG, 64 WG + 64) of the CTA's tile)
 WG0 = gl.constexpr(0)
 WG1 = gl.constexpr(1)
@@ -419,7 +423,8 @@ def _v_operand(vb, s, BN: gl.constexpr, D: gl.constexpr, KV_BF16: gl.constexpr):
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, rows, cols0, n0, m0, SKV, offset, RB, qk_scale, HAS_RB: gl.constexpr,
                   BN: gl.constexpr, p_op: gl.constexpr, MASK: gl.constexpr = True, LB=0,
-                  HAS_LB: gl.constexpr = False, BMW: gl.constexpr = 64):
+                  HAS_LB: gl.constexpr = False, BMW: gl.constexpr = 64, P_MODE: gl.constexpr = 0,
+                  PS: gl.constexpr = 8.0):
     """One KV block (keys [n0, n0 + BN)) of the online softmax, triton_common.softmax_block's arithmetic for the
     default recipe: the masked logits qk (keys past SKV; with HAS_RB keys above the diagonal col > row + offset +
     RB; with HAS_LB keys left of the window col <= row + offset - LB; only blocks that need it are masked),
@@ -446,11 +451,17 @@ def _softmax_step(qk, m_i, l_i, rows, cols0, n0, m0, SKV, offset, RB, qk_scale, 
         elif HAS_LB:
             keep = keep & (gl.expand_dims(cols, 0) > gl.expand_dims(rows, 1) + offset - LB)
         qk = gl.where(keep, qk, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    if P_MODE == P_LAZY16_K:  # the running max moves only past LAZY_THRESHOLD (triton_common.softmax_block's)
+        m_blk = gl.max(qk, axis=1) * qk_scale
+        m_new = gl.where((m_i == float("-inf")) | (m_blk - m_i > LAZY_THRESHOLD_K), m_blk, m_i)
+    else:
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_use - LOG2_PS, 1))  # P * 256
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_use - PS, 1))  # P * 2^PS (256; lazy16: 16)
     l_i = l_i * alpha + gl.sum(p, axis=1)
+    if P_MODE == P_BF16_K:  # p_quant "none": P * 256 rounded to bf16 (RNE; triton_common.round_p's P_BF16)
+        return gl.convert_layout(p.to(gl.bfloat16), p_op), alpha, m_new, l_i
     return gl.convert_layout(_round_p_to_bf16(p), p_op), alpha, m_new, l_i
 
 
@@ -474,7 +485,8 @@ def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 def _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV, offset, RB, qk_scale, s_zero,
              HAS_RB: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
              MASK: gl.constexpr, p_op: gl.constexpr, row_o: gl.constexpr, lo=0, LB=0, HAS_LB: gl.constexpr = False,
-             BMW: gl.constexpr = 64, D: gl.constexpr = 128, KV_BF16: gl.constexpr = False):
+             BMW: gl.constexpr = 64, D: gl.constexpr = 128, KV_BF16: gl.constexpr = False,
+             P_MODE: gl.constexpr = 0, PS: gl.constexpr = 8.0):
     """The j-th visited KV block (j >= 1; block lo + j, keys from (lo + j) * BN, lo the range's first block) of a
     consumer warpgroup: S_j = Q K_j^T issued with O += P_{j-1} V_{j-1} (acc already rescaled by block j - 1's
     alpha), the softmax of block j under the latter, stage (j - 1) % NS released, O rescaled by alpha_j -> (P_j
@@ -489,7 +501,7 @@ def _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m
     _turn_pass(turn, WG, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
     pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, (lo + j) * BN, m0, SKV, offset, RB, qk_scale,
-                                        HAS_RB, BN, p_op, MASK, LB, HAS_LB, BMW)
+                                        HAS_RB, BN, p_op, MASK, LB, HAS_LB, BMW, P_MODE, PS)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t, ))
     gl.thread_barrier()  # the warpgroup is done with stage (j - 1) % NS
     mbarrier.arrive(empty.index(sp), count=1)
@@ -503,7 +515,8 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
               HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV,
               HAS_RB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
               PINGPONG: gl.constexpr, WG: gl.constexpr, HAS_LB: gl.constexpr, HAS_SINK: gl.constexpr,
-              KV_BF16: gl.constexpr, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, PACKED: gl.constexpr):
+              KV_BF16: gl.constexpr, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, PACKED: gl.constexpr,
+              P_MODE: gl.constexpr = 0, PS: gl.constexpr = 8.0):
     """Consumer warpgroup WG (4 warps) of the CTA: query rows [tile * BM + 64 WG, + 64). Q dequantized into
     registers, then per KV block S = Q K^T, the online softmax, P rounding and O = O * alpha + P V; the epilogue
     writes its rows of O (bf16) and of the stats. The S GEMM of block j is issued together with the P V GEMM of
@@ -558,7 +571,10 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
     cols0 = gl.arange(0, BN, layout=col_s)
     if HAS_SINK:  # triton_common.softmax_start: the sink joins first
         m_i = gl.zeros([BMW], gl.float32, row_s) + gl.load(SINK + hq) * LOG2E_K
-        l_i = gl.full([BMW], 256.0, gl.float32, row_s)  # 2^LOG2_PS
+        if PS == 8.0:
+            l_i = gl.full([BMW], 256.0, gl.float32, row_s)  # 2^PS
+        else:  # lazy16
+            l_i = gl.full([BMW], 16.0, gl.float32, row_s)
     else:
         m_i = gl.full([BMW], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BMW], gl.float32, row_s)
@@ -574,7 +590,7 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
         _turn_pass(turn, WG, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, ))
         pq, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, rows, cols0, lo * BN, m0, SKV, offset, RB, qk_scale,
-                                            HAS_RB, BN, p_op, True, LB, HAS_LB, BMW)
+                                            HAS_RB, BN, p_op, True, LB, HAS_LB, BMW, P_MODE, PS)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         # visited blocks [j_lb, n_full) (counted from lo) are kept whole for every row of the warpgroup (no mask
         # code), the others need the mask: [1, j_lb) cut by the window's left edge (HAS_LB), [n_full, n_blk) by
@@ -589,15 +605,15 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
             for j in range(1, j_lb):
                 pq, acc, m_i, l_i = _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0,
                                              SKV, offset, RB, qk_scale, s_zero, HAS_RB, BN, NS, PINGPONG, WG, True,
-                                             p_op, row_o, lo, LB, HAS_LB, BMW, D, KV_BF16)
+                                             p_op, row_o, lo, LB, HAS_LB, BMW, D, KV_BF16, P_MODE, PS)
         for j in range(j_lb, n_full):
             pq, acc, m_i, l_i = _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV,
                                          offset, RB, qk_scale, s_zero, HAS_RB, BN, NS, PINGPONG, WG, False, p_op,
-                                         row_o, lo, LB, HAS_LB, BMW, D, KV_BF16)
+                                         row_o, lo, LB, HAS_LB, BMW, D, KV_BF16, P_MODE, PS)
         for j in range(gl.maximum(n_full, j_lb), n_blk):  # (from j_lb on no key is left of the window: no LB mask)
             pq, acc, m_i, l_i = _kv_step(j, q, pq, acc, m_i, l_i, kb, vb, ready, empty, turn, rows, cols0, m0, SKV,
                                          offset, RB, qk_scale, s_zero, HAS_RB, BN, NS, PINGPONG, WG, True, p_op,
-                                         row_o, lo, 0, False, 64, D, KV_BF16)
+                                         row_o, lo, 0, False, 64, D, KV_BF16, P_MODE, PS)
         sl = (n_blk - 1) % NS  # the last visited block's stage
         _turn_wait(turn, WG, n_blk, PINGPONG)
         acc_t = warpgroup_mma(pq, _v_operand(vb, sl, BN, D, KV_BF16), acc, is_async=True)
@@ -612,12 +628,13 @@ def _consumer(Q, QS, O, LSE, kb, vb, ready, empty, turn,
     denom = gl.where(has, l_i, 1.0)
     has_o = gl.convert_layout(has, row_o)
     o = gl.where(gl.expand_dims(has_o, 1), acc / gl.expand_dims(gl.convert_layout(denom, row_o), 1), 0.0)
-    lse = gl.where(has, (m_i + gl.log2(denom) - LOG2_PS) * LN2, float("-inf"))
+    lse = gl.where(has, (m_i + gl.log2(denom) - PS) * LN2, float("-inf"))
     rows_o = m0 + gl.arange(0, BMW, layout=row_o)
     offs_d = gl.arange(0, D, layout=col_o)
     o_ptrs = (O + b64 * sob + hq64 * soh + gl.expand_dims((q0 + rows_o).to(gl.int64) * sos, 1)
               + gl.expand_dims(offs_d, 0))
-    gl.store(o_ptrs, o.to(gl.bfloat16), mask=gl.expand_dims(rows_o < n_rows, 1) & gl.expand_dims(offs_d >= 0, 0))
+    gl.store(o_ptrs, o.to(O.dtype.element_ty),
+             mask=gl.expand_dims(rows_o < n_rows, 1) & gl.expand_dims(offs_d >= 0, 0))
     gl.store(LSE + b64 * slb + hq64 * slh + (q0 + rows).to(gl.int64) * sls, lse, mask=rows < n_rows)
 
 
@@ -632,7 +649,7 @@ def _gluon_attn_fwd_kernel(
         NS: gl.constexpr, NF: gl.constexpr, CH: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, HAS_LB: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
         KV_BF16: gl.constexpr = False, VARLEN: gl.constexpr = False, BOTTOM_RIGHT: gl.constexpr = False,
-        PACKED: gl.constexpr = False):
+        PACKED: gl.constexpr = False, P_MODE: gl.constexpr = 0, PS: gl.constexpr = 8.0):
     """Grid (cdiv(SQ, BM), B * HQ), 4 warps per partition: consumer warpgroup 0 (the default partition),
     consumer warpgroup 1 and the producer (workers). Q [B,HQ,SQ,D] e4m3 (strides sqb, sqh, sqs, unit along D)
     with scales QS [B,HQ,SQ,D/32] u8; k_desc a TMA descriptor of K [B,HKV,SKV,D] e4m3 (block [1,1,BN,D]) with
@@ -683,11 +700,11 @@ def _gluon_attn_fwd_kernel(
             (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                          sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
                          HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV, HAS_RB, BM, BN, D, NS,
-                         PINGPONG, WG0, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT, PACKED)),
+                         PINGPONG, WG0, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT, PACKED, P_MODE, PS)),
             (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                          sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
                          HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV, HAS_RB, BM, BN, D, NS,
-                         PINGPONG, WG1, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT, PACKED)),
+                         PINGPONG, WG1, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT, PACKED, P_MODE, PS)),
             (_producer_bf16, (k_desc, v_desc, kb, vb, ready, empty, HQ, GROUP, SQ, SKV, offset, RB, LB, CU_Q,
                               CU_KV, VS, svsb, svsh, svss, HAS_RB, BM, BN, D, NS, HAS_LB, VARLEN, BOTTOM_RIGHT,
                               PACKED)),
@@ -697,11 +714,11 @@ def _gluon_attn_fwd_kernel(
             (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                          sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
                          HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV, HAS_RB, BM, BN, D, NS,
-                         PINGPONG, WG0, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT, PACKED)),
+                         PINGPONG, WG0, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT, PACKED, P_MODE, PS)),
             (_consumer, (Q, QS, O, LSE, kb, vb, ready, empty, turn,
                          sqb, sqh, sqs, sqsb, sqsh, sqss, sob, soh, sos, slb, slh, sls,
                          HQ, SQ, SKV, qk_scale, offset, RB, LB, SINK, CU_Q, CU_KV, HAS_RB, BM, BN, D, NS,
-                         PINGPONG, WG1, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT, PACKED)),
+                         PINGPONG, WG1, HAS_LB, HAS_SINK, KV_BF16, VARLEN, BOTTOM_RIGHT, PACKED, P_MODE, PS)),
             (_producer, (k_desc, v_desc, KS, VS, k8, v8, ksc, vsc, kb, vb, fp8_ready, ready, empty,
                          sksb, sksh, skss, svsb, svsh, svss, HQ, GROUP, SQ, SKV, offset, RB, LB, CU_Q, CU_KV,
                          HAS_RB, BM, BN, D, NS, NF, CH, HAS_LB, VARLEN, BOTTOM_RIGHT, PACKED)),
@@ -732,20 +749,33 @@ def bf16_kv_tma_layout(d: int):
     return gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, d], gl.bfloat16)
 
 
+def recipe_reason(flags: KernelRecipe, bf16_kv: bool) -> Optional[str]:
+    """Why the Gluon forward does not run recipe `flags` (one sentence), or None: it takes every P rounding
+    (fixed256, lazy16 with its lazy running max and 2^4 scale, none) with either scale rule (the quantizer applies
+    it: this kernel quantizes nothing); bf16 V (v_operand="bf16") on the bf16-K/V variant (bf16_kv: K's exact
+    bf16 dequantization and V as it is), not on FP8 K/V (that path runs the Triton forward)."""
+    if (flags.p_mode, flags.log2_ps) not in ((0, 8.0), (P_MODE_LAZY16, 4.0), (P_MODE_BF16, 8.0)):
+        return f"the Gluon forward takes P's recipes fixed256, lazy16 and none, got {flags.p_mode, flags.log2_ps}"
+    if flags.v_raw and not bf16_kv:
+        return "on FP8 K/V the Gluon forward reads V as MXFP8 (v_operand='bf16' runs the Triton forward there)"
+    return None
+
+
 def unsupported_reason(q_data, k_scale, v, *, left_bound=None, seq=None, bottom_right=False, sink=None,
                        flags: KernelRecipe = DEFAULT_FLAGS, out=None, k_data=None) -> Optional[str]:
     """None where `attention_fwd_gluon` runs the call, else why not (one sentence). With k_data given, also
     whether TMA can address K's and V's bytes (16-byte aligned, strides multiples of 16 bytes) and the grid
     fits CUDA's y limit: the checks a caller choosing between this kernel and another needs. k_scale None: the
     bf16-K/V variant (k_data and v the bf16 dequantizations of K and V)."""
-    if flags != DEFAULT_FLAGS:
-        return "the Gluon forward runs the default recipe only"
+    reason = recipe_reason(flags, k_scale is None)
+    if reason is not None:
+        return reason
     if bottom_right and seq is None:
         return "bottom_right is for variable-length (padded) calls"
     if q_data.shape[3] not in SUPPORTED_HEAD_DIMS:
         return f"the Gluon forward takes head dims {SUPPORTED_HEAD_DIMS}, got {q_data.shape[3]}"
-    if out is not None and out.dtype != torch.bfloat16:
-        return f"the Gluon forward writes bf16 O, got {out.dtype}"
+    if out is not None and out.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon forward writes bf16 or fp16 O, got {out.dtype}"
     if k_scale is None:
         for name, t in (("k_data", k_data), ("v", v)):
             if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16):
@@ -789,7 +819,7 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     k_data [B,Hkv,Skv,D] e4m3 and k_scale [B,Hkv,Skv,D/32] likewise; v V's column-wise copy as `SeqMajorColumns`
     (data [B,Hkv,D,L] e4m3, unit stride along L, scales [B,Hkv,L/32,D]). Any strides with a unit stride along the
     last axis (bhsd or bshd views); FP8 data 16-byte aligned with 16-byte multiple strides (TMA). out [B,Hq,Sq,D]
-    bf16, stats [B,Hq,Sq,1] fp32 (natural log-sum-exp, -inf for rows without keys). offset: the diagonal
+    bf16 or fp16, stats [B,Hq,Sq,1] fp32 (natural log-sum-exp, -inf for rows without keys). offset: the diagonal
     offset (0 top-left); right_bound None (no mask) or an int (causal: 0); left_bound None or an int (sliding
     window: keys kept where col > row + offset - left_bound); Hq a multiple of Hkv (GQA). sink: None or fp32 [Hq]
     contiguous sink logits on q's device (they join every row's softmax; a row without keys gets O = 0 and stats
@@ -802,7 +832,8 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
     the last sequence untouched): masks and KV blocks per sequence, as the Triton forward; bottom_right (with
     seq, offset 0): each sequence's diagonal offset is len_kv - len_q.
     Raises ValueError for what it does not take: head dims other than 64/128,
-    non-default recipes, non-bf16 out, K/V bytes TMA cannot address, a malformed sink. checked: the
+    bf16 V on FP8 K/V (`recipe_reason`), out neither bf16 nor fp16, K/V bytes TMA cannot address,
+    a malformed sink. checked: the
     caller has just had `unsupported_reason(..., k_data=k_data, out=out)` answer None for these arguments (not
     asked again)."""
     reason = None if checked else unsupported_reason(q_data, k_scale, v, left_bound=left_bound, seq=seq,
@@ -845,16 +876,16 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         if seq is not None and seq.packed:  # the sequences' rows (up to cu_q[-1]) only: -inf or the sink's stats
             rows = (torch.arange(SQ, device=out.device) < seq.cu_seqlens_q[-1]).view(1, 1, SQ, 1)
             fill = torch.tensor(float("-inf"), device=stats.device) if sink is None else \
-                _sink_stats(sink).view(1, -1, 1, 1)
+                _sink_stats(sink, flags.log2_ps).view(1, -1, 1, 1)
             stats.copy_(torch.where(rows, fill, stats))
         elif sink is None:
             stats.fill_(float("-inf"))
         elif seq is None:
-            stats.copy_(_sink_stats(sink).view(1, -1, 1, 1).expand_as(stats))
+            stats.copy_(_sink_stats(sink, flags.log2_ps).view(1, -1, 1, 1).expand_as(stats))
         else:  # a padded batch: its sequences' rows get the sink's stats, the padding rows -inf
             cu = seq.cu_seqlens_q.to(torch.int64)
             valid = torch.arange(SQ, device=cu.device)[None, :] < (cu[1:] - cu[:-1])[:, None]  # [B, SQ]
-            stats.copy_(torch.where(valid[:, None, :, None], _sink_stats(sink).view(1, -1, 1, 1),
+            stats.copy_(torch.where(valid[:, None, :, None], _sink_stats(sink, flags.log2_ps).view(1, -1, 1, 1),
                                     torch.tensor(float("-inf"), device=stats.device)))
         return
     reason = None if checked else unsupported_reason(q_data, k_scale, v, k_data=k_data)  # TMA, grid's y limit
@@ -890,15 +921,15 @@ def attention_fwd_gluon(q_data, q_scale, k_data, k_scale, v, *, softmax_scale: f
         HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=D, NS=ns, NF=nf, CH=CHUNK_ROWS, PINGPONG=pingpong,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, HAS_LB=has_lb, HAS_SINK=sink is not None,
         KV_BF16=kv_bf16, VARLEN=seq is not None, BOTTOM_RIGHT=seq is not None and bool(bottom_right),
-        PACKED=packed, num_warps=PARTITION_WARPS)
+        PACKED=packed, P_MODE=flags.p_mode, PS=flags.log2_ps, num_warps=PARTITION_WARPS)
 
 
-def _sink_stats(sink: torch.Tensor) -> torch.Tensor:
+def _sink_stats(sink: torch.Tensor, log2_ps: float = 8.0) -> torch.Tensor:
     """The stats of a row that meets no key, [Hq], as the kernels' epilogue computes them from the sink's start
-    (max m = sink * LOG2E, sum 2^8): (m + log2(2^8) - 8) * LN2, each step one fp32 operation."""
+    (max m = sink * LOG2E, sum 2^log2_ps): (m + log2_ps - log2_ps) * LN2, each step one fp32 operation."""
     f32 = dict(dtype=torch.float32, device=sink.device)
     m = sink * torch.tensor(LOG2E, **f32)
-    return (m + 8.0 - 8.0) * torch.tensor(LN2.value, **f32)
+    return (m + log2_ps - log2_ps) * torch.tensor(LN2.value, **f32)
 
 
 #: the integer arguments Triton's launcher sees as multiples of 16 in a typical call (D 64/128, S a multiple of 16):
@@ -909,7 +940,8 @@ DIVISIBLE_INTS = ("sqb", "sqh", "sqs", "sqsb", "sqsh", "sksb", "sksh", "svsb", "
 
 def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER_REGS, PRODUCER_REGS),
                  pingpong: bool = None, has_lb: bool = False, has_sink: bool = False, kv_bf16: bool = False,
-                 varlen: bool = False, bottom_right: bool = False, packed: bool = False):
+                 varlen: bool = False, bottom_right: bool = False, packed: bool = False,
+                 flags: KernelRecipe = DEFAULT_FLAGS, o_dtype: str = "bf16"):
     """The kernel compiled for sm_90a without a GPU (Triton's compiler and its ptxas) -> CompiledKernel (asm:
     ttgir, llir, ptx, cubin; metadata: shared memory). Pointers and DIVISIBLE_INTS as the launcher sees them in a
     typical call (16-byte aligned, multiples of 16); the stats' row stride stays a run-time i32 (the launcher
@@ -929,12 +961,13 @@ def compile_sm90(d: int = 128, has_rb: bool = False, stages=None, regs=(CONSUMER
         types = dict(k_desc=f"tensordesc<fp8e4nv[1, 1, {BLOCK_N}, {d}],{k_layout!r}>",
                      v_desc=f"tensordesc<fp8e4nv[1, 1, {d}, {BLOCK_N}],{v_layout!r}>")
     types = {"VS": "*u8", **types}
-    types.update(Q="*fp8e4nv", QS="*u8", KS="*u8", O="*bf16", LSE="*fp32", SINK="*fp32", qk_scale="fp32",
+    types.update(Q="*fp8e4nv", QS="*u8", KS="*u8", O=f"*{o_dtype}", LSE="*fp32", SINK="*fp32", qk_scale="fp32",
                  CU_Q="*i32", CU_KV="*i32")
     constexprs = dict(HAS_RB=has_rb, BM=BLOCK_M, BN=BLOCK_N, D=d, NS=ns, NF=nf, CH=CHUNK_ROWS,
                       PINGPONG=PINGPONG if pingpong is None else pingpong,
                       CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1], HAS_LB=has_lb, HAS_SINK=has_sink,
-                      KV_BF16=kv_bf16, VARLEN=varlen, BOTTOM_RIGHT=bottom_right, PACKED=packed)
+                      KV_BF16=kv_bf16, VARLEN=varlen, BOTTOM_RIGHT=bottom_right, PACKED=packed,
+                      P_MODE=flags.p_mode, PS=flags.log2_ps)
     return compile_gluon_sm90(fn, types, constexprs, DIVISIBLE_INTS, PARTITION_WARPS)
 
 

@@ -24,6 +24,8 @@ from ..recipe import Recipe
 
 #: P_MODE values (triton_common's P_FIXED256, P_LAZY16, P_BF16)
 _P_MODES = {"fixed256": 0, "lazy16": 1, "none": 2}
+#: the P_MODE values by name (`KernelRecipe.p_mode`)
+P_MODE_FIXED256, P_MODE_LAZY16, P_MODE_BF16 = _P_MODES["fixed256"], _P_MODES["lazy16"], _P_MODES["none"]
 #: log2 of P's power-of-two scale in the forward, by p_quant (the bf16 rounding keeps 2^8: exact in bf16)
 _LOG2_PS = {"fixed256": 8.0, "lazy16": 4.0, "none": 8.0}
 
@@ -69,4 +71,5 @@ def kernel_recipe(recipe: Optional[Recipe]) -> KernelRecipe:
                         recipe.ds_quant == "bf16", recipe.scale_rounding == "floor")
 
 
-__all__ = ["KernelRecipe", "DEFAULT_FLAGS", "kernel_recipe", "unsupported_reason"]
+__all__ = ["KernelRecipe", "DEFAULT_FLAGS", "kernel_recipe", "unsupported_reason", "P_MODE_FIXED256", "P_MODE_LAZY16",
+           "P_MODE_BF16"]

@@ -492,7 +492,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
                 q_r, k_h, v_h, seq=seq, q_c=q_c, do_r=do_r, do_c=do_c, **masks)):
             gluon_dkdv.dkdv_gluon(q_r, q_c, k_h, v_h, do_r, do_c, st, de, dk[:, h0:h1], dv[:, h0:h1],
                                   softmax_scale=softmax_scale, offset=offset, left_bound=left_bound,
-                                  right_bound=right_bound, seq=seq, bottom_right=bottom_right, checked=True)
+                                  right_bound=right_bound, seq=seq, bottom_right=bottom_right, flags=flags,
+                                  checked=True)
         else:
             _launch_dkdv(q_r, q_c, k_h, v_h, do_r, do_c, st, de, dk[:, h0:h1], dv[:, h0:h1], cfg1, True, args,
                          common, seq, cu, flags)
@@ -502,7 +503,7 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
                 q_r, k_r, k_c, v_r, do_r, seq=seq, **masks)):
             gluon_dq.dq_gluon(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], softmax_scale=softmax_scale,
                               offset=offset, left_bound=left_bound, right_bound=right_bound, seq=seq,
-                              bottom_right=bottom_right, checked=True)
+                              bottom_right=bottom_right, flags=flags, checked=True)
         else:
             _launch_dq(q_r, k_r, k_c, v_r, do_r, st, de, dq[:, q0:q1], cfg2, True, args, common, seq, cu, flags)
         del q_r, do_r, k_r, k_c, v_r

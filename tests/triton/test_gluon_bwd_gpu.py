@@ -438,8 +438,14 @@ def test_gluon_dkdv_refuses_unsupported_calls():
                                                                                            129, 1))
     assert "TMA" in gb.unsupported_reason(odd, k, v)
     assert "TMA" in gb.unsupported_reason(q, k, v, q_c=odd)
-    for name in ("v_raw", "ds_bf16", "floor"):
-        assert "default recipe" in gb.unsupported_reason(q, k, v, flags=DEFAULT_FLAGS._replace(**{name: True}))
+    for name in ("ds_bf16", "floor"):  # every recipe's backward switches
+        assert gb.unsupported_reason(q, k, v, flags=DEFAULT_FLAGS._replace(**{name: True})) is None
+    assert gb.unsupported_reason(q, k, v, flags=DEFAULT_FLAGS._replace(p_mode=2)) is None
+    raw = DEFAULT_FLAGS._replace(v_raw=True)
+    v_bf16 = torch.zeros(k.data.shape, dtype=torch.bfloat16)
+    assert gb.unsupported_reason(q, k, v_bf16, flags=raw) is None  # bf16 V: a bf16 tensor of K's shape
+    assert "bf16 tensor" in gb.unsupported_reason(q, k, v, flags=raw)
+    assert "bf16 V" in gb.unsupported_reason(q, k, v_bf16, flags=raw, seq=packed)
     with pytest.raises(ValueError, match="packed batch must be the gapped scratch"):
         gb.dkdv_gluon(q, q, k, v, q, q, torch.zeros(1, 4, 100, 1), torch.zeros(1, 4, 100),
                       torch.zeros(1, 2, 80, 128), torch.zeros(1, 2, 80, 128), softmax_scale=0.1, offset=0,

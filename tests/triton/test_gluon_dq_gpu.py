@@ -139,8 +139,10 @@ def test_gluon_dq_refuses_unsupported_calls(monkeypatch):
                                                                                            129, 1))
     assert "TMA" in gd.unsupported_reason(odd, k_r, k_c, v_r, do_r)
     assert "TMA" in gd.unsupported_reason(q, k_r, k_c, v_r, odd)
-    for name in ("v_raw", "ds_bf16", "floor"):
-        assert "default recipe" in gd.unsupported_reason(*ops, flags=DEFAULT_FLAGS._replace(**{name: True}))
+    for name in ("v_raw", "ds_bf16", "floor"):  # every recipe's backward switches (a bf16 V is the vr scratch)
+        assert gd.unsupported_reason(*ops, flags=DEFAULT_FLAGS._replace(**{name: True})) is None
+    assert "bf16 V" in gd.unsupported_reason(*ops, flags=DEFAULT_FLAGS._replace(v_raw=True),
+                                             seq=SeqInfo(cu, cu, 100, 100, True))
     big = torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16).expand(65536, 1, 64, 128)
     assert "65535" in gd.unsupported_reason(big, k_r, k_c, v_r, big)
     stats, delta, dq = torch.zeros(1, 4, 100, 1), torch.zeros(1, 4, 100), torch.zeros(1, 4, 100, 128)

@@ -264,9 +264,10 @@ def test_gluon_fwd_refuses_unsupported_calls():
     st = torch.zeros(1, 2, 64, 1)
     base = dict(softmax_scale=0.1, offset=0, left_bound=None, right_bound=None, out=out, stats=st)
     cases = [(dict(sink=torch.zeros(3)), "sink must be"),
-             (dict(sink=torch.zeros(2, dtype=torch.float16)), "sink must be"), (dict(flags=KernelRecipe(p_mode=2)), "default recipe"),
+             (dict(sink=torch.zeros(2, dtype=torch.float16)), "sink must be"),
+             (dict(flags=KernelRecipe(v_raw=True)), "v_operand='bf16'"),
              (dict(bottom_right=True), "variable-length"),
-             (dict(out=out.half()), "bf16 O")]
+             (dict(out=out.float()), "bf16 or fp16 O")]
     for extra, match in cases:
         with pytest.raises(ValueError, match=match):
             gf.attention_fwd_gluon(q, s, q, s, v, **{**base, **extra})

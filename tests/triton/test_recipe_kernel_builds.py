@@ -81,3 +81,47 @@ def test_bf16_v_forward_at_d256_fits_shared_memory():
         shared[stages] = kernel.metadata.shared
     assert shared[1] <= 227 * 1024 and shared[1] < shared[2], shared
     assert tf._fwd_config(256) == tf.FWD_CONFIGS[256]  # the default recipe keeps its stages
+
+
+#: the Gluon kernels' recipe builds (`compile_sm90` keywords): each backward switch at once at both head dims (and
+#: the padded causal bottom-right build, whose default keeps 56 stack bytes), the forward's bf16 P with fp16 O, its
+#: lazy16 P with a sink and its bf16 V on the bf16-K/V variant
+GLUON_CASES = [
+    ("gluon_attention_bwd", 64, False, dict(flags=kernel_recipe(Recipe(p_quant="none", v_operand="bf16",
+                                                                       ds_quant="bf16"))), (0, 0)),
+    ("gluon_attention_bwd", 128, False, dict(flags=kernel_recipe(Recipe(p_quant="none", v_operand="bf16",
+                                                                        scale_rounding="floor"))), (0, 0)),
+    ("gluon_attention_bwd", 128, True, dict(flags=kernel_recipe(Recipe(scale_rounding="floor")), varlen=True,
+                                            bottom_right=True), (56, 48)),
+    ("gluon_attention_dq", 128, True, dict(flags=kernel_recipe(Recipe(scale_rounding="floor"))), (0, 0)),
+    ("gluon_attention_dq", 64, False, dict(flags=kernel_recipe(Recipe(ds_quant="bf16"))), (0, 0)),
+    ("gluon_attention_fwd", 128, True, dict(flags=kernel_recipe(Recipe(p_quant="none")), o_dtype="fp16"), (0, 0)),
+    ("gluon_attention_fwd", 64, True, dict(flags=kernel_recipe(Recipe(p_quant="lazy16")), has_sink=True), (0, 0)),
+    ("gluon_attention_fwd", 128, False, dict(flags=kernel_recipe(Recipe(v_operand="bf16")), kv_bf16=True), (0, 0)),
+]
+
+
+@pytest.mark.parametrize("module,d,causal,kwargs,allowance", GLUON_CASES,
+                         ids=["dkdv-d64-p-v-ds", "dkdv-d128-p-v-floor", "dkdv-d128-causal-padded-floor",
+                              "dq-d128-causal-floor", "dq-d64-ds", "fwd-d128-causal-p-fp16", "fwd-d64-causal-lazy16-sink",
+                              "fwd-d128-bf16kv-v"])
+def test_gluon_recipe_variants_build_for_sm90a_without_spills(module, d, causal, kwargs, allowance):
+    """The Gluon kernels' recipe specialisations build for sm_90a like their default builds: no spills, wgmma
+    left asynchronous, within shared memory (the padded causal bottom-right dK/dV build keeps its default's 56 stack
+    bytes of loop bounds); an E4M3 conversion is left exactly where the recipe still rounds P or dS to E4M3."""
+    import importlib
+    from test_gluon_fwd_gpu import _assert_sm90_build
+    mod = importlib.import_module(f"mxattn.kernels.{module}")
+    try:
+        kernel = mod.compile_sm90(d, causal, **kwargs)
+    except Exception as e:  # noqa: BLE001 (a Triton without Gluon's Hopper ops here)
+        pytest.skip(f"cannot compile for sm_90a here: {e}")
+    _assert_sm90_build(kernel, *allowance)
+    flags = kwargs.get("flags")
+    if module == "gluon_attention_fwd":  # what the kernel still rounds to E4M3: P (fwd, dK/dV), dS (dK/dV, dQ)
+        rounds = kwargs["flags"].p_mode != 2
+    elif module == "gluon_attention_dq":
+        rounds = not flags.ds_bf16
+    else:
+        rounds = not (flags.p_mode == 2 and flags.ds_bf16)
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"]) == rounds

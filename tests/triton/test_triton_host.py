@@ -430,17 +430,20 @@ def _fake_gluon(monkeypatch):
 
 
 @pytest.mark.parametrize("case, gluon_runs", [
-    ("causal_gqa_d64", True), ("no_mask_d128", True), ("sink", True), ("window", True), ("fp16_out", False),
-    ("head_dim_96", False), ("padded_varlen", True), ("packed_varlen", True), ("floor_recipe", False),
+    ("causal_gqa_d64", True), ("no_mask_d128", True), ("sink", True), ("window", True), ("fp16_out", True),
+    ("head_dim_96", False), ("padded_varlen", True), ("packed_varlen", True), ("floor_recipe", True),
+    ("p_none_recipe", True), ("lazy16_recipe", True), ("bf16_v_recipe", False), ("bf16_scratch_bf16_v_recipe", True),
     ("bf16_scratch_path", True), ("bf16_scratch_packed", True),
     ("bf16_scratch_path_d128", True), ("bf16_scratch_window", True), ("bf16_scratch_head_dim_96", False)])
 def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkeypatch, request, case, gluon_runs):
-    """The forward kernel is the Gluon warp-specialised one where it takes the call (default recipe, dense,
-    padded and packed batches, sinks and windows included, D 64/128, bf16 O), else the Triton forward:
+    """The forward kernel is the Gluon warp-specialised one where it takes the call (every P recipe, either scale
+    rule, bf16 V on the bf16-scratch path, dense, padded and packed batches, sinks and windows included, D 64/128,
+    bf16 or fp16 O), else the Triton forward (bf16 V on the FP8 path, other head dims):
     on the FP8 data path (large problems) on the FP8 operands, on the bf16-scratch path (the default at these
     sizes) its bf16-K/V variant on the quantizer's bf16 K and V (k_scale None). The numbers are compared on the GPU (tests/triton/test_gluon_fwd_gpu.py)."""
     import mxattn
     from mxattn import Recipe
+    from mxattn.kernels.recipe_flags import kernel_recipe
     from triton_helpers import force_fp8_data_paths
 
     launched = _record_launches(monkeypatch, request, keep_kwargs=True)
@@ -462,8 +465,11 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
         kwargs.update(softmax_type="learnable", softmax_offset=torch.zeros(4))
     if case in ("window", "bf16_scratch_window"):
         kwargs.update(window_size=(64, 0))
-    if case == "floor_recipe":
-        kwargs.update(recipe=Recipe(scale_rounding="floor"))
+    recipe = {"floor_recipe": Recipe(scale_rounding="floor"), "p_none_recipe": Recipe(p_quant="none"),
+              "lazy16_recipe": Recipe(p_quant="lazy16"), "bf16_v_recipe": Recipe(v_operand="bf16"),
+              "bf16_scratch_bf16_v_recipe": Recipe(v_operand="bf16")}.get(case)
+    if recipe is not None:
+        kwargs.update(recipe=recipe)
     if case == "padded_varlen":
         kwargs.update(attn_mask_type="padding_causal", cu_seqlens_q=_cu([160, 100]), cu_seqlens_kv=_cu([160, 100]))
     o = mxattn.mxfp8_attention(q, k, v, **kwargs)
@@ -473,6 +479,7 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
     if gluon_runs:
         (kw,) = calls
         assert kw["out"].data_ptr() == o.data_ptr() and kw["softmax_scale"] == pytest.approx(d ** -0.5)
+        assert kw["out"].dtype == dtype and kw["flags"] == kernel_recipe(recipe or Recipe())
         assert (kw.get("seq") is not None) == (case == "padded_varlen" or packed)
         if kw.get("seq") is not None:
             assert kw["seq"].packed == packed and kw["seq"].cu_seqlens_q.tolist() == [0, 160, 260]
@@ -496,12 +503,13 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
     ("causal_gqa_d128", 1, 1), ("no_mask_d128", 1, 1), ("sink_d128", 1, 1), ("many_heads_d128", 2, 2),
     ("d64", 1, 1), ("many_heads_d64", 2, 2), ("window_d128", 1, 1), ("padded_varlen_d128", 1, 1),
     ("packed_varlen_d128", 1, 1), ("packed_dq_refuses_d128", 0, 0), ("packed_short_docs_d128", 0, 0),
-    ("floor_recipe_d128", 0, 0),
+    ("floor_recipe_d128", 1, 1), ("all_switches_recipe_d128", 1, 1), ("packed_bf16_v_recipe_d128", 0, 0),
     ("fp8_data_path_d128", 0, 0)])
 def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monkeypatch, request, case,
                                                                           dkdv_chunks, dq_chunks):
     """On the bf16-scratch backward (mode "pre") each chunk of heads runs the Gluon dK/dV kernel where it takes
-    it (`gluon_attention_bwd.takes`: default recipe, dense or padded, no mask, a causal band or a sliding window,
+    it (`gluon_attention_bwd.takes`: every recipe's backward switches (bf16 V not with a packed batch), dense,
+    padded or packed, no mask, a causal band or a sliding window,
     head dim 128 or 64 with GQA, as here: 4 query heads on 2 KV heads; a sink lives in the stats) with the chunk's
     views, else the Triton dK/dV kernel; likewise the Gluon dQ kernel
     (`gluon_attention_dq.takes`: the same refusals, head dims 64 and 128) with the chunk's bf16 scratch (bwd_prep's
@@ -518,6 +526,7 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
     from mxattn.kernels import gluon_attention_bwd as gb
     from mxattn.kernels import gluon_attention_dq as gd
     from mxattn.kernels import triton_attention_bwd as tb
+    from mxattn.kernels.recipe_flags import kernel_recipe
     from triton_helpers import force_fp8_data_paths
 
     launched = _record_launches(monkeypatch, request, keep_kwargs=True)
@@ -556,8 +565,12 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
         kwargs.update(softmax_type="learnable", softmax_offset=torch.zeros(4))
     if case == "window_d128":
         kwargs.update(window_size=(64, 0))
-    if case == "floor_recipe_d128":
-        kwargs.update(recipe=Recipe(scale_rounding="floor"))
+    recipe = {"floor_recipe_d128": Recipe(scale_rounding="floor"),
+              "all_switches_recipe_d128": Recipe(p_quant="none", v_operand="bf16", ds_quant="bf16",
+                                                 scale_rounding="floor"),
+              "packed_bf16_v_recipe_d128": Recipe(v_operand="bf16")}.get(case)
+    if recipe is not None:
+        kwargs.update(recipe=recipe)
     if case == "padded_varlen_d128":
         kwargs.update(attn_mask_type="padding_causal", cu_seqlens_q=_cu([160, 100]), cu_seqlens_kv=_cu([160, 100]))
     o = mxattn.mxfp8_attention(q, k, v, **kwargs)
@@ -587,6 +600,9 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
         assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
         assert (kw.get("seq") is not None) == (case in ("padded_varlen_d128", "packed_varlen_d128"))
         assert kw["left_bound"] == (65 if case == "window_d128" else None)  # TE's window (64, 0)
+        assert kw["flags"] == kernel_recipe(recipe or Recipe())  # the recipe's switches reach the kernel
+        if recipe is not None and recipe.v_operand == "bf16":  # V as a bf16 tensor of K's shape
+            assert isinstance(v_row, torch.Tensor) and v_row.dtype == torch.bfloat16 and v_row.shape == dk.shape
     if dq_chunks:
         assert len(preps["bwd"]) == len(preps["kv"]) == chunks
     for h, (args, kw) in enumerate(dq_calls):
@@ -608,6 +624,7 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
         assert kw["right_bound"] == (None if case == "no_mask_d128" else 0) and kw["offset"] == 0
         assert (kw.get("seq") is not None) == (case in ("padded_varlen_d128", "packed_varlen_d128"))  # the lengths
         assert kw["left_bound"] == (65 if case == "window_d128" else None)
+        assert kw["flags"] == kernel_recipe(recipe or Recipe())
 
 
 _GLUON_CHOICES = {"_gluon_forward": ("gluon_attention_fwd", "GLUON_FORWARD"),
@@ -650,8 +667,9 @@ def test_the_gluon_kernels_are_used_on_sm90_only(monkeypatch, getter):
 def test_gluon_takes_sinks_and_windows_and_refuses_the_rest():
     """`unsupported_reason` takes attention sinks and left bounds (sliding windows), alone or together, with or
     without a right bound, and padded and packed batches (the grid's y limit counted in sequences for a packed
-    one), and still refuses bottom_right without seq, other recipes, head dims other than 64/128,
-    non-bf16 O and, on FP8 K/V, a V that is not SeqMajorColumns; bf16 K/V (k_scale None: the bf16-K/V variant)
+    one), every P recipe with either scale rule and fp16 O, and still refuses bottom_right without seq, bf16 V on
+    FP8 K/V, an unknown P recipe, head dims other than 64/128, O neither bf16 nor fp16 and, on FP8 K/V, a V that
+    is not SeqMajorColumns; bf16 K/V (k_scale None: the bf16-K/V variant, bf16 V's recipe too)
     are taken as bf16 tensors only."""
     from mxattn.kernels.gluon_attention_fwd import unsupported_reason
     from mxattn.kernels.recipe_flags import KernelRecipe
@@ -673,12 +691,20 @@ def test_gluon_takes_sinks_and_windows_and_refuses_the_rest():
     assert "40000 x 2 (sequences x query heads)" in unsupported_reason(q, ks, v, k_data=k,
                                                                         seq=SeqInfo(many, many, 1, 1, True))
     refused = [(dict(bottom_right=True), "variable-length"),
-               (dict(flags=KernelRecipe(p_mode=2)), "default recipe"),
-               (dict(out=torch.zeros(1, 2, 128, 64, dtype=torch.float16)), "bf16 O")]
+               (dict(flags=KernelRecipe(v_raw=True)), "v_operand='bf16'"),
+               (dict(flags=KernelRecipe(p_mode=1, log2_ps=8.0)), "P's recipes"),
+               (dict(out=torch.zeros(1, 2, 128, 64, dtype=torch.float32)), "bf16 or fp16 O")]
     for extra, match in refused:
         assert match in unsupported_reason(q, ks, v, left_bound=64, sink=sink, **extra), extra
+    # the recipes it takes: P rounded to bf16 (p_quant "none"), the floor scale rule (the quantizer's), fp16 O
+    for extra in (dict(flags=KernelRecipe(p_mode=2)), dict(flags=KernelRecipe(floor=True)),
+                  dict(flags=KernelRecipe(p_mode=1, log2_ps=4.0)),
+                  dict(flags=KernelRecipe(p_mode=2, floor=True)),
+                  dict(out=torch.zeros(1, 2, 128, 64, dtype=torch.float16))):
+        assert unsupported_reason(q, ks, v, left_bound=64, sink=sink, **extra) is None, extra
     kb, vb = (torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16) for _ in range(2))
     assert unsupported_reason(q, None, vb, k_data=kb, left_bound=64, sink=sink) is None
+    assert unsupported_reason(q, None, vb, k_data=kb, flags=KernelRecipe(v_raw=True)) is None
     assert "v must be a bf16 tensor" in unsupported_reason(q, None, v, left_bound=64, sink=sink)
     assert "k_data must be a bf16 tensor" in unsupported_reason(q, None, vb, k_data=k)
     assert "v must be a bf16 tensor" in unsupported_reason(q, None, vb.half(), k_data=kb)
