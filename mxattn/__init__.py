@@ -12,10 +12,7 @@ numerics variants (P, V and dS rounding, scale rounding, per-tensor FP8) for stu
 from .attention import mxfp8_attention
 from .attention_quantized import mxfp8_attention_quantized, quantize_attention_inputs
 from .backends import BACKEND_NAMES, availability as backend_availability
-# through the old module path `mxattn.cudnn_support` (a re-export): importing it here binds the package's
-# `cudnn_support` to the function after the submodule, so a later `import mxattn.cudnn_support` cannot
-# rebind it to the module
-from .cudnn_support import cudnn_support
+from .backends.cudnn.support import cudnn_support
 from .errors import MXFP8NotSupportedError
 from .formats import MXFP8Tensor, quantize_mxfp8, swizzle_128x4, unswizzle_128x4
 from .kvcache import MXFP8KVCache

@@ -5,7 +5,7 @@ Backends: `reference` (any device: `ref.mxfp8_ref` on the stored bytes), `triton
 pages' FP8 bytes and scales, `mxattn.kernels.triton_paged_attention`) and `cudnn` (Blackwell: cuDNN's paged MXFP8
 graph, `mxattn.backends.cudnn.paged`; MXFP8NotSupportedError with the reason elsewhere). The cache, its storage
 and the semantics of its bytes: `mxattn.kvcache`. The Triton kernels the triton backend
-launches: `mxattn.kernels.paged_step` (the append and attention launches of one call, replayed per signature).
+launches: `mxattn.runtime.paged_step` (the append and attention launches of one call, replayed per signature).
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ class PagedStep:
     def __init__(self, q: torch.Tensor, cache: MXFP8KVCache, slots: List[int], cu: List[int],
                  cu_seqlens_q: torch.Tensor, k_new, v_new, scale: float, left_bound: Optional[int],
                  softmax_type: str, num_splits: int, kernel_dtype: torch.dtype, out_dtype: torch.dtype):
-        from .kernels.paged_step import step_key, step_options
+        from .runtime.paged_step import step_key, step_options
         from .kernels.triton_paged_attention import split_count
         n = len(slots)
         self.before = cache.state
@@ -221,8 +221,8 @@ class PagedStep:
     def _run(self, cache: MXFP8KVCache, q: torch.Tensor, k_new: Optional[torch.Tensor],
              v_new: Optional[torch.Tensor], sink: Optional[torch.Tensor]) -> torch.Tensor:
         """`run` on checked arguments (sink: fp32 [Hq] or None): the append's and the attention's launches as one
-        replayed step (`mxattn.kernels.paged_step`)."""
-        from .kernels.paged_step import paged_step
+        replayed step (`mxattn.runtime.paged_step`)."""
+        from .runtime.paged_step import paged_step
         if cache._state != self.before:
             raise RuntimeError("PagedStep.run: the cache is not in the state this step was worked out from")
         if self.table:

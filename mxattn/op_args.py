@@ -135,7 +135,7 @@ class FwdArgs(NamedTuple):
 
 class PackedBwdArgs(NamedTuple):
     """`mxattn::attention_bwd_packed`'s arguments, in order: dO, O [B,Hq,Sq,D], the forward's block (stats and the
-    saved tensors, `mxattn.saved_block`), K's shape, the inputs' dtype, then `BwdArgs`' fields after K's shape."""
+    saved tensors, `mxattn.runtime.saved_block`), K's shape, the inputs' dtype, then `BwdArgs`' fields after K's shape."""
 
     __annotations__ = {"do": Tensor, "o": Tensor, "block": Tensor, "kv_shape": List[int], "input_dtype": torch.dtype,
                        **_OPTIONS, "sink_requires_grad": bool, "recipe": str}

@@ -3,8 +3,8 @@
 An op body (`mxattn.ops`: the forward's and the backward's) decodes the op's arguments into the library's
 vocabulary (mask, lengths, recipe, `AttentionParams`), asks the backend, and lays the results out as the op
 promises: Python that depends only on the call's signature, not on tensor contents. For a backend whose every
-launch goes through `mxattn.kernels.triton_launch` (`AttentionBackend.replays_ops`), the whole body is recorded
-once per signature (`mxattn.kernels.launch_plan.record`) and later calls replay its allocations and launches
+launch goes through `mxattn.runtime.triton_launch` (`AttentionBackend.replays_ops`), the whole body is recorded
+once per signature (`mxattn.runtime.launch_plan.record`) and later calls replay its allocations and launches
 with the new tensors' addresses: no checks, no decoding, no plan lookups below. A body that computes anything
 with torch (a copy for an unusual layout, a sink gradient) is refused by the recorder and keeps running as
 Python, per signature.
@@ -33,11 +33,12 @@ import torch
 from .backends import backend_class, get_backend
 from .backends.base import AttentionBackend
 from .devices import device_guard
-from .kernels.affine_plan import AffinePlanCache
-from .kernels.launch_plan import PlanCache, allow_carving, plan_key
-from . import saved_block
+from .runtime.affine_plan import AffinePlanCache
+from .runtime.launch_plan import allow_carving, plan_key
+from .runtime.plan_cache import PlanCache
+from .runtime import saved_block
 from .op_args import BwdArgs, FwdArgs, PackedBwdArgs
-from .saved_block import BlockLayout
+from .runtime.saved_block import BlockLayout
 
 #: recordings of op bodies; a family must replay 16 times per recording to keep recording new sizes. For eager
 #: callers (`carve`), outputs after the first (the forward's stats and saved copies, freed together after its
@@ -126,7 +127,7 @@ _BLOCK_MATCHES = "packed op block layout"
 
 
 def run_forward_packed(args: FwdArgs, body: Callable[[], List], layout: Callable[[], BlockLayout]) -> List:
-    """[O, block] of the packed forward op (`mxattn.saved_block`): body() gives [o, stats, *saved]; layout() the
+    """[O, block] of the packed forward op (`mxattn.runtime.saved_block`): body() gives [o, stats, *saved]; layout() the
     block layout the op promises. A replay whose carved outputs already lie in that layout hands its block over
     as it is (no copy); otherwise (the first calls of a signature, a backend that does not replay, a plan laid
     out otherwise) stats and the saved tensors are copied into a new block."""

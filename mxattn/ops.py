@@ -4,7 +4,7 @@
 FP8 copies by default); `mxattn::attention_fwd_no_grad` returns O alone (nothing kept: the backend may skip
 the column-wise copies); `mxattn::attention_bwd` turns the kept tensors and dO into dQ, dK, dV.
 `mxattn::attention_fwd_packed` / `attention_bwd_packed` do the same with stats and the kept tensors in one uint8
-block (`mxattn.saved_block`): compiled graphs use them (two outputs and saved tensors instead of a dozen, fewer
+block (`mxattn.runtime.saved_block`): compiled graphs use them (two outputs and saved tensors instead of a dozen, fewer
 allocations and arguments per call) unless the backend says otherwise (`packs_compiled_saved`). The ops are
 defined with `torch.library.Library` (schema, one kernel for every device, a fake kernel for tracing) and are
 not differentiable themselves: `attention` wraps them in an autograd.Function, which eager mode runs without
@@ -28,7 +28,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import op_plans, saved_block
+from . import op_plans
+from .runtime import saved_block
 from .backends import backend_class, get_backend
 from .layouts import dense_strides_bhsd, empty_bhsd, from_bhsd, to_bhsd
 from .op_args import BwdArgs, FwdArgs, PackedBwdArgs

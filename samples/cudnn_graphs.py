@@ -25,8 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mxattn import cudnn_graphs as cg  # noqa: E402
-from mxattn.cudnn_support import cudnn_support  # noqa: E402
+from mxattn.backends.cudnn import config as cudnn_config  # noqa: E402
+from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
+from mxattn.backends.cudnn.support import cudnn_support  # noqa: E402
 from mxattn.errors import MXFP8NotSupportedError  # noqa: E402
 from mxattn.mask import MaskSpec  # noqa: E402
 
@@ -50,13 +51,13 @@ def parse(argv=None):
     p.add_argument("--non-deterministic", action="store_true", help="ask for the non-deterministic backward")
     p.add_argument("--varlen", choices=("padded", "packed"), default=None,
                    help="variable-length graphs (packed: thd, --seq/--seq-kv are the longest sequences)")
-    p.add_argument("--softmax-type", choices=tuple(cg.SOFTMAX_TYPES), default="vanilla",
+    p.add_argument("--softmax-type", choices=tuple(cudnn_config.SOFTMAX_TYPES), default="vanilla",
                    help="TE's softmax_type: off-by-one / learnable add the attention sink (learnable: and dSink)")
     p.add_argument("--json", action="store_true", help="print cuDNN's full JSON of both graphs too")
     return p.parse_args(argv)
 
 
-def config(args) -> cg.GraphConfig:
+def config(args) -> cudnn_config.GraphConfig:
     mask = MaskSpec(causal=args.mask != "none",
                     diagonal_alignment="bottom_right" if args.mask == "causal_bottom_right" else "top_left",
                     left_bound=args.left_bound, right_bound=args.right_bound)
@@ -64,17 +65,17 @@ def config(args) -> cg.GraphConfig:
     sizes = (args.batch, args.heads, args.kv_heads or args.heads, args.seq, args.seq_kv or args.seq, args.head_dim,
              args.head_dim_v)
     if args.varlen == "packed":
-        cfg = cg.GraphConfig.from_packed(*sizes, **kw)
+        cfg = cudnn_config.GraphConfig.from_packed(*sizes, **kw)
     else:
-        cfg = cg.GraphConfig.from_layout(*sizes, layout=args.layout, **kw)
+        cfg = cudnn_config.GraphConfig.from_layout(*sizes, layout=args.layout, **kw)
         cfg = dataclasses.replace(cfg, varlen=args.varlen) if args.varlen else cfg
     return cfg.for_softmax(args.softmax_type)  # the forward graph ignores dsink
 
 
-def print_graph(kind: str, cfg: cg.GraphConfig, full_json: bool) -> bool:
-    build = cg.build_forward_graph if kind == "forward" else cg.build_backward_graph
+def print_graph(kind: str, cfg: cudnn_config.GraphConfig, full_json: bool) -> bool:
+    build = cudnn_graphs.build_forward_graph if kind == "forward" else cudnn_graphs.build_backward_graph
     try:
-        j = cg.graph_json(build(cfg))
+        j = cudnn_graphs.graph_json(build(cfg))
     except MXFP8NotSupportedError as exc:
         print(f"\n{kind} graph: cuDNN rejects it: {exc}")
         return False
@@ -96,14 +97,14 @@ def print_graph(kind: str, cfg: cg.GraphConfig, full_json: bool) -> bool:
     return True
 
 
-def run_on_blackwell(cfg: cg.GraphConfig, layout: str) -> None:
+def run_on_blackwell(cfg: cudnn_config.GraphConfig, layout: str) -> None:
     """Random inputs in cfg's layout; cuDNN vs ref on the same quantized bytes; prints an error table."""
-    from mxattn.backends.cudnn_backend import cudnn_backward, cudnn_forward
+    from mxattn.backends.cudnn.run import cudnn_backward, cudnn_forward
     from mxattn.formats import quantize_mxfp8
     from mxattn.metrics import max_abs, rel_rms
     from ref import mxfp8_ref
 
-    perm = cg.LAYOUT_PERMUTATIONS[layout]
+    perm = cudnn_config.LAYOUT_PERMUTATIONS[layout]
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def view(shape, dtype=torch.bfloat16):

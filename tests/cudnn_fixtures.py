@@ -9,9 +9,10 @@ import torch
 
 cudnn = pytest.importorskip("cudnn")
 
-from mxattn import cudnn_graphs as cg  # noqa: E402
+from mxattn.backends.cudnn import config as cudnn_config  # noqa: E402
+from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
 from mxattn import op_plans  # noqa: E402
-from mxattn.kernels.launch_plan import PlanCache  # noqa: E402
+from mxattn.runtime.plan_cache import PlanCache  # noqa: E402
 from mxattn.backends.cudnn import backend as cb  # noqa: E402
 from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
 from mxattn.backends.cudnn import run as cudnn_run  # noqa: E402
@@ -89,18 +90,18 @@ def fake_device(monkeypatch):
 
     def fake_build(kind, cfg, handle):
         state.built.append((kind, cfg))
-        return cg.PlannedGraph(kind, cfg, None, 0)
+        return cudnn_graphs.PlannedGraph(kind, cfg, None, 0)
 
     def fake_execute(plan, pack, device):
         state.launches.append((plan.cfg, pack))
         if plan.cfg.dsink:
-            pack[int(cg.BwdUid.DSINK)].copy_(torch.arange(plan.cfg.h_q, dtype=torch.float32).view(1, -1, 1, 1))
+            pack[int(cudnn_config.BwdUid.DSINK)].copy_(torch.arange(plan.cfg.h_q, dtype=torch.float32).view(1, -1, 1, 1))
 
     monkeypatch.setattr(cb, "_supported_state", lambda device: State())
     monkeypatch.setattr(cudnn_run, "_supported_state", lambda device: State())
     monkeypatch.setattr(cudnn_run, "execute", fake_execute)
     monkeypatch.setattr(cudnn_graphs, "build_and_plan", fake_build)
     fresh_op_plans(monkeypatch)
-    cg.GRAPH_CACHE.clear()
+    cudnn_graphs.GRAPH_CACHE.clear()
     yield state
-    cg.GRAPH_CACHE.clear()
+    cudnn_graphs.GRAPH_CACHE.clear()

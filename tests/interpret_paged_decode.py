@@ -164,7 +164,8 @@ def main() -> int:
         print("run with TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     _patch_interpreter()
-    from mxattn.kernels import triton_launch, triton_paged_attention as tp, triton_paged_decode as td
+    from mxattn.kernels import triton_paged_attention as tp, triton_paged_decode as td
+    from mxattn.runtime import triton_launch
     _replace_inline_asm(td)
     triton_launch.FAST_PATH = False          # Triton's own launcher (the interpreter's)
     tp.sm_count = lambda device: 132         # num_splits=0 decides as on an H100

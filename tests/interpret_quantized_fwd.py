@@ -77,7 +77,8 @@ def _stand_ins(fp8: bool):
     _patch_bf16_dot()
     from mxattn import checks
     from mxattn.backends import triton_backend as backend
-    from mxattn.kernels import triton_attention_fwd as tf, triton_common as tc, triton_launch, triton_quantize as tq
+    from mxattn.kernels import triton_attention_fwd as tf, triton_common as tc, triton_quantize as tq
+    from mxattn.runtime import triton_launch
     for module in (tc, tf, tq):
         for name, fn in (("e4m3_to_bf16_biased", _e4m3_to_bf16_biased), ("round_p_to_bf16", _round_p_to_bf16),
                          ("dequant_rows", _dequant_rows), ("dequant_cols", _dequant_cols)):

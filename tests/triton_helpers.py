@@ -28,8 +28,8 @@ def new_plan_caches() -> dict:
     record their own plans instead of replaying an earlier run's recordings (e.g. of another kernel choice)."""
     from mxattn import attention, op_plans
     from mxattn.backends import triton_backend as backend_module
-    from mxattn.kernels.affine_plan import AffinePlanCache
-    from mxattn.kernels.launch_plan import PlanCache
+    from mxattn.runtime.affine_plan import AffinePlanCache
+    from mxattn.runtime.plan_cache import PlanCache
     return {(backend_module, "_PLANS"): PlanCache(), (backend_module, "_AFFINE_PLANS"): AffinePlanCache(),
             (op_plans, "PLANS"): PlanCache(min_replays=16), (op_plans, "CALLS"): PlanCache(min_replays=16),
             (op_plans, "CALLS_AFFINE"): AffinePlanCache(), (attention, "_PLANS"): {}}
@@ -81,11 +81,11 @@ def record_launches(monkeypatch, request, keep_kwargs: bool = False, keep_args: 
 
 
 def stub_compiled_launches(monkeypatch, kernel_for) -> None:
-    """`mxattn.kernels.triton_launch` on the CPU: Triton's dispatcher replaced by kernel_for(fn) (a stand-in
+    """`mxattn.runtime.triton_launch` on the CPU: Triton's dispatcher replaced by kernel_for(fn) (a stand-in
     with the compiled kernel's run(g0, g1, g2, stream, function, metadata, h0, h1, h2, *args)), which is run
     once, as the dispatcher would, and then cached and launched directly as a compiled kernel (launch plans
     record and replay it); device and stream 0, fresh launch caches."""
-    from mxattn.kernels import triton_launch
+    from mxattn.runtime import triton_launch  
 
     def first_launch(fn, grid, args, kwargs):
         kernel = kernel_for(fn)

@@ -47,7 +47,7 @@ class AttentionParams:
     #: the numerics (`mxattn.Recipe`); a backend runs only those its `supports_recipe` accepts
     recipe: Recipe = DEFAULT_RECIPE
     #: a qkv_format when the caller wants the saved tensors dense in its order whatever the inputs' strides
-    #: (the compiled path's block is laid out from shapes and format alone, `mxattn.saved_block`); a backend
+    #: (the compiled path's block is laid out from shapes and format alone, `mxattn.runtime.saved_block`); a backend
     #: that lays them out otherwise has them copied into place. None: the backend's own layout
     saved_layout: Optional[str] = None
 
@@ -200,12 +200,12 @@ class AttentionBackend(abc.ABC):
     #: the class of what forward() keeps for backward() (see SavedForBackward, the default, for the three methods
     #: that carry it through autograd and torch.compile)
     saved_format: type = SavedForBackward
-    #: True when every kernel of forward() and backward() launches through `mxattn.kernels.triton_launch` and
+    #: True when every kernel of forward() and backward() launches through `mxattn.runtime.triton_launch` and
     #: their host paths read no tensor contents: the ops' bodies may then be recorded once per signature and
     #: replayed (`mxattn.op_plans`). Work issued any other way would be missing from a replay, unless reported
-    #: to the recording as a host call (`mxattn.kernels.host_calls.issue`: the cudnn backend's graph executions).
+    #: to the recording as a host call (`mxattn.runtime.host_calls.issue`: the cudnn backend's graph executions).
     replays_ops: bool = False
-    #: True when compiled calls keep stats and the saved tensors in one block (`mxattn.saved_block`: the packed
+    #: True when compiled calls keep stats and the saved tensors in one block (`mxattn.runtime.saved_block`: the packed
     #: ops); a replayed forward that writes them as `AttentionParams.saved_layout` asks hands its block over,
     #: other calls copy them in
     packs_compiled_saved: bool = True
@@ -272,7 +272,7 @@ class AttentionBackend(abc.ABC):
                                     params: AttentionParams) -> bool:
         """Whether forward(q, k, v, params)'s host path depends on the KV length n (k's dim 2) only through
         integers affine in n (sizes, strides, offsets, grids; no choice that changes with n), so that three
-        recorded calls predict every other length's launches (`mxattn.kernels.affine_plan`; decode steps).
+        recorded calls predict every other length's launches (`mxattn.runtime.affine_plan`; decode steps).
         Reads shapes only, never n beyond its being non-zero. The base class: False."""
         return False
 

@@ -36,9 +36,10 @@ from ..errors import MXFP8NotSupportedError
 from ..formats import MXFP8Tensor, segment_rows
 from ..layouts import empty_bhsd
 from ..seqinfo import SeqInfo, grid_rows, quantizer_args, zero_padding
-from ..kernels.affine_plan import AffinePlanCache
-from ..kernels.launch_plan import PlanCache, plan_key
-from ..kernels.recipe_flags import DEFAULT_FLAGS, kernel_recipe, unsupported_reason
+from ..runtime.affine_plan import AffinePlanCache
+from ..runtime.launch_plan import plan_key
+from ..runtime.plan_cache import PlanCache
+from ..runtime.recipe_flags import DEFAULT_FLAGS, kernel_recipe, unsupported_reason
 from .base import (AttentionBackend, AttentionParams, SavedForBackward, check_forward_quantized,
                    sink_grad_from_delta)
 
@@ -279,7 +280,7 @@ class TritonBackend(AttentionBackend):
     replays_ops = True
     @classmethod
     def supports_recipe(cls, recipe) -> Tuple[bool, str]:
-        """Every MXFP8 recipe runs as constexpr specialisations of the kernels (`kernels.recipe_flags`; the
+        """Every MXFP8 recipe runs as constexpr specialisations of the kernels (`runtime.recipe_flags`; the
         default recipe's machine code is unchanged by them); scaling="per_tensor" is refused with the reason."""
         reason = unsupported_reason(recipe)
         if reason is None:
@@ -345,7 +346,7 @@ class TritonBackend(AttentionBackend):
         """q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] bf16/fp16/fp32 CUDA (any strides; a packed batch as [1,H,T,D]
         views) -> (o [B,Hq,Sq,D] params.out_dtype, stats [B,Hq,Sq,1] fp32 log-sum-exp (-inf for rows that keep
         nothing, and for padding rows), SavedForBackward, or None when not params.needs_backward).
-        A call replays the launches recorded for its signature (`_PLANS`, `mxattn.kernels.launch_plan`)."""
+        A call replays the launches recorded for its signature (`_PLANS`, `mxattn.runtime.launch_plan`)."""
         roots = (q, k, v, params.sink, *_seq_roots(params))
         body = lambda: self._forward_flat(q, k, v, params)  # noqa: E731
         with device_guard(q.device):

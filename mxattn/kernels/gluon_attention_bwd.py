@@ -68,8 +68,8 @@ from triton.runtime.jit import constexpr_function
 
 from .gluon_attention_fwd import (_chunk_layouts, _dequant3, _round_p_to_bf16, _seq_lengths, _seq_rows,
                                   compile_gluon_sm90)
-from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
-from .triton_launch import cdiv, launch
+from ..runtime.recipe_flags import DEFAULT_FLAGS, KernelRecipe
+from ..runtime.triton_launch import cdiv, launch
 from .triton_attention_fwd import check_seq
 from .triton_bwd_prep import PACKED_GAP
 from ..seqinfo import grid_rows, grid_sequences, kernel_cu_seqlens

@@ -62,8 +62,8 @@ from .gluon_attention_bwd import (CONSUMER_REGS, LOG2E, PARTITION_WARPS, PRODUCE
                                   deferred_tail, gemm_release, issue_s_dp, layout_reason, packed_scratch_reason,
                                   recipe_bits, release, ring_stages, sequences_by_heads)
 from .gluon_attention_fwd import _seq_lengths, _seq_rows, _tile_of_program, _visited_blocks, compile_gluon_sm90
-from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
-from .triton_launch import cdiv, launch
+from ..runtime.recipe_flags import DEFAULT_FLAGS, KernelRecipe
+from ..runtime.triton_launch import cdiv, launch
 from .triton_attention_fwd import check_seq
 from .triton_bwd_prep import PACKED_GAP
 from ..seqinfo import grid_rows, grid_sequences, kernel_cu_seqlens

@@ -65,8 +65,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .recipe_flags import DEFAULT_FLAGS, P_MODE_BF16, P_MODE_LAZY16, KernelRecipe
-from .triton_launch import cdiv, launch
+from ..runtime.recipe_flags import DEFAULT_FLAGS, P_MODE_BF16, P_MODE_LAZY16, KernelRecipe
+from ..runtime.triton_launch import cdiv, launch
 from .triton_attention_fwd import _check_sink, check_seq
 from ..seqinfo import grid_rows, grid_sequences, kernel_cu_seqlens
 from .triton_common import (E4M3_TO_BF16_ASM, E4M3_TO_BF16_CONSTRAINTS, E4M3_TO_BF16_PACK, LAZY_THRESHOLD,

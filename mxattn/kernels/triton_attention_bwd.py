@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import cdiv, launch, sm_count
+from ..runtime.triton_launch import cdiv, launch, sm_count
 from .triton_attention_fwd import SCRATCH_BUDGET_BYTES, check_seq
 from .triton_bwd_prep import PACKED_GAP, bwd_prep, kv_prep
 from .triton_bwd_tiles import _col_tile, _row_tile, _store_rows
@@ -34,7 +34,7 @@ from .triton_common import (LOG2E, P_DESCALE, P_SCALE, band_block_range, program
                             tile_offsets)
 from .triton_quantize import padded_head_dim, row_tiles, seq_programs
 from ..seqinfo import grid_rows, grid_sequences, kernel_cu_seqlens, kernel_flags
-from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
+from ..runtime.recipe_flags import DEFAULT_FLAGS, KernelRecipe
 
 
 @triton.jit

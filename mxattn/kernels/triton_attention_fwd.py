@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import launch
+from ..runtime.triton_launch import launch
 from .triton_common import (LN2, LOG2E, band_block_range, dequant_cols, dequant_rows,
                             load_tile, program_prologue, quantize_cols, quantize_rows, round_p, seq_prologue,
                             softmax_block, softmax_start, tile_offsets)
-from .recipe_flags import DEFAULT_FLAGS, KernelRecipe
+from ..runtime.recipe_flags import DEFAULT_FLAGS, KernelRecipe
 from ..seqinfo import SeqInfo, grid_rows, grid_sequences, kernel_cu_seqlens, kernel_flags
 from .triton_quantize import check_cu_seqlens, padded_head_dim, row_tiles, seq_programs
 

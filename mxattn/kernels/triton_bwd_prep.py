@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import cdiv, launch
+from ..runtime.triton_launch import cdiv, launch
 from .triton_bwd_tiles import _col_tile, _row_tile
 from .triton_common import MX_BLOCK, dequant_cols, dequant_rows, load_tile, quantize_cols, quantize_rows, seq_span
 from .triton_quantize import padded_head_dim, row_tiles, seq_programs

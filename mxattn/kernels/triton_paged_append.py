@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import MX_BLOCK, quantize_cols, quantize_rows
-from .triton_launch import launch
+from ..runtime.triton_launch import launch
 from .triton_quantize import padded_head_dim
 
 

@@ -56,7 +56,7 @@ from ..constants import MAX_KV_SPLITS
 from .triton_attention_fwd import BF16_FWD_CONFIGS, BLOCK_N
 from .triton_common import (LOG2E, band_block_range, block_max, dequant_cols, dequant_rows, load_tile,
                             mask_logits, quantize_cols, quantize_rows, round_p_to_bf16, softmax_block, softmax_start)
-from .triton_launch import cdiv, launch, sm_count
+from ..runtime.triton_launch import cdiv, launch, sm_count
 from .triton_paged_decode import _block_pages, _decode_scores, _decode_values, _load_scores, _q_block, _store_scores
 from .triton_quantize import padded_head_dim
 

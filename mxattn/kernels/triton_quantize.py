@@ -26,7 +26,7 @@ from ..checks import check_bhsd_tensor
 from ..formats import MXFP8Tensor
 from ..layouts import empty_bhsd
 from ..seqinfo import covered_rows
-from .triton_launch import cdiv, launch, pow2_ceil
+from ..runtime.triton_launch import cdiv, launch, pow2_ceil
 from ..constants import INPUT_DTYPES
 from .triton_common import (  # noqa: F401 -- the shared helpers, also importable from here
     LN2, LOG2_P_SCALE, LOG2E, MX_BLOCK, P_DESCALE, P_SCALE, block_amax_bits, dequant_cols, dequant_factors_bf16,
@@ -178,7 +178,7 @@ class RowColQuantized(NamedTuple):
     col_swizzled: E8M0 [ceil(D/128)*128, B*H*S32p] (S32p = ceil(ceil(S/32)/4)*4): the column scales of every
         (b, h) slab, each padded to S32p blocks, as one [B*H*S32p, D] matrix transposed and in F8_128x4 order
         (M = D, K = S blocks of all slabs): the bytes of the cuDNN graph's column-wise scale tensor
-        (`mxattn.cudnn_graphs.col_scale_bytes`).
+        (`mxattn.backends.cudnn.buffers.col_scale_bytes`).
     row_dequant / col_dequant: contiguous bf16 [B, H, S, D], the exact dequantization of row / col.
     """
 
@@ -355,7 +355,7 @@ def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequan
     sr = sc if sr is None else sr
     # row-wise: one [Sp, D32p] F8_128x4 slab per (b, h); column-wise: cuDNN's order, the [B*H*S32p, D] matrix of
     # every slab's blocks (each padded to S32p) transposed and swizzled as one (M = D, K = B*H*S32p), so slab
-    # (b, h) starts S32p / 4 atoms of 512 bytes further along K (`mxattn.cudnn_graphs.col_scale_bytes`)
+    # (b, h) starts S32p / 4 atoms of 512 bytes further along K (`mxattn.backends.cudnn.buffers.col_scale_bytes`)
     srz_kp, s32p = cdiv(nr, 4) * 4, cdiv(nc, 4) * 4
     srz_slab, scz_kp, scz_slab = cdiv(S, 128) * 128 * srz_kp, B * H * s32p, s32p * 128
     srz = torch.zeros((B, H, cdiv(S, 128) * 128, srz_kp), dtype=torch.uint8, device=dev) \

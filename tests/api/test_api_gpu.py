@@ -90,10 +90,11 @@ def test_compile_forward_and_backward_on_gpu(mode):
 
 def test_compiled_fused_projection_calls_replay_packed_and_equal_eager(monkeypatch):
     """A compiled layer in GPT-2's shape (q, k, v as bhsd views of one fused projection, new values every step):
-    the packed ops (`mxattn.saved_block`) give the eager call's O and gradients bit for bit at every step; from
+    the packed ops (`mxattn.runtime.saved_block`) give the eager call's O and gradients bit for bit at every step; from
     the third step the forward's replay hands its block over without copying (its launches issued by the
     generated code of `launch_plan`, through Triton's C launcher), and the backward replays onto the block."""
-    from mxattn import op_plans, saved_block
+    from mxattn import op_plans
+    from mxattn.runtime import saved_block
     torch._dynamo.reset()
     copies = []
     real_pack = saved_block.pack

@@ -345,7 +345,8 @@ def test_packed_ops_keep_what_the_unpacked_ops_keep_in_the_layout_their_fakes_pr
     equal to the unpacked backward's, for every layout the eager path accepts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from mxattn import ops, saved_block
+    from mxattn import ops
+    from mxattn.runtime import saved_block
     from mxattn.op_args import FwdArgs
     q, k, v, fmt, seq = _op_case(case)
     args = FwdArgs(q, k, v, 0.125, False, None, 0, torch.bfloat16, fmt, "reference", *seq, None)

@@ -1,6 +1,6 @@
-"""The package's public names survive imports of its submodules (a submodule import binds its name on the
-package; a public name equal to a submodule's must be bound after it), and the old module paths of moved code
-re-export the same objects. Fresh interpreters: what an earlier test imported must not hide the problem."""
+"""The package's shape: public names survive imports of its submodules (a submodule import binds its name on the
+package; a public name equal to a submodule's must be bound after it), no import cycle, kernels apart from the
+layers above them, short modules. Fresh interpreters: what an earlier test imported must not hide the problem."""
 
 import subprocess
 import sys
@@ -32,20 +32,63 @@ def test_importing_every_submodule_keeps_the_public_names():
     assert int(names) >= 15 and callable_ == "True", line
 
 
-def test_old_module_paths_reexport_the_moved_objects():
-    _run("""
-import importlib
-# (`import mxattn.cudnn_support as x` would give the function of that name: the package attribute wins)
-old_support = importlib.import_module("mxattn.cudnn_support")
-old_graphs = importlib.import_module("mxattn.cudnn_graphs")
-old_backend = importlib.import_module("mxattn.backends.cudnn_backend")
-from mxattn.backends.cudnn import support, buffers, config, backend
-assert old_support.cudnn_support is support.cudnn_support
-assert old_graphs.col_scale_buffer is buffers.col_scale_buffer and old_graphs.GraphConfig is config.GraphConfig
-assert old_backend.CudnnBackend is backend.CudnnBackend
-import mxattn
-assert callable(mxattn.cudnn_support) and mxattn.cudnn_support is support.cudnn_support
-""")
+def _import_graph():
+    """{module: the package modules it imports} of mxattn, read from the source (every import, lazy ones too)."""
+    import ast
+    from repo_paths import ROOT
+    files = {}
+    for path in (ROOT / "mxattn").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:  # a submodule imported by name is the edge, else the module itself
+                    targets.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in files else module)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph, files
+
+
+def test_the_package_has_no_import_cycle():
+    graph, _ = _import_graph()
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_kernels_hold_kernels_and_no_module_is_too_long():
+    """`kernels/` holds device code and its launch wrappers: they may use the runtime's launcher, never a
+    backend or the op layer; every module stays short enough to read in one sitting."""
+    graph, files = _import_graph()
+    for name, targets in graph.items():
+        if name.startswith("mxattn.kernels."):
+            bad = {t for t in targets if t.startswith(("mxattn.backends", "mxattn.ops", "mxattn.op_", "mxattn.attention",
+                                                      "mxattn.integrations", "mxattn.kvcache"))}
+            assert not bad, f"{name} imports {sorted(bad)}"
+        if name.startswith("mxattn.runtime."):
+            assert not {t for t in targets if t.startswith("mxattn.backends")}, name
+    long = {name: n for name, path in files.items() if (n := len(path.read_text().splitlines())) > 700}
+    assert not long, f"modules over 700 lines: {long}"
 
 
 def test_a_cudnn_module_that_is_not_the_frontend_makes_the_backend_unavailable_with_the_reason(tmp_path):

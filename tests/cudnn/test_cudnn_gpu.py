@@ -23,11 +23,13 @@ import torch
 cudnn = pytest.importorskip("cudnn")
 
 import mxattn  # noqa: E402
-from mxattn import cudnn_graphs as cg  # noqa: E402
+from mxattn.backends.cudnn import config as cudnn_config  # noqa: E402
+from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
 from mxattn.backends.base import AttentionParams  # noqa: E402
 from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
-from mxattn.backends.cudnn_backend import CudnnBackend, cudnn_backward, cudnn_forward  # noqa: E402
-from mxattn.cudnn_support import MIN_BACKEND_VERSION, cudnn_support  # noqa: E402
+from mxattn.backends.cudnn.backend import CudnnBackend  # noqa: E402
+from mxattn.backends.cudnn.run import cudnn_backward, cudnn_forward  # noqa: E402
+from mxattn.backends.cudnn.support import MIN_BACKEND_VERSION, cudnn_support  # noqa: E402
 from mxattn.errors import MXFP8NotSupportedError  # noqa: E402
 from mxattn.formats import quantize_mxfp8  # noqa: E402
 from mxattn.mask import MaskSpec  # noqa: E402
@@ -69,7 +71,7 @@ def test_non_blackwell_refuses_fast_with_a_reason_and_no_leak():
     q = torch.randn(1, 4, 256, 128, device="cuda", dtype=torch.bfloat16)
     qr, vc = quantize_mxfp8(q, -1), quantize_mxfp8(q, -2)
     params = AttentionParams(softmax_scale=0.125, mask=MaskSpec(causal=True))
-    cfg = cg.GraphConfig.from_layout(1, 4, 4, 256, 256, 128, layout="bshd", mask=MaskSpec(causal=True))
+    cfg = cudnn_config.GraphConfig.from_layout(1, 4, 4, 256, 256, 128, layout="bshd", mask=MaskSpec(causal=True))
     handle = cudnn.create_handle()
     messages = []
 
@@ -79,9 +81,9 @@ def test_non_blackwell_refuses_fast_with_a_reason_and_no_leak():
         with pytest.raises(MXFP8NotSupportedError) as typed_path:
             cudnn_forward(qr, qr, vc, attn_scale=0.125)
         messages[:] = [str(backend_path.value), str(typed_path.value)]
-        for kind, build in (("forward", cg.build_forward_graph), ("backward", cg.build_backward_graph)):
+        for kind, build in (("forward", cudnn_graphs.build_forward_graph), ("backward", cudnn_graphs.build_backward_graph)):
             with pytest.raises(MXFP8NotSupportedError) as cudnn_path:  # cuDNN's own answer for this device
-                cg.plan_graph(build(cfg, handle), cfg, kind)
+                cudnn_graphs.plan_graph(build(cfg, handle), cfg, kind)
             messages.append(str(cudnn_path.value))
 
     try:
@@ -231,9 +233,9 @@ def test_backend_class_is_the_typed_functions_and_the_cache_is_reused():
     backend = CudnnBackend()
     assert backend.availability(q.device)[0]
     o, stats, saved = backend.forward(q, k, v, params)
-    n_graphs = len(cg.GRAPH_CACHE)
+    n_graphs = len(cudnn_graphs.GRAPH_CACHE)
     o2, stats2, _ = backend.forward(q, k, v, params)
-    assert len(cg.GRAPH_CACHE) == n_graphs and torch.equal(o, o2) and torch.equal(stats, stats2)
+    assert len(cudnn_graphs.GRAPH_CACHE) == n_graphs and torch.equal(o, o2) and torch.equal(stats, stats2)
     expected, _, _ = cudnn_forward(quantize_mxfp8(q, -1), quantize_mxfp8(k, -1), quantize_mxfp8(v, -2),
                                    attn_scale=0.1, mask=MaskSpec(causal=True))
     assert torch.equal(o, expected)
@@ -323,10 +325,10 @@ def test_new_lengths_at_the_same_maximum_do_not_rebuild(varlen, monkeypatch):
     if not ok:
         pytest.skip(reason)
     built = []
-    real = cg.build_and_plan
+    real = cudnn_graphs.build_and_plan
     monkeypatch.setattr(cudnn_graphs, "build_and_plan",
                         lambda kind, cfg, handle: built.append(kind) or real(kind, cfg, handle))
-    cg.GRAPH_CACHE.clear()
+    cudnn_graphs.GRAPH_CACHE.clear()
     gen = torch.Generator(device="cuda").manual_seed(11)
     for lengths_q, lengths_kv in (([300, 5, 77, 512], [512, 64, 200, 129]), ([1, 512, 400, 9], [33, 512, 2, 300])):
         seq, q, k, v, do = _varlen_batch(varlen, lengths_q, lengths_kv, 8, 2, 128, gen)
@@ -457,7 +459,7 @@ def test_replayed_public_calls_equal_the_ordinary_path_bit_for_bit(hkv, causal, 
     and dV equal bit for bit to the same calls with op replays off, and the replay did run (no backend code on
     the last call)."""
     from mxattn import op_plans
-    from mxattn.kernels import launch_plan
+    from mxattn.runtime import launch_plan  
     ok, reason = _blackwell_ready()
     if not ok:
         pytest.skip(reason)

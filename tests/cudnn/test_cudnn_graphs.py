@@ -1,6 +1,6 @@
 """CPU checks of the cuDNN MXFP8 attention graphs: cuDNN's own validation and JSON, variant packs, scale bytes.
 
-Expected dims/strides/types are computed here from spec sections 4-5 (not from mxattn.cudnn_graphs), and the
+Expected dims/strides/types are computed here from spec sections 4-5 (not from mxattn.backends.cudnn), and the
 scale bytes from the F8_128x4 byte-offset formula; the graphs are lowered to the cuDNN C++ frontend without a
 GPU (deviceless, targeting SM 10.0), so cuDNN's own arch-aware validation runs on every config.
 """
@@ -17,11 +17,13 @@ import torch
 
 cudnn = pytest.importorskip("cudnn")
 
-from mxattn import cudnn_graphs as cg  # noqa: E402
+from mxattn.backends.cudnn import buffers as cudnn_buffers  # noqa: E402
+from mxattn.backends.cudnn import config as cudnn_config  # noqa: E402
+from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
 from mxattn.backends.base import AttentionParams  # noqa: E402
-from mxattn.backends.cudnn_backend import (CudnnBackend, backward_buffers, backward_config,  # noqa: E402
-                                           cudnn_forward, forward_buffers, forward_config)
-from mxattn.cudnn_support import cudnn_support, version_text  # noqa: E402
+from mxattn.backends.cudnn.backend import CudnnBackend  # noqa: E402
+from mxattn.backends.cudnn.run import backward_buffers, backward_config, cudnn_forward, forward_buffers, forward_config  # noqa: E402
+from mxattn.backends.cudnn.support import cudnn_support, version_text  # noqa: E402
 from mxattn.errors import MXFP8NotSupportedError  # noqa: E402
 from mxattn.formats import quantize_mxfp8  # noqa: E402
 from mxattn.mask import MaskSpec  # noqa: E402
@@ -59,7 +61,7 @@ def row_sf(b, h, s, d):  # spec 4: SF_Q, SF_K, SF_dO, backward SF_V: [B, H, Sp, 
 def col_sf(b, h, s, d):  # spec 4: forward SF_V and *_T: [B, H, S32p, Dp], the C++ sample's strides (or row-major)
     s32p, dp = cdiv(cdiv(s, 32), 4) * 4, cdiv(d, 128) * 128
     dims = [b, h, s32p, dp]
-    return dims, [h * s32p * dp, s32p * dp, 1, s32p] if cg.COL_SCALE_BLOCK_AXIS_CONTIGUOUS else row_major(dims)
+    return dims, [h * s32p * dp, s32p * dp, 1, s32p] if cudnn_config.COL_SCALE_BLOCK_AXIS_CONTIGUOUS else row_major(dims)
 
 
 def expected_tensors(kind, b, hq, hk, sq, skv, dqk, dv, layout, out="BFLOAT16"):
@@ -125,17 +127,17 @@ def check_json(j, kind, cfg, layout):
 def test_every_graph_of_the_matrix_validates_with_spec_tensors(kind):
     """Full product: 4 s x 3 d x 3 head ratios x 6 masks x 3 layouts. Each graph passes pygraph validate() and
     build_operation_graph() and cuDNN's C++ validate(); its JSON has exactly the spec's tensors."""
-    build = cg.build_forward_graph if kind == "forward" else cg.build_backward_graph
+    build = cudnn_graphs.build_forward_graph if kind == "forward" else cudnn_graphs.build_backward_graph
     checked = rejected = 0
     for s, (dqk, dv), (hq, hk), mask, layout in itertools.product(SEQS, HEAD_DIMS, HEADS, MASKS.values(), LAYOUTS):
-        cfg = cg.GraphConfig.from_layout(2, hq, hk, s, s, dqk, dv, layout=layout, mask=mask, attn_scale=0.0884)
+        cfg = cudnn_config.GraphConfig.from_layout(2, hq, hk, s, s, dqk, dv, layout=layout, mask=mask, attn_scale=0.0884)
         graph = build(cfg)  # pygraph validate() + build_operation_graph()
         if cudnn_rejects(kind, s, s, mask):
             with pytest.raises(MXFP8NotSupportedError, match="multiple of 64"):
-                cg.graph_json(graph)
+                cudnn_graphs.graph_json(graph)
             rejected += 1
             continue
-        check_json(cg.graph_json(graph), kind, cfg, layout)
+        check_json(cudnn_graphs.graph_json(graph), kind, cfg, layout)
         checked += 1
     assert checked + rejected == 4 * 3 * 3 * len(MASKS) * 3
     assert rejected == (27 * 2 if kind == "backward" else 0)
@@ -143,12 +145,12 @@ def test_every_graph_of_the_matrix_validates_with_spec_tensors(kind):
 
 @needs_mxfp8_cudnn
 def test_unequal_lengths_fp16_and_nondeterministic_backward():
-    cfg = cg.GraphConfig.from_layout(1, 4, 4, 256, 1024, 128, layout="bshd", out_dtype=torch.float16,
+    cfg = cudnn_config.GraphConfig.from_layout(1, 4, 4, 256, 1024, 128, layout="bshd", out_dtype=torch.float16,
                                      mask=MaskSpec(causal=True, diagonal_alignment="bottom_right"),
                                      deterministic=False)
-    for kind, build in (("forward", cg.build_forward_graph), ("backward", cg.build_backward_graph)):
+    for kind, build in (("forward", cudnn_graphs.build_forward_graph), ("backward", cudnn_graphs.build_backward_graph)):
         graph = build(cfg)
-        j = cg.graph_json(graph)
+        j = cudnn_graphs.graph_json(graph)
         out = {t["name"]: t["data_type"] for t in j["tensors"]}
         assert out["O"] == "HALF" and (kind == "forward" or out["DQ"] == "HALF")
         if kind == "backward":
@@ -167,9 +169,9 @@ def test_unequal_lengths_fp16_and_nondeterministic_backward():
 def test_cudnn_rejection_carries_cudnns_reason(case, message):
     args = dict(b=1, h_q=2, h_kv=2, s_q=256, s_kv=256, d_qk=128)
     args.update({k: v for k, v in case.items() if k in args})
-    cfg = cg.GraphConfig.from_layout(**args, d_v=case.get("d_v"), mask=case.get("mask"))
+    cfg = cudnn_config.GraphConfig.from_layout(**args, d_v=case.get("d_v"), mask=case.get("mask"))
     with pytest.raises(MXFP8NotSupportedError, match=message.replace("(", r"\(")):
-        cg.graph_json(cg.build_forward_graph(cfg))
+        cudnn_graphs.graph_json(cudnn_graphs.build_forward_graph(cfg))
 
 
 @pytest.mark.parametrize("bad, error", [
@@ -181,9 +183,9 @@ def test_config_rejects_bad_values(bad, error):
     good = dict(b=1, h_q=6, h_k=2, h_v=2, s_q=128, s_kv=128, d_qk=64, d_v=64, attn_scale=0.125,
                 q_stride=(49152, 8192, 64, 1), k_stride=(16384, 8192, 64, 1), v_stride=(16384, 8192, 64, 1),
                 o_stride=(49152, 8192, 64, 1))
-    cg.GraphConfig(**good)
+    cudnn_config.GraphConfig(**good)
     with pytest.raises(error):
-        cg.GraphConfig(**{**good, **bad})
+        cudnn_config.GraphConfig(**{**good, **bad})
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -237,11 +239,11 @@ def random_scale(*shape, seed=0):
 @pytest.mark.parametrize("b, h, s, d", [(1, 1, 128, 64), (2, 3, 500, 192), (1, 2, 4096, 128), (2, 1, 33, 96)])
 def test_scale_buffers_hold_the_f8_128x4_bytes(b, h, s, d):
     row = random_scale(b, h, s, cdiv(d, 32), seed=1)
-    buf = cg.row_scale_buffer(row)
+    buf = cudnn_buffers.row_scale_buffer(row)
     assert list(buf.shape) == row_sf(b, h, s, d)[0] and buf.dtype == torch.float8_e8m0fnu
     assert torch.equal(raw_bytes(buf), expected_row_bytes(row))
     col = random_scale(b, h, cdiv(s, 32), d, seed=2)
-    buf = cg.col_scale_buffer(col)
+    buf = cudnn_buffers.col_scale_buffer(col)
     assert (list(buf.shape), list(buf.stride())) == col_sf(b, h, s, d)
     assert torch.equal(raw_bytes(buf), expected_col_bytes(col))
     same_as_spec_slabs = torch.equal(expected_col_bytes(col), spec_slab_col_bytes(col))
@@ -291,17 +293,17 @@ def test_variant_packs_match_the_graphs(case):
     bcfg = backward_config(*args, attn_scale=0.1, mask=mask)
     bpack, grads = backward_buffers(bcfg, *args)
     assert fcfg.q_stride == tuple(view_strides(q.shape, layout))
-    assert b == 1 or cg.layout_name(fcfg.q_stride) == layout  # at b=1, bshd and sbhd strides coincide
+    assert b == 1 or cudnn_config.layout_name(fcfg.q_stride) == layout  # at b=1, bshd and sbhd strides coincide
     # O comes back in the inputs' layout (strides of size-1 axes are immaterial)
     assert [st for st, n in zip(o_out.stride(), o_out.shape) if n > 1] == \
         [st for st, n in zip(view_strides(o_out.shape, layout), o_out.shape) if n > 1]
 
-    for kind, cfg, pack, build in (("forward", fcfg, fpack, cg.build_forward_graph),
-                                   ("backward", bcfg, bpack, cg.build_backward_graph)):
+    for kind, cfg, pack, build in (("forward", fcfg, fpack, cudnn_graphs.build_forward_graph),
+                                   ("backward", bcfg, bpack, cudnn_graphs.build_backward_graph)):
         graph = build(cfg)
         if cudnn_rejects(kind, s, s, mask):
             continue
-        tensors = {t["uid"]: t for t in cg.graph_json(graph)["tensors"] if not t["is_virtual"]}
+        tensors = {t["uid"]: t for t in cudnn_graphs.graph_json(graph)["tensors"] if not t["is_virtual"]}
         assert sorted(pack) == sorted(tensors) and all(type(uid) is int for uid in pack)
         for uid, t in tensors.items():
             got = pack[uid]
@@ -309,12 +311,12 @@ def test_variant_packs_match_the_graphs(case):
                 (t["dim"], t["stride"], TORCH_OF[t["data_type"]]), f"{kind} {t['name']}"
 
     # data slots are the quantized tensors themselves (layout by strides, no copies); scales hold the spec bytes
-    assert fpack[cg.FwdUid.Q] is qr.data and fpack[cg.FwdUid.K] is kr.data and fpack[cg.FwdUid.V] is vc.data
-    assert fpack[cg.FwdUid.O] is o_out and fpack[cg.FwdUid.STATS] is stats_out and fpack[cg.FwdUid.AMAX_O] is amax
-    for uid, x in ((cg.FwdUid.SF_Q, qr), (cg.FwdUid.SF_K, kr)):
+    assert fpack[cudnn_config.FwdUid.Q] is qr.data and fpack[cudnn_config.FwdUid.K] is kr.data and fpack[cudnn_config.FwdUid.V] is vc.data
+    assert fpack[cudnn_config.FwdUid.O] is o_out and fpack[cudnn_config.FwdUid.STATS] is stats_out and fpack[cudnn_config.FwdUid.AMAX_O] is amax
+    for uid, x in ((cudnn_config.FwdUid.SF_Q, qr), (cudnn_config.FwdUid.SF_K, kr)):
         assert torch.equal(raw_bytes(fpack[uid]), expected_row_bytes(x.scale))
-    assert torch.equal(raw_bytes(fpack[cg.FwdUid.SF_V]), expected_col_bytes(vc.scale))
-    B = cg.BwdUid
+    assert torch.equal(raw_bytes(fpack[cudnn_config.FwdUid.SF_V]), expected_col_bytes(vc.scale))
+    B = cudnn_config.BwdUid
     for uid, x in ((B.Q, qr), (B.Q_T, qc), (B.K, kr), (B.K_T, kc), (B.V, vr), (B.DO, dor), (B.DO_T, doc)):
         assert bpack[uid] is x.data
     assert bpack[B.O] is o and bpack[B.DO_F16] is do and torch.equal(bpack[B.STATS], stats)
@@ -332,13 +334,13 @@ def test_pack_rejects_a_mismatching_tensor_by_name():
     qr, kr, vc = quantize_mxfp8(q, -1), quantize_mxfp8(k, -1), quantize_mxfp8(v, -2)
     cfg = forward_config(qr, kr, vc, attn_scale=0.125)
     pack, (o, stats, amax) = forward_buffers(cfg, qr, kr, vc)
-    (qd, sf_q), (kd, sf_k), (vd, sf_v) = cg.operand(qr), cg.operand(kr), cg.operand(vc)
+    (qd, sf_q), (kd, sf_k), (vd, sf_v) = cudnn_buffers.operand(qr), cudnn_buffers.operand(kr), cudnn_buffers.operand(vc)
     ok = dict(q=qd, sf_q=sf_q, k=kd, sf_k=sf_k, v=vd, sf_v=sf_v, o=o, stats=stats, amax_o=amax)
-    assert cg.forward_pack(cfg, **ok).keys() == pack.keys()
+    assert cudnn_buffers.forward_pack(cfg, **ok).keys() == pack.keys()
     for name, bad in (("q", qd.contiguous()), ("sf_v", sf_v.contiguous()), ("o", o.float()),
                       ("stats", stats[:, :1])):
         with pytest.raises(ValueError, match=f"^{name} must be"):
-            cg.forward_pack(cfg, **{**ok, name: bad})
+            cudnn_buffers.forward_pack(cfg, **{**ok, name: bad})
 
 
 def test_typed_interface_rejects_bad_inputs_before_running():
@@ -362,7 +364,7 @@ def test_typed_interface_rejects_bad_inputs_before_running():
 
 
 def test_cache_keys_pin_every_fact_of_the_arguments():
-    from mxattn.backends.cudnn_backend import backward_key, forward_key
+    from mxattn.backends.cudnn.run import backward_key, forward_key
     case = (128, (64, 64), (8, 2), "none", "bshd")
     b, q, k, v, o, do, _ = make_inputs(case, seed=5)
     qr, kr, vc = quantize_mxfp8(q, -1), quantize_mxfp8(k, -1), quantize_mxfp8(v, -2)
@@ -397,13 +399,13 @@ def test_graph_cache_is_a_bounded_thread_safe_lru():
         def fake_build():  # stands in for build + plan, which need the device
             with lock:
                 built.append((kind, cfg.s_q, device_index))
-            return cg.PlannedGraph(kind, cfg, object(), 0)
+            return cudnn_graphs.PlannedGraph(kind, cfg, object(), 0)
         return cache.get((kind, cfg, device_index), fake_build)
 
-    cache = cg.GraphCache(maxsize=3)
-    cfgs = [cg.GraphConfig.from_layout(1, 2, 2, s, s, 64) for s in (128, 256, 384, 512)]
+    cache = cudnn_graphs.GraphCache(maxsize=3)
+    cfgs = [cudnn_config.GraphConfig.from_layout(1, 2, 2, s, s, 64) for s in (128, 256, 384, 512)]
     first = get(cache, "forward", cfgs[0], 0)
-    same = cg.GraphConfig.from_layout(1, 2, 2, 128, 128, 64)  # equal config, new object: a hit
+    same = cudnn_config.GraphConfig.from_layout(1, 2, 2, 128, 128, 64)  # equal config, new object: a hit
     assert get(cache, "forward", same, 0) is first and len(built) == 1
     assert cache.lookup(("forward", same, 0)) is first and cache.lookup(("forward", cfgs[1], 0)) is None
     assert get(cache, "forward", cfgs[0], 1) is not first  # another device: another graph
@@ -423,7 +425,7 @@ def test_graph_cache_is_a_bounded_thread_safe_lru():
         cache.get("never", failing)
     assert cache.lookup("never") is None  # failures are not cached
 
-    cache = cg.GraphCache(maxsize=2)
+    cache = cudnn_graphs.GraphCache(maxsize=2)
     results, barrier = [], threading.Barrier(16)
 
     def worker(i):
@@ -439,7 +441,7 @@ def test_graph_cache_is_a_bounded_thread_safe_lru():
     assert len(results) == 800 and len(cache) == 2
     assert all(r.cfg == cfgs[r.cfg.s_q // 128 - 1] for r in results)
     with pytest.raises(ValueError):
-        cg.GraphCache(maxsize=0)
+        cudnn_graphs.GraphCache(maxsize=0)
 
 
 def test_cudnn_support_on_this_machine_says_why_and_never_raises():

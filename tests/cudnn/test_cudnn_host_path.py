@@ -2,7 +2,7 @@
 `captured_packs` fixture keeps the variant packs that would reach cuDNN), through the public API, eager and
 compiled, dense and padded:
 
-* every FP8 and scale slot holds what `mxattn.formats` + `mxattn.cudnn_graphs` make from the inputs (on the CPU
+* every FP8 and scale slot holds what `mxattn.formats` + `mxattn.backends.cudnn.buffers` make from the inputs (on the CPU
   with torch ops; on a CUDA GPU the fused Triton quantizer writes the same bytes, compared slot by slot);
 * the backward hands cuDNN the forward's F8_128x4 scale tensors (the same memory, no second swizzle);
 * the saved format's fake tensors (torch.compile) are shaped, typed and strided as the real ones.
@@ -16,9 +16,9 @@ import torch
 pytest.importorskip("cudnn")
 
 import mxattn  # noqa: E402
-from mxattn import cudnn_graphs as cg  # noqa: E402
+from mxattn.backends.cudnn import buffers as cudnn_buffers  # noqa: E402
 from mxattn.backends.cudnn import backend as cb  # noqa: E402
-from mxattn.cudnn_graphs import BwdUid, FwdUid  # noqa: E402
+from mxattn.backends.cudnn.config import BwdUid, FwdUid  # noqa: E402
 from mxattn.formats import quantize_mxfp8  # noqa: E402
 from cudnn_fixtures import captured_packs  # noqa: E402,F401
 
@@ -91,15 +91,15 @@ def test_packs_hold_the_quantized_inputs_and_reuse_the_forward_scales(device, pa
     row = {n: quantize_mxfp8(x, axis=-1) for n, x in bhsd.items()}
     col = {n: quantize_mxfp8(x, axis=-2) for n, x in bhsd.items()}
     want = {FwdUid.Q: row["q"].data, FwdUid.K: row["k"].data, FwdUid.V: col["v"].data,
-            FwdUid.SF_Q: cg.row_scale_buffer(row["q"].scale), FwdUid.SF_K: cg.row_scale_buffer(row["k"].scale),
-            FwdUid.SF_V: cg.col_scale_buffer(col["v"].scale),
+            FwdUid.SF_Q: cudnn_buffers.row_scale_buffer(row["q"].scale), FwdUid.SF_K: cudnn_buffers.row_scale_buffer(row["k"].scale),
+            FwdUid.SF_V: cudnn_buffers.col_scale_buffer(col["v"].scale),
             BwdUid.Q: row["q"].data, BwdUid.Q_T: col["q"].data, BwdUid.K: row["k"].data, BwdUid.K_T: col["k"].data,
             BwdUid.V: row["v"].data, BwdUid.DO: row["do"].data, BwdUid.DO_T: col["do"].data,
             BwdUid.DO_F16: bhsd["do"],
-            BwdUid.SF_Q: cg.row_scale_buffer(row["q"].scale), BwdUid.SF_Q_T: cg.col_scale_buffer(col["q"].scale),
-            BwdUid.SF_K: cg.row_scale_buffer(row["k"].scale), BwdUid.SF_K_T: cg.col_scale_buffer(col["k"].scale),
-            BwdUid.SF_V: cg.row_scale_buffer(row["v"].scale), BwdUid.SF_DO: cg.row_scale_buffer(row["do"].scale),
-            BwdUid.SF_DO_T: cg.col_scale_buffer(col["do"].scale)}
+            BwdUid.SF_Q: cudnn_buffers.row_scale_buffer(row["q"].scale), BwdUid.SF_Q_T: cudnn_buffers.col_scale_buffer(col["q"].scale),
+            BwdUid.SF_K: cudnn_buffers.row_scale_buffer(row["k"].scale), BwdUid.SF_K_T: cudnn_buffers.col_scale_buffer(col["k"].scale),
+            BwdUid.SF_V: cudnn_buffers.row_scale_buffer(row["v"].scale), BwdUid.SF_DO: cudnn_buffers.row_scale_buffer(row["do"].scale),
+            BwdUid.SF_DO_T: cudnn_buffers.col_scale_buffer(col["do"].scale)}
     for uid, expected in want.items():
         got = (fwd if isinstance(uid, FwdUid) else bwd)[uid]
         assert got.shape == expected.shape, uid

@@ -23,9 +23,10 @@ import mxattn  # noqa: E402
 from mxattn import checks, op_plans  # noqa: E402
 from mxattn.backends.cudnn import backend as cb  # noqa: E402
 from mxattn.backends.cudnn.buffers import col_scale_bytes, row_scale_buffer  # noqa: E402
-from mxattn.cudnn_graphs import BwdUid, FwdUid  # noqa: E402
+from mxattn.backends.cudnn.config import BwdUid, FwdUid  # noqa: E402
 from mxattn.formats import quantize_mxfp8  # noqa: E402
-from mxattn.kernels import launch_plan, triton_quantize as tq  # noqa: E402
+from mxattn.kernels import triton_quantize as tq  # noqa: E402
+from mxattn.runtime import launch_plan, plan_cache  # noqa: E402
 from cudnn_fixtures import captured_packs  # noqa: E402,F401
 from triton_helpers import stub_compiled_launches  # noqa: E402
 
@@ -92,7 +93,7 @@ def fused_on_cpu(monkeypatch, captured_packs):
     monkeypatch.setattr(tq, "check_bhsd_tensor", lambda x, name, dtypes, device_type=None:
                         checks.check_bhsd_tensor(x, name, dtypes, None))
     monkeypatch.setattr(cb, "_quantizer_for", lambda x: tq.quantize_rowcol)
-    monkeypatch.setattr(cb, "_QUANT_PLANS", launch_plan.PlanCache(min_replays=16))
+    monkeypatch.setattr(cb, "_QUANT_PLANS", plan_cache.PlanCache(min_replays=16))
     yield captured_packs, log
 
 
@@ -245,7 +246,7 @@ def test_which_plans_replay_the_cudnn_calls(kind, op_replays, fused_on_cpu, monk
     """On the CPU (fused quantizer stubbed): which plans replay four calls of one signature
     (`_REPLAYED_PLANS`, the expectations the GPU test below checks with the real quantizer)."""
     packs, _ = fused_on_cpu
-    monkeypatch.setattr(op_plans, "PLANS", launch_plan.PlanCache(max_entries=512, min_replays=16))
+    monkeypatch.setattr(op_plans, "PLANS", plan_cache.PlanCache(max_entries=512, min_replays=16))
     monkeypatch.setitem(op_plans._REPLAYS, "cudnn", op_replays)
     q, k, v, do, kw = _kind_inputs(kind)
     for _ in range(4):
@@ -265,8 +266,8 @@ def test_replayed_fused_quantizer_on_the_gpu_sends_the_torch_path_bytes(kind, op
     rebuilt on the call's tensors (`_REPLAYED_PLANS` says which)."""
     if cb._fused_quantizer() is None:
         pytest.skip("Triton cannot be imported here")
-    monkeypatch.setattr(cb, "_QUANT_PLANS", launch_plan.PlanCache(min_replays=16))
-    monkeypatch.setattr(op_plans, "PLANS", launch_plan.PlanCache(max_entries=512, min_replays=16))
+    monkeypatch.setattr(cb, "_QUANT_PLANS", plan_cache.PlanCache(min_replays=16))
+    monkeypatch.setattr(op_plans, "PLANS", plan_cache.PlanCache(max_entries=512, min_replays=16))
     monkeypatch.setitem(op_plans._REPLAYS, "cudnn", op_replays)
     q, k, v, do, kw = _kind_inputs(kind)
     q, do = q.cuda(), do.cuda()

@@ -1,4 +1,4 @@
-"""The cudnn backend's op bodies replayed by launch plans (`mxattn.op_plans`, `mxattn.kernels.host_calls`) on the
+"""The cudnn backend's op bodies replayed by launch plans (`mxattn.op_plans`, `mxattn.runtime.host_calls`) on the
 CPU: the graph executions are recorded as host calls, so a replay issues the quantizer's launches and then the
 graph execution with a variant pack rebuilt on the new call's tensors. Checked against the ordinary path (op
 replays off): the same uids in the same order, the same shapes, strides and dtypes, the same bytes in every input
@@ -14,8 +14,9 @@ pytest.importorskip("triton")
 from mxattn import op_plans  # noqa: E402
 from mxattn.backends.cudnn import backend as cb  # noqa: E402
 from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
-from mxattn.cudnn_graphs import BwdUid, FwdUid  # noqa: E402
-from mxattn.kernels import host_calls, launch_plan  # noqa: E402
+from mxattn.backends.cudnn.config import BwdUid, FwdUid  # noqa: E402
+from mxattn.runtime import host_calls, launch_plan  # noqa: E402
+
 from cudnn_fixtures import captured_packs  # noqa: E402,F401
 from test_cudnn_host_replay import _dense_inputs, _inputs, _same_pack, fused_on_cpu  # noqa: E402,F401
 

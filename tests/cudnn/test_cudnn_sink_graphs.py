@@ -19,9 +19,13 @@ import torch
 cudnn = pytest.importorskip("cudnn")
 
 from cudnn_fixtures import MASKS, fake_device, needs_mxfp8_cudnn, pretend_blackwell  # noqa: E402,F401
-from mxattn import cudnn_graphs as cg  # noqa: E402
+from mxattn.backends.cudnn import buffers as cudnn_buffers  # noqa: E402
+from mxattn.backends.cudnn import config as cudnn_config  # noqa: E402
+from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
 from mxattn.backends import Problem  # noqa: E402
-from mxattn.backends import cudnn_backend as cb  # noqa: E402
+from mxattn.backends.cudnn import backend as cudnn_backend  # noqa: E402
+from mxattn.backends.cudnn import refusals as cudnn_refusals  # noqa: E402
+from mxattn.backends.cudnn import run as cudnn_run  # noqa: E402
 from mxattn.backends.cudnn import refusals as cudnn_refusals  # noqa: E402
 from mxattn.backends.base import AttentionParams  # noqa: E402
 from mxattn.errors import MXFP8NotSupportedError  # noqa: E402
@@ -38,16 +42,16 @@ SINK_UIDS = {"forward": {17: "SINK"}, "backward": {131: "SINK", 132: "DSINK"}}
 
 def make_cfg(varlen, b, hq, hk, s_q, s_kv, dqk, dv, mask):
     if varlen == "packed":
-        return cg.GraphConfig.from_packed(b, hq, hk, s_q, s_kv, dqk, dv, mask=mask, attn_scale=0.0884)
-    cfg = cg.GraphConfig.from_layout(b, hq, hk, s_q, s_kv, dqk, dv, mask=mask, attn_scale=0.0884)
+        return cudnn_config.GraphConfig.from_packed(b, hq, hk, s_q, s_kv, dqk, dv, mask=mask, attn_scale=0.0884)
+    cfg = cudnn_config.GraphConfig.from_layout(b, hq, hk, s_q, s_kv, dqk, dv, mask=mask, attn_scale=0.0884)
     return dataclasses.replace(cfg, varlen=varlen) if varlen else cfg
 
 
 def verdict(kind, cfg):
     """(cuDNN's JSON, None) or (None, cuDNN's reason) for the `kind` graph of cfg."""
-    build = cg.build_forward_graph if kind == "forward" else cg.build_backward_graph
+    build = cudnn_graphs.build_forward_graph if kind == "forward" else cudnn_graphs.build_backward_graph
     try:
-        return cg.graph_json(build(cfg)), None
+        return cudnn_graphs.graph_json(build(cfg)), None
     except MXFP8NotSupportedError as exc:
         return None, str(exc).split(": ", 1)[-1].split("cudnnGraphNotSupportedError: ")[-1]
 
@@ -116,8 +120,8 @@ def test_sink_graphs_validate_exactly_where_the_plain_ones_do():
             p = Problem(device=torch.device("cuda", 0), dtype=torch.bfloat16, batch=2, heads_q=hq, heads_kv=hk,
                         seqlen_q=s_q, seqlen_kv=s_kv, head_dim=dqk, mask=MASKS[mask_name], varlen=varlen,
                         softmax_type=softmax_type)
-            assert (cb.known_refusal(p) is None) == ok["forward"]
-            assert (cb.known_refusal(dataclasses.replace(p, needs_backward=True)) is None) == \
+            assert (cudnn_refusals.known_refusal(p) is None) == ok["forward"]
+            assert (cudnn_refusals.known_refusal(dataclasses.replace(p, needs_backward=True)) is None) == \
                 (ok["forward"] and ok["backward"])
     assert accepted + refused == 3 * 5 * 3 * 2 * 2 * 2
     assert accepted > 3 * refused  # most of the matrix runs; the refusals are the mask rules of cudnn_backend
@@ -140,33 +144,33 @@ def test_mxattn_checks_the_sink_geometry():
     [1, h_q, 1, 1], the variant pack check and `sink_operand` refuse anything else by name."""
     seq, q, k, v, o, do = inputs(None, hq=4, hk=4)
     qr, qc, kr, kc, vr, vc, dor, doc = quantized(seq, q, k, v, do)
-    cfg = cb.forward_config(qr, kr, vc, attn_scale=0.1, sink=True)
-    pack, _ = cb.forward_buffers(cfg, qr, kr, vc, sink=torch.zeros(4))
-    slots = {n: pack[int(getattr(cg.FwdUid, n.upper()))] for n in
+    cfg = cudnn_run.forward_config(qr, kr, vc, attn_scale=0.1, sink=True)
+    pack, _ = cudnn_run.forward_buffers(cfg, qr, kr, vc, sink=torch.zeros(4))
+    slots = {n: pack[int(getattr(cudnn_config.FwdUid, n.upper()))] for n in
              ("q", "k", "v", "sf_q", "sf_k", "sf_v", "o", "stats", "amax_o")}
-    assert cg.forward_pack(cfg, **slots, sink=torch.zeros(1, 4, 1, 1)).keys() == pack.keys()
+    assert cudnn_buffers.forward_pack(cfg, **slots, sink=torch.zeros(1, 4, 1, 1)).keys() == pack.keys()
     for bad in (torch.zeros(1, 2, 1, 1), torch.zeros(1, 4, 1, 1, dtype=torch.bfloat16), torch.zeros(4, 1, 1, 1),
                 torch.zeros(1, 8, 1, 1)[:, ::2]):
         with pytest.raises(ValueError, match=r"^sink must be \(1, 4, 1, 1\) torch.float32 with strides"):
-            cg.forward_pack(cfg, **slots, sink=bad)
+            cudnn_buffers.forward_pack(cfg, **slots, sink=bad)
     with pytest.raises(ValueError, match="one logit per query head"):
-        cb.forward_buffers(cfg, qr, kr, vc, sink=torch.zeros(2))
+        cudnn_run.forward_buffers(cfg, qr, kr, vc, sink=torch.zeros(2))
 
 
 def test_config_sink_facts():
-    cfg = cg.GraphConfig.from_layout(2, 8, 2, 256, 256, 128)
+    cfg = cudnn_config.GraphConfig.from_layout(2, 8, 2, 256, 256, 128)
     assert (cfg.sink, cfg.dsink) == (False, False)
     assert cfg.for_softmax("vanilla") == cfg
     off, learn = cfg.for_softmax("off-by-one"), cfg.for_softmax("learnable")
     assert (off.sink, off.dsink, learn.sink, learn.dsink) == (True, False, True, True)
     assert cfg.for_softmax("learnable", "forward") == off  # a forward graph has no dSink: one config for both
     assert len({cfg, off, learn}) == 3 and "sink+dsink" in learn.describe() and " sink" in off.describe()
-    assert int(cg.FwdUid.SINK) not in cfg.forward_specs and int(cg.BwdUid.SINK) not in cfg.backward_specs
+    assert int(cudnn_config.FwdUid.SINK) not in cfg.forward_specs and int(cudnn_config.BwdUid.SINK) not in cfg.backward_specs
     assert off.forward_specs[17] == ((1, 8, 1, 1), (8, 1, 1, 1), torch.float32)
     assert 132 not in off.backward_specs and learn.backward_specs[132] == ((1, 8, 1, 1), (8, 1, 1, 1), torch.float32)
     assert learn.forward_specs == off.forward_specs  # dsink never reaches the forward graph
     # the uids of the plain graphs are unchanged
-    assert [int(u) for u in cg.FwdUid][:16] == list(range(1, 17)) and int(cg.BwdUid.RAGGED_STATS) == 130
+    assert [int(u) for u in cudnn_config.FwdUid][:16] == list(range(1, 17)) and int(cudnn_config.BwdUid.RAGGED_STATS) == 130
     with pytest.raises(ValueError, match="softmax_type"):
         cfg.for_softmax("softmax1")
     with pytest.raises(ValueError, match="needs sink"):
@@ -229,58 +233,58 @@ def test_sink_variant_packs_match_the_graphs(varlen, softmax_type):
     dsink = softmax_type == "learnable"
     stats = torch.randn(q.shape[:3] + (1,))
     stats[:, :, :3] = float("-inf")  # rows without a result
-    fcfg = cb.forward_config(qr, kr, vc, attn_scale=0.1, mask=mask, seq=seq, sink=True)
-    fpack, _ = cb.forward_buffers(fcfg, qr, kr, vc, seq=seq, sink=sink)
+    fcfg = cudnn_run.forward_config(qr, kr, vc, attn_scale=0.1, mask=mask, seq=seq, sink=True)
+    fpack, _ = cudnn_run.forward_buffers(fcfg, qr, kr, vc, seq=seq, sink=sink)
     args = (qr, qc, kr, kc, vr, o, do, dor, doc, stats)
-    bcfg = cb.backward_config(*args, attn_scale=0.1, mask=mask, seq=seq, sink=True, dsink=dsink)
-    bpack, outputs = cb.backward_buffers(bcfg, *args, seq=seq, sink=sink)
+    bcfg = cudnn_run.backward_config(*args, attn_scale=0.1, mask=mask, seq=seq, sink=True, dsink=dsink)
+    bpack, outputs = cudnn_run.backward_buffers(bcfg, *args, seq=seq, sink=sink)
     assert fcfg.sink and not fcfg.dsink and bcfg.sink and bcfg.dsink == dsink and bcfg.varlen == varlen
     for kind, cfg, pack in (("forward", fcfg, fpack), ("backward", bcfg, bpack)):
         j, reason = verdict(kind, cfg)
         assert reason is None, reason
         check_pack(pack, j, varlen == "packed")
     # the sink slots: views of the [H] logits, no copy; dSink a zeroed buffer returned after the amaxes
-    for pack, uid in ((fpack, cg.FwdUid.SINK), (bpack, cg.BwdUid.SINK)):
+    for pack, uid in ((fpack, cudnn_config.FwdUid.SINK), (bpack, cudnn_config.BwdUid.SINK)):
         assert pack[uid].data_ptr() == sink.data_ptr() and torch.equal(pack[uid].flatten(), sink)
     assert len(outputs) == 6 + dsink
     if dsink:
-        assert bpack[cg.BwdUid.DSINK] is outputs[6] and not outputs[6].any()
+        assert bpack[cudnn_config.BwdUid.DSINK] is outputs[6] and not outputs[6].any()
     else:
-        assert int(cg.BwdUid.DSINK) not in bpack
+        assert int(cudnn_config.BwdUid.DSINK) not in bpack
     # rows without a result reach cuDNN as +inf (all their probabilities, the sink's included, are 0)
-    handed = bpack[cg.BwdUid.STATS]
+    handed = bpack[cudnn_config.BwdUid.STATS]
     assert bool((handed[:, :, :3] == float("inf")).all())
     finite = torch.isfinite(stats)
     assert torch.equal(handed[finite], stats[finite]) and bool((stats[:, :, :3] == float("-inf")).all())
     # a sink graph needs the sink; a plain graph has no slot for one
     names = ("q", "k", "v", "sf_q", "sf_k", "sf_v", "o", "stats", "amax_o")
-    slots = {n: fpack[int(getattr(cg.FwdUid, n.upper()))] for n in names}
-    slots.update({n: fpack[int(getattr(cg.FwdUid, n.upper()))] for n in cg.VARLEN_UIDS.get(varlen, ())
+    slots = {n: fpack[int(getattr(cudnn_config.FwdUid, n.upper()))] for n in names}
+    slots.update({n: fpack[int(getattr(cudnn_config.FwdUid, n.upper()))] for n in cudnn_config.VARLEN_UIDS.get(varlen, ())
                   for n in [n.lower()]})
     with pytest.raises(ValueError, match="needs sink"):
-        cg.forward_pack(fcfg, **slots)
+        cudnn_buffers.forward_pack(fcfg, **slots)
     with pytest.raises(ValueError, match="no slot for sink"):
-        cg.forward_pack(dataclasses.replace(fcfg, sink=False), **slots, sink=fpack[cg.FwdUid.SINK])
+        cudnn_buffers.forward_pack(dataclasses.replace(fcfg, sink=False), **slots, sink=fpack[cudnn_config.FwdUid.SINK])
 
 
 def test_sink_operand_checks_and_keys():
-    assert cg.sink_operand(None, 8, torch.device("cpu")) is None
+    assert cudnn_buffers.sink_operand(None, 8, torch.device("cpu")) is None
     s = torch.randn(16)[::2]  # strided: made contiguous
-    view = cg.sink_operand(s, 8, torch.device("cpu"))
+    view = cudnn_buffers.sink_operand(s, 8, torch.device("cpu"))
     assert view.shape == (1, 8, 1, 1) and view.is_contiguous() and torch.equal(view.flatten(), s)
     leaf = torch.randn(8, requires_grad=True)
-    assert not cg.sink_operand(leaf, 8, torch.device("cpu")).requires_grad
-    assert cg.sink_operand(torch.zeros(8, dtype=torch.bfloat16), 8, torch.device("cpu")).dtype == torch.float32
+    assert not cudnn_buffers.sink_operand(leaf, 8, torch.device("cpu")).requires_grad
+    assert cudnn_buffers.sink_operand(torch.zeros(8, dtype=torch.bfloat16), 8, torch.device("cpu")).dtype == torch.float32
     for bad, error, match in ((torch.zeros(2), ValueError, r"\[8\]"), ([0.0] * 8, TypeError, "torch.Tensor"),
                               (torch.zeros(8, dtype=torch.int32), TypeError, "floating"),
                               (torch.zeros(8, device="meta"), ValueError, "meta")):
         with pytest.raises(error, match=match):
-            cg.sink_operand(bad, 8, torch.device("cpu"))
+            cudnn_buffers.sink_operand(bad, 8, torch.device("cpu"))
     seq, q, k, v, o, do = inputs(None)
     qr, qc, kr, kc, vr, vc, dor, doc = quantized(seq, q, k, v, do)
-    keys = {cb.forward_key(qr, kr, vc, 0.1, MaskSpec(), torch.bfloat16, None, s) for s in (False, True)}
+    keys = {cudnn_run.forward_key(qr, kr, vc, 0.1, MaskSpec(), torch.bfloat16, None, s) for s in (False, True)}
     args = (qr, qc, kr, kc, vr, o, do, dor, doc, torch.zeros(2, 8, 256, 1), 0.1, MaskSpec(), True, None)
-    keys |= {cb.backward_key(*args, s, d) for s, d in ((False, False), (True, False), (True, True))}
+    keys |= {cudnn_run.backward_key(*args, s, d) for s, d in ((False, False), (True, False), (True, True))}
     assert len(keys) == 5
 
 
@@ -290,7 +294,7 @@ def test_sink_operand_checks_and_keys():
 @pytest.mark.parametrize("varlen", [None, "padded", "packed"])
 def test_backend_wires_the_sink_and_returns_dsink(fake_device, varlen):
     seq, q, k, v, _, do = inputs(varlen, seed=3)
-    backend = cb.CudnnBackend()
+    backend = cudnn_backend.CudnnBackend()
     sink = torch.linspace(-1.0, 2.0, 8)
     for softmax_type in ("vanilla", "off-by-one", "learnable"):
         fake_device.launches.clear()
@@ -301,9 +305,9 @@ def test_backend_wires_the_sink_and_returns_dsink(fake_device, varlen):
         grads = backend.backward(saved, o, stats, do, params)
         (fcfg, fpack), (bcfg, bpack) = fake_device.launches
         assert (fcfg.sink, fcfg.dsink) == (logits is not None, False)
-        assert (bcfg.sink, bcfg.dsink) == cg.SOFTMAX_TYPES[softmax_type]
+        assert (bcfg.sink, bcfg.dsink) == cudnn_config.SOFTMAX_TYPES[softmax_type]
         if logits is not None:
-            for pack, uid in ((fpack, cg.FwdUid.SINK), (bpack, cg.BwdUid.SINK)):
+            for pack, uid in ((fpack, cudnn_config.FwdUid.SINK), (bpack, cudnn_config.BwdUid.SINK)):
                 assert pack[int(uid)].shape == (1, 8, 1, 1) and pack[int(uid)].data_ptr() == logits.data_ptr()
         if softmax_type == "learnable":
             assert len(grads) == 4
@@ -313,7 +317,7 @@ def test_backend_wires_the_sink_and_returns_dsink(fake_device, varlen):
         else:
             assert len(grads) == 3
         assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
-    planned = {(e.kind, e.cfg) for e in cg.GRAPH_CACHE._entries.values()}
+    planned = {(e.kind, e.cfg) for e in cudnn_graphs.GRAPH_CACHE._entries.values()}
     assert len(planned) == 5  # forward: plain, sink; backward: plain, sink, sink + dSink
 
 
@@ -322,10 +326,10 @@ def test_typed_backward_needs_the_sink_for_its_gradient(fake_device):
     qr, qc, kr, kc, vr, vc, dor, doc = quantized(seq, q, k, v, do)
     args = (qr, qc, kr, kc, vr, o, do, dor, doc, torch.zeros(2, 8, 256, 1))
     with pytest.raises(ValueError, match="sink_requires_grad needs the sink"):
-        cb.cudnn_backward(*args, attn_scale=0.1, sink_requires_grad=True)
+        cudnn_run.cudnn_backward(*args, attn_scale=0.1, sink_requires_grad=True)
     with pytest.raises(ValueError, match=r"sink must have one logit per query head, \[8\]"):
-        cb.cudnn_forward(qr, kr, vc, attn_scale=0.1, sink=torch.zeros(2))
-    out = cb.cudnn_backward(*args, attn_scale=0.1, sink=torch.zeros(1, 8, 1, 1), sink_requires_grad=True)
+        cudnn_run.cudnn_forward(qr, kr, vc, attn_scale=0.1, sink=torch.zeros(2))
+    out = cudnn_run.cudnn_backward(*args, attn_scale=0.1, sink=torch.zeros(1, 8, 1, 1), sink_requires_grad=True)
     assert len(out) == 7 and out[6].shape == (8,)
 
 
@@ -334,8 +338,8 @@ def test_empty_packed_batch_gives_zero_dsink(fake_device):
     seq = SeqInfo(cu, cu, 0, 0, True)
     x = torch.zeros(1, 8, 0, 64, dtype=torch.bfloat16)
     params = AttentionParams(softmax_scale=0.1, mask=MaskSpec(), seq=seq, sink=torch.ones(8), sink_requires_grad=True)
-    o, stats, saved = cb.CudnnBackend().forward(x, x[:, :2], x[:, :2], params)
-    grads = cb.CudnnBackend().backward(saved, o, stats, x, params)
+    o, stats, saved = cudnn_backend.CudnnBackend().forward(x, x[:, :2], x[:, :2], params)
+    grads = cudnn_backend.CudnnBackend().backward(saved, o, stats, x, params)
     assert not fake_device.launches and grads[3].shape == (8,) and not grads[3].any()
 
 
@@ -349,28 +353,28 @@ def problem(softmax_type="learnable", varlen=None, needs_backward=True, mask=Mas
 
 
 def test_known_refusals_of_sinks(monkeypatch):
-    assert cb.known_refusal(problem(varlen="packed")) is None  # cuDNN 9.28 here
+    assert cudnn_refusals.known_refusal(problem(varlen="packed")) is None  # cuDNN 9.28 here
     # a size rule (bottom-right band with a right bound needs s_q <= s_kv): unknown sizes (the choice under
     # torch.compile) leave it to the call
     band = MaskSpec(causal=True, diagonal_alignment="bottom_right")
     big_q = dataclasses.replace(problem("vanilla", mask=band), seqlen_q=1024)
-    assert "s_q > s_kv" in cb.known_refusal(big_q)
-    assert cb.known_refusal(dataclasses.replace(big_q, batch=None, seqlen_q=None, seqlen_kv=None)) is None
-    assert "softmax_type 'softmax1'" in cb.known_refusal(problem("softmax1"))
+    assert "s_q > s_kv" in cudnn_refusals.known_refusal(big_q)
+    assert cudnn_refusals.known_refusal(dataclasses.replace(big_q, batch=None, seqlen_q=None, seqlen_kv=None)) is None
+    assert "softmax_type 'softmax1'" in cudnn_refusals.known_refusal(problem("softmax1"))
     monkeypatch.setattr(cudnn_refusals.cudnn, "backend_version", lambda: 92500)
-    reason = cb.known_refusal(problem(varlen="packed"))
+    reason = cudnn_refusals.known_refusal(problem(varlen="packed"))
     assert "packed (thd) backward with an attention sink" in reason and "9.26.0" in reason
-    assert "off-by-one" in cb.known_refusal(problem("off-by-one", varlen="packed"))
+    assert "off-by-one" in cudnn_refusals.known_refusal(problem("off-by-one", varlen="packed"))
     for fine in (problem(varlen="packed", needs_backward=False), problem(varlen="padded"), problem(),
                  problem("vanilla", varlen="packed")):
-        assert cb.known_refusal(fine) is None
+        assert cudnn_refusals.known_refusal(fine) is None
 
 
 def test_problem_config_carries_the_sink_facts():
-    for softmax_type, (sink, dsink) in cg.SOFTMAX_TYPES.items():
+    for softmax_type, (sink, dsink) in cudnn_config.SOFTMAX_TYPES.items():
         for varlen in (None, "padded", "packed"):
             p = problem(softmax_type, varlen)
-            fwd, bwd = cb.problem_config(p, "forward"), cb.problem_config(p, "backward")
+            fwd, bwd = cudnn_refusals.problem_config(p, "forward"), cudnn_refusals.problem_config(p, "backward")
             assert (fwd.sink, fwd.dsink, bwd.sink, bwd.dsink, fwd.varlen) == (sink, False, sink, dsink, varlen)
 
 
@@ -378,17 +382,17 @@ def test_problem_config_carries_the_sink_facts():
 @needs_mxfp8_cudnn
 def test_supports_validates_the_sink_graphs_up_front(pretend_blackwell, monkeypatch):
     built = []
-    real = cg.build_backward_graph
+    real = cudnn_graphs.build_backward_graph
     monkeypatch.setattr(cudnn_refusals, "build_backward_graph", lambda cfg, **kw: built.append(cfg) or real(cfg, **kw))
     br = MaskSpec(causal=True, diagonal_alignment="bottom_right")
     for softmax_type in SINK_TYPES:
         for varlen in (None, "padded", "packed"):
-            assert cb.CudnnBackend.supports(problem(softmax_type, varlen, mask=br)) == \
+            assert cudnn_backend.CudnnBackend.supports(problem(softmax_type, varlen, mask=br)) == \
                 (True, "cuDNN forward and backward validated")
     assert [(c.sink, c.dsink) for c in built] == [(True, False)] * 3 + [(True, True)] * 3
-    ok, reason = cb.CudnnBackend.supports(problem("learnable", mask=br, s=500))  # the plain graphs' rule holds
+    ok, reason = cudnn_backend.CudnnBackend.supports(problem("learnable", mask=br, s=500))  # the plain graphs' rule holds
     assert not ok and "multiples of 64" in reason
-    ok, reason = cb.CudnnBackend.supports(problem("softmax1"))
+    ok, reason = cudnn_backend.CudnnBackend.supports(problem("softmax1"))
     assert not ok and "softmax_type" in reason
     assert len(pretend_blackwell) == 6
 

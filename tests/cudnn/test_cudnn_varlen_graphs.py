@@ -1,7 +1,7 @@
 """CPU checks of the variable-length (padded and packed/thd) cuDNN MXFP8 graphs, and of the cudnn backend's
 up-front support decision.
 
-Expected dims/strides/ragged offsets are computed here independently of mxattn.cudnn_graphs; the packed scale
+Expected dims/strides/ragged offsets are computed here independently of mxattn.backends.cudnn; the packed scale
 bytes from the per-sequence-tile rule read in the cuDNN frontend 1.32 sources (`cudnn/sdpa/kernels/_mxfp8_sf.py`,
 `cudnn/sdpa/bwd/api_dsl_sm107.py`: per head, sequence b's ceil(s_b/128) tiles from tile sum_{i<b} ceil(s_i/128),
 each tile's bytes contiguous, column-wise D planes contiguous within a tile). Graphs are validated by cuDNN's own
@@ -17,9 +17,14 @@ import torch
 cudnn = pytest.importorskip("cudnn")
 
 from cudnn_fixtures import MASKS, fake_device, needs_mxfp8_cudnn, pretend_blackwell  # noqa: E402,F401
-from mxattn import cudnn_graphs as cg  # noqa: E402
+from mxattn.backends.cudnn import buffers as cudnn_buffers  # noqa: E402
+from mxattn.backends.cudnn import config as cudnn_config  # noqa: E402
+from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
 from mxattn.backends import Problem, pick_backend  # noqa: E402
-from mxattn.backends import cudnn_backend as cb  # noqa: E402
+from mxattn.backends.cudnn import backend as cudnn_backend  # noqa: E402
+from mxattn.backends.cudnn import config as cudnn_config  # noqa: E402
+from mxattn.backends.cudnn import refusals as cudnn_refusals  # noqa: E402
+from mxattn.backends.cudnn import run as cudnn_run  # noqa: E402
 from mxattn.backends.cudnn import run as cudnn_run  # noqa: E402
 from mxattn.errors import MXFP8NotSupportedError  # noqa: E402
 from mxattn.formats import quantize_mxfp8  # noqa: E402
@@ -65,7 +70,7 @@ def expected(kind, cfg, varlen, layout="bshd"):
         return dims, [h * dims[2] * dims[3], dims[2] * dims[3], 1, dims[2]], E8, None
 
     packed = varlen == "packed"
-    U = cg.FwdUid if kind == "forward" else cg.BwdUid
+    U = cudnn_config.FwdUid if kind == "forward" else cudnn_config.BwdUid
     rag = (lambda name: int(getattr(U, "RAGGED_" + name))) if packed else (lambda name: None)
     f8, out = "FP8_E4M3", "BFLOAT16"
     t = {}
@@ -98,8 +103,8 @@ def expected(kind, cfg, varlen, layout="bshd"):
 
 def make_cfg(varlen, b, hq, hk, s_q, s_kv, dqk, dv, mask):
     if varlen == "packed":
-        return cg.GraphConfig.from_packed(b, hq, hk, s_q, s_kv, dqk, dv, mask=mask, attn_scale=0.0884)
-    return dataclasses.replace(cg.GraphConfig.from_layout(b, hq, hk, s_q, s_kv, dqk, dv, mask=mask,
+        return cudnn_config.GraphConfig.from_packed(b, hq, hk, s_q, s_kv, dqk, dv, mask=mask, attn_scale=0.0884)
+    return dataclasses.replace(cudnn_config.GraphConfig.from_layout(b, hq, hk, s_q, s_kv, dqk, dv, mask=mask,
                                                           attn_scale=0.0884), varlen="padded")
 
 
@@ -113,7 +118,7 @@ def check_json(j, kind, cfg, varlen):
             (dims, strides, dtype, ragged), f"{kind} {got['name']}"
     (node,) = j["nodes"]
     assert node["padding_mask"] is True
-    U = cg.FwdUid if kind == "forward" else cg.BwdUid
+    U = cudnn_config.FwdUid if kind == "forward" else cudnn_config.BwdUid
     ins = node["inputs"]
     assert (ins["SEQ_LEN_Q"], ins["SEQ_LEN_KV"]) == (int(U.SEQ_LEN_Q), int(U.SEQ_LEN_KV))
     totals = (cfg.b * cfg.s_q, cfg.b * cfg.s_kv) if varlen == "packed" else (None, None)
@@ -143,7 +148,7 @@ def test_every_varlen_graph_validates_with_the_expected_tensors(kind):
     """2 kinds x 3 length pairs x 3 head dims x 5 masks, GQA 8:2, batch 3: pygraph validate() +
     build_operation_graph() and cuDNN's C++ validate(); JSON: every tensor's dims, strides, dtype, ragged
     offset; the node's padding mask, lengths and packed totals."""
-    build = cg.build_forward_graph if kind == "forward" else cg.build_backward_graph
+    build = cudnn_graphs.build_forward_graph if kind == "forward" else cudnn_graphs.build_backward_graph
     checked = rejected = 0
     for varlen, (s_q, s_kv), (dqk, dv), mask_name in CASES:
         cfg = make_cfg(varlen, 3, 8, 2, s_q, s_kv, dqk, dv, MASKS[mask_name])
@@ -151,22 +156,22 @@ def test_every_varlen_graph_validates_with_the_expected_tensors(kind):
         why = cudnn_rejects(kind, s_q, s_kv, cfg.mask)
         if why:
             with pytest.raises(MXFP8NotSupportedError, match=why):
-                cg.graph_json(graph)
+                cudnn_graphs.graph_json(graph)
             rejected += 1
             continue
-        check_json(cg.graph_json(graph), kind, cfg, varlen)
+        check_json(cudnn_graphs.graph_json(graph), kind, cfg, varlen)
         checked += 1
     assert checked + rejected == len(CASES)
     assert rejected == (2 * 3 * 2 * 2 if kind == "backward" else 0)  # (500,700) and (512,256) x 2 br masks
 
 
 def test_config_validates_the_varlen_facts():
-    cfg = cg.GraphConfig.from_packed(2, 4, 2, 256, 384, 128)
+    cfg = cudnn_config.GraphConfig.from_packed(2, 4, 2, 256, 384, 128)
     assert cfg.varlen == "packed" and cfg.q_stride == (256 * 4 * 128, 128, 4 * 128, 1)
     assert cfg.max_total_seq_len_q == 512 and cfg.ragged_dtype == torch.int32
-    assert cg.GraphConfig.from_packed(64, 64, 64, 8192, 8192, 128).ragged_dtype == torch.int64
+    assert cudnn_config.GraphConfig.from_packed(64, 64, 64, 8192, 8192, 128).ragged_dtype == torch.int64
     with pytest.raises(ValueError, match="token-major"):
-        dataclasses.replace(cg.GraphConfig.from_layout(2, 4, 2, 256, 384, 128, layout="bhsd"), varlen="packed")
+        dataclasses.replace(cudnn_config.GraphConfig.from_layout(2, 4, 2, 256, 384, 128, layout="bhsd"), varlen="packed")
     with pytest.raises(ValueError, match="varlen"):
         dataclasses.replace(cfg, varlen="thd")
     assert "varlen=packed" in cfg.describe()
@@ -234,14 +239,14 @@ def test_packed_scale_buffers_hold_the_per_sequence_tile_bytes(lengths, d):
     cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
     g = torch.Generator().manual_seed(sum(lengths) + d)
     x = torch.randn(t, h, d, generator=g).permute(1, 0, 2).unsqueeze(0)
-    s_max = cb.packed_capacity(max(lengths))
+    s_max = cudnn_config.packed_capacity(max(lengths))
     row, col = quantize_mxfp8(x, -1), quantize_mxfp8(x, -2, segments=cu)
-    buf = cg.thd_row_scale_buffer(row.scale, cu, b, s_max)
-    assert tuple(buf.shape) == cg.row_scale_dims(b, h, s_max, d) and buf.stride() == cg.row_major(buf.shape)
+    buf = cudnn_buffers.thd_row_scale_buffer(row.scale, cu, b, s_max)
+    assert tuple(buf.shape) == cudnn_config.row_scale_dims(b, h, s_max, d) and buf.stride() == cudnn_config.row_major(buf.shape)
     assert torch.equal(raw_bytes(buf), expected_thd_row(row.scale, lengths, b, s_max))
-    buf = cg.thd_col_scale_buffer(col.scale, cu, b, s_max)
-    dims = cg.col_scale_dims(b, h, s_max, d)
-    assert tuple(buf.shape) == dims and buf.stride() == cg.col_scale_stride(dims)
+    buf = cudnn_buffers.thd_col_scale_buffer(col.scale, cu, b, s_max)
+    dims = cudnn_config.col_scale_dims(b, h, s_max, d)
+    assert tuple(buf.shape) == dims and buf.stride() == cudnn_config.col_scale_stride(dims)
     assert torch.equal(raw_bytes(buf), expected_thd_col(col.scale, lengths, b, s_max))
 
 
@@ -286,22 +291,22 @@ def test_varlen_variant_packs_match_the_graphs(varlen, mask_name):
     qr, qc, kr, kc, vr, vc, dor, doc = quantized(seq, q, k, v, do)
     mask = MASKS[mask_name]
     stats = torch.randn(q.shape[:3] + (1,))
-    fcfg = cb.forward_config(qr, kr, vc, attn_scale=0.1, mask=mask, seq=seq)
-    fpack, (o_out, stats_out, _) = cb.forward_buffers(fcfg, qr, kr, vc, seq=seq)
+    fcfg = cudnn_run.forward_config(qr, kr, vc, attn_scale=0.1, mask=mask, seq=seq)
+    fpack, (o_out, stats_out, _) = cudnn_run.forward_buffers(fcfg, qr, kr, vc, seq=seq)
     args = (qr, qc, kr, kc, vr, o, do, dor, doc, stats)
-    bcfg = cb.backward_config(*args, attn_scale=0.1, mask=mask, seq=seq)
-    bpack, grads = cb.backward_buffers(bcfg, *args, seq=seq)
+    bcfg = cudnn_run.backward_config(*args, attn_scale=0.1, mask=mask, seq=seq)
+    bpack, grads = cudnn_run.backward_buffers(bcfg, *args, seq=seq)
     assert fcfg.varlen == bcfg.varlen == varlen
     if varlen == "packed":
         assert (fcfg.b, fcfg.s_q, fcfg.s_kv) == (3, 384, 384)  # capacities: longest sequences rounded up to 128
         assert o_out.shape == (1, 4, 357, 64) and o_out.stride()[1:] == (64, 256, 1)
         assert stats_out.shape == (1, 4, 357, 1) and stats_out.stride()[1:3] == (1, 4)
-    for kind, cfg, pack, build in (("forward", fcfg, fpack, cg.build_forward_graph),
-                                   ("backward", bcfg, bpack, cg.build_backward_graph)):
+    for kind, cfg, pack, build in (("forward", fcfg, fpack, cudnn_graphs.build_forward_graph),
+                                   ("backward", bcfg, bpack, cudnn_graphs.build_backward_graph)):
         graph = build(cfg)
         if cudnn_rejects(kind, cfg.s_q, cfg.s_kv, mask):
             continue
-        tensors = {t["uid"]: t for t in cg.graph_json(graph)["tensors"] if not t["is_virtual"]}
+        tensors = {t["uid"]: t for t in cudnn_graphs.graph_json(graph)["tensors"] if not t["is_virtual"]}
         assert sorted(pack) == sorted(tensors) and all(type(uid) is int for uid in pack)
         for uid, t in tensors.items():
             got = pack[uid]
@@ -312,7 +317,7 @@ def test_varlen_variant_packs_match_the_graphs(varlen, mask_name):
                     [st for st, n in zip(t["stride"][1:], got.shape[1:]) if n > 1], t["name"]
             else:
                 assert (list(got.shape), list(got.stride())) == (t["dim"], t["stride"]), t["name"]
-    U = cg.FwdUid
+    U = cudnn_config.FwdUid
     lens_q = torch.tensor(lq, dtype=torch.int32).view(3, 1, 1, 1)
     assert torch.equal(fpack[U.SEQ_LEN_Q], lens_q)
     assert torch.equal(fpack[U.SEQ_LEN_KV], torch.tensor(lkv, dtype=torch.int32).view(3, 1, 1, 1))
@@ -320,27 +325,27 @@ def test_varlen_variant_packs_match_the_graphs(varlen, mask_name):
         cu_q = torch.tensor([0, 100, 100, 357])
         assert torch.equal(fpack[U.RAGGED_Q].flatten(), (cu_q * 4 * 64).int())
         assert torch.equal(fpack[U.RAGGED_STATS].flatten(), (cu_q * 4).int())
-        assert torch.equal(bpack[cg.BwdUid.RAGGED_K].flatten(), (torch.tensor([0, 300, 317, 446]) * 2 * 64).int())
+        assert torch.equal(bpack[cudnn_config.BwdUid.RAGGED_K].flatten(), (torch.tensor([0, 300, 317, 446]) * 2 * 64).int())
         assert torch.equal(raw_bytes(fpack[U.SF_V]), expected_thd_col(vc.scale, lkv, 3, 384))
-        assert torch.equal(raw_bytes(bpack[cg.BwdUid.SF_DO]), expected_thd_row(dor.scale, lq, 3, 384))
+        assert torch.equal(raw_bytes(bpack[cudnn_config.BwdUid.SF_DO]), expected_thd_row(dor.scale, lq, 3, 384))
     with pytest.raises(ValueError, match="needs seq_len_q"):
-        cg.forward_pack(fcfg, **{n: fpack[int(getattr(U, n.upper()))] for n in
+        cudnn_buffers.forward_pack(fcfg, **{n: fpack[int(getattr(U, n.upper()))] for n in
                                  ("q", "k", "v", "sf_q", "sf_k", "sf_v", "o", "stats", "amax_o")})
 
 
 def test_graph_keys_hold_the_capacity_not_the_lengths():
     seq, q, k, v, o, do = varlen_inputs("packed", [100, 37], [90, 200], seed=1)
     qr, qc, kr, kc, vr, vc, dor, doc = quantized(seq, q, k, v, do)
-    key = cb.forward_key(qr, kr, vc, 0.1, MaskSpec(), torch.bfloat16, seq)
+    key = cudnn_run.forward_key(qr, kr, vc, 0.1, MaskSpec(), torch.bfloat16, seq)
     seq2, q2, k2, v2, o2, do2 = varlen_inputs("packed", [3, 120], [201, 4], seed=2)  # other totals, same capacity
     q2r, q2c, k2r, k2c, v2r, v2c, do2r, do2c = quantized(seq2, q2, k2, v2, do2)
-    assert cb.forward_key(q2r, k2r, v2c, 0.1, MaskSpec(), torch.bfloat16, seq2) == key
+    assert cudnn_run.forward_key(q2r, k2r, v2c, 0.1, MaskSpec(), torch.bfloat16, seq2) == key
     stats = torch.zeros(q.shape[:3] + (1,))
     stats2 = torch.zeros(q2.shape[:3] + (1,))
-    assert cb.backward_key(qr, qc, kr, kc, vr, o, do, dor, doc, stats, 0.1, MaskSpec(), True, seq) == \
-        cb.backward_key(q2r, q2c, k2r, k2c, v2r, o2, do2, do2r, do2c, stats2, 0.1, MaskSpec(), True, seq2)
+    assert cudnn_run.backward_key(qr, qc, kr, kc, vr, o, do, dor, doc, stats, 0.1, MaskSpec(), True, seq) == \
+        cudnn_run.backward_key(q2r, q2c, k2r, k2c, v2r, o2, do2, do2r, do2c, stats2, 0.1, MaskSpec(), True, seq2)
     seq3 = SeqInfo(seq.cu_seqlens_q, seq.cu_seqlens_kv, 129, 200, True)  # longer max: another capacity
-    assert cb.forward_key(qr, kr, vc, 0.1, MaskSpec(), torch.bfloat16, seq3) != key
+    assert cudnn_run.forward_key(qr, kr, vc, 0.1, MaskSpec(), torch.bfloat16, seq3) != key
     pseq = varlen_inputs("padded", [100, 37], [90, 200], s_pad=256)[0]
     pseq2 = varlen_inputs("padded", [256, 1], [2, 3], s_pad=256)[0]
     assert cudnn_run._seq_facts(pseq) == cudnn_run._seq_facts(pseq2) != cudnn_run._seq_facts(None)
@@ -351,8 +356,8 @@ def test_new_lengths_at_the_same_maximum_reuse_the_graph(fake_device, varlen):
     for i, (lq, lkv) in enumerate((([100, 37], [90, 200]), ([3, 120], [201, 4]), ([128, 128], [1, 256]))):
         seq, q, k, v, o, do = varlen_inputs(varlen, lq, lkv, s_pad=256, seed=i)
         qr, qc, kr, kc, vr, vc, dor, doc = quantized(seq, q, k, v, do)
-        o, stats, _ = cb.cudnn_forward(qr, kr, vc, attn_scale=0.1, seq=seq)
-        cb.cudnn_backward(qr, qc, kr, kc, vr, o, do, dor, doc, stats.contiguous(), attn_scale=0.1, seq=seq)
+        o, stats, _ = cudnn_run.cudnn_forward(qr, kr, vc, attn_scale=0.1, seq=seq)
+        cudnn_run.cudnn_backward(qr, qc, kr, kc, vr, o, do, dor, doc, stats.contiguous(), attn_scale=0.1, seq=seq)
     assert [kind for kind, _ in fake_device.built] == ["forward", "backward"]
     assert all(cfg.varlen == varlen for _, cfg in fake_device.built)
 
@@ -361,7 +366,7 @@ def test_rows_without_a_result_are_zero_and_minus_inf(fake_device):
     """cuDNN's outputs on padding rows / rows of a sequence without keys are overwritten with the reference's."""
     seq, q, k, v, o, do = varlen_inputs("padded", [3, 5], [0, 4], s_pad=8)
     qr, qc, kr, kc, vr, vc, dor, doc = quantized(seq, q, k, v, do)
-    o, stats, _ = cb.cudnn_forward(qr, kr, vc, attn_scale=0.1, seq=seq)
+    o, stats, _ = cudnn_run.cudnn_forward(qr, kr, vc, attn_scale=0.1, seq=seq)
     assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.equal(o[1, :, 5:], torch.zeros_like(o[1, :, 5:]))
     assert bool((stats[0] == float("-inf")).all()) and bool((stats[1, :, 5:] == float("-inf")).all())
     keep = SeqInfo(torch.tensor([0, 2, 2, 5], dtype=torch.int32),
@@ -386,18 +391,18 @@ def test_known_refusals_agree_with_cudnns_validation():
     for (s_q, s_kv), mask_name, varlen, nb in itertools.product(((500, 700), (512, 256), (384, 384), (256, 500)),
                                                                 MASKS, (None, "padded", "packed"), (False, True)):
         p = problem(s_q, s_kv, MASKS[mask_name], varlen, nb, d=64)
-        refusal = cb.known_refusal(p)
-        ok, reason = cb.check_problem(dataclasses.replace(p, mask=MaskSpec()) if refusal else p)
+        refusal = cudnn_refusals.known_refusal(p)
+        ok, reason = cudnn_refusals.check_problem(dataclasses.replace(p, mask=MaskSpec()) if refusal else p)
         assert ok, reason  # the graphs themselves are fine without the band
         if refusal is None:
-            ok, reason = cb.check_problem(p)
+            ok, reason = cudnn_refusals.check_problem(p)
             assert ok, (p, reason)
         else:  # cuDNN agrees: the graphs with the band fail its validation
-            cfgs = [cb.problem_config(p, kind) for kind in (("forward", "backward") if nb else ("forward",))]
+            cfgs = [cudnn_refusals.problem_config(p, kind) for kind in (("forward", "backward") if nb else ("forward",))]
             verdicts = []
-            for cfg, build in zip(cfgs, (cg.build_forward_graph, cg.build_backward_graph)):
+            for cfg, build in zip(cfgs, (cudnn_graphs.build_forward_graph, cudnn_graphs.build_backward_graph)):
                 try:
-                    cg.graph_json(build(cfg))
+                    cudnn_graphs.graph_json(build(cfg))
                     verdicts.append(None)
                 except MXFP8NotSupportedError as exc:
                     verdicts.append(str(exc))
@@ -409,32 +414,32 @@ def test_known_refusals_agree_with_cudnns_validation():
 
 def test_known_refusals_of_the_readme():
     br = MaskSpec(causal=True, diagonal_alignment="bottom_right")
-    assert cb.known_refusal(problem(500, 500, br)) is None  # forward only: fine
-    assert "multiples of 64" in cb.known_refusal(problem(500, 500, br, needs_backward=True))
-    assert cb.known_refusal(problem(500, 500, br, varlen="packed", needs_backward=True)) is None  # capacity 512
-    assert "s_q > s_kv" in cb.known_refusal(problem(512, 256, br))
-    assert cb.known_refusal(problem(512, 256, br, varlen="padded")) is None
-    assert "backward" in cb.known_refusal(problem(512, 256, br, varlen="padded", needs_backward=True))
-    assert cb.known_refusal(problem(500, 500, MaskSpec(left_bound=64, diagonal_alignment="bottom_right"),
+    assert cudnn_refusals.known_refusal(problem(500, 500, br)) is None  # forward only: fine
+    assert "multiples of 64" in cudnn_refusals.known_refusal(problem(500, 500, br, needs_backward=True))
+    assert cudnn_refusals.known_refusal(problem(500, 500, br, varlen="packed", needs_backward=True)) is None  # capacity 512
+    assert "s_q > s_kv" in cudnn_refusals.known_refusal(problem(512, 256, br))
+    assert cudnn_refusals.known_refusal(problem(512, 256, br, varlen="padded")) is None
+    assert "backward" in cudnn_refusals.known_refusal(problem(512, 256, br, varlen="padded", needs_backward=True))
+    assert cudnn_refusals.known_refusal(problem(500, 500, MaskSpec(left_bound=64, diagonal_alignment="bottom_right"),
                                     needs_backward=True)) is None  # no right bound: not cuDNN's "causal" rule
-    assert "float16" in cb.known_refusal(dataclasses.replace(problem(), out_dtype=torch.float32))
+    assert "float16" in cudnn_refusals.known_refusal(dataclasses.replace(problem(), out_dtype=torch.float32))
 
 
 
 @needs_mxfp8_cudnn
 def test_supports_plans_the_backward_up_front_and_caches_per_problem(pretend_blackwell):
     br = MaskSpec(causal=True, diagonal_alignment="bottom_right")
-    assert cb.CudnnBackend.supports(problem(500, 500, br)) == (True, "cuDNN forward validated")
-    ok, reason = cb.CudnnBackend.supports(problem(500, 500, br, needs_backward=True))
+    assert cudnn_backend.CudnnBackend.supports(problem(500, 500, br)) == (True, "cuDNN forward validated")
+    ok, reason = cudnn_backend.CudnnBackend.supports(problem(500, 500, br, needs_backward=True))
     assert not ok and "multiples of 64" in reason  # known refusal: no graph built
-    assert cb.CudnnBackend.supports(problem(512, 512, br, varlen="packed", needs_backward=True)) == \
+    assert cudnn_backend.CudnnBackend.supports(problem(512, 512, br, varlen="packed", needs_backward=True)) == \
         (True, "cuDNN forward and backward validated")
     for _ in range(3):
-        assert cb.CudnnBackend.supports(problem(384, 384, MaskSpec(causal=True), "padded", True))[0]
+        assert cudnn_backend.CudnnBackend.supports(problem(384, 384, MaskSpec(causal=True), "padded", True))[0]
     assert len(pretend_blackwell) == 3  # one check per distinct problem, the known refusal needs none
-    ok, reason = cb.CudnnBackend.supports(problem(d=192))
+    ok, reason = cudnn_backend.CudnnBackend.supports(problem(d=192))
     assert not ok and "head_dim 192" in reason
-    ok, reason = cb.CudnnBackend.supports(problem(d=256, varlen="packed", needs_backward=True))
+    ok, reason = cudnn_backend.CudnnBackend.supports(problem(d=256, varlen="packed", needs_backward=True))
     assert ok, reason
 
 
@@ -452,6 +457,6 @@ def test_auto_and_explicit_backends_decide_before_any_work(pretend_blackwell, mo
 
 
 def test_supports_on_this_machine_refuses_by_availability_without_building():
-    ok, reason = cb.CudnnBackend.supports(problem())
+    ok, reason = cudnn_backend.CudnnBackend.supports(problem())
     if not torch.cuda.is_available():
         assert not ok and "CUDA" in reason

@@ -149,7 +149,7 @@ def test_cudnn_backend_refuses_off_blackwell_before_writing():
 def _blackwell_ready():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 10:
         return False, "needs a Blackwell (SM 10.x) GPU"
-    from mxattn.cudnn_support import cudnn_support
+    from mxattn.backends.cudnn.support import cudnn_support
     return cudnn_support()
 
 

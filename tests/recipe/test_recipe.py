@@ -430,9 +430,9 @@ def test_cudnn_refuses_variants_with_the_reason():
 
 
 def test_triton_runs_every_mxfp8_recipe_and_refuses_per_tensor_with_the_reason():
-    """The Triton kernels run each MXFP8 variant as constexpr specialisations (`kernels.recipe_flags`, checked
+    """The Triton kernels run each MXFP8 variant as constexpr specialisations (`runtime.recipe_flags`, checked
     on the GPU against the reference backend in test_recipe_triton_gpu.py); per-tensor scaling has no kernel."""
-    from mxattn.kernels.recipe_flags import DEFAULT_FLAGS, kernel_recipe
+    from mxattn.runtime.recipe_flags import DEFAULT_FLAGS, kernel_recipe
     cls = backends.backend_class("triton")
     for name, recipe in VARIANTS.items():
         ok, reason = cls.supports_recipe(recipe)
@@ -453,7 +453,7 @@ def test_triton_runs_every_mxfp8_recipe_and_refuses_per_tensor_with_the_reason()
 
 
 def _pretend_available(monkeypatch):
-    from mxattn.backends.cudnn_backend import CudnnBackend
+    from mxattn.backends.cudnn.backend import CudnnBackend
     from mxattn.backends.triton_backend import TritonBackend
     for cls in (CudnnBackend, TritonBackend):
         monkeypatch.setattr(cls, "availability", classmethod(lambda c, device: (True, "pretend")))

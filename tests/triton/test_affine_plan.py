@@ -1,4 +1,4 @@
-"""Affine launch plans (mxattn.kernels.affine_plan) on the CPU: one plan replays a body at every length n once
+"""Affine launch plans (mxattn.runtime.affine_plan) on the CPU: one plan replays a body at every length n once
 three recordings agree with an affine fit; a replay launches what the body would have launched at that n; a
 body that is not affine, or roots that are not the predicted ones, never replay. Triton's dispatcher and the
 compiled kernels' launcher are stubbed as in test_launch_plan (no GPU)."""
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 def _affine_body(x, grid_of=lambda n: (4,)):
     """A body whose launch reads x [n, 64] (its length, a stride-derived size, a diagonal offset n - 1)."""
-    from mxattn.kernels.triton_launch import launch
+    from mxattn.runtime.triton_launch import launch
 
     def body():
         n = x.shape[0]
@@ -34,7 +34,7 @@ def _run(cache, n, grid_of=lambda n: (4,), base=None):
 
 
 def test_trusted_after_three_lengths_then_replays_what_the_body_launches(launcher):
-    from mxattn.kernels.affine_plan import AffinePlanCache
+    from mxattn.runtime.affine_plan import AffinePlanCache
     cache = AffinePlanCache()
     base = torch.randn(200, 64)
     for i, n in enumerate((40, 41, 42)):
@@ -59,8 +59,8 @@ def test_trusted_after_three_lengths_then_replays_what_the_body_launches(launche
 
 
 def test_a_new_specialization_class_is_recorded_then_replayed(launcher):
-    from mxattn.kernels import affine_plan
-    from mxattn.kernels.affine_plan import AffinePlanCache
+    from mxattn.runtime import affine_plan  
+    from mxattn.runtime.affine_plan import AffinePlanCache
     cache = AffinePlanCache()
     base = torch.randn(200, 64)
     for n in (40, 41, 42):
@@ -76,7 +76,7 @@ def test_a_new_specialization_class_is_recorded_then_replayed(launcher):
 
 def test_a_body_that_is_not_affine_is_retired_and_runs_itself(launcher):
     """The grid steps at n = 100: recordings at 40 and 60 fit it as constant, the third (150) disagrees."""
-    from mxattn.kernels.affine_plan import AffinePlanCache
+    from mxattn.runtime.affine_plan import AffinePlanCache
     cache = AffinePlanCache()
     steps = lambda n: (1 + n // 100,)  # noqa: E731
     for n in (40, 60, 150):
@@ -88,7 +88,7 @@ def test_a_body_that_is_not_affine_is_retired_and_runs_itself(launcher):
 
 
 def test_a_slope_that_is_not_an_integer_retires_the_plan(launcher):
-    from mxattn.kernels.affine_plan import AffinePlanCache
+    from mxattn.runtime.affine_plan import AffinePlanCache
     cache = AffinePlanCache()
     for n in (40, 42):
         _run(cache, n, grid_of=lambda n: (n // 2 + n % 2,))  # fits, slope 1/2 between even lengths
@@ -97,7 +97,7 @@ def test_a_slope_that_is_not_an_integer_retires_the_plan(launcher):
 
 def test_roots_other_than_predicted_run_the_body(launcher):
     """A trusted plan fitted on views of a [200, 64] buffer meets a contiguous x (other strides): no replay."""
-    from mxattn.kernels.affine_plan import AffinePlanCache
+    from mxattn.runtime.affine_plan import AffinePlanCache
     cache = AffinePlanCache()
     base = torch.randn(200, 128)[:, :64]  # row stride 128
     for n in (40, 41, 42):
@@ -110,8 +110,8 @@ def test_roots_other_than_predicted_run_the_body(launcher):
 
 
 def test_refused_recording_retires(launcher):
-    from mxattn.kernels.affine_plan import AffinePlanCache
-    from mxattn.kernels.triton_launch import launch
+    from mxattn.runtime.affine_plan import AffinePlanCache
+    from mxattn.runtime.triton_launch import launch
     cache = AffinePlanCache()
     x = torch.randn(8, 64)
 
@@ -162,8 +162,8 @@ def test_triton_backend_decode_steps_replay_the_ordinary_launch(launcher, monkey
     repeat), and new lengths after them the affine plan."""
     import mxattn
     from mxattn import op_plans
-    from mxattn.kernels.affine_plan import AffinePlanCache
-    from mxattn.kernels.launch_plan import PlanCache
+    from mxattn.runtime.affine_plan import AffinePlanCache
+    from mxattn.runtime.plan_cache import PlanCache
     backend_module, _ = _stub_backend(monkeypatch, request, ops_replay)
     planned = (backend_module._AFFINE_PLANS, backend_module._PLANS, op_plans.CALLS_AFFINE, op_plans.CALLS, set())
     hq, hkv = (8, 2) if case == "gqa_window_sink" else (4, 4)
@@ -216,8 +216,8 @@ def test_triton_backend_decode_steps_replay_the_ordinary_launch(launcher, monkey
 
 def test_describe_roots_is_roots_key_alias_key_and_root_facts_in_one_pass():
     """`describe_roots` (the call plans' one pass) answers what `roots_key`, `alias_key` and `root_facts` do."""
-    from mxattn.kernels.affine_plan import describe_roots, root_facts, roots_key
-    from mxattn.kernels.launch_plan import alias_key
+    from mxattn.runtime.affine_plan import describe_roots, root_facts, roots_key
+    from mxattn.runtime.launch_plan import alias_key
     buffer = torch.randn(2, 300, 8, 64)
     kv = buffer[:, :120]
     q = torch.randn(2, 1, 8, 64)

@@ -59,7 +59,7 @@ def _triton_pre_launch(which, q_shape, HKV, SKV, stats, scale, offset, right_bou
     for a dense call with Q [B, HQ, SQ, D] (q_shape): (cfg, pre, args, common, seq, cu, flags), its default
     config."""
     from mxattn.kernels import triton_attention_bwd as tb
-    from mxattn.kernels.recipe_flags import DEFAULT_FLAGS
+    from mxattn.runtime.recipe_flags import DEFAULT_FLAGS
     from mxattn.kernels.triton_quantize import padded_head_dim
     from mxattn.seqinfo import kernel_cu_seqlens, kernel_flags
     B, HQ, SQ, D = q_shape
@@ -411,7 +411,7 @@ def _cpu_operands(D=128, HQ=4, HKV=2, SQ=100, SKV=80, dtype=torch.bfloat16):
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
 def test_gluon_dkdv_refuses_unsupported_calls():
     from mxattn.kernels import gluon_attention_bwd as gb
-    from mxattn.kernels.recipe_flags import DEFAULT_FLAGS
+    from mxattn.runtime.recipe_flags import DEFAULT_FLAGS
     q, k, v = _cpu_operands()
     assert gb.unsupported_reason(q, k, v, q_c=q, do_r=q, do_c=q) is None
     assert gb.unsupported_reason(q, k, v, left_bound=64) is None  # sliding windows are taken

@@ -113,7 +113,7 @@ def _cpu_scratch(D=128, HQ=4, HKV=2, SQ=100, SKV=80, dtype=torch.bfloat16):
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed here")
 def test_gluon_dq_refuses_unsupported_calls(monkeypatch):
     from mxattn.kernels import gluon_attention_dq as gd
-    from mxattn.kernels.recipe_flags import DEFAULT_FLAGS
+    from mxattn.runtime.recipe_flags import DEFAULT_FLAGS
     monkeypatch.setattr(gd, "MIN_KEYS", {64: 0, 128: 0})  # (80 keys; the minimum: test_gluon_dq_min_keys)
     ops = _cpu_scratch()
     assert gd.unsupported_reason(*ops) is None and gd.takes(*ops)

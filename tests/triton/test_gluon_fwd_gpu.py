@@ -227,7 +227,8 @@ def test_cached_gluon_launches_read_each_calls_tensors():
     repeated shape hits the cache."""
     if not _is_hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
-    from mxattn.kernels import gluon_attention_fwd as gf, triton_attention_fwd as tf, triton_launch
+    from mxattn.kernels import gluon_attention_fwd as gf, triton_attention_fwd as tf
+    from mxattn.runtime import triton_launch
     g = torch.Generator(device="cuda").manual_seed(99)
     B, HQ, HKV, D = 1, 4, 2, 128
     entries = []
@@ -254,7 +255,7 @@ def test_gluon_fwd_refuses_unsupported_calls():
     if not HAS_TRITON:
         pytest.skip("triton is not installed here")
     from mxattn.kernels import gluon_attention_fwd as gf
-    from mxattn.kernels.recipe_flags import KernelRecipe
+    from mxattn.runtime.recipe_flags import KernelRecipe
     from mxattn.kernels.triton_quantize import SeqMajorColumns
     q = torch.zeros(1, 2, 64, 128, dtype=torch.uint8).view(torch.float8_e4m3fn)
     s = torch.zeros(1, 2, 64, 4, dtype=torch.uint8)

@@ -1,4 +1,4 @@
-"""Launch plans (mxattn.kernels.launch_plan) on the CPU: a body's allocations, views and Triton launches are
+"""Launch plans (mxattn.runtime.launch_plan) on the CPU: a body's allocations, views and Triton launches are
 recorded once and replayed for new tensors with every pointer re-based; anything else is refused. Triton's
 dispatcher and the compiled kernels' launcher are replaced by recorders (no GPU); the GPU tests compare the
 triton backend's replayed results with its ordinary path bit for bit."""
@@ -78,7 +78,8 @@ def paged_stubs(monkeypatch):
     """The paged cache calls' triton path on the CPU (with `launcher`): the backend available, a 132-SM GPU for
     the split choice, a fresh plan cache for the steps."""
     from mxattn.backends.triton_backend import TritonBackend
-    from mxattn.kernels import paged_step, triton_paged_attention
+    from mxattn.kernels import triton_paged_attention
+    from mxattn.runtime import paged_step
     monkeypatch.setattr(TritonBackend, "availability", classmethod(lambda cls, device: (True, "")))
     monkeypatch.setattr(triton_paged_attention, "sm_count", lambda device: 132)
     monkeypatch.setattr(paged_step, "STEPS", paged_step.PlanCache(min_replays=16))
@@ -115,7 +116,7 @@ def _fn(name, n_args):
 
 def _body(x, y):
     """Outputs (whole allocations, one transposed), scratch with overlapping and disjoint lifetimes, views."""
-    from mxattn.kernels.triton_launch import launch
+    from mxattn.runtime.triton_launch import launch
     out = torch.empty_like(x)
     stats = torch.empty((3, 5), dtype=torch.float32).t()
     a = torch.empty(1000, dtype=torch.uint8)
@@ -129,7 +130,7 @@ def _body(x, y):
 
 
 def test_replay_rebases_every_pointer(launcher):
-    from mxattn.kernels.launch_plan import record
+    from mxattn.runtime.launch_plan import record
     x, y = torch.randn(4, 8), torch.randn(6, 6, dtype=torch.float64)
     outputs, plan, reason = record(lambda: _body(x, y), (x, y))
     assert reason == "recorded" and plan.launch_count == 3
@@ -157,8 +158,8 @@ def test_replay_rebases_every_pointer(launcher):
 def test_empty_outputs_replay_as_empty_allocations_of_their_own(launcher):
     """An empty output (the backward op's dsink without a learnable sink), even two of them, replays as an empty
     tensor of its own: one allocation each, no second allocation to view, and the plan is not refused."""
-    from mxattn.kernels.launch_plan import record
-    from mxattn.kernels.triton_launch import launch
+    from mxattn.runtime.launch_plan import record
+    from mxattn.runtime.triton_launch import launch
 
     def body(x):
         out = torch.empty_like(x)
@@ -180,7 +181,7 @@ def test_a_replay_calls_the_c_launcher_directly_where_it_may(launcher):
     """A replay issues its launches through generated code: Triton's C launch function directly for kernels
     without scratch memory (`triton_launch.direct_launcher`), else the launcher's Python wrapper; the recording
     and the first calls go through the wrapper."""
-    from mxattn.kernels.launch_plan import record
+    from mxattn.runtime.launch_plan import record
     x, y = torch.randn(4, 8), torch.randn(6, 6, dtype=torch.float64)
     _, plan, _ = record(lambda: _body(x, y), (x, y))
     kernels = launcher.kernels.values()
@@ -201,7 +202,7 @@ def test_plans_of_one_structure_share_their_generated_code(launcher):
     """A replay's generated code reads every value from its plan's constants, so plans that differ only in
     sizes, offsets and grids (an affine plan's instantiation at each decode step's length, say) share one
     compiled function, and each replays its own values."""
-    from mxattn.kernels.launch_plan import record
+    from mxattn.runtime.launch_plan import record
     plans = []
     for n in (8, 12):
         x, y = torch.randn(4, n), torch.randn(6, 6, dtype=torch.float64)
@@ -220,8 +221,8 @@ def test_outputs_from_carve_from_on_are_views_of_one_allocation(launcher):
     """record(..., carve_from=1): the first output keeps its own allocation, the later whole outputs are views
     of one block at 256-byte boundaries (their recorded shapes, strides, dtypes; a zero-filled one zeroed), and
     each launch writes where the returned view lies."""
-    from mxattn.kernels.launch_plan import record
-    from mxattn.kernels.triton_launch import launch
+    from mxattn.runtime.launch_plan import record
+    from mxattn.runtime.triton_launch import launch
     x = torch.randn(4, 8)
 
     def body():
@@ -267,8 +268,8 @@ def test_outputs_from_carve_from_on_are_views_of_one_allocation(launcher):
 
 def test_zero_filled_scratch_is_zeroed_where_it_was_allocated(launcher):
     """A zero-filled scratch buffer sharing bytes with an earlier one is zeroed after that one's last launch."""
-    from mxattn.kernels.launch_plan import record
-    from mxattn.kernels.triton_launch import launch
+    from mxattn.runtime.launch_plan import record
+    from mxattn.runtime.triton_launch import launch
     x = torch.randn(64)
 
     def body():
@@ -289,8 +290,8 @@ def test_zero_filled_scratch_is_zeroed_where_it_was_allocated(launcher):
 
 def test_scratch_reuses_memory_of_finished_lifetimes(launcher):
     """A scratch buffer allocated after another's last use shares its bytes (peak as in the recorded run)."""
-    from mxattn.kernels.launch_plan import record
-    from mxattn.kernels.triton_launch import launch
+    from mxattn.runtime.launch_plan import record
+    from mxattn.runtime.triton_launch import launch
     x = torch.randn(64)
 
     def body():
@@ -310,8 +311,8 @@ def test_scratch_reuses_memory_of_finished_lifetimes(launcher):
     ("copy", "aten.clone"), ("foreign", "did not allocate"), ("no_launch", "launched no kernel"),
     ("output_is_root", "an output is"), ("fill", "aten.zero_")])
 def test_recording_refuses_what_a_replay_cannot_repeat(launcher, case, expected):
-    from mxattn.kernels.launch_plan import record
-    from mxattn.kernels.triton_launch import launch
+    from mxattn.runtime.launch_plan import record
+    from mxattn.runtime.triton_launch import launch
     x, foreign = torch.randn(8), torch.randn(8)
 
     def body():
@@ -335,7 +336,7 @@ def test_recording_refuses_what_a_replay_cannot_repeat(launcher, case, expected)
 def test_launch_through_tritons_dispatcher_is_refused(launcher, monkeypatch):
     """With a launch hook installed (a profiler), launches take Triton's own path and nothing is recorded;
     a plan recorded earlier is not replayed while the hook is there."""
-    from mxattn.kernels import launch_plan, triton_launch
+    from mxattn.runtime import launch_plan, triton_launch  
     x = torch.randn(8)
     calls = []
 
@@ -362,8 +363,8 @@ def test_launch_through_tritons_dispatcher_is_refused(launcher, monkeypatch):
 
 
 def test_plan_cache_records_on_the_second_call_and_remembers_refusals(launcher):
-    from mxattn.kernels.launch_plan import PlanCache
-    from mxattn.kernels.triton_launch import launch
+    from mxattn.runtime.plan_cache import PlanCache
+    from mxattn.runtime.triton_launch import launch
     cache, runs = PlanCache(max_entries=3), []
     x = torch.randn(8)
 
@@ -389,8 +390,8 @@ def test_plan_cache_records_on_the_second_call_and_remembers_refusals(launcher):
 def test_plan_cache_stops_recording_a_family_whose_plans_are_not_replayed(launcher):
     """Decode steps of a few layers: every KV length is called twice (two layers) and never again; after
     `min_replays` recordings without replays the family records no more (each recording costs a few calls)."""
-    from mxattn.kernels.launch_plan import PlanCache
-    from mxattn.kernels.triton_launch import launch
+    from mxattn.runtime.plan_cache import PlanCache
+    from mxattn.runtime.triton_launch import launch
     cache, recorded = PlanCache(min_replays=2), []
     x = torch.randn(8)
 
@@ -417,8 +418,8 @@ def _stub_backend(monkeypatch, request, ops_replay: bool = False):
     from mxattn import attention, checks, op_plans
     from mxattn.backends import pick_backend, triton_backend as backend_module
     from mxattn.kernels import triton_quantize as tq
-    from mxattn.kernels.affine_plan import AffinePlanCache
-    from mxattn.kernels.launch_plan import PlanCache
+    from mxattn.runtime.affine_plan import AffinePlanCache
+    from mxattn.runtime.plan_cache import PlanCache
     real = checks.check_bhsd_tensor
     for module in (checks, backend_module, tq):
         monkeypatch.setattr(module, "check_bhsd_tensor", lambda x, n, d, dev=None: real(x, n, d))
@@ -665,7 +666,7 @@ def test_checkpointed_layers_of_one_signature_recompute_what_they_saved(launcher
 
 
 def test_aliasing_of_roots_is_part_of_the_key():
-    from mxattn.kernels.launch_plan import alias_key
+    from mxattn.runtime.launch_plan import alias_key
     qkv = torch.randn(2, 8, 3, 4)
     q, k, v = qkv.unbind(2)
     a, b = torch.randn(2, 8, 4), torch.randn(2, 8, 4)
@@ -677,8 +678,9 @@ def test_aliasing_of_roots_is_part_of_the_key():
 def test_plan_caches_inside_a_recorded_body_run_their_bodies(launcher):
     """A plan cache called inside a recorded body runs the body itself (a nested replay would launch past the
     recorder, and the outer plan would miss those launches): the outer plan then holds every launch."""
-    from mxattn.kernels.launch_plan import LaunchPlan, PlanCache, record, recording_active
-    from mxattn.kernels.triton_launch import launch
+    from mxattn.runtime.launch_plan import LaunchPlan, record, recording_active
+    from mxattn.runtime.plan_cache import PlanCache
+    from mxattn.runtime.triton_launch import launch
     inner = PlanCache()
     x = torch.randn(4, 8)
     seen = []
@@ -700,7 +702,7 @@ def test_plan_caches_inside_a_recorded_body_run_their_bodies(launcher):
 
 def test_op_bodies_are_recorded_only_for_backends_that_launch_through_triton_launch():
     """`op_plans` records the ops' bodies on the triton backend and on the cudnn backend (whose graph executions
-    are reported to recordings as host calls, `mxattn.kernels.host_calls`), never on the reference backend:
+    are reported to recordings as host calls, `mxattn.runtime.host_calls`), never on the reference backend:
     its torch arithmetic would not be in a replay."""
     from mxattn import op_plans
     assert op_plans.replays("triton") is True
@@ -749,7 +751,8 @@ def test_the_compiled_graphs_packed_ops_replay_and_hand_the_block_over(launcher,
     from the third call the forward's replay leaves stats and the saved copies in the block as the op's layout
     says (no copy), and the backward replays onto the block's addresses: the same launches as the unpacked ops,
     every pointer into the kept tensors at its place in the block."""
-    from mxattn import ops, saved_block
+    from mxattn import ops
+    from mxattn.runtime import saved_block
     from mxattn.mask import MaskSpec
     from mxattn.op_args import FwdArgs
     _, plans = _stub_backend(monkeypatch, request, ops_replay=True)
@@ -794,7 +797,7 @@ def test_the_compiled_graphs_packed_ops_replay_and_hand_the_block_over(launcher,
     kept_ptrs = lambda log: [a for _, _, args in log for a in args if any(  # noqa: E731
         t.data_ptr() <= a < t.data_ptr() + t.numel() * t.element_size() for t in kept2) and isinstance(a, int)]
     assert kept_ptrs(unpacked) == kept_ptrs(bwd2)
-    from mxattn.kernels.launch_plan import LaunchPlan
+    from mxattn.runtime.launch_plan import LaunchPlan
     assert [type(p) for k, p in plans._plans.items() if k[0][0] in ("fwd", "bwd block")] == [LaunchPlan] * 2
 
 
@@ -802,12 +805,12 @@ def test_the_compiled_graphs_packed_ops_replay_and_hand_the_block_over(launcher,
 def test_paged_cache_steps_replay_their_launches(launcher, paged_stubs, sink):
     """Decode steps of `mxattn.mxfp8_attention_with_kvcache` (triton) on three caches of one geometry (a model's
     layers): the first step of a signature runs the launchers, the second records, later ones replay
-    (`mxattn.kernels.paged_step`): the same kernels (the append, the split passes, the combine), grids and
+    (`mxattn.runtime.paged_step`): the same kernels (the append, the split passes, the combine), grids and
     non-pointer arguments, every pointer into the step's q, k, v, offsets and the cache's own storage rebased
     onto the replaying call's, O written where the returned O lies."""
     import mxattn
     from mxattn import kvcache
-    from mxattn.kernels import paged_step
+    from mxattn.runtime import paged_step  
     hq, hkv, d, n = 8, 2, 64, 3
     caches = [mxattn.MXFP8KVCache(num_pages=24, page_size=64, kv_heads=hkv, head_dim=d, max_sequences=n)
               for _ in range(3)]
@@ -846,7 +849,7 @@ def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, paged_stu
     page), equal states after. A cache in another state is refused before anything changes."""
     import mxattn
     from mxattn import kvcache_call
-    from mxattn.kernels import paged_step
+    from mxattn.runtime import paged_step  
     hq, hkv, d, n = 8, 2, 64, 3
     g = torch.Generator().manual_seed(1)
 
@@ -1002,7 +1005,7 @@ def test_a_body_that_runs_the_gluon_forward_replays_with_rebased_descriptors(lau
     pytest.importorskip("triton.experimental.gluon")
     import mxattn
     from mxattn.kernels import gluon_attention_fwd, triton_attention_bwd as tb, triton_attention_fwd as tf
-    from mxattn.kernels.launch_plan import ReplayedDescriptor
+    from mxattn.runtime.launch_plan import ReplayedDescriptor
     backend_module, plans = _stub_backend(monkeypatch, request, ops_replay)
     monkeypatch.setattr(tf, "fwd_streams_bf16", lambda *a: False)  # the FP8 data path, plans left on
     monkeypatch.setattr(tb, "bwd_streams_bf16", lambda *a: False)
@@ -1043,7 +1046,7 @@ def test_launch_keys_host_tma_descriptors_by_all_but_their_address():
     """`triton_launch._args_key` of a Gluon TensorDescriptor: hashable; equal for another tensor of the same
     shape, strides, dtype and alignment class; different for another shape or block."""
     pytest.importorskip("triton.experimental.gluon")
-    from mxattn.kernels.triton_launch import _args_key
+    from mxattn.runtime.triton_launch import _args_key
     a, b = (torch.zeros(1, 2, 256, 128, dtype=torch.float8_e4m3fn) for _ in range(2))
     c = torch.zeros(1, 2, 384, 128, dtype=torch.float8_e4m3fn)
     ka, kb, kc = (_args_key([_descriptor(t, [1, 1, 128, 128]), 7]) for t in (a, b, c))
@@ -1056,8 +1059,8 @@ def test_a_replay_rebases_host_tma_descriptors(launcher):
     strides and padding, and replayed as a `ReplayedDescriptor` on the new address; an argument of any other
     object type is refused."""
     pytest.importorskip("triton.experimental.gluon")
-    from mxattn.kernels import launch_plan
-    from mxattn.kernels.triton_launch import launch
+    from mxattn.runtime import launch_plan  
+    from mxattn.runtime.triton_launch import launch
     fn = _fn("_desc_kernel", 3)
     k = torch.zeros(1, 2, 256, 128, dtype=torch.float8_e4m3fn)
 
@@ -1104,7 +1107,7 @@ def test_the_gluon_forward_launches_its_compiled_kernel_directly_after_the_first
                                out=out, stats=st)
         return q, k, v, out
 
-    from mxattn.kernels import triton_launch
+    from mxattn.runtime import triton_launch  
     dispatched, first_launch = [], triton_launch.first_launch
     monkeypatch.setattr(triton_launch, "first_launch", lambda *a: dispatched.append(1) or first_launch(*a))
     first, second = call(), call()

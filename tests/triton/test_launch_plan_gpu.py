@@ -90,8 +90,9 @@ def test_replayed_calls_equal_the_ordinary_path(name, grad, monkeypatch):
     ops' bodies replay (`op_plans.PLANS`), without it the whole call (`op_plans.CALLS`)."""
     from mxattn import attention, op_plans
     from mxattn.backends import triton_backend as tb
-    from mxattn.kernels.affine_plan import AffinePlanCache
-    from mxattn.kernels.launch_plan import LaunchPlan, PlanCache
+    from mxattn.runtime.affine_plan import AffinePlanCache
+    from mxattn.runtime.launch_plan import LaunchPlan
+    from mxattn.runtime.plan_cache import PlanCache
     case = CASES[name]
     if name == "d256_fp8_on_chip" and grad:  # the FP8-streaming backward too (scratch over a tiny budget)
         from mxattn.kernels import triton_attention_bwd as tbwd

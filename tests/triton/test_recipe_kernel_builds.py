@@ -1,5 +1,5 @@
 """The recipe variants' kernel specialisations build for sm_90 without a GPU (Triton's compiler and ptxas on the
-CPU): each switch of `mxattn.kernels.recipe_flags` on the kernels it reaches, one configuration each. Their
+CPU): each switch of `mxattn.runtime.recipe_flags` on the kernels it reaches, one configuration each. Their
 numbers are checked on the GPU (tests/recipe/test_recipe_triton_gpu.py); the default recipe's machine code is
 fingerprinted by benchmarks/default_recipe_sass.py."""
 
@@ -16,7 +16,7 @@ from default_recipe_sass import builds  # noqa: E402
 from triton_compile import compile_for  # noqa: E402
 
 from mxattn import Recipe  # noqa: E402
-from mxattn.kernels.recipe_flags import kernel_recipe  # noqa: E402
+from mxattn.runtime.recipe_flags import kernel_recipe  # noqa: E402
 
 #: (recipe, the default_recipe_sass builds it reaches)
 CASES = [

@@ -128,7 +128,7 @@ def test_quantizer_bit_identical(layout, shape, dtype):
 def test_quantizer_writes_the_cudnn_graph_scale_bytes(shape, dtype):
     """swizzle=True: the row and column scales in the byte order of the cuDNN graph's F8_128x4 tensors
     (`cudnn_graphs.operand` of the compact scales), the column ones over all (b, h) slabs at once."""
-    cg = pytest.importorskip("mxattn.cudnn_graphs")
+    cudnn_buffers = pytest.importorskip("mxattn.backends.cudnn.buffers")
     triton_backend()
     from mxattn.kernels.triton_quantize import quantize_rowcol
     B, H, S, D = shape
@@ -136,8 +136,8 @@ def test_quantizer_writes_the_cudnn_graph_scale_bytes(shape, dtype):
     x = _special(x * 4)
     got = quantize_rowcol(x, swizzle=True)
     want_r, want_c = quantize_mxfp8(x, axis=3), quantize_mxfp8(x, axis=2)
-    assert torch.equal(as_bytes(got.row_swizzled), as_bytes(cg.row_scale_buffer(want_r.scale)))
-    assert torch.equal(as_bytes(got.col_swizzled), as_bytes(cg.col_scale_bytes(want_c.scale)))
+    assert torch.equal(as_bytes(got.row_swizzled), as_bytes(cudnn_buffers.row_scale_buffer(want_r.scale)))
+    assert torch.equal(as_bytes(got.col_swizzled), as_bytes(cudnn_buffers.col_scale_bytes(want_c.scale)))
 
 
 # --------------------------------------------------------------------------- accuracy (issue configs)

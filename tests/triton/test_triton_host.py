@@ -320,7 +320,7 @@ def test_launch_cache_keys_ints_by_tritons_own_specialization():
     pytest.importorskip("triton")
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
-    from mxattn.kernels.triton_launch import _args_key
+    from mxattn.runtime.triton_launch import _args_key
     values = [0, 1, 2, 3, 15, 16, 17, 31, 32, 33, 48, 127, 128, 4095, 4096, 65536 + 8, -1, -16, -17,
               2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1, -2**31 - 16, 2**40 + 3,
               2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 16]
@@ -341,14 +341,14 @@ def test_launch_cache_keys_ints_by_tritons_own_specialization():
 @pytest.mark.parametrize("path", ["bf16_scratch", "fp8"])
 def test_recipe_switches_reach_every_launch_without_a_gpu(monkeypatch, request, recipe_fields, path):
     """A recipe variant's host path on CPU tensors (launches recorded, not made), forward and backward through
-    the public API: every launch carries the recipe's switches (`kernels.recipe_flags`), the bf16-V recipe
+    the public API: every launch carries the recipe's switches (`runtime.recipe_flags`), the bf16-V recipe
     quantizes Q and K only (no V programs in the fused quantizer's grid) and keeps V in bf16 for the backward
     (`SavedWithBF16V`), whose key-side prep skips V. The numbers are checked on the GPU
     (tests/recipe/test_recipe_triton_gpu.py)."""
     import mxattn
     from mxattn import Recipe
     from mxattn.kernels import triton_bwd_prep as tp
-    from mxattn.kernels.recipe_flags import kernel_recipe
+    from mxattn.runtime.recipe_flags import kernel_recipe
     from triton_helpers import force_fp8_data_paths
 
     launched = _record_launches(monkeypatch, request, keep_kwargs=True)
@@ -443,7 +443,7 @@ def test_the_fp8_forward_runs_on_the_gluon_kernel_where_it_takes_the_call(monkey
     sizes) its bf16-K/V variant on the quantizer's bf16 K and V (k_scale None). The numbers are compared on the GPU (tests/triton/test_gluon_fwd_gpu.py)."""
     import mxattn
     from mxattn import Recipe
-    from mxattn.kernels.recipe_flags import kernel_recipe
+    from mxattn.runtime.recipe_flags import kernel_recipe
     from triton_helpers import force_fp8_data_paths
 
     launched = _record_launches(monkeypatch, request, keep_kwargs=True)
@@ -526,7 +526,7 @@ def test_the_pre_backward_runs_the_gluon_kernels_where_they_take_the_chunk(monke
     from mxattn.kernels import gluon_attention_bwd as gb
     from mxattn.kernels import gluon_attention_dq as gd
     from mxattn.kernels import triton_attention_bwd as tb
-    from mxattn.kernels.recipe_flags import kernel_recipe
+    from mxattn.runtime.recipe_flags import kernel_recipe
     from triton_helpers import force_fp8_data_paths
 
     launched = _record_launches(monkeypatch, request, keep_kwargs=True)
@@ -672,7 +672,7 @@ def test_gluon_takes_sinks_and_windows_and_refuses_the_rest():
     is not SeqMajorColumns; bf16 K/V (k_scale None: the bf16-K/V variant, bf16 V's recipe too)
     are taken as bf16 tensors only."""
     from mxattn.kernels.gluon_attention_fwd import unsupported_reason
-    from mxattn.kernels.recipe_flags import KernelRecipe
+    from mxattn.runtime.recipe_flags import KernelRecipe
     from mxattn.kernels.triton_quantize import SeqMajorColumns
     f8 = torch.float8_e4m3fn
     q = torch.zeros(1, 2, 128, 64, dtype=f8)

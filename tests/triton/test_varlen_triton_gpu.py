@@ -209,9 +209,9 @@ def test_quantizer_padded_reads_padding_as_zero(dtype):
     want_r, want_c = quantize_mxfp8(xz, axis=3), quantize_mxfp8(xz, axis=2)
     for a, b in ((got.row, want_r), (got.col, want_c)):
         assert torch.equal(as_bytes(a.data), as_bytes(b.data)) and torch.equal(as_bytes(a.scale), as_bytes(b.scale))
-    cg = pytest.importorskip("mxattn.cudnn_graphs")      # the F8_128x4 bytes the cuDNN graphs read
-    assert torch.equal(as_bytes(got.row_swizzled), as_bytes(cg.row_scale_buffer(want_r.scale)))
-    assert torch.equal(as_bytes(got.col_swizzled), as_bytes(cg.col_scale_bytes(want_c.scale)))
+    cudnn_buffers = pytest.importorskip("mxattn.backends.cudnn.buffers")      # the F8_128x4 bytes the cuDNN graphs read
+    assert torch.equal(as_bytes(got.row_swizzled), as_bytes(cudnn_buffers.row_scale_buffer(want_r.scale)))
+    assert torch.equal(as_bytes(got.col_swizzled), as_bytes(cudnn_buffers.col_scale_bytes(want_c.scale)))
 
 
 # --------------------------------------------------------------------------- against the reference backend

@@ -20,7 +20,8 @@ from ...devices import device_guard
 from ...errors import MXFP8NotSupportedError
 from ...formats import MXFP8Tensor, quantize_mxfp8
 from ...formats import _is_non_overlapping_and_dense as _is_dense
-from ...kernels.launch_plan import PlanCache, carving_allowed, plan_key
+from ...runtime.launch_plan import carving_allowed, plan_key
+from ...runtime.plan_cache import PlanCache
 from ...recipe import Recipe
 from ...seqinfo import SeqInfo, zero_padding
 from ..base import AttentionBackend, AttentionParams, Problem, SavedForBackward, check_forward_quantized

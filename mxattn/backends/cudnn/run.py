@@ -29,7 +29,7 @@ from .frontend import cudnn
 
 from ...errors import MXFP8NotSupportedError
 from ...formats import MXFP8Tensor
-from ...kernels.host_calls import issue
+from ...runtime.host_calls import issue
 from ...formats import _is_non_overlapping_and_dense as _is_dense
 from ...mask import MaskSpec
 from ...seqinfo import SeqInfo

@@ -2,7 +2,7 @@
 kept as the callable, what it reads besides tensors, and each named tensor's place and geometry.
 
 A body reports such a call through `issue(call, names -> tensors)`: the call runs at once, and a recording active on
-this thread (`mxattn.kernels.launch_plan.record`) resolves every tensor to (root or allocation, byte offset) with
+this thread (`mxattn.runtime.launch_plan.record`) resolves every tensor to (root or allocation, byte offset) with
 its shape, strides and dtype, as it resolves a launch's pointer arguments. A replay (`LaunchPlan.replay`) then
 calls `call.fn(call.static, names -> tensors)` with tensors of the recorded geometry at the re-based addresses,
 made as views of the tensors that own that memory in the replay (the roots, the workspace, the outputs'
@@ -17,6 +17,8 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
+
+from .recording import active_recorder
 
 
 class HostCall:
@@ -54,7 +56,6 @@ def issue(fn: Callable, static, tensors: Dict, current: Callable[[], bool] = _al
     """fn(static, tensors) ({name: tensor}); reported to the launch-plan recording active on this thread, if any,
     which then replays it (module docstring). current: `HostCall.current`."""
     fn(static, tensors)
-    from .launch_plan import active_recorder  # (no import cycle at load time)
     recorder = active_recorder()
     if recorder is not None:
         recorder.on_host_call(HostCall(fn, static, tuple(tensors), current), list(tensors.values()))

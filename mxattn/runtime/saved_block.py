@@ -10,7 +10,7 @@ the saved tensors at fixed offsets, and the backward op takes the block back.
 The block's layout depends on the call's shapes and qkv_format alone (q's, k's, v's shapes, their dtype, a
 packed batch's number of sequences): stats ([B,Hq,Sq,1] fp32) then the saved format's tensors as its
 `fake_tensors` lays them out for q, k, v dense in qkv_format order, each at a multiple of 256 bytes (`ALIGN`,
-where `mxattn.kernels.launch_plan` carves a replay's outputs). Not the inputs' strides: a compiled graph may hand
+where `mxattn.runtime.launch_plan` carves a replay's outputs). Not the inputs' strides: a compiled graph may hand
 the op other strides at run time than the ones traced above it (inductor chooses its buffers' layouts), so strides
 recorded at trace time could not tell the backward how the forward laid its tensors out. The forward asks its
 backend for saved tensors in that layout (`AttentionParams.saved_layout`: what dense inputs in qkv_format give
@@ -25,10 +25,10 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .kernels.launch_plan import _ALIGN as ALIGN  # (each tensor's byte alignment: where replays carve)
-from .kernels.launch_plan import block_views
-from .layouts import empty_bhsd
-from .seqinfo import SeqInfo
+from .launch_plan import _ALIGN as ALIGN  # (each tensor's byte alignment: where replays carve)
+from .launch_plan import block_views
+from ..layouts import empty_bhsd
+from ..seqinfo import SeqInfo
 
 
 class BlockLayout(NamedTuple):

@@ -101,7 +101,7 @@ def sm_count(device: torch.device) -> int:
 def launch(fn, grid, *args, **kwargs) -> None:
     """fn[grid](*args, **kwargs) for a triton.jit (or gluon.jit) kernel fn whose constexpr parameters all follow
     its run-time parameters and are passed (with options such as num_warps) as keywords; args are tensors, ints,
-    bools, floats and host TMA descriptors. grid: tuple of 1 to 3 ints. While a recording (`mxattn.kernels.launch_plan`) is active on this thread, the launch is
+    bools, floats and host TMA descriptors. grid: tuple of 1 to 3 ints. While a recording (`mxattn.runtime.launch_plan`) is active on this thread, the launch is
     also reported to it (with the compiled kernel, or None when Triton's own dispatcher ran it)."""
     recording = getattr(_LOCAL, "recording", None)
     rt = knobs.runtime
@@ -180,7 +180,7 @@ def fast_path_usable() -> bool:
     return FAST_PATH and not _hooked(rt.launch_enter_hook) and not _hooked(rt.launch_exit_hook)
 
 
-#: per-thread state: the active `LaunchRecording` (mxattn.kernels.launch_plan), if any
+#: per-thread state: the active `LaunchRecording` (mxattn.runtime.launch_plan), if any
 _LOCAL = threading.local()
 
 

@@ -21,9 +21,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from .launch_plan import PlanCache, plan_key
-from .triton_paged_append import paged_append
-from .triton_paged_attention import paged_attention_fwd, score_columns
+from .launch_plan import plan_key
+from .plan_cache import PlanCache
+from ..kernels.triton_paged_append import paged_append
+from ..kernels.triton_paged_attention import paged_attention_fwd, score_columns
 
 #: recorded steps; a family (one layer geometry and options) must replay 16 times per recording to keep
 #: recording new sizes (chunked prefill of ever new lengths stops recording by itself)

@@ -1,4 +1,4 @@
-"""Keys of launch-plan caches (`mxattn.kernels.launch_plan.PlanCache`): what a recorded body reads of its roots
+"""Keys of launch-plan caches (`mxattn.runtime.launch_plan.PlanCache`): what a recorded body reads of its roots
 besides their contents, and how the roots share storage."""
 
 from __future__ import annotations
