@@ -10,19 +10,36 @@ numerics variants (P, V and dS rounding, scale rounding, per-tensor FP8) for stu
 """
 
 from .attention import mxfp8_attention
-from .attention_quantized import mxfp8_attention_quantized, quantize_attention_inputs
 from .backends import BACKEND_NAMES, availability as backend_availability
 from .backends.cudnn.support import cudnn_support
 from .errors import MXFP8NotSupportedError
 from .formats import MXFP8Tensor, quantize_mxfp8, swizzle_128x4, unswizzle_128x4
 from .kvcache import MXFP8KVCache
-from .kvcache_call import PagedStep, mxfp8_attention_with_kvcache
+from .kvcache_call import mxfp8_attention_with_kvcache
+from .kvcache_step import PagedStep
 from .mask import MaskSpec
 from .module import DotProductAttention
 from .recipe import Recipe
 from .seqinfo import SeqInfo, cu_seqlens_from_padding_mask
 
 __version__ = "0.1.0"
+
+#: public names loaded on first use: `attention_quantized` is eager-only (torch.compiler.disable), and that
+#: decorator imports torch._dynamo, which a plain `import mxattn` should not pay for
+_LAZY = {"mxfp8_attention_quantized": ".attention_quantized", "quantize_attention_inputs": ".attention_quantized"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "BACKEND_NAMES",

@@ -9,13 +9,14 @@ import torch
 
 from . import op_plans, ops
 from .backends import choice_reads_sizes, choose_backend
-from .constants import INPUT_DTYPES, KERNEL_OUT_DTYPES, SOFTMAX_TYPES
+from .constants import INPUT_DTYPES, KERNEL_OUT_DTYPES
 from .errors import MXFP8NotSupportedError
 from .layouts import bhsd_shape, check_format, check_qkv_shapes, from_bhsd, to_bhsd
 from .mask import resolve_mask
 from .op_args import FwdArgs
 from .recipe import Recipe, check_recipe_varlen, recipe_key
 from .seqinfo import SeqInfo, make_seqinfo
+from .sinks import sink_logits
 
 OUTPUT_DTYPES = KERNEL_OUT_DTYPES + (torch.float32,)
 
@@ -132,7 +133,7 @@ def encode_call(qb, kb, vb, *, qkv_format: str, attn_mask_type: str, window_size
                            rows_kv=kb.shape[2], device=qb.device, cu_seqlens_q=cu_seqlens_q,
                            cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
         check_recipe_varlen(recipe, "packed" if packed else "padded")
-    sink = _sink(softmax_type, softmax_offset, qb.shape[1], qb.device)
+    sink = sink_logits(softmax_type, softmax_offset, qb.shape[1], qb.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(qb.shape[3])  # (symbolic under torch.compile with a dynamic head dim)
     elif isinstance(softmax_scale, bool) or not (isinstance(softmax_scale, (int, float))
@@ -270,28 +271,6 @@ def _empty_attention(q, k, v, out_dtype, softmax_offset):
     """torch SDPA's answer to an empty call: an empty O for B = 0 or S_q = 0, zeros for S_kv = 0 (no key:
     nothing to average, as a query row with no key gets everywhere in mxattn); no kernel runs."""
     return _NoKeys.apply(q, k, v, softmax_offset, out_dtype)
-
-
-def _sink(softmax_type: str, softmax_offset, heads: int, device: torch.device) -> Optional[torch.Tensor]:
-    """The sink logits [heads] fp32 for TE's softmax_type (None for "vanilla"); raises naming the argument."""
-    if softmax_type not in SOFTMAX_TYPES:
-        raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
-    if softmax_type != "learnable":
-        if softmax_offset is not None:
-            raise ValueError(f"softmax_offset is only used with softmax_type='learnable', got softmax_type="
-                             f"{softmax_type!r}")
-        return None if softmax_type == "vanilla" else torch.zeros(heads, dtype=torch.float32, device=device)
-    if not isinstance(softmax_offset, torch.Tensor):
-        raise TypeError(f"softmax_type='learnable' needs softmax_offset, a float32 tensor of shape [{heads}], "
-                        f"got {type(softmax_offset).__name__}")
-    if softmax_offset.dtype != torch.float32:
-        raise TypeError(f"softmax_offset must have dtype torch.float32, got {softmax_offset.dtype}")
-    if tuple(softmax_offset.shape) != (heads,):
-        raise ValueError(f"softmax_offset must have shape ({heads},) (one logit per query head), got "
-                         f"{tuple(softmax_offset.shape)}")
-    if softmax_offset.device != device:
-        raise ValueError(f"softmax_offset must be on q's device ({device}), got {softmax_offset.device}")
-    return softmax_offset
 
 
 __all__ = ["mxfp8_attention", "validate_inputs", "MXFP8NotSupportedError"]

@@ -7,7 +7,8 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from .attention import SOFTMAX_TYPES, mxfp8_attention
+from .attention import mxfp8_attention
+from .constants import SOFTMAX_TYPES
 from .layouts import check_format
 from .mask import resolve_mask
 from .recipe import Recipe, resolve_recipe

@@ -31,6 +31,7 @@ from torch import Tensor
 from . import op_plans
 from .runtime import saved_block
 from .backends import backend_class, get_backend
+from .compile_marks import constant_result
 from .layouts import dense_strides_bhsd, empty_bhsd, from_bhsd, to_bhsd
 from .op_args import BwdArgs, FwdArgs, PackedBwdArgs
 from .recipe import DEFAULT_RECIPE_KEY, Recipe
@@ -283,7 +284,7 @@ attention_fwd_packed = torch.ops.mxattn.attention_fwd_packed.default
 attention_bwd_packed = torch.ops.mxattn.attention_bwd_packed.default
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def packs_compiled_saved(backend: str) -> bool:
     """Whether compiled calls on `backend` (a concrete name) use the packed ops (`saved_block`): the backend's
     `packs_compiled_saved` (a constant of the trace)."""

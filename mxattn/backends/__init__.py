@@ -1,5 +1,7 @@
-"""Backend registry and the `auto` choice: the first of cudnn (Blackwell), triton (other CUDA GPUs), reference
-that supports the whole call (`AttentionBackend.supports`)."""
+"""Backend registry and the one `auto` choice, for every entry point: the first of cudnn (Blackwell), triton (other
+CUDA GPUs), reference that supports the whole call (`AttentionBackend.supports` for attention over q, k, v,
+already quantized or not; `AttentionBackend.supports_cache` for attention over the MXFP8 KV cache), warning once
+when it is not cudnn."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from typing import Dict, Tuple, Type
 
 import torch
 
+from ..compile_marks import constant_result
 from ..errors import MXFP8NotSupportedError
-from .base import AttentionBackend, AttentionParams, Problem, SavedForBackward
+from .base import AttentionBackend, AttentionParams, CacheCall, Problem, SavedForBackward
 
 BACKEND_NAMES = ("cudnn", "triton", "reference")
 _MODULES = {
@@ -60,12 +63,34 @@ def supports(name: str, problem: Problem) -> Tuple[bool, str]:
         return False, str(exc)
 
 
-def _warn_once(problem: Problem, chosen: str, reasons) -> None:
-    key = (problem.device.type, chosen, tuple(r.split(":")[0] for r in reasons))
+def _warn_once(device: torch.device, chosen: str, reasons, stacklevel: int) -> None:
+    key = (device.type, chosen, tuple(r.split(":")[0] for r in reasons))
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(f"mxattn: backend='auto' chose {chosen!r} on {problem.device} ({'; '.join(reasons)})",
-                      RuntimeWarning, stacklevel=5)
+        warnings.warn(f"mxattn: backend='auto' chose {chosen!r} on {device} ({'; '.join(reasons)})",
+                      RuntimeWarning, stacklevel=stacklevel)
+
+
+def _first_supporting(name: str, device: torch.device, ask, stacklevel: int = 6) -> str:
+    """`name` after ask(name) -> (ok, reason) said yes (MXFP8NotSupportedError with the reason otherwise), or for
+    "auto" the first of BACKEND_NAMES that ask accepts, warning once per (device type, choice, reasons) when it
+    is not cudnn (stacklevel: the warning's, pointing at the user's call)."""
+    if name != "auto":
+        if name not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {('auto',) + BACKEND_NAMES}, got {name!r}")
+        ok, reason = ask(name)
+        if not ok:
+            raise MXFP8NotSupportedError(f"backend {name!r} cannot run this call on {device}: {reason}")
+        return name
+    reasons = []
+    for candidate in BACKEND_NAMES:
+        ok, reason = ask(candidate)
+        if ok:
+            if candidate != "cudnn":
+                _warn_once(device, candidate, reasons, stacklevel)
+            return candidate
+        reasons.append(f"{candidate}: {reason}")
+    raise MXFP8NotSupportedError("no backend can run this call: " + "; ".join(reasons))
 
 
 def choose_backend(name: str, problem: Problem) -> str:
@@ -79,7 +104,7 @@ def choose_backend(name: str, problem: Problem) -> str:
     return _choose_constant(name, problem.encode(without_sizes=True))
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _choose_constant(name: str, problem_key: tuple) -> str:
     return pick_backend(name, Problem.decode(problem_key))
 
@@ -92,22 +117,42 @@ def pick_backend(name: str, problem: Problem) -> str:
     choice runs once at trace time, with no graph break. Answers are cached per (name, problem): the support
     checks read library versions and package metadata (about a millisecond), which must not be paid per call;
     refusals raise every time (exceptions are not cached)."""
-    if name != "auto":
-        if name not in BACKEND_NAMES:
-            raise ValueError(f"backend must be one of {('auto',) + BACKEND_NAMES}, got {name!r}")
-        ok, reason = supports(name, problem)
-        if not ok:
-            raise MXFP8NotSupportedError(f"backend {name!r} cannot run this call on {problem.device}: {reason}")
-        return name
-    reasons = []
-    for candidate in BACKEND_NAMES:
-        ok, reason = supports(candidate, problem)
-        if ok:
-            if candidate != "cudnn":
-                _warn_once(problem, candidate, reasons)
-            return candidate
-        reasons.append(f"{candidate}: {reason}")
-    raise MXFP8NotSupportedError("no backend can run this call: " + "; ".join(reasons))
+    return _first_supporting(name, problem.device, lambda candidate: supports(candidate, problem))
+
+
+def supports_cache(name: str, call: CacheCall) -> Tuple[bool, str]:
+    """(can serve the KV-cache call, reason) for backend `name`; never raises."""
+    try:
+        return backend_class(name).supports_cache(call)
+    except MXFP8NotSupportedError as exc:
+        return False, str(exc)
+
+
+#: cache calls' choices by (name, `CacheCall.facts`) where no verdict read the sizes (decode steps pay no checks)
+_CACHE_CHOICES: dict = {}
+
+
+def pick_cache_backend(name: str, call: CacheCall) -> str:
+    """The concrete backend that serves the KV-cache call `call` (`mxattn.mxfp8_attention_with_kvcache`), chosen
+    as `pick_backend` chooses for attention over q, k, v."""
+    key = (name, call.facts())
+    chosen = _CACHE_CHOICES.get(key)
+    if chosen is not None:
+        return chosen
+    chosen = _first_supporting(name, call.q.device, lambda candidate: supports_cache(candidate, call), 7)
+    asked = BACKEND_NAMES[:BACKEND_NAMES.index(chosen) + 1] if name == "auto" else (chosen,)
+    if not any(_cache_reads_sizes(n, call) for n in asked):
+        if len(_CACHE_CHOICES) >= 256:
+            _CACHE_CHOICES.clear()
+        _CACHE_CHOICES[key] = chosen
+    return chosen
+
+
+def _cache_reads_sizes(name: str, call: CacheCall) -> bool:
+    try:
+        return backend_class(name).cache_support_reads_sizes(call)
+    except MXFP8NotSupportedError:
+        return False
 
 
 def choice_reads_sizes(name: str, chosen: str, problem: Problem) -> bool:
@@ -130,5 +175,6 @@ def get_backend(name: str) -> AttentionBackend:
     return _instance(name)
 
 
-__all__ = ["AttentionBackend", "AttentionParams", "Problem", "SavedForBackward", "BACKEND_NAMES", "availability",
-           "backend_class", "choice_reads_sizes", "choose_backend", "get_backend", "pick_backend", "supports"]
+__all__ = ["AttentionBackend", "AttentionParams", "CacheCall", "Problem", "SavedForBackward", "BACKEND_NAMES",
+           "availability", "backend_class", "choice_reads_sizes", "choose_backend", "get_backend", "pick_backend",
+           "pick_cache_backend", "supports", "supports_cache"]

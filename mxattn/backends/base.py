@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, fields
-from typing import Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -113,6 +113,40 @@ class Problem:
 
 #: the Problem fields that may be symbolic under torch.compile
 _SIZE_FIELDS = ("batch", "seqlen_q", "seqlen_kv")
+
+
+class CacheCall(NamedTuple):
+    """A checked call of `mxfp8_attention_with_kvcache`: what a backend's `supports_cache` / `attend_cache` read."""
+
+    #: the new tokens' queries [T, Hq, D] (bf16, fp16 or fp32)
+    q: torch.Tensor
+    #: the `mxattn.MXFP8KVCache` (its device is q's)
+    cache: object
+    #: the cache slots of the batch's sequences, in q's order
+    slots: List[int]
+    #: host offsets [B+1] splitting T by sequence, and the caller's tensor of them (int32, q's device or the CPU)
+    cu: List[int]
+    cu_seqlens_q: torch.Tensor
+    #: None, or the new tokens' K and V [T, Hkv, D], appended before attending
+    k_new: Optional[torch.Tensor]
+    v_new: Optional[torch.Tensor]
+    softmax_scale: float
+    #: the sliding window's left bound (None: unbounded); the mask is causal, aligned bottom-right
+    left_bound: Optional[int]
+    softmax_type: str
+    #: fp32 [Hq] sink logits or None (`mxattn.sinks.sink_logits`)
+    sink: Optional[torch.Tensor]
+    #: flash-decoding splits (0: the backend chooses)
+    num_splits: int
+    #: the dtype the kernels write O in (bf16 or fp16), and the one the caller gets
+    kernel_dtype: torch.dtype
+    out_dtype: torch.dtype
+
+    def facts(self) -> tuple:
+        """What a support verdict reads besides sizes (the backend choice's cache key)."""
+        q, cache = self.q, self.cache
+        return (q.device, q.dtype, q.shape[1], cache.kv_heads, cache.head_dim, self.left_bound, self.softmax_type,
+                self.kernel_dtype, self.k_new is None)
 
 
 def sink_grad(o: torch.Tensor, do: torch.Tensor, stats: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
@@ -267,6 +301,23 @@ class AttentionBackend(abc.ABC):
             return False, (f"head_dim {problem.head_dim} is not supported (supported: "
                            f"{', '.join(map(str, cls.supported_head_dims))})")
         return True, reason
+
+    @classmethod
+    def supports_cache(cls, call: CacheCall) -> Tuple[bool, str]:
+        """(can serve this KV-cache call, reason), before anything is written. Never raises. The base class has
+        no path over the cache."""
+        return False, "has no path over the MXFP8 KV cache"
+
+    @classmethod
+    def cache_support_reads_sizes(cls, call: CacheCall) -> bool:
+        """Whether `supports_cache(call)` could answer otherwise for other lengths or page counts (the base
+        class's answer reads none)."""
+        return False
+
+    def attend_cache(self, call: CacheCall) -> Tuple[torch.Tensor, object]:
+        """Append call.k_new / v_new (when given), then attend: (O [T, Hq, D] in call.kernel_dtype, the
+        `mxattn.PagedStep` that ran, or None). Called only after `supports_cache(call)` said yes."""
+        raise MXFP8NotSupportedError(f"backend {self.name!r}: {self.supports_cache(call)[1]}")
 
     def forward_affine_in_kv_length(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                     params: AttentionParams) -> bool:

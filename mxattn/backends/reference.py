@@ -22,7 +22,9 @@ from ..constants import ceil_div
 from ..formats import BLOCK_SIZE, MXFP8Tensor
 from ..recipe import Recipe, check_recipe_varlen
 from ..seqinfo import SeqInfo
-from .base import AttentionBackend, AttentionParams, SavedForBackward, check_forward_quantized
+from ..formats import quantize_mxfp8
+from ..kvcache_step import check_queries
+from .base import AttentionBackend, AttentionParams, CacheCall, SavedForBackward, check_forward_quantized
 from .recipe_operands import (Operand, SavedInputs, pair, quantize_rowcol, ref_backward_options,
                               ref_forward_options, v_operands)
 
@@ -80,6 +82,29 @@ class ReferenceBackend(AttentionBackend):
     @classmethod
     def saved_format_for(cls, recipe: Recipe) -> type:
         return cls.saved_format if recipe.is_default else SavedInputs
+
+    @classmethod
+    def supports_cache(cls, call: CacheCall) -> Tuple[bool, str]:
+        return True, "pure PyTorch over the cache's stored bytes; runs on any device"
+
+    def attend_cache(self, call: CacheCall):
+        """Each sequence's queries against its cached bytes through `ref.mxfp8_ref`, one sequence at a time."""
+        q, cache, slots, cu = call.q, call.cache, call.slots, call.cu
+        if call.k_new is not None:
+            cache._append(slots, call.k_new, call.v_new, cu)
+        check_queries(cache, slots, cu, [cache._lens[s] for s in slots])
+        out = torch.zeros(q.shape, dtype=call.kernel_dtype, device=q.device)
+        for slot, a, b in zip(slots, cu, cu[1:]):
+            if b == a:
+                continue
+            q_row = quantize_mxfp8(q[a:b].transpose(0, 1).unsqueeze(0), axis=-1)
+            k_row, v_col = cache.keys(slot), cache.values(slot)
+            o, _ = mxfp8_ref.sdpa_fwd_quantized(q_row.data, q_row.scale, k_row.data, k_row.scale, v_col.data,
+                                                v_col.scale, attn_scale=call.softmax_scale,
+                                                diagonal_alignment="bottom_right", window=(call.left_bound, 0),
+                                                out_dtype=call.kernel_dtype, sink=call.sink)
+            out[a:b] = o[0].transpose(0, 1)
+        return out, None
 
     def forward(self, q, k, v, params: AttentionParams):
         seq, recipe = params.seq, params.recipe

@@ -29,6 +29,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .. import kvcache_step
 from ..checks import check_bhsd_tensor
 from ..constants import INPUT_DTYPES, KERNEL_OUT_DTYPES, MX_BLOCK
 from ..devices import device_guard
@@ -40,7 +41,7 @@ from ..runtime.affine_plan import AffinePlanCache
 from ..runtime.launch_plan import plan_key
 from ..runtime.plan_cache import PlanCache
 from ..runtime.recipe_flags import DEFAULT_FLAGS, kernel_recipe, unsupported_reason
-from .base import (AttentionBackend, AttentionParams, SavedForBackward, check_forward_quantized,
+from .base import (AttentionBackend, AttentionParams, CacheCall, SavedForBackward, check_forward_quantized,
                    sink_grad_from_delta)
 
 # q, k, v go only through the quantizer, which reads fp32 too; O and dO are the kernels' own output dtype
@@ -120,25 +121,19 @@ def forward_kernel(q_data, q_scale, k_data, k_scale, v, *, out: torch.Tensor, si
         _kernels()[1].attention_fwd(q_data, q_scale, k_data, k_scale, v, out=out, sink=sink, flags=flags, **kwargs)
 
 
-#: the Gluon warp-specialised forward (`mxattn.kernels.gluon_attention_fwd`, issue 24) runs the forward on Hopper
-#: (SM 9.0) where it `takes` the call (every P recipe, bf16 V on the bf16-scratch path, dense, padded and
-#: packed batches, any band incl. sliding windows, attention sinks, head dims 64/128, bf16 or fp16 O): on the FP8
-#: data path 1.3-1.7x the Triton forward on the same FP8 operands
-#: (H200, benchmarks/results/nvidia-h200/gluon_fwd/), on the bf16-scratch path its bf16-K/V variant (session 29,
-#: benchmarks/results/nvidia-h100-80gb-hbm3/session29/); the same numbers (the same operations per element; O
-#: equal bit for bit at the bench's configs, within one bf16 ulp in the tests). MXATTN_GLUON_FWD=0 in the
-#: environment keeps the Triton forward everywhere.
+#: the Gluon warp-specialised forward (`mxattn.kernels.gluon_attention_fwd`) runs the forward on Hopper (SM 9.0)
+#: where it `takes` the call (every P recipe, bf16 V on the bf16-scratch path, dense, padded and packed batches,
+#: any band incl. sliding windows, attention sinks, head dims 64/128, bf16 or fp16 O): it is faster than the Triton
+#: forward on the FP8 data path and, as its bf16-K/V variant, on the bf16-scratch path, with the same numbers (the
+#: same operations per element; O within one bf16 ulp in the tests). MXATTN_GLUON_FWD=0 in the environment keeps
+#: the Triton forward everywhere.
 GLUON_FORWARD = os.environ.get("MXATTN_GLUON_FWD", "1") != "0"
-#: the Gluon warp-specialised dK/dV kernel (`mxattn.kernels.gluon_attention_bwd`, issue 24) runs the bf16-scratch
-#: backward's dK/dV pass on Hopper where it takes the chunk and is the faster kernel (`takes`: every recipe's
-#: backward switches, dense, padded and packed batches, no mask or a causal-style band, head dim 128, or 64 with
-#: GQA): 0.74-0.86x the Triton kernel's
-#: time (H100, benchmarks/results/nvidia-h100-80gb-hbm3/session29/), with its software-pipelined dK 0.75-0.83x
-#: at D128 and 0.60-0.89x at D64 GQA causal (H200, benchmarks/results/nvidia-h200/session35/), dK and dV
-#: bit-equal; likewise its Gluon dQ kernel
-#: (`mxattn.kernels.gluon_attention_dq`: the same refusals, head dims 64 and 128): 0.82-0.86x the Triton dQ
-#: kernel's time at D128, 0.95x at D64, dQ bit-equal (H100, session29/call9_dq_branch/dq_bench.txt there).
-#: MXATTN_GLUON_BWD=0 in the environment keeps the Triton kernels for both passes.
+#: the Gluon warp-specialised dK/dV kernel (`mxattn.kernels.gluon_attention_bwd`) runs the bf16-scratch backward's
+#: dK/dV pass on Hopper where it takes the chunk and is the faster kernel (`takes`: every recipe's backward
+#: switches, dense, padded and packed batches, no mask or a causal-style band, head dim 128, or 64 with GQA), dK and
+#: dV bit-equal to the Triton kernel's; likewise its Gluon dQ kernel (`mxattn.kernels.gluon_attention_dq`: the same
+#: refusals, head dims 64 and 128), dQ bit-equal. MXATTN_GLUON_BWD=0 in the environment keeps the Triton kernels
+#: for both passes.
 GLUON_BACKWARD = os.environ.get("MXATTN_GLUON_BWD", "1") != "0"
 #: per (module name, CUDA device index): the Gluon module where its kernels run there, else None (read once)
 _GLUON = {}
@@ -291,6 +286,20 @@ class TritonBackend(AttentionBackend):
     def saved_format_for(cls, recipe) -> type:
         """`SavedWithBF16V` under the bf16-V recipe, else `SavedForBackward`."""
         return SavedWithBF16V if recipe.v_operand == "bf16" else cls.saved_format
+
+    @classmethod
+    def supports_cache(cls, call: CacheCall) -> Tuple[bool, str]:
+        ok, why = cls.availability(call.q.device)
+        if ok and call.cache.head_dim > 128:
+            return False, f"the paged Triton kernel takes head dims up to 128, the cache has {call.cache.head_dim}"
+        return ok, why
+
+    def attend_cache(self, call: CacheCall):
+        """One `PagedStep`: the append's and the attention's launches, replayed per signature."""
+        step = kvcache_step.PagedStep(call.q, call.cache, call.slots, call.cu, call.cu_seqlens_q, call.k_new,
+                                      call.v_new, call.softmax_scale, call.left_bound, call.softmax_type,
+                                      call.num_splits, call.kernel_dtype, call.out_dtype)
+        return step._run(call.cache, call.q, call.k_new, call.v_new, call.sink), step
 
     @classmethod
     def availability(cls, device: torch.device) -> Tuple[bool, str]:

@@ -230,7 +230,7 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
             return x if rows is None else x.index_select(0, rows)
 
         # every layer of a step makes this call on a cache in the same state: the first works out the step
-        # (checks, new tokens, pages, launch shape), the others run it (`mxattn.kvcache_call.PagedStep`)
+        # (checks, new tokens, pages, launch shape), the others run it (`mxattn.PagedStep`)
         signature = (self.positions, id(attention_mask), sliding_window, scaling, backend, sink_offset is None,
                      query.shape, query.dtype, query.device, key.shape, key.dtype)
         shared = self.steps.get(signature)

@@ -87,7 +87,7 @@ def test_bytes_against_a_bf16_cache():
      ValueError, "rise from 0 to T=2"),
     (lambda c, s: mxattn.mxfp8_attention_with_kvcache(_tokens(2, 2, 32, 0), c, [s], backend="triton",
                                                       cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32)),
-     mxattn.MXFP8NotSupportedError, "backend 'triton' cannot read the KV cache here: the triton backend runs on "
+     mxattn.MXFP8NotSupportedError, "backend 'triton' cannot run this call on cpu: the triton backend runs on "
                                     "CUDA devices only"),
     (lambda c, s: mxattn.mxfp8_attention_with_kvcache(_tokens(2, 2, 32, 0), c, [s], backend="cudnn",
                                                       k_new=_tokens(2, 1, 32, 0), v_new=_tokens(2, 1, 32, 0),
@@ -130,25 +130,46 @@ def test_cat_bytes_joins_strided_scale_slices():
     assert torch.equal(out.view(torch.uint8), torch.cat([raw[1, :, 2:5], raw[0, :, 0:3]], dim=1))
 
 
+def _cache_call(q, cache):
+    """A `CacheCall` of one sequence's decode step (q [1, Hq, D]) on `cache`, as `mxfp8_attention_with_kvcache`
+    builds it after its checks."""
+    from mxattn.backends import CacheCall
+    return CacheCall(q, cache, [0], [0, 1], torch.tensor([0, 1], dtype=torch.int32), None, None, 0.125, None,
+                     "vanilla", None, 0, torch.bfloat16, torch.bfloat16)
+
+
 def test_backend_choice_of_the_cache_call(monkeypatch):
-    """auto takes the Triton paged kernel where the triton backend runs and the head dim is at most 128, else the
-    reference with a one-time warning naming why; an explicit "triton" that cannot run raises before anything is
-    appended. (Host logic on the CPU: the triton backend's availability is faked.)"""
-    from mxattn import kvcache_call as kvcache
+    """The cache call's backend is chosen as every call's is (`pick_cache_backend`): auto takes cudnn where cuDNN
+    serves the call, else the Triton paged kernel where the triton backend runs and the head dim is at most 128,
+    else the reference with a one-time warning naming why; a named backend that cannot run raises with the reason
+    before anything is appended. (Host logic on the CPU: the triton backend's availability is faked.)"""
+    from mxattn import backends
     from mxattn.backends.triton_backend import TritonBackend
-    q = torch.zeros(1, 2, 64)
     small = mxattn.MXFP8KVCache(num_pages=1, page_size=32, kv_heads=1, head_dim=64, max_sequences=1)
     wide = mxattn.MXFP8KVCache(num_pages=1, page_size=32, kv_heads=1, head_dim=256, max_sequences=1)
     monkeypatch.setattr(TritonBackend, "availability", classmethod(lambda cls, device: (True, "faked")))
-    assert kvcache._cache_backend("auto", q, small) == "triton"
-    assert kvcache._cache_backend("reference", q, small) == "reference"
-    kvcache._WARNED.clear()
+    monkeypatch.setattr(backends, "_CACHE_CHOICES", {})
+    monkeypatch.setattr(backends, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="chose 'triton'.*cudnn: "):
+        assert backends.pick_cache_backend("auto", _cache_call(torch.zeros(1, 2, 64), small)) == "triton"
+    assert backends.pick_cache_backend("reference", _cache_call(torch.zeros(1, 2, 64), small)) == "reference"
     with pytest.warns(RuntimeWarning, match="head dims up to 128"):
-        assert kvcache._cache_backend("auto", torch.zeros(1, 2, 256), wide) == "reference"
+        assert backends.pick_cache_backend("auto", _cache_call(torch.zeros(1, 2, 256), wide)) == "reference"
     with pytest.raises(mxattn.MXFP8NotSupportedError, match="head dims up to 128, the cache has 256"):
-        kvcache._cache_backend("triton", torch.zeros(1, 2, 256), wide)
+        backends.pick_cache_backend("triton", _cache_call(torch.zeros(1, 2, 256), wide))
+    with pytest.raises(mxattn.MXFP8NotSupportedError, match="backend 'cudnn' cannot run this call on cpu"):
+        backends.pick_cache_backend("cudnn", _cache_call(torch.zeros(1, 2, 64), small))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        mxattn.mxfp8_attention_with_kvcache(torch.zeros(1, 2, 64), small, [0],
+                                            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), backend="nope")
+
+
+def test_the_cache_call_checks_q_against_the_cache_device():
+    cache = mxattn.MXFP8KVCache(num_pages=1, page_size=32, kv_heads=1, head_dim=64, max_sequences=1)
+    slot = cache.new_sequence()
     with pytest.raises(ValueError, match="q must be on the cache's device"):
-        kvcache._cache_backend("auto", torch.zeros(1, 2, 64, device="meta"), small)
+        mxattn.mxfp8_attention_with_kvcache(torch.zeros(1, 2, 64, device="meta"), cache, [slot],
+                                            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32))
 
 
 def test_paged_kernel_launch_arguments_without_a_gpu(monkeypatch):

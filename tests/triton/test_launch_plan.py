@@ -93,15 +93,15 @@ def hf_triton_steps(monkeypatch):
     import warnings
 
     import mxattn.integrations.transformers as mx_hf
-    from mxattn import kvcache_call
+    from mxattn import kvcache_step
     planned = []
 
-    class CountedStep(kvcache_call.PagedStep):
+    class CountedStep(kvcache_step.PagedStep):
         def __init__(self, *args, **kwargs):
             planned.append(1)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(kvcache_call, "PagedStep", CountedStep)
+    monkeypatch.setattr(kvcache_step, "PagedStep", CountedStep)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         name = mx_hf.register("mxfp8_hf_steps_test", backend="triton")
@@ -843,12 +843,12 @@ def test_paged_cache_steps_replay_their_launches(launcher, paged_stubs, sink):
 
 
 def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, paged_stubs):
-    """A decode step worked out on one layer's cache (`mxattn.kvcache_call.PagedStep`: checks, new pages, lengths,
+    """A decode step worked out on one layer's cache (`mxattn.kvcache_step.PagedStep`: checks, new pages, lengths,
     split count) runs on the other layers' caches, made and filled alike: the same launches as each cache's own
     public call (pointers rebased onto its q, k, v and storage), the same pages taken (here each sequence's next
     page), equal states after. A cache in another state is refused before anything changes."""
     import mxattn
-    from mxattn import kvcache_call
+    from mxattn import kvcache_step
     from mxattn.runtime import paged_step  
     hq, hkv, d, n = 8, 2, 64, 3
     g = torch.Generator().manual_seed(1)
@@ -882,7 +882,7 @@ def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, paged_stu
     q, k, v = inputs()
     o, step = mxattn.mxfp8_attention_with_kvcache(q, twins[0], [0, 1, 2], cu_seqlens_q=cu, k_new=k, v_new=v,
                                                   backend="triton", return_step=True)
-    assert isinstance(step, kvcache_call.PagedStep) and step.before == twins[1].state != twins[0].state == caches[0].state
+    assert isinstance(step, kvcache_step.PagedStep) and step.before == twins[1].state != twins[0].state == caches[0].state
     for t in twins[1:]:
         q2, k2, v2 = inputs()
         launcher.clear()

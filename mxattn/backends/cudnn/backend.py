@@ -19,6 +19,7 @@ import torch
 from ...devices import device_guard
 from ...errors import MXFP8NotSupportedError
 from ...formats import MXFP8Tensor, quantize_mxfp8
+from ...mask import MaskSpec
 from ...formats import _is_non_overlapping_and_dense as _is_dense
 from ...runtime.launch_plan import carving_allowed, plan_key
 from ...runtime.plan_cache import PlanCache
@@ -199,6 +200,33 @@ class CudnnBackend(AttentionBackend):
         return cudnn_support(device)
 
     @classmethod
+    def supports_cache(cls, call):
+        """A Blackwell GPU, then cuDNN's verdict on its paged MXFP8 graph for the call (`paged`)."""
+        ok, why = cls.availability(call.q.device)
+        if not ok:
+            return False, why
+        from .paged import paged_config_of, require_paged_graph
+        try:
+            require_paged_graph(paged_config_of(**_paged_args(call, sink=call.sink is not None)), call.q.device)
+        except MXFP8NotSupportedError as exc:
+            return False, str(exc)
+        return True, why
+
+    @classmethod
+    def cache_support_reads_sizes(cls, call) -> bool:
+        """Where cuDNN is usable its verdict reads the call's lengths and page counts (the graph's dims)."""
+        return cls.availability(call.q.device)[0]
+
+    def attend_cache(self, call):
+        from ...kvcache_step import check_queries
+        from .paged import cudnn_paged_forward
+        cache, slots, cu = call.cache, call.slots, call.cu
+        if call.k_new is not None:
+            cache._append(slots, call.k_new, call.v_new, cu)
+        check_queries(cache, slots, cu, [cache._lens[s] for s in slots])
+        return cudnn_paged_forward(**_paged_args(call, sink=call.sink)), None
+
+    @classmethod
     def supports_recipe(cls, recipe: Recipe) -> Tuple[bool, str]:
         """cuDNN's MXFP8 SDPA graphs have one recipe, the default; every variant is refused with the reason."""
         if recipe.is_default:
@@ -298,3 +326,10 @@ class CudnnBackend(AttentionBackend):
         if params.sink_requires_grad:
             return out[0], out[1], out[2], out[6]
         return out[0], out[1], out[2]
+
+
+def _paged_args(call, sink) -> dict:
+    """The arguments of `paged.paged_config_of` / `cudnn_paged_forward` for a KV-cache call."""
+    return dict(q=call.q, cu=call.cu, cache=call.cache, slots=call.slots, attn_scale=call.softmax_scale,
+                mask=MaskSpec(diagonal_alignment="bottom_right", left_bound=call.left_bound, right_bound=0),
+                sink=sink, out_dtype=call.kernel_dtype)
