@@ -8,7 +8,7 @@ backend (`TritonBackend.forward` / `.backward`, as the bench does):
   - backward time (CUDA-event medians over interleaved rounds, each setting timed once per round),
   - peak bytes of forward+backward above what was allocated before (`mxattn.bench.peak_bytes`),
   - the gradients, which must be bit-equal to the first setting's (the chunking changes no number).
-Ratios are to the first setting (today's default) and to torch SDPA cuDNN BF16 in the same run.
+Ratios are to the first setting (the library's default) and to torch SDPA cuDNN BF16 in the same run.
 
 Usage: python benchmarks/bwd_scratch_budget.py [--rounds 9] [--iters 10] [--budgets-mib 128,32,0] [--waves 2,1]
 [--json FILE]
@@ -34,7 +34,7 @@ def _setting(budget_mib: int, waves: int):
     """Patch the chunk rule (PRE_BUDGET_BYTES, and the waves of programs a chunk must fill) and put in place this
     setting's own launch-plan caches (empty the first time): a replay never runs another setting's chunks."""
     from mxattn.kernels import triton_attention_bwd as bwd
-    from mxattn.kernels.triton_launch import sm_count
+    from mxattn.runtime.triton_launch import sm_count
     from triton_helpers import install_plan_caches, new_plan_caches
     bwd.PRE_BUDGET_BYTES = budget_mib << 20
     bwd.sm_count = lambda dev: max(1, sm_count(dev) * waves // 2)  # attention_bwd asks for 2 * sm_count programs

@@ -8,7 +8,7 @@ recorded) against repeated calls at one length (launch plans replay).
 --ops: instead, the library ops as a compiled graph calls them (`torch.ops.mxattn.attention_fwd` / `attention_bwd`
 on GPT-2-shaped bshd views of a fused projection, B16 S512 H8 D64, no grad mode) against their bodies called
 directly: the dispatcher's share and the bodies'; and the packed ops a compiled graph calls instead
-(`attention_fwd_packed` / `attention_bwd_packed`: stats and the saved copies in one block, `mxattn.saved_block`)
+(`attention_fwd_packed` / `attention_bwd_packed`: stats and the saved copies in one block, `mxattn.runtime.saved_block`)
 (min over interleaved rounds of medians; --profile adds cProfile of the ops, of the packed ones with --packed).
 --hf-decode: instead, transformers' attention function registered by mxattn on decode steps (B8, Hq 16, Hkv 4, D64,
 K/V views of a preallocated cache, a new KV length each step, 8 layers' calls per step as in the Llama of
@@ -16,7 +16,7 @@ models_bench.py, no mask) against transformers' own
 `sdpa_attention_forward` on a one-element problem (B1 H1 D8, two keys: torch SDPA's CPU kernel then costs next to
 nothing, so its figure is the function's host path).
 --hf-paged: instead, the same decode steps over `MXFP8PagedCache` (each layer's update and attention: the cache's
-checks and page bookkeeping, the append and attention launches replayed by `mxattn.kernels.paged_step`) against
+checks and page bookkeeping, the append and attention launches replayed by `mxattn.runtime.paged_step`) against
 transformers' `DynamicCache.update` and `sdpa_attention_forward` on the one-element problem; --profile adds cProfile
 (sorted by cumulative time, or by each function's own time with --tottime).
 Usage: python benchmarks/cpu_host_harness.py [--profile [--tottime]] [--decode | --ops | --hf-decode | --hf-paged]"""
@@ -30,7 +30,8 @@ import torch
 import mxattn
 from mxattn import checks
 from mxattn.backends import triton_backend as backend_module
-from mxattn.kernels import triton_launch, triton_quantize as tq
+from mxattn.kernels import triton_quantize as tq
+from mxattn.runtime import triton_launch
 
 _real_check = checks.check_bhsd_tensor
 
@@ -67,7 +68,7 @@ class _FakeKernel:
 def install_stubs(counter):
     """Relax the CUDA checks, use one intra-op thread and replace Triton's dispatcher and the compiled kernels'
     launcher by counters (this process only): everything of the host path above the C launcher runs as on the GPU machine,
-    the launch plans (mxattn.kernels.launch_plan) included."""
+    the launch plans (mxattn.runtime.launch_plan) included."""
     # one intra-op thread: on tiny CPU tensors torch's thread pool adds only waits (tens of ms per call when
     # other processes share the cores), which no GPU host pays
     torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 """Decode-step attention over a KV cache: mxattn's paged MXFP8 cache read by the Triton paged kernel against
-torch SDPA over a bf16 cache, same GPU, same run (issue 21's benchmark).
+torch SDPA over a bf16 cache, same GPU, same run.
 
 One decode step: each of `batch` sequences has `context` cached tokens and one new query token (Llama-like
 heads: 32 query heads, 8 KV heads, head dim 128). Kernel times are GPU times: each step is captured in a CUDA
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import mxattn
-from mxattn.kernels.triton_launch import sm_count
+from mxattn.runtime.triton_launch import sm_count
 from mxattn.kernels.triton_paged_attention import choose_splits, paged_attention_fwd
 
 HQ, HKV, D, PAGE = 32, 8, 128, 256

@@ -3,25 +3,29 @@ kernel (fused quantizer, forward on each data path, backward prep, dK/dV and dQ 
 with the default recipe's constexprs and one configuration per head dim the backend picks, and the sha256 of
 its SASS instruction listing (addresses and instructions, no file names) is printed, one line per kernel.
 
-Run it before and after a change to the kernels: equal fingerprints mean the default recipe's machine code,
-hence its speed, did not change (recipe variants are constexpr specialisations that must not touch it).
-Moving kernel code into a new `@triton.jit` helper can change the SASS although the PTX instructions stay the
-same: the helper's inlined debug scope adds `$L__tmp` labels at its boundaries, and ptxas schedules around labels
-(issue 23: helpers for the paged kernels' shared prologue and epilogue kept 11 of the 12 paged fingerprints and
-changed the 12th); check every kernel.
+Run it with --check after a change to the kernels: it compares every line with the reference list of the
+committed tree, benchmarks/results/cpu/default_recipe_sass/<set>.txt (one file per kernel set: dense, paged,
+gluon), and exits 1 naming each kernel whose fingerprint or shared memory differs. Equal fingerprints mean the
+default recipe's machine code, hence its speed, did not change (recipe variants are constexpr specialisations that
+must not touch it). A change that is meant to alter a kernel's machine code writes the new list with --update
+(and is then measured on a GPU). Moving kernel code into a new `@triton.jit` helper can change the SASS although
+the PTX instructions stay the same: the helper's inlined debug scope adds `$L__tmp` labels at its boundaries, and
+ptxas schedules around labels, so one kernel of a set can change while the others keep their fingerprints; check
+every kernel.
 
 --kernels gluon fingerprints the Gluon Hopper forward (`gluon_attention_fwd.compile_sm90`, sm_90a) at head dims
 128 and 64, no mask and causal, then its sink and sliding-window variants (`GLUON_VARIANTS`), then the Gluon
 dK/dV kernel of the "pre" backward (`gluon_attention_bwd.compile_sm90`) at head dims 128 and 64, no mask and causal,
 then the forward's bf16-K/V variant (kv_bf16) and the Gluon dQ kernel (`gluon_attention_dq.compile_sm90`) likewise,
-then the three Gluon kernels' padded and packed builds (`GLUON_VARLEN`) (each new set after the older lines, which
-keep their fingerprints).
+then the three Gluon kernels' padded and packed builds (`GLUON_VARLEN`) (each group after the ones before it, so
+that adding a group leaves the earlier lines in place).
 
 --kernels paged fingerprints the paged KV cache's kernels instead (`paged_builds`: the attention kernel's exact
 and decode data paths in each pass (the decode split passes with STORE_S, and without it as "recompute"), the split combine and the append, at head dims 128 and 64 over bf16 inputs, as
 `paged_attention_fwd` and `paged_append` launch them); --kernels all, every set.
 
-Usage: python benchmarks/default_recipe_sass.py [--kernels dense|paged|gluon|all] [--out FILE]
+Usage: python benchmarks/default_recipe_sass.py [--kernels dense|paged|gluon|all] [--check | --update] [--out FILE]
+(--kernels all: every set, each checked against or written to its own reference file.)
 """
 import argparse
 import hashlib
@@ -31,6 +35,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the reference lists, one file per kernel set (`reference_path`)
+REFERENCE_DIR = os.path.join(ROOT, "benchmarks", "results", "cpu", "default_recipe_sass")
+KERNEL_SETS = ("dense", "paged", "gluon")
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks")]
 
 from sass_loops import cuda_tool, instructions  # noqa: E402
@@ -261,21 +268,74 @@ def compile_jobs(kernels: str) -> list:
     return jobs + (gluon_builds() if kernels in ("gluon", "all") else [])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", choices=("dense", "paged", "gluon", "all"), default="dense",
-                        help="which kernels to fingerprint (default: the dense ones)")
-    parser.add_argument("--out", help="also write the lines to this file")
-    args = parser.parse_args()
+def reference_path(kernel_set: str) -> str:
+    """The reference list of a kernel set (dense, paged or gluon)."""
+    return os.path.join(REFERENCE_DIR, f"{kernel_set}.txt")
+
+
+def differences(lines: list, reference: list) -> list:
+    """Messages for every kernel whose line differs from the reference's, or that only one side lists."""
+    def by_name(rows):
+        # a line is "<name padded to 24> <digest>  smem <bytes>"; names may hold spaces
+        return {row[:row.rindex("  smem")].rsplit(" ", 1)[0].strip(): row.strip() for row in rows if row.strip()}
+    new, old = by_name(lines), by_name(reference)
+    out = [f"changed: {new[name]}  (reference: {old[name]})" for name in new if name in old and new[name] != old[name]]
+    out += [f"not in the reference: {new[name]}" for name in new if name not in old]
+    out += [f"missing here: {old[name]}" for name in old if name not in new]
+    return out
+
+
+def fingerprints(kernel_set: str) -> list:
+    """The fingerprint lines of one kernel set, printed as each kernel is built."""
     lines = []
-    for name, compile_kernel in compile_jobs(args.kernels):
+    for name, compile_kernel in compile_jobs(kernel_set):
         kernel = compile_kernel()
         lines.append(f"{name:24s} {sass_digest(kernel)}  smem {kernel.metadata.shared}")
         print(lines[-1], flush=True)
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", choices=("dense", "paged", "gluon", "all"), default="dense",
+                        help="which kernels to fingerprint (default: the dense ones)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true",
+                      help="compare with the reference list(s) in benchmarks/results/cpu/default_recipe_sass/; "
+                           "exit 1 when a kernel differs")
+    mode.add_argument("--update", action="store_true",
+                      help="write the lines to the reference list(s) (after a change meant to alter the SASS)")
+    parser.add_argument("--out", help="also write the lines to this file")
+    args = parser.parse_args()
+    sets = KERNEL_SETS if args.kernels == "all" else (args.kernels,)
+    lines, failed = [], False
+    for kernel_set in sets:
+        got = fingerprints(kernel_set)
+        lines += got
+        path = reference_path(kernel_set)
+        if args.update:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write("\n".join(got) + "\n")
+            print(f"wrote {os.path.relpath(path, ROOT)}", flush=True)
+        elif args.check:
+            if not os.path.exists(path):
+                print(f"no reference list {os.path.relpath(path, ROOT)} (write it with --update)", flush=True)
+                failed = True
+                continue
+            with open(path) as f:
+                diff = differences(got, f.read().splitlines())
+            for message in diff:
+                print(f"{kernel_set}: {message}", flush=True)
+            print(f"{kernel_set}: {len(got)} kernels, "
+                  + (f"{len(diff)} difference(s) from {os.path.relpath(path, ROOT)}" if diff
+                     else f"equal to {os.path.relpath(path, ROOT)}"), flush=True)
+            failed = failed or bool(diff)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,16 +1,33 @@
 #!/usr/bin/env bash
-# Everything the GPU can check (run from the repo root on a CUDA machine; logs go to $OUT or ./device-logs).
-# Usage: bash benchmarks/device_checks.sh [pytest -k expression]
-#   PART=all (default): the GPU tests, with the samples and a short GPT training beside them
-#   PART=tests: the GPU tests alone, on every CPU core; PART=samples: the samples and the training alone.
-#   (The whole set took about 570 s on an H100 machine in session 18, at the device tool's 600 s per call; the
-#   two parts fit one call each: the tests alone 303 s with 16 workers. Since session 29 the tests alone outgrow
-#   one call too: run them as two, PART=tests with "not gluon" (404 s on an H100, 449 s on an H200 in session 30) and
-#   with "gluon" (127 s; 198 s in session 30 with the dQ kernel's tests, when the kernel cache was warm from the
-#   first part: on a fresh machine it ran past 300 s, so give it the call's whole limit).)
-#   On a machine of two GPUs the parts can run side by side, one GPU each (CUDA_VISIBLE_DEVICES, WORKERS=16 each,
-#   OUT a folder each). Session 39 on nvidia-h200-x2: "not gluon" took 492 s, while "gluon" beside it was cut at
-#   440 s (78%); the next call ran "gluon and fwd" (211 s) beside "gluon and not fwd" (64 s) and the samples.
+# Everything the GPU can check: the GPU tests, the samples and a short GPT training, on the tree it runs from.
+#
+# Usage (from the repository root on a CUDA machine):
+#   MXATTN_TREE=<hash> bash benchmarks/device_checks.sh [pytest -k expression]
+# Logs go to $OUT (default ./device-logs): gpu.txt (nvidia-smi), info.txt (`python -m mxattn info`),
+# gpu_tests.txt (pytest), samples.txt, samples_status.txt, train_gpt.txt, and at the end gpu_check.txt:
+#   tree <hash>            which library ran: `git ls-files -s mxattn ref | sha256sum | cut -c1-16` of the commit
+#   device <name> ...      nvidia-smi's name and driver of the first visible GPU
+#   date <YYYY-MM-DD>
+#   tests <selection>      the pytest selection (-m, paths, -k), or why no tests ran
+#   passed N, skipped N, failed N, errors N   one line each, from pytest's summary line ("incomplete" when the run
+#                          was cut short and printed none)
+#   samples N ran, M failed
+# Copy gpu_check.txt to benchmarks/results/<gpu>/gpu_check.txt (the folder `python -m mxattn bench` writes to) to
+# record which tree passed on that GPU; each run's file replaces the last.
+#
+# MXATTN_TREE: the tree hash, computed where the repository is (the device machine often gets a copy of the
+# working tree without .git): MXATTN_TREE=$(git ls-files -s mxattn ref | sha256sum | cut -c1-16). Without it the
+# script computes it with git when .git exists (marked "+ uncommitted changes" when mxattn/ or ref/ differ from
+# HEAD), else writes "tree unknown".
+#
+# PART=all (default): the tests, with the samples and the training beside them (the samples' timings are then not
+#   figures to quote; the benchmarks give those).
+# PART=tests: the tests alone, one pytest-xdist worker per CPU core (Triton's compiles dominate their time).
+# PART=samples: the samples and the training alone.
+# The whole test set can outgrow one time-limited call on a device machine: split it with the -k argument
+# ("not gluon", then "gluon"; the Gluon kernels' tests are the slowest to compile), one call each, or run the parts
+# side by side on two GPUs (CUDA_VISIBLE_DEVICES, a WORKERS count and an OUT folder each). Each part's
+# gpu_check.txt names its selection.
 set -u
 OUT=${OUT:-device-logs}
 PART=${PART:-all}
@@ -20,36 +37,83 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python -m mxattn info 2>&1 | tee "$OUT/info.txt"
 # every test marked gpu or blackwell, in every file (new GPU test files are picked up without editing this);
-# in parallel workers when pytest-xdist is there (Triton compiles dominate): 8 beside the samples, one per CPU
-# core alone. test_formats.py needs torchao (a CPU-only oracle) and holds no GPU test. --durations: the slowest
-# tests in the log (the two test calls fill most of a session's device time).
-WORKERS=${WORKERS:-$([ "$PART" = tests ] && nproc || echo 8)}  # (WORKERS in the environment wins: two parts side by side on two GPUs)
+# in parallel workers when pytest-xdist is there: 8 beside the samples, one per CPU core alone (WORKERS in the
+# environment wins). test_formats.py needs torchao (a CPU-only oracle) and holds no GPU test. --durations: the
+# slowest tests in the log, to see what to split off when the set outgrows a call.
+WORKERS=${WORKERS:-$([ "$PART" = tests ] && nproc || echo 8)}
 XDIST=$(python -c "import xdist" 2>/dev/null && echo "-n $WORKERS -p no:benchmark")
+SELECTION="-m \"gpu or blackwell\" tests --ignore tests/quantization/test_formats.py${1:+ -k \"$1\"}"
 TESTS=
 if [ "$PART" != samples ]; then
   python -m pytest -q -ra --durations=30 -p no:cacheprovider $XDIST -m "gpu or blackwell" tests --ignore tests/quantization/test_formats.py \
       ${1:+-k "$1"} > "$OUT/gpu_tests.txt" 2>&1 &
   TESTS=$!
 fi
+: > "$OUT/samples_status.txt"
+run_sample() {  # one sample: its command line first, and "ok" or "failed <exit status>" in samples_status.txt
+  echo "### $*"
+  "$@"
+  local rc=$?
+  if [ $rc -eq 0 ]; then echo "ok $*"; else echo "failed $rc $*"; fi >> "$OUT/samples_status.txt"
+  return $rc
+}
 if [ "$PART" != tests ]; then
-  # the samples run beside the tests (so their timings are not figures to quote; the benchmark gives those)
   {
-    python -m mxattn demo
-    python -m mxattn demo --causal --heads 16 --kv-heads 4 --seq 4096
-    python samples/compare_with_ref.py --backend triton --batch 2 --heads 8 --kv-heads 2 --seq 1000 --causal
-    python samples/cudnn_graphs.py
-    python samples/forward.py
-    python samples/backward.py
-    python samples/varlen.py
-    python samples/kvcache_decode.py --device cuda
+    run_sample python -m mxattn demo
+    run_sample python -m mxattn demo --causal --heads 16 --kv-heads 4 --seq 4096
+    run_sample python samples/compare_with_ref.py --backend triton --batch 2 --heads 8 --kv-heads 2 --seq 1000 --causal
+    run_sample python samples/cudnn_graphs.py
+    run_sample python samples/forward.py
+    run_sample python samples/backward.py
+    run_sample python samples/varlen.py
+    run_sample python samples/kvcache_decode.py --device cuda
     if python -c "import transformers" 2>/dev/null; then
-      python samples/hf_swap.py --device cuda
-      python samples/serve.py --device cuda --prompts 8 --new-tokens 32
+      run_sample python samples/hf_swap.py --device cuda
+      run_sample python samples/serve.py --device cuda --prompts 8 --new-tokens 32
     fi
   } 2>&1 | tee "$OUT/samples.txt"
-  python samples/train_gpt.py --device cuda --layers 4 --dim 256 --heads 4 --seq 256 --batch 32 --steps 500 --out "$OUT" 2>&1 | tail -n 25 | tee "$OUT/train_gpt.txt"
+  run_sample python samples/train_gpt.py --device cuda --layers 4 --dim 256 --heads 4 --seq 256 --batch 32 --steps 500 \
+      --out "$OUT" 2>&1 | tail -n 25 | tee "$OUT/train_gpt.txt"
 fi
 if [ -n "$TESTS" ]; then
   wait $TESTS
   tail -n 40 "$OUT/gpu_tests.txt"
 fi
+
+# gpu_check.txt: which tree ran, where, when, and what passed
+if [ -n "${MXATTN_TREE:-}" ]; then
+  TREE=$MXATTN_TREE
+elif git rev-parse --git-dir > /dev/null 2>&1; then
+  TREE=$(git ls-files -s mxattn ref | sha256sum | cut -c1-16)
+  git diff --quiet HEAD -- mxattn ref || TREE="$TREE + uncommitted changes"
+else
+  TREE=unknown
+fi
+{
+  echo "tree $TREE"
+  GPU=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+  GPU=${GPU:-unknown}
+  echo "device ${GPU/, /, driver }"
+  echo "date $(date -u +%Y-%m-%d)"
+  if [ "$PART" = samples ]; then
+    echo "tests not run (PART=samples)"
+  else
+    echo "tests $SELECTION"
+    # pytest's summary: the last line that ends in the run's time ("... 71 skipped, 116 warnings in 371.57s (0:06:11)")
+    SUMMARY=$(grep -E ' in [0-9.]+s( \([0-9:]+\))?( =+)?$' "$OUT/gpu_tests.txt" | tail -n 1)
+    if [ -z "$SUMMARY" ]; then
+      echo "incomplete: no pytest summary line in gpu_tests.txt (the run was cut short)"
+    else
+      for what in passed skipped failed error; do
+        n=$(echo "$SUMMARY" | grep -oE "[0-9]+ ${what}s?\b" | grep -oE '^[0-9]+')
+        echo "$([ $what = error ] && echo errors || echo $what) ${n:-0}"
+      done
+    fi
+  fi
+  if [ "$PART" = tests ]; then
+    echo "samples not run (PART=tests)"
+  else
+    echo "samples $(grep -c . "$OUT/samples_status.txt") ran, $(grep -c '^failed' "$OUT/samples_status.txt") failed"
+  fi
+} > "$OUT/gpu_check.txt"
+cat "$OUT/gpu_check.txt"

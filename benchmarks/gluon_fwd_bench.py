@@ -1,6 +1,6 @@
-"""Forward kernels at `python -m mxattn bench`'s default configs (mxattn.bench.DEFAULT_CONFIGS), one run, H100:
+"""Forward kernels at `python -m mxattn bench`'s default configs (mxattn.bench.DEFAULT_CONFIGS), one run, Hopper GPU:
 
-* gluon          the warp-specialised Gluon forward (mxattn.kernels.gluon_attention_fwd, issue 24) on FP8 Q/K/V
+* gluon          the warp-specialised Gluon forward (mxattn.kernels.gluon_attention_fwd) on FP8 Q/K/V
 * gluon_nopp     the same without the consumer warpgroups' ping-pong (config=(stages, fp8 stages, False))
 * triton_fp8     the Triton forward on the same FP8 operands (K/V dequantized on chip)
 * triton_bf16kv  the Triton forward on bf16 K/V scratch (the backend's data path at these sizes: `fwd_streams_bf16`)
@@ -80,11 +80,11 @@ def bench_config(name, B, HQ, HKV, S, D, causal, window=None, sink=False):
     runs["triton_fp8"]()
     o_ref, s_ref = out.clone(), stats.clone()
     check = {}
-    for name in ("gluon", "gluon_bf16kv", "triton_bf16kv"):
-        runs[name]()
+    for path in ("gluon", "gluon_bf16kv", "triton_bf16kv"):
+        runs[path]()
         torch.cuda.synchronize()
         ulps = (_ordered_bf16(out) - _ordered_bf16(o_ref)).abs()
-        check[name] = dict(within_1ulp=(ulps <= 1).float().mean().item(), max_ulps=int(ulps.max().item()),
+        check[path] = dict(within_1ulp=(ulps <= 1).float().mean().item(), max_ulps=int(ulps.max().item()),
                            stats_max_abs=(stats - s_ref).abs().nan_to_num(0).max().item())
     flops = 4.0 * B * HQ * D * kept_pairs(S, S, causal, window)
     res = {"config": name, "window": window, "sink": sink, "check": check, "notes": notes}

@@ -43,8 +43,8 @@ def _fresh_plans():
     """Empty launch-plan caches (module globals the library reads at call time)."""
     from mxattn import attention, op_plans
     from mxattn.backends import triton_backend
-    from mxattn.kernels.affine_plan import AffinePlanCache
-    from mxattn.kernels.launch_plan import PlanCache
+    from mxattn.runtime.affine_plan import AffinePlanCache
+    from mxattn.runtime.plan_cache import PlanCache
     triton_backend._PLANS = PlanCache()
     triton_backend._AFFINE_PLANS = AffinePlanCache()
     op_plans.PLANS = PlanCache(max_entries=512, min_replays=16)

@@ -1,8 +1,8 @@
 """Tuning sweep of the Triton kernels (a development aid, not part of the package): times each block / warp /
 stage candidate of the forward (bf16-scratch and FP8-on-chip data paths), the backward (both data paths) and the
 fused quantizer on the bench's configs, and writes benchmarks/results/<gpu-name>/sweep.json. The kernels' chosen
-configurations (BF16_FWD_CONFIGS, the backward's and the quantizer's tables) came from runs of this sweep (earlier
-as `python -m mxattn bench --sweep`).
+configurations (BF16_FWD_CONFIGS, the backward's and the quantizer's tables) are this sweep's fastest candidates;
+rerun it after a kernel change or on a new GPU to check them.
 Usage (CUDA machine): python benchmarks/kernel_sweep.py [--kernels fwd,bwd_pre,...] [--config name:B:Hq:Hkv:S:D:causal]
 [--iters N] [--warmup N] [--out-dir DIR]"""
 import argparse

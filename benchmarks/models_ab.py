@@ -7,8 +7,9 @@ against its own SDPA baseline, so a machine whose speed drifts between processes
 script compares the two arms' per-run ratios: their medians, and B's median over A's.
 
 Usage: python benchmarks/models_ab.py --env MXATTN_GLUON_BWD=0 [--runs 4] [--out-dir DIR] -- [models_bench options,
-e.g. --train-only --models llama]. Writes ab.json and ab.md to --out-dir (default benchmarks/results/<gpu>/ab/,
-or ./ab-results on a machine without CUDA) and each run's models.json under run<i>_<arm>/.
+e.g. --train-only --models llama]. Writes ab.json (every run's ratios and its whole models.json) and ab.md to
+--out-dir (default benchmarks/results/<gpu>/ab/, or ./ab-results on a machine without CUDA); each run writes into a
+temporary folder, so a rerun replaces the two files and leaves nothing else.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from typing import Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -113,16 +115,17 @@ def main(argv=None) -> int:
     per_run = []
     for i, arm in enumerate(arm_order(a.runs)):
         env = arm_environment(arm, name, value, dict(os.environ))
-        run_dir = os.path.join(out_dir, f"run{i}_{arm}")
-        cmd = [sys.executable, os.path.join(HERE, "models_bench.py"), *bench_args, "--out-dir", run_dir]
-        print(f"run {i} arm {arm}: {' '.join(cmd)}", flush=True)
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
-        if done.returncode != 0:
-            print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
-            raise SystemExit(f"models_bench run {i} (arm {arm}) failed with exit status {done.returncode}")
-        with open(os.path.join(run_dir, "models.json")) as f:
-            ratios = row_ratios(json.load(f))
-        per_run.append(dict(run=i, arm=arm, ratios=ratios))
+        with tempfile.TemporaryDirectory(prefix=f"models_ab_{i}_{arm}_") as run_dir:
+            cmd = [sys.executable, os.path.join(HERE, "models_bench.py"), *bench_args, "--out-dir", run_dir]
+            print(f"run {i} arm {arm}: {' '.join(cmd)}", flush=True)
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+            if done.returncode != 0:
+                print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
+                raise SystemExit(f"models_bench run {i} (arm {arm}) failed with exit status {done.returncode}")
+            with open(os.path.join(run_dir, "models.json")) as f:
+                models = json.load(f)
+        ratios = row_ratios(models)
+        per_run.append(dict(run=i, arm=arm, ratios=ratios, models=models))
         print(f"  {ratios}", flush=True)
     rows = summarize(per_run)
     with open(os.path.join(out_dir, "ab.json"), "w") as f:

@@ -10,7 +10,7 @@ Measured per model (ratios mxfp8 / sdpa in the same run):
 and, for the op itself, a tiny call (B1 S128 H8 D64, bshd, bf16): wall time per call in a loop (forward
 without grad, forward+backward) and the host (CPU thread) time of one public-API forward at B2 H16 S4096 D128.
 
-With --hf-extras (or only those with --hf-extras-only), issue 20's rows on a Llama: batched greedy generation
+With --hf-extras (or only those with --hf-extras-only), the Hugging Face extras on a Llama: batched greedy generation
 of 8 left-padded prompts of 256-1024 tokens, --new-tokens new ones, tokens/s against SDPA's; and training
 tokens/s of the same documents padded (right padding) and padding-free (cu_seq_lens kwargs), for each attention.
 

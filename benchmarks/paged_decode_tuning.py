@@ -1,4 +1,4 @@
-"""Tuning run of the paged kernel's decode path (issue 21): time per decode step of its configurations against
+"""Tuning run of the paged kernel's decode path: time per decode step of its configurations against
 torch SDPA over a bf16 cache, same GPU, same run. Rows: the exact single pass (num_splits=1: its tile, checked
 bit-equal to the dense path's 128-row / 8-warp tile), the exact (dequantizing) path on the 16-row tile (the
 decode path before `triton_paged_decode`), then the decode path (DECODE) with the automatic split count under

@@ -1,8 +1,8 @@
 """What is alive at the peak of one forward+backward, by the code that allocated it: the triton backend (as
 `python -m mxattn bench` runs it, `TritonBackend.forward` then `.backward`; with the default bf16 scratch budget
 and with MXATTN_BWD_SCRATCH_MIB=0's) against torch SDPA cuDNN BF16 (`torch.autograd.grad`), at the bench's
-default configs (`mxattn.bench.DEFAULT_CONFIGS`). Issue 24's peak-memory target (<= 1.0x cuDNN for MHA) is read
-off the same `mxattn.bench.peak_bytes` measure; this script says where the bytes go.
+default configs (`mxattn.bench.DEFAULT_CONFIGS`). The bench's peak-memory ratio (its target: <= 1.0x cuDNN for MHA) is
+read off the same `mxattn.bench.peak_bytes` measure; this script says where the bytes go.
 
 How: `torch.cuda.memory._record_memory_history` over the call, then the allocator's trace replayed (allocations
 and frees in order) to find the peak and the blocks alive there; each block is labelled by the innermost Python
@@ -46,8 +46,8 @@ def _clear_launch_plans() -> None:
     """Empty every launch-plan cache, so the next call runs its body (whose frames name what it allocates)
     rather than a plan's replay."""
     import gc
-    from mxattn.kernels.affine_plan import AffinePlanCache
-    from mxattn.kernels.launch_plan import PlanCache
+    from mxattn.runtime.affine_plan import AffinePlanCache
+    from mxattn.runtime.plan_cache import PlanCache
     for obj in gc.get_objects():
         if isinstance(obj, (PlanCache, AffinePlanCache)):
             obj.clear()

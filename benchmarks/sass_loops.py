@@ -5,8 +5,7 @@ and inspected before any device time is spent: registers, stack frame (spills), 
 of the SASS (a backward branch) its instruction count and the most frequent opcodes. A loop body's count per warp,
 times the cycles per issued instruction, bounds a latency-bound kernel's time per iteration; byte-wise shared
 memory loads (LDS.U8), barriers (BAR.SYNC) and register moves (IMAD.MOV) in a hot loop are the usual signs of
-operands shuffled rather than computed. (How this found the paged decode path's byte-wise V transposition:
-benchmarks/results/nvidia-h100-80gb-hbm3/session17/README.txt.)
+operands shuffled rather than computed.
 
 The warp-specialised Gluon kernels of the triton backend (--kernel gluon-fwd, gluon-dkdv, gluon-dq: their
 `compile_sm90` builds) are reported likewise, with whether ptxas serialised their wgmmas (its C7512 note: every

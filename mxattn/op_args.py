@@ -9,6 +9,7 @@ rebuild on the way out, and the ops read fields by name (`args.sink`), never by 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import List, NamedTuple, Optional
 
@@ -43,18 +44,19 @@ def _seq(args) -> Optional[SeqInfo]:
 
 def _params(args, needs_backward: bool = True, sink_requires_grad: bool = False,
             saved_layout: Optional[str] = None) -> AttentionParams:
-    """The backend's AttentionParams of the call."""
-    return AttentionParams(softmax_scale=args.softmax_scale, mask=_mask(args), out_dtype=args.out_dtype,
-                           seq=_seq(args), sink=args.sink, sink_requires_grad=sink_requires_grad,
+    """The backend's AttentionParams of the call: the mask, lengths and recipe decoded, every field that
+    AttentionParams and the op's arguments both name (`_PARAM_FIELDS`) as it is."""
+    return AttentionParams(mask=_mask(args), seq=_seq(args), sink_requires_grad=sink_requires_grad,
                            needs_backward=needs_backward, recipe=Recipe.decode(args.recipe),
-                           saved_layout=saved_layout)
+                           saved_layout=saved_layout, **{name: getattr(args, name) for name in _PARAM_FIELDS})
 
 
-def _seq_fields(seq: Optional[SeqInfo]) -> tuple:
-    """(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, packed) of seq; a dense call's placeholders."""
+def _seq_fields(seq: Optional[SeqInfo]) -> dict:
+    """The five length fields of seq by name; a dense call's placeholders."""
     if seq is None:
-        return None, None, 0, 0, False
-    return seq.cu_seqlens_q, seq.cu_seqlens_kv, seq.max_seqlen_q, seq.max_seqlen_kv, seq.packed
+        return dict(cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=0, max_seqlen_kv=0, packed=False)
+    return dict(cu_seqlens_q=seq.cu_seqlens_q, cu_seqlens_kv=seq.cu_seqlens_kv, max_seqlen_q=seq.max_seqlen_q,
+                max_seqlen_kv=seq.max_seqlen_kv, packed=seq.packed)
 
 
 #: the fields both ops take, in this order, after their own leading ones: the forward's options (qkv_format:
@@ -71,8 +73,7 @@ class FwdArgs(NamedTuple):
     """`mxattn::attention_fwd`'s arguments, in order. q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] views (a packed batch
     [1,H,T,D]); qkv_format: the layout O is written in; sink None or fp32 [Hq]."""
 
-    __annotations__ = {"q": Optional[Tensor], "k": Optional[Tensor], "v": Optional[Tensor], **_OPTIONS,
-                       "recipe": str}
+    __annotations__ = {"q": Tensor, "k": Tensor, "v": Tensor, **_OPTIONS, "recipe": str}
     recipe = DEFAULT_RECIPE_KEY
 
     mask = _mask
@@ -80,13 +81,13 @@ class FwdArgs(NamedTuple):
     params = _params
 
     @classmethod
-    def encode(cls, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor], *, softmax_scale: float,
-               mask: MaskSpec, out_dtype: torch.dtype, qkv_format: str, backend: str, seq: Optional[SeqInfo],
-               sink: Optional[Tensor], recipe: str = DEFAULT_RECIPE_KEY) -> "FwdArgs":
-        """The op's arguments of a call given in the library's vocabulary (q, k, v may be None in a template
-        filled per call with `with_tensors`)."""
-        return cls(q, k, v, float(softmax_scale), mask.diagonal_alignment == "bottom_right", mask.left_bound,
-                   mask.right_bound, out_dtype, qkv_format, backend, *_seq_fields(seq), sink, recipe)
+    def encode(cls, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor], *, mask: MaskSpec,
+               seq: Optional[SeqInfo], **options) -> "FwdArgs":
+        """The op's arguments of a call given in the library's vocabulary: the mask, the lengths and every other
+        field by its name (q, k, v may be None in a template filled per call with `with_tensors`)."""
+        options["softmax_scale"] = float(options["softmax_scale"])
+        return cls(q=q, k=k, v=v, bottom_right=mask.diagonal_alignment == "bottom_right",
+                   left_bound=mask.left_bound, right_bound=mask.right_bound, **_seq_fields(seq), **options)
 
     def with_tensors(self, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor]) -> "FwdArgs":
         """This template with a call's tensors (per call on the planned path: built without `_replace`)."""
@@ -107,8 +108,8 @@ class FwdArgs(NamedTuple):
                        seqlen_q=seq.max_seqlen_q if packed else q.shape[2],
                        seqlen_kv=seq.max_seqlen_kv if packed else k.shape[2], head_dim=q.shape[3],
                        mask=self.mask(), varlen=None if seq is None else ("packed" if packed else "padded"),
-                       needs_backward=needs_backward, out_dtype=self.out_dtype, softmax_type=softmax_type,
-                       recipe=self.recipe, quantized=quantized)
+                       needs_backward=needs_backward, softmax_type=softmax_type, quantized=quantized,
+                       **{name: getattr(self, name) for name in _PROBLEM_FIELDS})
 
     def backward_args(self, do: Tensor, o: Tensor, stats: Tensor, saved: List[Tensor], kv_shape: List[int],
                       sink_requires_grad: bool, cu_seqlens: Optional[tuple] = None,
@@ -116,22 +117,28 @@ class FwdArgs(NamedTuple):
         """The backward op's arguments for this forward call's options and its lengths and sink: this call's
         own, or, given cu_seqlens (cu_seqlens_q, cu_seqlens_kv) and sink, those (options kept without their
         tensors, `without_tensors`)."""
-        cu_q, cu_kv = (self.cu_seqlens_q, self.cu_seqlens_kv) if cu_seqlens is None else cu_seqlens
-        return BwdArgs(do, o, stats, saved, kv_shape, self.softmax_scale, self.bottom_right, self.left_bound,
-                       self.right_bound, self.out_dtype, self.qkv_format, self.backend, cu_q, cu_kv,
-                       self.max_seqlen_q, self.max_seqlen_kv, self.packed, self.sink if sink is None else sink,
-                       sink_requires_grad, self.recipe)
+        options = self._options()
+        if cu_seqlens is not None:
+            options["cu_seqlens_q"], options["cu_seqlens_kv"] = cu_seqlens
+        if sink is not None:
+            options["sink"] = sink
+        return BwdArgs(do=do, o=o, stats=stats, saved=saved, kv_shape=kv_shape, sink_requires_grad=sink_requires_grad,
+                       **options)
 
     def packed_backward_args(self, do: Tensor, o: Tensor, block: Tensor, kv_shape: List[int],
                              input_dtype: torch.dtype, sink_requires_grad: bool, cu_seqlens: tuple,
                              sink: Optional[Tensor]) -> "PackedBwdArgs":
         """The packed backward op's arguments for this forward call's options (kept without their tensors), K's
         shape, the inputs' dtype, its lengths (cu_seqlens_q, cu_seqlens_kv) and sink."""
-        return PackedBwdArgs(do, o, block, kv_shape, input_dtype, self.softmax_scale, self.bottom_right,
-                             self.left_bound, self.right_bound, self.out_dtype, self.qkv_format, self.backend,
-                             *cu_seqlens, self.max_seqlen_q, self.max_seqlen_kv, self.packed, sink,
-                             sink_requires_grad, self.recipe)
+        options = self._options()
+        options["cu_seqlens_q"], options["cu_seqlens_kv"] = cu_seqlens
+        options["sink"] = sink
+        return PackedBwdArgs(do=do, o=o, block=block, kv_shape=kv_shape, input_dtype=input_dtype,
+                             sink_requires_grad=sink_requires_grad, **options)
 
+    def _options(self) -> dict:
+        """The shared fields (`_OPTIONS`) and the recipe, by name: what the backward ops take after their own."""
+        return {name: getattr(self, name) for name in OPTION_FIELDS}
 
 class PackedBwdArgs(NamedTuple):
     """`mxattn::attention_bwd_packed`'s arguments, in order: dO, O [B,Hq,Sq,D], the forward's block (stats and the
@@ -164,8 +171,36 @@ class BwdArgs(NamedTuple):
     params = _params
 
 
+#: the fields every op takes after its own leading ones, the recipe last (what `FwdArgs._options` hands on)
+OPTION_FIELDS = (*_OPTIONS, "recipe")
+
+#: the non-tensor options the op bodies read, for plan keys (lengths and tensors are keyed apart: `op_plans`)
+PLAN_OPTION_FIELDS = tuple(name for name in OPTION_FIELDS if _OPTIONS.get(name, str) not in (
+    Tensor, Optional[Tensor]) and not name.startswith("max_seqlen"))
+
+_SCHEMA_TYPES = {Tensor: "Tensor", Optional[Tensor]: "Tensor?", List[Tensor]: "Tensor[]", float: "float",
+                 bool: "bool", int: "SymInt", Optional[int]: "SymInt?", List[int]: "SymInt[]",
+                 torch.dtype: "ScalarType", str: "str"}
+
+
+def schema(args_class) -> str:
+    """The torch.library schema of an op's arguments, from its NamedTuple's fields, types and defaults."""
+    defaults = args_class._field_defaults
+    parts = []
+    for name, kind in args_class.__annotations__.items():
+        default = f'="{defaults[name]}"' if name in defaults else ""
+        parts.append(f"{_SCHEMA_TYPES[kind]} {name}{default}")
+    return ", ".join(parts)
+
+
+#: the fields AttentionParams and Problem take from the op's arguments as they are (a new option in `_OPTIONS`
+#: named like a field of either reaches the backends with no other edit)
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionParams)
+                      if f.name in OPTION_FIELDS and f.name not in ("recipe", "sink_requires_grad"))
+_PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(Problem) if f.name in OPTION_FIELDS)
+
 #: where the sink sits among the forward op's arguments (its gradient's slot)
 SINK_INDEX = _SINK = FwdArgs._fields.index("sink")
 _CU_Q, _CU_KV = FwdArgs._fields.index("cu_seqlens_q"), FwdArgs._fields.index("cu_seqlens_kv")
 
-__all__ = ["FwdArgs", "BwdArgs", "PackedBwdArgs", "SINK_INDEX"]
+__all__ = ["FwdArgs", "BwdArgs", "PackedBwdArgs", "OPTION_FIELDS", "PLAN_OPTION_FIELDS", "SINK_INDEX", "schema"]

@@ -37,7 +37,7 @@ from .runtime.affine_plan import AffinePlanCache
 from .runtime.launch_plan import allow_carving, plan_key
 from .runtime.plan_cache import PlanCache
 from .runtime import saved_block
-from .op_args import BwdArgs, FwdArgs, PackedBwdArgs
+from .op_args import PLAN_OPTION_FIELDS, BwdArgs, FwdArgs, PackedBwdArgs
 from .runtime.saved_block import BlockLayout
 
 #: recordings of op bodies; a family must replay 16 times per recording to keep recording new sizes. For eager
@@ -112,8 +112,7 @@ def _fwd_roots(args: FwdArgs) -> tuple:
 
 def _options(args) -> tuple:
     """The options every op body reads (`FwdArgs`, `BwdArgs` or `PackedBwdArgs`), for plan keys."""
-    return (args.softmax_scale, args.bottom_right, args.left_bound, args.right_bound, args.out_dtype,
-            args.qkv_format, args.backend, args.packed, args.recipe)
+    return tuple(getattr(args, name) for name in PLAN_OPTION_FIELDS)
 
 
 def _fwd_key(args: FwdArgs, tag, carve: bool, roots: tuple) -> tuple:

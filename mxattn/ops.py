@@ -11,7 +11,7 @@ not differentiable themselves: `attention` wraps them in an autograd.Function, w
 the dispatcher (the kernels' bodies called directly) and `torch.compile` traces into its graphs, forward and
 backward, calling the ops (fullgraph, no graph breaks). This costs a compiled model a few microseconds of
 dispatch per call where `torch.library.custom_op`'s Python wrappers (autograd, defaults, alias checks) cost
-tens (benchmarks/op_registration_overhead.py).
+tens.
 
 Tensors are [B, H, S, D] views (a packed batch as [1, H, T, D]); the arguments are `mxattn.op_args.FwdArgs` /
 `BwdArgs` (the mask as its band, the lengths as a `SeqInfo`'s fields, the numerics as the `Recipe.encode`
@@ -33,24 +33,12 @@ from .runtime import saved_block
 from .backends import backend_class, get_backend
 from .compile_marks import constant_result
 from .layouts import dense_strides_bhsd, empty_bhsd, from_bhsd, to_bhsd
-from .op_args import BwdArgs, FwdArgs, PackedBwdArgs
-from .recipe import DEFAULT_RECIPE_KEY, Recipe
+from .op_args import BwdArgs, FwdArgs, PackedBwdArgs, schema
+from .recipe import Recipe
 from .seqinfo import SeqInfo
 
-_FWD_ARGUMENTS = ("Tensor q, Tensor k, Tensor v, float softmax_scale, bool bottom_right, SymInt? left_bound, "
-                  "SymInt? right_bound, ScalarType out_dtype, str qkv_format, str backend, Tensor? cu_seqlens_q, "
-                  "Tensor? cu_seqlens_kv, SymInt max_seqlen_q, SymInt max_seqlen_kv, bool packed, Tensor? sink, "
-                  f"str recipe=\"{DEFAULT_RECIPE_KEY}\"")
-_BWD_ARGUMENTS = ("Tensor do, Tensor o, Tensor stats, Tensor[] saved, SymInt[] kv_shape, float softmax_scale, "
-                  "bool bottom_right, SymInt? left_bound, SymInt? right_bound, ScalarType out_dtype, str qkv_format, "
-                  "str backend, "
-                  "Tensor? cu_seqlens_q, Tensor? cu_seqlens_kv, SymInt max_seqlen_q, SymInt max_seqlen_kv, "
-                  f"bool packed, Tensor? sink, bool sink_requires_grad, str recipe=\"{DEFAULT_RECIPE_KEY}\"")
-
-#: the packed backward's: dO, O, the forward's block, K's shape and the inputs' dtype, then the backward's
-#: arguments after K's shape
-_BWD_PACKED_ARGUMENTS = ("Tensor do, Tensor o, Tensor block, SymInt[] kv_shape, ScalarType input_dtype, "
-                         + _BWD_ARGUMENTS.split("SymInt[] kv_shape, ", 1)[1])
+#: the ops' schemas, written once: by the argument classes (`mxattn.op_args`)
+_FWD_ARGUMENTS, _BWD_ARGUMENTS, _BWD_PACKED_ARGUMENTS = schema(FwdArgs), schema(BwdArgs), schema(PackedBwdArgs)
 
 _LIB = torch.library.Library("mxattn", "DEF")
 _LIB.define(f"attention_fwd({_FWD_ARGUMENTS}) -> Tensor[]")

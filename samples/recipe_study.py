@@ -1,30 +1,9 @@
-"""Study the MXFP8 attention recipe variants (`mxattn.Recipe`, issue 22): error against FP64, dependence on
-future tokens, and training loss over seeds. Writes a markdown table file and a JSON file.
+"""Study the MXFP8 attention recipe variants (`mxattn.Recipe`): error against FP64, dependence on future
+tokens, and training loss over seeds. Writes a markdown table file and a JSON file.
 
     python samples/recipe_study.py --threads 1              # --size cpu: ~10 minutes on one CPU core
     python samples/recipe_study.py --skip-training          # parts 1 and 2 only (~15 s on one idle core)
     python samples/recipe_study.py --size gpu --device cuda # bigger shapes and model, on a GPU
-
-Sharded (benchmarks/recipe_study_gpu.sh runs this on every GPU of a machine): each shard runs part of the study,
-all with the same --size, --steps, --backend and --recipes (the study's recipe set): parts 1 and 2 in one shard,
-the training runs split by seed (--seed, --seeds) and by run (--runs LABEL[,LABEL...]: the runs, among
-`bf16 (torch SDPA)` and the recipe labels such as `default`, `p_quant=none`, `scaling=per_tensor`, that the shard
-trains for each of its seeds; default every one). A shard without the baseline or the default leaves the
-differences from it out of its own summary (its md says so). --merge then writes the study a single run would have
-written (parts 1 and 2 from the shard that ran each, the union of the training runs summarized over every seed);
-the union must hold every (run, seed) of the study exactly once: a (run, seed) in two shards or in none, a part in
-two shards, or shards of other configurations are refused, naming it:
-
-    S="--size gpu --device cuda --backend auto"
-    python samples/recipe_study.py $S --skip-training --out-dir out/parts12                    # parts 1 and 2
-    CUDA_VISIBLE_DEVICES=1 python samples/recipe_study.py $S --skip-errors --skip-future --seed 0 --seeds 1 \\
-        --out-dir out/seed0                                # training, seed 0; on GPUs 2, 3: seeds 1 and 2 ...
-    python samples/recipe_study.py --merge out/parts12/recipe_study.json out/seed*/recipe_study.json --out-dir out/all
-
-    # or, instead of the seed shards, by run: the slow per-tensor runs of seeds 0-2 in one shard, the rest in another
-    T="$S --skip-errors --skip-future --seed 0 --seeds 3"
-    CUDA_VISIBLE_DEVICES=1 python samples/recipe_study.py $T --runs scaling=per_tensor --out-dir out/pt
-    CUDA_VISIBLE_DEVICES=2 python samples/recipe_study.py $T --runs "bf16 (torch SDPA),default,..." --out-dir out/rest
 
 Recipes: every entry of `mxattn.recipe.all_variants()` (the default cuDNN recipe and each single-field variant,
 `scaling=per_tensor`, FP8 with one FP32 scale per tensor, among them), each run on the `reference` backend
@@ -135,13 +114,6 @@ def parse_labels(text: Optional[str], known: Sequence[str], option: str, what: s
 def parse_recipe_labels(text: Optional[str], error) -> Optional[List[str]]:
     """--recipes "label,label" -> the labels (None for every recipe); error(message) for an unknown label."""
     return parse_labels(text, [label for label, _ in study_recipes()], "--recipes", "recipe", error)
-
-
-def parse_run_labels(text: Optional[str], baseline: str, only: Optional[Sequence[str]], error) -> List[str]:
-    """--runs "label,label" -> the study's run labels this shard trains (`baseline` first, then the recipes of
-    `study_recipes(only)`; every one for text None); error(message) naming the study's labels for another."""
-    known = [baseline] + [label for label, _ in study_recipes(only)]
-    return parse_labels(text, known, "--runs", "run", error) or known
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -356,15 +328,6 @@ def tokens_per_second(batch: int, seq: int, steps: int, seconds: float) -> float
     return batch * seq * steps / seconds if seconds > 0 else float("inf")
 
 
-def with_tokens_per_s(runs: Dict[str, Dict[str, dict]], batch: int, seq: int, steps: int) -> Dict[str, Dict[str, dict]]:
-    """runs ({label: {seed (str): run}}) with "tokens_per_s" filled in from "seconds" where a run lacks it (JSON
-    files written before the studies recorded tokens/s), so that old shards merge with new ones."""
-    return {label: {seed: run if "tokens_per_s" in run
-                    else dict(run, tokens_per_s=tokens_per_second(batch, seq, steps, run["seconds"]))
-                    for seed, run in by_seed.items()}
-            for label, by_seed in runs.items()}
-
-
 def run_seeds(runs: Dict[str, Dict[str, dict]]) -> List[int]:
     """The seeds of `runs` ({label: {seed (str): run}}), sorted; ValueError unless every label ran the same."""
     by_label = {label: sorted(int(s) for s in by_seed) for label, by_seed in runs.items()}
@@ -379,10 +342,9 @@ def summarize_runs(runs: Dict[str, Dict[str, dict]], baseline: str, baseline_key
     """Per label of `runs` ({label: {seed (str): run}}, as in the JSON, with a "default" label): the spread over
     the seeds of the final and validation losses, of their differences paired by seed from `baseline`'s runs
     ("final_minus_<baseline_key>", ...) and from the default recipe's ("final_minus_default", ...), of the
-    seconds and of the tokens per second. A shard that did not train the baseline or the default (--runs)
-    leaves out the differences from it (what it can compute)."""
+    seconds and of the tokens per second."""
     seeds = [str(s) for s in run_seeds(runs)]
-    others = [(other, name) for other, name in ((baseline, baseline_key), ("default", "default")) if other in runs]
+    others = ((baseline, baseline_key), ("default", "default"))
 
     summary = {}
     for label, by_seed in runs.items():
@@ -404,15 +366,14 @@ def training_result(config: dict, runs: Dict[str, Dict[str, dict]]) -> dict:
 
 
 def run_training(size: dict, steps: int, seeds: Sequence[int], recipes, device: torch.device, backend: str,
-                 progress: Progress, on_run=None, labels: Optional[Sequence[str]] = None) -> dict:
+                 progress: Progress, on_run=None) -> dict:
     """Part 3: final and validation losses, seconds and tokens per second per attention and seed, and their
-    summary (`training_result`). on_run: called after every run with the runs so far ({label: {seed: result}}).
-    labels: the runs to train for each seed (BF16 and recipes' labels; default every one), in the study's order."""
+    summary (`training_result`). on_run: called after every run with the runs so far ({label: {seed: result}})."""
     tg = load_train_gpt()
     args = tg.parse_args(train_argv(size["train"], steps, seeds[0], device, backend))
     data = tg.load_splits(args)
     runs: Dict[str, Dict[int, dict]] = {}
-    labels = [label for label in [BF16] + [label for label, _ in recipes] if labels is None or label in labels]
+    labels = [BF16] + [label for label, _ in recipes]
     for seed in seeds:
         argv = train_argv(size["train"], steps, seed, device, backend)
         for label in labels:
@@ -465,24 +426,9 @@ def _pct(s: dict) -> str:
     return f"{100 * s['mean']:.2f} [{100 * s['min']:.2f}, {100 * s['max']:.2f}]"
 
 
-def _signed(s: Optional[dict], digits: int = 4) -> str:
-    """mean [min, max] with signs; "n/a" for None (a difference a shard could not take)."""
-    if s is None:
-        return "n/a"
+def _signed(s: dict, digits: int = 4) -> str:
+    """mean [min, max] with signs."""
     return f"{s['mean']:+.{digits}f} [{s['min']:+.{digits}f}, {s['max']:+.{digits}f}]"
-
-
-def partial_runs_note(runs: Dict[str, dict], labels: Sequence[str], baseline: str) -> str:
-    """For a shard that trained only some of the study's run `labels` (--runs): a sentence saying which, and
-    that the differences it could not take (from `baseline` or the default, when it did not train them) read
-    n/a; "" when it trained every one."""
-    if all(label in runs for label in labels):
-        return ""
-    missing = [label for label in (baseline, "default") if label not in runs]
-    return (f"This shard trained only {', '.join(f'`{label}`' for label in runs)} of the study's runs (--runs)"
-            + (f"; the differences from {' and '.join(f'`{label}`' for label in missing)}, which it did not train, "
-               "read n/a" if missing else "")
-            + ". --merge the shards of every run for the study's table.")
 
 
 def _span(s: dict, digits: int = 4) -> str:
@@ -493,32 +439,14 @@ def _change(cell: dict) -> str:
     return "0 (bitwise)" if cell["max_abs"] == 0.0 else f"{cell['max_abs']:.2e}"
 
 
-def _shard_lines(result: dict) -> List[str]:
-    """A merged result's shard commands as a markdown list (nothing for a study run in one command)."""
-    if not result.get("shard_commands"):
-        return []
-    return ([f"Merged from {len(result['shard_commands'])} shards (parts 1 and 2 from the shard that ran each; the "
-             "training runs of all of them, summarized over every seed; the training runtime below is the sum "
-             "over the shards, which may have run in parallel):", ""]
-            + [f"- `{command}`" for command in result["shard_commands"]] + [""])
-
-
-def _part_seeds(result: dict) -> str:
-    """" (errors: 0, 1, 2; training: 0, 1)" for a merged result, whose parts may have run other seeds."""
-    if not result.get("part_seeds"):
-        return ""
-    parts = [f"{part}: {', '.join(map(str, seeds))}" for part, seeds in result["part_seeds"].items()]
-    return " (" + "; ".join(parts) + ")"
-
-
 def render_markdown(result: dict) -> str:
     """The study as markdown tables (the JSON holds every number)."""
     lines = [f"# MXFP8 attention recipe study ({result['device']}, --size {result['size']})", "",
-             f"Command: `{result['command']}`", ""] + _shard_lines(result) + [
+             f"Command: `{result['command']}`", "",
              f"- device: {result['device']} ({result['threads']} torch threads); torch {result['torch']}; "
              f"mxattn backend `{result['backend']}`; "
              f"commit {result['commit']}; {result['date']}",
-             f"- seeds: {', '.join(map(str, result['seeds']))}{_part_seeds(result)}; runtime: "
+             f"- seeds: {', '.join(map(str, result['seeds']))}; runtime: "
              + ", ".join(f"{k} {v:.1f} s" for k, v in result["seconds"].items()),
              f"- plots: {result['plots']}", "",
              ("Recipes (all run on the reference backend; " if result["backend"] == "reference" else
@@ -576,16 +504,14 @@ def render_markdown(result: dict) -> str:
                   "trajectory), so `no` alone is weak evidence: compare the size of the differences with the "
                   "default's own difference from BF16. s / run: training seconds (the optimizer steps, batches "
                   "and validation left out); tokens/s: batch x seq x steps over them; both means over the seeds."]
-        note = partial_runs_note(tr["runs"], [BF16] + list(result["recipes"]), BF16)
-        lines += ([note] if note else []) + [
-                  "", "| attention | final | final - bf16 | straddles 0 | final - default | val | val - bf16 | "
+        lines += ["", "| attention | final | final - bf16 | straddles 0 | final - default | val | val - bf16 | "
                   "s / run | tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
         for label, row in tr["summary"].items():
-            d = row.get("final_minus_bf16")
-            straddle = "-" if label == BF16 else "n/a" if d is None else "yes" if d["min"] <= 0 <= d["max"] else "no"
+            d = row["final_minus_bf16"]
+            straddle = "-" if label == BF16 else "yes" if d["min"] <= 0 <= d["max"] else "no"
             lines.append(f"| {label} | {_span(row['final'])} (std {row['final']['std']:.4f}) | "
-                         f"{_signed(d)} | {straddle} | {_signed(row.get('final_minus_default'))} | "
-                         f"{_span(row['val'])} | {_signed(row.get('val_minus_bf16'))} | "
+                         f"{_signed(d)} | {straddle} | {_signed(row['final_minus_default'])} | "
+                         f"{_span(row['val'])} | {_signed(row['val_minus_bf16'])} | "
                          f"{row['seconds']['mean']:.0f} | {row['tokens_per_s']['mean']:.0f} |")
         lines += ["", "Per seed (final training loss):", "",
                   "| attention | " + " | ".join(f"seed {s}" for s in tr["seeds"]) + " |",
@@ -615,189 +541,7 @@ def write_outputs(result: dict, out_dir: str) -> Dict[str, str]:
     return paths
 
 
-# ------------------------------------------------------------------------------------------ merging shards
-
-#: the fields every shard of one study must agree on (training shards also on "training.config")
-MERGE_FIELDS = ("size", "device", "backend", "steps", "recipes")
-
-
-class MergeError(ValueError):
-    """Shards that do not make one study (the message names the field or run and the files)."""
-
-
-def load_shards(paths: Sequence[str]) -> List[Tuple[str, dict]]:
-    """(path, result) of each JSON file a shard wrote."""
-    shards = []
-    for path in paths:
-        try:
-            with open(path) as f:
-                shards.append((path, json.load(f)))
-        except (OSError, ValueError) as exc:
-            raise MergeError(f"cannot read the shard {path}: {exc}") from exc
-    return shards
-
-
-def _field(result: dict, name: str):
-    """result's value of the dotted field `name` ("training.config"); None where it is missing."""
-    for key in name.split("."):
-        result = result.get(key) if isinstance(result, dict) else None
-    return result
-
-
-def first_difference(name: str, a, b) -> Optional[Tuple[str, object, object]]:
-    """(field, a's value, b's value) where a and b first differ (dicts key by key, as "name.key"), or None."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in list(a) + [k for k in b if k not in a]:
-            diff = first_difference(f"{name}.{key}", a.get(key), b.get(key))
-            if diff is not None:
-                return diff
-        return None
-    return None if a == b else (name, a, b)
-
-
-def check_same(shards: Sequence[Tuple[str, dict]], fields: Sequence[str]) -> None:
-    """MergeError naming the field, the two values and their files where a shard differs from the first."""
-    if not shards:
-        return
-    first_path, first = shards[0]
-    for name in fields:
-        for path, result in shards[1:]:
-            diff = first_difference(name, _field(first, name), _field(result, name))
-            if diff is not None:
-                raise MergeError(f"the shards differ in {diff[0]}: {diff[1]!r} in {first_path} but {diff[2]!r} "
-                                 f"in {path}")
-
-
-def merge_runs(shards: Sequence[Tuple[str, Dict[str, Dict[str, dict]]]], labels: Sequence[str]) \
-        -> Dict[str, Dict[str, dict]]:
-    """The union of the shards' training runs ((path, {label: {seed (str): run}}) each), which must hold every
-    (label, seed) of the study exactly once: each of its run `labels` (in that order) for every seed any shard
-    ran (sorted). MergeError naming both files for a (label, seed) two shards ran, naming the pairs for those
-    no shard ran, or naming a label that is not the study's."""
-    merged: Dict[str, Dict[str, dict]] = {label: {} for label in labels}
-    origin: Dict[Tuple[str, str], str] = {}
-    for path, runs in shards:
-        for label, by_seed in runs.items():
-            if label not in merged:
-                raise MergeError(f"{path} ran {label!r}, which is not one of the study's runs ({', '.join(labels)})")
-            for seed, run in by_seed.items():
-                if (label, seed) in origin:
-                    raise MergeError(f"{label!r} seed {seed} ran in two shards: {origin[label, seed]} and {path}")
-                origin[label, seed] = path
-                merged[label][seed] = run
-    seeds = sorted({seed for _, seed in origin}, key=int)
-    missing = [f"{label!r} seed {seed}" for label in labels for seed in seeds if (label, seed) not in origin]
-    if missing:
-        raise MergeError(f"no shard ran {', '.join(missing)}: the shards must hold every run of the study "
-                         f"({', '.join(labels)}) for every seed ({', '.join(seeds)}) once")
-    return {label: {seed: merged[label][seed] for seed in seeds} for label in labels}
-
-
-def merged_info(values: Sequence) -> object:
-    """One value for an informational field (torch version, commit, ...) of the shards: the value they share,
-    else their distinct values joined by "; "."""
-    distinct = list(dict.fromkeys(values))
-    return distinct[0] if len(distinct) == 1 else "; ".join(map(str, distinct))
-
-
-def merged_header(shards: Sequence[Tuple[str, dict]], command: str, info: Sequence[str]) -> dict:
-    """The merged result's first fields: the merge command, each shard's command (in --merge order), the
-    `info` fields by `merged_info`, and the date of the merge."""
-    header = dict(command=command, shard_commands=[r["command"] for _, r in shards])
-    header.update({name: merged_info([r.get(name) for _, r in shards]) for name in info})
-    header["date"] = datetime.datetime.now().isoformat(timespec="seconds")
-    return header
-
-
-def shard_with(shards: Sequence[Tuple[str, dict]], part: str) -> Optional[dict]:
-    """The result of the one shard that ran `part` ("errors", "future"; None when none did); MergeError naming
-    both files when two did (per-seed cells of parts 1 and 2 are not merged: run each part in one shard)."""
-    having = [(path, r) for path, r in shards if part in r]
-    if len(having) > 1:
-        raise MergeError(f"part {part!r} is in two shards, {having[0][0]} and {having[1][0]}: run it in one only")
-    return having[0][1] if having else None
-
-
-def merge_results(shards: Sequence[Tuple[str, dict]], command: str) -> dict:
-    """One study's result from its shards' results: parts 1 and 2 from the shard that ran each, the union of the
-    training runs with their summary recomputed over every seed (`training_result`), the seeds sorted, the
-    runtimes of parts 1 and 2 and the training's summed over the shards; "part_seeds": each part's seeds."""
-    check_same(shards, MERGE_FIELDS)
-    check_same([(path, r) for path, r in shards if "training" in r], ["training.config"])
-    training = [(path, r["training"]) for path, r in shards if "training" in r]
-    first = shards[0][1]
-    result = merged_header(shards, command, ("torch", "commit", "threads"))
-    result.update({name: first.get(name) for name in MERGE_FIELDS})
-    result["seeds"] = sorted({seed for _, r in shards for seed in r["seeds"]})
-    result["seconds"], result["part_seeds"] = {}, {}
-    for part in ("errors", "future"):
-        shard = shard_with(shards, part)
-        if shard is not None:
-            result[part] = shard[part]
-            result["seconds"][part], result["part_seeds"][part] = shard["seconds"][part], shard["seeds"]
-    if training:
-        cfg = training[0][1]["config"]
-        result["training"] = training_result(cfg, merge_runs(
-            [(path, with_tokens_per_s(t["runs"], cfg["batch"], cfg["seq"], cfg["steps"])) for path, t in training],
-            [BF16] + list(first["recipes"])))
-        result["seconds"]["training"] = sum(r["seconds"]["training"] for _, r in shards if "training" in r)
-        result["part_seeds"]["training"] = result["training"]["seeds"]
-    return result
-
-
-def merge_main(args: argparse.Namespace, argv: List[str]) -> dict:
-    """--merge: the shards' recipe_study.json files -> the study's json, md and plots in --out-dir (default:
-    the shards' device's results folder); returns the result with "paths". SystemExit for shards that do not
-    make one study."""
-    try:
-        result = merge_results(load_shards(args.merge), command_line(argv))
-    except ValueError as exc:
-        raise SystemExit(f"recipe_study.py --merge: {exc}") from exc
-    result["paths"] = write_outputs(result, args.out_dir or default_out_dir(result["device"]))
-    print(f"merged {len(args.merge)} shards: wrote {result['paths']['md']} and {result['paths']['json']} "
-          f"({result['plots']})", file=sys.stderr)
-    return result
-
-
 # ------------------------------------------------------------------------------------------ main
-
-
-def add_merge_option(parser: argparse.ArgumentParser, filename: str, parts: str) -> None:
-    """--merge JSON [JSON ...]: merge finished shards' `filename` files instead of running (`parts`: what the
-    help says of the parts besides training)."""
-    parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
-                        help=f"merge the {filename} files written by shards of one study (same configuration; "
-                             f"other seeds) into one result in --out-dir, running nothing: {parts}, the training "
-                             "runs are united and summarized over all their seeds. Only --out-dir goes with it")
-
-
-def add_runs_option(parser: argparse.ArgumentParser, baseline: str) -> None:
-    """--runs LABEL[,LABEL...]: the training runs a shard trains for each of its seeds (`baseline`: the baseline's
-    label)."""
-    parser.add_argument("--runs", default=None, metavar="LABEL[,LABEL...]",
-                        help=f"comma-separated labels of the training runs to train for each seed, among the "
-                             f"study's ('{baseline}' and the labels of --recipes' recipe set, 'default' among them; "
-                             "default: every one): a shard of a seed's runs. The result still records the "
-                             "study's whole recipe set; its summary leaves out the differences from a baseline "
-                             "('default' too) it did not train, and --merge needs every run of every seed once")
-
-
-def explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> List[str]:
-    """The destinations of the options `argv` gives (rather than leaves at their defaults)."""
-    unset = object()
-    dests = vars(parser.parse_args(argv))
-    probe = parser.parse_args(argv, argparse.Namespace(**{dest: unset for dest in dests}))
-    return [dest for dest in dests if getattr(probe, dest) is not unset]
-
-
-def refuse_options_with_merge(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                              argv: Sequence[str]) -> None:
-    """parser.error for --merge with any option but --out-dir (a merge runs nothing)."""
-    if args.merge:
-        extra = [dest for dest in explicit_options(parser, argv) if dest not in ("merge", "out_dir")]
-        if extra:
-            parser.error("--merge runs nothing: it goes with --out-dir only, not with "
-                         + ", ".join("--" + dest.replace("_", "-") for dest in extra))
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -825,22 +569,16 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="torch.set_num_threads for the study, restored after it (None: torch's choice)")
     p.add_argument("--recipes", default=None,
                    help="comma-separated recipe labels to run besides the default (e.g. 'p_quant=none,"
-                        "v_operand=bf16'; default: every recipe): the study's recipe set, which its shards share")
-    add_runs_option(p, BF16)
+                        "v_operand=bf16'; default: every recipe)")
     p.add_argument("--out-dir", default=None,
                    help="output directory (None: benchmarks/results/<device name>/recipe_study/ of this repository)")
-    add_merge_option(p, "recipe_study.json", "parts 1 and 2 come from the shard that ran each")
     args = p.parse_args(argv)
-    refuse_options_with_merge(p, args, argv)
-    if not args.merge and args.skip_errors and args.skip_future and args.skip_training:
+    if args.skip_errors and args.skip_future and args.skip_training:
         p.error("--skip-errors, --skip-future and --skip-training together leave nothing to run")
     for name, value in (("seeds", args.seeds), ("steps", args.steps), ("threads", args.threads)):
         if value is not None and value < 1:
             p.error(f"--{name} must be >= 1, got {value}")
     args.recipe_labels = parse_recipe_labels(args.recipes, p.error)
-    if args.runs is not None and args.skip_training:
-        p.error("--runs selects training runs: it does not go with --skip-training")
-    args.run_labels = parse_run_labels(args.runs, BF16, args.recipe_labels, p.error)
     try:
         args.magnitudes = [float(x) for x in args.future_magnitudes.split(",") if x.strip()]
     except ValueError:
@@ -851,12 +589,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
-    """Run the study (or merge its shards: --merge); returns the result dict (also written as JSON) with "paths"
-    of the files written."""
+    """Run the study; returns the result dict (also written as JSON) with "paths" of the files written."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args.merge:
-        return merge_main(args, argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no CUDA device")
@@ -877,7 +612,7 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> dic
     out_dir = args.out_dir or default_out_dir(device_name(device))
 
     total = (0 if args.skip_errors else len(error_cases(size)) * len(seeds)) \
-        + (0 if args.skip_future else len(seeds)) + (0 if args.skip_training else len(seeds) * len(args.run_labels))
+        + (0 if args.skip_future else len(seeds)) + (0 if args.skip_training else len(seeds) * (1 + len(recipes)))
     progress = Progress(total)
     result = dict(command=command_line(argv), size=args.size, device=device_name(device), torch=torch.__version__,
                   backend=args.backend, steps=steps,
@@ -903,7 +638,7 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> dic
             runs_path = os.path.join(out_dir, "recipe_study_training_runs.json")
             start = time.perf_counter()
             result["training"] = run_training(size, steps, seeds, recipes, device, args.backend, progress,
-                                              on_run=lambda runs: _dump(runs, runs_path), labels=args.run_labels)
+                                              on_run=lambda runs: _dump(runs, runs_path))
             result["seconds"]["training"] = time.perf_counter() - start
             os.remove(runs_path)
     result["paths"] = write_outputs(result, out_dir)

@@ -1,23 +1,8 @@
-"""Train a transformers model with each MXFP8 attention recipe (`mxattn.Recipe`, issue 22), over seeds: the
+"""Train a transformers model with each MXFP8 attention recipe (`mxattn.Recipe`), over seeds: the
 Hugging Face counterpart of part 3 of samples/recipe_study.py (which trains samples/train_gpt.py's GPT).
 
     python samples/recipe_study_hf.py --threads 1                 # --size cpu: a few minutes on one CPU core
     python samples/recipe_study_hf.py --size gpu --device cuda    # a bigger model on a GPU
-
-Sharded (benchmarks/recipe_study_gpu.sh spreads the runs over every GPU): shards with the same --size, --steps,
---backend and --recipes (the study's recipe set), split by seed (--seed, --seeds) and by run (--runs
-LABEL[,LABEL...]: the runs, among `sdpa` and the recipe labels such as `default`, `p_quant=none`,
-`scaling=per_tensor`, that the shard trains for each of its seeds; default every one; a shard without `sdpa` or
-`default` leaves the differences from it out of its own summary, and its md says so), then --merge, which writes
-the study a single run over all their seeds would have written (the union of the runs, summarized over every seed;
-the union must hold every (run, seed) of the study exactly once: a (run, seed) in two shards or in none, or shards
-of other configurations, are refused, naming it):
-
-    CUDA_VISIBLE_DEVICES=0 python samples/recipe_study_hf.py --size gpu --device cuda --backend auto --seed 0 \\
-        --seeds 1 --out-dir out/hf_seed0                  # and --seed 1 on GPU 1, --seed 2 on GPU 2 ...
-    CUDA_VISIBLE_DEVICES=3 python samples/recipe_study_hf.py --size gpu --device cuda --backend auto --seed 0 \\
-        --seeds 3 --runs scaling=per_tensor --out-dir out/hf_pt   # or split by run (then the others: --runs ...)
-    python samples/recipe_study_hf.py --merge out/hf_seed*/recipe_study_hf.json --out-dir out/all
 
 The model is transformers' `LlamaForCausalLM` built from a config (random weights, grouped-query attention: two
 query heads per KV head, rotary positions, tied embeddings) on the bytes of Python's standard library, as
@@ -44,7 +29,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -116,11 +101,10 @@ def train_one(size: dict, steps: int, seed: int, attention: str, state: dict, da
 
 
 def run(size: dict, steps: int, seeds: Sequence[int], device: torch.device, backend: str,
-        progress: rs.Progress, only: Optional[Sequence[str]] = None,
-        train: Optional[Sequence[str]] = None) -> dict:
-    """Every recipe (or the default and those labelled in `only`: the study's recipe set) and SDPA for every seed
-    (or only the runs labelled in `train`, for every seed) -> the study's recipe labels, the runs
-    ({label: {seed (str): run}}) and their summary (`training_summary`: spreads, paired differences)."""
+        progress: rs.Progress, only: Optional[Sequence[str]] = None) -> dict:
+    """Every recipe (or the default and those labelled in `only`) and SDPA for every seed -> the study's recipe
+    labels, the runs ({label: {seed (str): run}}) and their summary (`training_summary`: spreads, paired
+    differences)."""
     import mxattn.integrations.transformers as mx_hf
     tg = rs.load_train_gpt()
     data_bytes = tg.load_stdlib_bytes(size["data_bytes"])
@@ -129,13 +113,13 @@ def run(size: dict, steps: int, seeds: Sequence[int], device: torch.device, back
     recipes = rs.study_recipes(only)
     labels = [SDPA] + [label for label, _ in recipes]
     names = {label: mx_hf.register(f"mxfp8study{i}", backend=backend, recipe=r)
-             for i, (label, r) in enumerate(recipes) if train is None or label in train}
+             for i, (label, r) in enumerate(recipes)}
     runs: Dict[str, Dict[int, dict]] = {}
     try:
         for seed in seeds:
             torch.manual_seed(seed)
             state = {k: v.clone() for k, v in build_llama(size, SDPA, torch.device("cpu")).state_dict().items()}
-            for label in (label for label in labels if train is None or label in train):
+            for label in labels:
                 res = train_one(size, steps, seed, names.get(label, SDPA), state, data, device)
                 runs.setdefault(label, {})[seed] = res
                 progress.step(f"train {label} seed {seed}: final {res['final']:.4f}, val {res['val']:.4f}, "
@@ -150,30 +134,6 @@ def run(size: dict, steps: int, seeds: Sequence[int], device: torch.device, back
 def training_summary(runs: Dict[str, Dict[str, dict]]) -> dict:
     """The summary of `runs` ({label: {seed (str): run}}): `recipe_study.summarize_runs` against SDPA."""
     return rs.summarize_runs(runs, SDPA, "sdpa")
-
-
-def _merged_from(result: dict) -> str:
-    """"Merged from the shards `...`; `...`. " for a merged result (nothing for one run)."""
-    if not result.get("shard_commands"):
-        return ""
-    return "Merged from the shards " + "; ".join(f"`{c}`" for c in result["shard_commands"]) + ". "
-
-
-#: the fields every shard of one study must agree on
-MERGE_FIELDS = ("device", "backend", "steps", "batch", "seq", "model", "recipes")
-
-
-def merge_results(shards: Sequence[Tuple[str, dict]], command: str) -> dict:
-    """One study's result from its shards' ((path, result) each): the union of their runs, summarized over every
-    seed by `training_summary`; `rs.MergeError` for a (label, seed) of the study in two shards or in none, or a
-    field of MERGE_FIELDS that differs."""
-    rs.check_same(shards, MERGE_FIELDS)
-    runs = rs.merge_runs([(path, rs.with_tokens_per_s(r["runs"], r["batch"], r["seq"], r["steps"]))
-                          for path, r in shards], [SDPA] + shards[0][1]["recipes"])
-    result = rs.merged_header(shards, command, ("torch", "transformers", "commit"))
-    result.update({name: shards[0][1].get(name) for name in MERGE_FIELDS})
-    result.update(seeds=rs.run_seeds(runs), runs=runs, summary=training_summary(runs))
-    return result
 
 
 def write_outputs(result: dict, out_dir: Optional[str]) -> Dict[str, str]:
@@ -191,17 +151,6 @@ def write_outputs(result: dict, out_dir: Optional[str]) -> Dict[str, str]:
     return paths
 
 
-def merge_main(args: argparse.Namespace, argv: List[str]) -> dict:
-    """--merge: the shards' recipe_study_hf.json files -> one study's md and json in --out-dir; SystemExit for
-    shards that do not make one study."""
-    try:
-        result = merge_results(rs.load_shards(args.merge), rs.command_line(argv, __file__))
-    except ValueError as exc:
-        raise SystemExit(f"recipe_study_hf.py --merge: {exc}") from exc
-    write_outputs(result, args.out_dir)
-    return result
-
-
 def render_markdown(result: dict) -> str:
     """The result as a markdown table."""
     s = result["summary"]
@@ -209,17 +158,15 @@ def render_markdown(result: dict) -> str:
              (f"`{result['command']}`; torch {result['torch']}, transformers {result['transformers']}, backend "
              f"{result['backend']}, commit {result['commit']}, {result['date']}. Model: {result['model']}; "
              f"{result['steps']} steps of batch {result['batch']} x {result['seq']} bytes, seeds {result['seeds']}. "
-             + _merged_from(result) +
              "Losses: mean [min, max] over seeds; differences paired by seed (same weights, same batches). "
-             "Seconds per run: the optimizer steps' time; tokens/s: batch x seq x steps over it; means over seeds. "
-             + rs.partial_runs_note(s, [SDPA] + result["recipes"], SDPA)).rstrip(),
+             "Seconds per run: the optimizer steps' time; tokens/s: batch x seq x steps over it; means over seeds."),
              "",
              "| attention | final train loss | validation loss | final - SDPA | final - default | val - SDPA | "
              "seconds per run | tokens/s |", "|---|---|---|---|---|---|---|---|"]
     for label, row in s.items():
         lines.append(f"| {label} | {rs._span(row['final'])} | {rs._span(row['val'])} | "
-                     f"{rs._signed(row.get('final_minus_sdpa'))} | {rs._signed(row.get('final_minus_default'))} | "
-                     f"{rs._signed(row.get('val_minus_sdpa'))} | {row['seconds']['mean']:.1f} | "
+                     f"{rs._signed(row['final_minus_sdpa'])} | {rs._signed(row['final_minus_default'])} | "
+                     f"{rs._signed(row['val_minus_sdpa'])} | {row['seconds']['mean']:.1f} | "
                      f"{row['tokens_per_s']['mean']:.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -237,14 +184,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out-dir", default=None, help="default benchmarks/results/<device>/recipe_study/")
     p.add_argument("--recipes", default=None,
-                   help="comma-separated recipe labels to run besides the default (default: every recipe): the "
-                        "study's recipe set, which its shards share")
-    rs.add_runs_option(p, SDPA)
-    rs.add_merge_option(p, "recipe_study_hf.json", "no part but the training")
+                   help="comma-separated recipe labels to run besides the default (default: every recipe)")
     args = p.parse_args(argv)
-    rs.refuse_options_with_merge(p, args, argv)
     args.recipe_labels = rs.parse_recipe_labels(args.recipes, p.error)
-    args.run_labels = rs.parse_run_labels(args.runs, SDPA, args.recipe_labels, p.error)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
     if args.steps is not None and args.steps < 1:
@@ -253,18 +195,16 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
-    """Run the study (or merge its shards: --merge); returns the result (also written as JSON)."""
+    """Run the study; returns the result (also written as JSON)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args.merge:
-        return merge_main(args, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     size = SIZES[args.size]
     steps = args.steps if args.steps is not None else size["steps"]
     seeds = list(range(args.seed, args.seed + args.seeds))
-    progress = rs.Progress(len(seeds) * len(args.run_labels))
+    progress = rs.Progress(len(seeds) * (1 + len(rs.study_recipes(args.recipe_labels))))
     import transformers
     result = dict(command=rs.command_line(argv, __file__), device=rs.device_name(device),
                   torch=torch.__version__, transformers=transformers.__version__, backend=args.backend,
@@ -273,7 +213,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                   model="LlamaForCausalLM " + ", ".join(f"{k}={v}" for k, v in size["model"].items()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)   # backend="auto" notes
-        result.update(run(size, steps, seeds, device, args.backend, progress, args.recipe_labels, args.run_labels))
+        result.update(run(size, steps, seeds, device, args.backend, progress, args.recipe_labels))
     write_outputs(result, args.out_dir)
     return result
 

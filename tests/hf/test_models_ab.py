@@ -88,6 +88,6 @@ def test_one_run_of_each_arm_on_the_cpu(tmp_path):
     (row,) = out["rows"]
     assert row["label"].startswith("train gpt2") and row["label"].endswith("eager")
     assert len(row["a"]) == len(row["b"]) == 1 and row["a"][0] > 0 and row["b"][0] > 0
-    for i, arm in enumerate("AB"):
-        assert (tmp_path / f"run{i}_{arm}" / "models.json").exists()
+    assert all("train" in r["models"] for r in out["runs"])  # each run's whole models.json, kept in ab.json
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ab.json", "ab.md"]  # no per-run folders
     assert "B = MXATTN_AB_PROBE=1" in (tmp_path / "ab.md").read_text()

@@ -233,8 +233,8 @@ def test_recipes_option_runs_a_subset_with_the_default(tmp_path):
 
 
 def test_a_study_cut_during_training_keeps_what_it_measured(tmp_path, monkeypatch):
-    """Parts 1 and 2 are written before training starts, and each training run as it ends (a device call's time
-    limit cut session 18's GPU study in its last run and left no file); a finished study removes the runs file."""
+    """Parts 1 and 2 are written before training starts, and each training run as it ends (a study stopped by a
+    time limit keeps what it measured instead of leaving no file); a finished study removes the runs file."""
     real = rs.run_training
     seen = []
 

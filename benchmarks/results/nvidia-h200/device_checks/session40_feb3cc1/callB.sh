@@ -1,5 +1,0 @@
-source .scratch/pre.sh
-rm -f $OUT/gpu.txt
-export PYTHONUNBUFFERED=1
-CUDA_VISIBLE_DEVICES=0 WORKERS=30 OUT=$OUT/ng PART=tests timeout 560 bash benchmarks/device_checks.sh "not gluon" > /dev/null 2>&1
-find $OUT -type f | sort
