@@ -26,10 +26,8 @@ _LOG2E = math.log2(math.e)
 # --------------------------------------------------------------------------- device-independent math
 #
 # torch's float32 exp / exp2 / log, its sums and its matrix products are not the same bits on CPU and
-# CUDA (measured on an H100, torch 2.11 against torch 2.13 CPU: float32 exp differed in 30% of elements,
-# log in 7%, 128-wide row sums in 20% of rows; products contracting over 64-300 elements agreed, but dQ
-# contracting over 1000 keys differed in 3 of 358400 elements: cuBLAS and the CPU BLAS add in different
-# orders). So the attention cores take all of these through float64 and round once to the working dtype:
+# CUDA (float32 exp and log, row sums and long contractions differ in a fraction of elements: the libraries
+# evaluate and add in different orders). So the attention cores take all of these through float64 and round once to the working dtype:
 # products of FP32 (dequantized MXFP8) values are exact in FP64, FP64 sums barely depend on the order and
 # FP64 exp/log are within an FP64 ulp on both devices, so the rounded results agree except when a value
 # lies within ~2^-29 of an FP32 rounding boundary (never seen). The result is then also (nearly always)

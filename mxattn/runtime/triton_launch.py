@@ -1,8 +1,8 @@
 """Low-overhead launches of `@triton.jit` kernels.
 
 Triton's dispatcher (`JITFunction.run`) rebuilds the argument binding, the specialization of every argument,
-the cache key and the launch metadata in Python on each call: 30-40 us of host time for a kernel with about
-50 arguments on the H200 host, more than the quantizer kernels run on the GPU. Since every Triton launch of
+the cache key and the launch metadata in Python on each call: for a kernel with about 50 arguments that is
+more host time than the quantizer kernels run on the GPU. Since every Triton launch of
 the backend is issued from Python before the attention kernel can start, that host time was the gap between
 the forward "including quantization" and the forward kernel alone.
 

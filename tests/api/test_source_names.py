@@ -1,8 +1,7 @@
 """Every name a Python file of the project reads is bound somewhere in that file (an import, a definition, an
 assignment, a parameter) or is a builtin. Code that runs only on a GPU (the benchmark's timing, kernels' hosts)
-is never executed by the CPU suite, so a name lost in a refactor (session 27 found `python -m mxattn bench`
-failing with NameError: fwd_kernel_operands, moved out of the package months earlier) would otherwise reach
-users first. File-level, not scope-exact: it catches names bound nowhere, not names bound in the wrong scope."""
+is never executed by the CPU suite, so a name lost in a refactor (a NameError in `python -m mxattn bench` after
+a helper moved out of the package, say) would otherwise reach users first. File-level, not scope-exact: it catches names bound nowhere, not names bound in the wrong scope."""
 
 import ast
 import builtins

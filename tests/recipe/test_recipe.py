@@ -1,4 +1,4 @@
-"""Recipe variants (`mxattn.Recipe`, issue 22), on the CPU.
+"""Recipe variants (`mxattn.Recipe`), on the CPU.
 
 - `Recipe`: defaults, hashing, validation errors naming the field, the string form the custom ops carry.
 - The reference backend against `ref` bit for bit for every variant, forward and backward, dense and variable

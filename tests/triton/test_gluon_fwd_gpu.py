@@ -1,4 +1,4 @@
-"""The Gluon Hopper forward (`mxattn.kernels.gluon_attention_fwd`, issue 24) against the Triton forward on identical
+"""The Gluon Hopper forward (`mxattn.kernels.gluon_attention_fwd`) against the Triton forward on identical
 quantized operands, on an sm_90 GPU; and, on any machine with Triton, that the kernel compiles for sm_90a
 without register spills.
 

@@ -140,7 +140,7 @@ def test_sass_loops_reports_the_gluon_dkdv_kernels_consumer_loops(capsys, defer)
 
 @pytest.mark.parametrize("mode", [0, 4, 5])
 def test_sass_loops_shows_where_the_gluon_dkdv_kernel_loads_lse_and_delta(capsys, mode):
-    """benchmarks/sass_loops.py --stats-loads on the Gluon dK/dV kernel (D128, its default schedule): with session 35's loads (mode 0)
+    """benchmarks/sass_loops.py --stats-loads on the Gluon dK/dV kernel (D128, its default schedule): with the consumers' global loads (mode 0)
     each innermost consumer loop issues global loads (LDG) of its block's LSE and delta, whose results the step
     waits for; with mode 4 it issues no LDG, only the next block's asynchronous copies into shared memory
     (LDGSTS) and shared-memory loads (LDS) of this block's; with the default (mode 5, STATS_LOADS: the producer
