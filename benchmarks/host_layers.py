@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import mxattn
 from mxattn import op_plans, ops
 from mxattn.attention import _PLANS, _run_dense
-from mxattn.runtime import triton_launch  
+from mxattn.runtime import triton_launch
 from mxattn.layouts import to_bhsd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

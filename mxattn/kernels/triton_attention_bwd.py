@@ -266,9 +266,8 @@ def _dq_kernel(
 
 
 #: ((dK/dV BM, BN, warps, stages), (dQ BM, BN, warps, stages)) by padded head dim, for the bf16-scratch ("pre")
-#: data path: the fastest of `python -m mxattn bench --sweep bwd_pre` on the H100 (sweep_bwd.md in
-#: benchmarks/results/nvidia-h100-80gb-hbm3/); at D64 and D32 a later probe found one 4-warp group per dK/dV
-#: program (two per SM) 9-11% faster (experiments/bwd_configs_d64_d32.txt there)
+#: data path: the fastest of `python -m mxattn bench --sweep bwd_pre`; at D64 and D32 one 4-warp group per dK/dV
+#: program (two per SM) is faster still
 BWD_CONFIGS = {32: ((32, 128, 4, 3), (64, 64, 4, 3)), 64: ((32, 128, 4, 3), (128, 32, 8, 3)),
                128: ((32, 128, 8, 3), (128, 64, 8, 3)), 256: ((32, 64, 8, 1), (64, 32, 8, 1))}
 #: the same for the FP8-streaming ("fp8") data path (dequantization on chip: more registers, fewer stages)
@@ -345,9 +344,8 @@ def _pre_budget_from_environment(default: int) -> int:
 
 #: the bf16 scratch one head chunk of the "pre" backward aims at (chunks of more heads keep more programs in
 #: flight); one KV head's alone may reach SCRATCH_BUDGET_BYTES. A chunk always holds the KV heads for about two
-#: waves of dK/dV programs, so MXATTN_BWD_SCRATCH_MIB=0 in the environment keeps only those: on an H100 (session
-#: 30, benchmarks/bwd_scratch_budget.py) the fwd+bwd peak fell from 1.51-1.92x cuDNN's to 1.30x for 2-5% more
-#: backward time at the dense configs (0.96x the time at the GQA one). Default 128 MiB
+#: waves of dK/dV programs, so MXATTN_BWD_SCRATCH_MIB=0 in the environment keeps only those, trading a few percent
+#: of backward time for a lower peak (benchmarks/bwd_scratch_budget.py measures both). Default 128 MiB
 PRE_BUDGET_BYTES = _pre_budget_from_environment(SCRATCH_BUDGET_BYTES // 4)
 
 

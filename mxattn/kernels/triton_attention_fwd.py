@@ -170,9 +170,8 @@ FWD_CONFIGS = {32: (128, 8, 3), 64: (64, 4, 2), 128: (128, 8, 3), 256: (64, 8, 2
 
 
 #: (BLOCK_M, num_warps, num_stages) of the forward kernel on bf16 K/V (smem operands Triton pipelines; head
-#: dims up to 128: three stages of 128-row bf16 K and V tiles fill the shared memory). The fastest of a probe
-#: on the H100 (benchmarks/results/nvidia-h100-80gb-hbm3/experiments/fwd_configs_bf16.txt): at D64 and D32 one
-#: warp group per program (two programs per SM) beats 8 warps by 15-25%, dense and causal
+#: dims up to 128: three stages of 128-row bf16 K and V tiles fill the shared memory). The fastest measured; at
+#: D64 and D32 one warp group per program (two programs per SM) beats 8 warps, dense and causal
 BF16_FWD_CONFIGS = {32: (128, 4, 3), 64: (64, 4, 3), 128: (128, 8, 3)}
 #: bytes of bf16 scratch (exact dequantizations) one data path may hold at once: the forward's K + V copies, the
 #: backward's largest head chunk (`triton_attention_bwd.bwd_streams_bf16`); beyond it the kernels read FP8
@@ -182,8 +181,8 @@ SCRATCH_BUDGET_BYTES = 512 << 20
 def fwd_streams_bf16(batch: int, heads_kv: int, rows_kv: int, head_dim: int) -> bool:
     """The problem's choice of forward data path: True when K and V should be dequantized to bf16 in HBM by
     the quantizer (exact, one extra write of 4 bytes per K/V element pair, freed after the kernel) and read as
-    plain bf16 operands, which Triton pipelines into the tensor cores (about 1.6x faster than dequantizing FP8
-    on chip, H100 measurement in benchmarks/results); False (FP8 dequantized on chip, no scratch) for head
+    plain bf16 operands, which Triton pipelines into the tensor cores (faster than dequantizing FP8 on chip);
+    False (FP8 dequantized on chip, no scratch) for head
     dims above 128 or when the scratch would exceed SCRATCH_BUDGET_BYTES. Same numbers either way."""
     dp = padded_head_dim(head_dim)
     return dp <= max(BF16_FWD_CONFIGS) and 2 * 2 * batch * heads_kv * rows_kv * head_dim <= SCRATCH_BUDGET_BYTES

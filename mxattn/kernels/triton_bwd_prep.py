@@ -107,9 +107,8 @@ def _bwd_prep_kernel(A, B, DELTA, RD, RS, CD, CS, OUT_A, OUT_B, OUT_R, OUT_C, CU
         tl.store(DELTA + (bt * HQ + h) * S + rows, delta, mask=offs_s < n_delta)
 
 
-#: (BD, num_warps) of `_bwd_prep_kernel` by padded head dim: whole rows up to 128 columns (0.072 ms against
-#: 0.087 for 64-column slices at B2 H12 S4096 D128 on the H100;
-#: benchmarks/results/nvidia-h100-80gb-hbm3/experiments/prep_tiles.txt)
+#: (BD, num_warps) of `_bwd_prep_kernel` by padded head dim: whole rows up to 128 columns (faster than 64-column
+#: slices)
 PREP_TILES = {32: (32, 2), 64: (64, 4), 128: (128, 4), 256: (256, 8)}
 
 

@@ -35,7 +35,7 @@ LAZY_THRESHOLD = tl.constexpr(4.0)
 
 # --------------------------------------------------------------------------- inline PTX (one definition)
 # The asm text, constraints and pack of `e4m3_to_bf16_biased` and `round_p_to_bf16`, shared with the Gluon
-# forward's copies of those helpers (gluon_attention_fwd: a @gluon.jit function cannot call a @triton.jit one).
+# forward's copies of those helpers (gluon_common: a @gluon.jit function cannot call a @triton.jit one).
 # The text goes into the PTX as written (indentation included).
 #: uint8 E4M3 patterns (four per register, $2) -> two registers of bf16 pairs x * 2^-120 ($0, $1)
 E4M3_TO_BF16_ASM = tl.constexpr("""{

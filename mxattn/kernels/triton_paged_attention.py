@@ -62,9 +62,8 @@ from .triton_quantize import padded_head_dim
 
 # passes of _paged_attn_kernel
 SINGLE, MAX_PASS, SPLIT_PASS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-#: programs per multiprocessor the split count aims at (four fit under DECODE_MAXNREG's cap): the fastest of a
-#: split sweep of CUDA-graph replays on the H100 at batch 1 and 8, contexts 1k-32k (one 128-token block per
-#: split is not too short there; benchmarks/results/nvidia-h100-80gb-hbm3/session18/splits_cap128.txt)
+#: programs per multiprocessor the split count aims at (four fit under DECODE_MAXNREG's cap): the fastest split
+#: count for decode batches of 1 to 8 over 1k-32k contexts (one 128-token block per split is not too short there)
 PROGRAMS_PER_SM = 4
 
 
@@ -306,16 +305,15 @@ def _combine_splits_kernel(O, MF, LP, OP, so_t, so_h, T, HQ, D, N_SPLITS, SP: tl
 
 
 #: exact tiles other than the dense path's: at D128 one warpgroup of a 64-row tile issues the same wgmma
-#: (m64n128k16) with the same row layout as each warpgroup of the dense 128-row / 8-warp tile (measured bit-equal
-#: on an H200, benchmarks/paged_decode_tuning.py; tests/test_kvcache_gpu.py checks it), at half the rows
+#: (m64n128k16) with the same row layout as each warpgroup of the dense 128-row / 8-warp tile, so the results are
+#: the same bits (tests/kvcache/test_kvcache_gpu.py checks it), at half the rows
 EXACT_TILES = {128: (64, 4)}
 #: the tile of the decode path (`triton_paged_decode`): the fewest rows an MMA takes (mma.sync m16n8k16), one
-#: warp group, two stages (H100, CUDA-graph replays: batch 8 / 4k 109 us against 110 with three, batch 64 / 4k
-#: 448 against 458; benchmarks/results/nvidia-h100-80gb-hbm3/session17/)
+#: warp group, two stages (a third is no faster)
 FAST_TILE = (16, 4, 2)
 #: register cap of the decode path's builds (None: the compiler's choice, 255 per thread and one or two programs per
-#: multiprocessor): 128 fits four, and with PROGRAMS_PER_SM's splits the H100 ran batch 8 / 4k in 92 us against
-#: 103 (16k: 244 against 316, the best split count of each; session18/splits_cap128.txt, splits_default.txt)
+#: multiprocessor): 128 fits four, which with PROGRAMS_PER_SM's splits run decode steps faster than the compiler's
+#: choice
 DECODE_MAXNREG = 128
 #: the largest logits workspace (bytes) the decode path's split passes store S in (STORE_S), else the split pass
 #: recomputes it: 4 bytes per query row (tokens x query heads) and key column (`score_columns`), e.g. 4 MiB at
@@ -419,7 +417,7 @@ def paged_attention_fwd(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_
     `choose_splits`, from max_seqlen_kv, the longest cached sequence); other than 1, a decode step takes the
     16-row FAST_TILE (`paged_config`), whose split passes store the logits when max_seqlen_kv (then at least
     every sequence's length) is given (`_score_workspace`). The caller checks the arguments
-    (`mxattn.kvcache_call.mxfp8_attention_with_kvcache`)."""
+    (`mxattn.mxfp8_attention_with_kvcache`)."""
     T, hq, d = q.shape
     hkv = cache.kv_heads
     group = hq // hkv

@@ -262,8 +262,8 @@ def _data_like(x: torch.Tensor, data_layout: Optional[str] = None) -> torch.Tens
     return torch.empty_like(x, dtype=torch.float8_e4m3fn)
 
 
-#: (BLOCK_S, num_warps, max BLOCK_D) of the quantizer (fastest of a sweep on an H200). Small tiles keep registers low
-#: (about 90 per thread), so many programs are resident per SM to hide memory latency.
+#: (BLOCK_S, num_warps, max BLOCK_D) of the quantizer (the fastest measured). Small tiles keep registers low (about
+#: 90 per thread), so many programs are resident per SM to hide memory latency.
 QUANT_TILE = (32, 2, 64)
 
 
@@ -327,7 +327,7 @@ def _prepare(x: torch.Tensor, *, row: bool, col: bool, swizzle: bool, row_dequan
         raise ValueError("quantize_rowcol: col_seq_major needs col=True and excludes col_dequant and swizzle")
     if col_dequant and not row:
         # Triton 3.6 compiles this one combination wrongly on sm_90 (the bf16 copy differs from the column-wise
-        # bytes it was made from; H100 check in tests/test_triton_gpu.py), so it is refused rather than worked around
+        # bytes it was made from), so it is refused rather than worked around
         raise ValueError("quantize_rowcol: col_dequant needs row=True")
     check_bhsd_tensor(x, "x", INPUT_DTYPES, "cuda")
     varlen = cu_seqlens is not None

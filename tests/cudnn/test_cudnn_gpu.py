@@ -459,7 +459,7 @@ def test_replayed_public_calls_equal_the_ordinary_path_bit_for_bit(hkv, causal, 
     and dV equal bit for bit to the same calls with op replays off, and the replay did run (no backend code on
     the last call)."""
     from mxattn import op_plans
-    from mxattn.runtime import launch_plan  
+    from mxattn.runtime import launch_plan
     ok, reason = _blackwell_ready()
     if not ok:
         pytest.skip(reason)

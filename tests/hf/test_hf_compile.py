@@ -193,7 +193,7 @@ def test_compiled_training_gradients_equal_eager(factory):
     """Training steps of a compiled transformers model (GPT-2's fused QKV projection, a GQA Llama) give the eager
     model's loss and gradients. Inductor may hand the attention op K and V in other strides at run time than
     Dynamo traced above it, so what the forward keeps for the backward must not be laid out from traced strides
-    (`mxattn.saved_block`: a layout from shapes alone; laid out from the traced strides, the backward read the
+    (`mxattn.runtime.saved_block`: a layout from shapes alone; laid out from the traced strides, the backward read the
     block wrongly and such a model trained to nonsense)."""
     def gpt2():
         from transformers import GPT2Config, GPT2LMHeadModel

@@ -246,7 +246,7 @@ def test_generate_over_the_paged_mxfp8_cache_reads_the_pages_on_triton(monkeypat
     from transformers import DynamicCache
 
     from mxattn.integrations.hf_cache import MXFP8PagedCache, cache_kwargs
-    from mxattn.kernels import paged_step
+    from mxattn.runtime import paged_step
     model = _llama(torch.float32)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 97, (n,), generator=g).cuda() for n in (45, 12, 30)]

@@ -200,7 +200,7 @@ def test_paged_kernel_agrees_with_the_reference_cache_call():
 
 def test_auto_takes_the_paged_kernel_on_cuda(monkeypatch):
     _needs_triton()
-    from mxattn.runtime import paged_step  
+    from mxattn.runtime import paged_step
     calls = []
     real = paged_step.paged_step
     monkeypatch.setattr(paged_step, "paged_step", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -299,7 +299,7 @@ def test_a_decode_step_is_one_append_launch_and_the_attention(monkeypatch):
     from mxattn import kvcache
     from mxattn.kernels import triton_paged_append
     launches, copies = [], []
-    from mxattn.runtime import paged_step  
+    from mxattn.runtime import paged_step
     monkeypatch.setattr(paged_step, "STEPS", paged_step.PlanCache())     # (this step runs the launchers)
     monkeypatch.setattr(kvcache, "_DEVICE_INTS", {})
     real_append, real_copy = triton_paged_append.launch, kvcache.host_to_device
@@ -329,7 +329,7 @@ def test_replayed_steps_equal_the_steps_run_through_the_launchers(hq, hkv, d, wi
     caches are equal at every step, across V's 32-token seals, page boundaries, split counts and the sink and
     window options; most steps were replays."""
     _needs_triton()
-    from mxattn.runtime import paged_step  
+    from mxattn.runtime import paged_step
     n = 3
     caches, slots = _filled_caches(3, 24, hkv, d, [20 + 13 * i for i in range(n)])
     kw = dict(window_size=None if window is None else (window, 0), num_splits=num_splits, backend="triton")

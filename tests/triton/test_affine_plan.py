@@ -59,7 +59,7 @@ def test_trusted_after_three_lengths_then_replays_what_the_body_launches(launche
 
 
 def test_a_new_specialization_class_is_recorded_then_replayed(launcher):
-    from mxattn.runtime import affine_plan  
+    from mxattn.runtime import affine_plan
     from mxattn.runtime.affine_plan import AffinePlanCache
     cache = AffinePlanCache()
     base = torch.randn(200, 64)

@@ -46,7 +46,7 @@ def test_affine_replays_equal_the_ordinary_path(name, level, monkeypatch):
     what eager inference uses)."""
     from mxattn import attention, op_plans
     from mxattn.backends import triton_backend as tb
-    from mxattn.runtime import affine_plan  
+    from mxattn.runtime import affine_plan
     from mxattn.runtime.affine_plan import AffinePlanCache
     from mxattn.runtime.plan_cache import PlanCache
     lengths = list(range(290, 341))

@@ -1,4 +1,4 @@
-"""The Gluon dK/dV kernel's synchronisation protocol and block walk (mxattn/kernels/gluon_attention_bwd.py),
+"""The Gluon dK/dV kernel's synchronisation protocol and block walk (mxattn/kernels/gluon_dkdv_kernel.py),
 simulated on the CPU under random interleavings: the producer (for t = 0, 1, ...: wait "empty" of stage t % NS,
 one expect-tx arrival on "ready" and the stage's TMA copies, which land one by one in any order: four bf16 tiles,
 and with STATS_LOADS 5 the block's LSE and delta too) and the two consumer warpgroups (per

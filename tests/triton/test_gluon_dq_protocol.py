@@ -1,4 +1,4 @@
-"""The Gluon dQ kernel's synchronisation protocol and KV block walk (mxattn/kernels/gluon_attention_dq.py), on the
+"""The Gluon dQ kernel's synchronisation protocol and KV block walk (mxattn/kernels/gluon_dq_kernel.py), on the
 CPU. The ring is the dK/dV kernel's (producer: per visited block t wait "empty" of stage t % NS, one expect-tx
 arrival on "ready", the TMA copies land later; two consumer warpgroups: wait "ready", read, one "empty" arrival
 each) with one query head and the KV blocks 0 .. n_blk - 1 for blocks: test_gluon_bwd_protocol's simulation

@@ -1,4 +1,4 @@
-"""The Gluon forward's synchronisation protocol (mxattn/kernels/gluon_attention_fwd.py), simulated on the CPU under
+"""The Gluon forward's synchronisation protocol (mxattn/kernels/gluon_fwd_kernel.py), simulated on the CPU under
 random interleavings: the producer (TMA into the FP8 ring, dequantization into the bf16 ring), the two consumer
 warpgroups (S GEMM of block j issued with the P V GEMM of block j - 1, stage release after it) and the ping-pong
 turns, with mbarrier phase/parity semantics (a wait on parity P passes once the barrier's phase parity differs

@@ -1,4 +1,4 @@
-"""The Gluon forward's block schedule (mxattn/kernels/gluon_attention_fwd.py) against the Triton forward's
+"""The Gluon forward's block schedule (mxattn/kernels/gluon_fwd_kernel.py) against the Triton forward's
 (triton_attention_fwd._attn_fwd_kernel with triton_common.band_block_range), simulated on the CPU: which KV blocks
 each row set meets, in which order, and which of them are masked. Both schedules run the same per-block step
 (`triton_common.softmax_block`'s arithmetic, P rounded to E4M3 * 256, acc * alpha + P V) on float64 operands chosen

@@ -336,7 +336,7 @@ def test_recording_refuses_what_a_replay_cannot_repeat(launcher, case, expected)
 def test_launch_through_tritons_dispatcher_is_refused(launcher, monkeypatch):
     """With a launch hook installed (a profiler), launches take Triton's own path and nothing is recorded;
     a plan recorded earlier is not replayed while the hook is there."""
-    from mxattn.runtime import launch_plan, triton_launch  
+    from mxattn.runtime import launch_plan, triton_launch
     x = torch.randn(8)
     calls = []
 
@@ -810,7 +810,7 @@ def test_paged_cache_steps_replay_their_launches(launcher, paged_stubs, sink):
     onto the replaying call's, O written where the returned O lies."""
     import mxattn
     from mxattn import kvcache
-    from mxattn.runtime import paged_step  
+    from mxattn.runtime import paged_step
     hq, hkv, d, n = 8, 2, 64, 3
     caches = [mxattn.MXFP8KVCache(num_pages=24, page_size=64, kv_heads=hkv, head_dim=d, max_sequences=n)
               for _ in range(3)]
@@ -849,7 +849,7 @@ def test_one_paged_step_serves_every_cache_in_the_same_state(launcher, paged_stu
     page), equal states after. A cache in another state is refused before anything changes."""
     import mxattn
     from mxattn import kvcache_step
-    from mxattn.runtime import paged_step  
+    from mxattn.runtime import paged_step
     hq, hkv, d, n = 8, 2, 64, 3
     g = torch.Generator().manual_seed(1)
 
@@ -1059,7 +1059,7 @@ def test_a_replay_rebases_host_tma_descriptors(launcher):
     strides and padding, and replayed as a `ReplayedDescriptor` on the new address; an argument of any other
     object type is refused."""
     pytest.importorskip("triton.experimental.gluon")
-    from mxattn.runtime import launch_plan  
+    from mxattn.runtime import launch_plan
     from mxattn.runtime.triton_launch import launch
     fn = _fn("_desc_kernel", 3)
     k = torch.zeros(1, 2, 256, 128, dtype=torch.float8_e4m3fn)
@@ -1107,7 +1107,7 @@ def test_the_gluon_forward_launches_its_compiled_kernel_directly_after_the_first
                                out=out, stats=st)
         return q, k, v, out
 
-    from mxattn.runtime import triton_launch  
+    from mxattn.runtime import triton_launch
     dispatched, first_launch = [], triton_launch.first_launch
     monkeypatch.setattr(triton_launch, "first_launch", lambda *a: dispatched.append(1) or first_launch(*a))
     first, second = call(), call()
