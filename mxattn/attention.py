@@ -49,7 +49,8 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
                     out_dtype: Optional[torch.dtype] = None, cu_seqlens_q: Optional[torch.Tensor] = None,
                     cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
                     max_seqlen_kv: Optional[int] = None, softmax_type: str = "vanilla",
-                    softmax_offset: Optional[torch.Tensor] = None, recipe: Optional[Recipe] = None) -> torch.Tensor:
+                    softmax_offset: Optional[torch.Tensor] = None, recipe: Optional[Recipe] = None,
+                    bottom_right_diagonal: Optional[bool] = None) -> torch.Tensor:
     """Scaled-dot-product attention with Q, K, V (and dO in backward) in MXFP8, differentiable.
 
     q: [B, Sq, Hq, D] (bshd), [Sq, B, Hq, D] (sbhd), [B, Hq, Sq, D] (bhsd) or [T_q, Hq, D] (thd, packed
@@ -59,12 +60,18 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     inputs they compute in bf16 and the result is cast to fp32 at the end (gradients likewise).
     attn_mask_type (Transformer Engine's words): "no_mask", "causal" (top-left diagonal),
     "causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right"; window_size=(left,
-    right) as in TE (-1 = unbounded). softmax_scale defaults to 1/sqrt(D).
+    right) as in TE (-1 = unbounded): query i attends keys [i + o - left, i + o + right], o = S_kv - S_q (each
+    sequence's own lengths) where the diagonal is bottom-right, 0 where top-left. bottom_right_diagonal (TE's):
+    the diagonal of a "no_mask"/"padding" window, True = bottom-right, False = top-left, None (default) =
+    bottom-right; "causal" and "padding_causal" are always top-left, the *_bottom_right types bottom-right,
+    whatever it says. TE's checks of the window: a causal type takes (-1, 0) or (>=0, 0), and (-1, -1) or
+    (>=0, != 0) warns and runs with right 0; "no_mask"/"padding" take (-1, -1) or (>=0, >=0), and (-1, 0)
+    warns and runs as (-1, -1); other windows raise ValueError. softmax_scale defaults to 1/sqrt(D).
     cu_seqlens_q, cu_seqlens_kv: int32 [B+1] cumulative sequence lengths on q's device (TE's names): required
     for thd and the padding mask types, and only used with those (ValueError otherwise); with bshd/sbhd/bhsd
     they are the valid lengths of the padded sequences (rows past a length give O = 0 and zero gradients).
-    cu_seqlens_kv defaults to cu_seqlens_q. Empty inputs (B = 0, S_q = 0 or S_kv = 0) return what torch SDPA
-    returns (an empty O, or zeros when there is no key) with zero gradients.
+    cu_seqlens_kv defaults to cu_seqlens_q. Empty inputs (B = 0, S_q = 0, S_kv = 0 or no query heads) return
+    what torch SDPA returns (an empty O, or zeros when there is no key) with zero gradients.
     max_seqlen_q/kv: the longest sequences (computed from cu_seqlens when None, needed under torch.compile).
     Masks apply per sequence (bottom-right uses each sequence's own lengths). A query row with no key gives
     O = 0 and stats -inf.
@@ -82,7 +89,7 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     """
     if cu_seqlens_q is None and cu_seqlens_kv is None and not torch.compiler.is_compiling():
         key = _signature(q, k, v, qkv_format, attn_mask_type, window_size, softmax_scale, backend, out_dtype,
-                         max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset, recipe)
+                         max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset, recipe, bottom_right_diagonal)
         plan = None if key is None else _PLANS.get(key)
         if plan is not None and (plan.kv_len is None or plan.kv_len == _kv_len(k, qkv_format)):
             return _run_dense(plan, q, k, v, _sink_of(plan, softmax_offset))
@@ -93,7 +100,8 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
                                   out_dtype=q.dtype if out_dtype is None else out_dtype, cu_seqlens_q=cu_seqlens_q,
                                   cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                                   max_seqlen_kv=max_seqlen_kv, softmax_type=softmax_type,
-                                  softmax_offset=softmax_offset, recipe=recipe)
+                                  softmax_offset=softmax_offset, recipe=recipe,
+                                  bottom_right_diagonal=bottom_right_diagonal)
     if is_empty(qb, kb, qkv_format):
         return _empty_attention(q, k, v, out_dtype, softmax_offset)
     problem = args.problem(softmax_type, ops.needs_backward(q, k, v, softmax_offset))
@@ -112,13 +120,13 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
 
 def encode_call(qb, kb, vb, *, qkv_format: str, attn_mask_type: str, window_size, softmax_scale, backend: str,
                 out_dtype, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_type: str,
-                softmax_offset, recipe) -> Tuple[FwdArgs, torch.dtype]:
+                softmax_offset, recipe, bottom_right_diagonal=None) -> Tuple[FwdArgs, torch.dtype]:
     """The checks and defaults of `mxfp8_attention`'s options (its docstring) for a call on qb, kb, vb, its
     [B, H, S, D] views (a packed batch [1, H, T, D]) whose shapes were checked: (the forward op's arguments on
     them, with the kernels' output dtype, and the dtype the caller gets). out_dtype: the caller's, or its
     default. Raises TypeError/ValueError naming the argument."""
     recipe = recipe_key(recipe)
-    band, padding_type = resolve_mask(attn_mask_type, window_size)
+    band, padding_type = resolve_mask(attn_mask_type, window_size, bottom_right_diagonal)
     if not padding_type and (cu_seqlens_q is not None or cu_seqlens_kv is not None) and qkv_format != "thd":
         raise ValueError(f"cu_seqlens_q/cu_seqlens_kv are sequence lengths of a padded batch: use a padding "
                          f"attn_mask_type ('padding', 'padding_causal', 'padding_causal_bottom_right') with them, "
@@ -133,6 +141,11 @@ def encode_call(qb, kb, vb, *, qkv_format: str, attn_mask_type: str, window_size
                            rows_kv=kb.shape[2], device=qb.device, cu_seqlens_q=cu_seqlens_q,
                            cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
         check_recipe_varlen(recipe, "packed" if packed else "padded")
+    if band.bottom_right and (seq.cu_seqlens_kv is seq.cu_seqlens_q if seq is not None
+                              else qb.shape[2] == kb.shape[2]):
+        # every sequence has as many queries as keys: a no_mask/padding window is the same band top-left, which
+        # cuDNN takes in more shapes (the *_bottom_right types keep their alignment)
+        band = resolve_mask(attn_mask_type, window_size, bottom_right_diagonal, equal_lengths=True).band
     sink = sink_logits(softmax_type, softmax_offset, qb.shape[1], qb.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(qb.shape[3])  # (symbolic under torch.compile with a dynamic head dim)
@@ -150,9 +163,9 @@ def encode_call(qb, kb, vb, *, qkv_format: str, attn_mask_type: str, window_size
 
 
 def is_empty(qb, kb, qkv_format: str) -> bool:
-    """Whether a dense or padded call on [B, H, S, D] views has nothing to compute (B = 0, S_q = 0 or
-    S_kv = 0; a packed batch's empty sequences are the kernels' business)."""
-    return qkv_format != "thd" and 0 in (qb.shape[0], qb.shape[2], kb.shape[2])
+    """Whether a call on [B, H, S, D] views has nothing to compute: no query heads, or (dense and padded)
+    B = 0, S_q = 0 or S_kv = 0 (a packed batch's empty sequences are the kernels' business)."""
+    return qb.shape[1] == 0 or (qkv_format != "thd" and 0 in (qb.shape[0], qb.shape[2], kb.shape[2]))
 
 
 # --------------------------------------------------------------------------- per-signature plans (eager, dense)
@@ -198,19 +211,24 @@ def _kv_len(k, qkv_format: str) -> int:
 
 
 def _signature(q, k, v, qkv_format, attn_mask_type, window_size, softmax_scale, backend, out_dtype,
-               max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset, recipe=None) -> Optional[tuple]:
+               max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset, recipe=None,
+               bottom_right_diagonal=None) -> Optional[tuple]:
     """Everything the checks and the backend choice of a dense call read (types, shapes, dtypes, devices, grad
-    mode, the options) with the KV length reduced to what the checks read of it (k's equals v's, non-zero),
-    or None when an argument is not what a plan can key (the full path then runs and raises the clear error).
+    mode, the options) with the KV length reduced to what the checks and the mask read of it (k's equals v's,
+    non-zero, equals q's), or None when an argument is not what a plan can key (the full path then runs and
+    raises the clear error).
     A plan whose backend choice read the KV length keeps it (`_DensePlan.kv_len`)."""
     try:
         axis = _SEQ_AXIS.get(qkv_format) if k.dim() == v.dim() == 4 else None
-        lengths = None if axis is None else (k.shape[axis] == v.shape[axis], k.shape[axis] > 0)
+        # (S_q == S_kv too: a no_mask window is then encoded top-left, `encode_call`)
+        lengths = None if axis is None or q.dim() != 4 else (k.shape[axis] == v.shape[axis], k.shape[axis] > 0,
+                                                             k.shape[axis] == q.shape[axis])
         offset = None if softmax_offset is None else _tensor_key(softmax_offset)
         window = None if window_size is None else tuple(window_size)
         key = (_tensor_key(q), _kv_key(k, axis), _kv_key(v, axis), lengths, qkv_format, attn_mask_type, window,
                softmax_scale, softmax_scale.__class__, backend, out_dtype, max_seqlen_q, max_seqlen_kv,
-               softmax_type, offset, recipe, torch.is_grad_enabled())
+               softmax_type, offset, recipe, bottom_right_diagonal, bottom_right_diagonal.__class__,
+               torch.is_grad_enabled())
         hash(key)
         return key
     except (AttributeError, TypeError):

@@ -35,8 +35,8 @@ def mxfp8_attention_quantized(q: MXFP8Tensor, k: MXFP8Tensor, v: VOperand, *, qk
                               out_dtype: Optional[torch.dtype] = None, cu_seqlens_q: Optional[torch.Tensor] = None,
                               cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
                               max_seqlen_kv: Optional[int] = None, softmax_type: str = "vanilla",
-                              softmax_offset: Optional[torch.Tensor] = None, recipe: Optional[Recipe] = None
-                              ) -> torch.Tensor:
+                              softmax_offset: Optional[torch.Tensor] = None, recipe: Optional[Recipe] = None,
+                              bottom_right_diagonal: Optional[bool] = None) -> torch.Tensor:
     """Scaled-dot-product attention on already-quantized MXFP8 inputs; forward only (no autograd).
 
     q: `mxattn.MXFP8Tensor` whose data is [B, Sq, Hq, D] (bshd), [Sq, B, Hq, D] (sbhd), [B, Hq, Sq, D] (bhsd)
@@ -50,13 +50,13 @@ def mxfp8_attention_quantized(q: MXFP8Tensor, k: MXFP8Tensor, v: VOperand, *, qk
     Returns O in q's layout and shape, dtype out_dtype (default torch.bfloat16; float16 and float32 also).
 
     Every other argument is `mxfp8_attention`'s, with its meaning and checks: qkv_format, attn_mask_type,
-    window_size, softmax_scale (default 1/sqrt(D)), backend ("auto" picks the first of cudnn, triton, reference
-    that has this entry point and runs the call), cu_seqlens_q/kv and max_seqlen_q/kv (padded and packed
-    batches), softmax_type / softmax_offset (attention sinks; the offset may not require grad), recipe (MXFP8
-    recipes only: the inputs are MXFP8; its scale_rounding and ds_quant play no part here, p_quant does, and
-    v_operand says what v is). A padded batch's rows past each length are not read, but V's last block scale
-    of a sequence is used as given: quantize those rows as zeros (`quantize_attention_inputs` does) for the
-    numbers of `mxfp8_attention`.
+    window_size, bottom_right_diagonal, softmax_scale (default 1/sqrt(D)), backend ("auto" picks the first of
+    cudnn, triton, reference that has this entry point and runs the call), cu_seqlens_q/kv and max_seqlen_q/kv
+    (padded and packed batches), softmax_type / softmax_offset (attention sinks; the offset may not require
+    grad), recipe (MXFP8 recipes only: the inputs are MXFP8; its scale_rounding and ds_quant play no part here,
+    p_quant does, and v_operand says what v is). A padded batch's rows past each length are not read, but V's
+    last block scale of a sequence is used as given: quantize those rows as zeros (`quantize_attention_inputs`
+    does) for the numbers of `mxfp8_attention`.
 
     Errors (TypeError/ValueError naming the argument, before any kernel): an input that is not an MXFP8Tensor
     (or, for the bf16-V recipe, v not bfloat16), elements other than E4M3, scales not float8_e8m0fnu or not
@@ -77,7 +77,8 @@ def mxfp8_attention_quantized(q: MXFP8Tensor, k: MXFP8Tensor, v: VOperand, *, qk
                                   out_dtype=torch.bfloat16 if out_dtype is None else out_dtype,
                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                                   max_seqlen_kv=max_seqlen_kv, softmax_type=softmax_type,
-                                  softmax_offset=softmax_offset, recipe=recipe)
+                                  softmax_offset=softmax_offset, recipe=recipe,
+                                  bottom_right_diagonal=bottom_right_diagonal)
     check_quantized_segments(v, args.cu_seqlens_kv if args.packed else None)
     if is_empty(qb, kb, qkv_format):  # what mxfp8_attention returns: an empty O, or zeros without keys
         return torch.zeros(q.shape, dtype=out_dtype, device=q.device)

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .bench_report import fmt, markdown, plot
+from .cli import ArgumentParser
 
 # (name, B, Hq, Hkv, S, D, causal)
 DEFAULT_CONFIGS = [
@@ -458,7 +459,7 @@ def _parse_config(text: str):
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of `python -m mxattn bench`; returns the exit status."""
-    ap = argparse.ArgumentParser(prog="python -m mxattn bench", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m mxattn bench", description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20, help="timed runs per measurement (median; >= 20)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed runs before each measurement (default 5)")
     ap.add_argument("--config", action="append", type=_parse_config,
@@ -473,8 +474,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--plot-from", default=None, help="render chart.png next to an existing results.json")
     args = ap.parse_args(argv)
     if args.plot_from:
-        with open(args.plot_from) as f:
-            results = json.load(f)
+        try:
+            with open(args.plot_from) as f:
+                results = json.load(f)
+        except OSError as exc:
+            ap.error(f"--plot-from {args.plot_from}: {exc.strerror or exc}")
+        except ValueError as exc:  # (json's decode error, a bad encoding)
+            ap.error(f"--plot-from {args.plot_from}: not a results.json ({exc})")
+        if not isinstance(results, dict) or not isinstance(results.get("configs", []), list):
+            ap.error(f"--plot-from {args.plot_from}: not a results.json (no object with a 'configs' list)")
         png = os.path.join(os.path.dirname(os.path.abspath(args.plot_from)), "chart.png")
         if not plot(results, png):
             print("matplotlib is not installed: no chart", file=sys.stderr)

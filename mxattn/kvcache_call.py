@@ -40,7 +40,8 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
                                  window_size: Optional[Tuple[int, int]] = None, softmax_type: str = "vanilla",
                                  softmax_offset: Optional[torch.Tensor] = None,
                                  out_dtype: Optional[torch.dtype] = None, num_splits: int = 0,
-                                 backend: str = "auto", return_step: bool = False):
+                                 backend: str = "auto", return_step: bool = False,
+                                 bottom_right_diagonal: Optional[bool] = None):
     """Append, then attend: the newest queries of a batch of cached sequences (decode, chunked prefill,
     speculative tokens), no padding of the batch.
 
@@ -49,8 +50,12 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     device-to-host copy; it goes to the device from pinned memory, without waiting). k_new, v_new: None or
     [T, Hkv, D] (the cache's dtype and device), written to the sequences before attending (`append_batch`: all
     or nothing). Each sequence's queries attend its cached tokens
-    with a causal mask aligned bottom-right (the last query sees every key), optionally a sliding window
-    (TE's window_size=(left, 0)) and attention sinks (softmax_type / softmax_offset as in `mxfp8_attention`).
+    with a causal mask aligned bottom-right (the last query sees every key): Transformer Engine's
+    ``padding_causal_bottom_right``, which TE's KV-cache path runs. window_size: TE's window for that mask type,
+    (-1, 0) or (left >= 0, 0), with TE's checks (`mxfp8_attention`: (-1, -1) and (left, right != 0) warn and
+    run with right 0; (-1, right > 0) raises). bottom_right_diagonal: None or True (TE's meaning: the diagonal
+    is bottom-right); False, a top-left diagonal, is nothing a cache step can mean (the queries are the newest
+    tokens) and raises ValueError. Attention sinks: softmax_type / softmax_offset as in `mxfp8_attention`.
     Returns O [T, Hq, D] in out_dtype (default q's). Inference only (no autograd).
     backend: "triton" (CUDA, head dims up to 128: the kernel reads the pages' FP8 bytes and scales once per KV
     head, `mxattn.kernels.triton_paged_attention`), "reference" (any device: `ref.mxfp8_ref` on the stored
@@ -71,6 +76,12 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     return_step: also return the `PagedStep` the triton backend ran (None on the others): a model's other layers,
     whose caches are in the same state as this one, run it (`PagedStep.run`) instead of working the step out again
     -> (O, step)."""
+    if bottom_right_diagonal is not None and not isinstance(bottom_right_diagonal, bool):
+        raise TypeError(f"bottom_right_diagonal must be None, True or False, got {bottom_right_diagonal!r}")
+    if bottom_right_diagonal is False:
+        raise ValueError("bottom_right_diagonal=False aligns the diagonal top-left, which a KV-cache call cannot "
+                         "mean: its queries are each sequence's newest tokens, so the diagonal ends at the last "
+                         "key (bottom-right, TE's padding_causal_bottom_right); pass None or True")
     o, step = _attend(q, cache, slots, cu_seqlens_q, k_new, v_new, softmax_scale, window_size, softmax_type,
                       softmax_offset, out_dtype, num_splits, backend)
     return (o, step) if return_step else o
@@ -106,7 +117,7 @@ def _attend(q, cache, slots, cu_seqlens_q, k_new, v_new, softmax_scale, window_s
                          f"{tuple(k_new.shape)}")
     if k_new is None:   # (else the append checks them)
         cache._check_slots(slots)
-    band = resolve_mask("causal_bottom_right", window_size).band
+    band = resolve_mask("padding_causal_bottom_right", window_size).band
     out_dtype = q.dtype if out_dtype is None else out_dtype
     sink = sink_logits(softmax_type, softmax_offset, hq, q.device)
     kernel_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16

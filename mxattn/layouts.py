@@ -68,8 +68,9 @@ def seq_axis(qkv_format: str) -> int:
 
 def check_qkv_shapes(q, k, v, qkv_format: str) -> None:
     """Check that q, k, v given in `qkv_format` agree (one device; batch, head dim; k and v: heads and
-    length; query heads a multiple of key heads; nothing empty but batch and lengths); raise ValueError naming
-    them. q, k, v: anything with `shape` and `device` (tensors, `MXFP8Tensor`s), of the layout's rank."""
+    length; query heads a multiple of key heads, none without key heads; a head dim); raise ValueError naming
+    them. No heads at all (Hq = 0) passes: such a call returns an empty O, as torch SDPA does. q, k, v:
+    anything with `shape` and `device` (tensors, `MXFP8Tensor`s), of the layout's rank."""
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
     (b, hq, sq, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = (bhsd_shape(x, qkv_format) for x in (q, k, v))
@@ -83,10 +84,13 @@ def check_qkv_shapes(q, k, v, qkv_format: str) -> None:
         raise ValueError(f"head_dim mismatch: q {d}, k {dk}, v {dv} {where}")
     if hk != hv:
         raise ValueError(f"k and v must have the same number of heads, got k {hk}, v {hv} {where}")
-    if hq % hk:
+    if hk == 0 and hq:
+        raise ValueError(f"k and v have no heads but q has {hq}: every query head needs a key/value head "
+                         f"(Hq must be a multiple of Hkv >= 1) {where}")
+    if hk and hq % hk:
         raise ValueError(f"query heads ({hq}) must be divisible by key/value heads ({hk}) {where}")
-    if d == 0 or hq == 0:
-        raise ValueError(f"empty input: head_dim {d}, heads {hq} {where}")
+    if d == 0:
+        raise ValueError(f"empty input: head_dim {d} {where}")
 
 
 def dense_strides_bhsd(shape_bhsd: Tuple[int, int, int, int], qkv_format: str) -> Tuple[int, ...]:

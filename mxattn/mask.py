@@ -16,9 +16,12 @@ This is the meaning of cuDNN's ``diagonal_band_left_bound`` / ``diagonal_band_ri
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+
+from .compile_marks import constant_result
 
 ALIGNMENTS = ("top_left", "bottom_right")
 #: Transformer Engine's mask words: (causal, bottom-right alignment, needs sequence lengths)
@@ -107,42 +110,103 @@ class MaskSpec:
 
 
 class ResolvedMask(NamedTuple):
-    """TE's (attn_mask_type, window_size) resolved: the band, and whether the mask type needs lengths."""
+    """TE's (attn_mask_type, window_size, bottom_right_diagonal) resolved: the band, and whether the mask type
+    needs lengths."""
 
     band: MaskSpec
     padding: bool
 
 
-def resolve_mask(attn_mask_type: str = "no_mask", window_size: Optional[Tuple[int, int]] = None) -> ResolvedMask:
-    """Translate Transformer Engine's ``attn_mask_type`` and ``window_size=(left, right)``.
+def _check_window(window_size) -> Optional[Tuple[int, int]]:
+    """window_size as a (left, right) tuple of ints (None entries read as -1), or None; ValueError otherwise."""
+    if window_size is None:
+        return None
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all((isinstance(w, int) and not isinstance(w, bool)) or w is None for w in window_size)):
+        raise ValueError(f"window_size must be a (left, right) pair of ints (-1 = unbounded), got {window_size!r}")
+    window = tuple(-1 if w is None else int(w) for w in window_size)
+    if min(window) < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
+    return window
 
-    TE's window keeps keys ``j`` in ``[i + o - left, i + o + right]`` (``-1`` or ``None`` = unbounded), which
-    is cuDNN's ``left_bound = left + 1``, ``right_bound = right``. The diagonal offset ``o`` follows the mask
-    type: bottom-right alignment for the ``*_bottom_right`` types, top-left otherwise. ``padding*`` types say
-    that per-sequence lengths (``cu_seqlens_*``) must be given.
-    """
+
+#: the (attn_mask_type, window_size) pairs already warned about: TE's warning comes once per combination
+_WARNED_WINDOWS: set = set()
+
+
+@constant_result  # (called at trace time under torch.compile: Dynamo cannot trace warnings.warn)
+def _warn_window(attn_mask_type: str, window: Tuple[int, int], used: Tuple[int, int]) -> None:
+    if (attn_mask_type, window) in _WARNED_WINDOWS:
+        return None
+    _WARNED_WINDOWS.add((attn_mask_type, window))
+    wanted = "(-1, 0) or (>=0, 0)" if "causal" in attn_mask_type else "(-1, -1) or (>=0, >=0)"
+    warnings.warn(f"window_size should be {wanted} for attn_mask_type={attn_mask_type!r}; got {window!r}, "
+                  f"which runs as {used!r} (Transformer Engine's rule)", UserWarning, stacklevel=6)
+    return None
+
+
+def te_window(attn_mask_type: str, window_size=None) -> Tuple[int, int]:
+    """The (left, right) window Transformer Engine runs for this mask type (its ``check_set_window_size``).
+
+    Causal types take (-1, 0) or (>=0, 0): None gives (-1, 0); (-1, -1) and (>=0, right != 0) warn and run
+    with right = 0; (-1, right > 0) raises. ``no_mask`` and ``padding`` take (-1, -1) or (>=0, >=0): None
+    gives (-1, -1); (-1, 0) warns and runs as (-1, -1); one bound -1 and the other not raises. Each warning
+    comes once per (mask type, window). Entries below -1 raise (ValueError naming window_size)."""
     if attn_mask_type not in _TE_MASK_TYPES:
         raise ValueError(f"attn_mask_type must be one of {MASK_TYPES}, got {attn_mask_type!r}")
+    window = _check_window(window_size)
+    causal = _TE_MASK_TYPES[attn_mask_type][0]
+    if window is None:
+        return (-1, 0) if causal else (-1, -1)
+    left, right = window
+    if causal:
+        if window == (-1, 0) or (left >= 0 and right == 0):
+            return window
+        if window == (-1, -1) or left >= 0:
+            _warn_window(attn_mask_type, window, (left, 0))
+            return (left, 0)
+    else:
+        if window == (-1, 0):
+            _warn_window(attn_mask_type, window, (-1, -1))
+            return (-1, -1)
+        if window == (-1, -1) or (left >= 0 and right >= 0):
+            return window
+    wanted = "(-1, 0) or (>=0, 0)" if causal else "(-1, -1) or (>=0, >=0)"
+    raise ValueError(f"window_size={window!r} is not a window for attn_mask_type={attn_mask_type!r}: it takes "
+                     f"{wanted} (Transformer Engine's rule; -1 = unbounded)")
+
+
+def resolve_mask(attn_mask_type: str = "no_mask", window_size: Optional[Tuple[int, int]] = None,
+                 bottom_right_diagonal: Optional[bool] = None, *, equal_lengths: bool = False) -> ResolvedMask:
+    """Translate Transformer Engine's ``attn_mask_type``, ``window_size=(left, right)`` and
+    ``bottom_right_diagonal``.
+
+    The window is TE's (`te_window`: its warnings and errors). Query row ``i`` keeps keys ``j`` in
+    ``[i + o - left, i + o + right]`` (-1 = unbounded), which is cuDNN's ``left_bound = left + 1``,
+    ``right_bound = right``, where the diagonal offset ``o`` is ``s_kv - s_q`` (each sequence's own lengths)
+    when the diagonal is aligned bottom-right, 0 when top-left. The alignment is TE's: top-left for ``causal``
+    and ``padding_causal``, bottom-right for the ``*_bottom_right`` types (whatever bottom_right_diagonal says),
+    and bottom_right_diagonal for ``no_mask`` and ``padding`` (None: bottom-right). ``padding*`` types say that
+    per-sequence lengths (``cu_seqlens_*``) must be given.
+
+    equal_lengths: every sequence has as many queries as keys, so both alignments give the same band; a
+    ``no_mask``/``padding`` window is then sent top-left (the band cuDNN accepts in more shapes). A band
+    without bounds is always top-left (its alignment means nothing).
+    """
+    if bottom_right_diagonal is not None and not isinstance(bottom_right_diagonal, bool):
+        raise TypeError(f"bottom_right_diagonal must be None, True or False, got {bottom_right_diagonal!r}")
+    left, right = te_window(attn_mask_type, window_size)
     causal, bottom_right, padding = _TE_MASK_TYPES[attn_mask_type]
-    left = right = None
-    if window_size is not None:
-        if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-                and all((isinstance(w, int) and not isinstance(w, bool)) or w is None for w in window_size)):
-            raise ValueError(f"window_size must be a (left, right) pair of ints (-1 = unbounded), got {window_size!r}")
-        w_left, w_right = (-1 if w is None else w for w in window_size)
-        if w_left < -1 or w_right < -1:
-            raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
-        left = None if w_left == -1 else w_left + 1
-        right = None if w_right == -1 else w_right
-        if causal and right not in (None, 0):
-            raise ValueError(
-                f"window_size={tuple(window_size)!r}: a causal attn_mask_type allows no keys to the right of the "
-                "diagonal; use window_size=(left, 0) or (left, -1)")
-    band = MaskSpec(causal=causal, diagonal_alignment="bottom_right" if bottom_right else "top_left",
-                    left_bound=left, right_bound=None if causal else right)
+    if not bottom_right and not causal:
+        bottom_right = bottom_right_diagonal is not False and not equal_lengths
+    band = MaskSpec(diagonal_alignment="top_left", left_bound=None if left == -1 else left + 1,
+                    right_bound=None if right == -1 else right)
+    if bottom_right and not band.is_unmasked:
+        band = MaskSpec(diagonal_alignment="bottom_right", left_bound=band.left_bound, right_bound=band.right_bound)
     return ResolvedMask(band, padding)
 
 
-def mask_from_te(attn_mask_type: str = "no_mask", window_size: Optional[Tuple[int, int]] = None) -> MaskSpec:
+def mask_from_te(attn_mask_type: str = "no_mask", window_size: Optional[Tuple[int, int]] = None,
+                 bottom_right_diagonal: Optional[bool] = None) -> MaskSpec:
     """The band of `resolve_mask` (the padding flag dropped)."""
-    return resolve_mask(attn_mask_type, window_size).band
+    return resolve_mask(attn_mask_type, window_size, bottom_right_diagonal).band

@@ -10,7 +10,7 @@ from torch import nn
 from .attention import mxfp8_attention
 from .constants import SOFTMAX_TYPES
 from .layouts import check_format
-from .mask import resolve_mask
+from .mask import resolve_mask, te_window
 from .recipe import Recipe, resolve_recipe
 from .seqinfo import cu_seqlens_from_padding_mask
 
@@ -22,15 +22,20 @@ class DotProductAttention(nn.Module):
     `num_attention_heads` query heads, `num_gqa_groups` key/value heads and head size `kv_channels`. Returns
     [b, s, h*d] for bshd, [s, b, h*d] for sbhd, [t, h*d] for thd (Transformer Engine's convention) and
     [b, h, s, d] for bhsd, in the inputs' dtype. forward takes TE's per-call arguments: qkv_format,
-    attn_mask_type, window_size, cu_seqlens_q/kv, max_seqlen_q/kv, and attention_mask (bool, True = masked
-    out, [b, 1, 1, s_kv] or [b, s_kv], right padding; turned into cu_seqlens).
+    attn_mask_type, window_size, bottom_right_diagonal, cu_seqlens_q/kv, max_seqlen_q/kv, and attention_mask
+    (bool, True = masked out, [b, 1, 1, s_kv] or [b, s_kv], right padding; turned into cu_seqlens).
+    window_size and bottom_right_diagonal mean what they mean in TE's module and `mxfp8_attention`: the
+    window is checked against attn_mask_type here (TE's warnings and errors) and kept as TE runs it; a
+    forward's own window_size / bottom_right_diagonal replace the module's, a forward's attn_mask_type is
+    checked with the window it uses.
     recipe: None (the default recipe) or an `mxattn.Recipe` variant used by every call (checked here).
     """
 
     def __init__(self, num_attention_heads: int, kv_channels: int, num_gqa_groups: Optional[int] = None,
                  attention_dropout: float = 0.0, qkv_format: str = "bshd", attn_mask_type: str = "causal",
                  window_size: Optional[Tuple[int, int]] = None, softmax_scale: Optional[float] = None,
-                 backend: str = "auto", softmax_type: str = "vanilla", recipe: Optional[Recipe] = None):
+                 backend: str = "auto", softmax_type: str = "vanilla", recipe: Optional[Recipe] = None,
+                 bottom_right_diagonal: Optional[bool] = None):
         super().__init__()
         if attention_dropout != 0.0:
             raise NotImplementedError(f"attention_dropout={attention_dropout}: mxattn has no dropout in the "
@@ -44,13 +49,16 @@ class DotProductAttention(nn.Module):
             raise ValueError(f"num_gqa_groups must divide num_attention_heads ({num_attention_heads}), "
                              f"got {num_gqa_groups!r}")
         check_format(qkv_format)
-        resolve_mask(attn_mask_type, window_size)  # validates both now, not at the first call
+        resolve_mask(attn_mask_type, window_size, bottom_right_diagonal)  # checked now, not at the first call
         self.num_attention_heads = num_attention_heads
         self.kv_channels = kv_channels
         self.num_gqa_groups = num_gqa_groups
         self.qkv_format = qkv_format
         self.attn_mask_type = attn_mask_type
-        self.window_size = None if window_size is None else tuple(window_size)
+        # the window TE keeps (its check's result); None stays None, so a forward with another mask type
+        # gets that type's default window rather than a warning about this one's
+        self.window_size = None if window_size is None else te_window(attn_mask_type, window_size)
+        self.bottom_right_diagonal = bottom_right_diagonal
         self.softmax_scale = softmax_scale
         self.backend = backend
         self.recipe = recipe
@@ -73,12 +81,14 @@ class DotProductAttention(nn.Module):
                 attention_mask: Optional[torch.Tensor] = None, qkv_format: Optional[str] = None,
                 cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_kv: Optional[torch.Tensor] = None,
                 max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
-                attn_mask_type: Optional[str] = None, window_size: Optional[Tuple[int, int]] = None
-                ) -> torch.Tensor:
+                attn_mask_type: Optional[str] = None, window_size: Optional[Tuple[int, int]] = None,
+                bottom_right_diagonal: Optional[bool] = None) -> torch.Tensor:
         qkv_format = self.qkv_format if qkv_format is None else qkv_format
         check_format(qkv_format)
         attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         window_size = self.window_size if window_size is None else window_size
+        if bottom_right_diagonal is None:
+            bottom_right_diagonal = self.bottom_right_diagonal
         self._check_heads("query", query, self.num_attention_heads, qkv_format)
         self._check_heads("key", key, self.num_gqa_groups, qkv_format)
         self._check_heads("value", value, self.num_gqa_groups, qkv_format)
@@ -89,7 +99,8 @@ class DotProductAttention(nn.Module):
                 raise ValueError("attention_mask does not apply to qkv_format='thd' (use cu_seqlens_q/kv)")
             cu_seqlens_q, cu_seqlens_kv = self._lengths_from_mask(attention_mask, query, key, qkv_format)
         out = mxfp8_attention(query, key, value, qkv_format=qkv_format, attn_mask_type=attn_mask_type,
-                              window_size=window_size, softmax_scale=self.softmax_scale, backend=self.backend,
+                              window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
+                              softmax_scale=self.softmax_scale, backend=self.backend,
                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                               max_seqlen_kv=max_seqlen_kv, softmax_type=self.softmax_type,
                               softmax_offset=None if self.softmax_offset is None else self.softmax_offset.float(),
@@ -132,5 +143,7 @@ class DotProductAttention(nn.Module):
         return (f"num_attention_heads={self.num_attention_heads}, kv_channels={self.kv_channels}, "
                 f"num_gqa_groups={self.num_gqa_groups}, qkv_format={self.qkv_format!r}, "
                 f"attn_mask_type={self.attn_mask_type!r}, window_size={self.window_size}, "
-                f"backend={self.backend!r}, softmax_type={self.softmax_type!r}"
+                + ("" if self.bottom_right_diagonal is None else
+                   f"bottom_right_diagonal={self.bottom_right_diagonal}, ")
+                + f"backend={self.backend!r}, softmax_type={self.softmax_type!r}"
                 + ("" if self.recipe.is_default else f", recipe={self.recipe}"))

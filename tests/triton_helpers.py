@@ -85,7 +85,7 @@ def stub_compiled_launches(monkeypatch, kernel_for) -> None:
     with the compiled kernel's run(g0, g1, g2, stream, function, metadata, h0, h1, h2, *args)), which is run
     once, as the dispatcher would, and then cached and launched directly as a compiled kernel (launch plans
     record and replay it); device and stream 0, fresh launch caches."""
-    from mxattn.runtime import triton_launch  
+    from mxattn.runtime import triton_launch
 
     def first_launch(fn, grid, args, kwargs):
         kernel = kernel_for(fn)

@@ -72,11 +72,15 @@ class MaskPlan:
     packed: bool = False
     #: a padded call on each row's sequence gathered to the front of its row (`RowCompaction`; torch.compile)
     rows: Optional["RowCompaction"] = None
+    #: the diagonal of a no_mask/padding window as read off the mask (TE's argument; None: TE's default,
+    #: bottom-right): HF's masks fix the alignment, so a top-left window says so
+    bottom_right_diagonal: Optional[bool] = None
 
     def kwargs(self) -> dict:
         return dict(attn_mask_type=self.attn_mask_type, window_size=self.window_size,
-                    cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_kv=self.cu_seqlens_kv,
-                    max_seqlen_q=self.max_seqlen_q, max_seqlen_kv=self.max_seqlen_kv)
+                    bottom_right_diagonal=self.bottom_right_diagonal, cu_seqlens_q=self.cu_seqlens_q,
+                    cu_seqlens_kv=self.cu_seqlens_kv, max_seqlen_q=self.max_seqlen_q,
+                    max_seqlen_kv=self.max_seqlen_kv)
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,8 +189,20 @@ def _holes_error(keep: torch.Tensor, holes: torch.Tensor) -> UnsupportedMaskErro
         f"image-token or block overlay?). {_PADDING_HINT}")
 
 
+def _te_band_window(left: Optional[int], right: Optional[int], unbounded: int) -> Optional[Tuple[int, int]]:
+    """TE's window_size for a band read off a mask (None = that side does not bite). TE's no_mask/padding take
+    no window with one side unbounded (-1), so that side gets `unbounded`, a bound no row reaches (at least
+    the longest query and key counts); a causal band (right 0) and no band are TE's own windows."""
+    if left is None and right in (None, 0):
+        return None
+    if right == 0:
+        return (left, 0)
+    return (unbounded if left is None else left, unbounded if right is None else right)
+
+
 def _try_alignment(lo, hi, nonempty, kv_lengths, q_len: int, kv_len: int, bottom_right: bool):
-    """A (attn_mask_type-without-padding, window) that reproduces the row ranges with this alignment, or None."""
+    """A (attn_mask_type-without-padding, window, bottom_right_diagonal) that reproduces the row ranges with
+    this alignment, or None."""
     device = lo.device
     i = torch.arange(q_len, device=device).unsqueeze(0)                       # [1, Sq]
     off = (kv_lengths - q_len).unsqueeze(1) if bottom_right else torch.zeros_like(kv_lengths).unsqueeze(1)
@@ -199,15 +215,13 @@ def _try_alignment(lo, hi, nonempty, kv_lengths, q_len: int, kv_len: int, bottom
                          nonempty.any().long()]).tolist()
     r_max, l_max, r_bites, l_bites, any_kept = stats
     if not any_kept:
-        return "no_mask", None
+        return "no_mask", None, None
     # a right edge that never cuts a row but sits exactly on the diagonal is causal too (decode steps)
     right = int(r_max) if r_bites or r_max == 0 else None
     left = int(l_max) if l_bites else None
     if (right is not None and right < 0) or (left is not None and left < 0):
         return None
     causal = right == 0
-    if bottom_right and not causal and (left is not None or right is not None):
-        return None                        # mxattn aligns non-causal windows top-left only
     # rebuild each row's range from (lengths, band) and compare with HF's rows
     lo_e = torch.zeros_like(lo) if left is None else (i + off - left).clamp(min=0).expand_as(lo)
     hi_e = last.expand_as(hi) if right is None else torch.minimum(i + off + right, last)
@@ -221,9 +235,8 @@ def _try_alignment(lo, hi, nonempty, kv_lengths, q_len: int, kv_len: int, bottom
         word = "causal_bottom_right" if bottom_right else "causal"
     else:
         word = "no_mask"
-    window = None if left is None and right in (None, 0) else (-1 if left is None else left,
-                                                                -1 if right is None else right)
-    return word, window
+    window = _te_band_window(left, right, max(q_len, kv_len))
+    return word, window, (bottom_right if window is not None and not causal else None)
 
 
 def _window_is_modules(window: Optional[Tuple[int, int]], is_causal: bool, sliding_window: Optional[int]) -> bool:
@@ -276,15 +289,15 @@ def plan_attention_mask(attention_mask: Optional[torch.Tensor], *, batch: int, q
             raise _holes_error(keep, holes)
         raise UnsupportedMaskError("cannot express this attention mask with mxattn: "
                                    + _explain_failure(q_len, kv_len))
-    word, window = found
+    word, window, bottom_right_diagonal = found
     if bool((kv_lengths < kv_len).any()):
         device = attention_mask.device
         cu_kv = torch.zeros(batch + 1, dtype=torch.int32, device=device)
         torch.cumsum(kv_lengths.to(torch.int32), dim=0, out=cu_kv[1:])
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len       # every query row is computed
         word = "padding" if word == "no_mask" else "padding_" + word
-        return MaskPlan(word, window, cu_q, cu_kv)
-    return MaskPlan(word, window)
+        return MaskPlan(word, window, cu_q, cu_kv, bottom_right_diagonal=bottom_right_diagonal)
+    return MaskPlan(word, window, bottom_right_diagonal=bottom_right_diagonal)
 
 
 def _plan_sequences(keep, nonempty, batch: int, q_len: int, kv_len: int) -> Optional[MaskPlan]:
@@ -293,13 +306,13 @@ def _plan_sequences(keep, nonempty, batch: int, q_len: int, kv_len: int) -> Opti
     A sequence is a run of consecutive query rows (those with keys) each sharing a key with the previous one;
     its keys are the union of what its rows keep, taken in order (so a decode step after a right-padded
     prompt, which keeps the prompt and the tokens generated after the padding gap, sees them as one
-    sequence, as it would alone). Inside a sequence the rows must make a causal or sliding-window band
-    aligned bottom-right over those keys (top-left when the query and key counts agree, as in a prefill), or
-    no band. That covers left padding, right padding with its decode steps, and packed documents with a
-    block-diagonal mask (padding-free batches with restarting position ids). None when it does not reproduce
-    the mask exactly. A sliding window hides a sequence's older keys exactly as padding would, so in a padded
-    decode step its keys (and V's MXFP8 blocks) start at the window's first key, as they do in transformers'
-    sliding-window caches, which keep only the window."""
+    sequence, as it would alone). Inside a sequence the rows must make a band aligned bottom-right over those
+    keys (the same band as top-left when the query and key counts agree, as in a prefill): causal, a sliding
+    window, a bidirectional window, or none. That covers left padding, right padding with its decode steps, and
+    packed documents with a block-diagonal mask (padding-free batches with restarting position ids). None when
+    it does not reproduce the mask exactly. A sliding window hides a sequence's older keys exactly as padding
+    would, so in a padded decode step its keys (and V's MXFP8 blocks) start at the window's first key, as they do
+    in transformers' sliding-window caches, which keep only the window."""
     device = keep.device
     keep = keep.expand(batch, q_len, kv_len)
     rows = torch.arange(q_len, device=device).expand(batch, q_len)
@@ -343,13 +356,13 @@ def _plan_sequences(keep, nonempty, batch: int, q_len: int, kv_len: int) -> Opti
         (nonempty & (hi_c < len_kv[segc] - 1)).any().long(), (nonempty & (lo_c > 0)).any().long()]).tolist())
     right = r_max if r_bites or r_max == 0 else None
     left = l_max if l_bites else None
-    if (right is not None and right != 0) or (left is not None and left < 0) or (right is None and left is not None):
-        return None                                          # only causal bands align bottom-right in mxattn
+    if (right is not None and right < 0) or (left is not None and left < 0):
+        return None
     # rebuild every (row, key) from the sequences and the band, and compare with HF's mask
     ii, o3 = i.unsqueeze(2), off.unsqueeze(2)
     expected = nonempty.unsqueeze(2) & cols[segc]
     if right is not None:
-        expected &= comp_r <= ii + o3
+        expected &= comp_r <= ii + o3 + right
     if left is not None:
         expected &= comp_r >= ii + o3 - left                 # TE's window: `left` keys before the diagonal
     if not torch.equal(expected, keep):
@@ -360,11 +373,12 @@ def _plan_sequences(keep, nonempty, batch: int, q_len: int, kv_len: int) -> Opti
     q_rows = seg_b[owner_q] * q_len + qs[owner_q] + (torch.arange(int(cu_q[-1]), device=device) - cu_q[owner_q])
     key_seg, key_col = torch.nonzero(cols, as_tuple=True)                                  # in sequence order
     kv_rows = seg_b[key_seg] * kv_len + key_col
-    word = "padding" if right is None else "padding_causal_bottom_right"
-    window = None if left is None else (left, 0)
+    word = "padding_causal_bottom_right" if right == 0 else "padding"
     max_q, max_kv = (int(x) for x in torch.stack([len_q.max(), len_kv.max()]).tolist())
+    window = _te_band_window(left, right, max(max_q, max_kv))
     return MaskPlan(word, window, cu_q.to(torch.int32), cu_kv.to(torch.int32), max_seqlen_q=max_q,
-                    max_seqlen_kv=max_kv, gather=RowGather(q_rows, kv_rows))
+                    max_seqlen_kv=max_kv, gather=RowGather(q_rows, kv_rows),
+                    bottom_right_diagonal=True if window is not None and right != 0 else None)
 
 
 def _traced_keep(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int):

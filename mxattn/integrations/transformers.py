@@ -21,7 +21,12 @@ zeroed, so outputs agree with eager/SDPA on every row that has a key.
 
 Attention sinks (``s_aux``, gpt-oss) run as mxattn's learnable sink (`softmax_type="learnable"`). Padding-free
 batches (``DataCollatorWithFlattening``: one row of packed sequences with the ``cu_seq_lens_q/k`` and
-``max_length_q/k`` kwargs, as transformers hands flash attention) run as one packed (thd) call.
+``max_length_q/k`` kwargs, as transformers hands flash attention) run as one packed (thd) call. With position
+ids alone, transformers separates the documents only without a KV cache (``use_cache=False``); given a cache it
+builds one causal mask over the row, and a one-time warning says the documents attend to each other.
+
+Windows keep HF's meaning: the translation passes the diagonal it read off the mask (``bottom_right_diagonal``,
+as Transformer Engine names it), so a bidirectional window of a padded batch stays top-left where HF's is.
 
 Not supported (raise ``NotImplementedError``): attention dropout in training, logit soft-capping, additive position
 bias (T5-like), transformers' paged KV caches (continuous batching). mxattn's own paged MXFP8 cache
@@ -135,6 +140,8 @@ def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = No
                               lambda: plan_attention_mask(attention_mask, batch=batch, q_len=q_len,
                                                           kv_len=kv_len, is_causal=causal,
                                                           sliding_window=sliding_window))
+        if not (_MIXING_WARNED or torch.compiler.is_compiling()):
+            _warn_if_documents_mix(kwargs, plan, q_len)
         if plan.kv_len is not None:
             key, value = key[:, :, :plan.kv_len], value[:, :, :plan.kv_len]
         if key.dtype != query.dtype or value.dtype != query.dtype:     # e.g. fp32 layer norms under PEFT
@@ -166,6 +173,36 @@ def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = No
     mxfp8_attention_forward.mxattn_backend = backend
     mxfp8_attention_forward.mxattn_recipe = recipe
     return mxfp8_attention_forward
+
+
+#: set once the warning of `_warn_if_documents_mix` was given (a list: no `global` statement for Dynamo)
+_MIXING_WARNED = []
+#: whether a position_ids tensor restarts inside a row, read once per tensor (every layer gets the same one)
+_RESTARTS = TensorValueCache()
+
+
+def _warn_if_documents_mix(kwargs: dict, plan: MaskPlan, q_len: int) -> None:
+    """Warn once when the position ids restart inside a batch row (packed documents) while the model was given
+    a KV cache: transformers then detects no packing, so its mask (one causal band over the row) lets the
+    documents attend to each other, as torch SDPA does with it. Read only for a plan with one band over whole
+    rows (a padded or gathered plan has position ids of its own) and a cache (decode steps of one token have
+    no row to restart in)."""
+    if q_len < 2 or plan.packed or plan.gather is not None or plan.rows is not None or plan.cu_seqlens_q is not None:
+        return
+    if not (kwargs.get("use_cache") or kwargs.get("past_key_values") is not None
+            or kwargs.get("past_key_value") is not None):
+        return
+    positions = kwargs.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[-1] != q_len:
+        return
+    if _RESTARTS.get((positions,), q_len, lambda: bool((positions.diff(dim=-1) != 1).any())):
+        _MIXING_WARNED.append(True)
+        import warnings
+        warnings.warn("mxattn: position_ids restart inside a batch row (packed documents) but the model was given "
+                      "a KV cache, so transformers built one causal mask over the whole row and the documents "
+                      "attend to each other (torch SDPA does the same); for padding-free training pass "
+                      "use_cache=False to the model, or use DataCollatorWithFlattening(return_flash_attn_kwargs="
+                      "True)", UserWarning, stacklevel=3)
 
 
 def _paged_cache_call(layer, query, key, value, attention_mask, causal: bool, scaling, sliding_window, s_aux,
@@ -203,6 +240,9 @@ def _plan_flattened(kwargs: dict, batch: int, q_len: int, kv_len: int, causal: b
     window = None
     if causal and sliding_window is not None and sliding_window > 0:
         window = (int(sliding_window) - 1, 0)
+    elif sliding_window is not None and 0 < sliding_window < kv_len:
+        # a bidirectional window as transformers hands flash attention one: sliding_window - 1 keys each side
+        window = (int(sliding_window) - 1, int(sliding_window) - 1)
     return MaskPlan("padding_causal" if causal else "padding", window, cu_q.to(torch.int32), cu_k.to(torch.int32),
                     max_seqlen_q=None if max_q is None else int(max_q),
                     max_seqlen_kv=None if max_k is None else int(max_k), packed=True)

@@ -12,13 +12,17 @@ import mxattn
 from mxattn.layouts import from_bhsd
 from ref import mxfp8_ref
 
-MASKS = [  # (attn_mask_type, window_size) -> ref kwargs
+MASKS = [  # (attn_mask_type or (attn_mask_type, bottom_right_diagonal), window_size) -> ref kwargs
     ("no_mask", None, dict(causal=False, diagonal_alignment="top_left", window=(None, None))),
     ("causal", None, dict(causal=True, diagonal_alignment="top_left", window=(None, None))),
     ("causal_bottom_right", None, dict(causal=True, diagonal_alignment="bottom_right", window=(None, None))),
-    ("no_mask", (16, 8), dict(causal=False, diagonal_alignment="top_left", window=(17, 8))),
+    # a no_mask window is aligned bottom-right, as Transformer Engine aligns it by default (its
+    # bottom_right_diagonal=None); the same band as top-left where S_q == S_kv
+    ("no_mask", (16, 8), dict(causal=False, diagonal_alignment="bottom_right", window=(17, 8))),
+    (("no_mask", False), (16, 8), dict(causal=False, diagonal_alignment="top_left", window=(17, 8))),
     ("causal", (40, 0), dict(causal=True, diagonal_alignment="top_left", window=(41, None))),
-    ("causal_bottom_right", (24, -1), dict(causal=True, diagonal_alignment="bottom_right", window=(25, None))),
+    # (24, -1) means the same but TE warns about it: a causal type's window is (left, 0)
+    ("causal_bottom_right", (24, 0), dict(causal=True, diagonal_alignment="bottom_right", window=(25, None))),
 ]
 
 
@@ -37,7 +41,10 @@ def _bits_equal(a, b):
 @pytest.mark.parametrize("hq,hkv,sq,skv", [(4, 4, 96, 96), (4, 2, 96, 80), (4, 1, 70, 130)])
 def test_functional_equals_ref_bit_for_bit(mask_type, window, ref_kw, hq, hkv, sq, skv):
     q, k, v, do = _inputs(hq=hq, hkv=hkv, sq=sq, skv=skv)
-    o, dq, dk, dv = _run_bhsd(q, k, v, do, attn_mask_type=mask_type, window_size=window)
+    # (attn_mask_type, bottom_right_diagonal) where the case names the diagonal
+    mask_type, diagonal = mask_type if isinstance(mask_type, tuple) else (mask_type, None)
+    o, dq, dk, dv = _run_bhsd(q, k, v, do, attn_mask_type=mask_type, window_size=window,
+                              bottom_right_diagonal=diagonal)
     scale = 1 / math.sqrt(q.shape[-1])
     o_ref, stats = mxfp8_ref.sdpa_fwd(q, k, v, attn_scale=scale, out_dtype=torch.bfloat16, **ref_kw)
     dq_ref, dk_ref, dv_ref = mxfp8_ref.sdpa_bwd(q, k, v, o_ref, do, stats, attn_scale=scale,
@@ -155,7 +162,9 @@ def test_bad_input_raises_before_any_kernel(mutate, exc, match, monkeypatch):
     (dict(attn_mask_type="arbitrary"), ValueError, "attn_mask_type must be one of"),
     (dict(attn_mask_type="padding"), ValueError, "needs cu_seqlens_q"),
     (dict(window_size=(4,)), ValueError, "window_size"),
-    (dict(attn_mask_type="causal", window_size=(4, 4)), ValueError, "window_size"),
+    (dict(attn_mask_type="causal", window_size=(-1, 4)), ValueError, "window_size"),   # TE rejects it too
+    (dict(window_size=(4, -1)), ValueError, "window_size"),
+    (dict(window_size=(4, 4), bottom_right_diagonal=1), TypeError, "bottom_right_diagonal"),
     (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
     (dict(out_dtype=torch.float64), TypeError, "out_dtype"),
     (dict(backend="flash"), ValueError, "backend must be one of"),

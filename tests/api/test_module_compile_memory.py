@@ -38,7 +38,10 @@ def test_module_has_no_state_and_moves():
     (dict(num_gqa_groups=3), ValueError, "num_gqa_groups"),
     (dict(qkv_format="tbhd"), ValueError, "qkv_format"),
     (dict(attn_mask_type="padding_arbitrary"), ValueError, "attn_mask_type"),
-    (dict(window_size=(8, 8), attn_mask_type="causal"), ValueError, "window_size"),
+    # TE's check_set_window_size: a causal type takes (-1, 0) or (>=0, 0); (-1, right > 0) is an error there
+    (dict(window_size=(-1, 8), attn_mask_type="causal"), ValueError, "window_size"),
+    (dict(window_size=(8, -1), attn_mask_type="no_mask"), ValueError, "window_size"),
+    (dict(bottom_right_diagonal="yes"), TypeError, "bottom_right_diagonal"),
 ])
 def test_module_bad_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -261,13 +264,12 @@ def test_saved_activations_bound_against_bf16_sdpa(hq, hkv, bound):
 
 
 def _readme_block_source() -> str:
-    """The README's `Block` example, as written (the python block that defines it), minus `.cuda()`."""
+    """The README's `Block` example, as written (the python block that defines it)."""
     import re
     root = str(ROOT)
     with open(os.path.join(root, "README.md")) as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
-    source = next(b for b in blocks if "class Block" in b)
-    return source.replace(".cuda()", "")
+    return next(b for b in blocks if "class Block" in b)
 
 
 def test_readme_block_compiles_fullgraph_with_inductor():

@@ -35,7 +35,7 @@ def test_plan_reproduces_hf_masks(case):
     plan = mx_hf.plan_attention_mask(mask, batch=len(lengths), q_len=q_len, kv_len=kv_len, **flags)
     assert (plan.attn_mask_type, plan.window_size) == (word, win)
     # rebuild the band from mxattn's MaskSpec + lengths and compare with HF's mask (independent of the plan code)
-    band, padding = mxattn.mask.resolve_mask(plan.attn_mask_type, plan.window_size)
+    band, padding = mxattn.mask.resolve_mask(plan.attn_mask_type, plan.window_size, plan.bottom_right_diagonal)
     kv_lens = (plan.cu_seqlens_kv.diff().tolist() if padding else [kv_len] * len(lengths))
     for b, n in enumerate(kv_lens):
         keep = torch.zeros(q_len, kv_len, dtype=torch.bool)

@@ -1,8 +1,8 @@
 """Can cuDNN's MXFP8 attention run here? `cudnn_support(device)` answers with the facts it found. Never raises.
 
 Needs: an importable cuDNN frontend (`pip install nvidia-cudnn-frontend`), a cuDNN backend library >= 9.21.0
-(pip packages nvidia-cudnn-cu12 / nvidia-cudnn-cu13 >= 9.21, matching the CUDA major of torch) and a CUDA device
-of compute capability 10.x (Blackwell: B200, GB200, B300, GB300).
+other than 9.23.0 and 9.23.1 (pip packages nvidia-cudnn-cu12 / nvidia-cudnn-cu13 >= 9.21, matching the CUDA major
+of torch) and a CUDA device of compute capability 10.x (Blackwell: B200, GB200, B300, GB300).
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ import torch
 
 MIN_BACKEND_VERSION = 92100  # cuDNN encodes major*10000 + minor*100 + patch
 MIN_BACKEND_TEXT = "9.21.0"
+#: cuDNN releases whose MXFP8 attention gives Inf/NaN (fixed in 9.23.2 per cuDNN's release notes; Transformer
+#: Engine disables FusedAttention for MXFP8 with these two as well)
+BROKEN_BACKEND_VERSIONS = (92300, 92301)
 _PIP_HINT = ("pip install 'nvidia-cudnn-cu13>=9.21' (CUDA 13 torch) or 'nvidia-cudnn-cu12>=9.21' (CUDA 12 torch); "
              "the frontend loads the libcudnn.so.9 found first on LD_LIBRARY_PATH, else the pip one")
 
@@ -76,9 +79,12 @@ def cudnn_support(device=None) -> Tuple[bool, str]:
         elif version < MIN_BACKEND_VERSION:
             problems.append(f"{backend} is older than {MIN_BACKEND_TEXT}, the first cuDNN with MXFP8 attention; "
                             f"{_PIP_HINT}")
+        elif version in BROKEN_BACKEND_VERSIONS:
+            problems.append(f"{backend}: cuDNN 9.23.0 and 9.23.1 produce Inf/NaN in MXFP8 attention (fixed in "
+                            f"9.23.2); {_PIP_HINT.replace('>=9.21', '>=9.23.2')}")
         if problems:
-            found = "" if version is None or version < MIN_BACKEND_VERSION else f" (found {backend})"
-            return False, "; ".join(problems) + found
+            named = version is None or version < MIN_BACKEND_VERSION or version in BROKEN_BACKEND_VERSIONS
+            return False, "; ".join(problems) + ("" if named else f" (found {backend})")
         return True, f"{where}; {backend}"
     except Exception as exc:  # a fact-finding bug must not take the caller down
         return False, f"cudnn_support failed to inspect this machine: {type(exc).__name__}: {exc}"
