@@ -20,6 +20,10 @@
 # script computes it with git when .git exists (marked "+ uncommitted changes" when mxattn/ or ref/ differ from
 # HEAD), else writes "tree unknown".
 #
+# Install what the machine lacks into the interpreter that runs the tests, `python -m pip install --no-deps
+# <wheels>` (nvidia-cudnn-frontend, apache-tvm-ffi, pytest-xdist): a bare `pip` may belong to another Python, and
+# without the frontend the cudnn test modules fail to import. info.txt shows what the tests will see.
+#
 # PART=all (default): the tests, with the samples and the training beside them (the samples' timings are then not
 #   figures to quote; the benchmarks give those).
 # PART=tests: the tests alone, one pytest-xdist worker per CPU core (Triton's compiles dominate their time).
