@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         return 0
     if cfg.varlen or cfg.sink:
         print(f"\n{'variable-length' if cfg.varlen else 'attention-sink'} graphs are run against the reference "
-              "backend by tests/cudnn/test_cudnn_gpu.py")
+              "backend by tests/cudnn_backend/test_cudnn_gpu.py")
         return 0
     run_on_blackwell(cfg, args.layout)
     return 0
