@@ -5,7 +5,6 @@ of the ranks' mean losses the whole batch's mean, so the averaged gradients are 
 
 import json
 import os
-import sys
 import warnings
 
 import pytest
@@ -88,10 +87,11 @@ def unsharded_losses():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_sharded_training_matches_the_unsharded_run(mode, unsharded_losses, tmp_path):
+def test_sharded_training_matches_the_unsharded_run(mode, unsharded_losses, tmp_path, monkeypatch):
     import torch.multiprocessing as mp
     from repo_paths import ROOT
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    # the spawned ranks import this module by name: the repository and tests/ on their path
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "losses.json"
     mp.start_processes(_worker, args=(mode, str(tmp_path / "init"), str(out)), nprocs=WORLD, join=True,
                        start_method="spawn")
