@@ -186,3 +186,11 @@ def test_relative_links_resolve(page):
                 _anchor(h) for h in _headings(dest.read_text(encoding="utf-8"))}:
             broken.append(f"{_rel(page)}:{number}: {target} (no such heading)")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_ci_runs_the_readme_test_command():
+    """`.ci/run` runs exactly the README's install-and-test command, so the two cannot drift apart."""
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"```bash\n(pip install [^\n]*pytest[^\n]*)\n```", readme)
+    assert len(commands) == 1, commands
+    assert commands[0] in (ROOT / ".ci" / "run").read_text().splitlines()
