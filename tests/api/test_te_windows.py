@@ -132,10 +132,15 @@ def _check_call(probe, backend, mask_type, window, diagonal, backward):
         assert torch.equal(bwd, expected), what
 
 
+#: one test per window, so that parallel workers share a backend's kernel builds
+WINDOW_PARAMS = [pytest.param(w, id="none" if w is None else f"{w[0]}_{w[1]}") for w in WINDOWS]
+
+
 @pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("window", WINDOW_PARAMS)
 @pytest.mark.parametrize("shape", ["lt", "gt", "eq"])
 @pytest.mark.parametrize("mask_type", ["no_mask", "causal", "causal_bottom_right"])
-def test_dense_windows_attend_the_keys_te_attends(backend_device, shape, mask_type):
+def test_dense_windows_attend_the_keys_te_attends(backend_device, window, shape, mask_type):
     """Every window (left, right in -1, 0, 1, 16) and bottom_right_diagonal (None, True, False) of a dense call
     with S_q < S_kv, S_q > S_kv and S_q == S_kv: the keys each row attends (forward and backward) are TE's, TE's
     warnings come (once) where TE warns, ValueError where TE asserts."""
@@ -145,15 +150,15 @@ def test_dense_windows_attend_the_keys_te_attends(backend_device, shape, mask_ty
     for _ in range(2):
         lens_q, lens_kv = _lengths(rng, "dense", shape)
         probe = Probe("dense", lens_q, lens_kv, device)
-        for window in WINDOWS:
-            for diagonal in (None, True, False):
-                _check_call(probe, backend, mask_type, window, diagonal, backward=window in (None, (16, 1), (1, 16)))
+        for diagonal in (None, True, False):
+            _check_call(probe, backend, mask_type, window, diagonal, backward=window in (None, (16, 1), (1, 16)))
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("window", WINDOW_PARAMS)
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("mask_type", ["padding", "padding_causal", "padding_causal_bottom_right"])
-def test_padded_and_packed_windows_align_per_sequence(backend_device, layout, mask_type):
+def test_padded_and_packed_windows_align_per_sequence(backend_device, window, layout, mask_type):
     """Padded (bshd + cu_seqlens, rows past each length) and packed (thd) batches whose sequences have their own
     query and key counts (fewer, more or as many queries as keys): each sequence's rows attend TE's keys of that
     sequence, aligned with its own lengths; padding rows attend nothing."""
@@ -164,9 +169,8 @@ def test_padded_and_packed_windows_align_per_sequence(backend_device, layout, ma
         lens_q, lens_kv = _lengths(rng, layout, shape)
         pad = dict(rows_q=max(lens_q) + 3, rows_kv=max(lens_kv) + 5) if layout == "padded" else {}
         probe = Probe(layout, lens_q, lens_kv, device, **pad)
-        for window in WINDOWS:
-            for diagonal in (None, True, False):
-                _check_call(probe, backend, mask_type, window, diagonal, backward=window in ((16, 1), (0, 16)))
+        for diagonal in (None, True, False):
+            _check_call(probe, backend, mask_type, window, diagonal, backward=window in ((16, 1), (0, 16)))
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
