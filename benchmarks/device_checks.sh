@@ -32,8 +32,19 @@
 # ("not gluon", then "gluon"; the Gluon kernels' tests are the slowest to compile), one call each, or run the parts
 # side by side on two GPUs (CUDA_VISIBLE_DEVICES, a WORKERS count and an OUT folder each). Each part's
 # gpu_check.txt names its selection.
+# The run is mostly Triton building kernels, so a cache of the builds can travel between machines:
+# TRITON_CACHE_IN: the pieces of an archive an earlier run saved (a glob, e.g. ".tcache/triton.tgz.*"), unpacked
+#   into the cache before the tests (the builds of an unchanged kernel source are then reused, whatever else changed);
+# TRITON_CACHE_OUT: a folder where the run leaves its cache (binaries, metadata and PTX; 15 MiB pieces
+#   triton.tgz.aa, .ab, ...) when it ends. The cache lives at TRITON_CACHE_DIR (default ~/.triton/cache), and the
+#   archive holds absolute paths, so reuse it on a machine with the same TRITON_CACHE_DIR.
 set -u
 OUT=${OUT:-device-logs}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -n "${TRITON_CACHE_IN:-}" ]; then
+  # shellcheck disable=SC2086  # (the glob is meant to expand)
+  cat $TRITON_CACHE_IN | tar -xzPf - && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) builds from $TRITON_CACHE_IN"
+fi
 PART=${PART:-all}
 case "$PART" in all|tests|samples) ;; *) echo "PART must be all, tests or samples, got $PART" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
@@ -121,3 +132,11 @@ fi
   fi
 } > "$OUT/gpu_check.txt"
 cat "$OUT/gpu_check.txt"
+if [ -n "${TRITON_CACHE_OUT:-}" ]; then
+  mkdir -p "$TRITON_CACHE_OUT"
+  # a later run reads the binaries, their metadata, the PTX (some tests read it) and the compiled launchers; the
+  # intermediate IRs stay behind
+  find "$TRITON_CACHE_DIR" -type f ! -name '*.cubin' ! -name '*.json' ! -name '*.ptx' ! -name '*.so' -delete
+  tar -czPf - "$TRITON_CACHE_DIR" | split -b 15M - "$TRITON_CACHE_OUT/triton.tgz."
+  echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) builds saved to $TRITON_CACHE_OUT ($(du -sh "$TRITON_CACHE_OUT" | cut -f1))"
+fi
