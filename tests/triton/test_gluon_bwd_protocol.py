@@ -149,6 +149,7 @@ def _simulate(blocks, group, NS, seed, deferred=False, copies=4):
             del waiting[k]
     want = [(g, m0) for g in range(group) for m0 in blocks]
     assert consumed[0] == want and consumed[1] == want
+    return consumed[0], consumed[1]
 
 
 @pytest.mark.parametrize("NS,deferred", [(ns, d) for d in (False, True) for ns in (1, 2, 3, 4) if ns > 1 or not d],

@@ -77,8 +77,10 @@ def triton_walk(m0, SKV, offset, RB, has_rb, BN):
 @pytest.mark.parametrize("n_blk", [0, 1, 2, 5, 9])
 def test_ring_never_deadlocks_or_races(NS, n_blk, deferred):
     """No deadlock or race at any ring depth (one stage only without deferred GEMMs: test_gluon_bwd_protocol)."""
+    every_block = [(0, j) for j in range(n_blk)]
     for seed in range(20):
-        _simulate(list(range(n_blk)), 1, NS, seed, deferred, copies=3)  # K_r, V_r, K_c
+        # (_simulate raises on a deadlock or a stage read while overwritten; each warpgroup must see every block)
+        assert _simulate(list(range(n_blk)), 1, NS, seed, deferred, copies=3) == (every_block, every_block)
 
 
 CASES = [(sq, skv, off, rb, has_rb)
