@@ -33,6 +33,8 @@
 # side by side on two GPUs (CUDA_VISIBLE_DEVICES, a WORKERS count and an OUT folder each). Each part's
 # gpu_check.txt names its selection.
 # The run is mostly Triton building kernels, so a cache of the builds can travel between machines:
+# TESTS_TIME_LIMIT: seconds after which the tests are interrupted (with a summary of what ran), for a call with a
+#   time limit; an interrupted run is no pass.
 # TRITON_CACHE_IN: the pieces of an archive an earlier run saved (a glob, e.g. ".tcache/triton.tgz.*"), unpacked
 #   into the cache before the tests (the builds of an unchanged kernel source are then reused, whatever else changed);
 # TRITON_CACHE_OUT: a folder where the run leaves its cache (binaries, metadata and PTX; 15 MiB pieces
@@ -58,10 +60,14 @@ python -m mxattn info 2>&1 | tee "$OUT/info.txt"
 WORKERS=${WORKERS:-$([ "$PART" = tests ] && nproc || echo 8)}
 XDIST=$(python -c "import xdist" 2>/dev/null && echo "-n $WORKERS -p no:benchmark")
 SELECTION="-m \"gpu or blackwell\" tests --ignore tests/quantization/test_formats.py${1:+ -k \"$1\"}"
+# TESTS_TIME_LIMIT (seconds): interrupt the tests then (SIGINT: pytest still prints its summary of what ran, and
+# gpu_check.txt says "interrupted"), so a time-limited call keeps its logs and its Triton cache
+LIMIT=${TESTS_TIME_LIMIT:+timeout --signal=INT --kill-after=30 $TESTS_TIME_LIMIT}
 TESTS=
 if [ "$PART" != samples ]; then
-  python -m pytest -q -ra --durations=30 -p no:cacheprovider $XDIST -m "gpu or blackwell" tests --ignore tests/quantization/test_formats.py \
-      ${1:+-k "$1"} > "$OUT/gpu_tests.txt" 2>&1 &
+  # shellcheck disable=SC2086  # ($LIMIT and $XDIST are word lists)
+  $LIMIT python -m pytest -q -ra --durations=30 -p no:cacheprovider $XDIST -m "gpu or blackwell" tests \
+      --ignore tests/quantization/test_formats.py ${1:+-k "$1"} > "$OUT/gpu_tests.txt" 2>&1 &
   TESTS=$!
 fi
 : > "$OUT/samples_status.txt"
@@ -119,6 +125,9 @@ fi
     if [ -z "$SUMMARY" ]; then
       echo "incomplete: no pytest summary line in gpu_tests.txt (the run was cut short)"
     else
+      if grep -qE '^(!+ KeyboardInterrupt|.*Interrupted)' "$OUT/gpu_tests.txt"; then
+        echo "interrupted after TESTS_TIME_LIMIT=${TESTS_TIME_LIMIT:-?}s: the counts below are of the tests that ran"
+      fi
       for what in passed skipped failed error; do
         n=$(echo "$SUMMARY" | grep -oE "[0-9]+ ${what}s?\b" | grep -oE '^[0-9]+')
         echo "$([ $what = error ] && echo errors || echo $what) ${n:-0}"
