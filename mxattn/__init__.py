@@ -5,13 +5,16 @@ cuDNN / Transformer Engine MXFP8 recipe. Backends: `cudnn` (Blackwell), `triton`
 emulation), `reference` (pure PyTorch, any device). Variable lengths (padded and packed `thd` batches) and
 attention sinks follow Transformer Engine's arguments; `mxattn.integrations.transformers` plugs into Hugging Face;
 `MXFP8KVCache` with `mxfp8_attention_with_kvcache` serves decode steps from a paged MXFP8 cache;
-`mxfp8_attention_quantized` runs the forward on inputs that arrive already quantized (`MXFP8Tensor`). `Recipe` selects
-numerics variants (P, V and dS rounding, scale rounding, per-tensor FP8) for studies; `reference` runs them all.
+`mxfp8_attention_quantized` runs the forward on inputs that arrive already quantized (`MXFP8Tensor`);
+`context_parallel_attention` (and `DotProductAttention.set_context_parallel_group`) splits the sequence over the ranks
+of a torch.distributed group. `Recipe` selects numerics variants (P, V and dS rounding, scale rounding, per-tensor FP8)
+for studies; `reference` runs them all.
 """
 
 from .attention import mxfp8_attention
 from .backends import BACKEND_NAMES, availability as backend_availability
 from .backends.cudnn.support import cudnn_support
+from .context_parallel import context_parallel_attention
 from .errors import MXFP8NotSupportedError
 from .formats import MXFP8Tensor, quantize_mxfp8, swizzle_128x4, unswizzle_128x4
 from .kvcache import MXFP8KVCache
@@ -52,6 +55,7 @@ __all__ = [
     "Recipe",
     "SeqInfo",
     "backend_availability",
+    "context_parallel_attention",
     "cu_seqlens_from_padding_mask",
     "cudnn_support",
     "mxfp8_attention",

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 from . import op_plans, ops
-from .backends import choice_reads_sizes, choose_backend
+from .backends import choice_reads_sizes, choose_backend, v_padding
+from .checks import resolved_softmax_scale
 from .constants import INPUT_DTYPES, KERNEL_OUT_DTYPES
 from .errors import MXFP8NotSupportedError
-from .layouts import bhsd_shape, check_format, check_qkv_shapes, from_bhsd, to_bhsd
+from .layouts import bhsd_shape, check_format, check_qkv_shapes, from_bhsd, narrow_o, to_bhsd, widen_v
 from .mask import resolve_mask
 from .op_args import FwdArgs
 from .recipe import Recipe, check_recipe_varlen, recipe_key
@@ -50,12 +50,14 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
                     cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
                     max_seqlen_kv: Optional[int] = None, softmax_type: str = "vanilla",
                     softmax_offset: Optional[torch.Tensor] = None, recipe: Optional[Recipe] = None,
-                    bottom_right_diagonal: Optional[bool] = None) -> torch.Tensor:
+                    bottom_right_diagonal: Optional[bool] = None, return_lse: bool = False):
     """Scaled-dot-product attention with Q, K, V (and dO in backward) in MXFP8, differentiable.
 
     q: [B, Sq, Hq, D] (bshd), [Sq, B, Hq, D] (sbhd), [B, Hq, Sq, D] (bhsd) or [T_q, Hq, D] (thd, packed
-    sequences); k, v: the same with Hkv heads (Hq % Hkv == 0) and Skv positions / T_kv tokens. dtypes bf16,
-    fp16 or fp32 (one for all three). Returns O in q's layout and shape.
+    sequences); k, v: the same with Hkv heads (Hq % Hkv == 0) and Skv positions / T_kv tokens. v's head dim Dv
+    may differ from q's and k's D (MLA, e.g. DeepSeek-V3's D = 192, Dv = 128: the reference backend runs it,
+    "auto" falls back to it). dtypes bf16, fp16 or fp32 (one for all three). Returns O in q's layout with Dv:
+    [B, Sq, Hq, Dv] for bshd, and so on.
     out_dtype: default q's dtype, like torch SDPA. The kernels write O (and dQ, dK, dV) in bf16/fp16; for fp32
     inputs they compute in bf16 and the result is cast to fp32 at the end (gradients likewise).
     attn_mask_type (Transformer Engine's words): "no_mask", "causal" (top-left diagonal),
@@ -66,7 +68,8 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     bottom-right; "causal" and "padding_causal" are always top-left, the *_bottom_right types bottom-right,
     whatever it says. TE's checks of the window: a causal type takes (-1, 0) or (>=0, 0), and (-1, -1) or
     (>=0, != 0) warns and runs with right 0; "no_mask"/"padding" take (-1, -1) or (>=0, >=0), and (-1, 0)
-    warns and runs as (-1, -1); other windows raise ValueError. softmax_scale defaults to 1/sqrt(D).
+    warns and runs as (-1, -1); other windows raise ValueError. softmax_scale defaults to 1/sqrt(D) (q's and k's
+    head dim, as torch SDPA and Transformer Engine).
     cu_seqlens_q, cu_seqlens_kv: int32 [B+1] cumulative sequence lengths on q's device (TE's names): required
     for thd and the padding mask types, and only used with those (ValueError otherwise); with bshd/sbhd/bhsd
     they are the valid lengths of the padded sequences (rows past a length give O = 0 and zero gradients).
@@ -86,7 +89,21 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
     NaN in padding rows reaches no output. Infinities propagate as in torch SDPA: an infinity in Q or K gives
     an infinite logit and NaN in the query rows where it is the softmax's maximum (+inf - +inf); an infinity in
     V gives infinite O elements where its weight is non-zero.
+    return_lse: True returns (O, lse), lse the softmax statistics: float32 natural-log log-sum-exp of the
+    scaled scores (Q_dq K_dq^T * softmax_scale, masked) per query row and query head, the sink logit counted
+    ("off-by-one", "learnable"); laid out as FlashAttention's softmax_lse, [B, Hq, Sq] for bshd/sbhd/bhsd and
+    [Hq, T_q] for thd; -inf in rows with no key (the sink logit with a sink) and in padding rows. lse is
+    differentiable (its gradient enters the backward as delta - dLSE; backend "auto" then picks a backend whose
+    backward takes it, the reference backend where no other does), so partial attention over disjoint key sets
+    can be merged exactly: O = sum_i exp(lse_i - lse) O_i, lse = logsumexp_i lse_i. It runs eagerly (a graph
+    break under torch.compile).
     """
+    if return_lse is not False:
+        return _with_lse(q, k, v, return_lse, qkv_format=qkv_format, attn_mask_type=attn_mask_type,
+                         window_size=window_size, softmax_scale=softmax_scale, backend=backend, out_dtype=out_dtype,
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+                         max_seqlen_kv=max_seqlen_kv, softmax_type=softmax_type, softmax_offset=softmax_offset,
+                         recipe=recipe, bottom_right_diagonal=bottom_right_diagonal)
     if cu_seqlens_q is None and cu_seqlens_kv is None and not torch.compiler.is_compiling():
         key = _signature(q, k, v, qkv_format, attn_mask_type, window_size, softmax_scale, backend, out_dtype,
                          max_seqlen_q, max_seqlen_kv, softmax_type, softmax_offset, recipe, bottom_right_diagonal)
@@ -106,16 +123,39 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
         return _empty_attention(q, k, v, out_dtype, softmax_offset)
     problem = args.problem(softmax_type, ops.needs_backward(q, k, v, softmax_offset))
     name = choose_backend(backend, problem)
+    v_pad = v_padding(name, problem)
     args = args._replace(backend=name)
+    if v_pad:
+        args = args._replace(v=to_bhsd(widen_v(v, v_pad), qkv_format))
     if args.cu_seqlens_q is None and not torch.compiler.is_compiling():
         # the plan serves every KV length unless the backend choice read it
         kv_len = kb.shape[2] if choice_reads_sizes(backend, name, problem) else None
         plan = _DensePlan(args._replace(q=None, k=None, v=None, sink=None), out_dtype, softmax_type, kv_len,
-                          op_plans.call_replay(args, problem.needs_backward), op_plans.new_call_id())
+                          None if v_pad else op_plans.call_replay(args, problem.needs_backward),
+                          op_plans.new_call_id(), v_pad)  # (a recorded replay would skip V's padding)
         _remember(key, plan)
         return _run_dense(plan, q, k, v, _sink_of(plan, softmax_offset))  # (as the plan's later calls pass it)
-    o = from_bhsd(ops.attention(args), qkv_format)
+    o = narrow_o(from_bhsd(ops.attention(args), qkv_format), v_pad)
     return o if o.dtype == out_dtype else o.to(out_dtype)
+
+
+def _with_lse(q, k, v, return_lse, *, qkv_format: str, out_dtype, softmax_type: str, softmax_offset, **options):
+    """`mxfp8_attention` with return_lse=True: (O, lse). The checks and encoding are the plain call's; the
+    backend runs in `mxattn.attention_lse` (imported on first use: it loads torch.compile's machinery for its
+    graph break)."""
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    validate_inputs(q, k, v, qkv_format)
+    qb, kb, vb = to_bhsd(q, qkv_format), to_bhsd(k, qkv_format), to_bhsd(v, qkv_format)
+    args, out_dtype = encode_call(qb, kb, vb, qkv_format=qkv_format, out_dtype=q.dtype if out_dtype is None
+                                  else out_dtype, softmax_type=softmax_type, softmax_offset=softmax_offset, **options)
+    from . import attention_lse
+    if is_empty(qb, kb, qkv_format):
+        return _empty_attention(q, k, v, out_dtype, softmax_offset), attention_lse.empty_lse(qb, args.sink,
+                                                                                              qkv_format)
+    o, lse = attention_lse.attention_with_lse(args, softmax_type)
+    o = from_bhsd(o, qkv_format)
+    return (o if o.dtype == out_dtype else o.to(out_dtype)), lse
 
 
 def encode_call(qb, kb, vb, *, qkv_format: str, attn_mask_type: str, window_size, softmax_scale, backend: str,
@@ -147,11 +187,7 @@ def encode_call(qb, kb, vb, *, qkv_format: str, attn_mask_type: str, window_size
         # cuDNN takes in more shapes (the *_bottom_right types keep their alignment)
         band = resolve_mask(attn_mask_type, window_size, bottom_right_diagonal, equal_lengths=True).band
     sink = sink_logits(softmax_type, softmax_offset, qb.shape[1], qb.device)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(qb.shape[3])  # (symbolic under torch.compile with a dynamic head dim)
-    elif isinstance(softmax_scale, bool) or not (isinstance(softmax_scale, (int, float))
-                                                 and math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    softmax_scale = resolved_softmax_scale(softmax_scale, qb.shape[3])
     if out_dtype not in OUTPUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
     kernel_dtype = out_dtype if out_dtype in KERNEL_OUT_DTYPES else (
@@ -183,6 +219,8 @@ class _DensePlan(NamedTuple):
     replay: Optional[str]
     #: the plan's identity in the replays' keys
     ident: int
+    #: zero channels appended to V for the chosen backend (`mxattn.backends.v_padding`), sliced off O
+    v_pad: int = 0
 
 
 #: plans of dense eager calls by signature (`_signature`); bounded, cleared when full. Reads and writes of a
@@ -263,11 +301,14 @@ def _dense_body(plan: _DensePlan, q, k, v, sink):
     fmt = plan.args.qkv_format
     if plan.softmax_type == "off-by-one":
         sink = torch.zeros(bhsd_shape(q, fmt)[1], dtype=torch.float32, device=q.device)
+    if plan.v_pad:
+        v = widen_v(v, plan.v_pad)
     if ops.needs_backward(q, k, v, sink):  # the layout views inside the autograd node (eager: plans are)
         o = ops.attention(plan.args.with_tensors(q, k, v, sink), fmt)
     else:
         o = from_bhsd(ops.attention(plan.args.with_tensors(to_bhsd(q, fmt), to_bhsd(k, fmt), to_bhsd(v, fmt),
                                                            sink)), fmt)
+    o = narrow_o(o, plan.v_pad)
     return o if o.dtype == plan.out_dtype else o.to(plan.out_dtype)
 
 
@@ -277,7 +318,7 @@ class _NoKeys(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offset, out_dtype):
         ctx.shapes = [(t.shape, t.dtype) if t is not None else None for t in (q, k, v, offset)]
-        return q.new_zeros(q.shape, dtype=out_dtype)
+        return q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=out_dtype)  # (O has V's head dim)
 
     @staticmethod
     def backward(ctx, grad_o):

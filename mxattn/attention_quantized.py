@@ -16,6 +16,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .attention import encode_call, is_empty, validate_inputs
+from .attention_lse import empty_lse, lse_layout
 from .backends import choose_backend, get_backend
 from .backends.recipe_operands import forward_operands
 from .checks import check_no_grad, check_quantized_inputs, check_quantized_segments
@@ -36,18 +37,21 @@ def mxfp8_attention_quantized(q: MXFP8Tensor, k: MXFP8Tensor, v: VOperand, *, qk
                               cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
                               max_seqlen_kv: Optional[int] = None, softmax_type: str = "vanilla",
                               softmax_offset: Optional[torch.Tensor] = None, recipe: Optional[Recipe] = None,
-                              bottom_right_diagonal: Optional[bool] = None) -> torch.Tensor:
+                              bottom_right_diagonal: Optional[bool] = None, return_lse: bool = False):
     """Scaled-dot-product attention on already-quantized MXFP8 inputs; forward only (no autograd).
 
     q: `mxattn.MXFP8Tensor` whose data is [B, Sq, Hq, D] (bshd), [Sq, B, Hq, D] (sbhd), [B, Hq, Sq, D] (bhsd)
     or [T_q, Hq, D] (thd, packed sequences), torch.float8_e4m3fn, with float8_e8m0fnu scales blocked along D
     (the last axis: `quantize_mxfp8(x, axis=-1)`); k: the same with Hkv heads (Hq % Hkv == 0) and Skv positions /
-    T_kv tokens. v: k's shape, blocked along the sequence axis (axis 1 of bshd, 0 of sbhd, 2 of bhsd, 0 of thd:
-    the blocks of 32 positions the P V product reads); for thd its blocks restart at every sequence
-    (`MXFP8Tensor.segments` equal to cu_seqlens_kv); under ``Recipe(v_operand="bf16")`` v is instead a
-    torch.bfloat16 tensor of k's shape (V is never quantized there). `quantize_attention_inputs` makes all
-    three from high-precision tensors exactly as `mxfp8_attention` quantizes them.
-    Returns O in q's layout and shape, dtype out_dtype (default torch.bfloat16; float16 and float32 also).
+    T_kv tokens. v: k's shape with its own head dim Dv (D or, MLA, another), blocked along the sequence axis
+    (axis 1 of bshd, 0 of sbhd, 2 of bhsd, 0 of thd: the blocks of 32 positions the P V product reads); for thd
+    its blocks restart at every sequence (`MXFP8Tensor.segments` equal to cu_seqlens_kv); under
+    ``Recipe(v_operand="bf16")`` v is instead a torch.bfloat16 tensor of that shape (V is never quantized there).
+    `quantize_attention_inputs` makes all three from high-precision tensors exactly as `mxfp8_attention`
+    quantizes them.
+    Returns O in q's layout and shape with v's head dim Dv, dtype out_dtype (default torch.bfloat16; float16 and
+    float32 also); with return_lse=True (O, lse), lse as `mxfp8_attention` returns it (fp32 log-sum-exp per query
+    row and head, [B, Hq, Sq], [Hq, T_q] for thd; no gradient here).
 
     Every other argument is `mxfp8_attention`'s, with its meaning and checks: qkv_format, attn_mask_type,
     window_size, bottom_right_diagonal, softmax_scale (default 1/sqrt(D)), backend ("auto" picks the first of
@@ -65,6 +69,8 @@ def mxfp8_attention_quantized(q: MXFP8Tensor, k: MXFP8Tensor, v: VOperand, *, qk
     scaling; MXFP8NotSupportedError when the named backend cannot run the call. Eager only: under
     torch.compile the call runs outside the graph.
     """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     recipe = resolve_recipe(recipe)
     check_quantized_inputs(q, k, v, qkv_format, recipe)
     if isinstance(softmax_offset, torch.Tensor):
@@ -81,11 +87,13 @@ def mxfp8_attention_quantized(q: MXFP8Tensor, k: MXFP8Tensor, v: VOperand, *, qk
                                   bottom_right_diagonal=bottom_right_diagonal)
     check_quantized_segments(v, args.cu_seqlens_kv if args.packed else None)
     if is_empty(qb, kb, qkv_format):  # what mxfp8_attention returns: an empty O, or zeros without keys
-        return torch.zeros(q.shape, dtype=out_dtype, device=q.device)
+        o = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=out_dtype, device=q.device)
+        return (o, empty_lse(qb.data, args.sink, qkv_format)) if return_lse else o
     name = choose_backend(backend, args.problem(softmax_type, needs_backward=False, quantized=True))
-    o, _ = get_backend(name).forward_quantized(qb, kb, vb, args.params(needs_backward=False))
+    o, stats = get_backend(name).forward_quantized(qb, kb, vb, args.params(needs_backward=False))
     o = from_bhsd(o, qkv_format)
-    return o if o.dtype == out_dtype else o.to(out_dtype)
+    o = o if o.dtype == out_dtype else o.to(out_dtype)
+    return (o, lse_layout(stats, args.packed)) if return_lse else o
 
 
 def quantize_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_format: str = "bshd",

@@ -410,6 +410,47 @@ def bench_sink(warmup: int, iters: int, cfg=("b2_h16_s4096_d128_causal", 2, 16, 
     return res
 
 
+#: MLA's shapes (DeepSeek-V3: Q and K 192 wide, V and O 128): training (B, H, S) causal, and a decode step
+#: (B, H, S_kv): one query per sequence against S_kv keys
+MLA_TRAIN, MLA_DECODE, MLA_DIMS = (2, 128, 4096), (16, 128, 4096), (192, 128)
+
+
+def bench_mla(warmup: int, iters: int) -> Dict:
+    """MLA's head dims through the public API (`auto`: V zero-padded for the Triton kernels) against torch SDPA in
+    bf16 on the same tensors, in the same run: the training shape's forward and forward+backward (causal), and a
+    decode step's forward (no cache: K and V quantized by the call). Milliseconds and SDPA/mxattn ratios."""
+    from .attention import mxfp8_attention
+
+    dev, (dqk, dv) = torch.device("cuda"), MLA_DIMS
+    F = torch.nn.functional
+    res = {"dims": [dqk, dv], "train": list(MLA_TRAIN), "decode": list(MLA_DECODE)}
+    for shape, causal, sq in ((MLA_TRAIN, True, MLA_TRAIN[2]), (MLA_DECODE, False, 1)):
+        B, H, S = shape
+        kind = "train" if causal else "decode"
+        q = torch.randn(B, sq, H, dqk, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(B, S, H, dqk, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(B, S, H, dv, device=dev, dtype=torch.bfloat16)
+        mask = "causal" if causal else "no_mask"
+        ours = lambda q=q, k=k, v=v, mask=mask: mxfp8_attention(q, k, v, attn_mask_type=mask)  # noqa: E731
+        theirs = lambda q=q, k=k, v=v, causal=causal: F.scaled_dot_product_attention(  # noqa: E731
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+        with torch.no_grad():
+            res[f"{kind}_mxattn_fwd_ms"] = time_cuda(ours, warmup, iters)
+            res[f"{kind}_sdpa_bf16_fwd_ms"] = time_cuda(theirs, warmup, iters)
+        res[f"{kind}_sdpa_over_mxattn_fwd"] = res[f"{kind}_sdpa_bf16_fwd_ms"] / res[f"{kind}_mxattn_fwd_ms"]
+        if causal:
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            do = torch.randn(B, sq, H, dv, device=dev, dtype=torch.bfloat16)
+            res[f"{kind}_mxattn_fwdbwd_ms"] = time_cuda(lambda: torch.autograd.grad(ours(), leaves, do), warmup, iters)
+            res[f"{kind}_sdpa_bf16_fwdbwd_ms"] = time_cuda(
+                lambda: torch.autograd.grad(theirs(), leaves, do.transpose(1, 2)), warmup, iters)
+            res[f"{kind}_sdpa_over_mxattn_fwdbwd"] = (res[f"{kind}_sdpa_bf16_fwdbwd_ms"] /
+                                                      res[f"{kind}_mxattn_fwdbwd_ms"])
+        del q, k, v
+        torch.cuda.empty_cache()
+    return res
+
+
 def bench_host_overhead(iters: int = 200) -> Dict:
     """CPU time (`host_time_us`) of one public-API forward call on the triton backend, B2 H16 S4096 D128 bshd
     causal, and a thd pack of the same tokens, and of torch SDPA (cuDNN, bf16) on the bshd call for scale;
@@ -469,8 +510,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--no-quantizer", action="store_true", help="skip the quantizer-vs-copy measurement")
     ap.add_argument("--no-varlen", action="store_true", help="skip the variable-length (thd) measurement")
     ap.add_argument("--no-sink", action="store_true", help="skip the attention-sink cost measurement")
+    ap.add_argument("--no-mla", action="store_true", help="skip the MLA head dims (192/128) against SDPA")
     ap.add_argument("--only-extras", action="store_true",
-                    help="only the variable-length and attention-sink measurements (no dense configs, no quantizer)")
+                    help="only the variable-length, attention-sink and MLA measurements (no dense configs, no quantizer)")
     ap.add_argument("--plot-from", default=None, help="render chart.png next to an existing results.json")
     args = ap.parse_args(argv)
     if args.plot_from:
@@ -521,6 +563,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.no_sink:
         results["sink"] = bench_sink(args.warmup, args.iters)
         print(results["sink"], flush=True)
+    if not args.no_mla:
+        results["mla"] = bench_mla(args.warmup, args.iters)
+        print(results["mla"], flush=True)
     if not args.no_quantizer and not args.only_extras:
         results["quantizer"] = bench_quantizer(args.warmup, args.iters)
     out_dir = args.out_dir or os.path.join("benchmarks", "results", gpu_dir_name(gpu))

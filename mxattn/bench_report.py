@@ -99,6 +99,16 @@ def markdown(results: Dict) -> str:
                   f"({sk['learnable_over_vanilla_fwd']:.3f}x), forward+backward {sk['learnable_fwdbwd_ms']:.3f} vs "
                   f"{sk['vanilla_fwdbwd_ms']:.3f} ms ({sk['learnable_over_vanilla_fwdbwd']:.3f}x; target <= 1.03x)"
                   f"{graph}."]
+    ml = results.get("mla")
+    if ml:
+        (dqk, dv), (b, h, s), (db, dh, ds) = ml["dims"], ml["train"], ml["decode"]
+        lines += ["", f"MLA head dims (Q, K {dqk}, V {dv}; public API, `auto`) against torch SDPA in bf16, ratio = "
+                  f"SDPA ms / mxattn ms: training B{b} H{h} S{s} causal forward {ml['train_mxattn_fwd_ms']:.3f} vs "
+                  f"{ml['train_sdpa_bf16_fwd_ms']:.3f} ms ({ml['train_sdpa_over_mxattn_fwd']:.2f}x), forward+backward "
+                  f"{ml['train_mxattn_fwdbwd_ms']:.3f} vs {ml['train_sdpa_bf16_fwdbwd_ms']:.3f} ms "
+                  f"({ml['train_sdpa_over_mxattn_fwdbwd']:.2f}x); decode step B{db} H{dh} one query on {ds} keys "
+                  f"{ml['decode_mxattn_fwd_ms']:.3f} vs {ml['decode_sdpa_bf16_fwd_ms']:.3f} ms "
+                  f"({ml['decode_sdpa_over_mxattn_fwd']:.2f}x)."]
     qz = results.get("quantizer")
     if qz:
         lines += ["", f"Fused quantizer on bf16 {qz['shape']} (bytes read + written, CUDA-graph replays, so no "

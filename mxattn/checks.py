@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -114,3 +115,14 @@ def check_quantized_segments(v, cu_seqlens_kv: Optional[torch.Tensor]) -> None:
             not torch.equal(v.segments.to(device=cu_seqlens_kv.device, dtype=cu_seqlens_kv.dtype), cu_seqlens_kv)):
         raise ValueError("v.segments must equal cu_seqlens_kv (v's column-wise blocks restart at each sequence "
                          f"start), got {v.segments.tolist()} and {cu_seqlens_kv.tolist()}")
+
+
+def resolved_softmax_scale(softmax_scale, head_dim) -> float:
+    """The softmax scale of a call: 1/sqrt(head_dim) (Q's and K's head dim, symbolic under torch.compile with a
+    dynamic head dim) for None, else softmax_scale itself after checking it is a positive finite number."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not (isinstance(softmax_scale, (int, float))
+                                               and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    return softmax_scale

@@ -4,10 +4,11 @@ Storage (per page of `page_size` tokens, a multiple of 32, for all KV heads):
 
 * K row-wise: E4M3 bytes [H, page_size, D] and one E8M0 scale per 32 values along D [H, page_size, ceil(D/32)].
   A token's bytes never change once written.
-* V column-wise, as the recipe quantizes V: E4M3 bytes [H, page_size, D] and one E8M0 scale per 32 tokens
-  [H, page_size / 32, D]. Blocks run along the sequence from its first token, so a block is quantized once it
+* V column-wise, as the recipe quantizes V: E4M3 bytes [H, page_size, Dv] and one E8M0 scale per 32 tokens
+  [H, page_size / 32, Dv]. Blocks run along the sequence from its first token, so a block is quantized once it
   holds 32 tokens ("sealed"); until then the sequence's open block stays in the cache's high-precision dtype
-  (one [H, 32, D] tail per sequence) and is quantized at each call from what it holds.
+  (one [H, 32, Dv] tail per sequence) and is quantized at each call from what it holds.
+* Dv, V's head dim, is D unless the cache is made with another (`head_dim_v`: MLA's d_v != d_qk).
 
 Semantics: after a sequence holds L tokens, attention of its n newest queries equals
 ``mxfp8_attention(q, K[:L], V[:L], attn_mask_type="causal_bottom_right", ...)`` over the same tokens, bit for bit on
@@ -80,15 +81,18 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class MXFP8KVCache:
     """Paged MXFP8 storage of the keys and values of up to `max_sequences` sequences.
 
-    num_pages pages of page_size tokens (a multiple of 32) for kv_heads heads of head_dim; dtype: the dtype of
-    the K/V the model writes (the open V block is kept in it). Sequences live in slots (`new_sequence`,
-    `release`); `append` writes tokens; `page_table` (int32 [max_sequences, max_pages_per_sequence], -1 unused)
-    and `seq_lens` (int32 [max_sequences]) describe the layout on the device."""
+    num_pages pages of page_size tokens (a multiple of 32) for kv_heads heads of head_dim (K's, and Q's) and
+    head_dim_v (V's, and O's; None: head_dim); dtype: the dtype of the K/V the model writes (the open V block is
+    kept in it). A cache of two head dims is read by the reference backend (the paged kernels take one).
+    Sequences live in slots (`new_sequence`, `release`); `append` writes tokens; `page_table` (int32
+    [max_sequences, max_pages_per_sequence], -1 unused) and `seq_lens` (int32 [max_sequences]) describe the layout
+    on the device."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, *, max_sequences: int,
-                 dtype: torch.dtype = torch.bfloat16, device="cpu"):
+                 dtype: torch.dtype = torch.bfloat16, device="cpu", head_dim_v: Optional[int] = None):
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
-                            ("head_dim", head_dim), ("max_sequences", max_sequences)):
+                            ("head_dim", head_dim), ("head_dim_v", head_dim_v), ("max_sequences", max_sequences)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if page_size % BLOCK_SIZE:
@@ -97,14 +101,15 @@ class MXFP8KVCache:
         if dtype not in _DTYPES:
             raise TypeError(f"dtype must be one of {_DTYPES}, got {dtype}")
         self.page_size, self.kv_heads, self.head_dim, self.dtype = page_size, kv_heads, head_dim, dtype
+        self.head_dim_v = head_dim_v
         self.device = torch.device(device)
-        h, p, d, nb = kv_heads, page_size, head_dim, ceil_div(head_dim, BLOCK_SIZE)
+        h, p, d, dv, nb = kv_heads, page_size, head_dim, head_dim_v, ceil_div(head_dim, BLOCK_SIZE)
         fp8, e8 = torch.float8_e4m3fn, torch.float8_e8m0fnu
         self.k_data = torch.zeros((num_pages, h, p, d), dtype=fp8, device=self.device)
         self.k_scale = torch.zeros((num_pages, h, p, nb), dtype=e8, device=self.device)
-        self.v_data = torch.zeros((num_pages, h, p, d), dtype=fp8, device=self.device)
-        self.v_scale = torch.zeros((num_pages, h, p // BLOCK_SIZE, d), dtype=e8, device=self.device)
-        self.v_tail = torch.zeros((max_sequences, h, BLOCK_SIZE, d), dtype=dtype, device=self.device)
+        self.v_data = torch.zeros((num_pages, h, p, dv), dtype=fp8, device=self.device)
+        self.v_scale = torch.zeros((num_pages, h, p // BLOCK_SIZE, dv), dtype=e8, device=self.device)
+        self.v_tail = torch.zeros((max_sequences, h, BLOCK_SIZE, dv), dtype=dtype, device=self.device)
         self.page_table = torch.full((max_sequences, num_pages), -1, dtype=torch.int32, device=self.device)
         self.seq_lens = torch.zeros(max_sequences, dtype=torch.int32, device=self.device)
         self.device = self.k_data.device  # with its index ("cuda" -> "cuda:0"), as tensors report theirs
@@ -119,8 +124,8 @@ class MXFP8KVCache:
         #: the cache's state: a hash of its geometry and of every change of its slots, pages and lengths since it
         #: was made (`_advance`), so caches made alike and changed alike (the layers of a model) have equal states
         self._state = hash(("MXFP8KVCache", num_pages, max_sequences, dtype, self.storage_key))
-        #: appends run the Triton kernel (CUDA with Triton); the torch path otherwise (the same bytes)
-        self._append_kernel = self.device.type == "cuda" and _triton_importable()
+        #: appends run the Triton kernel (CUDA with Triton, one head dim); the torch path otherwise (the same bytes)
+        self._append_kernel = self.device.type == "cuda" and head_dim_v == head_dim and _triton_importable()
 
     # ------------------------------------------------------------------ slots and pages
 
@@ -191,17 +196,19 @@ class MXFP8KVCache:
     # ------------------------------------------------------------------ writing
 
     def append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write n new tokens of one sequence: k, v [n, kv_heads, head_dim] in the cache's dtype and device."""
+        """Write n new tokens of one sequence: k [n, kv_heads, head_dim], v [n, kv_heads, head_dim_v] in the
+        cache's dtype and device."""
         self._checked_slot(slot)
         n = k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else 0
         self.append_batch([slot], k, v, [0, n])
 
     def append_batch(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor, cu: Sequence[int]) -> None:
-        """Write new tokens of several sequences at once: k, v [T, kv_heads, head_dim] in the cache's dtype and
-        device; tokens cu[i] .. cu[i + 1] (host ints, cu[0] = 0, cu[-1] = T) go to the sequence in slots[i].
-        Everything is checked before anything is written (on an error the cache is unchanged). On CUDA the writes
-        are one Triton kernel (`mxattn.kernels.triton_paged_append`; two when a call seals a block and opens
-        another behind rows already open), elsewhere a few batched torch kernels; the bytes are the same."""
+        """Write new tokens of several sequences at once: k [T, kv_heads, head_dim], v [T, kv_heads, head_dim_v] in
+        the cache's dtype and device; tokens cu[i] .. cu[i + 1] (host ints, cu[0] = 0, cu[-1] = T) go to the
+        sequence in slots[i]. Everything is checked before anything is written (on an error the cache is
+        unchanged). On CUDA the writes are one Triton kernel (`mxattn.kernels.triton_paged_append`; two when a call
+        seals a block and opens another behind rows already open; a cache of two head dims takes the torch path),
+        elsewhere a few batched torch kernels; the bytes are the same."""
         self._append(slots, k, v, cu)
 
     def _reserve(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor, cu: Sequence[int]):
@@ -216,11 +223,9 @@ class MXFP8KVCache:
         tokens per sequence, the pages to map: [(slot, index in its table, page)])."""
         slots = list(slots)
         self._check_slots(slots)
-        for name, x in (("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (self.kv_heads,
-                                                                                          self.head_dim):
-                raise ValueError(f"{name} must be [n, {self.kv_heads}, {self.head_dim}], got "
-                                 f"{tuple(getattr(x, 'shape', ()))}")
+        for name, x, d in (("k", k, self.head_dim), ("v", v, self.head_dim_v)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (self.kv_heads, d):
+                raise ValueError(f"{name} must be [n, {self.kv_heads}, {d}], got {tuple(getattr(x, 'shape', ()))}")
             if x.dtype != self.dtype or x.device != self.device:
                 raise TypeError(f"{name} must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
         if k.shape[0] != v.shape[0]:
@@ -331,7 +336,7 @@ class MXFP8KVCache:
         kq = quantize_mxfp8(k, axis=-1)                                         # [T, H, D], blocks along D
         _bytes(self.k_data)[index[0], :, index[1]] = _bytes(kq.data)
         _bytes(self.k_scale)[index[0], :, index[1]] = _bytes(kq.scale)
-        h, d = self.kv_heads, self.head_dim
+        h, d = self.kv_heads, self.head_dim_v
         slot_index = self.slot_tensor(slots).long()          # (device indices: a host list would be copied)
         src = torch.cat([self.v_tail[slot_index].transpose(1, 2).reshape(-1, h, d), v])   # [S * 32 + T, H, D]
         if seal_rows:
@@ -357,7 +362,7 @@ class MXFP8KVCache:
         return MXFP8Tensor.unchecked(data.unsqueeze(0), scale.unsqueeze(0), 3)
 
     def values(self, slot: int) -> MXFP8Tensor:
-        """The sequence's V, column-wise MXFP8 [1, kv_heads, L, head_dim]: its sealed blocks, and the open block
+        """The sequence's V, column-wise MXFP8 [1, kv_heads, L, head_dim_v]: its sealed blocks, and the open block
         quantized from the rows it holds."""
         self._checked_slot(slot)
         length = self._lens[slot]
@@ -385,7 +390,7 @@ class MXFP8KVCache:
 
     def bf16_nbytes(self) -> int:
         """Bytes a bf16 cache of the same pages would take (K and V)."""
-        return 2 * self.k_data.numel() * 2
+        return (self.k_data.numel() + self.v_data.numel()) * 2
 
 
 __all__ = ["MXFP8KVCache", "seal_value_blocks"]

@@ -14,7 +14,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .backends import BACKEND_NAMES, CacheCall, get_backend, pick_cache_backend
+from .backends import CacheCall, check_backend_name, get_backend, pick_cache_backend
+from .checks import resolved_softmax_scale
 from .constants import MAX_KV_SPLITS
 from .kvcache import _DTYPES, MXFP8KVCache
 from .kvcache_step import PagedStep
@@ -48,15 +49,16 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
     q: [T, Hq, D] (thd), the new tokens' queries of every sequence in `slots` order; cu_seqlens_q: int32 [B+1]
     splitting T by sequence (B = len(slots)), on q's device or on the CPU (then read on the host without a
     device-to-host copy; it goes to the device from pinned memory, without waiting). k_new, v_new: None or
-    [T, Hkv, D] (the cache's dtype and device), written to the sequences before attending (`append_batch`: all
-    or nothing). Each sequence's queries attend its cached tokens
+    [T, Hkv, D] and [T, Hkv, Dv] (the cache's head_dim and head_dim_v, dtype and device), written to the sequences
+    before attending (`append_batch`: all or nothing). Each sequence's queries attend its cached tokens
     with a causal mask aligned bottom-right (the last query sees every key): Transformer Engine's
     ``padding_causal_bottom_right``, which TE's KV-cache path runs. window_size: TE's window for that mask type,
     (-1, 0) or (left >= 0, 0), with TE's checks (`mxfp8_attention`: (-1, -1) and (left, right != 0) warn and
     run with right 0; (-1, right > 0) raises). bottom_right_diagonal: None or True (TE's meaning: the diagonal
     is bottom-right); False, a top-left diagonal, is nothing a cache step can mean (the queries are the newest
     tokens) and raises ValueError. Attention sinks: softmax_type / softmax_offset as in `mxfp8_attention`.
-    Returns O [T, Hq, D] in out_dtype (default q's). Inference only (no autograd).
+    Returns O [T, Hq, Dv] in out_dtype (default q's). Inference only (no autograd). A cache whose V has another
+    head dim than K (MLA) is served by the reference backend (the paged kernels refuse it, with the reason).
     backend: "triton" (CUDA, head dims up to 128: the kernel reads the pages' FP8 bytes and scales once per KV
     head, `mxattn.kernels.triton_paged_attention`), "reference" (any device: `ref.mxfp8_ref` on the stored
     bytes), "cudnn" (Blackwell with cuDNN >= 9.21: cuDNN's paged MXFP8 SDPA graph reads the pages,
@@ -90,8 +92,7 @@ def mxfp8_attention_with_kvcache(q: torch.Tensor, cache: MXFP8KVCache, slots: Se
 def _attend(q, cache, slots, cu_seqlens_q, k_new, v_new, softmax_scale, window_size, softmax_type, softmax_offset,
             out_dtype, num_splits, backend) -> Tuple[torch.Tensor, Optional["PagedStep"]]:
     """`mxfp8_attention_with_kvcache` -> (O, the `PagedStep` the triton backend ran, else None)."""
-    if backend != "auto" and backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {('auto',) + BACKEND_NAMES}, got {backend!r}")
+    check_backend_name(backend)
     if not isinstance(cache, MXFP8KVCache):
         raise TypeError(f"cache must be an MXFP8KVCache, got {type(cache).__name__}")
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != cache.head_dim:
@@ -121,9 +122,7 @@ def _attend(q, cache, slots, cu_seqlens_q, k_new, v_new, softmax_scale, window_s
     out_dtype = q.dtype if out_dtype is None else out_dtype
     sink = sink_logits(softmax_type, softmax_offset, hq, q.device)
     kernel_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    scale = cache.head_dim ** -0.5 if softmax_scale is None else softmax_scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
-        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    scale = cache.head_dim ** -0.5 if softmax_scale is None else resolved_softmax_scale(softmax_scale, None)
     if out_dtype not in _DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_KV_SPLITS:

@@ -67,10 +67,11 @@ def seq_axis(qkv_format: str) -> int:
 
 
 def check_qkv_shapes(q, k, v, qkv_format: str) -> None:
-    """Check that q, k, v given in `qkv_format` agree (one device; batch, head dim; k and v: heads and
-    length; query heads a multiple of key heads, none without key heads; a head dim); raise ValueError naming
-    them. No heads at all (Hq = 0) passes: such a call returns an empty O, as torch SDPA does. q, k, v:
-    anything with `shape` and `device` (tensors, `MXFP8Tensor`s), of the layout's rank."""
+    """Check that q, k, v given in `qkv_format` agree (one device; batch; q and k: head dim d_qk; k and v: heads
+    and length; query heads a multiple of key heads, none without key heads; non-zero head dims); raise
+    ValueError naming them. V's head dim d_v (O's and dO's too) may differ from d_qk (MLA: 192 and 128). No heads
+    at all (Hq = 0) passes: such a call returns an empty O, as torch SDPA does. q, k, v: anything with `shape`
+    and `device` (tensors, `MXFP8Tensor`s), of the layout's rank."""
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
     (b, hq, sq, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = (bhsd_shape(x, qkv_format) for x in (q, k, v))
@@ -80,8 +81,9 @@ def check_qkv_shapes(q, k, v, qkv_format: str) -> None:
         raise ValueError(f"batch size mismatch: q {b}, k {bk}, v {bv} {where}")
     if sk != sv:
         raise ValueError(f"sequence length mismatch: k {sk}, v {sv} {where}")
-    if not (d == dk == dv):
-        raise ValueError(f"head_dim mismatch: q {d}, k {dk}, v {dv} {where}")
+    if d != dk:
+        raise ValueError(f"head_dim mismatch: q {d}, k {dk} {where}: k's head dim must equal q's (v's, head_dim_v "
+                         f"{dv}, may differ)")
     if hk != hv:
         raise ValueError(f"k and v must have the same number of heads, got k {hk}, v {hv} {where}")
     if hk == 0 and hq:
@@ -89,8 +91,8 @@ def check_qkv_shapes(q, k, v, qkv_format: str) -> None:
                          f"(Hq must be a multiple of Hkv >= 1) {where}")
     if hk and hq % hk:
         raise ValueError(f"query heads ({hq}) must be divisible by key/value heads ({hk}) {where}")
-    if d == 0:
-        raise ValueError(f"empty input: head_dim {d} {where}")
+    if d == 0 or dv == 0:
+        raise ValueError(f"empty input: head_dim {d}, head_dim_v {dv} {where}")
 
 
 def dense_strides_bhsd(shape_bhsd: Tuple[int, int, int, int], qkv_format: str) -> Tuple[int, ...]:
@@ -107,3 +109,14 @@ def empty_bhsd(shape_bhsd: Tuple[int, int, int, int], qkv_format: str, dtype, de
     """An uninitialised [B, H, S, D] view whose memory is dense in `qkv_format` order."""
     physical = [shape_bhsd[i] for i in _FROM_BHSD[qkv_format]]
     return to_bhsd(torch.empty(physical, dtype=dtype, device=device), qkv_format)
+
+
+def widen_v(v: torch.Tensor, channels: int) -> torch.Tensor:
+    """v with `channels` zero channels appended to its head dim (the last axis in every layout), for a backend
+    that runs one head dim for Q, K and V (`mxattn.backends.v_padding`)."""
+    return torch.nn.functional.pad(v, (0, channels))
+
+
+def narrow_o(o: torch.Tensor, channels: int) -> torch.Tensor:
+    """O of a call on V widened by `channels` (`widen_v`) back to V's own head dim (a dense tensor)."""
+    return o if not channels else o[..., :o.shape[-1] - channels].contiguous()

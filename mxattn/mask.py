@@ -134,13 +134,17 @@ def _check_window(window_size) -> Optional[Tuple[int, int]]:
 _WARNED_WINDOWS: set = set()
 
 
+def _te_windows(causal: bool) -> str:
+    """The windows Transformer Engine takes for a causal or a non-causal mask type, as the messages write them."""
+    return "(-1, 0) or (>=0, 0)" if causal else "(-1, -1) or (>=0, >=0)"
+
+
 @constant_result  # (called at trace time under torch.compile: Dynamo cannot trace warnings.warn)
 def _warn_window(attn_mask_type: str, window: Tuple[int, int], used: Tuple[int, int]) -> None:
     if (attn_mask_type, window) in _WARNED_WINDOWS:
         return None
     _WARNED_WINDOWS.add((attn_mask_type, window))
-    wanted = "(-1, 0) or (>=0, 0)" if "causal" in attn_mask_type else "(-1, -1) or (>=0, >=0)"
-    warnings.warn(f"window_size should be {wanted} for attn_mask_type={attn_mask_type!r}; got {window!r}, "
+    warnings.warn(f"window_size should be {_te_windows('causal' in attn_mask_type)} for attn_mask_type={attn_mask_type!r}; got {window!r}, "
                   f"which runs as {used!r} (Transformer Engine's rule)", UserWarning, stacklevel=6)
     return None
 
@@ -171,9 +175,8 @@ def te_window(attn_mask_type: str, window_size=None) -> Tuple[int, int]:
             return (-1, -1)
         if window == (-1, -1) or (left >= 0 and right >= 0):
             return window
-    wanted = "(-1, 0) or (>=0, 0)" if causal else "(-1, -1) or (>=0, >=0)"
     raise ValueError(f"window_size={window!r} is not a window for attn_mask_type={attn_mask_type!r}: it takes "
-                     f"{wanted} (Transformer Engine's rule; -1 = unbounded)")
+                     f"{_te_windows(causal)} (Transformer Engine's rule; -1 = unbounded)")
 
 
 def resolve_mask(attn_mask_type: str = "no_mask", window_size: Optional[Tuple[int, int]] = None,

@@ -70,8 +70,8 @@ _OPTIONS = {"softmax_scale": float, "bottom_right": bool, "left_bound": Optional
 
 
 class FwdArgs(NamedTuple):
-    """`mxattn::attention_fwd`'s arguments, in order. q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D] views (a packed batch
-    [1,H,T,D]); qkv_format: the layout O is written in; sink None or fp32 [Hq]."""
+    """`mxattn::attention_fwd`'s arguments, in order. q [B,Hq,Sq,D], k [B,Hkv,Skv,D], v [B,Hkv,Skv,Dv] views (a
+    packed batch [1,H,T,*]); qkv_format: the layout O [B,Hq,Sq,Dv] is written in; sink None or fp32 [Hq]."""
 
     __annotations__ = {"q": Tensor, "k": Tensor, "v": Tensor, **_OPTIONS, "recipe": str}
     recipe = DEFAULT_RECIPE_KEY
@@ -107,6 +107,7 @@ class FwdArgs(NamedTuple):
                        heads_q=q.shape[1], heads_kv=k.shape[1],
                        seqlen_q=seq.max_seqlen_q if packed else q.shape[2],
                        seqlen_kv=seq.max_seqlen_kv if packed else k.shape[2], head_dim=q.shape[3],
+                       head_dim_v=self.v.shape[3],
                        mask=self.mask(), varlen=None if seq is None else ("packed" if packed else "padded"),
                        needs_backward=needs_backward, softmax_type=softmax_type, quantized=quantized,
                        **{name: getattr(self, name) for name in _PROBLEM_FIELDS})
@@ -141,8 +142,9 @@ class FwdArgs(NamedTuple):
         return {name: getattr(self, name) for name in OPTION_FIELDS}
 
 class PackedBwdArgs(NamedTuple):
-    """`mxattn::attention_bwd_packed`'s arguments, in order: dO, O [B,Hq,Sq,D], the forward's block (stats and the
-    saved tensors, `mxattn.runtime.saved_block`), K's shape, the inputs' dtype, then `BwdArgs`' fields after K's shape."""
+    """`mxattn::attention_bwd_packed`'s arguments, in order: dO, O [B,Hq,Sq,Dv], the forward's block (stats and
+    the saved tensors, `mxattn.runtime.saved_block`), K's shape, the inputs' dtype, then `BwdArgs`' fields after
+    K's shape."""
 
     __annotations__ = {"do": Tensor, "o": Tensor, "block": Tensor, "kv_shape": List[int], "input_dtype": torch.dtype,
                        **_OPTIONS, "sink_requires_grad": bool, "recipe": str}
@@ -158,7 +160,7 @@ class PackedBwdArgs(NamedTuple):
 
 
 class BwdArgs(NamedTuple):
-    """`mxattn::attention_bwd`'s arguments, in order: dO, O [B,Hq,Sq,D], stats [B,Hq,Sq,1], the backend's saved
+    """`mxattn::attention_bwd`'s arguments, in order: dO, O [B,Hq,Sq,Dv], stats [B,Hq,Sq,1], the backend's saved
     tensors, K's shape, then the forward's options (qkv_format: the layout dQ, dK, dV are returned in), lengths and
     sink, and whether the sink needs a gradient."""
 

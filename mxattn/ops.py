@@ -93,12 +93,17 @@ def _as_faked(saved, saved_format, q: Tensor, k: Tensor, v: Tensor, seq: Optiona
 _FAKED_LAYOUTS: dict = {}
 
 
-def _grad_strides(args: BwdArgs) -> Tuple[tuple, tuple]:
-    """The strides the backward op promises for dQ (dO's shape) and for dK, dV (kv_shape): dense in qkv_format
-    order, like O (what the kernels write when Q, K, V and dO share that layout, as in a transformer; traced
-    constants only: a compiled graph may hand dO over in other strides than it was traced with)."""
-    return (dense_strides_bhsd(tuple(args.do.shape), args.qkv_format),
-            dense_strides_bhsd(tuple(args.kv_shape), args.qkv_format))
+def _grad_shapes(args) -> Tuple[tuple, tuple, tuple]:
+    """The shapes of dQ [B,Hq,Sq,Dqk], dK (kv_shape, [B,Hkv,Skv,Dqk]) and dV [B,Hkv,Skv,Dv] from what a backward
+    op has (`BwdArgs` or `PackedBwdArgs`): dO [B,Hq,Sq,Dv] and K's shape."""
+    return saved_block.shapes(args.do.shape, args.kv_shape, args.do.shape[3])
+
+
+def _grad_strides(args: BwdArgs) -> Tuple[tuple, tuple, tuple]:
+    """The strides the backward op promises for dQ, dK and dV (`_grad_shapes`): dense in qkv_format order, like O
+    (what the kernels write when Q, K, V and dO share that layout, as in a transformer; traced constants only: a
+    compiled graph may hand dO over in other strides than it was traced with)."""
+    return tuple(dense_strides_bhsd(tuple(shape), args.qkv_format) for shape in _grad_shapes(args))
 
 
 # --------------------------------------------------------------------------- the ops' bodies and fakes
@@ -147,8 +152,8 @@ def _follows(o: Tensor, q: Tensor) -> bool:
 
 
 def _fwd_kernel(*inputs) -> List[Tensor]:
-    """`mxattn::attention_fwd`: q [B,Hq,Sq,D], k/v [B,Hkv,Skv,D], sink None or fp32 [Hq] -> [o [B,Hq,Sq,D]
-    dense in qkv_format order, stats [B,Hq,Sq,1] fp32, then the backend's saved tensors
+    """`mxattn::attention_fwd`: q [B,Hq,Sq,D], k [B,Hkv,Skv,D], v [B,Hkv,Skv,Dv], sink None or fp32 [Hq] ->
+    [o [B,Hq,Sq,Dv] dense in qkv_format order, stats [B,Hq,Sq,1] fp32, then the backend's saved tensors
     (`saved_format_for(recipe).tensors()`)]."""
     args = FwdArgs(*inputs)
     return op_plans.run_forward(args, "op", lambda: _fwd_op_body(args))
@@ -167,13 +172,13 @@ def _fwd_fake(*inputs) -> List[Tensor]:
 
 
 def _fwd_no_grad_kernel(*inputs) -> Tensor:
-    """`mxattn::attention_fwd_no_grad`: O alone ([B,Hq,Sq,D] dense in qkv_format order)."""
+    """`mxattn::attention_fwd_no_grad`: O alone ([B,Hq,Sq,Dv] dense in qkv_format order)."""
     return _fwd_impl(FwdArgs(*inputs), needs_backward=False)
 
 
 def _fwd_no_grad_fake(*inputs) -> Tensor:
     args = FwdArgs(*inputs)
-    return empty_bhsd(tuple(args.q.shape), args.qkv_format, args.out_dtype, args.q.device)
+    return empty_bhsd((*args.q.shape[:3], args.v.shape[3]), args.qkv_format, args.out_dtype, args.q.device)
 
 
 def _bwd_impl(args: BwdArgs, promised: bool = True, after=None):
@@ -195,14 +200,14 @@ def _bwd_body(args: BwdArgs, promised: bool):
     else:  # (the op returns a tensor; the eager path reads none)
         dsink = args.stats.new_empty((0,), dtype=torch.float32) if promised else None
     if promised:
-        q_strides, kv_strides = _grad_strides(args)
+        q_strides, k_strides, v_strides = _grad_strides(args)
         dq = _conform(dq, dq.shape, q_strides)
-        dk, dv = _conform(dk, dk.shape, kv_strides), _conform(dv, dv.shape, kv_strides)
+        dk, dv = _conform(dk, dk.shape, k_strides), _conform(dv, dv.shape, v_strides)
     return dq, dk, dv, dsink
 
 
 def _bwd_kernel(*inputs) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`mxattn::attention_bwd`: dO, O [B,Hq,Sq,D], stats [B,Hq,Sq,1], the backend's saved tensors (as the
+    """`mxattn::attention_bwd`: dO, O [B,Hq,Sq,Dv], stats [B,Hq,Sq,1], the backend's saved tensors (as the
     forward op returned them) and K's shape [B,Hkv,Skv,D] -> (dq, dk, dv) in out_dtype, dense in qkv_format
     order, and dsink (fp32 [Hq] when sink_requires_grad, else an empty tensor)."""
     return _bwd_impl(BwdArgs(*inputs))
@@ -213,11 +218,10 @@ def _bwd_fake(*inputs) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 def _grads_fake(args) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """What either backward op returns for args (`BwdArgs` or `PackedBwdArgs`): dQ like dO, dK and dV of K's shape,
-    dense in qkv_format order, and dsink ([Hq] fp32, or empty)."""
+    """What either backward op returns for args (`BwdArgs` or `PackedBwdArgs`): dQ, dK, dV shaped as q, k, v
+    (`_grad_shapes`), dense in qkv_format order, and dsink ([Hq] fp32, or empty)."""
     do, fmt = args.do, args.qkv_format
-    dq = empty_bhsd(tuple(do.shape), fmt, args.out_dtype, do.device)
-    dk, dv = (empty_bhsd(tuple(args.kv_shape), fmt, args.out_dtype, do.device) for _ in range(2))
+    dq, dk, dv = (empty_bhsd(tuple(shape), fmt, args.out_dtype, do.device) for shape in _grad_shapes(args))
     dsink = do.new_empty((do.shape[1] if args.sink_requires_grad else 0,), dtype=torch.float32)
     return dq, dk, dv, dsink
 
@@ -246,8 +250,7 @@ def _fwd_packed_fake(*inputs) -> List[Tensor]:
 def _bwd_packed_kernel(*inputs) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """`mxattn::attention_bwd_packed`: `attention_bwd` on the packed forward's block (`PackedBwdArgs`)."""
     args = PackedBwdArgs(*inputs)
-    layout_id, layout = saved_block.layout_for(_saved_format(args.backend, args.recipe),
-                                               *saved_block.shapes(args.do.shape, args.kv_shape, args.do.shape[3]),
+    layout_id, layout = saved_block.layout_for(_saved_format(args.backend, args.recipe), *_grad_shapes(args),
                                                args.input_dtype, args.qkv_format, args.seq())
     return op_plans.run_backward_from_block(args, layout_id, layout, lambda unpacked: _bwd_body(unpacked, True))
 
@@ -417,7 +420,7 @@ def needs_backward(*tensors: Optional[Tensor]) -> bool:
 
 
 def attention(args: FwdArgs, layout: Optional[str] = None) -> Tensor:
-    """O [B,Hq,Sq,D] of the forward op on args, differentiable when a gradient is needed; else a forward that
+    """O [B,Hq,Sq,Dv] of the forward op on args, differentiable when a gradient is needed; else a forward that
     keeps nothing for backward (the backend may then skip the column-wise copies). Eager calls run the bodies
     directly; under torch.compile the ops are traced. layout (a dense qkv_format, differentiable calls only):
     args' q, k, v are given in that layout, and O is returned in it (the views made inside the autograd node:

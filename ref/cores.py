@@ -159,14 +159,17 @@ def _bwd_chunks(qr, kr, vr, dor, stats, delta, *, scale, mask, cdt, sink):
 
 
 def _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, *, scale, mask, quant, p_scale, out_dtype, cdt,
-              sink=None, p_format="e4m3", ds_rounding=_DsRounding()):
+              sink=None, p_format="e4m3", ds_rounding=_DsRounding(), dstats=None):
     """Backward on dequantized operands (dtype cdt); returns (dq, dk, dv) in out_dtype, and dsink [Hq]
     (float32, float64 in the float64 case) after them when sink [Hq] is given. quant: P and dS rounded as
-    p_format and ds_rounding say (else not at all)."""
+    p_format and ds_rounding say (else not at all). dstats: None or the gradient of stats [B,Hq,Sq,1]; since
+    d stats / d S = P, it enters as delta - dstats (the sink's gradient follows from that delta)."""
     B, Hq, Sq, D = qr.shape
     Hkv, Skv, Dv = kr.shape[1], kr.shape[2], vr.shape[3]
     dev = qr.device  # every tensor made here lives on the inputs' device
     delta = _sum(o.to(cdt) * do.to(cdt), -1, keepdim=True)
+    if dstats is not None:
+        delta = delta - dstats.to(cdt)
     dq = torch.empty(B, Hq, Sq, D, dtype=cdt, device=dev)
     dk = torch.zeros(B, Hkv, Skv, D, dtype=cdt, device=dev)
     dv = torch.zeros(B, Hkv, Skv, Dv, dtype=cdt, device=dev)

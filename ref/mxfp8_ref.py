@@ -75,6 +75,10 @@ normalized FP32 softmax (from ``stats`` when given, in the kernel's log2
 form 2^(S_raw * attn_scale * log2 e - stats * log2 e)); delta = rowsum(O * dO)
 in FP32 from the high-precision O and dO; dS is MXFP8-quantized along s_kv
 (for dQ) and along s_q (for dK); GQA dK/dV are summed over the group in FP32.
+The stats (log-sum-exp) may be an output that is differentiated too: the
+backward functions take its gradient as ``dstats`` (shaped like stats), and
+since d stats / d S = P it enters as delta = rowsum(O * dO) - dstats (the
+sink's gradient below then uses that delta).
 
 Variable lengths (spec section 10): ``sdpa_fwd_varlen`` / ``sdpa_bwd_varlen``
 take packed "thd" tensors or padded "bhsd_padded" ones with ``cu_seqlens_q`` /
@@ -92,7 +96,8 @@ scores S * attn_scale, and adds nothing to O. It is not quantized. The online so
 (max = sink, sum = 1), so P = exp(S - m) uses a running max m >= sink before its E4M3 rounding, and stats =
 log(exp(sink) + sum_j exp(S_j)) include it; a row that keeps no key gives O = 0 and stats = sink. The
 backward is unchanged given those stats (P = exp(S - stats)); the sink's gradient is
-dsink[h] = -sum over batch and rows of exp(sink[h] - stats) * delta, delta = rowsum(O * dO).
+dsink[h] = -sum over batch and rows of exp(sink[h] - stats) * delta, delta = rowsum(O * dO) (minus dstats
+when given).
 
 Optional ``rescale_threshold`` (forward only, default None = spec literal,
 the running max is always updated): when a float t is given, the running max

@@ -135,12 +135,24 @@ def _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv, device, like):
         _check_device(stats, "stats", device, like)
 
 
+def _check_dstats(dstats, B, Hq, Sq, device, like):
+    """dstats, the gradient of the forward's stats: None or a float tensor [B,Hq,Sq,1] on ``device``."""
+    if dstats is None:
+        return
+    _check_float_tensor(dstats, "dstats")
+    if tuple(dstats.shape) != (B, Hq, Sq, 1):
+        raise ValueError(f"dstats: expected shape {(B, Hq, Sq, 1)} (like stats), got {tuple(dstats.shape)}")
+    _check_device(dstats, "dstats", device, like)
+
+
 def sdpa_bwd_quantized(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col, stats=None, *, attn_scale=None,
                        causal=False, diagonal_alignment="top_left", window=(None, None),
                        out_dtype=torch.bfloat16, p_scale=256.0, sink=None, p_format="e4m3", ds_format="fp8",
-                       scaling="mxfp8", scale_rounding="ceil"):
+                       scaling="mxfp8", scale_rounding="ceil", dstats=None):
     """MXFP8 backward from pre-quantized operands (each a (data float8_e4m3fn, scale float8_e8m0fnu) pair).
-    With sink [Hq] (the forward's sink logits) a fourth result dsink [Hq] float32 follows.
+    With sink [Hq] (the forward's sink logits) a fourth result dsink [Hq] float32 follows. dstats: None or the
+    gradient of the forward's stats (the log-sum-exp), float [B,Hq,Sq,1]: the backward's delta becomes
+    rowsum(O * dO) - dstats (module docstring).
 
     q_row/k_row/v_row/do_row: scales along D [B,H,S,ceil(D/32)]; q_col/k_col/do_col: scales along S
     [B,H,ceil(S/32),D]. o, do: high-precision [B,Hq,Sq,Dv] (for delta). stats [B,Hq,Sq,1] or None
@@ -155,6 +167,7 @@ def sdpa_bwd_quantized(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col,
     B, Hq, Hkv, Sq, Skv, D, Dv = _check_shapes(q_row[0], k_row[0], v_row[0], ("q_row", "k_row", "v_row"))
     dev = q_row[0].device
     _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv, dev, "q_row")
+    _check_dstats(dstats, B, Hq, Sq, dev, "q_row")
     _check_out_dtype(out_dtype)
     _check_choice(p_format, "p_format")
     _check_choice(ds_format, "ds_format")
@@ -170,14 +183,16 @@ def sdpa_bwd_quantized(q_row, q_col, k_row, k_col, v_row, o, do, do_row, do_col,
     return _bwd_core(qr, kr, vr, qc, kc, dor, doc, o, do, stats, scale=_attn_scale(attn_scale, D), mask=mask,
                      quant=True, p_scale=_check_p_scale(p_scale), out_dtype=out_dtype, cdt=torch.float32,
                      sink=_check_sink(sink, Hq, dev), p_format=p_format,
-                     ds_rounding=_DsRounding(ds_format, scaling, scale_rounding))
+                     ds_rounding=_DsRounding(ds_format, scaling, scale_rounding), dstats=dstats)
 
 
 def sdpa_bwd(q, k, v, o, do, stats=None, *, attn_scale=None, causal=False, diagonal_alignment="top_left",
              window=(None, None), out_dtype=torch.bfloat16, p_scale=256.0, quantize_inputs=True, sink=None,
-             p_format="e4m3", v_format="fp8", ds_format="fp8", scaling="mxfp8", scale_rounding="ceil"):
+             p_format="e4m3", v_format="fp8", ds_format="fp8", scaling="mxfp8", scale_rounding="ceil",
+             dstats=None):
     """Reference backward from high-precision q, k, v, o, do (shapes as in ``sdpa_fwd``); with sink [Hq] a
-    fourth result dsink [Hq] follows.
+    fourth result dsink [Hq] follows. dstats: None or the gradient of the forward's stats [B,Hq,Sq,1]
+    (``sdpa_bwd_quantized``).
 
     quantize_inputs=True: Q, K row+column, V row, dO row+column MXFP8, then ``sdpa_bwd_quantized``; the
     recipe options p_format, v_format, ds_format, scaling, scale_rounding (module docstring) change what is
@@ -189,13 +204,14 @@ def sdpa_bwd(q, k, v, o, do, stats=None, *, attn_scale=None, causal=False, diago
         _check_float_tensor(t, n, 4)
     B, Hq, Hkv, Sq, Skv, D, Dv = _check_shapes(q, k, v)
     _check_o_do_stats(o, do, stats, B, Hq, Sq, Dv, q.device, "q")
+    _check_dstats(dstats, B, Hq, Sq, q.device, "q")
     _check_out_dtype(out_dtype)
     _check_choice(v_format, "v_format")
     _check_scaling(scaling, scale_rounding)
     mask = _resolve_mask(causal, diagonal_alignment, window, Sq, Skv)
     _check_sink(sink, Hq, q.device)
     opts = dict(attn_scale=attn_scale, causal=causal, diagonal_alignment=diagonal_alignment, window=window,
-                out_dtype=out_dtype, p_scale=p_scale, sink=sink)
+                out_dtype=out_dtype, p_scale=p_scale, sink=sink, dstats=dstats)
     if quantize_inputs:
         quant = lambda x, axis: _quantize_operand(x, axis, scaling, scale_rounding)  # noqa: E731
         v_row = (v.to(torch.bfloat16), None) if v_format == "bf16" else quant(v, -1)
@@ -205,4 +221,5 @@ def sdpa_bwd(q, k, v, o, do, stats=None, *, attn_scale=None, causal=False, diago
     cdt = torch.float64 if all(t.dtype == torch.float64 for t in (q, k, v, o, do)) else torch.float32
     qd, kd, vd, dod = q.to(cdt), k.to(cdt), v.to(cdt), do.to(cdt)
     return _bwd_core(qd, kd, vd, qd, kd, dod, dod, o, do, stats, scale=_attn_scale(attn_scale, D), mask=mask,
-                     quant=False, p_scale=_check_p_scale(p_scale), out_dtype=out_dtype, cdt=cdt, sink=sink)
+                     quant=False, p_scale=_check_p_scale(p_scale), out_dtype=out_dtype, cdt=cdt, sink=sink,
+                     dstats=dstats)

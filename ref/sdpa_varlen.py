@@ -191,9 +191,11 @@ def sdpa_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, *, layout="thd", attn_
 def sdpa_bwd_varlen(q, k, v, o, do, stats, cu_seqlens_q, cu_seqlens_kv, *, layout="thd", attn_scale=None,
                     causal=False, diagonal_alignment="top_left", window=(None, None), out_dtype=torch.bfloat16,
                     p_scale=256.0, quantize_inputs=True, sink=None, p_format="e4m3", v_format="fp8",
-                    ds_format="fp8", scaling="mxfp8", scale_rounding="ceil"):
+                    ds_format="fp8", scaling="mxfp8", scale_rounding="ceil", dstats=None):
     """Variable-length backward: ``sdpa_bwd`` on each sequence alone (see the section comment above).
-    With sink [Hq] a fourth result dsink [Hq] (summed over the sequences) follows.
+    With sink [Hq] a fourth result dsink [Hq] (summed over the sequences) follows. dstats: None or the gradient
+    of the forward's stats, shaped like stats (``sdpa_bwd``'s dstats, per sequence; a sequence with queries but
+    no keys has stats = sink, so its dstats goes to dsink whole).
     p_format, v_format, ds_format, scaling, scale_rounding: the recipe variants of ``sdpa_bwd`` ("mxfp8" only).
 
     q, k, v, cu_seqlens_*, layout as in ``sdpa_fwd_varlen``; o, do shaped like q with v's head dim;
@@ -208,12 +210,13 @@ def sdpa_bwd_varlen(q, k, v, o, do, stats, cu_seqlens_q, cu_seqlens_kv, *, layou
         if tuple(t.shape) != want:
             raise ValueError(f"{n}: expected shape {want} (q's rows and heads, v's head dim), got {tuple(t.shape)}")
         _check_device(t, n, q.device, "q")
-    if stats is not None:
-        want_stats = tuple(q.shape[:-1]) if layout == "thd" else (*q.shape[:-1], 1)
-        _check_float_tensor(stats, "stats")
-        if tuple(stats.shape) != want_stats:
-            raise ValueError(f"stats: expected shape {want_stats}, got {tuple(stats.shape)}")
-        _check_device(stats, "stats", q.device, "q")
+    want_stats = tuple(q.shape[:-1]) if layout == "thd" else (*q.shape[:-1], 1)
+    for t, n in ((stats, "stats"), (dstats, "dstats")):
+        if t is not None:
+            _check_float_tensor(t, n)
+            if tuple(t.shape) != want_stats:
+                raise ValueError(f"{n}: expected shape {want_stats}, got {tuple(t.shape)}")
+            _check_device(t, n, q.device, "q")
     seqs = _varlen_sequences(layout, cu_seqlens_q, cu_seqlens_kv, q4, k4)
     recipe = dict(p_format=p_format, v_format=v_format, ds_format=ds_format, scaling=scaling,
                   scale_rounding=scale_rounding)
@@ -221,17 +224,21 @@ def sdpa_bwd_varlen(q, k, v, o, do, stats, cu_seqlens_q, cu_seqlens_kv, *, layou
     dq, dk, dv = (torch.zeros(t.shape, dtype=out_dtype, device=q.device) for t in (q, k, v))
     o4, do4, dq4, dk4, dv4 = (_bhsd(t, layout) for t in (o, do, dq, dk, dv))
     stats4 = None if stats is None else _bhsd(stats, layout)
+    dstats4 = None if dstats is None else _bhsd(dstats, layout)
     opts = dict(attn_scale=attn_scale, causal=causal, diagonal_alignment=diagonal_alignment, window=window,
                 out_dtype=out_dtype, p_scale=p_scale, quantize_inputs=quantize_inputs,
                 sink=_check_sink(sink, q4.shape[1], q.device), **recipe)
     dsink = None if sink is None else torch.zeros(sink.shape, dtype=sink.dtype, device=q.device)
     for seq in seqs:
+        dstats_b = None if dstats4 is None else _rows(dstats4, seq, "q").contiguous()
+        if seq.len_q > 0 and seq.len_kv == 0 and dsink is not None and dstats_b is not None:
+            dsink += dstats_b.sum(dim=(0, 2, 3)).to(dsink.dtype)  # stats = sink in these rows
         if seq.len_q == 0 or seq.len_kv == 0:
             continue  # no query rows, or nothing to attend (O = 0, so delta = 0): zero gradients
         stats_b = None if stats4 is None else _rows(stats4, seq, "q").contiguous()
         dq_b, dk_b, dv_b, *dsink_b = sdpa_bwd(_rows(q4, seq, "q").contiguous(), _rows(k4, seq, "kv").contiguous(),
                                     _rows(v4, seq, "kv").contiguous(), _rows(o4, seq, "q").contiguous(),
-                                    _rows(do4, seq, "q").contiguous(), stats_b, **opts)
+                                    _rows(do4, seq, "q").contiguous(), stats_b, dstats=dstats_b, **opts)
         _rows(dq4, seq, "q").copy_(dq_b)
         _rows(dk4, seq, "kv").copy_(dk_b)
         _rows(dv4, seq, "kv").copy_(dv_b)

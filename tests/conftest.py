@@ -8,9 +8,9 @@ import torch
 def _fresh_backend_choice():
     """Tests monkeypatch backends' support checks: forget the choices cached by earlier tests."""
     from mxattn import backends
-    backends.pick_backend.cache_clear()
+    backends.clear_choices()
     yield
-    backends.pick_backend.cache_clear()
+    backends.clear_choices()
 
 
 def _is_blackwell() -> bool:

@@ -26,6 +26,27 @@ MASKS = {"none": MaskSpec(), "causal_tl": MaskSpec(causal=True),
          "swa_tl": MaskSpec(left_bound=100, right_bound=0)}
 
 
+TORCH_OF = {"FP8_E4M3": torch.float8_e4m3fn, "FP8_E5M2": torch.float8_e5m2, "FP8_E8M0": torch.float8_e8m0fnu,
+            "BFLOAT16": torch.bfloat16, "HALF": torch.float16, "FLOAT": torch.float32, "INT32": torch.int32,
+            "INT64": torch.int64}
+
+
+def check_pack_against_graph(pack, graph_tensors, packed: bool) -> None:
+    """Every slot of a variant pack (uid -> tensor) against the graph's non-virtual JSON tensors: the same uids,
+    and each tensor's dims, strides and dtype; a packed graph's token slots (those with a ragged offset) are
+    [1, H, T, D] views with the graph's H, D and strides past the batch axis (size-1 axes aside)."""
+    assert sorted(pack) == sorted(graph_tensors) and all(type(uid) is int for uid in pack)
+    for uid, t in graph_tensors.items():
+        got = pack[uid]
+        assert got.dtype == TORCH_OF[t["data_type"]], t["name"]
+        if packed and t.get("ragged_offset_uid") is not None:
+            assert got.shape[0] == 1 and (got.shape[1], got.shape[3]) == (t["dim"][1], t["dim"][3]), t["name"]
+            assert [st for st, n in zip(got.stride()[1:], got.shape[1:]) if n > 1] == \
+                [st for st, n in zip(t["stride"][1:], got.shape[1:]) if n > 1], t["name"]
+        else:
+            assert (list(got.shape), list(got.stride())) == (t["dim"], t["stride"]), t["name"]
+
+
 def fresh_op_plans(monkeypatch) -> None:
     """Empty recordings of the ops' bodies and calls for this test (`mxattn.op_plans`): a replay recorded by
     another test would carry that test's stand-ins (compiled kernels, planned graphs)."""

@@ -97,6 +97,19 @@ def bert():
     return cfg, BertModel
 
 
+def deepseek_v3(qk_nope=64, qk_rope=32, v_head=64, heads=4):
+    """A 2-layer DeepSeek-V3 (MLA; one dense layer, one MoE layer): Q and K of head dim qk_nope + qk_rope, V of
+    v_head."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=heads,
+                           n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                           first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=qk_nope,
+                           qk_rope_head_dim=qk_rope, v_head_dim=v_head, max_position_embeddings=64,
+                           attention_dropout=0.0)
+    return cfg, DeepseekV3ForCausalLM
+
+
 def build(factory, attn="eager", seed=0):
     cfg, cls = factory()
     cfg._attn_implementation = attn

@@ -5,6 +5,7 @@ when it is not cudnn."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import threading
@@ -28,10 +29,16 @@ _WARNED = set()
 _LOCK = threading.Lock()
 
 
+def check_backend_name(name, concrete: bool = False) -> None:
+    """ValueError naming `backend` unless name is one of BACKEND_NAMES, or "auto" where concrete is False."""
+    allowed = BACKEND_NAMES if concrete else ("auto",) + BACKEND_NAMES
+    if name not in allowed:
+        raise ValueError(f"backend must be one of {allowed}, got {name!r}")
+
+
 def backend_class(name: str) -> Type[AttentionBackend]:
     """The class of backend `name`; raises MXFP8NotSupportedError if its module cannot be imported."""
-    if name not in _MODULES:
-        raise ValueError(f"backend must be one of {('auto',) + BACKEND_NAMES}, got {name!r}")
+    check_backend_name(name, concrete=True)
     module_name, class_name = _MODULES[name]
     try:
         module = importlib.import_module(module_name)
@@ -76,8 +83,7 @@ def _first_supporting(name: str, device: torch.device, ask, stacklevel: int = 6)
     "auto" the first of BACKEND_NAMES that ask accepts, warning once per (device type, choice, reasons) when it
     is not cudnn (stacklevel: the warning's, pointing at the user's call)."""
     if name != "auto":
-        if name not in BACKEND_NAMES:
-            raise ValueError(f"backend must be one of {('auto',) + BACKEND_NAMES}, got {name!r}")
+        check_backend_name(name)
         ok, reason = ask(name)
         if not ok:
             raise MXFP8NotSupportedError(f"backend {name!r} cannot run this call on {device}: {reason}")
@@ -116,8 +122,45 @@ def pick_backend(name: str, problem: Problem) -> str:
     warning once per (device type, choice, reasons) when it is not cudnn. A constant under torch.compile: the
     choice runs once at trace time, with no graph break. Answers are cached per (name, problem): the support
     checks read library versions and package metadata (about a millisecond), which must not be paid per call;
-    refusals raise every time (exceptions are not cached)."""
-    return _first_supporting(name, problem.device, lambda candidate: supports(candidate, problem))
+    refusals raise every time (exceptions are not cached). A backend that takes V only as wide as Q and K runs a
+    narrower V zero-padded (`v_padding`, which every caller of a choice applies), so it is chosen for it too."""
+    return _first_supporting(name, problem.device, lambda candidate: (
+        (True, "") if v_padding(candidate, problem) else supports(candidate, problem)))
+
+
+def v_padding(name: str, problem: Problem) -> int:
+    """How many zero channels backend `name` needs appended to V (and dO) to run `problem`: head_dim - head_dim_v
+    when V is narrower than Q and K (MLA) and the backend refuses that pair of head dims but runs the call with
+    V as wide as Q, else 0. Zero channels change none of V's block scales (MXFP8 blocks along D hold V's own
+    channels and zeros; blocks along S are per channel), so O's first head_dim_v channels and dV's are those of
+    a backend that takes the pair. A constant under torch.compile."""
+    if problem.quantized or problem.head_dim_v >= problem.head_dim:
+        return 0
+    if not torch.compiler.is_compiling():
+        return _v_padding(name, problem)
+    return _v_padding_constant(name, problem.encode(without_sizes=True))
+
+
+@constant_result
+def _v_padding_constant(name: str, problem_key: tuple) -> int:
+    return _v_padding(name, Problem.decode(problem_key))
+
+
+@functools.lru_cache(maxsize=256)
+def _v_padding(name: str, problem: Problem) -> int:
+    try:
+        refuses_the_pair = bool(backend_class(name).v_dim_refusal(problem.head_dim, problem.head_dim_v))
+    except MXFP8NotSupportedError:
+        return 0
+    if refuses_the_pair and supports(name, dataclasses.replace(problem, head_dim_v=problem.head_dim))[0]:
+        return problem.head_dim - problem.head_dim_v
+    return 0
+
+
+def clear_choices() -> None:
+    """Forget the cached backend choices and V paddings (after a support check changed, as tests make them)."""
+    pick_backend.cache_clear()
+    _v_padding.cache_clear()
 
 
 def supports_cache(name: str, call: CacheCall) -> Tuple[bool, str]:
@@ -176,5 +219,6 @@ def get_backend(name: str) -> AttentionBackend:
 
 
 __all__ = ["AttentionBackend", "AttentionParams", "CacheCall", "Problem", "SavedForBackward", "BACKEND_NAMES",
-           "availability", "backend_class", "choice_reads_sizes", "choose_backend", "get_backend", "pick_backend",
-           "pick_cache_backend", "supports", "supports_cache"]
+           "availability", "backend_class", "check_backend_name", "choice_reads_sizes", "clear_choices",
+           "choose_backend", "get_backend", "pick_backend", "pick_cache_backend", "supports", "supports_cache",
+           "v_padding"]

@@ -12,13 +12,13 @@ call before any work is done, so `auto` can pick a backend that will run it, for
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..checks import check_quantized_inputs, check_quantized_segments
-from ..constants import ATTENTION_FP8_DTYPE, INPUT_DTYPES, ceil_div
+from ..constants import ATTENTION_FP8_DTYPE, INPUT_DTYPES, KERNEL_OUT_DTYPES, ceil_div
 from ..errors import MXFP8NotSupportedError
 from ..formats import BLOCK_SIZE, MXFP8Tensor, segmented_scale_rows
 from ..mask import MaskSpec
@@ -79,6 +79,15 @@ class Problem:
     #: True when q, k, v arrive already quantized (`AttentionBackend.forward_quantized`; dtype is then their
     #: elements' FP8 dtype, and there is no backward)
     quantized: bool = False
+    #: True when the backward must take the gradient of the forward's log-sum-exp (`AttentionBackend.backward`'s
+    #: dstats: the stats returned to the caller and differentiated)
+    stats_grad: bool = False
+    #: V's head dim (O's and dO's), d_v; None (the default) means head_dim. head_dim is then d_qk, Q's and K's
+    head_dim_v: Optional[int] = None
+
+    def __post_init__(self):
+        if self.head_dim_v is None:  # (one spelling per call: equal problems hash alike)
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     def encode(self, without_sizes: bool = False) -> tuple:
         """Every field, in declaration order, as a flat tuple of Python constants (the device as its string,
@@ -127,7 +136,7 @@ class CacheCall(NamedTuple):
     #: host offsets [B+1] splitting T by sequence, and the caller's tensor of them (int32, q's device or the CPU)
     cu: List[int]
     cu_seqlens_q: torch.Tensor
-    #: None, or the new tokens' K and V [T, Hkv, D], appended before attending
+    #: None, or the new tokens' K [T, Hkv, D] and V [T, Hkv, Dv], appended before attending
     k_new: Optional[torch.Tensor]
     v_new: Optional[torch.Tensor]
     softmax_scale: float
@@ -145,8 +154,8 @@ class CacheCall(NamedTuple):
     def facts(self) -> tuple:
         """What a support verdict reads besides sizes (the backend choice's cache key)."""
         q, cache = self.q, self.cache
-        return (q.device, q.dtype, q.shape[1], cache.kv_heads, cache.head_dim, self.left_bound, self.softmax_type,
-                self.kernel_dtype, self.k_new is None)
+        return (q.device, q.dtype, q.shape[1], cache.kv_heads, cache.head_dim, cache.head_dim_v, self.left_bound,
+                self.softmax_type, self.kernel_dtype, self.k_new is None)
 
 
 def sink_grad(o: torch.Tensor, do: torch.Tensor, stats: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
@@ -234,6 +243,13 @@ class AttentionBackend(abc.ABC):
     #: the class of what forward() keeps for backward() (see SavedForBackward, the default, for the three methods
     #: that carry it through autograd and torch.compile)
     saved_format: type = SavedForBackward
+    #: dtypes forward() writes O in and backward() the gradients in (`AttentionParams.out_dtype`); float32 means
+    #: unrounded results, which partial attention over disjoint key sets needs before it is merged
+    output_dtypes: Tuple[torch.dtype, ...] = KERNEL_OUT_DTYPES
+    #: True when backward() takes `dstats`, the gradient of the forward's log-sum-exp
+    takes_stats_grad: bool = False
+    #: True when V (and O, dO) may have another head dim than Q and K (`Problem.head_dim_v`, MLA's d_v != d_qk)
+    supports_distinct_v_dim: bool = False
     #: True when every kernel of forward() and backward() launches through `mxattn.runtime.triton_launch` and
     #: their host paths read no tensor contents: the ops' bodies may then be recorded once per signature and
     #: replayed (`mxattn.op_plans`). Work issued any other way would be missing from a replay, unless reported
@@ -281,8 +297,8 @@ class AttentionBackend(abc.ABC):
         """(can run this whole call, forward and, if problem.needs_backward, backward; reason). Never raises.
 
         The base class checks the recipe (`supports_recipe`), the device, the input dtype (for already-quantized
-        inputs: that the backend has `forward_quantized`, and E4M3 elements) and the head dim; backends add their
-        own limits."""
+        inputs: that the backend has `forward_quantized`, and E4M3 elements) and the head dims (`v_dim_refusal`,
+        `supported_head_dims`); backends add their own limits."""
         ok, reason = cls.supports_recipe(Recipe.decode(problem.recipe))
         if not ok:
             return False, reason
@@ -297,10 +313,34 @@ class AttentionBackend(abc.ABC):
                                f"{problem.dtype}")
         elif problem.dtype not in cls.input_dtypes:
             return False, (f"takes q, k, v in {', '.join(map(str, cls.input_dtypes))}, got {problem.dtype}")
+        # (before the list of head dims: a pair of dims a backend lists alone, as cuDNN's 192, is refused as a pair)
+        refusal = cls.v_dim_refusal(problem.head_dim, problem.head_dim_v)
+        if refusal:
+            return False, refusal
         if cls.supported_head_dims is not None and problem.head_dim not in cls.supported_head_dims:
             return False, (f"head_dim {problem.head_dim} is not supported (supported: "
                            f"{', '.join(map(str, cls.supported_head_dims))})")
+        if problem.out_dtype not in cls.output_dtypes:
+            return False, (f"writes its outputs in {', '.join(map(str, cls.output_dtypes))}, and this call needs "
+                           f"{problem.out_dtype}")
+        if problem.stats_grad and problem.needs_backward and not cls.takes_stats_grad:
+            return False, "its backward takes no gradient of the softmax statistics (log-sum-exp)"
         return True, reason
+
+    @classmethod
+    def v_dim_refusal(cls, head_dim: int, head_dim_v: int) -> str:
+        """Why this backend cannot run V of head dim head_dim_v beside Q and K of head_dim (d_v != d_qk), or ""
+        when it can (equal dims; or `supports_distinct_v_dim` and head_dim_v among `supported_head_dims`). The
+        check of `supports`, and of `supports_cache` for a cache of two head dims."""
+        if head_dim_v == head_dim:
+            return ""
+        if not cls.supports_distinct_v_dim:
+            return (f"q and k have head_dim {head_dim} and v has head_dim_v {head_dim_v}: this backend runs one "
+                    "head dim for q, k and v (d_qk != d_v runs on the reference backend)")
+        if cls.supported_head_dims is not None and head_dim_v not in cls.supported_head_dims:
+            return (f"head_dim_v {head_dim_v} is not supported (supported: "
+                    f"{', '.join(map(str, cls.supported_head_dims))})")
+        return ""
 
     @classmethod
     def supports_cache(cls, call: CacheCall) -> Tuple[bool, str]:
@@ -315,7 +355,7 @@ class AttentionBackend(abc.ABC):
         return False
 
     def attend_cache(self, call: CacheCall) -> Tuple[torch.Tensor, object]:
-        """Append call.k_new / v_new (when given), then attend: (O [T, Hq, D] in call.kernel_dtype, the
+        """Append call.k_new / v_new (when given), then attend: (O [T, Hq, Dv] in call.kernel_dtype, the
         `mxattn.PagedStep` that ran, or None). Called only after `supports_cache(call)` said yes."""
         raise MXFP8NotSupportedError(f"backend {self.name!r}: {self.supports_cache(call)[1]}")
 
@@ -335,10 +375,20 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def backward(self, saved, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
-                 params: AttentionParams) -> Tuple[torch.Tensor, ...]:
+                 params: AttentionParams, dstats: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, ...]:
         """saved (what forward returned, a `saved_format` instance), o, do [B,Hq,Sq,D] (bf16/fp16), stats
         [B,Hq,Sq,1] fp32 -> (dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D]) in params.out_dtype, followed by dsink [Hq]
-        fp32 when params.sink_requires_grad (a backend without its own may use `sink_grad`)."""
+        fp32 when params.sink_requires_grad (a backend without its own may use `sink_grad`).
+        dstats: None, or the gradient of the returned stats (fp32 [B,Hq,Sq,1]); d stats / d S = P, so it enters
+        as delta = rowsum(O * dO) - dstats. Passed only to backends with `takes_stats_grad` (others may omit
+        the argument)."""
+
+    def saved_for_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams):
+        """What `forward(q, k, v, params)` keeps for `backward` (a `saved_format_for(params.recipe)` instance, the
+        same bytes), without the attention: for callers that drop the forward's copies and remake them when the
+        backward comes (context parallelism's ring holds one K/V block at a time). The base class runs the
+        forward and keeps its copies; a backend overrides it with its quantizations alone."""
+        return self.forward(q, k, v, replace(params, needs_backward=True))[2]
 
     def forward_quantized(self, q: MXFP8Tensor, k: MXFP8Tensor, v, params: AttentionParams
                           ) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -70,6 +70,9 @@ class ReferenceBackend(AttentionBackend):
 
     name = "reference"
     supported_head_dims = None
+    output_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    takes_stats_grad = True
+    supports_distinct_v_dim = True
 
     @classmethod
     def availability(cls, device: torch.device) -> Tuple[bool, str]:
@@ -93,7 +96,7 @@ class ReferenceBackend(AttentionBackend):
         if call.k_new is not None:
             cache._append(slots, call.k_new, call.v_new, cu)
         check_queries(cache, slots, cu, [cache._lens[s] for s in slots])
-        out = torch.zeros(q.shape, dtype=call.kernel_dtype, device=q.device)
+        out = torch.zeros((*q.shape[:2], cache.head_dim_v), dtype=call.kernel_dtype, device=q.device)
         for slot, a, b in zip(slots, cu, cu[1:]):
             if b == a:
                 continue
@@ -107,16 +110,29 @@ class ReferenceBackend(AttentionBackend):
         return out, None
 
     def forward(self, q, k, v, params: AttentionParams):
-        seq, recipe = params.seq, params.recipe
-        check_recipe_varlen(recipe.encode(), None if seq is None else seq.kind, "params.recipe")
-        q_row, q_col = quantize_rowcol(q, seq, "q", recipe)
-        k_row, k_col = quantize_rowcol(k, seq, "kv", recipe)
-        v_row, v_col = v_operands(v, seq, recipe)
-        if recipe.is_default:
+        q_row, q_col, k_row, k_col, v_row, v_col = self._operands(q, k, v, params)
+        if params.recipe.is_default:
             saved = SavedForBackward(q_row=q_row, q_col=q_col, k_row=k_row, k_col=k_col, v_row=v_row)
         else:
-            saved = SavedInputs.of(q, k, v, seq) if params.needs_backward else None
+            saved = SavedInputs.of(q, k, v, params.seq) if params.needs_backward else None
         return (*self._forward_on(q_row, k_row, v_col, params), saved)
+
+    def saved_for_backward(self, q, k, v, params: AttentionParams):
+        """`forward`'s saved copies (`AttentionBackend.saved_for_backward`): its quantizations, no attention."""
+        if not params.recipe.is_default:
+            check_recipe_varlen(params.recipe.encode(), None if params.seq is None else params.seq.kind,
+                                "params.recipe")
+            return SavedInputs.of(q, k, v, params.seq)
+        q_row, q_col, k_row, k_col, v_row, _ = self._operands(q, k, v, params)
+        return SavedForBackward(q_row=q_row, q_col=q_col, k_row=k_row, k_col=k_col, v_row=v_row)
+
+    @staticmethod
+    def _operands(q, k, v, params: AttentionParams) -> tuple:
+        """(q_row, q_col, k_row, k_col, v_row, v_col): the quantized operands of the forward and the backward."""
+        seq, recipe = params.seq, params.recipe
+        check_recipe_varlen(recipe.encode(), None if seq is None else seq.kind, "params.recipe")
+        return (*quantize_rowcol(q, seq, "q", recipe), *quantize_rowcol(k, seq, "kv", recipe),
+                *v_operands(v, seq, recipe))
 
     def forward_quantized(self, q, k, v, params: AttentionParams):
         """`forward`'s emulation on the given bytes (`AttentionBackend.forward_quantized`)."""
@@ -149,7 +165,9 @@ class ReferenceBackend(AttentionBackend):
         _per_sequence(seq, one, only_sink if params.sink is not None else None)
         return o, stats
 
-    def backward(self, saved, o, stats, do, params: AttentionParams):
+    def backward(self, saved, o, stats, do, params: AttentionParams, dstats=None):
+        """`AttentionBackend.backward` through `ref`'s backward (dstats handed on: ref subtracts it from delta),
+        sequence by sequence for a padded or packed batch."""
         seq, recipe = params.seq, params.recipe
         if recipe.is_default:
             parts = (saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row)
@@ -162,7 +180,7 @@ class ReferenceBackend(AttentionBackend):
         if seq is None:
             grads = mxfp8_ref.sdpa_bwd_quantized(
                 q_row=pair(q_row), q_col=pair(q_col), k_row=pair(k_row), k_col=pair(k_col), v_row=pair(v_row),
-                o=o, do=do, do_row=pair(do_row), do_col=pair(do_col), stats=stats, **opts)
+                o=o, do=do, do_row=pair(do_row), do_col=pair(do_col), stats=stats, dstats=dstats, **opts)
             return grads if params.sink_requires_grad else grads[:3]
         dq = torch.zeros(q_row.shape, dtype=params.out_dtype, device=do.device)
         dk = torch.zeros(k_row.shape, dtype=params.out_dtype, device=do.device)
@@ -175,11 +193,16 @@ class ReferenceBackend(AttentionBackend):
                 k_row=_mx(seq, k_row, b, cu_kv), k_col=_mx(seq, k_col, b, cu_kv),
                 v_row=_mx(seq, v_row, b, cu_kv), o=seq.rows_of(o, b, cu_q), do=seq.rows_of(do, b, cu_q),
                 do_row=_mx(seq, do_row, b, cu_q), do_col=_mx(seq, do_col, b, cu_q),
-                stats=seq.rows_of(stats, b, cu_q), **opts)
+                stats=seq.rows_of(stats, b, cu_q),
+                dstats=None if dstats is None else seq.rows_of(dstats, b, cu_q), **opts)
             for out, g, cu in zip((dq, dk, dv), grads, (cu_q, cu_kv, cu_kv)):
                 seq.rows_of(out, b, cu).copy_(g)
             if dsink is not None:
                 dsink.add_(grads[3])
 
-        _per_sequence(seq, one)  # sequences with no keys have O = 0, so delta = 0: no dsink either
+        def only_sink(b: int, cu_q: List[int], cu_kv: List[int]) -> None:  # stats = sink: dstats is its gradient
+            dsink.add_(seq.rows_of(dstats, b, cu_q).sum(dim=(0, 2, 3)))
+
+        # sequences with no keys have O = 0, so delta = 0: their dsink is their dstats alone
+        _per_sequence(seq, one, only_sink if dsink is not None and dstats is not None else None)
         return (dq, dk, dv, dsink) if params.sink_requires_grad else (dq, dk, dv)

@@ -68,6 +68,13 @@ def _inner_unit(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(3) == 1 or x.shape[3] == 1 else x.contiguous()
 
 
+def _v_copy(v: torch.Tensor, params: AttentionParams) -> torch.Tensor:
+    """V rounded to bfloat16 as the bf16-V recipe keeps it: a copy, in params.saved_layout when one is asked for."""
+    out = _like(v, torch.bfloat16) if params.saved_layout is None else \
+        empty_bhsd(tuple(v.shape), params.saved_layout, torch.bfloat16, v.device)
+    return out.copy_(v)
+
+
 def _like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Uninitialised tensor of x's shape: x's strides when x is dense with a unit D stride, else contiguous."""
     out = torch.empty_like(x, dtype=dtype, memory_format=torch.preserve_format)
@@ -273,6 +280,10 @@ class TritonBackend(AttentionBackend):
     supported_head_dims = (32, 64, 96, 128, 192, 256)
     input_dtypes = INPUT_DTYPES
     replays_ops = True
+    # float32 outputs serve partial results merged later (context parallelism); the kernels cast on store
+    output_dtypes = KERNEL_OUT_DTYPES + (torch.float32,)
+    takes_stats_grad = True
+
     @classmethod
     def supports_recipe(cls, recipe) -> Tuple[bool, str]:
         """Every MXFP8 recipe runs as constexpr specialisations of the kernels (`runtime.recipe_flags`; the
@@ -290,6 +301,9 @@ class TritonBackend(AttentionBackend):
     @classmethod
     def supports_cache(cls, call: CacheCall) -> Tuple[bool, str]:
         ok, why = cls.availability(call.q.device)
+        refusal = cls.v_dim_refusal(call.cache.head_dim, call.cache.head_dim_v)
+        if ok and refusal:
+            return False, refusal
         if ok and call.cache.head_dim > 128:
             return False, f"the paged Triton kernel takes head dims up to 128, the cache has {call.cache.head_dim}"
         return ok, why
@@ -342,8 +356,8 @@ class TritonBackend(AttentionBackend):
     def _check_common(self, params: AttentionParams, d: int) -> None:
         if not isinstance(params, AttentionParams):
             raise TypeError(f"params must be an AttentionParams, got {type(params).__name__}")
-        if params.out_dtype not in KERNEL_OUT_DTYPES:
-            raise TypeError(f"params.out_dtype must be one of {KERNEL_OUT_DTYPES}, got {params.out_dtype}")
+        if params.out_dtype not in self.output_dtypes:
+            raise TypeError(f"params.out_dtype must be one of {self.output_dtypes}, got {params.out_dtype}")
         if d not in self.supported_head_dims:
             raise MXFP8NotSupportedError(
                 f"head_dim {d} is not supported by the triton backend (supported: {self.supported_head_dims})")
@@ -393,21 +407,9 @@ class TritonBackend(AttentionBackend):
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams
                  ) -> Tuple[torch.Tensor, torch.Tensor, SavedForBackward]:
         """`forward`'s checks and launches."""
-        for t, n in ((q, "q"), (k, "k"), (v, "v")):
-            check_bhsd_tensor(t, n, INPUT_DTYPES)
+        self._check_inputs(q, k, v, params)
         B, hq, sq, d = q.shape
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        if k.shape[0] != B or k.shape[3] != d:
-            raise ValueError(f"k must be [B={B}, Hkv, Skv, D={d}], got {tuple(k.shape)}")
         hkv, skv = k.shape[1], k.shape[2]
-        if hkv == 0 or hq % hkv != 0:
-            raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv})")
-        self._check_common(params, d)
-        for t, n in ((q, "q"), (k, "k"), (v, "v")):  # after the shape checks, so those are testable on the CPU
-            check_bhsd_tensor(t, n, INPUT_DTYPES, "cuda")
-        if not (q.device == k.device == v.device):
-            raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
         tq, tf, _ = _kernels()
         bwd = params.needs_backward  # without a backward pass only the forward's copies are made
         flags = kernel_recipe(params.recipe)
@@ -421,9 +423,7 @@ class TritonBackend(AttentionBackend):
         # and dropped there. The bf16-V recipe quantizes Q and K only; V is read in bf16 (a copy when kept).
         v_bf16 = None
         if flags.v_raw:
-            v_bf16 = ((_like(v, torch.bfloat16) if params.saved_layout is None
-                       else empty_bhsd(tuple(v.shape), params.saved_layout, torch.bfloat16, v.device)).copy_(v)
-                      if bwd or v.dtype != torch.bfloat16 else _inner_unit(v))
+            v_bf16 = _v_copy(v, params) if bwd or v.dtype != torch.bfloat16 else _inner_unit(v)
         qq, kq, vq = tq.quantize_qkv(
             _inner_unit(q), _inner_unit(k), None if flags.v_raw else _inner_unit(v),
             dict(col=bwd, data_layout=params.saved_layout, **quantizer_args(params.seq, "q")),
@@ -438,6 +438,39 @@ class TritonBackend(AttentionBackend):
         saved = self.saved_format_for(params.recipe)(q_row=qq.row, q_col=qq.col, k_row=kq.row, k_col=kq.col,
                                                      v_row=v_bf16 if flags.v_raw else vq.row)
         return o, stats, saved
+
+    def saved_for_backward(self, q, k, v, params: AttentionParams) -> SavedForBackward:
+        """`forward`'s saved copies, the same bytes, from one quantizing launch and no attention
+        (`AttentionBackend.saved_for_backward`)."""
+        self._check_inputs(q, k, v, params)
+        flags = kernel_recipe(params.recipe)
+        kv_args = dict(quantizer_args(params.seq, "kv"), data_layout=params.saved_layout)
+        with device_guard(q.device):
+            qq, kq, vq = _kernels()[0].quantize_qkv(
+                _inner_unit(q), _inner_unit(k), None if flags.v_raw else _inner_unit(v),
+                dict(data_layout=params.saved_layout, **quantizer_args(params.seq, "q")), kv_args,
+                None if flags.v_raw else dict(col=False, **kv_args), floor=flags.floor)
+            v_row = _v_copy(v, params) if flags.v_raw else vq.row
+        return self.saved_format_for(params.recipe)(q_row=qq.row, q_col=qq.col, k_row=kq.row, k_col=kq.col,
+                                                    v_row=v_row)
+
+    def _check_inputs(self, q, k, v, params: AttentionParams) -> None:
+        """The forward's argument checks: q [B,Hq,Sq,D], k = v [B,Hkv,Skv,D] on one CUDA device, Hkv | Hq."""
+        for t, n in ((q, "q"), (k, "k"), (v, "v")):
+            check_bhsd_tensor(t, n, INPUT_DTYPES)
+        B, hq, sq, d = q.shape
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape[0] != B or k.shape[3] != d:
+            raise ValueError(f"k must be [B={B}, Hkv, Skv, D={d}], got {tuple(k.shape)}")
+        hkv = k.shape[1]
+        if hkv == 0 or hq % hkv != 0:
+            raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv})")
+        self._check_common(params, d)
+        for t, n in ((q, "q"), (k, "k"), (v, "v")):  # after the shape checks, so those are testable on the CPU
+            check_bhsd_tensor(t, n, INPUT_DTYPES, "cuda")
+        if not (q.device == k.device == v.device):
+            raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
     def _forward_quantizing(self, q, k, v, params: AttentionParams, config) -> Tuple[torch.Tensor, torch.Tensor]:
         """(o, stats) of a call without a backward whose queries fit one tile: the forward kernel quantizes Q, K
@@ -488,16 +521,18 @@ class TritonBackend(AttentionBackend):
     # ------------------------------------------------------------------ backward
 
     def backward(self, saved: SavedForBackward, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
-                 params: AttentionParams) -> Tuple[torch.Tensor, ...]:
+                 params: AttentionParams, dstats: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, ...]:
         """saved (from forward), o/do [B,Hq,Sq,D] bf16/fp16, stats [B,Hq,Sq,1] fp32 -> (dq [B,Hq,Sq,D],
         dk, dv [B,Hkv,Skv,D]) in params.out_dtype, then dsink [Hq] fp32 when params.sink_requires_grad (the
-        kernels need nothing else for a sink: it lives in the stats). Deterministic (params.deterministic is
-        always honoured)."""
+        kernels need nothing else for a sink: it lives in the stats). dstats: None, or the gradient of the
+        returned stats, fp32 like stats (delta - dstats after the prep pass). Deterministic (params.deterministic
+        is always honoured)."""
         roots = (*saved.tensors(), o, stats, do, *_seq_roots(params)) if isinstance(saved, self.saved_format) \
             else None
-        key = _backward_key(roots, params) if roots is not None else None
+        # a call with dstats subtracts it on the host side, which a recorded plan cannot replay: it runs unplanned
+        key = _backward_key(roots, params) if roots is not None and dstats is None else None
         with device_guard(o.device):
-            *grads, delta = _PLANS.run(key, lambda: self._grads(saved, o, stats, do, params), roots)
+            *grads, delta = _PLANS.run(key, lambda: self._grads(saved, o, stats, do, params, dstats), roots)
         if params.sink_requires_grad:
             dsink = (sink_grad_from_delta(delta, stats, params.sink.float()) if delta is not None
                      else torch.zeros_like(params.sink, dtype=torch.float32))
@@ -505,7 +540,8 @@ class TritonBackend(AttentionBackend):
         return tuple(grads)
 
     def _grads(self, saved: SavedForBackward, o: torch.Tensor, stats: torch.Tensor, do: torch.Tensor,
-               params: AttentionParams) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+               params: AttentionParams, dstats: Optional[torch.Tensor] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(dq, dk, dv, delta fp32 [B,Hq,Sq] or None when there was nothing to compute)."""
         if not isinstance(saved, self.saved_format):
             raise TypeError(f"saved must be a {self.saved_format.__name__}, got {type(saved).__name__}")
@@ -521,27 +557,31 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"stats must be a float32 tensor of shape {(B, hq, sq, 1)}")
         if stats.device != do.device:
             raise ValueError(f"stats must be on {do.device}, got {stats.device}")
+        if dstats is not None and (not isinstance(dstats, torch.Tensor) or dstats.dtype != torch.float32 or
+                                   tuple(dstats.shape) != (B, hq, sq, 1) or dstats.device != do.device):
+            raise ValueError(f"dstats must be a float32 tensor of shape {(B, hq, sq, 1)} on {do.device}")
         self._check_common(params, d)
         tq, _, tb = _kernels()
         dq = _like(do, params.out_dtype)
         dk = _like(saved.k_row.data, params.out_dtype)
         dv = _like(saved.v_row.data, params.out_dtype)
-        if sq == 0 or skv == 0 or B * hq == 0:
-            return dq.zero_(), dk.zero_(), dv.zero_(), None
+        if sq == 0 or skv == 0 or B * hq == 0:  # O = 0: delta is -dstats alone (a sink's gradient reads it)
+            return dq.zero_(), dk.zero_(), dv.zero_(), None if dstats is None else -dstats[..., 0]
         flags = kernel_recipe(params.recipe)
         parts = [saved.q_row, saved.q_col, saved.k_row, saved.k_col, saved.v_row]
         parts = [_inner_unit(p) if isinstance(p, torch.Tensor) else p if p.data.stride(3) == 1 else
                  type(p)(p.data.contiguous(), p.scale, p.axis, p.segments) for p in parts]
         do = _inner_unit(do)
+        ds = None if dstats is None else dstats[..., 0]
         if tb.bwd_streams_bf16(B, hq, saved.k_row.data.shape[1], sq, skv, d):
             # bf16 scratch per chunk of heads; dO is quantized chunk by chunk inside
             delta = tb.attention_bwd(*parts, None, None, o, do, stats, softmax_scale=params.softmax_scale,
-                                     dq=dq, dk=dk, dv=dv, mode="pre", flags=flags, gluon_dkdv=_gluon_backward(o.device),
+                                     dq=dq, dk=dk, dv=dv, mode="pre", dstats=ds, flags=flags, gluon_dkdv=_gluon_backward(o.device),
                                      gluon_dq=_gluon_dq(o.device), **_mask_args(params, sq, skv))
         else:
             do_q = tq.quantize_rowcol(do, floor=flags.floor, **quantizer_args(params.seq, "q"))
             delta = tb.attention_bwd(*parts, do_q.row, do_q.col, o, do, stats, softmax_scale=params.softmax_scale,
-                                     dq=dq, dk=dk, dv=dv, mode="fp8", flags=flags, **_mask_args(params, sq, skv))
+                                     dq=dq, dk=dk, dv=dv, mode="fp8", dstats=ds, flags=flags, **_mask_args(params, sq, skv))
         return dq, dk, dv, delta
 
 

@@ -182,7 +182,7 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
         b, h, _, d = key_states.shape
         pages = ceil_div(self.max_cache_len, self.page_size)
         self.store = MXFP8KVCache(b * pages, self.page_size, h, d, max_sequences=b, dtype=key_states.dtype,
-                                  device=key_states.device)
+                                  device=key_states.device, head_dim_v=value_states.shape[-1])
         self.slots = [self.store.new_sequence() for _ in range(b)]
         self.positions = 0      # positions transformers counts (left padding included)
         self.pending = None     # the step's new (keys, values), until `attend` stores them
@@ -191,14 +191,17 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
 
     @_eager_only
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Keep the new tokens [B, Hkv, S, D] for `attend`; return them, marked as this layer's."""
+        """Keep the new tokens (keys [B, Hkv, S, D], values [B, Hkv, S, Dv]) for `attend`; return them, marked as
+        this layer's."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending is not None:
             raise RuntimeError(
                 "MXFP8PagedCache: the previous step's keys and values of this layer were never stored, because "
-                "the attention function was not mxattn's (the paged cache is read by it alone); register it with "
-                "mxattn.integrations.transformers.register() and load the model with that attn_implementation")
+                "the attention function did not get them: it was not mxattn's (the paged cache is read by it "
+                "alone; register it with mxattn.integrations.transformers.register() and load the model with that "
+                "attn_implementation), or the model caches something else than the keys and values it attends "
+                "(MLA models such as DeepSeek-V3 cache compressed latents: use transformers' DynamicCache there)")
         if self.positions + key_states.shape[-2] > self.max_cache_len:
             raise ValueError(f"MXFP8PagedCache holds max_cache_len={self.max_cache_len} positions per row; this "
                              f"step would reach {self.positions + key_states.shape[-2]}")
@@ -219,10 +222,11 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
                attention_mask: Optional[torch.Tensor], *, scaling: Optional[float], sliding_window: Optional[int],
                softmax_kwargs: dict, backend: str) -> torch.Tensor:
         """Store the step's real tokens and attend: query [B, Hq, Sq, D], key/value the tensors `update`
-        returned, attention_mask None or bool [B, 1, Sq, positions] -> O [B, Sq, Hq, D] (zeros on padding rows)."""
+        returned, attention_mask None or bool [B, 1, Sq, positions] -> O [B, Sq, Hq, Dv] (zeros on padding
+        rows)."""
         if self.pending is None or key is not self.pending[0]:
             raise RuntimeError("MXFP8PagedCache: these keys are not the ones this layer's update returned")
-        b, hq, sq, d = query.shape
+        b, hq, sq, _ = query.shape
         sink_offset = softmax_kwargs.get("softmax_offset")
 
         def real(x, rows):  # [B, H, Sq, D] -> the real tokens [T, H, D] (a view for a decode step without padding)
@@ -248,14 +252,14 @@ class MXFP8PagedLayer(_AppendOnlyLayer):
                 if self.steps and next(iter(self.steps))[0] != self.positions:
                     self.steps.clear()   # (an earlier step's)
                 self.steps[signature] = (attention_mask, new, step)
-        rows = new.rows
+        rows, dv = new.rows, o.shape[-1]
         if rows is not None:
-            o = o.new_zeros((b * sq, hq, d)).index_copy(0, rows, o)
-        return o.view(b, sq, hq, d)
+            o = o.new_zeros((b * sq, hq, dv)).index_copy(0, rows, o)
+        return o.view(b, sq, hq, dv)
 
     def _attend_first(self, query, key, value, attention_mask, real, scaling, sliding_window, softmax_kwargs,
                       backend):
-        """`attend` worked out from the mask and the cache -> (the step's new tokens, O [T, Hq, D], the
+        """`attend` worked out from the mask and the cache -> (the step's new tokens, O [T, Hq, Dv], the
         `PagedStep` the other layers can run, or None)."""
         b, hq, sq, d = query.shape
         new = _new_tokens_per_row(attention_mask, b, sq, self.positions, sliding_window, query.device,

@@ -25,8 +25,18 @@ batches (``DataCollatorWithFlattening``: one row of packed sequences with the ``
 ids alone, transformers separates the documents only without a KV cache (``use_cache=False``); given a cache it
 builds one causal mask over the row, and a one-time warning says the documents attend to each other.
 
+MLA models (DeepSeek-V2/V3, ...: V narrower than Q and K) run with V at its own head dim where the backend takes
+it (the reference backend); where the backend that runs the call takes one head dim (cudnn, triton: the first
+usable one for backend "auto"), V is zero-padded to Q's head dim and O cut back: zero columns change no block
+scale of V's own columns nor of dO, so O and the gradients are the same (bit for bit on the reference backend).
+A V that arrives padded runs as it is.
+
 Windows keep HF's meaning: the translation passes the diagonal it read off the mask (``bottom_right_diagonal``,
 as Transformer Engine names it), so a bidirectional window of a padded batch stays top-left where HF's is.
+
+Context parallelism: `set_context_parallel_group` records a torch.distributed group on a model's modules; the
+attention function then runs `mxattn.context_parallel_attention` on this rank's shard of each sequence (causal
+or full, sinks, GQA; the model's inputs sharded by the caller, as its docstring shows).
 
 Not supported (raise ``NotImplementedError``): attention dropout in training, logit soft-capping, additive position
 bias (T5-like), transformers' paged KV caches (continuous batching). mxattn's own paged MXFP8 cache
@@ -35,12 +45,14 @@ bias (T5-like), transformers' paged KV caches (continuous batching). mxattn's ow
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from ..attention import mxfp8_attention
-from ..backends import BACKEND_NAMES
+from ..backends import check_backend_name
+from ..context_parallel.api import attend_or_refuse
+from ..context_parallel.checks import ContextParallelGroup, resolve_group
 from ..recipe import Recipe, resolve_recipe
 from ..tensor_cache import TensorValueCache
 from .hf_masks import (MASKED_AT_OR_BELOW, MaskPlan, RowCompaction, RowGather,  # noqa: F401 -- re-exported
@@ -79,8 +91,7 @@ def _mask_functions():
 def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = None):
     """An attention function with transformers' calling convention that runs `mxattn.mxfp8_attention` with
     `backend` and `recipe` (None: the default recipe; an `mxattn.Recipe` variant, checked here)."""
-    if backend not in ("auto",) + BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {('auto',) + BACKEND_NAMES}, got {backend!r}")
+    check_backend_name(backend)
     recipe = resolve_recipe(recipe)
     try:  # the mask registry read now, not at a compiled model's first trace: Dynamo guards on the list being
         _mask_functions()  # empty there, so filling it inside the first trace recompiled the model at its second call
@@ -95,7 +106,8 @@ def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = No
                                 sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                                 s_aux: Optional[torch.Tensor] = None, position_bias: Optional[torch.Tensor] = None,
                                 cache=None, **kwargs) -> Tuple[torch.Tensor, None]:
-        """query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D] (transformers' layout) -> ([B, Sq, Hq, D], None)."""
+        """query [B, Hq, Sq, D], key [B, Hkv, Skv, D], value [B, Hkv, Skv, Dv] (transformers' layout; Dv may
+        differ from D: MLA) -> ([B, Sq, Hq, Dv], None)."""
         if dropout and getattr(module, "training", True):
             raise NotImplementedError(
                 f"mxattn MXFP8 attention has no attention dropout (got dropout={dropout} in training); set the "
@@ -118,11 +130,15 @@ def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = No
                     "model built no mask and padding would be ignored; register it with "
                     "mxattn.integrations.transformers.register(name=...)")
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        cp = getattr(module, _CP_ATTRIBUTE, None)
+        if cp is not None:         # this rank's shard of each sequence (`set_context_parallel_group`)
+            return _context_parallel_call(cp, query, key, value, attention_mask, causal, scaling, sliding_window,
+                                          s_aux, backend, call_recipe, kwargs), None
         paged = getattr(key, "_mxattn_paged_layer", None)
         if paged is not None:      # an MXFP8PagedCache layer's new tokens: its pages are read directly
             return _paged_cache_call(paged, query, key, value, attention_mask, causal, scaling, sliding_window,
                                      s_aux, backend, call_recipe), None
-        batch, _, q_len, head_dim = query.shape
+        batch, _, q_len, _ = query.shape
         kv_len = key.shape[2]
         # attention sinks (gpt-oss's s_aux: one logit per query head) are mxattn's learnable sink
         extra = dict(recipe=call_recipe) if s_aux is None else dict(
@@ -146,9 +162,6 @@ def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = No
             key, value = key[:, :, :plan.kv_len], value[:, :, :plan.kv_len]
         if key.dtype != query.dtype or value.dtype != query.dtype:     # e.g. fp32 layer norms under PEFT
             key, value = key.to(query.dtype), value.to(query.dtype)
-        v_dim = value.shape[-1]
-        if v_dim < head_dim:           # MLA-like models: pad V's head dim (zeros never change V's MXFP8 scales)
-            value = torch.nn.functional.pad(value, (0, head_dim - v_dim))
         if plan.gather is not None:
             out = _packed_call(plan, query, key, value, scaling, backend, extra)
         elif plan.rows is not None:
@@ -166,8 +179,6 @@ def make_attention_function(backend: str = "auto", recipe: Optional[Recipe] = No
             # views, and O and the gradients stay as the kernels write them, with three view nodes fewer
             out = mxfp8_attention(query, key, value, qkv_format="bhsd", softmax_scale=scaling, backend=backend,
                                   **plan.kwargs(), **extra).transpose(1, 2)
-        if v_dim < head_dim:
-            out = out[..., :v_dim]
         return out.contiguous(), None
 
     mxfp8_attention_forward.mxattn_backend = backend
@@ -213,9 +224,6 @@ def _paged_cache_call(layer, query, key, value, attention_mask, causal: bool, sc
                                   "use transformers' DynamicCache with a recipe variant")
     if not causal:
         raise UnsupportedMaskError("MXFP8PagedCache serves causal decoders (generation); this module is not causal")
-    if value.shape[-1] != query.shape[-1]:
-        raise NotImplementedError(f"MXFP8PagedCache needs one head dim for K and V, got {query.shape[-1]} and "
-                                  f"{value.shape[-1]}")
     softmax = {} if s_aux is None else dict(softmax_type="learnable", softmax_offset=s_aux.float())
     return layer.attend(query, key, value, attention_mask, scaling=scaling, sliding_window=sliding_window,
                         softmax_kwargs=softmax, backend=backend)
@@ -353,5 +361,156 @@ def unregister(name: str = "mxfp8") -> None:
     AttentionMaskInterface._global_mapping.pop(name, None)
 
 
+# --------------------------------------------------------------------------- context parallelism
+
+#: the attribute `set_context_parallel_group` sets on a model's modules
+_CP_ATTRIBUTE = "_mxattn_context_parallel"
+
+
+def set_context_parallel_group(model: torch.nn.Module, cp_group, cp_global_ranks: Optional[Sequence[int]],
+                               cp_stream=None, cp_comm_type: str = "p2p") -> None:
+    """Run a transformers model's mxattn attention context-parallel over cp_group (Transformer Engine's
+    `set_context_parallel_group`, for a whole model): every module carrying the model's config (its attention
+    modules among them) records the group, and mxattn's attention function then runs
+    `mxattn.context_parallel_attention` on this rank's shard of each sequence. cp_group None (cp_global_ranks
+    then ignored) or of one rank: the ordinary path again.
+
+    cp_global_ranks: cp_group's members' global ranks in group-rank order; cp_stream: a CUDA stream for the
+    ring's transfers (None: the library's); cp_comm_type "p2p", "all_gather" or "a2a" (what each guarantees and
+    takes: `context_parallel_attention`). The model's attn_implementation must be a name `register` gave, with
+    the default recipe.
+
+    The model then takes this rank's shard of every sequence in Transformer Engine's load-balanced layout (with
+    cp ranks the sequence is cut into 2*cp chunks, rank r holding chunks r and 2*cp-1-r:
+    `mxattn.context_parallel.shard_sequence`), S a multiple of 64*cp tokens. The caller shards:
+
+    - input_ids [B, S] -> [B, S/cp];
+    - position_ids: the tokens' positions in the whole sequence, sharded alike (RoPE needs the true positions);
+    - the next-token labels, shifted on the whole sequence before sharding (a chunk's last label is the next
+      chunk's first token), and the loss is reduced over the ranks: each rank's sum of per-token losses over the
+      whole batch's token count, so the sum over the ranks is the whole batch's mean; then every parameter's
+      gradient is summed over cp_group (as DDP over the group would);
+    - attention_mask: an all-ones [B, S/cp], so that transformers reads no packed sequences off the position
+      ids, which jump between a shard's two chunks (or use_cache=True, which also keeps it from looking).
+
+    >>> cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    >>> set_context_parallel_group(model, group, dist.get_process_group_ranks(group), cp_comm_type="p2p")
+    >>> labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)        # shifted, then sharded
+    >>> positions = torch.arange(S).expand(B, S)
+    >>> ids_l, pos_l, labels_l = (shard_sequence(t, cp, rank, seq_dim=1) for t in (input_ids, positions, labels))
+    >>> logits = model(input_ids=ids_l, position_ids=pos_l, attention_mask=torch.ones_like(ids_l),
+    ...                use_cache=False).logits
+    >>> loss = F.cross_entropy(logits.flatten(0, 1).float(), labels_l.flatten(), ignore_index=-100,
+    ...                        reduction="sum") / (labels != -100).sum()
+    >>> loss.backward()
+    >>> for p in model.parameters():
+    ...     dist.all_reduce(p.grad, group=group)
+
+    Under context parallelism the attention function takes no mask but the module's own band (None, or the plain
+    causal mask transformers builds for a shard without padding), and raises ValueError naming attention_mask
+    for any other (padding, packed documents) on every rank alike: padding is not carried through transformers
+    here; `context_parallel_attention` takes padded and packed batches (cu_seqlens_q, qkv_format="thd"). A
+    sliding_window runs where cp_comm_type takes it ("a2a"; causal windows under "all_gather"; none under "p2p",
+    a window as long as the sequence excepted); learnable sinks (s_aux) run as softmax_offset, their gradient
+    summed over the ranks like any parameter's.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    modules = [m for m in model.modules() if getattr(m, "config", None) is not None]
+    record = resolve_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+    if record is not None:
+        _check_mxattn_attention(modules)
+    for m in modules:
+        if record is None:
+            m.__dict__.pop(_CP_ATTRIBUTE, None)
+        else:
+            m.__dict__[_CP_ATTRIBUTE] = record
+
+
+def _check_mxattn_attention(modules) -> None:
+    """Raise ValueError unless every attn_implementation of the modules' configs is an mxattn function with the
+    default recipe (any other would run on this rank's tokens alone)."""
+    from transformers import AttentionInterface
+    names = {getattr(m.config, "_attn_implementation", None) for m in modules} - {None}
+    if not names:
+        raise ValueError("the model has no module with a transformers config naming an attn_implementation")
+    for name in sorted(names, key=str):
+        function = AttentionInterface._global_mapping.get(name) if isinstance(name, str) else None
+        if getattr(function, "mxattn_backend", None) is None:
+            raise ValueError(f"the model's attn_implementation {name!r} is not mxattn's: register() a name and build "
+                             "the model with attn_implementation=name (or model.set_attn_implementation(name))")
+        if not function.mxattn_recipe.is_default:
+            raise ValueError(f"attn_implementation {name!r} runs recipe={function.mxattn_recipe}: context "
+                             "parallelism runs the default recipe")
+
+
+def _context_parallel_call(cp: ContextParallelGroup, query, key, value, attention_mask, causal: bool, scaling,
+                           sliding_window, s_aux, backend: str, recipe, kwargs: dict) -> torch.Tensor:
+    """The attention of this rank's shard: query [B, Hq, S/cp, D], key [B, Hkv, S/cp, D], value [B, Hkv, S/cp,
+    Dv] (transformers' layout) -> [B, S/cp, Hq, Dv] through `context_parallel_attention` (bshd). This function's
+    refusals travel in that call's own agreement over the group, so every rank raises alike."""
+    q_len = query.shape[2]
+    window = _context_parallel_window(sliding_window, causal, q_len * cp.size)
+    error = _context_parallel_refusal(cp, attention_mask, query.shape[0], q_len, key.shape[2], causal,
+                                      sliding_window, window, recipe, kwargs)
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        key, value = key.to(query.dtype), value.to(query.dtype)
+    return attend_or_refuse(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), error, cp_group=cp.group,
+        cp_global_ranks=cp.global_ranks, cp_comm_type=cp.comm_type, cp_stream=cp.stream, qkv_format="bshd",
+        attn_mask_type="causal" if causal else "no_mask", window_size=window, softmax_scale=scaling,
+        softmax_type="vanilla" if s_aux is None else "learnable",
+        softmax_offset=None if s_aux is None else s_aux.float(), backend=backend)
+
+
+def _context_parallel_window(sliding_window, causal: bool, seq_len: int) -> Optional[Tuple[int, int]]:
+    """TE's window_size of the module's sliding_window over the whole sequence (None where it covers it)."""
+    if sliding_window is None or not 0 < sliding_window < seq_len:
+        return None
+    return (int(sliding_window) - 1, 0) if causal else (int(sliding_window) - 1, int(sliding_window) - 1)
+
+
+def _context_parallel_refusal(cp: ContextParallelGroup, attention_mask, batch: int, q_len: int, kv_len: int,
+                              causal: bool, sliding_window, window, recipe, kwargs: dict) -> Optional[str]:
+    """Why this rank cannot run the call context-parallel, or None."""
+    if recipe is not None:
+        return f"recipe={recipe}: context parallelism runs the default recipe"
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return ("cu_seq_lens_q: a padding-free (packed) batch is not carried through transformers under context "
+                "parallelism; run mxattn.context_parallel_attention with qkv_format='thd' and cu_seqlens_q")
+    if kv_len != q_len:
+        return (f"the keys ({kv_len} tokens) are not this rank's {q_len} query tokens: context parallelism runs "
+                "each whole sequence in one forward, with no KV cache of earlier tokens")
+    if window is not None and (cp.comm_type == "p2p" or (cp.comm_type == "all_gather" and not causal)):
+        what = "a sliding window" if causal else "a bidirectional sliding window"
+        use = "'all_gather' or 'a2a'" if causal else "'a2a'"
+        return (f"sliding_window={sliding_window} is {what}, which cp_comm_type={cp.comm_type!r} cannot carry "
+                f"(as in Transformer Engine); use cp_comm_type={use}")
+    if attention_mask is None:
+        return None
+    try:
+        plan = _PLANS.get((attention_mask,), (batch, q_len, kv_len, causal, sliding_window),
+                          lambda: plan_attention_mask(attention_mask, batch=batch, q_len=q_len, kv_len=kv_len,
+                                                      is_causal=causal, sliding_window=sliding_window))
+        found = None if _plain(plan, causal) else "padding or packed sequences"
+    except UnsupportedMaskError as exc:
+        found = str(exc)
+    if found is None:
+        return None
+    return (f"attention_mask: under context parallelism only the plain {'causal ' if causal else ''}mask (or "
+            f"None) is taken, as this rank's tokens are two chunks of each sequence; got a mask with {found}. "
+            "transformers builds one from a padding attention_mask, and, given no attention_mask and no cache, "
+            "from position_ids that jump, as a shard's do between its chunks: pass attention_mask="
+            "torch.ones_like(input_ids) with the shard's position_ids. Padding is not carried through transformers "
+            "here; run mxattn.context_parallel_attention with a padding attn_mask_type and cu_seqlens_q")
+
+
+def _plain(plan: MaskPlan, causal: bool) -> bool:
+    """Whether a mask's plan is the module's band alone: no padding, sequences, gathers or cropped keys."""
+    return (plan.attn_mask_type == ("causal" if causal else "no_mask") and plan.cu_seqlens_q is None
+            and plan.cu_seqlens_kv is None and plan.gather is None and plan.rows is None and not plan.packed
+            and plan.kv_len is None)
+
+
 __all__ = ["MaskPlan", "UnsupportedMaskError", "make_attention_function", "plan_attention_mask", "register",
-           "unregister"]
+           "set_context_parallel_group", "unregister"]

@@ -397,14 +397,16 @@ def _packed_gap(gluon_dkdv, gluon_dq, k_row, v_row, seq, group: int, heads: int,
 def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stats, *, softmax_scale: float,
                   offset: int, left_bound, right_bound, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   config=None, mode: str = "fp8", seq=None, bottom_right: bool = False,
-                  flags: KernelRecipe = DEFAULT_FLAGS, gluon_dkdv=None, gluon_dq=None) -> torch.Tensor:
+                  flags: KernelRecipe = DEFAULT_FLAGS, gluon_dkdv=None, gluon_dq=None, dstats=None) -> torch.Tensor:
     """Launch the prep pass, dK/dV kernel and dQ kernel (per chunk of heads in mode "pre").
 
     q_row, q_col: MXFP8Tensor [B,Hq,Sq,D] (row: scales [B,H,S,ceil(D/32)], col: scales [B,H,ceil(S/32),D]);
     k_row, k_col, v_row: MXFP8Tensor [B,Hkv,Skv,D]; do_row, do_col: MXFP8Tensor of dO (mode "fp8"; None
     allowed in mode "pre"); o, do [B,Hq,Sq,D] bf16/fp16; stats [B,Hq,Sq,1] fp32.
-    Writes dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D] (unit stride along D); returns the prep pass's
-    delta = rowsum(O * dO) fp32 [B,Hq,Sq] (what a sink's gradient needs).
+    Writes dq [B,Hq,Sq,D], dk, dv [B,Hkv,Skv,D] (unit stride along D; bf16, fp16 or fp32); returns the prep
+    pass's delta = rowsum(O * dO) fp32 [B,Hq,Sq] (what a sink's gradient needs), less dstats where given.
+    dstats: None, or the gradient of the stats fp32 [B,Hq,Sq] (the log-sum-exp returned as an output): it
+    enters as delta - dstats, subtracted after the prep pass (d lse / d S = P).
     mode "fp8": the kernels read the FP8 operands and dequantize tiles in registers (least memory).
     mode "pre": per chunk of KV heads the streamed operands are first dequantized exactly to bf16 scratch
     (dO quantized chunk-wise, `bwd_prep`), then the kernels stream bf16 (same numbers, fewer ALU
@@ -454,6 +456,9 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     (bm1, bn1, w1, st1), (bm2, bn2, w2, st2) = config if config is not None else _bwd_config(dp, mode)
     if min(bm1, bn1, bm2, bn2) < 32 or any(x % 32 for x in (bm1, bn1, bm2, bn2)):
         raise ValueError(f"backward block sizes must be multiples of 32, got {config}")
+    if dstats is not None and (not isinstance(dstats, torch.Tensor) or dstats.dtype != torch.float32
+                               or tuple(dstats.shape) != (B, HQ, SQ) or dstats.device != o.device):
+        raise ValueError(f"dstats must be a float32 tensor of shape {(B, HQ, SQ)} on {o.device}")
     delta = torch.empty((B, HQ, SQ), dtype=torch.float32, device=o.device)
     lb = 0 if left_bound is None else int(left_bound)
     rb = 0 if right_bound is None else int(right_bound)
@@ -463,6 +468,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
     cfg1, cfg2 = (bm1, bn1, w1, st1), (bm2, bn2, w2, st2)
     if mode == "fp8":  # delta alone first (the "pre" path gets it with its scratch)
         bwd_prep(o, do, None, None, delta, 0, HQ, seq, cu, scratch=False)
+        if dstats is not None:
+            delta.sub_(dstats)
         _launch_dkdv(q_row, q_col, k_row, v_row, do_row, do_col, stats, delta, dk, dv, cfg1, False, args, common,
                      seq, cu, flags)
         _launch_dq(q_row, k_row, k_col, v_row, do_row, stats, delta, dq, cfg2, False, args, common, seq, cu, flags)
@@ -485,6 +492,8 @@ def attention_bwd(q_row, q_col, k_row, k_col, v_row, do_row, do_col, o, do, stat
         q0, q1 = h0 * group, h1 * group
         do_r, do_c, q_r, q_c = bwd_prep(o, do, q_row, q_col, delta, q0, q1, seq, cu, floor=flags.floor, gap=gap)
         st, de = stats[:, q0:q1], delta[:, q0:q1]
+        if dstats is not None:
+            de.sub_(dstats[:, q0:q1])
         k_h, v_h = _heads(k_row, h0, h1), _heads(v_row, h0, h1)
         if gap or (not packed and gluon_dkdv is not None and config is None and gluon_dkdv.takes(
                 q_r, k_h, v_h, seq=seq, q_c=q_c, do_r=do_r, do_c=do_c, **masks)):

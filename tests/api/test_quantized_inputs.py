@@ -166,7 +166,7 @@ def test_takes_mxfp8_attentions_keyword_arguments():
         return [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.kind == p.KEYWORD_ONLY]
     want = keywords(mxattn.mxfp8_attention)
     got = keywords(mxattn.mxfp8_attention_quantized)
-    assert [n for n, _ in got] == [n for n, _ in want] and len(got) == 14
+    assert [n for n, _ in got] == [n for n, _ in want] and len(got) == 15
     assert dict(got)["out_dtype"] is None and dict(got) == dict(want)
 
 

@@ -280,3 +280,20 @@ def test_lengths_are_read_once_per_tensor_and_rechecked_when_changed(monkeypatch
         mxattn.mxfp8_attention(q, q, q, **kw)
     with pytest.raises(ValueError, match="must start at 0"):
         mxattn.mxfp8_attention(q, q, q, **dict(kw, cu_seqlens_q=torch.tensor([1, 10, 26], dtype=torch.int32)))
+
+
+def test_module_takes_padded_lengths_equal_to_the_lengths_and_refuses_others():
+    """Outside context parallelism the module's cu_seqlens_q_padded must hold cu_seqlens_q's values (a copy is
+    fine, read once per pair of tensors); padding between sequences raises, on every call."""
+    layer = mxattn.DotProductAttention(2, 32, qkv_format="thd", attn_mask_type="padding_causal", backend="reference")
+    q, k, v = (torch.randn(96, 2, 32) for _ in range(3))
+    cu = torch.tensor([0, 40, 96], dtype=torch.int32)
+    want = layer(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    for _ in range(2):
+        got = layer(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu.clone(),
+                    cu_seqlens_kv_padded=cu.clone())
+        assert torch.equal(got, want)
+    gapped = torch.tensor([0, 48, 96], dtype=torch.int32)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cu_seqlens_q_padded must equal cu_seqlens_q"):
+            layer(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=gapped)

@@ -33,8 +33,7 @@ needs_mxfp8_cudnn = pytest.mark.skipif(cudnn.backend_version() < 92100,
                                        reason=f"cuDNN {cudnn.backend_version()} < 9.21 cannot validate MXFP8 graphs")
 
 from cudnn_matrix import HEAD_DIMS, HEADS, LAYOUTS, MASKS, SEQS  # noqa: E402
-TORCH_OF = {"FP8_E4M3": torch.float8_e4m3fn, "FP8_E5M2": torch.float8_e5m2, "FP8_E8M0": torch.float8_e8m0fnu,
-            "BFLOAT16": torch.bfloat16, "HALF": torch.float16, "FLOAT": torch.float32}
+from cudnn_fixtures import check_pack_against_graph  # noqa: E402
 
 
 def cdiv(a, b):
@@ -304,11 +303,7 @@ def test_variant_packs_match_the_graphs(case):
         if cudnn_rejects(kind, s, s, mask):
             continue
         tensors = {t["uid"]: t for t in cudnn_graphs.graph_json(graph)["tensors"] if not t["is_virtual"]}
-        assert sorted(pack) == sorted(tensors) and all(type(uid) is int for uid in pack)
-        for uid, t in tensors.items():
-            got = pack[uid]
-            assert (list(got.shape), list(got.stride()), got.dtype) == \
-                (t["dim"], t["stride"], TORCH_OF[t["data_type"]]), f"{kind} {t['name']}"
+        check_pack_against_graph(pack, tensors, packed=False)
 
     # data slots are the quantized tensors themselves (layout by strides, no copies); scales hold the spec bytes
     assert fpack[cudnn_config.FwdUid.Q] is qr.data and fpack[cudnn_config.FwdUid.K] is kr.data and fpack[cudnn_config.FwdUid.V] is vc.data

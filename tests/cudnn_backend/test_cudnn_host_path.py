@@ -124,8 +124,9 @@ def test_compiled_call_sends_the_eager_bytes(device, padded, captured_packs):
                 assert torch.equal(_bytes(e[uid]), _bytes(c[uid])), uid
 
 
+@pytest.mark.parametrize("dims", [(64, 64), (192, 128)], ids=lambda d: f"{d[0]}x{d[1]}")
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_saved_format_fake_tensors_match_the_real_ones(packed, captured_packs):
+def test_saved_format_fake_tensors_match_the_real_ones(packed, dims, captured_packs):
     from mxattn.backends.base import AttentionParams
     from mxattn.mask import MaskSpec
     from mxattn.seqinfo import SeqInfo
@@ -133,10 +134,10 @@ def test_saved_format_fake_tensors_match_the_real_ones(packed, captured_packs):
     if packed:
         cu = torch.tensor([0, 40, 100], dtype=torch.int32)
         seq = SeqInfo(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=60, max_seqlen_kv=60, packed=True)
-        shape = (1, 4, 100, 64)
+        shape = (1, 4, 100)
     else:
-        seq, shape = None, (2, 4, 200, 64)
-    q, k, v = (torch.randn(*shape, generator=g).bfloat16() for _ in range(3))
+        seq, shape = None, (2, 4, 200)
+    q, k, v = (torch.randn(*shape, d, generator=g).bfloat16() for d in (dims[0], dims[0], dims[1]))
     params = AttentionParams(softmax_scale=0.125, mask=MaskSpec(causal=True), seq=seq, needs_backward=True)
     _, _, saved = cb.CudnnBackend().forward(q, k, v, params)
     real = saved.tensors()

@@ -16,7 +16,8 @@ import torch
 
 cudnn = pytest.importorskip("cudnn")
 
-from cudnn_fixtures import MASKS, fake_device, needs_mxfp8_cudnn, pretend_blackwell  # noqa: E402,F401
+from cudnn_fixtures import (MASKS, check_pack_against_graph, fake_device, needs_mxfp8_cudnn,  # noqa: E402,F401
+                            pretend_blackwell)
 from mxattn.backends.cudnn import buffers as cudnn_buffers  # noqa: E402
 from mxattn.backends.cudnn import config as cudnn_config  # noqa: E402
 from mxattn.backends.cudnn import graphs as cudnn_graphs  # noqa: E402
@@ -30,10 +31,6 @@ from mxattn.errors import MXFP8NotSupportedError  # noqa: E402
 from mxattn.formats import quantize_mxfp8  # noqa: E402
 from mxattn.mask import MaskSpec  # noqa: E402
 from mxattn.seqinfo import SeqInfo  # noqa: E402
-
-TORCH_OF = {"FP8_E4M3": torch.float8_e4m3fn, "FP8_E8M0": torch.float8_e8m0fnu, "BFLOAT16": torch.bfloat16,
-            "HALF": torch.float16, "FLOAT": torch.float32, "INT32": torch.int32, "INT64": torch.int64}
-
 
 def cdiv(a, b):
     return -(-a // b)
@@ -307,16 +304,7 @@ def test_varlen_variant_packs_match_the_graphs(varlen, mask_name):
         if cudnn_rejects(kind, cfg.s_q, cfg.s_kv, mask):
             continue
         tensors = {t["uid"]: t for t in cudnn_graphs.graph_json(graph)["tensors"] if not t["is_virtual"]}
-        assert sorted(pack) == sorted(tensors) and all(type(uid) is int for uid in pack)
-        for uid, t in tensors.items():
-            got = pack[uid]
-            assert got.dtype == TORCH_OF[t["data_type"]], t["name"]
-            if varlen == "packed" and t.get("ragged_offset_uid") is not None:  # [1, H, T, D] token rows
-                assert got.shape[0] == 1 and (got.shape[1], got.shape[3]) == (t["dim"][1], t["dim"][3]), t["name"]
-                assert [st for st, n in zip(got.stride()[1:], got.shape[1:]) if n > 1] == \
-                    [st for st, n in zip(t["stride"][1:], got.shape[1:]) if n > 1], t["name"]
-            else:
-                assert (list(got.shape), list(got.stride())) == (t["dim"], t["stride"]), t["name"]
+        check_pack_against_graph(pack, tensors, varlen == "packed")
     U = cudnn_config.FwdUid
     lens_q = torch.tensor(lq, dtype=torch.int32).view(3, 1, 1, 1)
     assert torch.equal(fpack[U.SEQ_LEN_Q], lens_q)

@@ -23,8 +23,8 @@ from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache 
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 from mxattn.integrations.hf_cache import cache_kwargs  # noqa: E402
 from hf_models import (  # noqa: E402
-    CAPTURE, LENGTHS, MODELS, NAME, VOCAB, _attention_call, _calls, batch, bert, build, llama, main_output,
-    mistral_sliding, qwen2_mixed, rel_rms,
+    CAPTURE, LENGTHS, MODELS, NAME, VOCAB, _attention_call, _calls, batch, bert, build, deepseek_v3, llama,
+    main_output, mistral_sliding, qwen2_mixed, rel_rms,
 )
 from hf_models import _quiet, _registered  # noqa: E402,F401  (autouse fixtures: importing turns them on)
 
@@ -240,10 +240,12 @@ def test_left_padding_equals_each_sequence_alone_bit_for_bit(pads, q_len, kv_len
         assert torch.equal(grads[2][b, :, pad:], g_alone[2][0])
 
 
-def test_generate_with_left_padding_matches_each_prompt_alone():
+@pytest.mark.parametrize("factory", [llama, deepseek_v3], ids=["llama", "deepseek_v3_mla"])
+def test_generate_with_left_padding_matches_each_prompt_alone(factory):
     """Batched greedy generation with left padding (HF's recommended side): each prompt's new tokens equal
-    those it gets generated alone, and its first-step logits match to float rounding."""
-    model = build(llama, attn=NAME)
+    those it gets generated alone, and its first-step logits match to float rounding (DeepSeek-V3: MLA, V of
+    another head dim than Q and K)."""
+    model = build(factory, attn=NAME)
     lengths = (11, 6, 8)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in lengths]

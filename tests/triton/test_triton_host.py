@@ -174,7 +174,7 @@ def test_backend_argument_checks_before_any_kernel():
     with pytest.raises(ValueError, match="CUDA"):
         be.forward(q, q, q, params)
     with pytest.raises(TypeError, match="params.out_dtype"):
-        be.forward(q, q, q, AttentionParams(softmax_scale=0.1, mask=MaskSpec(), out_dtype=torch.float32))
+        be.forward(q, q, q, AttentionParams(softmax_scale=0.1, mask=MaskSpec(), out_dtype=torch.float64))
 
 
 def test_supports_variable_lengths(monkeypatch):

@@ -28,7 +28,7 @@ from ...seqinfo import SeqInfo, zero_padding
 from ..base import AttentionBackend, AttentionParams, Problem, SavedForBackward, check_forward_quantized
 from .buffers import col_scale_bytes, row_scale_buffer
 from .config import col_scale_dims, row_scale_dims
-from .refusals import check_problem, known_refusal
+from .refusals import HEAD_DIMS, check_problem, head_dims_refusal, known_refusal
 from .run import _supported_state, _token_major, cudnn_backward, cudnn_forward
 from .support import cudnn_support
 
@@ -178,9 +178,11 @@ class CudnnBackend(AttentionBackend):
 
     name = "cudnn"
     saved_format = SavedWithScaleBuffers
-    #: head dims cuDNN's graph validation accepts for d_qk == d_v (cuDNN may still refuse one at planning time,
-    #: which `supports` finds out up front on a Blackwell device).
-    supported_head_dims = (16, 32, 48, 64, 80, 96, 112, 128, 256)
+    #: head dims of some (d_qk, d_v) pair cuDNN's graph validation accepts (`v_dim_refusal` checks the pair; cuDNN
+    #: may still refuse a shape at planning time, which `supports` finds out up front on a Blackwell device)
+    supported_head_dims = HEAD_DIMS
+    #: V, O and dO may have another head dim than Q and K (the pairs of `refusals.head_dims_refusal`)
+    supports_distinct_v_dim = True
     #: the ops' bodies are recorded once per signature and replayed (`mxattn.op_plans`): a body of allocations,
     #: views, fused-quantizer launches and graph executions (`run.issue_execute`) replays; one that computes
     #: with torch (the torch-op quantizer, a padded or packed batch's masking, a sink) is refused and runs as is
@@ -200,11 +202,30 @@ class CudnnBackend(AttentionBackend):
         return cudnn_support(device)
 
     @classmethod
+    def v_dim_refusal(cls, head_dim: int, head_dim_v: int) -> str:
+        """The base class's check, then cuDNN's rule on the pair (`refusals.head_dims_refusal`: 192 runs with
+        head_dim_v 128 only, 256 with 256 only) where head_dim is listed (else the base class's list check names
+        it)."""
+        refusal = super().v_dim_refusal(head_dim, head_dim_v)
+        if refusal or head_dim not in cls.supported_head_dims:
+            return refusal
+        return head_dims_refusal(head_dim, head_dim_v) or ""
+
+    @classmethod
     def supports_cache(cls, call):
-        """A Blackwell GPU, then cuDNN's verdict on its paged MXFP8 graph for the call (`paged`)."""
+        """A Blackwell GPU and one head dim for K and V, then cuDNN's verdict on its paged MXFP8 graph for the
+        call (`paged`)."""
         ok, why = cls.availability(call.q.device)
         if not ok:
             return False, why
+        d, d_v = call.cache.head_dim, call.cache.head_dim_v
+        if d != d_v:  # the paged graph reads K and V pages of one head dim (`paged.PagedGraphConfig.d`)
+            return False, (f"q and k have head_dim {d} and v has head_dim_v {d_v}: cuDNN's paged MXFP8 graph "
+                           "reads K and V pages of one head dim (a cache with head_dim_v runs on the reference "
+                           "backend)")
+        refusal = cls.v_dim_refusal(d, d_v)
+        if refusal:
+            return False, refusal
         from .paged import paged_config_of, require_paged_graph
         try:
             require_paged_graph(paged_config_of(**_paged_args(call, sink=call.sink is not None)), call.q.device)

@@ -17,6 +17,26 @@ from .graphs import build_backward_graph, build_forward_graph, graph_json, plann
 #: first cuDNN that runs the backward of a ragged (packed) graph with a sink_token (cuDNN frontend 1.32's rule)
 SINK_PACKED_BACKWARD_VERSION = 92600
 
+#: head dims cuDNN's MXFP8 graphs take for d_qk and d_v in any pair: multiples of 16 up to 128
+SMALL_HEAD_DIMS = tuple(range(16, 129, 16))
+#: the (d_qk, d_v) pairs they take beyond those (cuDNN 9.28's validation of the forward and backward graphs)
+WIDE_HEAD_DIM_PAIRS = ((192, 128), (256, 256))
+#: every head dim of some pair cuDNN takes (`CudnnBackend.supported_head_dims`)
+HEAD_DIMS = SMALL_HEAD_DIMS + (192, 256)
+
+
+def head_dims_refusal(d_qk: int, d_v: int) -> Optional[str]:
+    """Why cuDNN refuses Q and K of head dim d_qk beside V (O, dO) of head dim d_v, or None.
+
+    cuDNN 9.28's validation of the MXFP8 forward and backward graphs: d_qk and d_v multiples of 16 up to 128 (in
+    any pair, d_v > d_qk included), or d_qk == 192 with d_v == 128, or d_qk == d_v == 256. (Its forward alone
+    also takes both in (256, 512]; the backward does not, and mxattn lists no dim above 256.)"""
+    if (d_qk in SMALL_HEAD_DIMS and d_v in SMALL_HEAD_DIMS) or (d_qk, d_v) in WIDE_HEAD_DIM_PAIRS:
+        return None
+    return (f"cuDNN has no MXFP8 attention graph for head_dim {d_qk} (q, k) with head_dim_v {d_v} (v): its "
+            "validation takes d_qk and d_v multiples of 16 up to 128, or d_qk == 192 and d_v == 128, or "
+            "d_qk == d_v == 256 (the reference backend runs any pair)")
+
 
 def known_refusal(problem: Problem) -> Optional[str]:
     """Why cuDNN will refuse `problem`, decided from the Problem alone (no cuDNN call), or None.
@@ -60,17 +80,18 @@ def known_refusal(problem: Problem) -> Optional[str]:
 
 
 def problem_config(problem: Problem, kind: str = "forward") -> GraphConfig:
-    """The graph config the backend will build for `problem` (bshd inputs, e4m3; packed: thd), for planning up
-    front. The layout of the real call may differ; it does not change what cuDNN supports. The sink facts follow
+    """The graph config the backend will build for `problem` (bshd inputs, e4m3; packed: thd; Q/K of head_dim,
+    V/O/dO of head_dim_v; the default softmax scale 1/sqrt(head_dim)), for planning up front. The layout and scale
+    of the real call may differ; they do not change what cuDNN supports. The sink facts follow
     problem.softmax_type (the forward never has dsink)."""
     p = problem
     kw = dict(attn_scale=p.head_dim ** -0.5, mask=p.mask, out_dtype=p.out_dtype)
     if p.varlen == "packed":
         cfg = GraphConfig.from_packed(p.batch, p.heads_q, p.heads_kv, packed_capacity(p.seqlen_q),
-                                      packed_capacity(p.seqlen_kv), p.head_dim, **kw)
+                                      packed_capacity(p.seqlen_kv), p.head_dim, p.head_dim_v, **kw)
     else:
         cfg = GraphConfig.from_layout(p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim,
-                                      layout="bshd", **kw)
+                                      p.head_dim_v, layout="bshd", **kw)
         if p.varlen == "padded":
             cfg = dataclasses.replace(cfg, varlen="padded")
     return cfg.for_softmax(getattr(p, "softmax_type", "vanilla"), kind)
