@@ -55,8 +55,8 @@ def mxfp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_fo
 
     q: [B, Sq, Hq, D] (bshd), [Sq, B, Hq, D] (sbhd), [B, Hq, Sq, D] (bhsd) or [T_q, Hq, D] (thd, packed
     sequences); k, v: the same with Hkv heads (Hq % Hkv == 0) and Skv positions / T_kv tokens. v's head dim Dv
-    may differ from q's and k's D (MLA, e.g. DeepSeek-V3's D = 192, Dv = 128: the reference backend runs it,
-    "auto" falls back to it). dtypes bf16, fp16 or fp32 (one for all three). Returns O in q's layout with Dv:
+    may differ from q's and k's D (MLA, e.g. DeepSeek-V3's D = 192, Dv = 128; the cuDNN graphs take the pair,
+    the Triton kernels run V zero-padded to D). dtypes bf16, fp16 or fp32 (one for all three). Returns O in q's layout with Dv:
     [B, Sq, Hq, Dv] for bshd, and so on.
     out_dtype: default q's dtype, like torch SDPA. The kernels write O (and dQ, dK, dV) in bf16/fp16; for fp32
     inputs they compute in bf16 and the result is cast to fp32 at the end (gradients likewise).
