@@ -101,7 +101,7 @@ def _seq(x, case, i):
 
 def _whole(parts, like, case):
     """Per-sequence [1, H, n, D] valid rows -> a whole-batch tensor like `like` (zeros in the padding)."""
-    out = torch.zeros(like.shape[:-1] + parts[0].shape[-1:], dtype=parts[0].dtype)
+    out = torch.zeros(like.shape[:-1] + parts[0].shape[-1:], dtype=parts[0].dtype, device=parts[0].device)
     for i, part in enumerate(parts):
         _seq(out, case, i)[:, :, :part.shape[2]] = part
     return out
@@ -128,7 +128,7 @@ def _gather_full(t, group, case):
     return unshard_sequence(parts, _seq_dim(case.fmt), cu_seqlens_padded=case.lengths.get("cu_seqlens_q_padded"))
 
 
-def _single(case, **options):
+def _single(case, backend="reference", **options):
     """(O, dq, dk, dv, dsink) of the single-process call on the whole batch (thd: on the valid tokens alone,
     packed without padding; the results put back in the padded layout)."""
     import mxattn
@@ -137,7 +137,7 @@ def _single(case, **options):
         ins, do = [_unpadded(x, case) for x in ins], _unpadded(do, case)
     ins = [x.clone().requires_grad_() for x in ins]
     offset = case.sink.clone().requires_grad_() if options.get("softmax_type") == "learnable" else None
-    o = mxattn.mxfp8_attention(*ins, backend="reference", softmax_offset=offset, qkv_format=case.fmt,
+    o = mxattn.mxfp8_attention(*ins, backend=backend, softmax_offset=offset, qkv_format=case.fmt,
                                cu_seqlens_q=case.lengths.get("cu_seqlens_q"), **options)
     o.backward(do)
     out = [o.detach(), *(x.grad for x in ins)]
@@ -649,3 +649,85 @@ def test_the_module_runs_context_parallel_after_set_context_parallel_group(qkv_f
     assert record["o_equal"] and record["shape"] == shape, record
     assert record["dsink_rel"] <= TOL, record
     assert record["copy_shares_group"], record  # (an EMA copy of the module: process groups do not copy)
+
+
+# --------------------------------------------------------------------------- NCCL on two or more GPUs
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _on(case, device):
+    """The case with its tensors (inputs, sink, length offsets) on `device`."""
+    moved = [x.to(device) for x in (case.q, case.k, case.v, case.do, case.sink)]
+    return case._replace(q=moved[0], k=moved[1], v=moved[2], do=moved[3], sink=moved[4],
+                         lengths={n: t.to(device) for n, t in case.lengths.items()})
+
+
+#: (name, cp_comm_type, inputs and options) run over NCCL on min(GPUs, 4) ranks with the triton backend; the KV
+#: heads (4) divide over 2 and 4 ranks, as a2a needs
+ON_GPUS = [
+    ("a2a-causal-gqa-learnable", "a2a", dict(blocks=4, hq=8, hkv=4, qkv_format="bshd", attn_mask_type="causal",
+                                             softmax_type="learnable")),
+    ("a2a-thd-gqa", "a2a", dict(qkv_format="thd", lengths=(300, 37, 500), hq=8, hkv=4,
+                                attn_mask_type="padding_causal")),
+    ("all_gather-causal-gqa-learnable", "all_gather", dict(blocks=4, hq=8, hkv=4, qkv_format="bshd",
+                                                           attn_mask_type="causal", softmax_type="learnable")),
+    ("all_gather-thd-gqa", "all_gather", dict(qkv_format="thd", lengths=(300, 37, 500), hq=8, hkv=4,
+                                              attn_mask_type="padding_causal")),
+    ("p2p-causal-gqa-learnable", "p2p", dict(blocks=4, hq=8, hkv=4, qkv_format="bshd", attn_mask_type="causal",
+                                             softmax_type="learnable")),
+    ("p2p-nomask-sbhd-batch2", "p2p", dict(blocks=2, hq=8, hkv=4, qkv_format="sbhd", batch=2,
+                                           attn_mask_type="no_mask")),
+    ("p2p-thd-gqa", "p2p", dict(qkv_format="thd", lengths=(300, 37, 500), hq=8, hkv=4,
+                                attn_mask_type="padding_causal")),
+]
+
+
+def _run_on_device(rank, world, group, comm_type, spec, device, backend):
+    """One ON_GPUS case on this rank's device: the context-parallel call unsharded against `backend`'s single
+    call on the whole batch (rank 0), and for p2p how far that single call is from exact attention."""
+    data, options = _split(spec)
+    case = _on(_inputs(world, **data), device)
+    got = _sharded(case, rank, world, group, comm_type, backend=backend, **options)
+    if rank != 0:
+        return None
+    single = _single(case, backend=backend, **options)
+    record = dict(_compare(got, single), padding_zero=_padding_is_zero(got, case))
+    if comm_type == "p2p":
+        kind = options.get("softmax_type", "vanilla")
+        logits = {"learnable": case.sink, "off-by-one": torch.zeros_like(case.sink)}.get(kind)
+        causal = options["attn_mask_type"] in ("causal", "padding_causal")
+        exact = _exact(case, logits, causal)
+        record["mxfp8_error"] = {n: _rel(s, e) for n, s, e in zip(NAMES, single, exact) if s is not None}
+    return record
+
+
+def _nccl_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    warnings.simplefilter("ignore")
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            device_id=device)
+    group = dist.group.WORLD
+    run_jobs(rank, [(name, lambda c=c, s=s: _run_on_device(rank, world, group, c, s, device, "triton"))
+                    for name, c, s in ON_GPUS], out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA GPUs (context parallelism over NCCL)")
+@pytest.mark.parametrize("name,comm_type", [(n, c) for n, c, _ in ON_GPUS])
+def test_context_parallel_over_nccl_on_gpus_matches_the_single_gpu_call(name, comm_type, tmp_path_factory):
+    record = record_of(_nccl_worker, min(_gpus(), 4), name, tmp_path_factory, 600)
+    assert record["padding_zero"], record
+    for n in NAMES:
+        if n not in record:
+            continue
+        if comm_type == "a2a" or (comm_type == "all_gather" and n in ("o", "dq")):
+            assert record[n]["equal"], (n, record[n])
+        elif comm_type == "all_gather":  # the ranks' float32 partial sums, rounded once
+            assert record[n]["rel"] <= TOL, (n, record[n])
+        else:  # p2p: the partial calls round P against their own running maxima (see the CPU cases above)
+            assert record[n]["rel"] <= record["mxfp8_error"][n], (n, record[n], record["mxfp8_error"][n])
+    assert ("dsink" in record) == ("learnable" in name)
