@@ -17,6 +17,7 @@ from mxattn.backends.base import Problem
 from mxattn.layouts import from_bhsd, to_bhsd
 from mxattn.mask import MaskSpec
 from one_width_backend import one_width_triton
+from pretend_backend import pretend_usable
 from ref import mxfp8_ref
 
 warnings.filterwarnings("ignore", message="mxattn: backend='auto'")
@@ -315,20 +316,6 @@ def _problem(head_dim_v, head_dim=192):
                    seqlen_kv=64, head_dim=head_dim, mask=MaskSpec(), needs_backward=True, head_dim_v=head_dim_v)
 
 
-def _pretend_usable(monkeypatch, name):
-    try:
-        cls = backends.backend_class(name)
-    except mxattn.MXFP8NotSupportedError:
-        pytest.skip(f"the {name} backend cannot be imported here")
-    monkeypatch.setattr(cls, "availability", classmethod(lambda c, device: (True, "pretend")))
-
-    def no_kernel(*args, **kwargs):
-        raise AssertionError("a kernel ran")
-
-    monkeypatch.setattr(cls, "forward", no_kernel)
-    return cls
-
-
 def test_problem_head_dim_v_defaults_to_head_dim():
     assert _problem(None).head_dim_v == 192 and _problem(None) == _problem(192)
     assert Problem.decode(_problem(128).encode()) == _problem(128)
@@ -376,7 +363,7 @@ def test_auto_takes_triton_with_v_padded_in_every_layout_and_with_return_lse(mon
 def cudnn_validating(monkeypatch):
     """The cudnn backend believes it is usable; its up-front check validates the graphs with cuDNN's deviceless
     validation (SM 10.0) instead of planning them, and its forward raises "a kernel ran"."""
-    cls = _pretend_usable(monkeypatch, "cudnn")
+    cls = pretend_usable(monkeypatch, "cudnn")
     import cudnn
     if cudnn.backend_version() < 92100:
         pytest.skip(f"cuDNN {cudnn.backend_version()} < 9.21 cannot validate MXFP8 graphs")

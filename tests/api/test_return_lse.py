@@ -11,6 +11,7 @@ import torch
 
 import mxattn
 from mxattn import backends
+from pretend_backend import pretend_usable
 from ref import mxfp8_ref
 
 warnings.filterwarnings("ignore", message="mxattn: backend='auto'")
@@ -367,25 +368,10 @@ def test_already_quantized_inputs_give_the_same_lse(qkv_format):
 # --------------------------------------------------------------------------- backend choice and errors
 
 
-def _pretend_runs_on_cpu(monkeypatch, name):
-    """The backend class `name`, made usable on the CPU; its forward raises if it is ever called."""
-    try:
-        cls = backends.backend_class(name)
-    except mxattn.MXFP8NotSupportedError:
-        pytest.skip(f"the {name} backend cannot be imported here")
-    monkeypatch.setattr(cls, "availability", classmethod(lambda cls, device: (True, "pretend")))
-
-    def no_kernel(*args, **kwargs):
-        raise AssertionError(f"a {name} kernel ran")
-
-    monkeypatch.setattr(cls, "forward", no_kernel)
-    return cls
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_explicit_cudnn_refuses_a_differentiable_lse(monkeypatch):
     q, k, v = (t.requires_grad_() for t in _bshd(sq=32, skv=32))
-    _pretend_runs_on_cpu(monkeypatch, "cudnn")
+    pretend_usable(monkeypatch, "cudnn")
     with pytest.raises(mxattn.MXFP8NotSupportedError, match="backend 'cudnn'.*log-sum-exp"):
         mxattn.mxfp8_attention(q, k, v, backend="cudnn", return_lse=True)
 
@@ -393,8 +379,8 @@ def test_explicit_cudnn_refuses_a_differentiable_lse(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only choice")
 def test_auto_passes_over_cudnn_to_the_triton_backward(monkeypatch):
     """A differentiable lse: cuDNN's backward takes no dLSE, the Triton backward does (delta - dLSE)."""
-    _pretend_runs_on_cpu(monkeypatch, "cudnn")
-    _pretend_runs_on_cpu(monkeypatch, "triton")
+    pretend_usable(monkeypatch, "cudnn")
+    pretend_usable(monkeypatch, "triton")
     monkeypatch.setattr(backends, "_WARNED", set())
     q, k, v = (t.requires_grad_() for t in _bshd(sq=32, skv=32))
     with pytest.raises(AssertionError, match="a triton kernel ran"):
@@ -403,7 +389,7 @@ def test_auto_passes_over_cudnn_to_the_triton_backward(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only choice")
 def test_auto_falls_back_to_reference_with_the_reason(monkeypatch):
-    _pretend_runs_on_cpu(monkeypatch, "cudnn")
+    pretend_usable(monkeypatch, "cudnn")
     monkeypatch.setattr(backends, "_WARNED", set())
     q, k, v = (t.requires_grad_() for t in _bshd(sq=32, skv=32))
     with warnings.catch_warnings(record=True) as caught:
